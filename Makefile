@@ -1,0 +1,35 @@
+# ito-training: `make demo` runs the main job on embedded infra; `make test` runs the whole suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench up down clean
+
+install: $(STAMP)
+
+# torch first, from the CPU wheel, pinned exactly (a range would pull a multi-GB CUDA build).
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
+
+test: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest
+
+bench: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.run
+
+up: install
+	$(VENV)/bin/ito-training up --detach
+
+down:
+	$(VENV)/bin/ito-training down
+
+clean:
+	rm -rf .ito

@@ -1,0 +1,169 @@
+"""Requests from `ecc` to the scheduler (the canonical API) and the data its answers carry."""
+
+import enum
+from datetime import datetime
+
+from contracts.base import Contract
+from contracts.booking import Booking
+from contracts.states import RunState
+
+
+class Credential(Contract, kw_only=True):
+    """Identity, not authority: it authenticates a caller and creates nothing by itself."""
+
+    account: str
+    api_key: str
+
+    def __repr__(self) -> str:  # never print the key
+        return f"Credential(account={self.account!r}, api_key=<redacted>)"
+
+
+class Action(enum.StrEnum):
+    train = "train"
+    cancel = "cancel"
+    cleanup = "cleanup"
+    release_booking = "release_booking"
+    restart_from_checkpoint = "restart_from_checkpoint"
+
+
+# --- requests ---
+
+
+class AuthRequest(Contract, kw_only=True):
+    credential: Credential
+
+
+class FindRequest(Contract, kw_only=True):
+    credential: Credential
+
+
+class PlanRequest(Contract, kw_only=True):
+    credential: Credential
+    booking_id: str
+    manifest_text: str  # the exact bytes the client hashed, as UTF-8 text
+    manifest_digest: str  # the client's SHA-256; the server recomputes it and never trusts it alone
+
+
+class ConfirmRequest(Contract, kw_only=True):
+    credential: Credential
+    action: Action
+    booking_id: str | None = None
+    run_id: str | None = None
+    manifest_text: str | None = None
+    manifest_digest: str | None = None
+    max_cost_usd: float | None = None
+
+
+class TrainRequest(Contract, kw_only=True):
+    credential: Credential
+    booking_id: str
+    manifest_text: str
+    manifest_digest: str
+    idempotency_key: str
+    confirmation_ref: str | None = None
+
+
+class StatusRequest(Contract, kw_only=True):
+    credential: Credential
+    run_id: str | None = None
+    idempotency_key: str | None = None
+
+
+class LogsRequest(Contract, kw_only=True):
+    credential: Credential
+    run_id: str
+    since: int = 0  # index of the first line wanted
+    limit: int = 200
+
+
+# --- answers (Envelope.data) ---
+
+
+class AuthInfo(Contract, kw_only=True):
+    account: str
+    key_id: str
+
+
+class BookingView(Contract, kw_only=True):
+    booking: Booking
+    allows_training: bool
+    reason: str | None = None
+
+
+class PlanCheck(Contract, kw_only=True):
+    name: str
+    ok: bool
+    code: str | None = None
+    reason: str
+
+
+class CostEstimate(Contract, kw_only=True):
+    flops: float
+    tokens: int
+    parameters: int
+    assumed_mfu: float
+    peak_tflops_per_gpu: float
+    gpus: int
+    gpu_hours: float
+    price_per_gpu_hour_usd: float
+    compute_usd: float
+    checkpoint_storage_usd: float
+    total_usd: float
+    booked_gpu_hours: float
+    incremental_usd: float  # cost beyond what the booking covers
+
+
+class Plan(Contract, kw_only=True):
+    booking_id: str
+    manifest_digest: str
+    strategy: str  # "single", "ddp", "fsdp2", "hsdp", "fsdp2+tp", ...
+    degrees: dict[str, int]
+    precision: str
+    cost: CostEstimate
+    checks: list[PlanCheck]
+    ok: bool
+
+
+class ConfirmationIssued(Contract, kw_only=True):
+    confirmation_ref: str
+    action: Action
+    target: str
+    manifest_digest: str | None
+    max_cost_usd: float | None
+    expires_at: datetime
+
+
+class RunAccepted(Contract, kw_only=True):
+    run_id: str
+    state: RunState
+    replay: bool = False
+
+
+class RunView(Contract, kw_only=True):
+    run_id: str
+    account: str
+    booking_id: str
+    manifest_digest: str
+    idempotency_key: str
+    state: RunState
+    stage: str | None = None
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    created_at: datetime
+    updated_at: datetime
+    plan: Plan | None = None
+    message: str | None = None
+
+
+class LogLineView(Contract, kw_only=True):
+    index: int
+    at: datetime
+    level: str
+    message: str
+
+
+class LogPage(Contract, kw_only=True):
+    run_id: str
+    lines: list[LogLineView]
+    next: int

@@ -1,0 +1,58 @@
+"""Stable error codes: public API. Add codes, never rename or remove one."""
+
+import enum
+
+from contracts.base import Contract
+
+
+class ErrorCode(enum.StrEnum):
+    unauthenticated = "unauthenticated"
+    credential_revoked = "credential_revoked"
+    forbidden = "forbidden"
+    booking_not_found = "booking_not_found"
+    booking_incomplete = "booking_incomplete"
+    booking_expired = "booking_expired"
+    booking_revoked = "booking_revoked"
+    booking_released = "booking_released"
+    booking_mismatch = "booking_mismatch"
+    eligibility_stale = "eligibility_stale"
+    manifest_invalid = "manifest_invalid"
+    manifest_not_absolute = "manifest_not_absolute"
+    manifest_symlink = "manifest_symlink"
+    manifest_not_regular = "manifest_not_regular"
+    manifest_unsafe_permissions = "manifest_unsafe_permissions"
+    manifest_too_large = "manifest_too_large"
+    manifest_changed = "manifest_changed"
+    manifest_digest_mismatch = "manifest_digest_mismatch"
+    manifest_contains_secret = "manifest_contains_secret"
+    confirmation_required = "confirmation_required"
+    confirmation_not_found = "confirmation_not_found"
+    confirmation_expired = "confirmation_expired"
+    confirmation_consumed = "confirmation_consumed"
+    confirmation_mismatch = "confirmation_mismatch"
+    idempotency_key_invalid = "idempotency_key_invalid"
+    idempotency_key_conflict = "idempotency_key_conflict"
+    idempotency_in_progress = "idempotency_in_progress"
+    fabric_unsupported = "fabric_unsupported"
+    capacity_insufficient = "capacity_insufficient"
+    data_policy_violation = "data_policy_violation"
+    checkpoint_storage_unavailable = "checkpoint_storage_unavailable"
+    budget_exceeded = "budget_exceeded"
+    plan_wasteful = "plan_wasteful"
+    run_not_found = "run_not_found"
+    run_not_cancellable = "run_not_cancellable"
+    timeout = "timeout"
+    transport_ambiguous = "transport_ambiguous"
+    backend_unavailable = "backend_unavailable"
+    internal = "internal"
+    # Added by the walking skeleton: a request that is not a valid message at all (unknown
+    # field, wrong type, over the size cap). Distinct from manifest_invalid, which is about
+    # the manifest the request carries.
+    request_invalid = "request_invalid"
+
+
+class ApiError(Contract, kw_only=True):
+    """An error as a value: a stable code and a message that is safe to show (no secrets)."""
+
+    code: ErrorCode
+    message: str

@@ -1,0 +1,116 @@
+"""Requests between services: scheduler -> entitlement, confirmation and ledger.
+
+Every internal reply is an `Envelope` whose `data` decodes into the type named beside each request.
+"""
+
+from datetime import datetime
+
+from contracts.api import Action
+from contracts.base import Contract
+from contracts.booking import Booking, Fabric, Topology
+
+
+class EligibilityQuery(Contract, kw_only=True):  # -> EligibilityStatement
+    account: str
+    booking_id: str
+    nodes: int
+    gpus_per_node: int
+    region: str | None = None
+    fabric: Fabric | None = None
+
+
+class EligibilityBody(Contract, kw_only=True):
+    account: str
+    booking_id: str
+    booking_version: int
+    topology: Topology
+    region: str
+    fabric: Fabric
+    window_start: datetime
+    window_end: datetime
+    issued_at: datetime
+    expires_at: datetime
+
+
+class EligibilityStatement(Contract, kw_only=True):
+    """`body` signed by the entitlement service: HMAC-SHA256 over msgspec's JSON of `body`."""
+
+    body: EligibilityBody
+    signature: str  # hex
+
+
+class BookingsQuery(Contract, kw_only=True):  # -> list[Booking]
+    account: str
+
+
+class BookingsAnswer(Contract, kw_only=True):
+    bookings: list[Booking]
+
+
+class ConfirmationCreate(Contract, kw_only=True):  # -> ConfirmationIssued
+    account: str
+    action: Action
+    target: str
+    manifest_digest: str | None = None
+    max_cost_usd: float | None = None
+
+
+class ConfirmationResolve(Contract, kw_only=True):  # -> ConfirmationIssued (checks the binding, consumes nothing)
+    account: str
+    confirmation_ref: str
+    action: Action
+    target: str
+    manifest_digest: str | None = None
+    cost_usd: float | None = None
+
+
+class LedgerLookup(Contract, kw_only=True):  # -> LedgerEntry | None
+    account: str
+    idempotency_key: str
+
+
+class LedgerEntry(Contract, kw_only=True):
+    account: str
+    idempotency_key: str
+    fingerprint: str
+    run_id: str
+    action: Action
+    handed_off: bool
+    created_at: datetime
+    work: bytes = b""  # the encoded hand-off message, so a reconciler can finish a lost hand-off
+
+
+class LedgerAccept(Contract, kw_only=True):  # -> LedgerEntry (fresh or existing on replay)
+    """Atomically: consume the confirmation (re-checking its binding) and reserve the key."""
+
+    account: str
+    idempotency_key: str
+    fingerprint: str
+    run_id: str
+    action: Action
+    confirmation_ref: str
+    target: str
+    manifest_digest: str | None = None
+    cost_usd: float | None = None
+    work: bytes = b""
+
+
+class LedgerHandedOff(Contract, kw_only=True):  # -> LedgerEntry
+    account: str
+    idempotency_key: str
+
+
+class LedgerPending(Contract, kw_only=True):  # -> LedgerPendingAnswer
+    """Accepted runs whose hand-off to the trainer is not confirmed, older than `older_than_s`."""
+
+    older_than_s: float
+
+
+class LedgerPendingAnswer(Contract, kw_only=True):
+    entries: list[LedgerEntry]
+
+
+class Health(Contract, kw_only=True):
+    service: str
+    ok: bool
+

@@ -1,0 +1,73 @@
+"""The trainer's work item and the events a run emits (state, logs, metrics, checkpoints)."""
+
+from datetime import datetime
+
+import msgspec
+
+from contracts.api import Plan
+from contracts.base import Contract
+from contracts.states import RunState
+
+
+class TrainWork(Contract, kw_only=True):
+    """One run handed to the trainer's work queue (published with Nats-Msg-Id = run id)."""
+
+    run_id: str
+    account: str
+    booking_id: str
+    manifest_text: str
+    manifest_digest: str
+    plan: Plan
+    checkpoint_dir: str
+
+
+class RunEventBase(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="kind"
+):
+    run_id: str
+    seq: int  # per-run, grows; with run_id it is the Nats-Msg-Id of the event
+    at: datetime
+
+
+class StateChanged(RunEventBase, tag="state", kw_only=True):
+    state: RunState
+    stage: str | None = None
+    message: str | None = None
+    total_steps: int = 0
+
+
+class LogLine(RunEventBase, tag="log", kw_only=True):
+    level: str = "info"
+    message: str
+
+
+class Metrics(RunEventBase, tag="metrics", kw_only=True):
+    stage: str
+    step: int
+    total_steps: int
+    loss: float
+    learning_rate: float
+    tokens_per_s: float
+    grad_norm: float
+
+
+class CheckpointSaved(RunEventBase, tag="checkpoint", kw_only=True):
+    step: int
+    path: str
+    bytes: int
+    stall_s: float
+    save_s: float
+
+
+RunEvent = StateChanged | LogLine | Metrics | CheckpointSaved
+
+
+class DeskTelemetry(Contract, kw_only=True):
+    """Per-run figures the desk prices training blocks from (deepened by the telemetry issue)."""
+
+    run_id: str
+    booking_id: str
+    at: datetime
+    wall_s: float
+    step_s: float
+    goodput: float

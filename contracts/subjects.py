@@ -1,0 +1,51 @@
+"""Every subject and stream name, in one place.
+
+Names are suffixes under a namespace (`ITO_NAMESPACE`, default `ito`), so that test runs on a
+shared server never see each other: the full subject is `f"{namespace}.{suffix}"` and a stream is
+`f"{namespace.upper()}_{STREAM}"`. Request/reply subjects (`v1.api.*`, `v1.<service>.*`) are kept
+out of every stream's filter: a captured subject would answer with a PubAck, not the reply.
+"""
+
+# --- CLI -> scheduler (core NATS request/reply; the scheduler is the canonical API) ---
+API_AUTH = "v1.api.auth"
+API_FIND = "v1.api.find"
+API_PLAN = "v1.api.plan"
+API_CONFIRM = "v1.api.confirm"
+API_TRAIN = "v1.api.train"
+API_STATUS = "v1.api.status"
+API_LOGS = "v1.api.logs"
+
+# --- scheduler -> internal services (core NATS request/reply) ---
+ENTITLEMENT_ELIGIBILITY = "v1.entitlement.eligibility"
+ENTITLEMENT_BOOKINGS = "v1.entitlement.bookings"
+CONFIRMATION_CREATE = "v1.confirmation.create"
+CONFIRMATION_RESOLVE = "v1.confirmation.resolve"
+LEDGER_LOOKUP = "v1.ledger.lookup"
+LEDGER_ACCEPT = "v1.ledger.accept"
+LEDGER_HANDED_OFF = "v1.ledger.handed_off"
+LEDGER_PENDING = "v1.ledger.pending"
+
+# Every service answers `v1.health.<service>` once it is subscribed and connected.
+HEALTH = "v1.health"
+
+# --- JetStream streams: (stream suffix, subject filter suffix) ---
+# Upstream booking events from ito-compute: `<ns>.compute.v1.booking.<event>`.
+BOOKING_EVENTS = "compute.v1.booking"
+STREAM_BOOKINGS = "BOOKINGS"
+# The trainer's work queue (retention=workqueue), published with Nats-Msg-Id = run id.
+WORK_TRAIN = "v1.work.train"
+STREAM_WORK = "WORK"
+# Run events from the trainer: `<ns>.v1.run.<run_id>.<kind>`.
+RUN_EVENTS = "v1.run"
+STREAM_RUNS = "RUNS"
+# Desk telemetry for pricing subscribers: `desk.telemetry.>` (not namespaced for the default
+# namespace; tests use `<ns>.desk.telemetry.>`).
+DESK_TELEMETRY = "desk.telemetry"
+STREAM_DESK = "DESK"
+
+# Durable consumer names.
+CONSUMER_ENTITLEMENT = "entitlement-bookings"
+CONSUMER_TRAINER = "trainer"
+CONSUMER_SCHEDULER_RUNS = "scheduler-runs"
+
+SERVICES = ("entitlement", "confirmation", "ledger", "scheduler", "trainer")

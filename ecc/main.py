@@ -1,0 +1,72 @@
+"""`ecc` entry point: parse, dispatch, print, exit 0 only when the answer is ok.
+
+Argument parsing is all that runs for `--help`: the verbs (and NATS, msgspec) load on demand.
+"""
+
+import argparse
+import sys
+
+CONNECT_TIMEOUT_HELP = "seconds to wait for the connection (default 2)"
+TIMEOUT_HELP = "overall seconds for the call (default 15)"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the JSON envelope")
+    p.add_argument("--connect-timeout", type=float, default=2.0, help=CONNECT_TIMEOUT_HELP)
+    p.add_argument("--timeout", type=float, default=15.0, help=TIMEOUT_HELP)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="ecc", description="Itô compute client.")
+    groups = top.add_subparsers(dest="group", required=True)
+    ito = groups.add_parser("ito", help="managed training on booked Itô GPU compute")
+    verbs = ito.add_subparsers(dest="verb", required=True)
+
+    p = verbs.add_parser("login", help="store an API key (read from stdin or a prompt, never an argument)")
+    p.add_argument("--account", required=True)
+    _common(p)
+    p = verbs.add_parser("logout", help="forget the stored API key")
+    _common(p)
+    p = verbs.add_parser("auth", help="who am I")
+    _common(p)
+    p = verbs.add_parser("find", help="list your bookings and what they allow")
+    _common(p)
+    p = verbs.add_parser("plan", help="plan a run on a booking; creates nothing")
+    p.add_argument("--booking", required=True)
+    p.add_argument("--manifest", required=True, help="absolute path of the reviewed manifest")
+    _common(p)
+    p = verbs.add_parser("confirm", help="confirm an action; returns an opaque confirmation_ref")
+    p.add_argument("--action", required=True, choices=["train", "cancel", "cleanup", "release_booking", "restart_from_checkpoint"])
+    p.add_argument("--booking")
+    p.add_argument("--run")
+    p.add_argument("--manifest")
+    p.add_argument("--max-cost", type=float, help="the most you confirm to spend, in USD (default: the plan's estimate)")
+    _common(p)
+    p = verbs.add_parser("train", help="create a training run (needs a confirmation and an idempotency key)")
+    p.add_argument("--booking", required=True)
+    p.add_argument("--manifest", required=True)
+    p.add_argument("--confirmation-ref", required=True)
+    p.add_argument("--idempotency-key", required=True)
+    _common(p)
+    p = verbs.add_parser("status", help="a run's state, by run id or by idempotency key")
+    p.add_argument("run", nargs="?")
+    p.add_argument("--idempotency-key")
+    p.add_argument("--follow", action="store_true", help="follow until the run ends")
+    _common(p)
+    p = verbs.add_parser("logs", help="a run's log lines")
+    p.add_argument("run")
+    p.add_argument("--since", type=int, default=0, help="index of the first line")
+    p.add_argument("--follow", action="store_true")
+    _common(p)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from ecc import verbs
+
+    return verbs.dispatch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""What a person (or a tool, with --json) sees: envelopes, and progress while following a run."""
+
+import asyncio
+import sys
+import time
+
+import msgspec
+
+from contracts import subjects
+from contracts.api import LogsRequest, StatusRequest
+from contracts.envelope import Envelope
+from contracts.states import TERMINAL_STATES, RunState
+from ecc.transport import Client, SentButUnanswered
+
+POLL_EVERY_S = 1.0
+_encoder = msgspec.json.Encoder()
+
+
+def show(args, env: Envelope) -> None:
+    if getattr(args, "json", False):
+        print(_encoder.encode(env).decode(), flush=True)
+        return
+    if not env.ok:
+        assert env.error is not None
+        print(f"error [{env.error.code.value}]: {env.error.message}", file=sys.stderr)
+        return
+    if env.notice:
+        print(f"note: {env.notice}")
+    print(_human(env.data))
+
+
+def _human(data) -> str:
+    if isinstance(data, dict) and "state" in data and "run_id" in data:
+        line = f"run {data['run_id']}: {data['state']}"
+        if data.get("stage"):
+            line += f" (stage {data['stage']}, step {data.get('step', 0)}/{data.get('total_steps', 0)}"
+            if data.get("loss") is not None:
+                line += f", loss {data['loss']:.4f}"
+            line += ")"
+        if data.get("message"):
+            line += f"\n  {data['message']}"
+        return line
+    if isinstance(data, dict) and "confirmation_ref" in data:
+        return f"confirmation_ref: {data['confirmation_ref']} (expires {data['expires_at']})"
+    if isinstance(data, dict) and "lines" in data:
+        return "\n".join(f"{ln['at']} {ln['level']}: {ln['message']}" for ln in data["lines"]) or "(no lines)"
+    if isinstance(data, dict) and "checks" in data:
+        cost = data["cost"]
+        rows = [f"strategy {data['strategy']} {data['degrees']} precision {data['precision']}",
+                f"estimate {cost['total_usd']:.4f} USD ({cost['gpu_hours']:.4f} GPU-h at {cost['price_per_gpu_hour_usd']} USD)"]
+        rows += [f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['reason']}" for c in data["checks"]]
+        return "\n".join(rows)
+    return _encoder.encode(data).decode()
+
+
+async def _call(args, suffix: str, request) -> Envelope:
+    async with Client(args.connect_timeout, args.timeout) as client:
+        try:
+            return await client.call(suffix, request)
+        except SentButUnanswered:
+            return None  # a poll that timed out is retried on the next tick
+
+
+def _progress(view: dict, started: float, first_step: int) -> str:
+    step, total = view.get("step", 0), view.get("total_steps", 0)
+    line = f"[{view['state']}] {view.get('stage') or '-'} step {step}/{total}"
+    if view.get("loss") is not None:
+        line += f" loss {view['loss']:.4f}"
+    elapsed = time.monotonic() - started
+    if total and step > first_step and elapsed > 0:
+        rate = (step - first_step) / elapsed
+        line += f" ETA {max(0.0, (total - step) / rate):.0f}s"
+    return line
+
+
+async def follow(args, req: StatusRequest) -> Envelope:
+    """Poll until the run ends. Any refusal (credential revoked included) stops at once."""
+    started, first_step, last_line, since = time.monotonic(), None, None, 0
+    while True:
+        env = await _call(args, subjects.API_STATUS, req)
+        if env is None:
+            await asyncio.sleep(POLL_EVERY_S)
+            continue
+        if not env.ok:
+            return env
+        view = env.data
+        logs = await _call(args, subjects.API_LOGS, LogsRequest(credential=req.credential, run_id=view["run_id"], since=since))
+        if logs is not None and logs.ok:
+            since = logs.data["next"]
+            for ln in logs.data["lines"]:
+                if args.json:
+                    print(_encoder.encode({"event": "log", **ln}).decode(), flush=True)
+                else:
+                    print(f"  log: {ln['message']}", flush=True)
+        if first_step is None:
+            first_step = view.get("step", 0)
+        line = _progress(view, started, first_step)
+        if args.json:
+            print(_encoder.encode({"event": "status", "run": view}).decode(), flush=True)
+        elif line != last_line:
+            print(line, flush=True)
+            last_line = line
+        if RunState(view["state"]) in TERMINAL_STATES:
+            return env
+        await asyncio.sleep(POLL_EVERY_S)
+
+
+async def follow_logs(args, req: LogsRequest) -> Envelope:
+    since = req.since
+    while True:
+        env = await _call(args, subjects.API_LOGS, msgspec.structs.replace(req, since=since))
+        if env is None:
+            await asyncio.sleep(POLL_EVERY_S)
+            continue
+        if not env.ok:
+            return env
+        for ln in env.data["lines"]:
+            print(_encoder.encode(ln).decode() if args.json else f"{ln['at']} {ln['level']}: {ln['message']}", flush=True)
+        since = env.data["next"]
+        status = await _call(args, subjects.API_STATUS, StatusRequest(credential=req.credential, run_id=req.run_id))
+        if status is not None and status.ok and RunState(status.data["state"]) in TERMINAL_STATES and not env.data["lines"]:
+            return Envelope(ok=True, live_api_contacted=True, notice=None, data={"run_id": req.run_id, "next": since})
+        await asyncio.sleep(POLL_EVERY_S)

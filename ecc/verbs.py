@@ -1,0 +1,148 @@
+"""The `ecc ito` verbs: read local inputs safely, make one bounded call, print the answer."""
+
+import argparse
+import asyncio
+import getpass
+import sys
+
+
+from contracts import subjects
+from contracts.api import (
+    Action,
+    AuthRequest,
+    ConfirmRequest,
+    Credential,
+    FindRequest,
+    LogsRequest,
+    PlanRequest,
+    StatusRequest,
+    TrainRequest,
+)
+from contracts.envelope import Envelope
+from contracts.errors import ErrorCode
+from ecc import credentials, render
+from ecc.manifest_file import ManifestError, read_manifest
+from ecc.transport import Client, SentButUnanswered, local_error
+
+
+def _credential() -> Credential | Envelope:
+    stored = credentials.load()
+    if stored is None:
+        return local_error(ErrorCode.unauthenticated, "not logged in; run `ecc ito login --account ACCOUNT`")
+    return Credential(account=stored[0], api_key=stored[1])
+
+
+def _manifest(path: str) -> tuple[str, str] | Envelope:
+    try:
+        data, digest = read_manifest(path)
+    except ManifestError as exc:
+        return local_error(exc.code, exc.message)
+    try:
+        return data.decode("utf-8"), digest
+    except UnicodeDecodeError:
+        return local_error(ErrorCode.manifest_invalid, "the manifest is not UTF-8 text")
+
+
+async def _read(args, suffix: str, request) -> Envelope:
+    async with Client(args.connect_timeout, args.timeout) as client:
+        try:
+            return await client.call(suffix, request)
+        except SentButUnanswered:
+            return local_error(ErrorCode.timeout, "no answer in time; nothing was changed by this read", contacted=True)
+
+
+async def _train(args, request: TrainRequest) -> Envelope:
+    """A train whose answer is lost is resolved by asking status by its idempotency key first."""
+    async with Client(args.connect_timeout, args.timeout) as client:
+        try:
+            return await client.call(subjects.API_TRAIN, request)
+        except SentButUnanswered:
+            pass
+    async with Client(args.connect_timeout, max(args.timeout / 2, 5.0)) as client:
+        try:
+            status = await client.call(subjects.API_STATUS, StatusRequest(
+                credential=request.credential, idempotency_key=request.idempotency_key))
+        except SentButUnanswered:
+            status = None
+    if status is not None and status.ok:
+        view = status.data
+        return Envelope(ok=True, live_api_contacted=True,
+                        notice="the answer was lost in transit; this run was found by its idempotency key",
+                        data={"run_id": view["run_id"], "state": view["state"], "replay": True})
+    return local_error(ErrorCode.transport_ambiguous,
+                       "no answer in time and the run could not be found yet; ask "
+                       "`ecc ito status --idempotency-key KEY` before retrying", contacted=True)
+
+
+def _login(args) -> Envelope:
+    if sys.stdin.isatty():
+        api_key = getpass.getpass("API key: ").strip()
+    else:
+        api_key = sys.stdin.readline().strip()
+    if not api_key:
+        return local_error(ErrorCode.unauthenticated, "no API key given on stdin")
+    credential = Credential(account=args.account, api_key=api_key)
+    env = asyncio.run(_read(args, subjects.API_AUTH, AuthRequest(credential=credential)))
+    if env.ok:
+        where = credentials.save(args.account, api_key)
+        return Envelope(ok=True, live_api_contacted=True, notice=f"credential stored in {where}", data=env.data)
+    return env
+
+
+def run_verb(args) -> Envelope:
+    if args.verb == "login":
+        return _login(args)
+    if args.verb == "logout":
+        removed = credentials.remove()
+        return Envelope(ok=True, live_api_contacted=False, notice=None, data={"logged_out": removed})
+    cred = _credential()
+    if isinstance(cred, Envelope):
+        return cred
+    match args.verb:
+        case "auth":
+            return asyncio.run(_read(args, subjects.API_AUTH, AuthRequest(credential=cred)))
+        case "find":
+            return asyncio.run(_read(args, subjects.API_FIND, FindRequest(credential=cred)))
+        case "plan" | "train":
+            m = _manifest(args.manifest)
+            if isinstance(m, Envelope):
+                return m
+            text, digest = m
+            if args.verb == "plan":
+                req = PlanRequest(credential=cred, booking_id=args.booking, manifest_text=text, manifest_digest=digest)
+                return asyncio.run(_read(args, subjects.API_PLAN, req))
+            return asyncio.run(_train(args, TrainRequest(
+                credential=cred, booking_id=args.booking, manifest_text=text, manifest_digest=digest,
+                confirmation_ref=args.confirmation_ref, idempotency_key=args.idempotency_key)))
+        case "confirm":
+            text = digest = None
+            if args.manifest:
+                m = _manifest(args.manifest)
+                if isinstance(m, Envelope):
+                    return m
+                text, digest = m
+            req = ConfirmRequest(credential=cred, action=Action(args.action), booking_id=args.booking,
+                                 run_id=args.run, manifest_text=text, manifest_digest=digest,
+                                 max_cost_usd=args.max_cost)
+            return asyncio.run(_read(args, subjects.API_CONFIRM, req))
+        case "status":
+            if not args.run and not args.idempotency_key:
+                return local_error(ErrorCode.request_invalid, "give a run id or --idempotency-key")
+            req = StatusRequest(credential=cred, run_id=args.run, idempotency_key=args.idempotency_key)
+            if args.follow:
+                return asyncio.run(render.follow(args, req))
+            return asyncio.run(_read(args, subjects.API_STATUS, req))
+        case "logs":
+            req = LogsRequest(credential=cred, run_id=args.run, since=args.since)
+            if args.follow:
+                return asyncio.run(render.follow_logs(args, req))
+            return asyncio.run(_read(args, subjects.API_LOGS, req))
+    return local_error(ErrorCode.request_invalid, f"unknown verb {args.verb}")
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    env = run_verb(args)
+    render.show(args, env)
+    return 0 if env.ok else 1
+
+

@@ -1,0 +1,1 @@
+"""Single-use confirmations: capabilities held server-side, referenced by an opaque ref."""

@@ -1,0 +1,1 @@
+"""Entitlement: projects ito-compute booking events and issues signed, short-lived eligibility."""

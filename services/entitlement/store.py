@@ -1,0 +1,70 @@
+"""Redis access for the booking projection.
+
+Applying an event is one Lua script: write only when the event's version is newer than the
+projection's, so duplicates and redeliveries change nothing and older events are ignored.
+"""
+
+import msgspec
+import redis.asyncio as aioredis
+
+from contracts.booking import Booking, BookingEvent
+from services.runtime.keys import Keys
+
+APPLY_LUA = """
+local current = redis.call('HGET', KEYS[1], 'version')
+if current and tonumber(current) >= tonumber(ARGV[1]) then
+  if tonumber(current) == tonumber(ARGV[1]) then return 'duplicate' end
+  return 'stale'
+end
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'data', ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[3])
+return 'applied'
+"""
+
+_booking_decoder = msgspec.json.Decoder(Booking)
+_event_decoder = msgspec.json.Decoder(BookingEvent)
+
+
+class BookingStore:
+    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+        self.r = r
+        self.keys = keys
+        self._apply = r.register_script(APPLY_LUA)
+
+    async def owner(self, booking_id: str) -> str | None:
+        raw = await self.r.get(self.keys.booking_owner(booking_id))
+        return None if raw is None else raw.decode()
+
+    async def claim_owner(self, booking_id: str, account: str) -> str:
+        """The first account seen for a booking owns it; returns the owner."""
+        await self.r.set(self.keys.booking_owner(booking_id), account, nx=True)
+        return (await self.owner(booking_id)) or account
+
+    async def apply(self, booking: Booking) -> str:
+        outcome = await self._apply(
+            keys=[self.keys.booking(booking.account, booking.booking_id), self.keys.bookings(booking.account)],
+            args=[booking.version, msgspec.json.encode(booking), booking.booking_id],
+        )
+        return outcome.decode()
+
+    async def get(self, account: str, booking_id: str) -> Booking | None:
+        raw = await self.r.hget(self.keys.booking(account, booking_id), "data")
+        return None if raw is None else _booking_decoder.decode(raw)
+
+    async def of_account(self, account: str) -> list[Booking]:
+        ids = sorted(i.decode() for i in await self.r.smembers(self.keys.bookings(account)))
+        found = [await self.get(account, i) for i in ids]
+        return [b for b in found if b is not None]
+
+    async def park(self, event: BookingEvent) -> None:
+        await self.r.rpush(self.keys.booking_parked(event.booking_id), msgspec.json.encode(event))
+
+    async def parked(self, booking_id: str) -> list[BookingEvent]:
+        raw = await self.r.lrange(self.keys.booking_parked(booking_id), 0, -1)
+        return sorted((_event_decoder.decode(x) for x in raw), key=lambda e: e.version)
+
+    async def clear_parked(self, booking_id: str) -> None:
+        await self.r.delete(self.keys.booking_parked(booking_id))
+
+    async def count(self, what: str) -> None:
+        await self.r.hincrby(self.keys.booking_stats(), what, 1)

@@ -1,0 +1,2 @@
+"""`ito-training`: run the services (`serve`, `up`, `down`) and operate them (`accounts`,
+`simulate-booking`). Operator tooling, not a service: it imports services only to start them."""

@@ -1,0 +1,80 @@
+"""Decode at the edge, answer with an Envelope: the only place raw bytes meet contracts."""
+
+import logging
+from typing import Any, TypeVar
+
+import msgspec
+
+from contracts.envelope import Envelope
+from contracts.errors import ApiError, ErrorCode
+from services.runtime.settings import MAX_REQUEST_BYTES
+
+T = TypeVar("T")
+log = logging.getLogger("ito.codec")
+
+_encoder = msgspec.json.Encoder()
+_envelope_decoder = msgspec.json.Decoder(Envelope)
+
+
+class Refusal(Exception):
+    """A decision that fails closed: carries a stable code and a message safe to show."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def encode(value: Any) -> bytes:
+    return _encoder.encode(value)
+
+
+def ok(data: Any, notice: str | None = None) -> bytes:
+    return _encoder.encode(Envelope(ok=True, live_api_contacted=True, notice=notice, data=data))
+
+
+def fail(code: ErrorCode, message: str) -> bytes:
+    return _encoder.encode(
+        Envelope(ok=False, live_api_contacted=True, notice=None, error=ApiError(code=code, message=message))
+    )
+
+
+def decode_request(raw: bytes, decoder: "msgspec.json.Decoder[T]") -> T:
+    """Bytes from the wire into a contract, or a `request_invalid` refusal naming the field."""
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise Refusal(ErrorCode.request_invalid, f"request is {len(raw)} bytes; the limit is {MAX_REQUEST_BYTES}")
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise Refusal(ErrorCode.request_invalid, f"invalid request: {exc}") from None
+    except msgspec.DecodeError:
+        raise Refusal(ErrorCode.request_invalid, "request is not valid JSON") from None
+
+
+def decode_envelope(raw: bytes) -> Envelope:
+    return _envelope_decoder.decode(raw)
+
+
+def unwrap(raw: bytes, data_type: type[T]) -> T:
+    """An internal reply: its data as `data_type`, or the refusal it carries."""
+    env = decode_envelope(raw)
+    if not env.ok:
+        assert env.error is not None, "a failed envelope carries an error"
+        raise Refusal(env.error.code, env.error.message)
+    return msgspec.convert(env.data, data_type)
+
+
+async def answer(handler, raw: bytes, decoder) -> bytes:
+    """Run `handler(request)` on a decoded request; every outcome becomes an Envelope."""
+    try:
+        request = decode_request(raw, decoder)
+        result = await handler(request)
+    except Refusal as refusal:
+        return fail(refusal.code, refusal.message)
+    except Exception:  # an unexpected fault must still answer, without leaking internals
+        log.exception("request failed")
+        return fail(ErrorCode.internal, "internal error; the request changed nothing that was not committed")
+    if isinstance(result, tuple):
+        data, notice = result
+        return ok(data, notice)
+    return ok(result)

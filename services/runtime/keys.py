@@ -1,0 +1,71 @@
+"""The Redis key layout, in one place.
+
+Per-account keys carry the account as a hash tag (`<ns>:{<account>}:...`), so every key that one
+atomic script touches lives in one Redis Cluster slot.
+"""
+
+from services.runtime.settings import Settings
+
+
+class Keys:
+    def __init__(self, settings: Settings) -> None:
+        self.ns = settings.namespace
+
+    def account(self, account: str) -> str:
+        return f"{self.ns}:{{{account}}}"
+
+    # accounts and credentials
+    def api_keys(self) -> str:  # hash: sha256(api key) -> encoded key record
+        return f"{self.ns}:apikeys"
+
+    def accounts(self) -> str:  # set of account names
+        return f"{self.ns}:accounts"
+
+    # entitlement projection
+    def booking(self, account: str, booking_id: str) -> str:
+        return f"{self.account(account)}:booking:{booking_id}"
+
+    def bookings(self, account: str) -> str:  # set of the account's booking ids
+        return f"{self.account(account)}:bookings"
+
+    def booking_owner(self, booking_id: str) -> str:  # booking id -> account
+        return f"{self.ns}:booking-owner:{booking_id}"
+
+    def booking_parked(self, booking_id: str) -> str:  # events that came before `completed`
+        return f"{self.ns}:booking-parked:{booking_id}"
+
+    def booking_stats(self) -> str:  # hash of counters (stale events ignored, parked, ...)
+        return f"{self.ns}:booking-stats"
+
+    # confirmations
+    def confirmation(self, account: str, ref: str) -> str:
+        return f"{self.account(account)}:conf:{ref}"
+
+    def confirmation_owner(self, ref: str) -> str:  # ref -> account, to tell mismatch from unknown
+        return f"{self.ns}:conf-owner:{ref}"
+
+    # idempotency ledger
+    def idempotency(self, account: str, key: str) -> str:
+        return f"{self.account(account)}:idem:{key}"
+
+    def pending_handoff(self, account: str) -> str:  # set of idempotency keys not yet handed off
+        return f"{self.account(account)}:pending"
+
+    # runs (owned by the scheduler)
+    def run(self, account: str, run_id: str) -> str:
+        return f"{self.account(account)}:run:{run_id}"
+
+    def run_owner(self, run_id: str) -> str:  # run id -> account (the trainer's events carry only the id)
+        return f"{self.ns}:run-owner:{run_id}"
+
+    def run_logs(self, account: str, run_id: str) -> str:
+        return f"{self.account(account)}:run:{run_id}:logs"
+
+    def run_metrics(self, account: str, run_id: str) -> str:
+        return f"{self.account(account)}:run:{run_id}:metrics"
+
+    def run_checkpoints(self, account: str, run_id: str) -> str:
+        return f"{self.account(account)}:run:{run_id}:checkpoints"
+
+    def runs(self, account: str) -> str:
+        return f"{self.account(account)}:runs"

@@ -1,0 +1,76 @@
+"""What every service's entry point shares: build a FastStream app with a health answer,
+declare the streams before subscribing, and close Redis on the way out."""
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from faststream import FastStream
+from faststream.nats import NatsBroker, NatsMessage
+
+from contracts.internal import Health
+from contracts.subjects import HEALTH
+from services.runtime import codec, connections, streams
+from services.runtime.keys import Keys
+from services.runtime.settings import Settings
+
+
+@dataclass(slots=True)
+class Wiring:
+    """The dependencies a service's handlers close over (cosmicpython's bootstrap, in one object)."""
+
+    settings: Settings
+    broker: NatsBroker
+    redis: aioredis.Redis
+    keys: Keys
+    tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+    """Background loops started after the broker and cancelled before it stops."""
+
+
+def build_app(service: str, settings: Settings, register: Callable[[Wiring], None]) -> FastStream:
+    broker = connections.make_broker(settings, service)
+    wiring = Wiring(settings=settings, broker=broker, redis=connections.make_redis(settings), keys=Keys(settings))
+    register(wiring)
+
+    @broker.subscriber(settings.subject(f"{HEALTH}.{service}"))
+    async def health(msg: NatsMessage) -> bytes:
+        try:
+            await asyncio.wait_for(wiring.redis.ping(), timeout=settings.request_timeout_s)
+        except Exception:  # not ready: Redis does not answer
+            return codec.ok(Health(service=service, ok=False))
+        return codec.ok(Health(service=service, ok=True))
+
+    app = FastStream(broker, logger=logging.getLogger(f"ito.{service}"))
+
+    @app.on_startup
+    async def declare_streams() -> None:
+        nc = await broker.connect()
+        await streams.declare(nc.jetstream(), settings)
+
+    running: list[asyncio.Task] = []
+
+    @app.after_startup
+    async def start_tasks() -> None:
+        running.extend(asyncio.create_task(task()) for task in wiring.tasks)
+
+    @app.on_shutdown
+    async def stop_tasks() -> None:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+    @app.after_shutdown
+    async def close_redis() -> None:
+        await wiring.redis.aclose()
+
+    return app
+
+
+def configure_logging(service: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )

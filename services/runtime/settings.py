@@ -1,0 +1,109 @@
+"""Settings from the environment: every env-var name and its default, in one place."""
+
+import os
+import pathlib
+from dataclasses import dataclass
+
+ENV_NATS_URL = "ITO_NATS_URL"
+ENV_REDIS_URL = "ITO_REDIS_URL"
+ENV_NAMESPACE = "ITO_NAMESPACE"
+ENV_DATA_DIR = "ITO_DATA_DIR"
+ENV_ENTITLEMENT_KEY = "ITO_ENTITLEMENT_KEY"
+ENV_ENTITLEMENT_KEY_FILE = "ITO_ENTITLEMENT_KEY_FILE"
+ENV_CONFIRMATION_TTL_S = "ITO_CONFIRMATION_TTL_S"
+ENV_ELIGIBILITY_TTL_S = "ITO_ELIGIBILITY_TTL_S"
+ENV_IDEMPOTENCY_RETENTION_S = "ITO_IDEMPOTENCY_RETENTION_S"
+ENV_REQUEST_TIMEOUT_S = "ITO_REQUEST_TIMEOUT_S"
+ENV_TRAINER_THREADS = "ITO_TRAINER_THREADS"
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_NAMESPACE = "ito"
+DEFAULT_DATA_DIR = ".ito"  # relative to the working directory; state of embedded infra and runs
+DEFAULT_CONFIRMATION_TTL_S = 600.0  # short on purpose: a confirmation is a fresh human decision
+DEFAULT_ELIGIBILITY_TTL_S = 60.0  # a statement is re-fetched when older, never stretched
+DEFAULT_IDEMPOTENCY_RETENTION_S = 7 * 24 * 3600.0  # a retried request within a week replays
+DEFAULT_REQUEST_TIMEOUT_S = 2.0  # one internal hop; the CLI's overall timeout is larger
+
+MAX_REQUEST_BYTES = 2 * 1024 * 1024  # an API request; the manifest inside is capped at 1 MiB
+
+
+def _float(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    value = float(raw)
+    if value <= 0:
+        raise ValueError(f"{name} needs to be a positive number of seconds, got {raw!r}.")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    nats_url: str
+    """NATS server (JetStream on) that carries every request and event."""
+    redis_url: str
+    """Redis holding confirmations, idempotency reservations, projections and run records."""
+    namespace: str
+    """Prefix of every subject, stream and Redis key; tests use a unique one per run."""
+    data_dir: pathlib.Path
+    """Embedded infra state, logs, checkpoints."""
+    confirmation_ttl_s: float
+    eligibility_ttl_s: float
+    idempotency_retention_s: float
+    request_timeout_s: float
+
+    def __post_init__(self) -> None:
+        if not self.namespace.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"The namespace must be letters, digits, '-' or '_', got {self.namespace!r}.")
+
+    @property
+    def stream_prefix(self) -> str:
+        return self.namespace.upper().replace("-", "_")
+
+    def subject(self, suffix: str) -> str:
+        return f"{self.namespace}.{suffix}"
+
+    def stream(self, name: str) -> str:
+        return f"{self.stream_prefix}_{name}"
+
+    def desk_subject_root(self) -> str:
+        # The default namespace publishes on the public `desk.telemetry.>`; others are isolated.
+        from contracts.subjects import DESK_TELEMETRY
+
+        return DESK_TELEMETRY if self.namespace == DEFAULT_NAMESPACE else f"{self.namespace}.{DESK_TELEMETRY}"
+
+
+def load(env: dict[str, str] | None = None) -> Settings:
+    env = dict(os.environ) if env is None else env
+    return Settings(
+        nats_url=env.get(ENV_NATS_URL) or DEFAULT_NATS_URL,
+        redis_url=env.get(ENV_REDIS_URL) or DEFAULT_REDIS_URL,
+        namespace=env.get(ENV_NAMESPACE) or DEFAULT_NAMESPACE,
+        data_dir=pathlib.Path(env.get(ENV_DATA_DIR) or DEFAULT_DATA_DIR).absolute(),
+        confirmation_ttl_s=_float(env, ENV_CONFIRMATION_TTL_S, DEFAULT_CONFIRMATION_TTL_S),
+        eligibility_ttl_s=_float(env, ENV_ELIGIBILITY_TTL_S, DEFAULT_ELIGIBILITY_TTL_S),
+        idempotency_retention_s=_float(env, ENV_IDEMPOTENCY_RETENTION_S, DEFAULT_IDEMPOTENCY_RETENTION_S),
+        request_timeout_s=_float(env, ENV_REQUEST_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S),
+    )
+
+
+def entitlement_key(settings: Settings, env: dict[str, str] | None = None) -> bytes:
+    """The HMAC key that signs eligibility statements: from the env, or a 0600 file.
+
+    Without either, a key is generated once under the data dir (mode 0600) so that embedded
+    infra works out of the box; production sets ITO_ENTITLEMENT_KEY_FILE. Never logged.
+    """
+    env = dict(os.environ) if env is None else env
+    if env.get(ENV_ENTITLEMENT_KEY):
+        return env[ENV_ENTITLEMENT_KEY].encode()
+    path = pathlib.Path(env.get(ENV_ENTITLEMENT_KEY_FILE) or settings.data_dir / "entitlement.key")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex())
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ValueError(f"The entitlement key file {path} must have mode 0600, has {oct(mode)}.")
+    return path.read_text().strip().encode()

@@ -1,0 +1,59 @@
+"""JetStream stream definitions, declared once by whoever starts first (idempotent).
+
+Subscribers refer to them by name with `JStream(name, declare=False)`, so the config lives here
+only. Request/reply subjects stay out of every filter (see contracts.subjects).
+"""
+
+import logging
+
+from faststream.nats import JStream
+from nats.js import JetStreamContext
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from contracts import subjects
+from services.runtime.settings import Settings
+
+DUPLICATE_WINDOW_S = 120.0  # dedup by Nats-Msg-Id; the ledger, not this window, makes runs exactly-once
+RUN_EVENTS_MAX_AGE_S = 30 * 24 * 3600.0  # run events are replayable for a month
+log = logging.getLogger("ito.streams")
+
+
+def configs(settings: Settings) -> list[StreamConfig]:
+    def cfg(name: str, subject_root: str, **extra) -> StreamConfig:
+        return StreamConfig(
+            name=settings.stream(name),
+            subjects=[f"{subject_root}.>"],
+            storage=StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            **extra,
+        )
+
+    return [
+        cfg(subjects.STREAM_BOOKINGS, settings.subject(subjects.BOOKING_EVENTS)),
+        cfg(subjects.STREAM_WORK, settings.subject(subjects.WORK_TRAIN), retention=RetentionPolicy.WORK_QUEUE),
+        cfg(subjects.STREAM_RUNS, settings.subject(subjects.RUN_EVENTS), max_age=RUN_EVENTS_MAX_AGE_S),
+        cfg(subjects.STREAM_DESK, settings.desk_subject_root()),
+    ]
+
+
+async def declare(js: JetStreamContext, settings: Settings) -> None:
+    for config in configs(settings):
+        try:
+            await js.add_stream(config=config)
+        except BadRequestError:  # exists with another config: bring it to ours
+            log.info("updating stream %s to the declared config", config.name)
+            await js.update_stream(config=config)
+
+
+async def delete(js: JetStreamContext, settings: Settings) -> None:
+    """Remove this namespace's streams (tests clean up after themselves on a shared server)."""
+    for config in configs(settings):
+        try:
+            await js.delete_stream(config.name)
+        except Exception:  # already gone
+            pass
+
+
+def ref(settings: Settings, name: str) -> JStream:
+    return JStream(settings.stream(name), declare=False)

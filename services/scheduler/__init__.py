@@ -1,0 +1,1 @@
+"""The scheduler: the canonical API and the only owner of workload creation."""

@@ -1,0 +1,218 @@
+"""The canonical API: every `ecc ito` verb, gated in a fixed order that fails closed.
+
+Train: authenticate -> key format -> manifest (digest, parse, secrets) -> ledger lookup (a replay
+answers here) -> eligibility (signed, fresh) -> plan and gate-5 checks -> confirmation resolve ->
+eligibility still fresh -> ledger accept (consumes the confirmation and reserves the key, one
+atomic step) -> hand-off to the trainer. Nothing is written before the accept.
+"""
+
+import hashlib
+import logging
+import os
+import pathlib
+import secrets
+import shutil
+from datetime import UTC, datetime
+
+import msgspec
+import redis.asyncio as aioredis
+
+from contracts.api import (
+    Action,
+    AuthInfo,
+    AuthRequest,
+    BookingView,
+    ConfirmationIssued,
+    ConfirmRequest,
+    FindRequest,
+    LogPage,
+    LogsRequest,
+    Plan,
+    PlanRequest,
+    RunAccepted,
+    RunView,
+    StatusRequest,
+    TrainRequest,
+)
+from contracts.booking import BookingState
+from contracts.errors import ErrorCode
+from contracts.internal import ConfirmationCreate, LedgerAccept, LedgerEntry
+from contracts.manifest import Manifest
+from contracts.models import MODEL_SHAPES
+from contracts.runs import TrainWork
+from contracts.states import RunState
+from services.runtime import accounts
+from services.runtime.codec import Refusal
+from services.runtime.keys import Keys
+from services.scheduler import planning
+from services.scheduler.backends import Backends
+from services.scheduler.handoff import Handoff
+from services.scheduler.manifests import verify
+from services.scheduler.store import RunStore
+
+log = logging.getLogger("ito.scheduler.api")
+
+MAX_IDEMPOTENCY_KEY = 255
+
+
+def valid_idempotency_key(key: str) -> bool:
+    """1-255 printable ASCII characters (space through tilde)."""
+    return 1 <= len(key) <= MAX_IDEMPOTENCY_KEY and all(" " <= c <= "~" for c in key)
+
+
+def fingerprint(action: Action, account: str, target: str, digest: str) -> str:
+    return hashlib.sha256("\0".join((action.value, account, target, digest)).encode()).hexdigest()
+
+
+def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, str] | None:
+    """Does the checkpoint target exist, accept writes and have room for keep_last checkpoints?"""
+    policy = manifest.checkpoint
+    if policy.storage == "local":
+        target = root
+        target.mkdir(parents=True, exist_ok=True)
+    elif os.path.isabs(policy.storage):
+        target = pathlib.Path(policy.storage)
+    else:
+        return ErrorCode.checkpoint_storage_unavailable, "checkpoint storage must be 'local' or an absolute path"
+    if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
+        return ErrorCode.checkpoint_storage_unavailable, "the checkpoint storage does not exist or is not writable"
+    params = planning.parameter_count(MODEL_SHAPES[manifest.model.size.value])
+    needed = params * planning.BYTES_PER_PARAM_CHECKPOINT * policy.keep_last
+    free = shutil.disk_usage(target).free
+    if free < needed:
+        return ErrorCode.checkpoint_storage_unavailable, (
+            f"checkpoints need ~{needed / 1e9:.1f} GB; the storage has {free / 1e9:.1f} GB free"
+        )
+    return None
+
+
+def plan_refusal_message(p: Plan) -> str:
+    return "; ".join(f"{c.name}: {c.reason}" for c in p.checks if not c.ok)
+
+
+class Api:
+    def __init__(self, r: aioredis.Redis, keys: Keys, backends: Backends, runs: RunStore, handoff: Handoff,
+                 prices: planning.PriceTable, checkpoint_root: pathlib.Path) -> None:
+        self.r = r
+        self.keys = keys
+        self.backends = backends
+        self.runs = runs
+        self.handoff = handoff
+        self.prices = prices
+        self.checkpoint_root = checkpoint_root
+
+    async def _account(self, credential) -> str:
+        return (await accounts.authenticate(self.r, self.keys, credential)).account
+
+    async def auth(self, req: AuthRequest) -> AuthInfo:
+        return await accounts.authenticate(self.r, self.keys, req.credential)
+
+    async def find(self, req: FindRequest) -> list[BookingView]:
+        account = await self._account(req.credential)
+        now = datetime.now(UTC)
+        views = []
+        for b in (await self.backends.bookings(account)).bookings:
+            allows = b.state is BookingState.completed and now < b.window_end
+            reason = None if allows else ("window over" if b.state is BookingState.completed else b.state.value)
+            views.append(BookingView(booking=b, allows_training=allows, reason=reason))
+        return views
+
+    async def _plan(self, account: str, booking_id: str, manifest: Manifest, digest: str):
+        body = await self.backends.verified_eligibility(account, booking_id, manifest)
+        root = self.checkpoint_root / account
+        p = planning.plan(manifest, digest, body, self.prices, storage_refusal(root, manifest))
+        return p, body
+
+    async def plan(self, req: PlanRequest) -> Plan:
+        """Creates nothing: no run, no confirmation, no ledger entry, nothing on the queue."""
+        account = await self._account(req.credential)
+        manifest, digest = verify(req.manifest_text, req.manifest_digest)
+        p, _ = await self._plan(account, req.booking_id, manifest, digest)
+        refusal = planning.first_refusal(p)
+        if refusal is not None:
+            raise Refusal(refusal[0], plan_refusal_message(p))
+        return p
+
+    async def confirm(self, req: ConfirmRequest) -> ConfirmationIssued:
+        account = await self._account(req.credential)
+        if req.action is not Action.train:
+            raise Refusal(ErrorCode.request_invalid, f"confirming {req.action.value} is not available yet")
+        if req.booking_id is None or req.manifest_text is None or req.manifest_digest is None:
+            raise Refusal(ErrorCode.request_invalid, "confirm --action train needs --booking and --manifest")
+        manifest, digest = verify(req.manifest_text, req.manifest_digest)
+        p, _ = await self._plan(account, req.booking_id, manifest, digest)
+        refusal = planning.first_refusal(p)
+        if refusal is not None:
+            raise Refusal(refusal[0], plan_refusal_message(p))
+        max_cost = req.max_cost_usd if req.max_cost_usd is not None else p.cost.total_usd
+        if p.cost.total_usd > max_cost:
+            raise Refusal(ErrorCode.budget_exceeded, f"the estimate {p.cost.total_usd:.2f} USD is above --max-cost {max_cost:.2f} USD")
+        return await self.backends.create_confirmation(ConfirmationCreate(
+            account=account, action=Action.train, target=req.booking_id, manifest_digest=digest, max_cost_usd=max_cost,
+        ))
+
+    async def _replay(self, entry: LedgerEntry, fp: str) -> tuple[RunAccepted, str]:
+        if entry.fingerprint != fp:
+            raise Refusal(ErrorCode.idempotency_key_conflict, "this idempotency key was used for another request")
+        view = await self.runs.get(entry.account, entry.run_id)
+        state = view.state if view is not None else RunState.accepted
+        return RunAccepted(run_id=entry.run_id, state=state, replay=True), "replay: this idempotency key already created this run"
+
+    async def train(self, req: TrainRequest) -> tuple[RunAccepted, str | None]:
+        account = await self._account(req.credential)
+        if not valid_idempotency_key(req.idempotency_key):
+            raise Refusal(ErrorCode.idempotency_key_invalid, "idempotency keys are 1-255 printable ASCII characters")
+        manifest, digest = verify(req.manifest_text, req.manifest_digest)
+        fp = fingerprint(Action.train, account, req.booking_id, digest)
+        existing = await self.backends.ledger_lookup(account, req.idempotency_key)
+        if existing is not None:
+            return await self._replay(existing, fp)
+        p, body = await self._plan(account, req.booking_id, manifest, digest)
+        refusal = planning.first_refusal(p)
+        if refusal is not None:
+            raise Refusal(refusal[0], plan_refusal_message(p))
+        if not req.confirmation_ref:
+            raise Refusal(ErrorCode.confirmation_required, "run `ecc ito confirm --action train` first and pass --confirmation-ref")
+        await self.backends.resolve_confirmation(account, req.confirmation_ref, Action.train, req.booking_id,
+                                                 digest, p.cost.total_usd)
+        if not self.backends.still_fresh(body, datetime.now(UTC)):
+            # re-fetched, never stretched: the gate is checked again at the moment of creation
+            body = await self.backends.verified_eligibility(account, req.booking_id, manifest)
+        run_id = "run_" + secrets.token_hex(12)
+        work = TrainWork(
+            run_id=run_id, account=account, booking_id=req.booking_id, manifest_text=req.manifest_text,
+            manifest_digest=digest, plan=p, checkpoint_dir=str(self.checkpoint_root / account / run_id),
+        )
+        entry = await self.backends.ledger_accept(LedgerAccept(
+            account=account, idempotency_key=req.idempotency_key, fingerprint=fp, run_id=run_id, action=Action.train,
+            confirmation_ref=req.confirmation_ref, target=req.booking_id, manifest_digest=digest,
+            cost_usd=p.cost.total_usd, work=msgspec.json.encode(work),
+        ))
+        if entry.run_id != run_id:  # a concurrent request with the same key won the reservation
+            return await self._replay(entry, fp)
+        view = await self.handoff.hand_off(entry)
+        log.info("run %s accepted for account %s on booking %s", run_id, account, req.booking_id)
+        return RunAccepted(run_id=run_id, state=view.state), None
+
+    async def status(self, req: StatusRequest) -> RunView:
+        account = await self._account(req.credential)
+        if req.run_id is not None:
+            view = await self.runs.get(account, req.run_id)
+            if view is None:
+                raise Refusal(ErrorCode.run_not_found, "no such run for this account")
+            return view
+        if req.idempotency_key is None:
+            raise Refusal(ErrorCode.request_invalid, "status needs a run id or --idempotency-key")
+        entry = await self.backends.ledger_lookup(account, req.idempotency_key)
+        if entry is None:
+            raise Refusal(ErrorCode.run_not_found, "no run was created with this idempotency key")
+        view = await self.runs.get(account, entry.run_id)
+        return view if view is not None else self.handoff.view_from(entry)
+
+    async def logs(self, req: LogsRequest) -> LogPage:
+        account = await self._account(req.credential)
+        if await self.runs.get(account, req.run_id) is None:
+            raise Refusal(ErrorCode.run_not_found, "no such run for this account")
+        limit = max(1, min(req.limit, 1000))
+        lines = await self.runs.logs(account, req.run_id, max(0, req.since), limit)
+        return LogPage(run_id=req.run_id, lines=lines, next=max(0, req.since) + len(lines))

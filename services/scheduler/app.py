@@ -1,0 +1,80 @@
+"""The scheduler's entry point: config, build, run. The API subjects are core request/reply
+(no stream captures them); run events arrive through a durable JetStream consumer."""
+
+import asyncio
+
+import msgspec
+from faststream import AckPolicy, FastStream
+from faststream.nats import ConsumerConfig, NatsMessage, PullSub
+
+from contracts import subjects
+from contracts.api import (
+    AuthRequest,
+    ConfirmRequest,
+    FindRequest,
+    LogsRequest,
+    PlanRequest,
+    StatusRequest,
+    TrainRequest,
+)
+from services.runtime import settings as settings_mod
+from services.runtime import streams
+from services.runtime.codec import answer
+from services.runtime.service import Wiring, build_app, configure_logging
+from services.scheduler import planning
+from services.scheduler.api import Api
+from services.scheduler.backends import Backends
+from services.scheduler.events import RunEvents
+from services.scheduler.handoff import Handoff
+from services.scheduler.store import RunStore
+
+ROUTES = [  # (subject, request type, Api method name)
+    (subjects.API_AUTH, AuthRequest, "auth"),
+    (subjects.API_FIND, FindRequest, "find"),
+    (subjects.API_PLAN, PlanRequest, "plan"),
+    (subjects.API_CONFIRM, ConfirmRequest, "confirm"),
+    (subjects.API_TRAIN, TrainRequest, "train"),
+    (subjects.API_STATUS, StatusRequest, "status"),
+    (subjects.API_LOGS, LogsRequest, "logs"),
+]
+
+
+def register(w: Wiring) -> None:
+    s = w.settings
+    backends = Backends(w.broker, s, settings_mod.entitlement_key(s))
+    runs = RunStore(w.redis, w.keys)
+    handoff = Handoff(w.broker, s, runs, backends)
+    api = Api(w.redis, w.keys, backends, runs, handoff, planning.load_prices(), s.data_dir / "checkpoints")
+    run_events = RunEvents(runs)
+
+    for suffix, request_type, method in ROUTES:
+        decoder = msgspec.json.Decoder(request_type)
+        handler = getattr(api, method)
+
+        async def route(msg: NatsMessage, handler=handler, decoder=decoder) -> bytes:
+            return await answer(handler, msg.body, decoder)
+
+        route.__name__ = f"api_{method}"
+        w.broker.subscriber(s.subject(suffix))(route)
+
+    @w.broker.subscriber(
+        s.subject(subjects.RUN_EVENTS) + ".>",
+        stream=streams.ref(s, subjects.STREAM_RUNS),
+        durable=f"{s.namespace}-{subjects.CONSUMER_SCHEDULER_RUNS}",
+        pull_sub=PullSub(batch_size=64, timeout=0.5),
+        config=ConsumerConfig(ack_wait=30),
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+    )
+    async def on_run_event(msg: NatsMessage) -> None:
+        await run_events.on_event(msg.body)
+
+    w.tasks.append(handoff.reconcile_forever)
+
+
+def build(settings: settings_mod.Settings | None = None) -> FastStream:
+    return build_app("scheduler", settings or settings_mod.load(), register)
+
+
+def main() -> None:
+    configure_logging("scheduler")
+    asyncio.run(build().run())

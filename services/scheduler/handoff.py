@@ -1,0 +1,85 @@
+"""Hand an accepted run to the trainer's work queue, exactly once, and finish lost hand-offs.
+
+The ledger entry carries the encoded work item, so the request path and the reconciler share this
+one code path: create the run view (idempotent), publish with Nats-Msg-Id = run id (JetStream
+drops a duplicate inside its window), move the run to `queued`, and tell the ledger. If the
+scheduler dies anywhere in between, the reconciler finds the key still pending and repeats the
+steps; each is idempotent, so no run is lost and none is duplicated.
+"""
+
+import asyncio
+import logging
+from datetime import UTC, datetime
+
+import msgspec
+from faststream.nats import NatsBroker
+
+from contracts import subjects
+from contracts.api import RunView
+from contracts.internal import LedgerEntry
+from contracts.runs import TrainWork
+from contracts.states import RunState
+from services.runtime.settings import Settings
+from services.scheduler import lifecycle
+from services.scheduler.backends import Backends
+from services.scheduler.store import RunStore
+
+log = logging.getLogger("ito.scheduler.handoff")
+
+RECONCILE_EVERY_S = 5.0
+RECONCILE_AFTER_S = 5.0  # leave a live request time to finish its own hand-off
+
+_work_decoder = msgspec.json.Decoder(TrainWork)
+
+
+class Handoff:
+    def __init__(self, broker: NatsBroker, settings: Settings, runs: RunStore, backends: Backends) -> None:
+        self.broker = broker
+        self.settings = settings
+        self.runs = runs
+        self.backends = backends
+
+    def view_from(self, entry: LedgerEntry) -> RunView:
+        work = _work_decoder.decode(entry.work)
+        return RunView(
+            run_id=work.run_id, account=work.account, booking_id=work.booking_id,
+            manifest_digest=work.manifest_digest, idempotency_key=entry.idempotency_key, state=RunState.accepted,
+            created_at=entry.created_at, updated_at=entry.created_at, plan=work.plan,
+        )
+
+    async def hand_off(self, entry: LedgerEntry) -> RunView:
+        view = self.view_from(entry)
+        await self.runs.create(view)
+        await self.broker.publish(
+            entry.work,
+            self.settings.subject(f"{subjects.WORK_TRAIN}.{entry.run_id}"),
+            stream=self.settings.stream(subjects.STREAM_WORK),
+            headers={"Nats-Msg-Id": entry.run_id},
+            timeout=self.settings.request_timeout_s,
+        )
+
+        def to_queued(v: RunView) -> RunView:
+            if v.state is not RunState.accepted:
+                return v  # the trainer already moved it on
+            return lifecycle.transition(v, RunState.queued, datetime.now(UTC))
+
+        updated, _ = await self.runs.update(entry.account, entry.run_id, None, to_queued)
+        await self.backends.ledger_handed_off(entry.account, entry.idempotency_key)
+        return updated or view
+
+    async def reconcile_once(self) -> int:
+        """Finish the hand-offs the ledger still holds as pending after RECONCILE_AFTER_S."""
+        done = 0
+        for entry in await self.backends.ledger_pending(RECONCILE_AFTER_S):
+            log.warning("reconciler: finishing the hand-off of run %s", entry.run_id)
+            await self.hand_off(entry)
+            done += 1
+        return done
+
+    async def reconcile_forever(self) -> None:
+        while True:
+            await asyncio.sleep(RECONCILE_EVERY_S)
+            try:
+                await self.reconcile_once()
+            except Exception:  # the loop must survive an outage; it retries on the next tick
+                log.exception("reconciler pass failed; retrying in %.0fs", RECONCILE_EVERY_S)

@@ -1,0 +1,47 @@
+"""The run state machine, enforced here and only here, and how run events change a run view."""
+
+from datetime import datetime
+
+import msgspec
+
+from contracts.api import RunView
+from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent, StateChanged
+from contracts.states import ALLOWED_TRANSITIONS, RunState
+
+
+class IllegalTransition(Exception):
+    def __init__(self, current: RunState, wanted: RunState) -> None:
+        super().__init__(f"illegal transition {current.value} -> {wanted.value}")
+        self.current = current
+        self.wanted = wanted
+
+
+def transition(view: RunView, state: RunState, at: datetime, *, stage: str | None = None,
+               message: str | None = None, total_steps: int = 0) -> RunView:
+    """The run in its new state, or IllegalTransition: never applied when not in the table."""
+    if state == view.state:
+        return view
+    if state not in ALLOWED_TRANSITIONS[view.state]:
+        raise IllegalTransition(view.state, state)
+    return msgspec.structs.replace(
+        view,
+        state=state,
+        stage=stage or view.stage,
+        message=message,
+        total_steps=total_steps or view.total_steps,
+        updated_at=at,
+    )
+
+
+def apply_event(view: RunView, event: RunEvent) -> RunView:
+    """Fold one trainer event into the run's view (logs and checkpoints are stored beside it)."""
+    match event:
+        case StateChanged():
+            return transition(view, event.state, event.at, stage=event.stage, message=event.message,
+                              total_steps=event.total_steps)
+        case Metrics():
+            return msgspec.structs.replace(view, stage=event.stage, step=event.step, total_steps=event.total_steps,
+                                           loss=event.loss, updated_at=event.at)
+        case LogLine() | CheckpointSaved():
+            return view
+    raise TypeError(f"unknown run event {type(event).__name__}")

@@ -1,0 +1,194 @@
+"""Planning: parallelism, precision, memory, fabric, data policy and cost, as pure functions.
+
+`plan()` is called by `ecc ito plan` (which creates nothing) and again at train time; each gate is a
+named check with pass/fail and a reason. The I/O it needs (the checkpoint-storage probe, the price
+table) is done by the caller and passed in.
+"""
+
+import json
+import pathlib
+from dataclasses import dataclass
+
+from contracts.api import CostEstimate, Plan, PlanCheck
+from contracts.booking import Fabric
+from contracts.errors import ErrorCode
+from contracts.internal import EligibilityBody
+from contracts.manifest import DataRole, Manifest
+from contracts.models import MODEL_SHAPES, ModelShape
+
+PRICES_PATH = pathlib.Path(__file__).with_name("desk_prices.json")
+ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "file:/")  # no remote URLs at run time
+BYTES_PER_PARAM_TRAINING = 16  # bf16 weights + bf16 grads + fp32 master + two fp32 Adam moments
+BYTES_PER_PARAM_CHECKPOINT = 12  # fp32 weights + two fp32 Adam moments
+ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM = 34  # Korthikanti et al., no recompute, flash attention
+USABLE_MEMORY_FRACTION = 0.9  # leave room for the allocator, NCCL buffers and fragmentation
+SMALL_MODEL_PARAMS = 50e6  # below this, more than one GPU only adds communication
+MULTI_NODE_MIN_PARAMS = 1e9  # below this, more than one node of GPUs is wasteful
+FP8_MIN_PARAMS = 8e9  # fp8 pays off only for large matmuls
+# Post-training compute as a fraction of pretraining tokens, and FLOPs per token per parameter.
+POST_TRAINING_TOKENS_FRACTION = 0.05
+POST_TRAINING_FLOPS_PER_TOKEN = {"sft": 6.0, "dpo": 2 * 6.0 + 2 * 2.0, "rlvr": 8 * 2.0 + 6.0 + 2.0}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPrice:
+    price_per_gpu_hour_usd: float
+    peak_bf16_tflops: float
+    assumed_mfu: float
+    memory_gb: float
+    fp8: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PriceTable:
+    storage_usd_per_gb_month: float
+    gpus: dict[str, GpuPrice]
+
+
+def load_prices(path: pathlib.Path = PRICES_PATH) -> PriceTable:
+    raw = json.loads(path.read_text())
+    return PriceTable(
+        storage_usd_per_gb_month=raw["storage_usd_per_gb_month"],
+        gpus={name: GpuPrice(**v) for name, v in raw["gpus"].items()},
+    )
+
+
+def parameter_count(shape: ModelShape) -> int:
+    """Exact for the trainer's model: untied embeddings, GQA attention with QK-norm, SwiGLU."""
+    d, head_dim = shape.d_model, shape.d_model // shape.n_head
+    attn = d * d + 2 * d * head_dim * shape.n_kv_head + d * d + 2 * head_dim
+    mlp = 3 * d * shape.d_ff
+    per_layer = attn + mlp + 2 * d
+    return 2 * shape.vocab_size * d + shape.n_layer * per_layer + d
+
+
+def _check(name: str, refusal: tuple[ErrorCode, str] | None, passed: str) -> PlanCheck:
+    if refusal is None:
+        return PlanCheck(name=name, ok=True, reason=passed)
+    return PlanCheck(name=name, ok=False, code=refusal[0].value, reason=refusal[1])
+
+
+def strategy(params: int, shape: ModelShape, manifest: Manifest, gpu: GpuPrice, fabric: Fabric):
+    """(strategy, degrees, precision, per-GPU bytes, refusal) for the GPUs the manifest asks for."""
+    nodes, gpn = manifest.resources.nodes, manifest.resources.gpus_per_node
+    gpus = nodes * gpn
+    usable = gpu.memory_gb * 1e9 * USABLE_MEMORY_FRACTION
+    state = params * BYTES_PER_PARAM_TRAINING
+    activations = shape.n_layer * manifest.target.seq_len * shape.d_model * ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM
+    precision = "fp8" if gpu.fp8 and params >= FP8_MIN_PARAMS else "bf16"
+
+    if nodes > 1 and fabric is Fabric.ethernet:
+        return "none", {}, precision, 0.0, (ErrorCode.fabric_unsupported, "a multi-node run needs InfiniBand or RoCE; the booking has ethernet")
+    if gpus > 1 and params < SMALL_MODEL_PARAMS:
+        return "none", {}, precision, 0.0, (ErrorCode.plan_wasteful, f"{gpus} GPUs for a {params / 1e6:.1f}M-parameter model: use one GPU")
+    if nodes > 1 and params < MULTI_NODE_MIN_PARAMS:
+        return "none", {}, precision, 0.0, (ErrorCode.plan_wasteful, f"{nodes} nodes for a {params / 1e6:.0f}M-parameter model: use one node")
+
+    # Cheapest communication first: replicate, shard in a node, shard everywhere, then add TP.
+    candidates = [
+        ("single" if gpus == 1 else "ddp", {"dp_replicate": gpus}, 1, 1),
+        ("fsdp2" if nodes == 1 else "hsdp", {"dp_replicate": nodes, "dp_shard": gpn}, gpn, 1),
+        ("fsdp2", {"dp_shard": gpus}, gpus, 1),
+    ]
+    for tp in (2, 4, 8):
+        if tp <= gpn and gpus // tp >= 1:
+            candidates.append(("fsdp2+tp", {"dp_shard": gpus // tp, "tp": tp}, gpus // tp, tp))
+    for name, degrees, shard, tp in candidates:
+        per_gpu = state / (shard * tp) + activations / tp
+        if per_gpu <= usable:
+            return name, degrees, precision, per_gpu, None
+    return "none", {}, precision, state / gpus, (
+        ErrorCode.capacity_insufficient,
+        f"{params / 1e9:.1f}B parameters need ~{state / 1e9:.0f} GB of training state; {gpus} x {gpu.memory_gb:.0f} GB cannot hold it",
+    )
+
+
+def cost(params: int, manifest: Manifest, gpu: GpuPrice, prices: PriceTable, booked_gpu_hours: float,
+         window_hours: float) -> CostEstimate:
+    tokens = manifest.target.tokens
+    flops = 6.0 * params * tokens
+    for stage in manifest.post_training.recipe:
+        flops += POST_TRAINING_FLOPS_PER_TOKEN.get(stage, 6.0) * params * tokens * POST_TRAINING_TOKENS_FRACTION
+    gpus = manifest.resources.nodes * manifest.resources.gpus_per_node
+    gpu_hours = flops / (gpu.peak_bf16_tflops * 1e12 * gpu.assumed_mfu) / 3600.0
+    compute = gpu_hours * gpu.price_per_gpu_hour_usd
+    storage_gb = params * BYTES_PER_PARAM_CHECKPOINT * manifest.checkpoint.keep_last / 1e9
+    storage = storage_gb * prices.storage_usd_per_gb_month * max(window_hours / 730.0, 1.0)
+    incremental = max(0.0, gpu_hours - booked_gpu_hours) * gpu.price_per_gpu_hour_usd
+    return CostEstimate(
+        flops=flops,
+        tokens=tokens,
+        parameters=params,
+        assumed_mfu=gpu.assumed_mfu,
+        peak_tflops_per_gpu=gpu.peak_bf16_tflops,
+        gpus=gpus,
+        gpu_hours=gpu_hours,
+        price_per_gpu_hour_usd=gpu.price_per_gpu_hour_usd,
+        compute_usd=round(compute, 6),
+        checkpoint_storage_usd=round(storage, 6),
+        total_usd=round(compute + storage, 6),
+        booked_gpu_hours=booked_gpu_hours,
+        incremental_usd=round(incremental, 6),
+    )
+
+
+def data_policy(manifest: Manifest) -> tuple[ErrorCode, str] | None:
+    for ref in manifest.data:
+        if not ref.source.startswith(ALLOWED_SOURCE_PREFIXES):
+            return ErrorCode.data_policy_violation, f"data {ref.name!r}: source is not in the allowed list"
+        if ref.role is DataRole.train and ref.decontamination is None:
+            return ErrorCode.data_policy_violation, f"data {ref.name!r}: no decontamination provenance"
+    if not any(ref.role is DataRole.train for ref in manifest.data):
+        return ErrorCode.data_policy_violation, "the manifest names no training data"
+    return None
+
+
+def plan(manifest: Manifest, digest: str, statement: EligibilityBody, prices: PriceTable,
+         storage_refusal: tuple[ErrorCode, str] | None) -> Plan:
+    shape = MODEL_SHAPES[manifest.model.size.value]
+    params = parameter_count(shape)
+    topo = statement.topology
+    gpu = prices.gpus.get(topo.gpu_model)
+    checks: list[PlanCheck] = []
+    if gpu is None:
+        gpu = GpuPrice(price_per_gpu_hour_usd=0.0, peak_bf16_tflops=1.0, assumed_mfu=1.0, memory_gb=topo.gpu_memory_gb, fp8=False)
+        checks.append(_check("price", (ErrorCode.capacity_insufficient, f"no desk price for GPU model {topo.gpu_model}"), ""))
+    name, degrees, precision, per_gpu, refusal = strategy(params, shape, manifest, gpu, statement.fabric)
+    fabric_refusal = refusal if refusal and refusal[0] is ErrorCode.fabric_unsupported else None
+    checks.append(_check("fabric", fabric_refusal, f"{statement.fabric.value} is fine for {manifest.resources.nodes} node(s)"))
+    if fabric_refusal is None:
+        checks.append(_check("parallelism", refusal, f"{name} {degrees}, {precision}, ~{per_gpu / 1e9:.2f} GB per GPU"))
+    window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
+    booked = topo.nodes * topo.gpus_per_node * window_hours
+    estimate = cost(params, manifest, gpu, prices, booked, window_hours)
+    checks.append(_check("data_policy", data_policy(manifest), "every source allowed, decontamination declared"))
+    checks.append(_check("checkpoint_storage", storage_refusal, "checkpoint storage writable with room"))
+    over_cap = estimate.total_usd > manifest.budget_cap_usd
+    checks.append(_check(
+        "budget_cap",
+        (ErrorCode.budget_exceeded, f"estimate {estimate.total_usd:.2f} USD is above the cap {manifest.budget_cap_usd:.2f} USD") if over_cap else None,
+        f"estimate {estimate.total_usd:.4f} USD within the cap {manifest.budget_cap_usd:.2f} USD",
+    ))
+    over_incr = estimate.incremental_usd > manifest.max_incremental_cost_usd
+    checks.append(_check(
+        "incremental_cost",
+        (ErrorCode.budget_exceeded, f"{estimate.incremental_usd:.2f} USD beyond the booking is above the allowed {manifest.max_incremental_cost_usd:.2f} USD") if over_incr else None,
+        f"{estimate.incremental_usd:.2f} USD beyond the booking",
+    ))
+    return Plan(
+        booking_id=statement.booking_id,
+        manifest_digest=digest,
+        strategy=name,
+        degrees=degrees,
+        precision=precision,
+        cost=estimate,
+        checks=checks,
+        ok=all(c.ok for c in checks),
+    )
+
+
+def first_refusal(p: Plan) -> tuple[ErrorCode, str] | None:
+    for c in p.checks:
+        if not c.ok:
+            return ErrorCode(c.code), c.reason
+    return None

@@ -1,0 +1,103 @@
+"""Redis access for runs: the run view, its logs, metrics and checkpoints, and the owner index.
+
+A run view changes only through `update()`, an optimistic WATCH/MULTI transaction around a pure
+function, so concurrent writers (the event consumer, cancel) never lose each other's changes.
+"""
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from contracts.api import LogLineView, RunView
+from contracts.runs import CheckpointSaved, Metrics
+from services.runtime.keys import Keys
+
+MAX_LOG_LINES = 10_000  # per run; older lines are trimmed
+MAX_METRIC_POINTS = 10_000
+UPDATE_RETRIES = 20
+log = logging.getLogger("ito.scheduler.store")
+
+_view_decoder = msgspec.json.Decoder(RunView)
+_log_decoder = msgspec.json.Decoder(LogLineView)
+
+
+class RunStore:
+    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+        self.r = r
+        self.keys = keys
+
+    async def create(self, view: RunView) -> bool:
+        """Create the run view if absent (idempotent); returns whether it was created."""
+        key = self.keys.run(view.account, view.run_id)
+        created = await self.r.hsetnx(key, "view", msgspec.json.encode(view))
+        if created:
+            async with self.r.pipeline(transaction=False) as pipe:
+                pipe.hset(key, "last_seq", 0)
+                pipe.set(self.keys.run_owner(view.run_id), view.account)
+                pipe.zadd(self.keys.runs(view.account), {view.run_id: view.created_at.timestamp()})
+                await pipe.execute()
+        return bool(created)
+
+    async def owner(self, run_id: str) -> str | None:
+        raw = await self.r.get(self.keys.run_owner(run_id))
+        return None if raw is None else raw.decode()
+
+    async def get(self, account: str, run_id: str) -> RunView | None:
+        raw = await self.r.hget(self.keys.run(account, run_id), "view")
+        return None if raw is None else _view_decoder.decode(raw)
+
+    async def update(self, account: str, run_id: str, seq: int | None,
+                     change: Callable[[RunView], RunView]) -> tuple[RunView | None, bool]:
+        """Apply `change` atomically: (view, applied). With `seq`, an event at or below the last
+        applied one is skipped (a redelivery or duplicate), and `applied` is False."""
+        key = self.keys.run(account, run_id)
+        for _ in range(UPDATE_RETRIES):
+            async with self.r.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(key)
+                    raw, last = await pipe.hmget(key, ["view", "last_seq"])
+                    if raw is None:
+                        return None, False
+                    view = _view_decoder.decode(raw)
+                    if seq is not None and seq <= int(last or 0):
+                        return view, False
+                    new = change(view)
+                    pipe.multi()
+                    pipe.hset(key, "view", msgspec.json.encode(new))
+                    if seq is not None:
+                        pipe.hset(key, "last_seq", seq)
+                    await pipe.execute()
+                    return new, True
+                except WatchError:
+                    continue
+        raise RuntimeError(f"run {run_id}: too much contention updating the view")
+
+    async def append_log(self, account: str, run_id: str, line: LogLineView) -> None:
+        key = self.keys.run_logs(account, run_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.rpush(key, msgspec.json.encode(line))
+            pipe.ltrim(key, -MAX_LOG_LINES, -1)
+            await pipe.execute()
+
+    async def log_count(self, account: str, run_id: str) -> int:
+        return await self.r.llen(self.keys.run_logs(account, run_id))
+
+    async def logs(self, account: str, run_id: str, since: int, limit: int) -> list[LogLineView]:
+        raw = await self.r.lrange(self.keys.run_logs(account, run_id), since, since + limit - 1)
+        return [_log_decoder.decode(x) for x in raw]
+
+    async def append_metrics(self, account: str, run_id: str, m: Metrics) -> None:
+        key = self.keys.run_metrics(account, run_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.rpush(key, msgspec.json.encode(m))
+            pipe.ltrim(key, -MAX_METRIC_POINTS, -1)
+            await pipe.execute()
+
+    async def append_checkpoint(self, account: str, run_id: str, c: CheckpointSaved) -> None:
+        await self.r.rpush(self.keys.run_checkpoints(account, run_id), msgspec.json.encode(c))
+
+    async def accounts(self) -> list[str]:
+        return sorted(a.decode() for a in await self.r.smembers(self.keys.accounts()))

@@ -1,0 +1,282 @@
+"""The trainer's checkpoints: asynchronous DCP saves, commit markers, pruning and resume.
+
+Layout of one checkpoint, `<dir>/step-<8 digit step>/`:
+  __0_0.distcp, .metadata   model + optimizer tensors, written by torch.distributed.checkpoint
+  trainer_state.json        step, data position, LR scheduler state, RNG states (the sidecar)
+  COMMITTED                 JSON {step, bytes, stall_s, save_s}; written last, atomically
+
+A directory without COMMITTED is a save that is still running or that died: it is never listed and
+never loaded, and the next commit deletes it. At most one save is in flight: `save` first waits for
+the previous one, so a slow disk slows the loop instead of piling up staged copies in memory.
+
+Why a JSON sidecar for the non-tensor state rather than the DCP state dict: DCP stores non-tensor
+values as pickles, and loading a pickle from a shared checkpoint directory runs whatever it holds;
+DCP can also only load keys that a template names in advance. JSON is safe to read, and the step
+and data position can be read by tools that do not import torch. The sidecar is written at the
+moment of the `save` call, next to the DCP snapshot taken at that same moment, and before the marker.
+
+Works with no process group (single process, `no_dist=True`) and with an initialised one.
+"""
+
+import base64
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+MARKER = "COMMITTED"
+SIDECAR = "trainer_state.json"
+DIR_PREFIX = "step-"
+
+# DCP warns on every single-process save/load even when no_dist=True is passed on purpose. A filter
+# (not catch_warnings) because the save runs on DCP's thread and catch_warnings is not thread-safe.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointInfo:
+    """A committed checkpoint, as its marker records it."""
+
+    step: int
+    path: str
+    bytes: int
+    stall_s: float  # how long the training loop was blocked by this save (incl. waiting on the previous)
+    save_s: float  # from the start of the save to the data being durable on disk
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointFailed:
+    """A save that did not complete; its directory stays uncommitted and is cleaned up later."""
+
+    step: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeState:
+    """What `load_latest` restored besides the model and optimizer."""
+
+    step: int
+    data_position: int
+    path: str
+
+
+def step_dir(directory: str | os.PathLike, step: int) -> Path:
+    return Path(directory) / f"{DIR_PREFIX}{step:08d}"
+
+
+def _read_marker(path: Path) -> CheckpointInfo | None:
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        return CheckpointInfo(
+            step=int(marker["step"]),
+            path=str(path),
+            bytes=int(marker["bytes"]),
+            stall_s=float(marker["stall_s"]),
+            save_s=float(marker["save_s"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no marker, or a torn/foreign one: not a committed checkpoint
+
+
+def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        suffix = child.name.removeprefix(DIR_PREFIX)
+        if child.is_dir() and child.name.startswith(DIR_PREFIX) and suffix.isdigit():
+            found.append((int(suffix), child))
+    return sorted(found)
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
+    """Committed checkpoints under `directory`, oldest first."""
+    infos = []
+    for step, path in _step_dirs(Path(directory)):
+        info = _read_marker(path)
+        if info is not None and info.step == step:
+            infos.append(info)
+    return infos
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    state = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "python": [version, list(internal), gauss],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    as_tensor = lambda text: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(as_tensor(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([as_tensor(s) for s in cuda])
+
+
+class Checkpointer:
+    """Saves asynchronously into `directory`, one save in flight, and commits finished saves.
+
+    The loop calls `save` at its checkpoint steps and `poll` every step; both `poll` and `wait`
+    return the outcomes (CheckpointInfo or CheckpointFailed) finished since the last call, so the
+    caller can report each commit once, from its own thread.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int = 2):
+        if keep_last < 1:
+            raise ValueError("keep_last needs to be at least 1 checkpoint.")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self._future: Future | None = None
+        self._pending: dict | None = None  # step, path, started, stall_s, done_at of the in-flight save
+        self._outcomes: list[CheckpointInfo | CheckpointFailed] = []
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None
+
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        data_position: int = 0,
+    ) -> None:
+        """Snapshot the state now and write it in the background. Blocks only to wait for the
+        previous save and to copy the state into staging memory."""
+        entered = time.perf_counter()
+        self._finish(block=True)
+        path = step_dir(self.directory, step)
+        if _read_marker(path) is not None:
+            return  # this exact step is already durable (a resumed run that ends where it began)
+        if path.exists():
+            shutil.rmtree(path)  # a save of this step that died before its marker
+        path.mkdir(parents=True)
+        started = time.perf_counter()
+        sidecar = {
+            "step": step,
+            "data_position": data_position,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": _rng_state(),
+        }
+        _write_json_atomic(path / SIDECAR, sidecar)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        future = dcp.async_save(
+            {"model": model_sd, "optimizer": optim_sd},
+            checkpoint_id=str(path),
+            no_dist=not dist.is_initialized(),
+        )
+        pending = {"step": step, "path": path, "started": started, "done_at": None}
+        future.add_done_callback(lambda _: pending.__setitem__("done_at", time.perf_counter()))
+        pending["stall_s"] = time.perf_counter() - entered
+        self._future, self._pending = future, pending
+
+    def poll(self) -> list[CheckpointInfo | CheckpointFailed]:
+        """Commit the in-flight save if it has finished; never blocks on it."""
+        self._finish(block=False)
+        return self._drain()
+
+    def wait(self) -> list[CheckpointInfo | CheckpointFailed]:
+        """Block until the in-flight save (if any) has finished, and commit it."""
+        self._finish(block=True)
+        return self._drain()
+
+    def _drain(self) -> list[CheckpointInfo | CheckpointFailed]:
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    def _finish(self, *, block: bool) -> None:
+        future, pending = self._future, self._pending
+        if future is None or pending is None or (not block and not future.done()):
+            return
+        self._future, self._pending = None, None
+        try:
+            future.result()
+        except Exception as e:  # any writer error: recorded as a value, the loop decides what to do
+            self._outcomes.append(CheckpointFailed(step=pending["step"], message=f"{type(e).__name__}: {e}"))
+            return
+        path: Path = pending["path"]
+        done_at = pending["done_at"] or time.perf_counter()
+        info = CheckpointInfo(
+            step=pending["step"],
+            path=str(path),
+            bytes=_dir_bytes(path),
+            stall_s=round(pending["stall_s"], 6),
+            save_s=round(done_at - pending["started"], 6),
+        )
+        _write_json_atomic(
+            path / MARKER,
+            {"step": info.step, "bytes": info.bytes, "stall_s": info.stall_s, "save_s": info.save_s},
+        )
+        self._outcomes.append(info)
+        self._prune(info.step)
+
+    def _prune(self, committed_step: int) -> None:
+        """Keep the newest `keep_last` committed checkpoints; drop older ones and dead saves."""
+        committed = {info.step for info in list_checkpoints(self.directory)}
+        keep = set(sorted(committed)[-self.keep_last :])
+        for step, path in _step_dirs(self.directory):
+            # Uncommitted dirs below the step just committed are dead: only one save is ever in flight.
+            if step < committed_step and step not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def load_latest(
+    directory: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    restore_rng: bool = True,
+) -> ResumeState | None:
+    """Restore model, optimizer, scheduler and RNG from the newest committed checkpoint, in place.
+    Returns None (and touches nothing) when there is none."""
+    checkpoints = list_checkpoints(directory)
+    if not checkpoints:
+        return None
+    latest = checkpoints[-1]
+    path = Path(latest.path)
+    sidecar = json.loads((path / SIDECAR).read_text())
+    # get_state_dict on a fresh optimizer materialises its state (a zero-LR step), giving DCP the
+    # template of shapes it loads into.
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if scheduler is not None and sidecar["scheduler"] is not None:
+        scheduler.load_state_dict(sidecar["scheduler"])
+    if restore_rng:
+        _set_rng_state(sidecar["rng"])
+    return ResumeState(step=int(sidecar["step"]), data_position=int(sidecar["data_position"]), path=str(path))

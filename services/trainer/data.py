@@ -1,0 +1,177 @@
+"""The trainer's data: a byte-level tokenizer, corpora named by source strings, and a
+deterministic, resumable batch iterator.
+
+Sources (the `source` field of a manifest's data refs):
+  builtin:pydoc_topics   the help texts that ship with CPython (`pydoc_data.topics`), ~1 MB
+  generated:arithmetic   seeded lines like "12+35=47"
+  generated:reverse      seeded lines like "abcde>edcba"
+  file:/abs/path         a UTF-8 text file, at most FILE_CAP_BYTES
+
+Tokens are kept as uint8 (one byte per token) so a 64 MiB corpus costs 64 MiB, not 512 MiB;
+batches are widened to int64 on the way out.
+"""
+
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 256  # bytes; every model shape trained on this data needs vocab_size >= 256
+FILE_CAP_BYTES = 64 * 1024 * 1024  # the input cap for file: sources; raise with the host's memory
+GENERATED_LINES = 20_000  # ~200 KB per generated source: enough that the tiny model cannot memorise it
+HELD_OUT_FRACTION = 0.1  # tail of the training text kept for held-out loss when no eval ref is given
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: no training, no files, every string round-trips."""
+
+    vocab_size = VOCAB_SIZE
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_tensor(self, text: str) -> torch.Tensor:
+        """uint8 tensor of the text's bytes (copy of the buffer, so it is writable)."""
+        data = bytearray(text.encode("utf-8"))
+        return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+    def decode(self, tokens: Sequence[int] | torch.Tensor) -> str:
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
+        # A model can emit a byte sequence that is not valid UTF-8: show it, don't fail.
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+
+def _pydoc_topics() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _arithmetic(seed: int) -> str:
+    rng = random.Random(f"arithmetic:{seed}")
+    lines = []
+    for _ in range(GENERATED_LINES):
+        a, b = rng.randrange(100), rng.randrange(100)
+        if rng.random() < 0.5:
+            lines.append(f"{a}+{b}={a + b}\n")
+        else:
+            lines.append(f"{a}-{b}={a - b}\n")
+    return "".join(lines)
+
+
+def _reverse(seed: int) -> str:
+    rng = random.Random(f"reverse:{seed}")
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lines = []
+    for _ in range(GENERATED_LINES):
+        word = "".join(rng.choice(letters) for _ in range(rng.randint(3, 10)))
+        lines.append(f"{word}>{word[::-1]}\n")
+    return "".join(lines)
+
+
+def _file(path_text: str, cap_bytes: int) -> str:
+    path = Path(path_text)
+    if not path.is_absolute():
+        raise ValueError(f"A file source needs an absolute path, got {path_text!r}.")
+    try:
+        with path.open("rb") as f:
+            raw = f.read(cap_bytes + 1)  # read at most one byte past the cap: never the whole file
+    except OSError as e:
+        raise ValueError(f"The file source {path_text!r} cannot be read ({e.strerror}).") from None
+    if len(raw) > cap_bytes:
+        raise ValueError(f"The file source {path_text!r} is larger than the {cap_bytes} byte cap.")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"The file source {path_text!r} is not valid UTF-8 text.") from None
+
+
+def load_text(source: str, *, seed: int = 0, file_cap_bytes: int = FILE_CAP_BYTES) -> str:
+    """The text a source string names. Generated sources depend only on `seed`."""
+    kind, _, rest = source.partition(":")
+    match kind, rest:
+        case "builtin", "pydoc_topics":
+            return _pydoc_topics()
+        case "generated", "arithmetic":
+            return _arithmetic(seed)
+        case "generated", "reverse":
+            return _reverse(seed)
+        case "file", path_text if path_text:
+            return _file(path_text, file_cap_bytes)
+    raise ValueError(
+        f"Unknown data source {source!r}: use builtin:pydoc_topics, generated:arithmetic, "
+        "generated:reverse or file:/absolute/path."
+    )
+
+
+def load_tokens(sources: Sequence[str], *, seed: int = 0, file_cap_bytes: int = FILE_CAP_BYTES) -> torch.Tensor:
+    """The sources' texts joined by a blank line and encoded, as a 1-D uint8 tensor."""
+    if not sources:
+        raise ValueError("At least one data source is needed.")
+    text = "\n\n".join(load_text(s, seed=seed, file_cap_bytes=file_cap_bytes) for s in sources)
+    return ByteTokenizer().encode_tensor(text)
+
+
+def split_held_out(tokens: torch.Tensor, fraction: float = HELD_OUT_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held_out): the last `fraction` of the tokens is held out. Contiguous, not shuffled,
+    so no training window overlaps a held-out one."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"The held-out fraction must be between 0 and 1, got {fraction}.")
+    cut = int(len(tokens) * (1.0 - fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+class BatchIterator:
+    """Random windows of `seq_len + 1` tokens, `batch_size` at a time, as (x, y) int64 tensors.
+
+    Batch number p is drawn from a generator seeded by (seed, p) alone, so the stream is a pure
+    function of (tokens, seed, seq_len, batch_size): setting `position` to the number of batches a
+    previous run served makes this iterator yield exactly the batch that run would have yielded next.
+    """
+
+    def __init__(self, tokens: torch.Tensor, *, seq_len: int, batch_size: int, seed: int, position: int = 0):
+        if tokens.dim() != 1:
+            raise ValueError("Tokens must be a 1-D tensor.")
+        if len(tokens) < seq_len + 1:
+            raise ValueError(
+                f"The data has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}."
+            )
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError("seq_len and batch_size must be at least 1.")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.position = position  # batches served so far; restore it to resume
+
+    def batch_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch served at `position`, without moving the iterator."""
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (2**63))
+        starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=g)
+        offsets = torch.arange(self.seq_len + 1)
+        windows = self.tokens[starts[:, None] + offsets[None, :]].long()
+        return windows[:, :-1], windows[:, 1:]
+
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.batch_at(self.position)
+        self.position += 1
+        return batch
+
+
+def eval_batches(
+    tokens: torch.Tensor, *, seq_len: int, batch_size: int, max_batches: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive non-overlapping windows from the start of `tokens`, the same every call, so
+    held-out losses from different runs compare. Stops at `max_batches` or the end of the data."""
+    n_windows = (len(tokens) - 1) // seq_len
+    n_windows = min(n_windows, max_batches * batch_size)
+    for first in range(0, n_windows, batch_size):
+        idx = torch.arange(first, min(first + batch_size, n_windows))
+        starts = idx * seq_len
+        windows = tokens[starts[:, None] + torch.arange(seq_len + 1)[None, :]].long()
+        yield windows[:, :-1], windows[:, 1:]

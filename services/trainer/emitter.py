@@ -1,0 +1,72 @@
+"""Publish a run's events to JetStream, from the event loop or from the training thread.
+
+`seq` grows strictly per run, across restarts too (microseconds since the epoch, bumped when two
+events share a tick), so the scheduler can drop redeliveries and duplicates by comparing it.
+"""
+
+import asyncio
+import logging
+import time
+from datetime import UTC, datetime
+
+import msgspec
+from faststream.nats import NatsBroker
+
+from contracts import subjects
+from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent, StateChanged
+from contracts.states import RunState
+from services.runtime.settings import Settings
+
+log = logging.getLogger("ito.trainer.emitter")
+THREAD_PUBLISH_TIMEOUT_S = 10.0  # the training thread waits at most this for one event to be stored
+
+
+class Emitter:
+    def __init__(self, broker: NatsBroker, settings: Settings, run_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.broker = broker
+        self.settings = settings
+        self.run_id = run_id
+        self.loop = loop
+        self._last = 0
+
+    def _seq(self) -> int:
+        self._last = max(self._last + 1, time.time_ns() // 1000)
+        return self._last
+
+    async def publish(self, event: RunEvent) -> None:
+        kind = type(event).__struct_config__.tag
+        await self.broker.publish(
+            msgspec.json.encode(event),
+            self.settings.subject(f"{subjects.RUN_EVENTS}.{self.run_id}.{kind}"),
+            stream=self.settings.stream(subjects.STREAM_RUNS),
+            headers={"Nats-Msg-Id": f"{self.run_id}:{event.seq}"},
+            timeout=self.settings.request_timeout_s,
+        )
+
+    def _base(self) -> dict:
+        return {"run_id": self.run_id, "seq": self._seq(), "at": datetime.now(UTC)}
+
+    async def state(self, state: RunState, stage: str | None = None, message: str | None = None,
+                    total_steps: int = 0) -> None:
+        await self.publish(StateChanged(**self._base(), state=state, stage=stage, message=message,
+                                        total_steps=total_steps))
+
+    async def log(self, message: str, level: str = "info") -> None:
+        await self.publish(LogLine(**self._base(), level=level, message=message))
+
+    def from_thread(self, kind: str, payload: dict) -> None:
+        """The training loop's `emit(kind, payload)`: build the event here, publish on the loop."""
+        match kind:
+            case "metrics":
+                event = Metrics(**self._base(), **payload)
+            case "log":
+                event = LogLine(**self._base(), **payload)
+            case "checkpoint":
+                event = CheckpointSaved(**self._base(), **payload)
+            case _:
+                raise ValueError(f"unknown event kind {kind!r}")
+        future = asyncio.run_coroutine_threadsafe(self.publish(event), self.loop)
+        try:
+            future.result(timeout=THREAD_PUBLISH_TIMEOUT_S)
+        except Exception:  # the run goes on; a lost metric is not worth a lost run
+            log.warning("run %s: a %s event could not be published", self.run_id, kind)
