@@ -39,6 +39,17 @@ ROUTES = [  # (subject, request type, Api method name)
 ]
 
 
+def _route(handler, request_type):
+    """A subscriber for one API verb (a factory, so FastStream sees only the message argument)."""
+    decoder = msgspec.json.Decoder(request_type)
+
+    async def route(msg: NatsMessage) -> bytes:
+        return await answer(handler, msg.body, decoder)
+
+    route.__name__ = f"api_{handler.__name__}"
+    return route
+
+
 def register(w: Wiring) -> None:
     s = w.settings
     backends = Backends(w.broker, s, settings_mod.entitlement_key(s))
@@ -48,14 +59,7 @@ def register(w: Wiring) -> None:
     run_events = RunEvents(runs)
 
     for suffix, request_type, method in ROUTES:
-        decoder = msgspec.json.Decoder(request_type)
-        handler = getattr(api, method)
-
-        async def route(msg: NatsMessage, handler=handler, decoder=decoder) -> bytes:
-            return await answer(handler, msg.body, decoder)
-
-        route.__name__ = f"api_{method}"
-        w.broker.subscriber(s.subject(suffix))(route)
+        w.broker.subscriber(s.subject(suffix))(_route(getattr(api, method), request_type))
 
     @w.broker.subscriber(
         s.subject(subjects.RUN_EVENTS) + ".>",

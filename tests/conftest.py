@@ -1,0 +1,146 @@
+"""Shared fixtures: real NATS and Redis (the machine's, or embedded ones started here), and a
+full stack of the five services under a namespace unique to this test run.
+
+Everything a run creates carries its namespace: streams `<NS>_*`, subjects `<ns>.*`, Redis keys
+`<ns>:*`. They are removed at the end, so runs on a shared server never see each other.
+"""
+
+import asyncio
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+
+import pytest
+
+from services.runtime import infra
+from services.runtime.settings import DEFAULT_NATS_URL, DEFAULT_REDIS_URL
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+BIN = pathlib.Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def infra_urls():
+    """(nats_url, redis_url): the standard ports when they answer, else embedded servers."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="ito-infra-"))
+    nats_url = os.environ.get("ITO_NATS_URL") or DEFAULT_NATS_URL
+    redis_url = os.environ.get("ITO_REDIS_URL") or DEFAULT_REDIS_URL
+    nats, redis = infra.ensure(nats_url, redis_url, tmp, tmp / "logs")
+    yield nats.url, redis.url
+    for started in (nats, redis):
+        if started.pid:
+            infra.stop_pid(started.pid)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def new_namespace() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+async def _purge(nats_url: str, redis_url: str, namespace: str) -> None:
+    import nats
+    import redis.asyncio as aioredis
+
+    from services.runtime import settings as settings_mod
+    from services.runtime import streams
+
+    s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_NATS_URL": nats_url, "ITO_REDIS_URL": redis_url})
+    nc = await nats.connect(nats_url, connect_timeout=2)
+    try:
+        await streams.delete(nc.jetstream(), s)
+    finally:
+        await nc.close()
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{namespace}:*", count=1000)]
+        if keys:
+            await r.delete(*keys)
+    finally:
+        await r.aclose()
+
+
+@pytest.fixture(scope="session")
+def purge():
+    return lambda nats_url, redis_url, ns: asyncio.run(_purge(nats_url, redis_url, ns))
+
+
+class Stack:
+    """A running set of services and a way to drive them with the real CLIs."""
+
+    def __init__(self, env: dict[str, str], data_dir: pathlib.Path) -> None:
+        self.env = env
+        self.data_dir = data_dir
+
+    def run(self, exe: str, *args: str, input: str | None = None, env: dict | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / exe), *args], input=input, capture_output=True, text=True,
+                              env={**self.env, **(env or {})}, timeout=timeout, cwd=REPO)
+
+    def ecc(self, *args: str, input: str | None = None, env: dict | None = None, timeout: float = 120):
+        """(exit code, the JSON envelope) of `ecc ito ARGS --json`."""
+        proc = self.run("ecc", "ito", *args, "--json", input=input, env=env, timeout=timeout)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+        assert lines, f"ecc printed nothing; stderr: {proc.stderr[-2000:]}"
+        return proc.returncode, json.loads(lines[-1])
+
+    def ito(self, *args: str, timeout: float = 120) -> dict:
+        proc = self.run("ito-training", *args, "--json", timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def account(self, name: str | None = None) -> tuple[str, str, dict]:
+        """A new account, logged in under its own ECC_CONFIG_DIR: (account, api key, env)."""
+        name = name or "acct-" + uuid.uuid4().hex[:8]
+        key = self.ito("accounts", "create", name)["api_key"]
+        env = {"ECC_CONFIG_DIR": str(self.data_dir / "ecc" / name)}
+        rc, out = self.ecc("login", "--account", name, input=key + "\n", env=env)
+        assert rc == 0 and out["ok"], out
+        return name, key, env
+
+    def booking(self, account: str, booking: str | None = None, event: str = "completed", **opts) -> str:
+        booking = booking or "bk-" + uuid.uuid4().hex[:8]
+        args = ["simulate-booking", "--account", account, "--booking", booking, "--event", event]
+        for k, v in opts.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        self.ito(*args)
+        return booking
+
+
+@pytest.fixture(scope="session")
+def stack(infra_urls, purge, tmp_path_factory):
+    nats_url, redis_url = infra_urls
+    ns = new_namespace()
+    data_dir = tmp_path_factory.mktemp("stack")
+    env = {**os.environ, "ITO_NATS_URL": nats_url, "ITO_REDIS_URL": redis_url, "ITO_NAMESPACE": ns,
+           "ITO_DATA_DIR": str(data_dir), "ITO_TRAINER_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    s = Stack(env, data_dir)
+    up = s.run("ito-training", "up", "--detach", "--json", timeout=180)
+    assert up.returncode == 0, up.stderr[-3000:]
+    try:
+        yield s
+    finally:
+        s.run("ito-training", "down", timeout=60)
+        purge(nats_url, redis_url, ns)
+
+
+def write_manifest(directory: pathlib.Path, filename: str | None = None, **overrides) -> pathlib.Path:
+    """A small valid manifest (tiny model, a few dozen steps) with overrides merged at top level."""
+    base = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())
+    base["target"] = {"tokens": 30 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
+    base["checkpoint"] = {"interval_steps": 10, "keep_last": 2, "storage": "local"}
+    for key, value in overrides.items():
+        base[key] = value
+    path = directory / (filename or f"manifest-{uuid.uuid4().hex[:8]}.json")
+    path.write_text(json.dumps(base, indent=2))
+    path.chmod(0o644)
+    return path
+
+
+@pytest.fixture
+def manifest(tmp_path):
+    return lambda **overrides: write_manifest(tmp_path, **overrides)

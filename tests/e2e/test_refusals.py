@@ -1,0 +1,148 @@
+"""Refusals through the real CLI: each gate fails closed with a stable code and changes nothing."""
+
+import asyncio
+import json
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def confirm(stack, env, booking, m):
+    rc, out = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", str(m), env=env)
+    assert rc == 0, out
+    return out["data"]["confirmation_ref"]
+
+
+def train(stack, env, booking, m, ref, key=None):
+    return stack.ecc("train", "--booking", booking, "--manifest", str(m), "--confirmation-ref", ref,
+                     "--idempotency-key", key or uuid.uuid4().hex, env=env)
+
+
+def code(out):
+    assert out["ok"] is False, out
+    return out["error"]["code"]
+
+
+def test_not_logged_in_is_unauthenticated(stack, tmp_path):
+    rc, out = stack.ecc("auth", env={"ECC_CONFIG_DIR": str(tmp_path / "nobody")})
+    assert rc == 1 and code(out) == "unauthenticated" and out["live_api_contacted"] is False
+
+
+def test_wrong_key_and_revoked_key(stack, tmp_path):
+    account, key, env = stack.account()
+    rc, out = stack.ecc("login", "--account", account, input="ito_sk_wrong\n",
+                        env={"ECC_CONFIG_DIR": str(tmp_path / "x")})
+    assert rc == 1 and code(out) == "unauthenticated"
+    assert "ito_sk_wrong" not in json.dumps(out)
+    stack.ito("accounts", "revoke", account)
+    rc, out = stack.ecc("auth", env=env)
+    assert rc == 1 and code(out) == "credential_revoked"
+
+
+def test_booking_gates(stack, manifest):
+    account, _, env = stack.account()
+    other, _, other_env = stack.account()
+    m = manifest()
+    rc, out = stack.ecc("plan", "--booking", "bk-none", "--manifest", str(m), env=env)
+    assert code(out) == "booking_not_found"
+    theirs = stack.booking(other)
+    rc, out = stack.ecc("plan", "--booking", theirs, "--manifest", str(m), env=env)
+    assert code(out) == "booking_not_found"  # another tenant's booking leaks nothing
+    small = stack.booking(account, gpus_per_node=1)
+    rc, out = stack.ecc("plan", "--booking", small, "--manifest",
+                        str(manifest(resources={"nodes": 1, "gpus_per_node": 2})), env=env)
+    assert code(out) == "booking_mismatch"
+    revoked = stack.booking(account)
+    ref = confirm(stack, env, revoked, m)
+    stack.booking(account, revoked, event="revoked")
+    rc, out = train(stack, env, revoked, m, ref)
+    assert rc == 1 and code(out) == "booking_revoked"
+
+
+def test_confirmation_gates(stack, manifest):
+    account, _, env = stack.account()
+    other, _, other_env = stack.account()
+    booking = stack.booking(account)
+    m = manifest()
+    rc, out = stack.ecc("train", "--booking", booking, "--manifest", str(m), "--confirmation-ref", "",
+                        "--idempotency-key", "k-none", env=env)
+    assert code(out) == "confirmation_required"
+    rc, out = train(stack, env, booking, m, "cf_does_not_exist")
+    assert code(out) == "confirmation_not_found"
+    ref = confirm(stack, env, booking, m)
+    other_booking = stack.booking(other)
+    rc, out = train(stack, other_env, other_booking, m, ref)
+    assert code(out) == "confirmation_mismatch"  # account A's confirmation used by account B
+    rc, out = train(stack, env, booking, m, ref, key="conf-1")
+    assert rc == 0, out
+    rc, out = train(stack, env, booking, m, ref, key="conf-2")  # the same confirmation, a new key
+    assert code(out) == "confirmation_consumed"
+    edited = manifest(seed=7)  # edited after confirm
+    ref2 = confirm(stack, env, booking, m)
+    rc, out = train(stack, env, booking, edited, ref2)
+    assert code(out) == "manifest_digest_mismatch"
+
+
+def test_idempotency_gates(stack, manifest):
+    account, _, env = stack.account()
+    booking = stack.booking(account)
+    m = manifest()
+    rc, out = train(stack, env, booking, m, confirm(stack, env, booking, m), key="x" * 256)
+    assert code(out) == "idempotency_key_invalid"
+    rc, out = train(stack, env, booking, m, confirm(stack, env, booking, m), key="idem-1")
+    assert rc == 0
+    rc, out = train(stack, env, booking, manifest(seed=3), "cf_any", key="idem-1")
+    assert code(out) == "idempotency_key_conflict"
+
+
+def test_manifest_gates(stack, manifest, tmp_path):
+    account, _, env = stack.account()
+    booking = stack.booking(account)
+    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", "relative.json", env=env)
+    assert code(out) == "manifest_not_absolute" and out["live_api_contacted"] is False
+    secret = "AKIA" + "Q" * 16
+    m = manifest(name=f"run {secret}")
+    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(m), env=env)
+    assert code(out) == "manifest_contains_secret" and secret not in json.dumps(out)
+    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(manifest(unknown_field=1)), env=env)
+    assert code(out) == "manifest_invalid" and "unknown_field" in out["error"]["message"]
+    link = tmp_path / "link.json"
+    link.symlink_to(manifest())
+    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(link), env=env)
+    assert code(out) == "manifest_symlink"
+
+
+def test_plan_creates_nothing(stack, manifest):
+    account, _, env = stack.account()
+    booking = stack.booking(account)
+    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(manifest()), env=env)
+    assert rc == 0
+    rc, out = stack.ecc("status", "--idempotency-key", "never-used", env=env)
+    assert code(out) == "run_not_found"
+
+
+@pytest.mark.parametrize("payload, why", [
+    (b'{"credential": {"account": "a", "api_key": "k"}, "surprise": 1}', "unknown field"),
+    (b'{"credential": {"account": "a", "api_key": 5}}', "wrong type"),
+    (b"not json", "not JSON"),
+    (b'{"credential": {"account": "a", "api_key": "' + b"k" * (3 * 1024 * 1024) + b'"}}', "oversized"),
+])
+def test_bad_requests_get_request_invalid(stack, payload, why):
+    import nats
+
+    async def ask():
+        nc = await nats.connect(stack.env["ITO_NATS_URL"], connect_timeout=2)
+        try:
+            reply = await nc.request(f"{stack.env['ITO_NAMESPACE']}.v1.api.auth", payload, timeout=5)
+            return json.loads(reply.data)
+        finally:
+            await nc.close()
+
+    try:
+        out = asyncio.run(ask())
+    except Exception as exc:  # the server's max_payload refused it before any service saw it
+        assert why == "oversized" and "payload" in str(exc).lower()
+        return
+    assert out["ok"] is False and out["error"]["code"] == "request_invalid", (why, out)

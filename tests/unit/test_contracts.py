@@ -1,0 +1,433 @@
+"""Wire contracts: every Struct round-trips through JSON, rejects unknown fields and wrong types;
+the Envelope's invariants; the stable error codes; contracts import nothing but msgspec and stdlib."""
+
+import ast
+import importlib
+import inspect
+import pathlib
+import pkgutil
+import sys
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+import pytest
+
+import contracts
+from contracts import api, base, booking, envelope, errors, internal, manifest, models, runs, states
+from contracts.api import Action
+from contracts.booking import BookingEventKind, BookingState, Fabric
+from contracts.errors import ErrorCode
+from contracts.manifest import DataRole, ModelSize
+from contracts.states import RunState
+
+T0 = datetime(2025, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
+T1 = T0 + timedelta(hours=6)
+
+CONTRACTS_DIR = pathlib.Path(contracts.__file__).parent
+MODULES = [importlib.import_module(f"contracts.{m.name}") for m in pkgutil.iter_modules(contracts.__path__)]
+
+
+def defined_structs() -> list[type[msgspec.Struct]]:
+    """Every msgspec.Struct subclass defined (not merely imported) in a contracts module."""
+    found = []
+    for module in MODULES:
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__:
+                found.append(obj)
+    return found
+
+
+# --- one sample per Struct; optional fields are set wherever possible so that they travel too ---
+
+TOPOLOGY = booking.Topology(nodes=2, gpus_per_node=8, gpu_model="H200", gpu_memory_gb=141)
+BOOKING = booking.Booking(
+    booking_id="bk_1", account="acct_a", state=BookingState.completed, version=3, topology=TOPOLOGY,
+    region="eu-west", fabric=Fabric.infiniband, window_start=T0, window_end=T1, updated_at=T0,
+)
+CREDENTIAL = api.Credential(account="acct_a", api_key="ito_sk_sample_not_a_real_key")
+COST = api.CostEstimate(
+    flops=1.5e18, tokens=1_000_000, parameters=467_712, assumed_mfu=0.4, peak_tflops_per_gpu=989.0, gpus=16,
+    gpu_hours=0.25, price_per_gpu_hour_usd=3.5, compute_usd=0.875, checkpoint_storage_usd=0.01,
+    total_usd=0.885, booked_gpu_hours=96.0, incremental_usd=0.0,
+)
+CHECK_OK = api.PlanCheck(name="fabric", ok=True, reason="infiniband is fine")
+CHECK_FAIL = api.PlanCheck(name="budget_cap", ok=False, code="budget_exceeded", reason="over the cap")
+PLAN = api.Plan(
+    booking_id="bk_1", manifest_digest="ab" * 32, strategy="hsdp", degrees={"dp_replicate": 2, "dp_shard": 8},
+    precision="fp8", cost=COST, checks=[CHECK_OK, CHECK_FAIL], ok=False,
+)
+BODY = internal.EligibilityBody(
+    account="acct_a", booking_id="bk_1", booking_version=3, topology=TOPOLOGY, region="eu-west",
+    fabric=Fabric.roce, window_start=T0, window_end=T1, issued_at=T0, expires_at=T0 + timedelta(seconds=60),
+)
+LEDGER_ENTRY = internal.LedgerEntry(
+    account="acct_a", idempotency_key="key-1", fingerprint="f" * 64, run_id="run_1", action=Action.train,
+    handed_off=True, created_at=T0, work=b"\x00\x01binary\xff",
+)
+DECONTAMINATION = manifest.Decontamination(method="13-gram", against=["gsm8k"], provenance="ito-training data-prep")
+MANIFEST = manifest.Manifest(
+    schema_version=1,
+    name="demo",
+    model=manifest.ModelSpec(size=ModelSize.b1, revision="r1"),
+    data=[
+        manifest.DataRef(name="topics", source="builtin:pydoc_topics", role=DataRole.train, decontamination=DECONTAMINATION),
+        manifest.DataRef(name="heldout", source="generated:arithmetic", role=DataRole.eval),
+    ],
+    target=manifest.Target(tokens=10_000, seq_len=128, batch_size=8, learning_rate=1e-3),
+    post_training=manifest.PostTraining(recipe=["sft", "dpo"]),
+    checkpoint=manifest.CheckpointPolicy(interval_steps=10, keep_last=3, storage="/srv/ckpt"),
+    resources=manifest.Resources(nodes=2, gpus_per_node=8, region="eu-west", fabric=Fabric.infiniband),
+    budget_cap_usd=12.5,
+    max_incremental_cost_usd=1.25,
+    seed=7,
+)
+
+SAMPLES: dict[type, msgspec.Struct] = {
+    # base
+    base.Contract: base.Contract(),
+    # api
+    api.Credential: CREDENTIAL,
+    api.AuthRequest: api.AuthRequest(credential=CREDENTIAL),
+    api.FindRequest: api.FindRequest(credential=CREDENTIAL),
+    api.PlanRequest: api.PlanRequest(credential=CREDENTIAL, booking_id="bk_1", manifest_text="{}", manifest_digest="ab" * 32),
+    api.ConfirmRequest: api.ConfirmRequest(
+        credential=CREDENTIAL, action=Action.train, booking_id="bk_1", run_id="run_1", manifest_text="{}",
+        manifest_digest="ab" * 32, max_cost_usd=9.5,
+    ),
+    api.TrainRequest: api.TrainRequest(
+        credential=CREDENTIAL, booking_id="bk_1", manifest_text="{}", manifest_digest="ab" * 32,
+        idempotency_key="key-1", confirmation_ref="cf_1",
+    ),
+    api.StatusRequest: api.StatusRequest(credential=CREDENTIAL, run_id="run_1", idempotency_key="key-1"),
+    api.LogsRequest: api.LogsRequest(credential=CREDENTIAL, run_id="run_1", since=5, limit=50),
+    api.AuthInfo: api.AuthInfo(account="acct_a", key_id="kid_1"),
+    api.BookingView: api.BookingView(booking=BOOKING, allows_training=False, reason="window over"),
+    api.PlanCheck: CHECK_FAIL,
+    api.CostEstimate: COST,
+    api.Plan: PLAN,
+    api.ConfirmationIssued: api.ConfirmationIssued(
+        confirmation_ref="cf_1", action=Action.cancel, target="run_1", manifest_digest=None, max_cost_usd=3.25,
+        expires_at=T1,
+    ),
+    api.RunAccepted: api.RunAccepted(run_id="run_1", state=RunState.queued, replay=True),
+    api.RunView: api.RunView(
+        run_id="run_1", account="acct_a", booking_id="bk_1", manifest_digest="ab" * 32, idempotency_key="key-1",
+        state=RunState.running, stage="pretrain", step=10, total_steps=100, loss=2.5, created_at=T0,
+        updated_at=T1, plan=PLAN, message="training",
+    ),
+    api.LogLineView: api.LogLineView(index=3, at=T0, level="warning", message="slow step"),
+    api.LogPage: api.LogPage(run_id="run_1", lines=[api.LogLineView(index=0, at=T0, level="info", message="hi")], next=1),
+    # booking
+    booking.Topology: TOPOLOGY,
+    booking.BookingEvent: booking.BookingEvent(
+        event_id="ev_1", kind=BookingEventKind.modified, booking_id="bk_1", account="acct_a", version=4,
+        topology=TOPOLOGY, region="eu-west", fabric=Fabric.ethernet, window_start=T0, window_end=T1, emitted_at=T0,
+    ),
+    booking.Booking: BOOKING,
+    # envelope and errors
+    envelope.Envelope: envelope.Envelope(ok=True, live_api_contacted=True, notice="replay", data={"run_id": "run_1", "n": [1, 2.5, None]}),
+    errors.ApiError: errors.ApiError(code=ErrorCode.booking_expired, message="the booking's window is over"),
+    # internal
+    internal.EligibilityQuery: internal.EligibilityQuery(
+        account="acct_a", booking_id="bk_1", nodes=2, gpus_per_node=8, region="eu-west", fabric=Fabric.infiniband,
+    ),
+    internal.EligibilityBody: BODY,
+    internal.EligibilityStatement: internal.EligibilityStatement(body=BODY, signature="0f" * 32),
+    internal.BookingsQuery: internal.BookingsQuery(account="acct_a"),
+    internal.BookingsAnswer: internal.BookingsAnswer(bookings=[BOOKING]),
+    internal.ConfirmationCreate: internal.ConfirmationCreate(
+        account="acct_a", action=Action.train, target="bk_1", manifest_digest="ab" * 32, max_cost_usd=9.5,
+    ),
+    internal.ConfirmationResolve: internal.ConfirmationResolve(
+        account="acct_a", confirmation_ref="cf_1", action=Action.train, target="bk_1", manifest_digest="ab" * 32,
+        cost_usd=1.5,
+    ),
+    internal.LedgerLookup: internal.LedgerLookup(account="acct_a", idempotency_key="key-1"),
+    internal.LedgerEntry: LEDGER_ENTRY,
+    internal.LedgerAccept: internal.LedgerAccept(
+        account="acct_a", idempotency_key="key-1", fingerprint="f" * 64, run_id="run_1", action=Action.train,
+        confirmation_ref="cf_1", target="bk_1", manifest_digest="ab" * 32, cost_usd=1.5, work=b'{"x":1}',
+    ),
+    internal.LedgerHandedOff: internal.LedgerHandedOff(account="acct_a", idempotency_key="key-1"),
+    internal.LedgerPending: internal.LedgerPending(older_than_s=30.5),
+    internal.LedgerPendingAnswer: internal.LedgerPendingAnswer(entries=[LEDGER_ENTRY]),
+    internal.Health: internal.Health(service="ledger", ok=True),
+    # manifest
+    manifest.ModelSpec: manifest.ModelSpec(size=ModelSize.m150, revision="main"),
+    manifest.Decontamination: DECONTAMINATION,
+    manifest.DataRef: manifest.DataRef(name="topics", source="file:/data/x.txt", role=DataRole.eval, decontamination=DECONTAMINATION),
+    manifest.Target: manifest.Target(tokens=5000, seq_len=32, batch_size=4, learning_rate=5e-4),
+    manifest.PostTraining: manifest.PostTraining(recipe=["sft", "rlvr"]),
+    manifest.CheckpointPolicy: manifest.CheckpointPolicy(interval_steps=5, keep_last=1, storage="local"),
+    manifest.Resources: manifest.Resources(nodes=1, gpus_per_node=4, region="us-east", fabric=Fabric.roce),
+    manifest.Manifest: MANIFEST,
+    # models
+    models.ModelShape: models.MODEL_SHAPES["8B"],
+    # runs
+    runs.TrainWork: runs.TrainWork(
+        run_id="run_1", account="acct_a", booking_id="bk_1", manifest_text="{}", manifest_digest="ab" * 32,
+        plan=PLAN, checkpoint_dir="/srv/ckpt/acct_a/run_1",
+    ),
+    runs.RunEventBase: runs.RunEventBase(run_id="run_1", seq=1, at=T0),
+    runs.StateChanged: runs.StateChanged(run_id="run_1", seq=2, at=T0, state=RunState.running, stage="pretrain", message="go", total_steps=40),
+    runs.LogLine: runs.LogLine(run_id="run_1", seq=3, at=T0, level="error", message="oops"),
+    runs.Metrics: runs.Metrics(
+        run_id="run_1", seq=4, at=T0, stage="pretrain", step=3, total_steps=40, loss=3.25, learning_rate=3e-3,
+        tokens_per_s=1234.5, grad_norm=0.75,
+    ),
+    runs.CheckpointSaved: runs.CheckpointSaved(run_id="run_1", seq=5, at=T0, step=10, path="/srv/ckpt/step_10", bytes=4096, stall_s=0.5, save_s=1.25),
+    runs.DeskTelemetry: runs.DeskTelemetry(run_id="run_1", booking_id="bk_1", at=T1, wall_s=60.0, step_s=0.25, goodput=0.9),
+}
+
+STRUCTS = defined_structs()
+RUN_EVENT_CLASSES = [runs.StateChanged, runs.LogLine, runs.Metrics, runs.CheckpointSaved]
+
+
+def name_of(cls: type) -> str:
+    return f"{cls.__module__.removeprefix('contracts.')}.{cls.__qualname__}"
+
+
+# --- discovery: the registry covers every Struct ---
+
+
+def test_every_listed_module_is_discovered():
+    names = {m.__name__ for m in MODULES}
+    for module in (api, base, booking, envelope, errors, internal, manifest, models, runs, states):
+        assert module.__name__ in names
+
+
+def test_discovery_finds_structs():
+    # guards the guard: if discovery broke and found nothing, the coverage test below would pass vacuously
+    assert {api.Plan, runs.Metrics, envelope.Envelope, manifest.Manifest} <= set(STRUCTS)
+
+
+def test_every_struct_has_a_sample():
+    missing = sorted(name_of(c) for c in STRUCTS if c not in SAMPLES)
+    assert missing == [], "add a sample to SAMPLES for each new contract Struct"
+
+
+def test_every_sample_is_an_instance_of_its_key():
+    wrong = sorted(name_of(c) for c, s in SAMPLES.items() if type(s) is not c)
+    assert wrong == []
+
+
+# --- round trips ---
+
+
+@pytest.mark.parametrize("cls", STRUCTS, ids=name_of)
+def test_round_trips_through_json(cls):
+    sample = SAMPLES[cls]
+    encoded = msgspec.json.encode(sample)
+    assert msgspec.json.decode(encoded, type=cls) == sample
+    # and the encoding is stable: re-encoding the decoded value gives the same bytes
+    assert msgspec.json.encode(msgspec.json.decode(encoded, type=cls)) == encoded
+
+
+@pytest.mark.parametrize("cls", RUN_EVENT_CLASSES, ids=name_of)
+def test_run_event_union_decodes_to_the_right_type(cls):
+    sample = SAMPLES[cls]
+    decoded = msgspec.json.decode(msgspec.json.encode(sample), type=runs.RunEvent)
+    assert type(decoded) is cls and decoded == sample
+
+
+@pytest.mark.parametrize(
+    "cls, tag", [(runs.StateChanged, "state"), (runs.LogLine, "log"), (runs.Metrics, "metrics"), (runs.CheckpointSaved, "checkpoint")],
+    ids=lambda v: v if isinstance(v, str) else v.__name__,
+)
+def test_run_events_carry_their_kind_tag(cls, tag):
+    assert msgspec.json.decode(msgspec.json.encode(SAMPLES[cls]))["kind"] == tag
+
+
+def test_run_event_union_rejects_an_unknown_kind():
+    raw = msgspec.json.encode({**msgspec.to_builtins(SAMPLES[runs.LogLine]), "kind": "bogus"})
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(raw, type=runs.RunEvent)
+
+
+def test_credential_repr_hides_the_key():
+    leaked = CREDENTIAL.api_key in repr(CREDENTIAL)
+    assert not leaked, "Credential's repr must not show the api key"
+    assert "acct_a" in repr(CREDENTIAL)
+
+
+# --- strictness ---
+
+
+@pytest.mark.parametrize("cls", STRUCTS, ids=name_of)
+def test_is_frozen_and_forbids_unknown_fields(cls):
+    config = cls.__struct_config__
+    assert config.frozen and config.forbid_unknown_fields
+
+
+@pytest.mark.parametrize("cls", STRUCTS, ids=name_of)
+def test_unknown_field_is_rejected(cls):
+    raw = msgspec.json.encode({**msgspec.to_builtins(SAMPLES[cls]), "zz_unknown_field": 1})
+    with pytest.raises(msgspec.ValidationError, match="zz_unknown_field"):
+        msgspec.json.decode(raw, type=cls)
+
+
+def typed_fields() -> list[tuple[type, str]]:
+    """(Struct, field) for every field with a concrete type (Envelope.data is Any: anything goes)."""
+    out = []
+    for cls in STRUCTS:
+        for field in msgspec.structs.fields(cls):
+            if field.type is not object and str(field.type) != "typing.Any":
+                out.append((cls, field.encode_name))
+    return out
+
+
+@pytest.mark.parametrize("cls, field", typed_fields(), ids=lambda v: v if isinstance(v, str) else name_of(v))
+def test_a_field_of_the_wrong_type_is_rejected(cls, field):
+    # `[[]]` is a valid value for no str, number, bool, enum, datetime, bytes, dict, Struct or
+    # list-of-those field, so every typed field must refuse it.
+    raw = msgspec.json.encode({**msgspec.to_builtins(SAMPLES[cls]), field: [[]]})
+    with pytest.raises(msgspec.ValidationError, match=field):
+        msgspec.json.decode(raw, type=cls)
+
+
+@pytest.mark.parametrize(
+    "cls, field, value",
+    [
+        (booking.Topology, "nodes", "2"),  # strict: no str -> int coercion
+        (booking.Topology, "nodes", 2.5),
+        (booking.Topology, "nodes", True),  # a bool is not an int on the wire
+        (booking.Booking, "state", "parked"),  # not a BookingState
+        (booking.Booking, "window_end", "tomorrow"),
+        (api.Credential, "api_key", None),
+        (api.TrainRequest, "idempotency_key", 42),
+        (api.RunView, "state", "paused"),
+        (manifest.Manifest, "budget_cap_usd", "10"),
+        (manifest.ModelSpec, "size", "13B"),
+        (manifest.DataRef, "role", "test"),
+        (api.Plan, "degrees", {"tp": "2"}),
+        (envelope.Envelope, "ok", "yes"),
+        (envelope.Envelope, "notice", 0),
+        (errors.ApiError, "code", "not_a_code"),
+        (internal.LedgerEntry, "work", "not base64!"),
+        (runs.Metrics, "loss", "nan"),
+    ],
+    ids=lambda v: repr(v) if not isinstance(v, type) else v.__name__,
+)
+def test_specific_wrong_types_are_rejected(cls, field, value):
+    raw = msgspec.json.encode({**msgspec.to_builtins(SAMPLES[cls]), field: value})
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(raw, type=cls)
+
+
+@pytest.mark.parametrize("cls", [c for c in STRUCTS if any(f.required for f in msgspec.structs.fields(c))], ids=name_of)
+def test_a_missing_required_field_is_rejected(cls):
+    first_required = next(f.encode_name for f in msgspec.structs.fields(cls) if f.required)
+    as_dict = msgspec.to_builtins(SAMPLES[cls])
+    del as_dict[first_required]
+    with pytest.raises(msgspec.ValidationError, match=first_required):
+        msgspec.json.decode(msgspec.json.encode(as_dict), type=cls)
+
+
+# --- Envelope ---
+
+ERR = errors.ApiError(code=ErrorCode.internal, message="boom")
+
+
+@pytest.mark.parametrize(
+    "ok, error",
+    [(True, ERR), (False, None)],
+    ids=["ok-with-error", "failed-without-error"],
+)
+def test_envelope_rejects_inconsistent_ok_and_error(ok, error):
+    with pytest.raises(AssertionError):
+        envelope.Envelope(ok=ok, live_api_contacted=True, notice=None, error=error)
+
+
+def test_envelope_decoded_with_ok_and_error_is_refused():
+    raw = b'{"ok":true,"live_api_contacted":true,"notice":null,"error":{"code":"internal","message":"x"}}'
+    with pytest.raises(AssertionError):
+        msgspec.json.decode(raw, type=envelope.Envelope)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (envelope.Envelope(ok=True, live_api_contacted=True, notice=None),
+         {"ok": True, "live_api_contacted": True, "notice": None}),
+        (envelope.Envelope(ok=True, live_api_contacted=False, notice="cached", data={"a": 1}),
+         {"ok": True, "live_api_contacted": False, "notice": "cached", "data": {"a": 1}}),
+        (envelope.Envelope(ok=False, live_api_contacted=True, notice=None, error=ERR),
+         {"ok": False, "live_api_contacted": True, "notice": None, "error": {"code": "internal", "message": "boom"}}),
+    ],
+    ids=["ok-no-data", "ok-with-data", "failed"],
+)
+def test_envelope_wire_shape(env, expected):
+    # `notice` is always on the wire (null when there is nothing to say); data/error only when set
+    assert msgspec.json.decode(msgspec.json.encode(env)) == expected
+
+
+def test_envelope_requires_notice_on_decode():
+    with pytest.raises(msgspec.ValidationError, match="notice"):
+        msgspec.json.decode(b'{"ok":true,"live_api_contacted":true}', type=envelope.Envelope)
+
+
+# --- error codes ---
+
+STABLE_CODES = [
+    "unauthenticated", "credential_revoked", "forbidden", "booking_not_found", "booking_incomplete",
+    "booking_expired", "booking_revoked", "booking_released", "booking_mismatch", "eligibility_stale",
+    "manifest_invalid", "manifest_not_absolute", "manifest_symlink", "manifest_not_regular",
+    "manifest_unsafe_permissions", "manifest_too_large", "manifest_changed", "manifest_digest_mismatch",
+    "manifest_contains_secret", "confirmation_required", "confirmation_not_found", "confirmation_expired",
+    "confirmation_consumed", "confirmation_mismatch", "idempotency_key_invalid", "idempotency_key_conflict",
+    "idempotency_in_progress", "fabric_unsupported", "capacity_insufficient", "data_policy_violation",
+    "checkpoint_storage_unavailable", "budget_exceeded", "plan_wasteful", "run_not_found",
+    "run_not_cancellable", "timeout", "transport_ambiguous", "backend_unavailable", "internal",
+]
+
+
+@pytest.mark.parametrize("code", list(ErrorCode), ids=lambda c: c.name)
+def test_error_code_value_equals_its_name(code):
+    assert code.value == code.name
+
+
+@pytest.mark.parametrize("name", STABLE_CODES)
+def test_stable_error_code_exists(name):
+    assert ErrorCode(name).name == name
+
+
+def test_stable_list_has_no_duplicates():
+    assert len(set(STABLE_CODES)) == len(STABLE_CODES) == 39
+
+
+# --- contracts stay pure data ---
+
+CONTRACT_FILES = sorted(CONTRACTS_DIR.glob("*.py"))
+
+
+def imported_roots(source: str) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            roots.add("contracts" if node.level else (node.module or "").split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("path", CONTRACT_FILES, ids=lambda p: p.name)
+def test_contracts_import_only_msgspec_stdlib_and_contracts(path):
+    allowed = set(sys.stdlib_module_names) | {"msgspec", "contracts"}
+    assert imported_roots(path.read_text()) - allowed == set()
+
+
+@pytest.mark.parametrize(
+    "source, bad",
+    [("import redis", {"redis"}), ("from services.runtime import codec", {"services"}), ("import json, msgspec", set()),
+     ("from .base import Contract", set()), ("def f():\n    import numpy", {"numpy"})],
+    ids=["import", "from-import", "stdlib-and-msgspec", "relative", "nested-import"],
+)
+def test_import_check_catches_foreign_imports(source, bad):
+    allowed = set(sys.stdlib_module_names) | {"msgspec", "contracts"}
+    assert imported_roots(source) - allowed == bad
+
+
+def test_contract_files_found():
+    assert {p.name for p in CONTRACT_FILES} >= {
+        "api.py", "booking.py", "envelope.py", "errors.py", "internal.py", "manifest.py", "models.py", "runs.py", "states.py",
+    }
