@@ -30,6 +30,16 @@ def show(args, env: Envelope) -> None:
 
 
 def _human(data) -> str:
+    if isinstance(data, dict) and set(data) == {"account", "key_id"}:
+        return f"logged in as {data['account']} (key {data['key_id']})"
+    if isinstance(data, list) and all(isinstance(v, dict) and "booking" in v for v in data):
+        rows = []
+        for v in data:
+            b, t = v["booking"], v["booking"]["topology"]
+            allows = "allows training" if v["allows_training"] else f"no training: {v['reason']}"
+            rows.append(f"{b['booking_id']}: {b['state']}, {t['nodes']}x{t['gpus_per_node']} {t['gpu_model']}, "
+                        f"{b['fabric']}, {b['region']}, until {b['window_end']} ({allows})")
+        return "\n".join(rows) or "(no bookings)"
     if isinstance(data, dict) and "state" in data and "run_id" in data:
         line = f"run {data['run_id']}: {data['state']}"
         if data.get("stage"):
@@ -63,7 +73,9 @@ async def _call(args, suffix: str, request) -> Envelope:
 
 def _progress(view: dict, started: float, first_step: int) -> str:
     step, total = view.get("step", 0), view.get("total_steps", 0)
-    line = f"[{view['state']}] {view.get('stage') or '-'} step {step}/{total}"
+    line = f"[{view['state']}] {view.get('stage') or '-'}"
+    if total:
+        line += f" step {step}/{total}"
     if view.get("loss") is not None:
         line += f" loss {view['loss']:.4f}"
     elapsed = time.monotonic() - started

@@ -144,3 +144,14 @@ def write_manifest(directory: pathlib.Path, filename: str | None = None, **overr
 @pytest.fixture
 def manifest(tmp_path):
     return lambda **overrides: write_manifest(tmp_path, **overrides)
+
+
+@pytest.fixture
+def namespace():
+    return new_namespace()
+
+
+@pytest.fixture(scope="session")
+def apurge():
+    """`purge` for async fixtures, which already run inside an event loop."""
+    return _purge

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The main job, end to end on embedded infra: up -> account -> booking -> plan -> confirm ->
+# train -> follow to `succeeded` -> summary -> down. Run it with `make demo`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export ITO_DATA_DIR="${ITO_DATA_DIR:-$PWD/.ito}"
+export ECC_CONFIG_DIR="${ECC_CONFIG_DIR:-$ITO_DATA_DIR/ecc-demo}"
+MANIFEST="$PWD/examples/manifests/tiny.json"
+BOOKING="demo-booking"
+KEY="demo-$(date +%s)-$$"
+json() { python3 -c "import json,sys; print(json.load(sys.stdin)$1)"; }
+
+echo "== 1. infra and services"
+UP=$(ito-training up --detach --json)
+trap 'echo "== shutting down"; ito-training down' EXIT
+export ITO_NATS_URL=$(echo "$UP" | json '["nats_url"]')
+export ITO_REDIS_URL=$(echo "$UP" | json '["redis_url"]')
+
+echo "== 2. an account, and a login (the key goes through stdin, never an argument)"
+ito-training accounts create demo --json | json '["api_key"]' | ecc ito login --account demo
+ecc ito auth
+
+echo "== 3. ito-compute completes a booking: 1 node x 8 H200, InfiniBand, 24 h"
+ito-training simulate-booking --account demo --booking "$BOOKING" --event completed \
+  --nodes 1 --gpus-per-node 8 --gpu-model H200 --fabric infiniband --hours 24
+for _ in $(seq 50); do ecc ito find --json | grep -q "$BOOKING" && break; sleep 0.1; done
+ecc ito find
+
+echo "== 4. plan (creates nothing)"
+ecc ito plan --booking "$BOOKING" --manifest "$MANIFEST"
+
+echo "== 5. confirm: a separate, explicit step; returns only an opaque reference"
+REF=$(ecc ito confirm --action train --booking "$BOOKING" --manifest "$MANIFEST" --json | json '["data"]["confirmation_ref"]')
+echo "confirmation_ref: $REF"
+
+echo "== 6. train"
+RUN=$(ecc ito train --booking "$BOOKING" --manifest "$MANIFEST" --confirmation-ref "$REF" \
+  --idempotency-key "$KEY" --json | json '["data"]["run_id"]')
+echo "run: $RUN (idempotency key $KEY)"
+
+echo "== 7. follow"
+ecc ito status "$RUN" --follow
+
+echo "== 8. summary"
+STATUS=$(ecc ito status "$RUN" --json)
+echo "$STATUS" | python3 -c '
+import json, sys
+run = json.load(sys.stdin)["data"]
+plan = run["plan"]
+print("run %s: %s" % (run["run_id"], run["state"]))
+print("  stage %s, step %d/%d, final loss %.4f" % (run["stage"], run["step"], run["total_steps"], run["loss"]))
+print("  %s" % run["message"])
+print("  plan: %s on %s, estimate %.6f USD" % (plan["strategy"], plan["booking_id"], plan["cost"]["total_usd"]))
+sys.exit(0 if run["state"] == "succeeded" else 1)
+'
