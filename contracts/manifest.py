@@ -4,11 +4,17 @@ Decoded strictly from the exact bytes that were hashed; unknown fields are rejec
 """
 
 import enum
+from typing import Annotated
 
 import msgspec
 
 from contracts.base import Contract
 from contracts.booking import Fabric
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+Usd = Annotated[float, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
 class ModelSize(enum.StrEnum):
@@ -47,10 +53,10 @@ class DataRef(Contract, kw_only=True):
 class Target(Contract, kw_only=True):
     """How much to train: tokens D and the shape of a step."""
 
-    tokens: int
-    seq_len: int = 64
-    batch_size: int = 16
-    learning_rate: float = 3e-3
+    tokens: Positive
+    seq_len: Positive = 64
+    batch_size: Positive = 16
+    learning_rate: PositiveFloat = 3e-3
 
 
 class PostTraining(Contract, kw_only=True):
@@ -58,29 +64,29 @@ class PostTraining(Contract, kw_only=True):
 
 
 class CheckpointPolicy(Contract, kw_only=True):
-    interval_steps: int = 50
-    keep_last: int = 2
+    interval_steps: Positive = 50
+    keep_last: Positive = 2
     storage: str = "local"  # "local" (the service's data dir) or an absolute path
 
 
 class Resources(Contract, kw_only=True):
     """What the run asks of the booking; checked against the booking by the server."""
 
-    nodes: int = 1
-    gpus_per_node: int = 1
+    nodes: Positive = 1
+    gpus_per_node: Positive = 1
     region: str | None = None
     fabric: Fabric | None = None
 
 
 class Manifest(Contract, kw_only=True):
-    schema_version: int = 1
-    name: str
+    schema_version: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    name: Name
     model: ModelSpec
     data: list[DataRef]
     target: Target
     post_training: PostTraining = msgspec.field(default_factory=PostTraining)
     checkpoint: CheckpointPolicy = msgspec.field(default_factory=CheckpointPolicy)
     resources: Resources = msgspec.field(default_factory=Resources)
-    budget_cap_usd: float
-    max_incremental_cost_usd: float = 0.0
+    budget_cap_usd: Usd
+    max_incremental_cost_usd: Usd = 0.0
     seed: int = 0

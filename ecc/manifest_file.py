@@ -28,7 +28,13 @@ def _trusted_owner(uid: int) -> bool:
 
 
 def _check_parents(path: str) -> None:
-    directory = os.path.dirname(path)
+    """Every directory above the file, both as written and as resolved: a symlinked parent must
+    not hide an unsafe directory above the real file."""
+    for start in dict.fromkeys((os.path.dirname(path), os.path.dirname(os.path.realpath(path)))):
+        _check_chain(start)
+
+
+def _check_chain(directory: str) -> None:
     while True:
         st = os.stat(directory)
         sticky = bool(st.st_mode & stat.S_ISVTX)

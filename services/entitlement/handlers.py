@@ -42,14 +42,17 @@ class EntitlementHandlers:
             await self.store.count("stale_ignored")
         if current is None and outcome == "applied":
             for parked in await self.store.parked(event.booking_id):
-                await self.store.apply(projection.project(parked))
+                if parked.account == event.account:  # another account's early event never applies
+                    await self.store.apply(projection.project(parked))
             await self.store.clear_parked(event.booking_id)
         log.info("booking %s v%d %s: %s", event.booking_id, event.version, event.kind.value, outcome)
         return outcome
 
     async def eligibility(self, query: EligibilityQuery) -> EligibilityStatement:
         booking = await self.store.get(query.account, query.booking_id)
-        parked = booking is None and bool(await self.store.parked(query.booking_id))
+        parked = booking is None and any(
+            e.account == query.account for e in await self.store.parked(query.booking_id)
+        )  # only the caller's own early events say "incomplete"; others' leak nothing
         now = datetime.now(UTC)
         refusal = projection.eligibility(booking, query, now, parked=parked)
         if refusal is not None:

@@ -30,6 +30,8 @@ def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -
         untyped = msgspec.json.decode(data)
     except msgspec.DecodeError:
         raise Refusal(ErrorCode.manifest_invalid, "the manifest is not valid JSON") from None
+    except RecursionError:
+        raise Refusal(ErrorCode.manifest_invalid, "the manifest is nested too deeply") from None
     finding = find_secret(untyped)
     if finding is not None:
         raise Refusal(ErrorCode.manifest_contains_secret, f"{finding}; remove it (the value is not shown)")

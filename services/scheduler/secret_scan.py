@@ -19,21 +19,29 @@ PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("a Google API key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}")),
     ("a bearer token", re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/-]{16,}=*")),
     ("a JSON web token", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")),
-    ("a password in a URL", re.compile(r"[a-z][a-z0-9+.-]*://[^/\s:@]+:[^/\s@]+@")),
+    # bounded repetitions: an unbounded scheme or user part backtracks quadratically on long text
+    ("a password in a URL", re.compile(r"\b[a-z][a-z0-9+.-]{0,31}://[^/\s:@]{1,256}:[^/\s@]{1,256}@")),
     ("an assigned password or secret", re.compile(r"(?i)\b(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|token)\s*[:=]\s*\S{6,}")),
 ]
 SECRET_FIELD_NAMES = re.compile(r"(?i)^(?:password|passwd|secret|api[_-]?key|access[_-]?key|secret[_-]?key|token|credentials?|private[_-]?key)$")
 
 
-def _walk(node: Any, path: str):
+MAX_DEPTH = 64  # deeper documents are refused before this scan (and no manifest needs it)
+
+
+def _walk(node: Any, path: str, depth: int = 0):
+    """(path, text, is_key) for every string. A key is yielded, as text, before the path that
+    contains it, so a path named in a finding is made only of keys already found clean."""
+    if depth > MAX_DEPTH:
+        yield path, "", False
+        return
     if isinstance(node, dict):
         for key, value in node.items():
-            child = f"{path}.{key}" if path else str(key)
-            yield child, str(key), True
-            yield from _walk(value, child)
+            yield path, str(key), True
+            yield from _walk(value, f"{path}.{key}" if path else str(key), depth + 1)
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            yield from _walk(value, f"{path}[{i}]")
+            yield from _walk(value, f"{path}[{i}]", depth + 1)
     elif isinstance(node, str):
         yield path, node, False
 
@@ -41,9 +49,10 @@ def _walk(node: Any, path: str):
 def find_secret(document: Any) -> str | None:
     """A safe description of the first credential-like string, or None."""
     for path, text, is_key in _walk(document, ""):
-        if is_key and SECRET_FIELD_NAMES.match(text):
-            return f"field {path} is named like a credential"
+        where = path or "the manifest"
+        if is_key and SECRET_FIELD_NAMES.match(text):  # a known word: safe to name
+            return f"field {path + '.' if path else ''}{text} is named like a credential"
         for kind, pattern in PATTERNS:
             if pattern.search(text):
-                return f"{'the key of ' if is_key else ''}{path or 'the manifest'} looks like {kind}"
+                return f"a key under {where} looks like {kind}" if is_key else f"{where} looks like {kind}"
     return None

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import msgspec
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from contracts.api import Action
 from contracts.booking import Booking, BookingEvent, BookingEventKind, BookingState, Fabric, Topology
@@ -249,12 +249,17 @@ def test_valid_idempotency_key(key, ok):
     assert valid_idempotency_key(key) is ok
 
 
+PROPERTY = settings(max_examples=300, deadline=None, database=None)
+
+
+@PROPERTY
 @given(st.text(max_size=300))
 def test_idempotency_key_accepted_iff_1_to_255_printable_ascii(key):
     expected = 1 <= len(key) <= 255 and all(32 <= ord(c) <= 126 for c in key)
     assert valid_idempotency_key(key) is expected
 
 
+@PROPERTY
 @given(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), min_size=1, max_size=255))
 def test_every_printable_ascii_key_up_to_255_is_accepted(key):
     assert valid_idempotency_key(key)

@@ -9,7 +9,7 @@ import json
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
@@ -100,16 +100,12 @@ def test_one_byte_over_one_mib_is_too_large():
     assert refusal.code is ErrorCode.manifest_too_large and str(MAX_MANIFEST_BYTES) in refusal.message
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ReDoS in secret_scan: the 'password in a URL' pattern "
-                                       "`[a-z][a-z0-9+.-]*://...` backtracks quadratically over a long run of "
-                                       "lowercase letters; a 1 MiB manifest (the documented cap) with one long "
-                                       "string takes ~10 minutes of CPU in verify() (20k chars: 0.2 s, 1 MiB: ~570 s)")
 @pytest.mark.timeout(2)  # a liveness bound, not a speed target: a linear scan of 1 MiB takes milliseconds
 def test_a_one_mib_manifest_with_a_long_string_is_scanned_without_hanging():
-    base = text_of(VALID | {"name": ""})
-    text = text_of(VALID | {"name": "a" * (MAX_MANIFEST_BYTES - len(base.encode()))})
+    base = text_of(with_change(["model", "revision"], ""))
+    text = text_of(with_change(["model", "revision"], "a" * (MAX_MANIFEST_BYTES - len(base.encode()))))
     manifest, _ = verified(text)
-    assert len(manifest.name) > 1_000_000
+    assert len(manifest.model.revision) > 1_000_000
 
 
 def test_size_is_checked_before_the_digest():
@@ -169,9 +165,6 @@ def test_json_that_is_not_a_manifest_is_invalid(text):
     assert refusal_of(text).code is ErrorCode.manifest_invalid
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: deeply nested JSON (a few KB, far under the 1 MiB cap) makes "
-                                       "msgspec raise RecursionError, which verify() does not turn into "
-                                       "manifest_invalid; the API answers `internal` instead")
 @pytest.mark.parametrize("depth", [5_000], ids=["depth-5000"])
 def test_deeply_nested_json_is_refused_not_crashed(depth):
     text = "[" * depth + "]" * depth  # 10 KB
@@ -287,12 +280,9 @@ def test_find_secret_table(document, finding):
 
 def test_secret_used_as_a_key_is_found():
     finding = find_secret({"resources": {aws_key_id(): 1}})
-    assert finding is not None and finding.startswith("the key of ") and "an AWS access key id" in finding
+    assert finding == "a key under resources looks like an AWS access key id"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a secret used as a JSON key is echoed in the finding, because the "
-                                       "finding names the JSON path and the path is built from the keys "
-                                       "(secret_scan._walk / find_secret)")
 @pytest.mark.parametrize("secret", [aws_key_id(), github_token(), password_url()], ids=["aws-key-id", "github-token", "password-url"])
 def test_secret_used_as_a_key_is_not_echoed(secret):
     refusal = refusal_of(text_of(with_change(["resources", secret], 1)))
@@ -312,7 +302,9 @@ def check_outcome(text: str, client_digest: str | None = None) -> None:
         manifest, returned = verify(text, digest)
     except Refusal as refusal:
         assert isinstance(refusal.code, ErrorCode) and refusal.message
+        event(f"refused: {refusal.code.value}")
         return
+    event("accepted")
     # never passes silently: only a valid Manifest, with the digest of the exact bytes
     assert isinstance(manifest, Manifest)
     assert manifest == msgspec.json.decode(text.encode(), type=Manifest)

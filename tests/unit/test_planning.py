@@ -17,7 +17,6 @@ from datetime import UTC, datetime, timedelta
 
 import msgspec
 import pytest
-import torch
 
 from contracts.booking import Fabric, Topology
 from contracts.errors import ErrorCode
@@ -340,3 +339,16 @@ def test_data_policy(data, reason):
 def test_data_policy_violation_reaches_the_plan():
     p = run_plan(manifest(data=[{"name": "web", "source": "https://example.com/x"}]), body())
     assert code_of(p) == "data_policy_violation" and "'web'" in first_refusal(p)[1]
+
+
+# --- nonsense sizes: the Manifest schema bounds them, so plan() never sees them ---
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [(("tiny", 0, 1), {}), (("tiny", 1, 0), {}), (("1B",), {"tokens": -10**12, "budget": 0.0})],
+    ids=["zero-nodes", "zero-gpus-per-node", "negative-tokens"],
+)
+def test_nonsense_sizes_are_refused_by_the_schema(args, kwargs):
+    with pytest.raises(msgspec.ValidationError):
+        manifest(*args, **kwargs)

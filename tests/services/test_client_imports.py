@@ -1,0 +1,28 @@
+"""`ecc` stays light: no torch, no faststream, and `--help` needs neither NATS nor msgspec."""
+
+import subprocess
+import sys
+
+HEAVY = ("torch", "faststream", "redis", "numpy")
+
+
+def modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],
+                         capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_every_client_module_imports_without_heavy_packages():
+    loaded = modules_after("import ecc.main, ecc.verbs, ecc.render, ecc.transport, ecc.manifest_file")
+    assert not {m for m in loaded if m.split(".")[0] in HEAVY}
+
+
+def test_help_imports_neither_nats_nor_msgspec():
+    loaded = modules_after(
+        "import contextlib, io\n"
+        "from ecc.main import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--help'])"
+    )
+    assert "ecc.main" in loaded
+    assert not {m for m in loaded if m.split(".")[0] in (*HEAVY, "nats", "msgspec")}
