@@ -78,7 +78,9 @@ def test_config_from_manifest():
     assert cfg.train_sources == ["generated:arithmetic", "generated:reverse"]
     assert cfg.eval_sources == ["builtin:pydoc_topics"]
     assert (cfg.checkpoint_interval, cfg.keep_last, cfg.checkpoint_dir) == (7, 3, "/tmp/x")
-    assert stage_config_from_manifest(manifest(0), "/tmp/x").steps == 1  # fewer tokens than one step
+    one = manifest(1)
+    few = msgspec.structs.replace(one, target=msgspec.structs.replace(one.target, tokens=5))
+    assert stage_config_from_manifest(few, "/tmp/x").steps == 1  # fewer tokens than one step
 
 
 def test_bad_config_is_refused_in_a_sentence(tmp_path):
