@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 READY_TIMEOUT_S = 15.0
 PREFERRED_NATS_PORT = 4222  # so that `ecc` finds it without configuration on a fresh machine
 PREFERRED_REDIS_PORT = 6379
+MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,9 +109,13 @@ def start_nats(state_dir: pathlib.Path, log_path: pathlib.Path, port: int | None
     port = port or free_port(PREFERRED_NATS_PORT)
     store = state_dir / "nats"
     store.mkdir(parents=True, exist_ok=True)
+    config = state_dir / "nats.conf"
+    # max_payload: a train request carries a manifest of up to 1 MiB; the default is 1 MB.
+    config.write_text(f'listen: "127.0.0.1:{port}"\nmax_payload: {MAX_PAYLOAD_BYTES}\n'
+                      f'jetstream {{ store_dir: "{store}" }}\n')
     log = open(log_path, "ab")
     proc = subprocess.Popen(
-        [nats_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store), "--max_payload", "4MB"],
+        [nats_binary(), "-c", str(config)],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     url = f"nats://127.0.0.1:{port}"
