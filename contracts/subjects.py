@@ -14,6 +14,7 @@ API_CONFIRM = "v1.api.confirm"
 API_TRAIN = "v1.api.train"
 API_STATUS = "v1.api.status"
 API_LOGS = "v1.api.logs"
+API_AUDIT = "v1.api.audit"
 
 # --- scheduler -> internal services (core NATS request/reply) ---
 ENTITLEMENT_ELIGIBILITY = "v1.entitlement.eligibility"
@@ -38,6 +39,9 @@ STREAM_WORK = "WORK"
 # Run events from the trainer: `<ns>.v1.run.<run_id>.<kind>`.
 RUN_EVENTS = "v1.run"
 STREAM_RUNS = "RUNS"
+# Gate decisions, replayable: `<ns>.v1.audit.<request_id>` (the request id is the run id).
+AUDIT = "v1.audit"
+STREAM_AUDIT = "AUDIT"
 # Desk telemetry for pricing subscribers: `desk.telemetry.>` (not namespaced for the default
 # namespace; tests use `<ns>.desk.telemetry.>`).
 DESK_TELEMETRY = "desk.telemetry"

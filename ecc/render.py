@@ -52,6 +52,9 @@ def _human(data) -> str:
         return line
     if isinstance(data, dict) and "confirmation_ref" in data:
         return f"confirmation_ref: {data['confirmation_ref']} (expires {data['expires_at']})"
+    if isinstance(data, dict) and "decisions" in data:
+        return "\n".join(f"{d['at']} {d['gate']}: {'pass' if d['ok'] else 'FAIL ' + str(d['code'])}"
+                         for d in data["decisions"]) or "(no decisions)"
     if isinstance(data, dict) and "lines" in data:
         return "\n".join(f"{ln['at']} {ln['level']}: {ln['message']}" for ln in data["lines"]) or "(no lines)"
     if isinstance(data, dict) and "checks" in data:

@@ -132,6 +132,10 @@ def run_verb(args) -> Envelope:
             if args.follow:
                 return asyncio.run(render.follow(args, req))
             return asyncio.run(_read(args, subjects.API_STATUS, req))
+        case "audit":
+            from contracts.audit import AuditRequest
+
+            return asyncio.run(_read(args, subjects.API_AUDIT, AuditRequest(credential=cred, run_id=args.run)))
         case "logs":
             req = LogsRequest(credential=cred, run_id=args.run, since=args.since)
             if args.follow:

@@ -29,7 +29,7 @@ def register(w: Wiring) -> None:
         s.subject(subjects.BOOKING_EVENTS) + ".>",
         stream=streams.ref(s, subjects.STREAM_BOOKINGS),
         durable=f"{s.namespace}-{subjects.CONSUMER_ENTITLEMENT}",
-        pull_sub=PullSub(batch_size=16, timeout=1.0),
+        pull_sub=PullSub(batch_size=1, timeout=1.0),  # in order: FastStream runs a batch concurrently
         config=ConsumerConfig(ack_wait=30),
         ack_policy=AckPolicy.NACK_ON_ERROR,
     )

@@ -36,13 +36,14 @@ def digest(api_key: str) -> str:
 
 
 def valid_account(account: str) -> bool:
-    return 0 < len(account) <= MAX_ACCOUNT_LEN and all(c.isalnum() or c in "-_." for c in account)
+    # no '.', '*' or '>': an account name must be safe as one NATS subject token
+    return 0 < len(account) <= MAX_ACCOUNT_LEN and all(c.isascii() and (c.isalnum() or c in "-_") for c in account)
 
 
 async def create(r: aioredis.Redis, keys: Keys, account: str) -> tuple[str, str]:
     """A new key for `account` (created if new): returns (api_key, key_id). The key is shown once."""
     if not valid_account(account):
-        raise Refusal(ErrorCode.request_invalid, "account names are 1-64 letters, digits, '-', '_' or '.'")
+        raise Refusal(ErrorCode.request_invalid, "account names are 1-64 ASCII letters, digits, '-' or '_'")
     api_key = KEY_PREFIX + secrets.token_urlsafe(32)
     key_hash = digest(api_key)
     record = KeyRecord(account=account, key_id=key_hash[:12], revoked=False, created_at=time.time())

@@ -16,6 +16,7 @@ from services.runtime.settings import Settings
 
 DUPLICATE_WINDOW_S = 120.0  # dedup by Nats-Msg-Id; the ledger, not this window, makes runs exactly-once
 RUN_EVENTS_MAX_AGE_S = 30 * 24 * 3600.0  # run events are replayable for a month
+AUDIT_MAX_AGE_S = 365 * 24 * 3600.0  # gate decisions are kept for a year
 log = logging.getLogger("ito.streams")
 
 
@@ -34,6 +35,7 @@ def configs(settings: Settings) -> list[StreamConfig]:
         cfg(subjects.STREAM_WORK, settings.subject(subjects.WORK_TRAIN), retention=RetentionPolicy.WORK_QUEUE),
         cfg(subjects.STREAM_RUNS, settings.subject(subjects.RUN_EVENTS), max_age=RUN_EVENTS_MAX_AGE_S),
         cfg(subjects.STREAM_DESK, settings.desk_subject_root()),
+        cfg(subjects.STREAM_AUDIT, settings.subject(subjects.AUDIT), max_age=AUDIT_MAX_AGE_S),
     ]
 
 

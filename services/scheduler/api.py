@@ -3,7 +3,8 @@
 Train: authenticate -> key format -> manifest (digest, parse, secrets) -> ledger lookup (a replay
 answers here) -> eligibility (signed, fresh) -> plan and gate-5 checks -> confirmation resolve ->
 eligibility still fresh -> ledger accept (consumes the confirmation and reserves the key, one
-atomic step) -> hand-off to the trainer. Nothing is written before the accept.
+atomic step) -> hand-off to the trainer. Nothing is written before the accept; every gate's
+decision goes to the audit stream.
 """
 
 import hashlib
@@ -34,6 +35,7 @@ from contracts.api import (
     StatusRequest,
     TrainRequest,
 )
+from contracts.audit import AuditRequest, AuditTrail
 from contracts.booking import BookingState
 from contracts.errors import ErrorCode
 from contracts.internal import ConfirmationCreate, LedgerAccept, LedgerEntry
@@ -41,10 +43,11 @@ from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
 from contracts.runs import TrainWork
 from contracts.states import RunState
-from services.runtime import accounts
+from services.runtime import accounts, faults
 from services.runtime.codec import Refusal
 from services.runtime.keys import Keys
 from services.scheduler import planning
+from services.scheduler.audit import Auditor, Trail
 from services.scheduler.backends import Backends
 from services.scheduler.handoff import Handoff
 from services.scheduler.manifests import verify
@@ -92,7 +95,8 @@ def plan_refusal_message(p: Plan) -> str:
 
 class Api:
     def __init__(self, r: aioredis.Redis, keys: Keys, backends: Backends, runs: RunStore, handoff: Handoff,
-                 prices: planning.PriceTable, checkpoint_root: pathlib.Path) -> None:
+                 auditor: Auditor, prices: planning.PriceTable, checkpoint_root: pathlib.Path) -> None:
+        self.auditor = auditor
         self.r = r
         self.keys = keys
         self.backends = backends
@@ -134,9 +138,29 @@ class Api:
         return p
 
     async def confirm(self, req: ConfirmRequest) -> ConfirmationIssued:
+        """A single-use capability bound to account, action, target, digest and cost. Only the
+        opaque reference leaves the server; it authorizes nothing by itself."""
         account = await self._account(req.credential)
-        if req.action is not Action.train:
-            raise Refusal(ErrorCode.request_invalid, f"confirming {req.action.value} is not available yet")
+        if req.action is Action.train:
+            return await self._confirm_train(account, req)
+        if req.action is Action.release_booking:
+            if req.booking_id is None:
+                raise Refusal(ErrorCode.request_invalid, "confirm --action release_booking needs --booking")
+            owned = {b.booking_id for b in (await self.backends.bookings(account)).bookings}
+            if req.booking_id not in owned:
+                raise Refusal(ErrorCode.booking_not_found, "no such booking for this account")
+            target = req.booking_id
+        else:  # cancel, cleanup, restart_from_checkpoint: bound to one of the caller's runs
+            if req.run_id is None:
+                raise Refusal(ErrorCode.request_invalid, f"confirm --action {req.action.value} needs --run")
+            if await self.runs.get(account, req.run_id) is None:
+                raise Refusal(ErrorCode.run_not_found, "no such run for this account")
+            target = req.run_id
+        return await self.backends.create_confirmation(ConfirmationCreate(
+            account=account, action=req.action, target=target, manifest_digest=None, max_cost_usd=None,
+        ))
+
+    async def _confirm_train(self, account: str, req: ConfirmRequest) -> ConfirmationIssued:
         if req.booking_id is None or req.manifest_text is None or req.manifest_digest is None:
             raise Refusal(ErrorCode.request_invalid, "confirm --action train needs --booking and --manifest")
         manifest, digest = verify(req.manifest_text, req.manifest_digest)
@@ -160,37 +184,63 @@ class Api:
 
     async def train(self, req: TrainRequest) -> tuple[RunAccepted, str | None]:
         account = await self._account(req.credential)
-        if not valid_idempotency_key(req.idempotency_key):
-            raise Refusal(ErrorCode.idempotency_key_invalid, "idempotency keys are 1-255 printable ASCII characters")
-        manifest, digest = verify(req.manifest_text, req.manifest_digest)
+        trail = Trail("run_" + secrets.token_hex(12), account, Action.train, req.booking_id)
+        try:
+            return await self._train(req, account, trail)
+        finally:
+            await self.auditor.publish(trail)
+
+    async def _train(self, req: TrainRequest, account: str, trail: Trail) -> tuple[RunAccepted, str | None]:
+        run_id = trail.request_id
+        trail.record("authenticate", True)
+        trail.check("idempotency_key_format", None if valid_idempotency_key(req.idempotency_key) else Refusal(
+            ErrorCode.idempotency_key_invalid, "idempotency keys are 1-255 printable ASCII characters"))
+        try:
+            manifest, digest = verify(req.manifest_text, req.manifest_digest)
+        except Refusal as refusal:
+            trail.check("manifest", refusal)
+        trail.digest = digest
+        trail.record("manifest", True)
         fp = fingerprint(Action.train, account, req.booking_id, digest)
-        existing = await self.backends.ledger_lookup(account, req.idempotency_key)
+        existing = await trail.gate("ledger_lookup", self.backends.ledger_lookup(account, req.idempotency_key))
         if existing is not None:
-            return await self._replay(existing, fp)
-        p, body = await self._plan(account, req.booking_id, manifest, digest)
+            return await trail.gate("replay", self._replay(existing, fp))
+        p, body = await trail.gate("eligibility", self._plan(account, req.booking_id, manifest, digest))
+        for check in p.checks:
+            trail.record(f"plan.{check.name}", check.ok, check.code)
         refusal = planning.first_refusal(p)
         if refusal is not None:
             raise Refusal(refusal[0], plan_refusal_message(p))
         if not req.confirmation_ref:
-            raise Refusal(ErrorCode.confirmation_required, "run `ecc ito confirm --action train` first and pass --confirmation-ref")
-        await self.backends.resolve_confirmation(account, req.confirmation_ref, Action.train, req.booking_id,
-                                                 digest, p.cost.total_usd)
+            trail.check("confirmation", Refusal(ErrorCode.confirmation_required,
+                                                "run `ecc ito confirm --action train` first and pass --confirmation-ref"))
+        try:
+            await trail.gate("confirmation", self.backends.resolve_confirmation(
+                account, req.confirmation_ref, Action.train, req.booking_id, digest, p.cost.total_usd))
+        except Refusal as refusal:
+            # A concurrent request with the same key may have consumed it a moment ago: that is a replay.
+            if refusal.code is ErrorCode.confirmation_consumed:
+                winner = await self.backends.ledger_lookup(account, req.idempotency_key)
+                if winner is not None:
+                    return await trail.gate("replay", self._replay(winner, fp))
+            raise
         if not self.backends.still_fresh(body, datetime.now(UTC)):
             # re-fetched, never stretched: the gate is checked again at the moment of creation
-            body = await self.backends.verified_eligibility(account, req.booking_id, manifest)
-        run_id = "run_" + secrets.token_hex(12)
+            body = await trail.gate("eligibility_refresh", self.backends.verified_eligibility(
+                account, req.booking_id, manifest))
         work = TrainWork(
             run_id=run_id, account=account, booking_id=req.booking_id, manifest_text=req.manifest_text,
             manifest_digest=digest, plan=p, checkpoint_dir=str(self.checkpoint_root / account / run_id),
         )
-        entry = await self.backends.ledger_accept(LedgerAccept(
+        entry = await trail.gate("ledger_accept", self.backends.ledger_accept(LedgerAccept(
             account=account, idempotency_key=req.idempotency_key, fingerprint=fp, run_id=run_id, action=Action.train,
             confirmation_ref=req.confirmation_ref, target=req.booking_id, manifest_digest=digest,
             cost_usd=p.cost.total_usd, work=msgspec.json.encode(work),
-        ))
+        )))
         if entry.run_id != run_id:  # a concurrent request with the same key won the reservation
-            return await self._replay(entry, fp)
-        view = await self.handoff.hand_off(entry)
+            return await trail.gate("replay", self._replay(entry, fp))
+        faults.crash_here(faults.SCHEDULER_AFTER_ACCEPT)
+        view = await trail.gate("hand_off", self.handoff.hand_off(entry))
         log.info("run %s accepted for account %s on booking %s", run_id, account, req.booking_id)
         return RunAccepted(run_id=run_id, state=view.state), None
 
@@ -208,6 +258,14 @@ class Api:
             raise Refusal(ErrorCode.run_not_found, "no run was created with this idempotency key")
         view = await self.runs.get(account, entry.run_id)
         return view if view is not None else self.handoff.view_from(entry)
+
+    async def audit(self, req: AuditRequest) -> AuditTrail:
+        """A run's gate decisions, replayed from the audit stream (tenant-scoped)."""
+        account = await self._account(req.credential)
+        if await self.runs.get(account, req.run_id) is None:
+            raise Refusal(ErrorCode.run_not_found, "no such run for this account")
+        decisions = [d for d in await self.auditor.read(req.run_id) if d.account == account]
+        return AuditTrail(run_id=req.run_id, decisions=decisions)
 
     async def logs(self, req: LogsRequest) -> LogPage:
         account = await self._account(req.credential)

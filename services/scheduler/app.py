@@ -8,6 +8,7 @@ from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, NatsMessage, PullSub
 
 from contracts import subjects
+from contracts.audit import AuditRequest
 from contracts.api import (
     AuthRequest,
     ConfirmRequest,
@@ -23,6 +24,7 @@ from services.runtime.codec import answer
 from services.runtime.service import Wiring, build_app, configure_logging
 from services.scheduler import planning
 from services.scheduler.api import Api
+from services.scheduler.audit import Auditor
 from services.scheduler.backends import Backends
 from services.scheduler.events import RunEvents
 from services.scheduler.handoff import Handoff
@@ -36,6 +38,7 @@ ROUTES = [  # (subject, request type, Api method name)
     (subjects.API_TRAIN, TrainRequest, "train"),
     (subjects.API_STATUS, StatusRequest, "status"),
     (subjects.API_LOGS, LogsRequest, "logs"),
+    (subjects.API_AUDIT, AuditRequest, "audit"),
 ]
 
 
@@ -55,7 +58,8 @@ def register(w: Wiring) -> None:
     backends = Backends(w.broker, s, settings_mod.entitlement_key(s))
     runs = RunStore(w.redis, w.keys)
     handoff = Handoff(w.broker, s, runs, backends)
-    api = Api(w.redis, w.keys, backends, runs, handoff, planning.load_prices(), s.data_dir / "checkpoints")
+    api = Api(w.redis, w.keys, backends, runs, handoff, Auditor(w.broker, s), planning.load_prices(),
+              s.data_dir / "checkpoints")
     run_events = RunEvents(runs)
 
     for suffix, request_type, method in ROUTES:
@@ -65,7 +69,7 @@ def register(w: Wiring) -> None:
         s.subject(subjects.RUN_EVENTS) + ".>",
         stream=streams.ref(s, subjects.STREAM_RUNS),
         durable=f"{s.namespace}-{subjects.CONSUMER_SCHEDULER_RUNS}",
-        pull_sub=PullSub(batch_size=64, timeout=0.5),
+        pull_sub=PullSub(batch_size=1, timeout=0.5),  # in order: FastStream runs a batch concurrently
         config=ConsumerConfig(ack_wait=30),
         ack_policy=AckPolicy.NACK_ON_ERROR,
     )

@@ -78,3 +78,25 @@ def test_follow_json_prints_one_event_per_line(stack, manifest):
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert events[-1]["ok"] is True and events[-1]["data"]["state"] == "succeeded"
     assert any(e.get("event") == "status" for e in events[:-1])
+
+
+def test_audit_shows_every_gate_and_is_tenant_scoped(stack, manifest):
+    account, _, env = stack.account()
+    _, _, other_env = stack.account()
+    booking = stack.booking(account)
+    m = str(manifest())
+    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)
+    rc, train = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref",
+                          conf["data"]["confirmation_ref"], "--idempotency-key", "audit-1", env=env)
+    assert rc == 0, train
+    run_id = train["data"]["run_id"]
+    rc, audit = stack.ecc("audit", run_id, env=env)
+    assert rc == 0, audit
+    gates = [(d["gate"], d["ok"]) for d in audit["data"]["decisions"]]
+    for gate in ("authenticate", "manifest", "ledger_lookup", "eligibility", "plan.budget_cap", "confirmation",
+                 "ledger_accept", "hand_off"):
+        assert (gate, True) in gates, gates
+    assert {d["account"] for d in audit["data"]["decisions"]} == {account}
+    assert {d["manifest_digest"] for d in audit["data"]["decisions"][2:]} == {conf["data"]["manifest_digest"]}
+    rc, out = stack.ecc("audit", run_id, env=other_env)
+    assert rc == 1 and out["error"]["code"] == "run_not_found"

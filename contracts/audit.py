@@ -1,0 +1,28 @@
+"""Gate decisions: who asked, for what, which gate, pass or fail with its code. Never a secret."""
+
+from datetime import datetime
+
+from contracts.api import Action, Credential
+from contracts.base import Contract
+
+
+class GateDecision(Contract, kw_only=True):
+    request_id: str  # the run id the request would create (or created)
+    at: datetime
+    account: str
+    action: Action
+    gate: str
+    ok: bool
+    code: str | None = None
+    booking_id: str | None = None
+    manifest_digest: str | None = None
+
+
+class AuditRequest(Contract, kw_only=True):
+    credential: Credential
+    run_id: str
+
+
+class AuditTrail(Contract, kw_only=True):
+    run_id: str
+    decisions: list[GateDecision]

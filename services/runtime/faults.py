@@ -1,0 +1,22 @@
+"""Named fault points for chaos tests: `ITO_FAULT_POINT=<name>` makes the process die there.
+
+Off unless the variable is set; a production deployment never sets it. The names in use are
+listed here so that tests and `make chaos` refer to one place.
+"""
+
+import logging
+import os
+
+ENV_FAULT_POINT = "ITO_FAULT_POINT"
+SCHEDULER_AFTER_ACCEPT = "scheduler.after_accept"  # the ledger reserved the key; no hand-off yet
+POINTS = frozenset({SCHEDULER_AFTER_ACCEPT})
+
+log = logging.getLogger("ito.faults")
+
+
+def crash_here(point: str) -> None:
+    assert point in POINTS, f"unknown fault point {point!r}"
+    if os.environ.get(ENV_FAULT_POINT) == point:
+        log.error("fault point %s: exiting as if killed", point)
+        logging.shutdown()
+        os._exit(137)

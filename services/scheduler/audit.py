@@ -1,0 +1,95 @@
+"""Record every gate decision of a request and publish it to the JetStream audit stream.
+
+A trail is per request: gates are recorded as they pass or refuse, and the whole trail is
+published when the request ends, whatever the outcome. Decisions carry codes, never messages,
+so no secret can ride along.
+"""
+
+import logging
+from collections.abc import Awaitable
+from datetime import UTC, datetime
+from typing import TypeVar
+
+import msgspec
+from faststream.nats import NatsBroker
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from contracts import subjects
+from contracts.api import Action
+from contracts.audit import GateDecision
+from services.runtime.codec import Refusal
+from services.runtime.settings import Settings
+
+T = TypeVar("T")
+log = logging.getLogger("ito.scheduler.audit")
+MAX_DECISIONS_READ = 500
+_decoder = msgspec.json.Decoder(GateDecision)
+
+
+class Trail:
+    def __init__(self, request_id: str, account: str, action: Action, booking_id: str | None) -> None:
+        self.request_id = request_id
+        self.account = account
+        self.action = action
+        self.booking_id = booking_id
+        self.digest: str | None = None
+        self.decisions: list[GateDecision] = []
+
+    def record(self, gate: str, ok: bool, code: str | None = None) -> None:
+        self.decisions.append(GateDecision(
+            request_id=self.request_id, at=datetime.now(UTC), account=self.account, action=self.action, gate=gate,
+            ok=ok, code=code, booking_id=self.booking_id, manifest_digest=self.digest,
+        ))
+
+    async def gate(self, name: str, awaitable: Awaitable[T]) -> T:
+        try:
+            result = await awaitable
+        except Refusal as refusal:
+            self.record(name, False, refusal.code.value)
+            raise
+        self.record(name, True)
+        return result
+
+    def check(self, name: str, refusal: Refusal | None) -> None:
+        """Record a synchronous gate; raise its refusal if it has one."""
+        self.record(name, refusal is None, None if refusal is None else refusal.code.value)
+        if refusal is not None:
+            raise refusal
+
+
+class Auditor:
+    def __init__(self, broker: NatsBroker, settings: Settings) -> None:
+        self.broker = broker
+        self.settings = settings
+
+    async def publish(self, trail: Trail) -> None:
+        subject = self.settings.subject(f"{subjects.AUDIT}.{trail.request_id}")
+        for i, decision in enumerate(trail.decisions):
+            try:
+                await self.broker.publish(
+                    msgspec.json.encode(decision), subject, stream=self.settings.stream(subjects.STREAM_AUDIT),
+                    headers={"Nats-Msg-Id": f"{trail.request_id}:{i}"}, timeout=self.settings.request_timeout_s,
+                )
+            except Exception:  # the request's outcome stands; the gap is logged, not hidden
+                log.error("audit: decision %s of request %s not published", decision.gate, trail.request_id)
+
+    async def read(self, request_id: str) -> list[GateDecision]:
+        nc = await self.broker.connect()
+        js = nc.jetstream(timeout=self.settings.request_timeout_s)
+        sub = await js.pull_subscribe(
+            self.settings.subject(f"{subjects.AUDIT}.{request_id}"), stream=self.settings.stream(subjects.STREAM_AUDIT),
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
+        )
+        decisions: list[GateDecision] = []
+        try:
+            while len(decisions) < MAX_DECISIONS_READ:
+                try:
+                    msgs = await sub.fetch(batch=100, timeout=0.3)
+                except TimeoutError:
+                    break
+                decisions += [_decoder.decode(m.data) for m in msgs]
+                for m in msgs:
+                    await m.ack()
+        finally:
+            await sub.unsubscribe()
+        return decisions
