@@ -111,21 +111,44 @@ class Stack:
         return booking
 
 
+def start_stack(nats_url: str, redis_url: str, data_dir: pathlib.Path, services: str | None = None,
+                env: dict | None = None) -> Stack:
+    ns = new_namespace()
+    full_env = {**os.environ, "ITO_NATS_URL": nats_url, "ITO_REDIS_URL": redis_url, "ITO_NAMESPACE": ns,
+                "ITO_DATA_DIR": str(data_dir), "ITO_TRAINER_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}",
+                **(env or {})}
+    s = Stack(full_env, data_dir)
+    args = ["up", "--detach", "--json"] + (["--services", services] if services else [])
+    up = s.run("ito-training", *args, timeout=180)
+    assert up.returncode == 0, up.stderr[-3000:]
+    return s
+
+
 @pytest.fixture(scope="session")
 def stack(infra_urls, purge, tmp_path_factory):
-    nats_url, redis_url = infra_urls
-    ns = new_namespace()
-    data_dir = tmp_path_factory.mktemp("stack")
-    env = {**os.environ, "ITO_NATS_URL": nats_url, "ITO_REDIS_URL": redis_url, "ITO_NAMESPACE": ns,
-           "ITO_DATA_DIR": str(data_dir), "ITO_TRAINER_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
-    s = Stack(env, data_dir)
-    up = s.run("ito-training", "up", "--detach", "--json", timeout=180)
-    assert up.returncode == 0, up.stderr[-3000:]
+    """All five services, shared by the tests of a session (each test uses its own accounts)."""
+    s = start_stack(*infra_urls, tmp_path_factory.mktemp("stack"))
     try:
         yield s
     finally:
         s.run("ito-training", "down", timeout=60)
-        purge(nats_url, redis_url, ns)
+        purge(*infra_urls, s.env["ITO_NAMESPACE"])
+
+
+@pytest.fixture
+def make_stack(infra_urls, purge, tmp_path_factory):
+    """Start a dedicated stack (a subset of services, extra env); stopped and purged after the test."""
+    started: list[Stack] = []
+
+    def make(services: str | None = None, env: dict | None = None) -> Stack:
+        s = start_stack(*infra_urls, tmp_path_factory.mktemp("stack"), services, env)
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.run("ito-training", "down", timeout=60)
+        purge(*infra_urls, s.env["ITO_NAMESPACE"])
 
 
 def write_manifest(directory: pathlib.Path, filename: str | None = None, **overrides) -> pathlib.Path:

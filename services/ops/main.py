@@ -29,6 +29,16 @@ def resolve_settings() -> settings_mod.Settings:
     return s
 
 
+def manifest_schema() -> str:
+    import msgspec
+
+    from contracts.manifest import Manifest
+
+    schema = msgspec.json.schema(Manifest)
+    schema["title"] = "ito-training manifest"
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ito-training", description="ito-training services and operations")
     cmds = top.add_subparsers(dest="cmd", required=True)
@@ -36,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("service", choices=SERVICES)
     p = cmds.add_parser("up", help="infra (reused or embedded) and all services")
     p.add_argument("--detach", action="store_true", help="return once everything is ready")
+    p.add_argument("--services", default=",".join(SERVICES),
+                   help="comma-separated subset to start (default: all five)")
     p.add_argument("--json", action="store_true")
     p = cmds.add_parser("down", help="stop what `up` started")
     p.add_argument("--json", action="store_true")
@@ -47,6 +59,7 @@ def parser() -> argparse.ArgumentParser:
     q = acc.add_parser("revoke", help="revoke every key of an account")
     q.add_argument("account")
     q.add_argument("--json", action="store_true")
+    cmds.add_parser("manifest-schema", help="print the manifest's JSON Schema (generated from the contract)")
     p = cmds.add_parser("simulate-booking", help="publish an ito-compute booking event")
     p.add_argument("--account", required=True)
     p.add_argument("--booking", required=True)
@@ -86,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"services.{args.service}.app")
         module.main()
         return 0
+    if args.cmd == "manifest-schema":
+        print(manifest_schema(), end="")
+        return 0
     s = resolve_settings()
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if getattr(args, "json", False) else print
     try:
@@ -95,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.cmd == "down":
                 _print(args, stack.down(s, log), "")
                 return 0
-            state = stack.up(s, log)
+            chosen = tuple(n.strip() for n in args.services.split(",") if n.strip())
+            unknown = set(chosen) - set(SERVICES)
+            if unknown or not chosen:
+                raise ValueError(f"--services takes names from {', '.join(SERVICES)}")
+            state = stack.up(s, log, chosen)
             _print(args, {"nats_url": state["nats_url"], "redis_url": state["redis_url"],
                           "namespace": state["namespace"], "data_dir": str(s.data_dir)},
                    f"NATS {state['nats_url']}\nRedis {state['redis_url']}")

@@ -60,7 +60,7 @@ async def _healthy(settings: Settings, nats_url: str, names: list[str]) -> set[s
     return ok
 
 
-def up(settings: Settings, log) -> dict:
+def up(settings: Settings, log, services: tuple[str, ...] = SERVICES) -> dict:
     existing = read_state(settings)
     if existing and any(_alive(p) for p in existing.get("services", {}).values()):
         raise RuntimeError(f"already up (see {state_path(settings)}); run `ito-training down` first")
@@ -74,7 +74,7 @@ def up(settings: Settings, log) -> dict:
                               ENV_NAMESPACE: settings.namespace, ENV_DATA_DIR: str(settings.data_dir)})
     state = {"nats_url": nats.url, "redis_url": redis.url, "namespace": settings.namespace,
              "infra": {s.name: s.pid for s in (nats, redis) if s.pid}, "services": {}}
-    for name in SERVICES:
+    for name in services:
         out = open(logs / f"{name}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "services.ops.main", "serve", name], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -84,9 +84,9 @@ def up(settings: Settings, log) -> dict:
     deadline = time.monotonic() + SERVICES_READY_TIMEOUT_S
     ready: set[str] = set()
     while time.monotonic() < deadline:
-        ready = asyncio.run(_healthy(settings, nats.url, [n for n in SERVICES if n not in ready])) | ready
-        if ready == set(SERVICES):
-            log(f"services ready: {', '.join(SERVICES)} (logs in {logs})")
+        ready = asyncio.run(_healthy(settings, nats.url, [n for n in services if n not in ready])) | ready
+        if ready == set(services):
+            log(f"services ready: {', '.join(services)} (logs in {logs})")
             return state
         dead = [n for n, pid in state["services"].items() if not _alive(pid) or _reaped(pid)]
         if dead:
@@ -94,7 +94,7 @@ def up(settings: Settings, log) -> dict:
             raise RuntimeError(f"service(s) {', '.join(dead)} exited at start; see {logs}")
         time.sleep(0.3)
     down(settings, log)
-    raise RuntimeError(f"services not ready within {SERVICES_READY_TIMEOUT_S:.0f}s: {sorted(set(SERVICES) - ready)}")
+    raise RuntimeError(f"services not ready within {SERVICES_READY_TIMEOUT_S:.0f}s: {sorted(set(services) - ready)}")
 
 
 def _reaped(pid: int) -> bool:
