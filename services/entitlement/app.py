@@ -12,11 +12,12 @@ from contracts import subjects
 from services.entitlement.handlers import EntitlementHandlers, bookings_decoder, eligibility_decoder, event_decoder
 from services.entitlement.store import BookingStore
 from services.runtime import settings as settings_mod
-from services.runtime import streams
+from services.runtime import faults, streams
 from services.runtime.codec import answer
 from services.runtime.service import Wiring, build_app, configure_logging
 
 log = logging.getLogger("ito.entitlement")
+BOOKING_ACK_WAIT_S = 5  # applying an event takes milliseconds; a lost service's events come back fast
 
 
 def register(w: Wiring) -> None:
@@ -30,7 +31,7 @@ def register(w: Wiring) -> None:
         stream=streams.ref(s, subjects.STREAM_BOOKINGS),
         durable=f"{s.namespace}-{subjects.CONSUMER_ENTITLEMENT}",
         pull_sub=PullSub(batch_size=1, timeout=1.0),  # in order: FastStream runs a batch concurrently
-        config=ConsumerConfig(ack_wait=30),
+        config=ConsumerConfig(ack_wait=BOOKING_ACK_WAIT_S),
         ack_policy=AckPolicy.NACK_ON_ERROR,
     )
     async def on_booking_event(msg: NatsMessage) -> None:
@@ -41,6 +42,7 @@ def register(w: Wiring) -> None:
             log.error("booking event rejected (acked, not applied): %s", exc)
             await w.redis.hincrby(w.keys.booking_stats(), "rejected_malformed", 1)
             return
+        faults.crash_here(faults.ENTITLEMENT_BEFORE_APPLY)
         await h.on_event(event)
 
     @w.broker.subscriber(s.subject(subjects.ENTITLEMENT_ELIGIBILITY))

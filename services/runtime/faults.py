@@ -9,7 +9,8 @@ import os
 
 ENV_FAULT_POINT = "ITO_FAULT_POINT"
 SCHEDULER_AFTER_ACCEPT = "scheduler.after_accept"  # the ledger reserved the key; no hand-off yet
-POINTS = frozenset({SCHEDULER_AFTER_ACCEPT})
+ENTITLEMENT_BEFORE_APPLY = "entitlement.before_apply"  # a booking event received, not yet written
+POINTS = frozenset({SCHEDULER_AFTER_ACCEPT, ENTITLEMENT_BEFORE_APPLY})
 
 log = logging.getLogger("ito.faults")
 

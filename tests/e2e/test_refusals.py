@@ -1,6 +1,8 @@
 """Refusals through the real CLI: each gate fails closed with a stable code and changes nothing."""
 
 import asyncio
+import os
+import time
 import json
 import uuid
 
@@ -146,3 +148,45 @@ def test_bad_requests_get_request_invalid(stack, payload, why):
         assert why == "oversized" and "payload" in str(exc).lower()
         return
     assert out["ok"] is False and out["error"]["code"] == "request_invalid", (why, out)
+
+
+def test_unsafe_manifest_files(stack, manifest, tmp_path):
+    account, _, env = stack.account()
+    booking = stack.booking(account)
+
+    def plan_code(path):
+        rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(path), env=env, timeout=30)
+        return code(out)
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    assert plan_code(fifo) == "manifest_not_regular"  # and it did not hang
+    assert plan_code(tmp_path) == "manifest_not_regular"
+    writable = manifest()
+    writable.chmod(0o666)
+    assert plan_code(writable) == "manifest_unsafe_permissions"
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    inside = open_dir / "m.json"
+    inside.write_bytes(manifest().read_bytes())
+    inside.chmod(0o644)
+    assert plan_code(inside) == "manifest_unsafe_permissions"
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (1024 * 1024 + 1))
+    big.chmod(0o644)
+    assert plan_code(big) == "manifest_too_large"
+    pem = manifest(name="-----BEGIN RSA PRIVATE KEY-----\nMIIEow\n-----END RSA PRIVATE KEY-----")
+    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(pem), env=env)
+    assert code(out) == "manifest_contains_secret" and "MIIEow" not in json.dumps(out)
+
+
+def test_expired_confirmation(make_stack, manifest):
+    stack = make_stack("entitlement,confirmation,ledger,scheduler", env={"ITO_CONFIRMATION_TTL_S": "1"})
+    account, _, env = stack.account()
+    booking = stack.booking(account)
+    m = manifest()
+    ref = confirm(stack, env, booking, m)
+    time.sleep(1.5)
+    rc, out = train(stack, env, booking, m, ref)
+    assert code(out) == "confirmation_expired"
