@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 import contracts
-from contracts import api, base, booking, envelope, errors, internal, manifest, models, runs, states
+from contracts import api, audit, base, booking, envelope, errors, internal, manifest, models, runs, states
 from contracts.api import Action
 from contracts.booking import BookingEventKind, BookingState, Fabric
 from contracts.errors import ErrorCode
@@ -82,9 +82,18 @@ MANIFEST = manifest.Manifest(
     seed=7,
 )
 
+GATE_DECISION = audit.GateDecision(
+    request_id="run_1", at=datetime(2026, 11, 29, 12, 0, tzinfo=UTC), account="acme", action=Action.train,
+    gate="ledger_accept", ok=False, code="confirmation_consumed", booking_id="bk_1", manifest_digest="ab" * 32,
+)
+
 SAMPLES: dict[type, msgspec.Struct] = {
     # base
     base.Contract: base.Contract(),
+    # audit
+    audit.GateDecision: GATE_DECISION,
+    audit.AuditRequest: audit.AuditRequest(credential=CREDENTIAL, run_id="run_1"),
+    audit.AuditTrail: audit.AuditTrail(run_id="run_1", decisions=[GATE_DECISION]),
     # api
     api.Credential: CREDENTIAL,
     api.AuthRequest: api.AuthRequest(credential=CREDENTIAL),
@@ -192,7 +201,7 @@ def name_of(cls: type) -> str:
 
 def test_every_listed_module_is_discovered():
     names = {m.__name__ for m in MODULES}
-    for module in (api, base, booking, envelope, errors, internal, manifest, models, runs, states):
+    for module in (api, audit, base, booking, envelope, errors, internal, manifest, models, runs, states):
         assert module.__name__ in names
 
 
