@@ -3,26 +3,21 @@
 import asyncio
 
 from faststream import FastStream
-from faststream.nats import NatsMessage
 
 from contracts import subjects
-from services.confirmation.handlers import ConfirmationHandlers, create_decoder, resolve_decoder
+from contracts.internal import ConfirmationCreate, ConfirmationResolve
+from services.confirmation.handlers import ConfirmationHandlers
 from services.confirmation.store import ConfirmationStore
 from services.runtime import settings as settings_mod
-from services.runtime.codec import answer
-from services.runtime.service import Wiring, build_app, configure_logging
+from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
 
 
 def register(w: Wiring) -> None:
     h = ConfirmationHandlers(ConfirmationStore(w.redis, w.keys), w.settings.confirmation_ttl_s)
-
-    @w.broker.subscriber(w.settings.subject(subjects.CONFIRMATION_CREATE))
-    async def create(msg: NatsMessage) -> bytes:
-        return await answer(h.create, msg.body, create_decoder)
-
-    @w.broker.subscriber(w.settings.subject(subjects.CONFIRMATION_RESOLVE))
-    async def resolve(msg: NatsMessage) -> bytes:
-        return await answer(h.resolve, msg.body, resolve_decoder)
+    serve_requests(w, [
+        (subjects.CONFIRMATION_CREATE, ConfirmationCreate, h.create),
+        (subjects.CONFIRMATION_RESOLVE, ConfirmationResolve, h.resolve),
+    ])
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

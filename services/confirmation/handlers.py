@@ -2,8 +2,6 @@
 
 from datetime import UTC, datetime
 
-import msgspec
-
 from contracts.api import ConfirmationIssued
 from contracts.errors import ErrorCode
 from contracts.internal import ConfirmationCreate, ConfirmationResolve
@@ -11,8 +9,6 @@ from services.confirmation import binding
 from services.confirmation.store import ConfirmationStore, new_ref
 from services.runtime.codec import Refusal
 
-create_decoder = msgspec.json.Decoder(ConfirmationCreate)
-resolve_decoder = msgspec.json.Decoder(ConfirmationResolve)
 
 
 def _issued(ref: str, s: binding.Stored) -> ConfirmationIssued:

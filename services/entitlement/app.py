@@ -9,12 +9,12 @@ from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, NatsMessage, PullSub
 
 from contracts import subjects
-from services.entitlement.handlers import EntitlementHandlers, bookings_decoder, eligibility_decoder, event_decoder
+from contracts.internal import BookingsQuery, EligibilityQuery
+from services.entitlement.handlers import EntitlementHandlers, event_decoder
 from services.entitlement.store import BookingStore
 from services.runtime import settings as settings_mod
 from services.runtime import faults, streams
-from services.runtime.codec import answer
-from services.runtime.service import Wiring, build_app, configure_logging
+from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
 
 log = logging.getLogger("ito.entitlement")
 BOOKING_ACK_WAIT_S = 5  # applying an event takes milliseconds; a lost service's events come back fast
@@ -45,13 +45,10 @@ def register(w: Wiring) -> None:
         faults.crash_here(faults.ENTITLEMENT_BEFORE_APPLY)
         await h.on_event(event)
 
-    @w.broker.subscriber(s.subject(subjects.ENTITLEMENT_ELIGIBILITY))
-    async def eligibility(msg: NatsMessage) -> bytes:
-        return await answer(h.eligibility, msg.body, eligibility_decoder)
-
-    @w.broker.subscriber(s.subject(subjects.ENTITLEMENT_BOOKINGS))
-    async def bookings(msg: NatsMessage) -> bytes:
-        return await answer(h.bookings, msg.body, bookings_decoder)
+    serve_requests(w, [
+        (subjects.ENTITLEMENT_ELIGIBILITY, EligibilityQuery, h.eligibility),
+        (subjects.ENTITLEMENT_BOOKINGS, BookingsQuery, h.bookings),
+    ])
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

@@ -14,8 +14,6 @@ from services.runtime.codec import Refusal
 log = logging.getLogger("ito.entitlement")
 
 event_decoder = msgspec.json.Decoder(BookingEvent)
-eligibility_decoder = msgspec.json.Decoder(EligibilityQuery)
-bookings_decoder = msgspec.json.Decoder(BookingsQuery)
 
 
 class EntitlementHandlers:

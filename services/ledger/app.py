@@ -3,40 +3,23 @@
 import asyncio
 
 from faststream import FastStream
-from faststream.nats import NatsMessage
 
 from contracts import subjects
-from services.ledger.handlers import (
-    LedgerHandlers,
-    accept_decoder,
-    handed_off_decoder,
-    lookup_decoder,
-    pending_decoder,
-)
+from contracts.internal import LedgerAccept, LedgerHandedOff, LedgerLookup, LedgerPending
+from services.ledger.handlers import LedgerHandlers
 from services.ledger.store import LedgerStore
 from services.runtime import settings as settings_mod
-from services.runtime.codec import answer
-from services.runtime.service import Wiring, build_app, configure_logging
+from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
 
 
 def register(w: Wiring) -> None:
     h = LedgerHandlers(LedgerStore(w.redis, w.keys, w.settings.idempotency_retention_s))
-
-    @w.broker.subscriber(w.settings.subject(subjects.LEDGER_LOOKUP))
-    async def lookup(msg: NatsMessage) -> bytes:
-        return await answer(h.lookup, msg.body, lookup_decoder)
-
-    @w.broker.subscriber(w.settings.subject(subjects.LEDGER_ACCEPT))
-    async def accept(msg: NatsMessage) -> bytes:
-        return await answer(h.accept, msg.body, accept_decoder)
-
-    @w.broker.subscriber(w.settings.subject(subjects.LEDGER_HANDED_OFF))
-    async def handed_off(msg: NatsMessage) -> bytes:
-        return await answer(h.handed_off, msg.body, handed_off_decoder)
-
-    @w.broker.subscriber(w.settings.subject(subjects.LEDGER_PENDING))
-    async def pending(msg: NatsMessage) -> bytes:
-        return await answer(h.pending, msg.body, pending_decoder)
+    serve_requests(w, [
+        (subjects.LEDGER_LOOKUP, LedgerLookup, h.lookup),
+        (subjects.LEDGER_ACCEPT, LedgerAccept, h.accept),
+        (subjects.LEDGER_HANDED_OFF, LedgerHandedOff, h.handed_off),
+        (subjects.LEDGER_PENDING, LedgerPending, h.pending),
+    ])
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

@@ -2,8 +2,6 @@
 
 from datetime import UTC, datetime, timedelta
 
-import msgspec
-
 from contracts.errors import ErrorCode
 from contracts.internal import (
     LedgerAccept,
@@ -16,10 +14,6 @@ from contracts.internal import (
 from services.ledger.store import LedgerStore
 from services.runtime.codec import Refusal
 
-lookup_decoder = msgspec.json.Decoder(LedgerLookup)
-accept_decoder = msgspec.json.Decoder(LedgerAccept)
-handed_off_decoder = msgspec.json.Decoder(LedgerHandedOff)
-pending_decoder = msgspec.json.Decoder(LedgerPending)
 
 
 class LedgerHandlers:

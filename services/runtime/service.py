@@ -7,6 +7,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from faststream import FastStream
 from faststream.nats import NatsBroker, NatsMessage
@@ -28,6 +29,27 @@ class Wiring:
     keys: Keys
     tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
     """Background loops started after the broker and cancelled before it stops."""
+
+
+Route = tuple[str, type, Callable[[Any], Coroutine[Any, Any, Any]]]
+"""(subject suffix, request contract, async handler): one core request/reply endpoint."""
+
+
+def replier(handler: Callable[[Any], Coroutine[Any, Any, Any]], request_type: type):
+    """A subscriber that decodes the request at the edge and answers with an Envelope. A factory,
+    so that FastStream sees only the message argument."""
+    decoder = msgspec.json.Decoder(request_type)
+
+    async def reply(msg: NatsMessage) -> bytes:
+        return await codec.answer(handler, msg.body, decoder)
+
+    reply.__name__ = handler.__name__
+    return reply
+
+
+def serve_requests(w: "Wiring", routes: list[Route]) -> None:
+    for suffix, request_type, handler in routes:
+        w.broker.subscriber(w.settings.subject(suffix))(replier(handler, request_type))
 
 
 def build_app(service: str, settings: Settings, register: Callable[[Wiring], None]) -> FastStream:

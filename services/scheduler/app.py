@@ -3,7 +3,6 @@
 
 import asyncio
 
-import msgspec
 from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, NatsMessage, PullSub
 
@@ -20,8 +19,7 @@ from contracts.api import (
 )
 from services.runtime import settings as settings_mod
 from services.runtime import streams
-from services.runtime.codec import answer
-from services.runtime.service import Wiring, build_app, configure_logging
+from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
 from services.scheduler import planning
 from services.scheduler.api import Api
 from services.scheduler.audit import Auditor
@@ -42,17 +40,6 @@ ROUTES = [  # (subject, request type, Api method name)
 ]
 
 
-def _route(handler, request_type):
-    """A subscriber for one API verb (a factory, so FastStream sees only the message argument)."""
-    decoder = msgspec.json.Decoder(request_type)
-
-    async def route(msg: NatsMessage) -> bytes:
-        return await answer(handler, msg.body, decoder)
-
-    route.__name__ = f"api_{handler.__name__}"
-    return route
-
-
 def register(w: Wiring) -> None:
     s = w.settings
     backends = Backends(w.broker, s, settings_mod.entitlement_key(s))
@@ -62,8 +49,7 @@ def register(w: Wiring) -> None:
               s.data_dir / "checkpoints")
     run_events = RunEvents(runs)
 
-    for suffix, request_type, method in ROUTES:
-        w.broker.subscriber(s.subject(suffix))(_route(getattr(api, method), request_type))
+    serve_requests(w, [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES])
 
     @w.broker.subscriber(
         s.subject(subjects.RUN_EVENTS) + ".>",
