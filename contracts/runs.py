@@ -59,7 +59,43 @@ class CheckpointSaved(RunEventBase, tag="checkpoint", kw_only=True):
     save_s: float
 
 
-RunEvent = StateChanged | LogLine | Metrics | CheckpointSaved
+class StageStarted(RunEventBase, tag="stage", kw_only=True):
+    stage: str  # "data_prep", "ladder", "pretrain", "midtrain", "long_context", "sft", "dpo", "rlvr"
+    total_steps: int = 0
+
+
+class EvalMetric(Contract, kw_only=True):
+    name: str
+    value: float
+    threshold: float | None = None
+    op: str = ">="  # how value is compared with threshold: ">=" or "<="
+    passed: bool = True
+
+
+class EvalResult(RunEventBase, tag="eval", kw_only=True):
+    """A stage's fixed eval battery and its gate: every metric, its threshold, pass or fail."""
+
+    stage: str
+    metrics: list[EvalMetric]
+    passed: bool
+
+
+class ProvenanceStep(Contract, kw_only=True):
+    name: str  # "exact_dedup", "near_dedup", "decontamination", ...
+    before: int
+    after: int
+    detail: str | None = None
+
+
+class DataProvenance(RunEventBase, tag="provenance", kw_only=True):
+    """What data preparation did: counts before/after each step, input and output digests."""
+
+    steps: list[ProvenanceStep]
+    input_digest: str
+    output_digest: str
+
+
+RunEvent = StateChanged | LogLine | Metrics | CheckpointSaved | StageStarted | EvalResult | DataProvenance
 
 
 class DeskTelemetry(Contract, kw_only=True):
