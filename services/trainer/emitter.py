@@ -13,12 +13,30 @@ import msgspec
 from faststream.nats import NatsBroker
 
 from contracts import subjects
-from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent, StateChanged
+from contracts.runs import (
+    CheckpointSaved,
+    DataProvenance,
+    EvalResult,
+    LogLine,
+    Metrics,
+    RunEvent,
+    StageStarted,
+    StateChanged,
+)
 from contracts.states import RunState
 from services.runtime.settings import Settings
 
 log = logging.getLogger("ito.trainer.emitter")
 THREAD_PUBLISH_TIMEOUT_S = 10.0  # the training thread waits at most this for one event to be stored
+# The pipeline's `emit(kind, payload)` kinds: payload fields are those of the event, less run_id/seq/at.
+EVENT_KINDS = {
+    "metrics": Metrics,
+    "log": LogLine,
+    "checkpoint": CheckpointSaved,
+    "stage": StageStarted,
+    "eval": EvalResult,
+    "provenance": DataProvenance,
+}
 
 
 class Emitter:
@@ -56,15 +74,10 @@ class Emitter:
 
     def from_thread(self, kind: str, payload: dict) -> None:
         """The training loop's `emit(kind, payload)`: build the event here, publish on the loop."""
-        match kind:
-            case "metrics":
-                event = Metrics(**self._base(), **payload)
-            case "log":
-                event = LogLine(**self._base(), **payload)
-            case "checkpoint":
-                event = CheckpointSaved(**self._base(), **payload)
-            case _:
-                raise ValueError(f"unknown event kind {kind!r}")
+        cls = EVENT_KINDS.get(kind)
+        if cls is None:
+            raise ValueError(f"unknown event kind {kind!r}; known: {sorted(EVENT_KINDS)}")
+        event = msgspec.convert({**self._base(), **payload}, cls)
         future = asyncio.run_coroutine_threadsafe(self.publish(event), self.loop)
         try:
             future.result(timeout=THREAD_PUBLISH_TIMEOUT_S)
