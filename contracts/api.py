@@ -5,6 +5,7 @@ from datetime import datetime
 
 from contracts.base import Contract
 from contracts.booking import Booking
+from contracts.evals import Provenance, StageGate
 from contracts.states import RunState
 
 
@@ -154,6 +155,11 @@ class RunView(Contract, kw_only=True):
     updated_at: datetime
     plan: Plan | None = None
     message: str | None = None
+    gates: list[StageGate] = []  # every stage's eval gate as it really is; a failed one shows failed
+    provenance: Provenance | None = None
+    checkpoint_dir: str | None = None
+    last_checkpoint_step: int | None = None
+    cleaned_up: bool = False
 
 
 class LogLineView(Contract, kw_only=True):
@@ -167,3 +173,73 @@ class LogPage(Contract, kw_only=True):
     run_id: str
     lines: list[LogLineView]
     next: int
+
+
+class MetricsRequest(Contract, kw_only=True):
+    credential: Credential
+    run_id: str
+    since: int = 0
+    limit: int = 1000
+
+
+class RunItemsRequest(Contract, kw_only=True):
+    """`checkpoints` and `evals`: one run's list."""
+
+    credential: Credential
+    run_id: str
+
+
+class CancelRequest(Contract, kw_only=True):
+    credential: Credential
+    run_id: str
+    idempotency_key: str
+    confirmation_ref: str | None = None
+
+
+class CleanupRequest(Contract, kw_only=True):
+    credential: Credential
+    run_id: str
+    idempotency_key: str
+    confirmation_ref: str | None = None
+    release_booking: bool = False
+    release_confirmation_ref: str | None = None  # its own `release_booking` confirmation
+
+
+class MutationResult(Contract, kw_only=True):
+    run_id: str
+    action: Action
+    state: RunState
+    replay: bool = False
+
+
+class RemovedArtifact(Contract, kw_only=True):
+    path: str
+    bytes: int
+
+
+class CleanupResult(Contract, kw_only=True):
+    run_id: str
+    removed: list[RemovedArtifact]
+    booking_release_requested: bool = False
+    replay: bool = False
+
+
+class CleanupOrder(Contract, kw_only=True):
+    """scheduler -> trainer: remove a finished run's artifacts (-> CleanupResult)."""
+
+    account: str
+    run_id: str
+    checkpoint_dir: str
+
+
+class LeaseQuery(Contract, kw_only=True):
+    """trainer -> scheduler: may this run be trained now? (-> LeaseAnswer)"""
+
+    run_id: str
+
+
+class LeaseAnswer(Contract, kw_only=True):
+    run_id: str
+    proceed: bool
+    state: RunState | None = None
+

@@ -49,6 +49,8 @@ class ErrorCode(enum.StrEnum):
     # field, wrong type, over the size cap). Distinct from manifest_invalid, which is about
     # the manifest the request carries.
     request_invalid = "request_invalid"
+    # Added by the lifecycle: cleanup (and other after-the-end actions) of a run still going.
+    run_not_finished = "run_not_finished"
 
 
 class ApiError(Contract, kw_only=True):

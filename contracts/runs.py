@@ -6,6 +6,7 @@ import msgspec
 
 from contracts.api import Plan
 from contracts.base import Contract
+from contracts.evals import EvalMetric, ProvenanceStep, StageGate
 from contracts.states import RunState
 
 
@@ -64,27 +65,12 @@ class StageStarted(RunEventBase, tag="stage", kw_only=True):
     total_steps: int = 0
 
 
-class EvalMetric(Contract, kw_only=True):
-    name: str
-    value: float
-    threshold: float | None = None
-    op: str = ">="  # how value is compared with threshold: ">=" or "<="
-    passed: bool = True
-
-
 class EvalResult(RunEventBase, tag="eval", kw_only=True):
     """A stage's fixed eval battery and its gate: every metric, its threshold, pass or fail."""
 
     stage: str
     metrics: list[EvalMetric]
     passed: bool
-
-
-class ProvenanceStep(Contract, kw_only=True):
-    name: str  # "exact_dedup", "near_dedup", "decontamination", ...
-    before: int
-    after: int
-    detail: str | None = None
 
 
 class DataProvenance(RunEventBase, tag="provenance", kw_only=True):
@@ -96,6 +82,23 @@ class DataProvenance(RunEventBase, tag="provenance", kw_only=True):
 
 
 RunEvent = StateChanged | LogLine | Metrics | CheckpointSaved | StageStarted | EvalResult | DataProvenance
+
+
+class MetricsPage(Contract, kw_only=True):  # `ecc ito metrics`
+    run_id: str
+    points: list[Metrics]
+    next: int
+
+
+class CheckpointList(Contract, kw_only=True):  # `ecc ito checkpoints`: committed ones only
+    run_id: str
+    checkpoints: list[CheckpointSaved]
+    cleaned_up: bool = False
+
+
+class EvalList(Contract, kw_only=True):  # `ecc ito evals`
+    run_id: str
+    gates: list[StageGate]
 
 
 class DeskTelemetry(Contract, kw_only=True):

@@ -36,8 +36,10 @@ ALLOWED_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
             RunState.cancelling,
         }
     ),
-    RunState.interrupted: frozenset({RunState.queued, RunState.running, RunState.failed, RunState.cancelling}),
-    RunState.awaiting_approval: frozenset({RunState.queued, RunState.cancelling, RunState.failed}),
+    RunState.interrupted: frozenset(
+        {RunState.queued, RunState.running, RunState.failed, RunState.cancelling, RunState.cancelled}
+    ),
+    RunState.awaiting_approval: frozenset({RunState.queued, RunState.cancelling, RunState.cancelled, RunState.failed}),
     RunState.cancelling: frozenset({RunState.cancelled, RunState.failed}),
     RunState.succeeded: frozenset(),
     RunState.failed: frozenset(),

@@ -15,6 +15,19 @@ API_TRAIN = "v1.api.train"
 API_STATUS = "v1.api.status"
 API_LOGS = "v1.api.logs"
 API_AUDIT = "v1.api.audit"
+API_METRICS = "v1.api.metrics"
+API_CHECKPOINTS = "v1.api.checkpoints"
+API_EVALS = "v1.api.evals"
+API_CANCEL = "v1.api.cancel"
+API_CLEANUP = "v1.api.cleanup"
+
+# --- trainer <-> scheduler (core NATS) ---
+RUN_LEASE = "v1.scheduler.lease"  # a trainer asks whether a run may (still) be trained
+CONTROL_CANCEL = "v1.control.cancel"  # `<ns>.v1.control.cancel.<run_id>`: stop within seconds
+TRAINER_CLEANUP = "v1.trainer.cleanup"  # any trainer (queue group) removes a finished run's artifacts
+TRAINER_QUEUE = "trainers"
+# To ito-compute: `<ns>.compute.v1.requests.release` asks upstream to release a booking.
+BOOKING_RELEASE_REQUESTS = "compute.v1.requests.release"
 
 # --- scheduler -> internal services (core NATS request/reply) ---
 ENTITLEMENT_ELIGIBILITY = "v1.entitlement.eligibility"

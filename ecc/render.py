@@ -52,6 +52,25 @@ def _human(data) -> str:
         return line
     if isinstance(data, dict) and "confirmation_ref" in data:
         return f"confirmation_ref: {data['confirmation_ref']} (expires {data['expires_at']})"
+    if isinstance(data, dict) and "points" in data:
+        return "\n".join(f"{p['stage']} step {p['step']}/{p['total_steps']} loss {p['loss']:.4f} "
+                         f"lr {p['learning_rate']:.2e} {p['tokens_per_s']:.0f} tok/s" for p in data["points"]) or "(none)"
+    if isinstance(data, dict) and "checkpoints" in data:
+        rows = [f"step {c['step']}: {c['bytes'] / 1e6:.1f} MB, loop stalled {c['stall_s'] * 1000:.1f} ms, "
+                f"saved in {c['save_s']:.2f} s  {c['path']}" for c in data["checkpoints"]]
+        return "\n".join(rows) or ("(removed by cleanup)" if data.get("cleaned_up") else "(none yet)")
+    if isinstance(data, dict) and "gates" in data and "run_id" in data and len(data) == 2:
+        rows = []
+        for g in data["gates"]:
+            rows.append(f"{g['stage']}: {'passed' if g['passed'] else 'FAILED'}")
+            rows += [f"  {m['name']} = {m['value']:.4f} (gate {m['op']} {m['threshold']}) "
+                     f"{'ok' if m['passed'] else 'FAIL'}" for m in g["metrics"]]
+        return "\n".join(rows) or "(no stage has been evaluated yet)"
+    if isinstance(data, dict) and "removed" in data:
+        rows = [f"removed {a['path']} ({a['bytes']} bytes)" for a in data["removed"]]
+        rows.append(f"{len(data['removed'])} artifacts removed; booking release requested: "
+                    f"{data['booking_release_requested']}")
+        return "\n".join(rows)
     if isinstance(data, dict) and "decisions" in data:
         return "\n".join(f"{d['at']} {d['gate']}: {'pass' if d['ok'] else 'FAIL ' + str(d['code'])}"
                          for d in data["decisions"]) or "(no decisions)"

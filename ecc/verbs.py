@@ -10,11 +10,15 @@ from contracts import subjects
 from contracts.api import (
     Action,
     AuthRequest,
+    CancelRequest,
+    CleanupRequest,
     ConfirmRequest,
     Credential,
     FindRequest,
     LogsRequest,
+    MetricsRequest,
     PlanRequest,
+    RunItemsRequest,
     StatusRequest,
     TrainRequest,
 )
@@ -72,6 +76,17 @@ async def _train(args, request: TrainRequest) -> Envelope:
     return local_error(ErrorCode.transport_ambiguous,
                        "no answer in time and the run could not be found yet; ask "
                        "`ecc ito status --idempotency-key KEY` before retrying", contacted=True)
+
+
+async def _mutate(args, suffix: str, request) -> Envelope:
+    """A lost answer to a mutation is not retried blindly: its key makes a retry safe, so say so."""
+    async with Client(args.connect_timeout, args.timeout) as client:
+        try:
+            return await client.call(suffix, request)
+        except SentButUnanswered:
+            return local_error(ErrorCode.transport_ambiguous,
+                               "no answer in time; the request may have taken effect. Retry with the same "
+                               "--idempotency-key: it is applied at most once", contacted=True)
 
 
 def _login(args) -> Envelope:
@@ -132,6 +147,21 @@ def run_verb(args) -> Envelope:
             if args.follow:
                 return asyncio.run(render.follow(args, req))
             return asyncio.run(_read(args, subjects.API_STATUS, req))
+        case "metrics":
+            req = MetricsRequest(credential=cred, run_id=args.run, since=args.since)
+            return asyncio.run(_read(args, subjects.API_METRICS, req))
+        case "checkpoints" | "evals":
+            suffix = subjects.API_CHECKPOINTS if args.verb == "checkpoints" else subjects.API_EVALS
+            return asyncio.run(_read(args, suffix, RunItemsRequest(credential=cred, run_id=args.run)))
+        case "cancel":
+            req = CancelRequest(credential=cred, run_id=args.run, confirmation_ref=args.confirmation_ref,
+                                idempotency_key=args.idempotency_key)
+            return asyncio.run(_mutate(args, subjects.API_CANCEL, req))
+        case "cleanup":
+            req = CleanupRequest(credential=cred, run_id=args.run, confirmation_ref=args.confirmation_ref,
+                                 idempotency_key=args.idempotency_key, release_booking=args.release_booking,
+                                 release_confirmation_ref=args.release_confirmation_ref)
+            return asyncio.run(_mutate(args, subjects.API_CLEANUP, req))
         case "audit":
             from contracts.audit import AuditRequest
 

@@ -35,7 +35,7 @@ if conf[5] ~= '' and ARGV[5] ~= '' and tonumber(ARGV[5]) > tonumber(conf[5]) the
 end
 redis.call('HSET', KEYS[2], 'consumed', '1', 'consumed_by', ARGV[6])
 redis.call('SET', KEYS[1], ARGV[7], 'PX', ARGV[8])
-redis.call('SADD', KEYS[3], ARGV[9])
+if ARGV[10] == '1' then redis.call('SADD', KEYS[3], ARGV[9]) end
 return {'accepted', ARGV[7]}
 """
 
@@ -79,6 +79,7 @@ class LedgerStore:
                 msgspec.json.encode(entry),
                 self.retention_ms,
                 req.idempotency_key,
+                "1" if req.work else "0",  # only a run to hand off waits in the pending set
             ],
         )
         outcome = outcome.decode()

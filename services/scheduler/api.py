@@ -28,9 +28,11 @@ from contracts.api import (
     FindRequest,
     LogPage,
     LogsRequest,
+    MetricsRequest,
     Plan,
     PlanRequest,
     RunAccepted,
+    RunItemsRequest,
     RunView,
     StatusRequest,
     TrainRequest,
@@ -41,7 +43,7 @@ from contracts.errors import ErrorCode
 from contracts.internal import ConfirmationCreate, LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
-from contracts.runs import TrainWork
+from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from contracts.states import RunState
 from services.runtime import accounts, faults
 from services.runtime.codec import Refusal
@@ -65,6 +67,12 @@ def valid_idempotency_key(key: str) -> bool:
 
 def fingerprint(action: Action, account: str, target: str, digest: str) -> str:
     return hashlib.sha256("\0".join((action.value, account, target, digest)).encode()).hexdigest()
+
+
+def checkpoint_root(local: pathlib.Path, manifest: Manifest) -> pathlib.Path:
+    """Where a run's checkpoints go: the manifest's absolute path, or the service's own storage."""
+    storage = manifest.checkpoint.storage
+    return pathlib.Path(storage) if os.path.isabs(storage) else local
 
 
 def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, str] | None:
@@ -230,7 +238,7 @@ class Api:
                 account, req.booking_id, manifest))
         work = TrainWork(
             run_id=run_id, account=account, booking_id=req.booking_id, manifest_text=req.manifest_text,
-            manifest_digest=digest, plan=p, checkpoint_dir=str(self.checkpoint_root / account / run_id),
+            manifest_digest=digest, plan=p, checkpoint_dir=str(checkpoint_root(self.checkpoint_root, manifest) / account / run_id),
         )
         entry = await trail.gate("ledger_accept", self.backends.ledger_accept(LedgerAccept(
             account=account, idempotency_key=req.idempotency_key, fingerprint=fp, run_id=run_id, action=Action.train,
@@ -266,6 +274,28 @@ class Api:
             raise Refusal(ErrorCode.run_not_found, "no such run for this account")
         decisions = [d for d in await self.auditor.read(req.run_id) if d.account == account]
         return AuditTrail(run_id=req.run_id, decisions=decisions)
+
+    async def _owned(self, credential, run_id: str) -> tuple[str, RunView]:
+        account = await self._account(credential)
+        view = await self.runs.get(account, run_id)
+        if view is None:
+            raise Refusal(ErrorCode.run_not_found, "no such run for this account")
+        return account, view
+
+    async def metrics(self, req: MetricsRequest) -> MetricsPage:
+        account, _ = await self._owned(req.credential, req.run_id)
+        since, limit = max(0, req.since), max(1, min(req.limit, 5000))
+        points = await self.runs.metrics(account, req.run_id, since, limit)
+        return MetricsPage(run_id=req.run_id, points=points, next=since + len(points))
+
+    async def checkpoints(self, req: RunItemsRequest) -> CheckpointList:
+        account, view = await self._owned(req.credential, req.run_id)
+        return CheckpointList(run_id=req.run_id, checkpoints=await self.runs.checkpoints(account, req.run_id),
+                              cleaned_up=view.cleaned_up)
+
+    async def evals(self, req: RunItemsRequest) -> EvalList:
+        _, view = await self._owned(req.credential, req.run_id)
+        return EvalList(run_id=req.run_id, gates=view.gates)
 
     async def logs(self, req: LogsRequest) -> LogPage:
         account = await self._account(req.credential)

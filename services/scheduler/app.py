@@ -12,8 +12,13 @@ from contracts.api import (
     AuthRequest,
     ConfirmRequest,
     FindRequest,
+    CancelRequest,
+    CleanupRequest,
+    LeaseQuery,
     LogsRequest,
+    MetricsRequest,
     PlanRequest,
+    RunItemsRequest,
     StatusRequest,
     TrainRequest,
 )
@@ -26,6 +31,7 @@ from services.scheduler.audit import Auditor
 from services.scheduler.backends import Backends
 from services.scheduler.events import RunEvents
 from services.scheduler.handoff import Handoff
+from services.scheduler.mutations import Mutations
 from services.scheduler.store import RunStore
 
 ROUTES = [  # (subject, request type, Api method name)
@@ -37,6 +43,9 @@ ROUTES = [  # (subject, request type, Api method name)
     (subjects.API_STATUS, StatusRequest, "status"),
     (subjects.API_LOGS, LogsRequest, "logs"),
     (subjects.API_AUDIT, AuditRequest, "audit"),
+    (subjects.API_METRICS, MetricsRequest, "metrics"),
+    (subjects.API_CHECKPOINTS, RunItemsRequest, "checkpoints"),
+    (subjects.API_EVALS, RunItemsRequest, "evals"),
 ]
 
 
@@ -49,7 +58,12 @@ def register(w: Wiring) -> None:
               s.data_dir / "checkpoints")
     run_events = RunEvents(runs)
 
-    serve_requests(w, [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES])
+    mutations = Mutations(w.redis, w.keys, backends, runs)
+    serve_requests(w, [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES] + [
+        (subjects.API_CANCEL, CancelRequest, mutations.cancel),
+        (subjects.API_CLEANUP, CleanupRequest, mutations.cleanup),
+        (subjects.RUN_LEASE, LeaseQuery, mutations.lease),
+    ])
 
     @w.broker.subscriber(
         s.subject(subjects.RUN_EVENTS) + ".>",

@@ -14,7 +14,7 @@ from faststream.nats import NatsBroker
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from contracts import subjects
-from contracts.api import Action, ConfirmationIssued
+from contracts.api import Action, CleanupOrder, CleanupResult, ConfirmationIssued
 from contracts.errors import ErrorCode
 from contracts.internal import (
     BookingsAnswer,
@@ -37,6 +37,7 @@ from services.runtime.codec import Refusal
 from services.runtime.settings import Settings
 
 T = TypeVar("T")
+CLEANUP_TIMEOUT_S = 30.0  # removing a large checkpoint tree takes longer than one control hop
 CLOCK_SKEW = timedelta(seconds=5)  # hosts' clocks may differ a little; never stretches expires_at
 
 
@@ -60,10 +61,11 @@ class Backends:
         self.settings = settings
         self._key = entitlement_key
 
-    async def _call(self, suffix: str, request: msgspec.Struct, data_type: type[T], service: str) -> T:
+    async def _call(self, suffix: str, request: msgspec.Struct, data_type: type[T], service: str,
+                    timeout: float | None = None) -> T:
         try:
             reply = await self.broker.request(
-                codec.encode(request), self.settings.subject(suffix), timeout=self.settings.request_timeout_s
+                codec.encode(request), self.settings.subject(suffix), timeout=timeout or self.settings.request_timeout_s
             )
         except (NoRespondersError, NatsTimeout, TimeoutError):
             raise Refusal(ErrorCode.backend_unavailable, f"the {service} service did not answer in time") from None
@@ -109,3 +111,15 @@ class Backends:
         answer = await self._call(subjects.LEDGER_PENDING, LedgerPending(older_than_s=older_than_s),
                                   LedgerPendingAnswer, "ledger")
         return answer.entries
+
+    async def trainer_cleanup(self, order: CleanupOrder) -> CleanupResult:
+        return await self._call(subjects.TRAINER_CLEANUP, order, CleanupResult, "trainer", timeout=CLEANUP_TIMEOUT_S)
+
+    async def notify_cancel(self, run_id: str) -> None:
+        """Core NATS, fire and forget: trainers also poll the lease, so a lost notice only delays."""
+        await self.broker.publish(b"{}", self.settings.subject(f"{subjects.CONTROL_CANCEL}.{run_id}"))
+
+    async def request_release(self, account: str, booking_id: str, run_id: str) -> None:
+        body = msgspec.json.encode({"account": account, "booking_id": booking_id, "run_id": run_id})
+        await self.broker.publish(body, self.settings.subject(subjects.BOOKING_RELEASE_REQUESTS))
+

@@ -45,6 +45,7 @@ class Handoff:
             run_id=work.run_id, account=work.account, booking_id=work.booking_id,
             manifest_digest=work.manifest_digest, idempotency_key=entry.idempotency_key, state=RunState.accepted,
             created_at=entry.created_at, updated_at=entry.created_at, plan=work.plan,
+            checkpoint_dir=work.checkpoint_dir,
         )
 
     async def hand_off(self, entry: LedgerEntry) -> RunView:

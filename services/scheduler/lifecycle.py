@@ -5,7 +5,17 @@ from datetime import datetime
 import msgspec
 
 from contracts.api import RunView
-from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent, StateChanged
+from contracts.evals import Provenance, StageGate
+from contracts.runs import (
+    CheckpointSaved,
+    DataProvenance,
+    EvalResult,
+    LogLine,
+    Metrics,
+    RunEvent,
+    StageStarted,
+    StateChanged,
+)
 from contracts.states import ALLOWED_TRANSITIONS, RunState
 
 
@@ -42,6 +52,19 @@ def apply_event(view: RunView, event: RunEvent) -> RunView:
         case Metrics():
             return msgspec.structs.replace(view, stage=event.stage, step=event.step, total_steps=event.total_steps,
                                            loss=event.loss, updated_at=event.at)
-        case LogLine() | CheckpointSaved():
+        case StageStarted():
+            return msgspec.structs.replace(view, stage=event.stage, step=0, total_steps=event.total_steps,
+                                           loss=None, updated_at=event.at)
+        case EvalResult():
+            gate = StageGate(stage=event.stage, passed=event.passed, metrics=event.metrics)
+            gates = [g for g in view.gates if g.stage != event.stage] + [gate]
+            return msgspec.structs.replace(view, gates=gates, updated_at=event.at)
+        case DataProvenance():
+            provenance = Provenance(steps=event.steps, input_digest=event.input_digest,
+                                    output_digest=event.output_digest)
+            return msgspec.structs.replace(view, provenance=provenance, updated_at=event.at)
+        case CheckpointSaved():
+            return msgspec.structs.replace(view, last_checkpoint_step=event.step, updated_at=event.at)
+        case LogLine():
             return view
     raise TypeError(f"unknown run event {type(event).__name__}")

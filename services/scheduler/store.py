@@ -22,6 +22,8 @@ log = logging.getLogger("ito.scheduler.store")
 
 _view_decoder = msgspec.json.Decoder(RunView)
 _log_decoder = msgspec.json.Decoder(LogLineView)
+_metrics_decoder = msgspec.json.Decoder(Metrics)
+_checkpoint_decoder = msgspec.json.Decoder(CheckpointSaved)
 
 
 class RunStore:
@@ -96,8 +98,26 @@ class RunStore:
             pipe.ltrim(key, -MAX_METRIC_POINTS, -1)
             await pipe.execute()
 
+    async def metrics(self, account: str, run_id: str, since: int, limit: int) -> list[Metrics]:
+        raw = await self.r.lrange(self.keys.run_metrics(account, run_id), since, since + limit - 1)
+        return [_metrics_decoder.decode(x) for x in raw]
+
     async def append_checkpoint(self, account: str, run_id: str, c: CheckpointSaved) -> None:
         await self.r.rpush(self.keys.run_checkpoints(account, run_id), msgspec.json.encode(c))
+
+    async def checkpoints(self, account: str, run_id: str) -> list[CheckpointSaved]:
+        raw = await self.r.lrange(self.keys.run_checkpoints(account, run_id), 0, -1)
+        return [_checkpoint_decoder.decode(x) for x in raw]
+
+    async def forget_checkpoints(self, account: str, run_id: str) -> None:
+        await self.r.delete(self.keys.run_checkpoints(account, run_id))
+
+    async def remember(self, account: str, run_id: str, field: str, value: bytes) -> None:
+        """Keep an answer beside the run (a cleanup's result, for replays)."""
+        await self.r.hset(self.keys.run(account, run_id), field, value)
+
+    async def recall(self, account: str, run_id: str, field: str) -> bytes | None:
+        return await self.r.hget(self.keys.run(account, run_id), field)
 
     async def accounts(self) -> list[str]:
         return sorted(a.decode() for a in await self.r.smembers(self.keys.accounts()))

@@ -6,9 +6,10 @@ from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, NatsMessage, PullSub
 
 from contracts import subjects
+from contracts.api import CleanupOrder
 from services.runtime import settings as settings_mod
 from services.runtime import streams
-from services.runtime.service import Wiring, build_app, configure_logging
+from services.runtime.service import Wiring, build_app, configure_logging, replier
 from services.trainer.worker import WORK_ACK_WAIT_S, Worker
 
 
@@ -26,6 +27,14 @@ def register(w: Wiring) -> None:
     )
     async def on_work(msg: NatsMessage) -> None:
         await worker.handle(msg)
+
+    @w.broker.subscriber(s.subject(subjects.CONTROL_CANCEL) + ".*")
+    async def on_cancel(msg: NatsMessage) -> None:
+        worker.cancel(msg.raw_message.subject.rsplit(".", 1)[-1])
+
+    # Any one trainer answers (a queue group): checkpoint storage is shared by the trainers.
+    w.broker.subscriber(s.subject(subjects.TRAINER_CLEANUP), queue=subjects.TRAINER_QUEUE)(
+        replier(worker.cleanup, CleanupOrder))
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

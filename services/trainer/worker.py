@@ -1,33 +1,49 @@
-"""One work item, start to end: announce, train in a thread, report, acknowledge.
+"""One work item, start to end: lease, announce, train in a thread, report, acknowledge.
 
 The message is acknowledged only after the run's final state is published. While training, the
-worker tells JetStream it is still working (`in_progress`) so the message is not redelivered; if
-the process dies, the message comes back after AckWait and the run resumes from its last
-committed checkpoint.
+worker tells JetStream it is still working (`in_progress`) so the message is not redelivered, and
+re-checks its lease with the scheduler; if the process dies, the message comes back after AckWait
+and the run resumes from its last committed checkpoint. A cancel notice (or a lost lease) stops
+the loop within a step; the in-flight checkpoint is committed first.
 """
 
 import asyncio
 import logging
 import os
 import pathlib
+import shutil
+import threading
 
 import msgspec
 from faststream.nats import NatsBroker, NatsMessage
 
+from contracts import subjects
+from contracts.api import CleanupOrder, CleanupResult, LeaseAnswer, LeaseQuery, RemovedArtifact
+from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.runs import TrainWork
 from contracts.states import RunState
+from services.runtime import codec
+from services.runtime.codec import Refusal
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
+from services.trainer.checkpoint import list_checkpoints
 from services.trainer.emitter import Emitter
 from services.trainer.pipeline import run_pipeline
 
 log = logging.getLogger("ito.trainer.worker")
 
 WORK_ACK_WAIT_S = 30  # redelivery delay after a trainer dies silently
-IN_PROGRESS_EVERY_S = 10.0  # well inside WORK_ACK_WAIT_S
+IN_PROGRESS_EVERY_S = 5.0  # well inside WORK_ACK_WAIT_S; also how often the lease is re-checked
+RETRY_LEASE_AFTER_S = 5  # the scheduler did not answer: give the item back, try again later
 
 work_decoder = msgspec.json.Decoder(TrainWork)
 manifest_decoder = msgspec.json.Decoder(Manifest)
+
+
+def last_committed_step(checkpoint_dir: pathlib.Path) -> int | None:
+    """The newest committed checkpoint's step across the run's stage directories, if any."""
+    steps = [c.step for d in [checkpoint_dir, *checkpoint_dir.glob("*/")] if d.is_dir() for c in list_checkpoints(d)]
+    return max(steps) if steps else None
 
 
 class Worker:
@@ -35,14 +51,35 @@ class Worker:
         self.broker = broker
         self.settings = settings
         self.threads = int(os.environ.get(ENV_TRAINER_THREADS) or os.cpu_count() or 1)
+        self.stops: dict[str, threading.Event] = {}
 
-    async def _keep_alive(self, msg: NatsMessage) -> None:
+    def cancel(self, run_id: str) -> None:
+        stop = self.stops.get(run_id)
+        if stop is not None:
+            log.info("run %s: cancel notice received; stopping after this step", run_id)
+            stop.set()
+
+    async def lease(self, run_id: str) -> LeaseAnswer | None:
+        """The scheduler's word on whether this run may be trained; None when it did not answer."""
+        try:
+            reply = await self.broker.request(codec.encode(LeaseQuery(run_id=run_id)),
+                                              self.settings.subject(subjects.RUN_LEASE),
+                                              timeout=self.settings.request_timeout_s)
+            return codec.unwrap(reply.body, LeaseAnswer)
+        except Exception:  # no answer is not a yes
+            return None
+
+    async def _keep_alive(self, msg: NatsMessage, run_id: str, stop: threading.Event) -> None:
         while True:
             await asyncio.sleep(IN_PROGRESS_EVERY_S)
             try:
                 await msg.raw_message.in_progress()
             except Exception:  # a bus outage: retry next tick; JetStream may redeliver meanwhile
-                log.warning("could not extend the work item's ack deadline")
+                log.warning("run %s: could not extend the work item's ack deadline", run_id)
+            answer = await self.lease(run_id)
+            if answer is not None and not answer.proceed:
+                log.info("run %s: lease withdrawn (%s); stopping", run_id, answer.state)
+                stop.set()
 
     async def handle(self, msg: NatsMessage) -> None:
         try:
@@ -52,19 +89,54 @@ class Worker:
             log.error("work item rejected (terminated, not trained): %s", exc)
             await msg.raw_message.term()
             return
+        answer = await self.lease(work.run_id)
+        if answer is None:
+            log.warning("run %s: the scheduler did not answer the lease; retrying in %ds", work.run_id,
+                        RETRY_LEASE_AFTER_S)
+            await msg.raw_message.nak(delay=RETRY_LEASE_AFTER_S)
+            return
+        if not answer.proceed:
+            log.info("run %s is %s; not training it", work.run_id, answer.state)
+            await msg.ack()
+            return
+        await self._train(msg, work, manifest)
+
+    async def _train(self, msg: NatsMessage, work: TrainWork, manifest: Manifest) -> None:
         emitter = Emitter(self.broker, self.settings, work.run_id, asyncio.get_running_loop())
-        keep_alive = asyncio.create_task(self._keep_alive(msg))
+        stop = self.stops[work.run_id] = threading.Event()
+        keep_alive = asyncio.create_task(self._keep_alive(msg, work.run_id, stop))
+        checkpoint_dir = pathlib.Path(work.checkpoint_dir)
         try:
-            await emitter.state(RunState.running, stage="pretrain", message="training started")
-            result = await asyncio.to_thread(
-                run_pipeline, manifest, pathlib.Path(work.checkpoint_dir), emitter.from_thread,
-                lambda: False, self.threads,
-            )
+            await emitter.state(RunState.running, message="training started")
+            result = await asyncio.to_thread(run_pipeline, manifest, checkpoint_dir, emitter.from_thread,
+                                             stop.is_set, self.threads)
             await emitter.log(result.summary)
-            await emitter.state(RunState.succeeded, stage=result.last_stage, message=result.summary)
+            if stop.is_set():
+                step = last_committed_step(checkpoint_dir)
+                kept = f"; last checkpoint at step {step}" if step is not None else "; no checkpoint yet"
+                await emitter.state(RunState.cancelled, stage=result.last_stage, message="cancelled" + kept)
+            elif getattr(result, "outcome", "succeeded") == "gate_failed":
+                await emitter.state(RunState.gate_failed, stage=result.last_stage, message=result.summary)
+            else:
+                await emitter.state(RunState.succeeded, stage=result.last_stage, message=result.summary)
         except Exception as exc:  # the run failed; report it as state and stop redelivery
             log.exception("run %s failed", work.run_id)
             await emitter.state(RunState.failed, message=f"training failed: {type(exc).__name__}")
         finally:
             keep_alive.cancel()
+            self.stops.pop(work.run_id, None)
         await msg.ack()
+
+    async def cleanup(self, order: CleanupOrder) -> CleanupResult:
+        """Remove a finished run's artifacts and say what was removed. Only a directory that is
+        named for this account and run is ever touched."""
+        path = pathlib.Path(order.checkpoint_dir)
+        if not path.is_absolute() or path.parts[-2:] != (order.account, order.run_id) or path.is_symlink():
+            raise Refusal(ErrorCode.forbidden, "the checkpoint directory is not this run's")
+        removed = []
+        if path.exists():
+            for file in sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink()):
+                removed.append(RemovedArtifact(path=str(file), bytes=file.stat().st_size))
+            shutil.rmtree(path)
+        log.info("run %s: cleanup removed %d artifacts", order.run_id, len(removed))
+        return CleanupResult(run_id=order.run_id, removed=removed)

@@ -7,9 +7,10 @@ import pytest
 from faststream.nats import NatsMessage, TestNatsBroker
 
 from contracts import subjects
-from contracts.api import CostEstimate, Plan
+from contracts.api import CostEstimate, LeaseAnswer, Plan
+from contracts.states import RunState
 from contracts.runs import RunEvent, StateChanged, TrainWork
-from services.runtime import connections, streams
+from services.runtime import codec, connections, streams
 from services.runtime import settings as settings_mod
 from services.runtime.keys import Keys
 from services.runtime.service import Wiring
@@ -42,6 +43,10 @@ async def test_trainer_handler(infra_urls, namespace, tmp_path, monkeypatch, bod
     trainer_app.register(w)
     events: list[RunEvent] = []
     decoder = msgspec.json.Decoder(RunEvent)
+
+    @broker.subscriber(s.subject(subjects.RUN_LEASE))  # the scheduler's part: this run may train
+    async def lease(msg: NatsMessage) -> bytes:
+        return codec.ok(LeaseAnswer(run_id="run_t", proceed=True, state=RunState.queued))
 
     @broker.subscriber(s.subject(subjects.RUN_EVENTS) + ".>", stream=streams.ref(s, subjects.STREAM_RUNS))
     async def collect(msg: NatsMessage) -> None:

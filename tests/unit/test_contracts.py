@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 import contracts
-from contracts import api, audit, base, booking, envelope, errors, internal, manifest, models, runs, states
+from contracts import api, audit, base, booking, envelope, errors, evals, internal, manifest, models, runs, states
 from contracts.api import Action
 from contracts.booking import BookingEventKind, BookingState, Fabric
 from contracts.errors import ErrorCode
@@ -86,6 +86,10 @@ GATE_DECISION = audit.GateDecision(
     request_id="run_1", at=datetime(2026, 11, 29, 12, 0, tzinfo=UTC), account="acme", action=Action.train,
     gate="ledger_accept", ok=False, code="confirmation_consumed", booking_id="bk_1", manifest_digest="ab" * 32,
 )
+
+EVAL_METRIC = evals.EvalMetric(name="held_out_loss", value=2.5, threshold=3.0, op="<=", passed=True)
+STAGE_GATE = evals.StageGate(stage="pretrain", passed=True, metrics=[EVAL_METRIC])
+PROVENANCE_STEP = evals.ProvenanceStep(name="exact_dedup", before=10, after=8, detail="2 duplicates")
 
 SAMPLES: dict[type, msgspec.Struct] = {
     # base
@@ -186,10 +190,36 @@ SAMPLES: dict[type, msgspec.Struct] = {
     ),
     runs.CheckpointSaved: runs.CheckpointSaved(run_id="run_1", seq=5, at=T0, step=10, path="/srv/ckpt/step_10", bytes=4096, stall_s=0.5, save_s=1.25),
     runs.DeskTelemetry: runs.DeskTelemetry(run_id="run_1", booking_id="bk_1", at=T1, wall_s=60.0, step_s=0.25, goodput=0.9),
+    runs.StageStarted: runs.StageStarted(run_id="run_1", seq=6, at=T0, stage="midtrain", total_steps=20),
+    runs.EvalResult: runs.EvalResult(run_id="run_1", seq=7, at=T0, stage="pretrain", metrics=[EVAL_METRIC], passed=False),
+    runs.DataProvenance: runs.DataProvenance(run_id="run_1", seq=8, at=T0, steps=[PROVENANCE_STEP],
+                                             input_digest="ab" * 32, output_digest="cd" * 32),
+    runs.MetricsPage: runs.MetricsPage(run_id="run_1", points=[], next=0),
+    runs.CheckpointList: runs.CheckpointList(run_id="run_1", checkpoints=[], cleaned_up=True),
+    runs.EvalList: runs.EvalList(run_id="run_1", gates=[STAGE_GATE]),
+    # evals
+    evals.EvalMetric: EVAL_METRIC,
+    evals.StageGate: STAGE_GATE,
+    evals.ProvenanceStep: PROVENANCE_STEP,
+    evals.Provenance: evals.Provenance(steps=[PROVENANCE_STEP], input_digest="ab" * 32, output_digest="cd" * 32),
+    # lifecycle
+    api.MetricsRequest: api.MetricsRequest(credential=CREDENTIAL, run_id="run_1", since=3, limit=10),
+    api.RunItemsRequest: api.RunItemsRequest(credential=CREDENTIAL, run_id="run_1"),
+    api.CancelRequest: api.CancelRequest(credential=CREDENTIAL, run_id="run_1", idempotency_key="k", confirmation_ref="cf_1"),
+    api.CleanupRequest: api.CleanupRequest(credential=CREDENTIAL, run_id="run_1", idempotency_key="k", confirmation_ref="cf_1",
+                                           release_booking=True, release_confirmation_ref="cf_2"),
+    api.MutationResult: api.MutationResult(run_id="run_1", action=Action.cancel, state=RunState.cancelling, replay=True),
+    api.RemovedArtifact: api.RemovedArtifact(path="/ckpt/a", bytes=3),
+    api.CleanupResult: api.CleanupResult(run_id="run_1", removed=[api.RemovedArtifact(path="/ckpt/a", bytes=3)],
+                                         booking_release_requested=True),
+    api.CleanupOrder: api.CleanupOrder(account="acme", run_id="run_1", checkpoint_dir="/ckpt/acme/run_1"),
+    api.LeaseQuery: api.LeaseQuery(run_id="run_1"),
+    api.LeaseAnswer: api.LeaseAnswer(run_id="run_1", proceed=False, state=RunState.cancelled),
 }
 
 STRUCTS = defined_structs()
-RUN_EVENT_CLASSES = [runs.StateChanged, runs.LogLine, runs.Metrics, runs.CheckpointSaved]
+RUN_EVENT_CLASSES = [runs.StateChanged, runs.LogLine, runs.Metrics, runs.CheckpointSaved, runs.StageStarted,
+                     runs.EvalResult, runs.DataProvenance]
 
 
 def name_of(cls: type) -> str:
@@ -201,7 +231,7 @@ def name_of(cls: type) -> str:
 
 def test_every_listed_module_is_discovered():
     names = {m.__name__ for m in MODULES}
-    for module in (api, audit, base, booking, envelope, errors, internal, manifest, models, runs, states):
+    for module in (api, audit, base, booking, envelope, errors, evals, internal, manifest, models, runs, states):
         assert module.__name__ in names
 
 

@@ -150,17 +150,17 @@ def test_state_changed_refuses_disallowed_transitions(pair):
         apply_event(view(current), event)
 
 
-@pytest.mark.parametrize(
-    "event",
-    [
-        LogLine(run_id="run_1", seq=12, at=T1, message="hello"),
-        CheckpointSaved(run_id="run_1", seq=13, at=T1, step=40, path="/ckpt/40", bytes=10, stall_s=0.1, save_s=0.2),
-    ],
-    ids=["log", "checkpoint"],
-)
-def test_logs_and_checkpoints_leave_the_view_alone(event):
+def test_logs_leave_the_view_alone():
     before = view(RunState.running)
-    assert apply_event(before, event) == before
+    assert apply_event(before, LogLine(run_id="run_1", seq=12, at=T1, message="hello")) == before
+
+
+def test_a_checkpoint_records_its_step_only():
+    before = view(RunState.running)
+    after = apply_event(before, CheckpointSaved(run_id="run_1", seq=13, at=T1, step=40, path="/ckpt/40", bytes=10,
+                                                stall_s=0.1, save_s=0.2))
+    assert after.last_checkpoint_step == 40
+    assert msgspec.structs.replace(after, last_checkpoint_step=None, updated_at=before.updated_at) == before
 
 
 def test_a_sequence_of_events_folds_in_order():

@@ -1,0 +1,32 @@
+"""Eval and data-provenance records, shared by run events and the run view."""
+
+from contracts.base import Contract
+
+
+class EvalMetric(Contract, kw_only=True):
+    name: str
+    value: float
+    threshold: float | None = None
+    op: str = ">="  # how value is compared with threshold: ">=" or "<="
+    passed: bool = True
+
+
+class StageGate(Contract, kw_only=True):
+    """A stage's eval battery as the run view shows it: every metric and the gate's verdict."""
+
+    stage: str
+    passed: bool
+    metrics: list[EvalMetric]
+
+
+class ProvenanceStep(Contract, kw_only=True):
+    name: str  # "exact_dedup", "near_dedup", "decontamination", ...
+    before: int
+    after: int
+    detail: str | None = None
+
+
+class Provenance(Contract, kw_only=True):
+    steps: list[ProvenanceStep]
+    input_digest: str
+    output_digest: str

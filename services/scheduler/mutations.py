@@ -1,0 +1,137 @@
+"""Cancel and cleanup: separate, confirmed, idempotent mutations of a run, and the trainer's lease.
+
+Each mutation follows train's order: authenticate -> key format -> the run (tenant-scoped) ->
+ledger lookup (a replay answers here) -> state check -> confirmation resolve -> ledger accept
+(consumes the confirmation and reserves the key atomically) -> effect.
+"""
+
+import logging
+from datetime import UTC, datetime
+
+import msgspec
+
+from contracts.api import (
+    Action,
+    CancelRequest,
+    CleanupOrder,
+    CleanupRequest,
+    CleanupResult,
+    LeaseAnswer,
+    LeaseQuery,
+    MutationResult,
+    RunView,
+)
+from contracts.errors import ErrorCode
+from contracts.internal import LedgerAccept, LedgerEntry
+from contracts.states import TERMINAL_STATES, RunState
+from services.runtime import accounts
+from services.runtime.codec import Refusal
+from services.scheduler import lifecycle
+from services.scheduler.api import fingerprint, valid_idempotency_key
+from services.scheduler.backends import Backends
+from services.scheduler.store import RunStore
+
+log = logging.getLogger("ito.scheduler.mutations")
+
+# A trainer may (keep) training a run in these states; anything else means stop or skip.
+LEASABLE = frozenset({RunState.accepted, RunState.queued, RunState.running, RunState.interrupted})
+# Cancel ends these at once: no trainer is working on them.
+CANCEL_AT_ONCE = frozenset({RunState.accepted, RunState.queued, RunState.interrupted, RunState.awaiting_approval})
+_cleanup_decoder = msgspec.json.Decoder(CleanupResult)
+
+
+class Mutations:
+    def __init__(self, r, keys, backends: Backends, runs: RunStore) -> None:
+        self.r = r
+        self.keys = keys
+        self.backends = backends
+        self.runs = runs
+
+    async def _run(self, credential, run_id: str, key: str) -> tuple[str, RunView]:
+        account = (await accounts.authenticate(self.r, self.keys, credential)).account
+        if not valid_idempotency_key(key):
+            raise Refusal(ErrorCode.idempotency_key_invalid, "idempotency keys are 1-255 printable ASCII characters")
+        view = await self.runs.get(account, run_id)
+        if view is None:
+            raise Refusal(ErrorCode.run_not_found, "no such run for this account")
+        return account, view
+
+    async def _accept(self, account: str, key: str, action: Action, target: str, ref: str | None) -> LedgerEntry:
+        if not ref:
+            raise Refusal(ErrorCode.confirmation_required,
+                          f"run `ecc ito confirm --action {action.value}` first and pass its reference")
+        await self.backends.resolve_confirmation(account, ref, action, target, None, None)
+        return await self.backends.ledger_accept(LedgerAccept(
+            account=account, idempotency_key=key, fingerprint=fingerprint(action, account, target, ""),
+            run_id=target, action=action, confirmation_ref=ref, target=target,
+        ))
+
+    async def _existing(self, account: str, key: str, action: Action, target: str) -> LedgerEntry | None:
+        entry = await self.backends.ledger_lookup(account, key)
+        if entry is not None and entry.fingerprint != fingerprint(action, account, target, ""):
+            raise Refusal(ErrorCode.idempotency_key_conflict, "this idempotency key was used for another request")
+        return entry
+
+    async def cancel(self, req: CancelRequest) -> tuple[MutationResult, str | None]:
+        account, view = await self._run(req.credential, req.run_id, req.idempotency_key)
+        if await self._existing(account, req.idempotency_key, Action.cancel, req.run_id) is not None:
+            return (MutationResult(run_id=req.run_id, action=Action.cancel, state=view.state, replay=True),
+                    "replay: this idempotency key already cancelled this run")
+        if view.state in TERMINAL_STATES or view.state is RunState.cancelling:
+            raise Refusal(ErrorCode.run_not_cancellable, f"the run is {view.state.value}")
+        entry = await self._accept(account, req.idempotency_key, Action.cancel, req.run_id, req.confirmation_ref)
+        if entry.fingerprint != fingerprint(Action.cancel, account, req.run_id, ""):
+            raise Refusal(ErrorCode.idempotency_key_conflict, "this idempotency key was used for another request")
+
+        def to_cancelled(v: RunView) -> RunView:
+            if v.state in TERMINAL_STATES or v.state is RunState.cancelling:
+                return v
+            target = RunState.cancelled if v.state in CANCEL_AT_ONCE else RunState.cancelling
+            return lifecycle.transition(v, target, datetime.now(UTC), message="cancelled by the account")
+
+        updated, _ = await self.runs.update(account, req.run_id, None, to_cancelled)
+        await self.backends.notify_cancel(req.run_id)
+        log.info("run %s: cancel accepted (%s)", req.run_id, updated.state.value)
+        return MutationResult(run_id=req.run_id, action=Action.cancel, state=updated.state), None
+
+    async def cleanup(self, req: CleanupRequest) -> tuple[CleanupResult, str | None]:
+        account, view = await self._run(req.credential, req.run_id, req.idempotency_key)
+        if await self._existing(account, req.idempotency_key, Action.cleanup, req.run_id) is not None:
+            stored = await self.runs.recall(account, req.run_id, "cleanup")
+            result = _cleanup_decoder.decode(stored) if stored else CleanupResult(run_id=req.run_id, removed=[])
+            return (msgspec.structs.replace(result, replay=True),
+                    "replay: this idempotency key already cleaned up this run")
+        if view.state not in TERMINAL_STATES:
+            raise Refusal(ErrorCode.run_not_finished, f"the run is {view.state.value}; cancel it or let it finish first")
+        if req.release_booking and not req.release_confirmation_ref:
+            raise Refusal(ErrorCode.confirmation_required,
+                          "--release-booking needs its own `release_booking` confirmation (--release-confirmation-ref)")
+        if req.release_booking:  # checked before anything is consumed, so a refusal changes nothing
+            await self.backends.resolve_confirmation(account, req.release_confirmation_ref, Action.release_booking,
+                                                     view.booking_id, None, None)
+        await self._accept(account, req.idempotency_key, Action.cleanup, req.run_id, req.confirmation_ref)
+        order = CleanupOrder(account=account, run_id=req.run_id, checkpoint_dir=view.checkpoint_dir or "")
+        result = await self.backends.trainer_cleanup(order)
+        await self.runs.forget_checkpoints(account, req.run_id)
+        released = False
+        if req.release_booking:
+            await self.backends.ledger_accept(LedgerAccept(
+                account=account, idempotency_key=f"{req.idempotency_key}#release_booking",
+                fingerprint=fingerprint(Action.release_booking, account, view.booking_id, ""), run_id=req.run_id,
+                action=Action.release_booking, confirmation_ref=req.release_confirmation_ref,
+                target=view.booking_id,
+            ))
+            await self.backends.request_release(account, view.booking_id, req.run_id)
+            released = True
+        result = msgspec.structs.replace(result, booking_release_requested=released)
+        await self.runs.remember(account, req.run_id, "cleanup", msgspec.json.encode(result))
+        await self.runs.update(account, req.run_id, None,
+                               lambda v: msgspec.structs.replace(v, cleaned_up=True, updated_at=datetime.now(UTC)))
+        return result, None
+
+    async def lease(self, req: LeaseQuery) -> LeaseAnswer:
+        account = await self.runs.owner(req.run_id)
+        view = None if account is None else await self.runs.get(account, req.run_id)
+        if view is None:
+            return LeaseAnswer(run_id=req.run_id, proceed=False)
+        return LeaseAnswer(run_id=req.run_id, proceed=view.state in LEASABLE, state=view.state)
