@@ -49,6 +49,15 @@ def _human(data) -> str:
             line += ")"
         if data.get("message"):
             line += f"\n  {data['message']}"
+        for gate in data.get("gates") or []:
+            verdict = "passed" if gate["passed"] else "FAILED"
+            numbers = ", ".join(f"{m['name']} {m['value']:.4f} (gate {m['op']} {m['threshold']})" for m in gate["metrics"])
+            line += f"\n  gate {gate['stage']}: {verdict}: {numbers}"
+        if data.get("provenance"):
+            steps = ", ".join(f"{s['name']} {s['before']}->{s['after']}" for s in data["provenance"]["steps"])
+            line += f"\n  data: {steps}"
+        if data.get("plan"):
+            line += f"\n  plan: {data['plan']['strategy']}, estimate {data['plan']['cost']['total_usd']:.6f} USD"
         return line
     if isinstance(data, dict) and "confirmation_ref" in data:
         return f"confirmation_ref: {data['confirmation_ref']} (expires {data['expires_at']})"

@@ -163,3 +163,35 @@ def test_entitlement_down_is_backend_unavailable_within_the_timeout(make_stack, 
     assert time.monotonic() - started < 10 + 5  # inside the CLI's timeout, with process start-up slack
     rc, out = stack.ecc("status", "--idempotency-key", "down-1", env=env)
     assert out["error"]["code"] == "run_not_found"
+
+
+def test_plan_creates_nothing(make_stack, manifest):
+    """No run, no consumed confirmation, no ledger entry, nothing on the trainer's queue."""
+    import redis
+
+    stack = make_stack(CONTROL_PLANE)
+    account, key, env = stack.account()
+    booking = stack.booking(account)
+    m = str(manifest())
+    ref = json.loads(json.dumps(stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m,
+                                          env=env)[1]))["data"]["confirmation_ref"]
+    r = redis.Redis.from_url(stack.env["ITO_REDIS_URL"])
+    ns = stack.env["ITO_NAMESPACE"]
+
+    def state():
+        keys = sorted(k.decode() for k in r.scan_iter(match=f"{ns}:{{{account}}}:*"))
+        confirmations = {k: r.hget(k, "consumed") for k in keys if ":conf:" in k}
+
+        async def queued():
+            async with Bus(stack, account, key) as bus:
+                return await bus.queued()
+
+        return keys, confirmations, asyncio.run(queued())
+
+    before = state()
+    for _ in range(3):
+        rc, out = stack.ecc("plan", "--booking", booking, "--manifest", m, env=env)
+        assert rc == 0, out
+    assert state() == before
+    assert before[2] == 0 and not any(":idem:" in k or ":run:" in k for k in before[0])
+    assert list(before[1].values()) == [b"0"] and ref

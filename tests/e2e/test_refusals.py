@@ -116,15 +116,6 @@ def test_manifest_gates(stack, manifest, tmp_path):
     assert code(out) == "manifest_symlink"
 
 
-def test_plan_creates_nothing(stack, manifest):
-    account, _, env = stack.account()
-    booking = stack.booking(account)
-    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(manifest()), env=env)
-    assert rc == 0
-    rc, out = stack.ecc("status", "--idempotency-key", "never-used", env=env)
-    assert code(out) == "run_not_found"
-
-
 @pytest.mark.parametrize("payload, why", [
     (b'{"credential": {"account": "a", "api_key": "k"}, "surprise": 1}', "unknown field"),
     (b'{"credential": {"account": "a", "api_key": 5}}', "wrong type"),
