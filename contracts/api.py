@@ -233,13 +233,19 @@ class CleanupOrder(Contract, kw_only=True):
 
 
 class LeaseQuery(Contract, kw_only=True):
-    """trainer -> scheduler: may this run be trained now? (-> LeaseAnswer)"""
+    """trainer -> scheduler: may this run be trained now? (-> LeaseAnswer)
+
+    Epoch 0 asks for a new lease; a held epoch renews it, and each renewal is the trainer's
+    heartbeat. A lease granted to another trainer raises the epoch and fences the old holder."""
 
     run_id: str
+    trainer_id: str = ""
+    epoch: int = 0
 
 
 class LeaseAnswer(Contract, kw_only=True):
     run_id: str
     proceed: bool
     state: RunState | None = None
+    epoch: int = 0
 

@@ -28,6 +28,7 @@ class RunEventBase(
     run_id: str
     seq: int  # per-run, grows; with run_id it is the Nats-Msg-Id of the event
     at: datetime
+    epoch: int = 0  # the trainer's lease epoch; events of a fenced (older) epoch are dropped
 
 
 class StateChanged(RunEventBase, tag="state", kw_only=True):

@@ -67,5 +67,11 @@ class Keys:
     def run_checkpoints(self, account: str, run_id: str) -> str:
         return f"{self.account(account)}:run:{run_id}:checkpoints"
 
+    def run_interruptions(self, account: str, run_id: str) -> str:
+        return f"{self.account(account)}:run:{run_id}:interruptions"
+
+    def leased(self) -> str:  # hash: run id -> account, for every run a trainer has held
+        return f"{self.ns}:leased"
+
     def runs(self, account: str) -> str:
         return f"{self.account(account)}:runs"

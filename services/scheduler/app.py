@@ -25,7 +25,7 @@ from contracts.api import (
 from services.runtime import settings as settings_mod
 from services.runtime import streams
 from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
-from services.scheduler import planning
+from services.scheduler import liveness, planning
 from services.scheduler.api import Api
 from services.scheduler.audit import Auditor
 from services.scheduler.backends import Backends
@@ -77,6 +77,7 @@ def register(w: Wiring) -> None:
         await run_events.on_event(msg.body)
 
     w.tasks.append(handoff.reconcile_forever)
+    w.tasks.append(lambda: liveness.watch_forever(runs))
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

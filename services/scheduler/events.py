@@ -6,6 +6,7 @@ import msgspec
 
 from contracts.api import LogLineView
 from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent
+from contracts.states import TERMINAL_STATES
 from services.scheduler import lifecycle
 from services.scheduler.store import RunStore
 
@@ -28,13 +29,15 @@ class RunEvents:
             log.error("event for unknown run %s ignored", event.run_id)
             return
         try:
-            _, applied = await self.runs.update(account, event.run_id, event.seq,
-                                                lambda view: lifecycle.apply_event(view, event))
+            view, applied = await self.runs.update(account, event.run_id, event.seq,
+                                                   lambda view: lifecycle.apply_event(view, event), epoch=event.epoch)
         except lifecycle.IllegalTransition as exc:
             log.warning("run %s: %s refused, not applied", event.run_id, exc)
             return
         if not applied:
             return
+        if view is not None and view.state in TERMINAL_STATES:
+            await self.runs.release_lease(event.run_id)
         match event:
             case LogLine():
                 index = await self.runs.log_count(account, event.run_id)

@@ -6,6 +6,7 @@ ledger lookup (a replay answers here) -> state check -> confirmation resolve -> 
 """
 
 import logging
+import time
 from datetime import UTC, datetime
 
 import msgspec
@@ -26,7 +27,7 @@ from contracts.internal import LedgerAccept, LedgerEntry
 from contracts.states import TERMINAL_STATES, RunState
 from services.runtime import accounts
 from services.runtime.codec import Refusal
-from services.scheduler import lifecycle
+from services.scheduler import lifecycle, liveness
 from services.scheduler.api import fingerprint, valid_idempotency_key
 from services.scheduler.backends import Backends
 from services.scheduler.store import RunStore
@@ -130,8 +131,11 @@ class Mutations:
         return result, None
 
     async def lease(self, req: LeaseQuery) -> LeaseAnswer:
+        """Grant or renew a trainer's lease (each renewal is its heartbeat); see liveness.py."""
         account = await self.runs.owner(req.run_id)
-        view = None if account is None else await self.runs.get(account, req.run_id)
-        if view is None:
+        if account is None:
             return LeaseAnswer(run_id=req.run_id, proceed=False)
-        return LeaseAnswer(run_id=req.run_id, proceed=view.state in LEASABLE, state=view.state)
+        granted, view, epoch = await self.runs.lease(
+            account, req.run_id, req.trainer_id, req.epoch, time.time(), liveness.SILENCE_S,
+            lambda v: v.state in LEASABLE)
+        return LeaseAnswer(run_id=req.run_id, proceed=granted, state=view.state if view else None, epoch=epoch)

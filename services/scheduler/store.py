@@ -52,19 +52,22 @@ class RunStore:
         return None if raw is None else _view_decoder.decode(raw)
 
     async def update(self, account: str, run_id: str, seq: int | None,
-                     change: Callable[[RunView], RunView]) -> tuple[RunView | None, bool]:
+                     change: Callable[[RunView], RunView], epoch: int = 0) -> tuple[RunView | None, bool]:
         """Apply `change` atomically: (view, applied). With `seq`, an event at or below the last
-        applied one is skipped (a redelivery or duplicate), and `applied` is False."""
+        applied one is skipped (a redelivery or duplicate); with `epoch`, an event from a fenced
+        trainer (an epoch below the current lease's) is skipped; `applied` is then False."""
         key = self.keys.run(account, run_id)
         for _ in range(UPDATE_RETRIES):
             async with self.r.pipeline(transaction=True) as pipe:
                 try:
                     await pipe.watch(key)
-                    raw, last = await pipe.hmget(key, ["view", "last_seq"])
+                    raw, last, lease_epoch = await pipe.hmget(key, ["view", "last_seq", "lease_epoch"])
                     if raw is None:
                         return None, False
                     view = _view_decoder.decode(raw)
                     if seq is not None and seq <= int(last or 0):
+                        return view, False
+                    if epoch and epoch < int(lease_epoch or 0):
                         return view, False
                     new = change(view)
                     pipe.multi()
@@ -121,3 +124,55 @@ class RunStore:
 
     async def accounts(self) -> list[str]:
         return sorted(a.decode() for a in await self.r.smembers(self.keys.accounts()))
+
+    # --- leases: which trainer may train a run, fenced by a growing epoch ---
+
+    async def lease(self, account: str, run_id: str, trainer_id: str, epoch: int, now: float,
+                    silence_s: float, leasable: Callable[[RunView], bool]) -> tuple[bool, RunView | None, int]:
+        """Grant (epoch 0) or renew (the held epoch) a run's lease: (granted, view, epoch)."""
+        key = self.keys.run(account, run_id)
+        for _ in range(UPDATE_RETRIES):
+            async with self.r.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(key)
+                    raw, cur, holder, seen = await pipe.hmget(key, ["view", "lease_epoch", "lease_holder", "lease_seen"])
+                    if raw is None:
+                        return False, None, 0
+                    view, cur = _view_decoder.decode(raw), int(cur or 0)
+                    if not leasable(view):
+                        return False, view, cur
+                    if epoch:  # renewal: only the current holder's epoch
+                        if epoch != cur:
+                            return False, view, cur
+                        pipe.multi()
+                        pipe.hset(key, "lease_seen", now)
+                        await pipe.execute()
+                        return True, view, cur
+                    holder = holder.decode() if holder else ""
+                    if holder and holder != trainer_id and now - float(seen or 0) < silence_s:
+                        return False, view, cur  # another live trainer holds it
+                    pipe.multi()
+                    pipe.hset(key, mapping={"lease_epoch": cur + 1, "lease_holder": trainer_id, "lease_seen": now})
+                    pipe.hset(self.keys.leased(), run_id, account)
+                    await pipe.execute()
+                    return True, view, cur + 1
+                except WatchError:
+                    continue
+        raise RuntimeError(f"run {run_id}: too much contention on its lease")
+
+    async def leased(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in (await self.r.hgetall(self.keys.leased())).items()}
+
+    async def lease_seen(self, account: str, run_id: str) -> float | None:
+        raw = await self.r.hget(self.keys.run(account, run_id), "lease_seen")
+        return None if raw is None else float(raw)
+
+    async def release_lease(self, run_id: str) -> None:
+        await self.r.hdel(self.keys.leased(), run_id)
+
+    async def record_interruption(self, account: str, run_id: str, record: dict) -> None:
+        await self.r.rpush(self.keys.run_interruptions(account, run_id), msgspec.json.encode(record))
+
+    async def interruptions(self, account: str, run_id: str) -> list[dict]:
+        return [msgspec.json.decode(x) for x in await self.r.lrange(self.keys.run_interruptions(account, run_id), 0, -1)]
+

@@ -40,11 +40,13 @@ EVENT_KINDS = {
 
 
 class Emitter:
-    def __init__(self, broker: NatsBroker, settings: Settings, run_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, broker: NatsBroker, settings: Settings, run_id: str, loop: asyncio.AbstractEventLoop,
+                 epoch: int = 0) -> None:
         self.broker = broker
         self.settings = settings
         self.run_id = run_id
         self.loop = loop
+        self.epoch = epoch  # the lease epoch: the scheduler drops events of a fenced epoch
         self._last = 0
 
     def _seq(self) -> int:
@@ -62,7 +64,7 @@ class Emitter:
         )
 
     def _base(self) -> dict:
-        return {"run_id": self.run_id, "seq": self._seq(), "at": datetime.now(UTC)}
+        return {"run_id": self.run_id, "seq": self._seq(), "at": datetime.now(UTC), "epoch": self.epoch}
 
     async def state(self, state: RunState, stage: str | None = None, message: str | None = None,
                     total_steps: int = 0) -> None:

@@ -12,7 +12,10 @@ import logging
 import os
 import pathlib
 import shutil
+import socket
 import threading
+import time
+import uuid
 
 import msgspec
 from faststream.nats import NatsBroker, NatsMessage
@@ -32,8 +35,10 @@ from services.trainer.pipeline import run_pipeline
 
 log = logging.getLogger("ito.trainer.worker")
 
-WORK_ACK_WAIT_S = 30  # redelivery delay after a trainer dies silently
-IN_PROGRESS_EVERY_S = 5.0  # well inside WORK_ACK_WAIT_S; also how often the lease is re-checked
+WORK_ACK_WAIT_S = 10  # a dead trainer's item comes back this long after its last in_progress
+IN_PROGRESS_EVERY_S = 2.0  # well inside WORK_ACK_WAIT_S
+RENEW_EVERY_S = 1.0  # the lease renewal is the heartbeat the scheduler's watcher listens for
+SELF_FENCE_S = 3.0  # no renewal for this long: stop, since the scheduler declares us lost at 5 s
 RETRY_LEASE_AFTER_S = 5  # the scheduler did not answer: give the item back, try again later
 
 work_decoder = msgspec.json.Decoder(TrainWork)
@@ -46,40 +51,69 @@ def last_committed_step(checkpoint_dir: pathlib.Path) -> int | None:
     return max(steps) if steps else None
 
 
+class Stop:
+    """Why the loop must stop: set once, read by the training thread between steps."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
 class Worker:
     def __init__(self, broker: NatsBroker, settings: Settings) -> None:
         self.broker = broker
         self.settings = settings
         self.threads = int(os.environ.get(ENV_TRAINER_THREADS) or os.cpu_count() or 1)
-        self.stops: dict[str, threading.Event] = {}
+        self.trainer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.stops: dict[str, Stop] = {}
 
     def cancel(self, run_id: str) -> None:
         stop = self.stops.get(run_id)
         if stop is not None:
             log.info("run %s: cancel notice received; stopping after this step", run_id)
-            stop.set()
+            stop.set("cancelled")
 
-    async def lease(self, run_id: str) -> LeaseAnswer | None:
-        """The scheduler's word on whether this run may be trained; None when it did not answer."""
+    async def lease(self, run_id: str, epoch: int = 0) -> LeaseAnswer | None:
+        """Ask for (epoch 0) or renew a run's lease; None when the scheduler did not answer."""
         try:
-            reply = await self.broker.request(codec.encode(LeaseQuery(run_id=run_id)),
+            query = LeaseQuery(run_id=run_id, trainer_id=self.trainer_id, epoch=epoch)
+            reply = await self.broker.request(codec.encode(query),
                                               self.settings.subject(subjects.RUN_LEASE),
                                               timeout=self.settings.request_timeout_s)
             return codec.unwrap(reply.body, LeaseAnswer)
         except Exception:  # no answer is not a yes
             return None
 
-    async def _keep_alive(self, msg: NatsMessage, run_id: str, stop: threading.Event) -> None:
-        while True:
-            await asyncio.sleep(IN_PROGRESS_EVERY_S)
-            try:
-                await msg.raw_message.in_progress()
-            except Exception:  # a bus outage: retry next tick; JetStream may redeliver meanwhile
-                log.warning("run %s: could not extend the work item's ack deadline", run_id)
-            answer = await self.lease(run_id)
-            if answer is not None and not answer.proceed:
+    async def _keep_alive(self, msg: NatsMessage, run_id: str, epoch: int, stop: Stop) -> None:
+        last_renewed = last_progress = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(RENEW_EVERY_S)
+            now = time.monotonic()
+            if now - last_progress >= IN_PROGRESS_EVERY_S:
+                try:
+                    await msg.raw_message.in_progress()
+                    last_progress = now
+                except Exception:  # a bus outage: retry next tick; JetStream may redeliver meanwhile
+                    log.warning("run %s: could not extend the work item's ack deadline", run_id)
+            answer = await self.lease(run_id, epoch)
+            if answer is None:
+                if time.monotonic() - last_renewed > SELF_FENCE_S:
+                    log.warning("run %s: no lease renewal for %.0fs; stopping (fenced)", run_id, SELF_FENCE_S)
+                    stop.set("fenced")
+            elif answer.proceed:
+                last_renewed = time.monotonic()
+            else:
+                cancelled = answer.state in (RunState.cancelling, RunState.cancelled)
                 log.info("run %s: lease withdrawn (%s); stopping", run_id, answer.state)
-                stop.set()
+                stop.set("cancelled" if cancelled else "fenced")
 
     async def handle(self, msg: NatsMessage) -> None:
         try:
@@ -89,7 +123,7 @@ class Worker:
             log.error("work item rejected (terminated, not trained): %s", exc)
             await msg.raw_message.term()
             return
-        answer = await self.lease(work.run_id)
+        answer = await self.lease(work.run_id)  # a new lease: epoch 0 asks for the next epoch
         if answer is None:
             log.warning("run %s: the scheduler did not answer the lease; retrying in %ds", work.run_id,
                         RETRY_LEASE_AFTER_S)
@@ -99,17 +133,21 @@ class Worker:
             log.info("run %s is %s; not training it", work.run_id, answer.state)
             await msg.ack()
             return
-        await self._train(msg, work, manifest)
+        await self._train(msg, work, manifest, answer.epoch)
 
-    async def _train(self, msg: NatsMessage, work: TrainWork, manifest: Manifest) -> None:
-        emitter = Emitter(self.broker, self.settings, work.run_id, asyncio.get_running_loop())
-        stop = self.stops[work.run_id] = threading.Event()
-        keep_alive = asyncio.create_task(self._keep_alive(msg, work.run_id, stop))
+    async def _train(self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int) -> None:
+        emitter = Emitter(self.broker, self.settings, work.run_id, asyncio.get_running_loop(), epoch)
+        stop = self.stops[work.run_id] = Stop()
+        keep_alive = asyncio.create_task(self._keep_alive(msg, work.run_id, epoch, stop))
         checkpoint_dir = pathlib.Path(work.checkpoint_dir)
         try:
             await emitter.state(RunState.running, message="training started")
             result = await asyncio.to_thread(run_pipeline, manifest, checkpoint_dir, emitter.from_thread,
                                              stop.is_set, self.threads)
+            if stop.reason == "fenced":
+                # Another trainer holds (or will hold) the run: report nothing, acknowledge nothing.
+                log.warning("run %s: fenced at epoch %d; leaving it to the new lease holder", work.run_id, epoch)
+                return
             await emitter.log(result.summary)
             if stop.is_set():
                 step = last_committed_step(checkpoint_dir)
@@ -125,7 +163,8 @@ class Worker:
         finally:
             keep_alive.cancel()
             self.stops.pop(work.run_id, None)
-        await msg.ack()
+        if stop.reason != "fenced":
+            await msg.ack()
 
     async def cleanup(self, order: CleanupOrder) -> CleanupResult:
         """Remove a finished run's artifacts and say what was removed. Only a directory that is
