@@ -1,0 +1,65 @@
+"""A trainer killed with SIGKILL mid-stage: the run is marked interrupted within seconds, the work
+item comes back, a trainer resumes from the last committed checkpoint, and the run succeeds."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ITO_TRAINING = str(pathlib.Path(sys.executable).parent / "ito-training")
+LONG = {"tokens": 600 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
+
+
+def status(stack, env, run_id):
+    rc, out = stack.ecc("status", run_id, env=env)
+    assert rc == 0, out
+    return out["data"]
+
+
+def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
+    stack = make_stack()
+    account, _, env = stack.account()
+    booking = stack.booking(account)
+    m = str(manifest(target=LONG, checkpoint={"interval_steps": 50, "keep_last": 2, "storage": "local"}))
+    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)
+    rc, out = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref",
+                        conf["data"]["confirmation_ref"], "--idempotency-key", "ft-1", env=env)
+    run_id = out["data"]["run_id"]
+    deadline = time.monotonic() + 120
+    while (status(stack, env, run_id).get("last_checkpoint_step") or 0) < 100:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    trainer_pid = json.loads((stack.data_dir / "up.json").read_text())["services"]["trainer"]
+    os.kill(trainer_pid, signal.SIGKILL)
+    killed_at = status(stack, env, run_id)["step"]
+
+    states, deadline = set(), time.monotonic() + 30
+    while "interrupted" not in states:  # the watcher notices the silence
+        states.add(status(stack, env, run_id)["state"])
+        assert time.monotonic() < deadline, states
+        time.sleep(0.2)
+    replacement = subprocess.Popen([ITO_TRAINING, "serve", "trainer"], env=stack.env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while (view := status(stack, env, run_id))["state"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, view
+            time.sleep(0.5)
+        assert view["state"] == "succeeded", view
+        _, logs = stack.ecc("logs", run_id, env=env)
+        resumed = [ln["message"] for ln in logs["data"]["lines"] if "esum" in ln["message"]]
+        assert resumed, "the replacement trainer resumed from a checkpoint and said so"
+        _, metrics = stack.ecc("metrics", run_id, "--since", "0", env=env)
+        steps = [p["step"] for p in metrics["data"]["points"]]
+        restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+        assert steps[restart] - 1 in (50, 100, 150) and steps[restart] <= killed_at + 1  # from a committed checkpoint
+        assert steps[-1] == 600
+    finally:
+        replacement.terminate()
+        replacement.wait(timeout=15)
