@@ -151,6 +151,21 @@ def make_stack(infra_urls, purge, tmp_path_factory):
         purge(*infra_urls, s.env["ITO_NAMESPACE"])
 
 
+@pytest.fixture
+def make_stack_on(purge, tmp_path_factory):
+    """Like make_stack, on NATS and Redis URLs the test chose (its own servers, say)."""
+    started: list[tuple[Stack, str, str]] = []
+
+    def make(nats_url: str, redis_url: str, services: str | None = None, env: dict | None = None) -> Stack:
+        s = start_stack(nats_url, redis_url, tmp_path_factory.mktemp("stack"), services, env)
+        started.append((s, nats_url, redis_url))
+        return s
+
+    yield make
+    for s, nats_url, redis_url in started:
+        s.run("ito-training", "down", timeout=60)
+
+
 def write_manifest(directory: pathlib.Path, filename: str | None = None, **overrides) -> pathlib.Path:
     """A small valid manifest (tiny model, a few dozen steps) with overrides merged at top level."""
     base = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())
