@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench up down clean
+.PHONY: install demo test bench chaos up down clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ test: install
 
 bench: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.run
+
+# Fault scenarios (trainer/scheduler SIGKILL, NATS/Redis restarts) on embedded infra -> a table.
+chaos: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m services.ops.chaos
 
 up: install
 	$(VENV)/bin/ito-training up --detach
