@@ -123,6 +123,8 @@ class Plan(Contract, kw_only=True):
     cost: CostEstimate
     checks: list[PlanCheck]
     ok: bool
+    gpu_model: str = ""
+    region: str = ""
 
 
 class ConfirmationIssued(Contract, kw_only=True):

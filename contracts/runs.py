@@ -51,6 +51,7 @@ class Metrics(RunEventBase, tag="metrics", kw_only=True):
     learning_rate: float
     tokens_per_s: float
     grad_norm: float
+    data_wait_s: float = 0.0  # time this step waited for its batch (desk telemetry: data loading)
 
 
 class CheckpointSaved(RunEventBase, tag="checkpoint", kw_only=True):
@@ -82,7 +83,27 @@ class DataProvenance(RunEventBase, tag="provenance", kw_only=True):
     output_digest: str
 
 
-RunEvent = StateChanged | LogLine | Metrics | CheckpointSaved | StageStarted | EvalResult | DataProvenance
+class RunCreated(RunEventBase, tag="created", kw_only=True):
+    """Published by the scheduler at hand-off: what desk telemetry rolls a run up by."""
+
+    account: str
+    booking_id: str
+    region: str
+    gpu_model: str
+    gpus: int
+    accepted_at: datetime
+
+
+class Interruption(RunEventBase, tag="interruption", kw_only=True):
+    """Published by the scheduler's liveness watcher when a run's trainer went silent."""
+
+    cause: str  # "trainer_lost", ...
+    silent_s: float
+    step: int = 0
+
+
+RunEvent = (StateChanged | LogLine | Metrics | CheckpointSaved | StageStarted | EvalResult | DataProvenance
+            | RunCreated | Interruption)
 
 
 class MetricsPage(Contract, kw_only=True):  # `ecc ito metrics`
@@ -100,14 +121,3 @@ class CheckpointList(Contract, kw_only=True):  # `ecc ito checkpoints`: committe
 class EvalList(Contract, kw_only=True):  # `ecc ito evals`
     run_id: str
     gates: list[StageGate]
-
-
-class DeskTelemetry(Contract, kw_only=True):
-    """Per-run figures the desk prices training blocks from (deepened by the telemetry issue)."""
-
-    run_id: str
-    booking_id: str
-    at: datetime
-    wall_s: float
-    step_s: float
-    goodput: float

@@ -65,4 +65,6 @@ CONSUMER_ENTITLEMENT = "entitlement-bookings"
 CONSUMER_TRAINER = "trainer"
 CONSUMER_SCHEDULER_RUNS = "scheduler-runs"
 
-SERVICES = ("entitlement", "confirmation", "ledger", "scheduler", "trainer")
+CONSUMER_TELEMETRY = "telemetry-runs"
+
+SERVICES = ("entitlement", "confirmation", "ledger", "scheduler", "trainer", "telemetry")

@@ -59,6 +59,11 @@ def parser() -> argparse.ArgumentParser:
     q = acc.add_parser("revoke", help="revoke every key of an account")
     q.add_argument("account")
     q.add_argument("--json", action="store_true")
+    p = cmds.add_parser("desk", help="the desk's views")
+    desk = p.add_subparsers(dest="view", required=True)
+    q = desk.add_parser("telemetry", help="goodput, badput, interruptions and checkpoint bandwidth rollups")
+    q.add_argument("--follow", action="store_true", help="keep printing updates")
+    q.add_argument("--json", action="store_true")
     cmds.add_parser("manifest-schema", help="print the manifest's JSON Schema (generated from the contract)")
     p = cmds.add_parser("simulate-booking", help="publish an ito-compute booking event")
     p.add_argument("--account", required=True)
@@ -123,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                 stack.wait_for_signal()
                 stack.down(s, log)
             return 0
+        if args.cmd == "desk":
+            from services.ops import desk
+
+            return desk.main(s, args.follow, args.json)
         if args.cmd == "accounts":
             data = asyncio.run(_accounts(s, args.action, args.account))
             human = (f"account {data['account']}: API key (shown once) {data['api_key']}" if args.action == "create"

@@ -73,5 +73,12 @@ class Keys:
     def leased(self) -> str:  # hash: run id -> account, for every run a trainer has held
         return f"{self.ns}:leased"
 
+    # desk telemetry
+    def telemetry_events(self, run_id: str) -> str:  # hash: seq -> encoded event
+        return f"{self.ns}:telemetry:events:{run_id}"
+
+    def telemetry_runs(self, by: str, key: str) -> str:  # hash: run id -> encoded RunTelemetry
+        return f"{self.ns}:desk:{by}:{key}"
+
     def runs(self, account: str) -> str:
         return f"{self.account(account)}:runs"

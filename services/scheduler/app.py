@@ -77,7 +77,7 @@ def register(w: Wiring) -> None:
         await run_events.on_event(msg.body)
 
     w.tasks.append(handoff.reconcile_forever)
-    w.tasks.append(lambda: liveness.watch_forever(runs))
+    w.tasks.append(lambda: liveness.watch_forever(runs, handoff.events))
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

@@ -17,11 +17,12 @@ from faststream.nats import NatsBroker
 from contracts import subjects
 from contracts.api import RunView
 from contracts.internal import LedgerEntry
-from contracts.runs import TrainWork
+from contracts.runs import RunCreated, TrainWork
 from contracts.states import RunState
 from services.runtime.settings import Settings
 from services.scheduler import lifecycle
 from services.scheduler.backends import Backends
+from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import RunStore
 
 log = logging.getLogger("ito.scheduler.handoff")
@@ -38,6 +39,7 @@ class Handoff:
         self.settings = settings
         self.runs = runs
         self.backends = backends
+        self.events = RunEventPublisher(broker, settings)
 
     def view_from(self, entry: LedgerEntry) -> RunView:
         work = _work_decoder.decode(entry.work)
@@ -51,6 +53,12 @@ class Handoff:
     async def hand_off(self, entry: LedgerEntry) -> RunView:
         view = self.view_from(entry)
         await self.runs.create(view)
+        plan = view.plan
+        await self.events.publish(RunCreated(  # before the work item: its history starts here
+            **self.events.base(view.run_id), account=view.account, booking_id=view.booking_id,
+            region=plan.region if plan else "", gpu_model=plan.gpu_model if plan else "",
+            gpus=plan.cost.gpus if plan else 1, accepted_at=view.created_at,
+        ), f"{view.run_id}:created")
         await self.broker.publish(
             entry.work,
             self.settings.subject(f"{subjects.WORK_TRAIN}.{entry.run_id}"),

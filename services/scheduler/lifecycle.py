@@ -10,8 +10,10 @@ from contracts.runs import (
     CheckpointSaved,
     DataProvenance,
     EvalResult,
+    Interruption,
     LogLine,
     Metrics,
+    RunCreated,
     RunEvent,
     StageStarted,
     StateChanged,
@@ -65,6 +67,6 @@ def apply_event(view: RunView, event: RunEvent) -> RunView:
             return msgspec.structs.replace(view, provenance=provenance, updated_at=event.at)
         case CheckpointSaved():
             return msgspec.structs.replace(view, last_checkpoint_step=event.step, updated_at=event.at)
-        case LogLine():
+        case LogLine() | RunCreated() | Interruption():
             return view
     raise TypeError(f"unknown run event {type(event).__name__}")

@@ -14,8 +14,10 @@ import time
 from datetime import UTC, datetime
 
 from contracts.api import RunView
+from contracts.runs import Interruption
 from contracts.states import TERMINAL_STATES, RunState
 from services.scheduler import lifecycle
+from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import RunStore
 
 log = logging.getLogger("ito.scheduler.liveness")
@@ -24,7 +26,7 @@ SILENCE_S = 5.0  # no renewal for this long: the trainer is lost (the issue's ta
 WATCH_EVERY_S = 1.0
 
 
-async def watch_once(runs: RunStore, now: float) -> list[str]:
+async def watch_once(runs: RunStore, now: float, events: RunEventPublisher | None = None) -> list[str]:
     """Mark silent running runs interrupted; returns their ids."""
     interrupted = []
     for run_id, account in (await runs.leased()).items():
@@ -49,15 +51,18 @@ async def watch_once(runs: RunStore, now: float) -> list[str]:
                 "detected_at": now, "silent_s": round(silent, 3), "cause": "trainer_lost",
                 "step": updated.step, "stage": updated.stage,
             })
+            if events is not None:
+                await events.publish(Interruption(**events.base(run_id), cause="trainer_lost", silent_s=round(silent, 3),
+                                                  step=updated.step), f"{run_id}:interruption:{int(now)}")
             log.warning("run %s: trainer silent for %.1fs; marked interrupted", run_id, silent)
             interrupted.append(run_id)
     return interrupted
 
 
-async def watch_forever(runs: RunStore) -> None:
+async def watch_forever(runs: RunStore, events: RunEventPublisher) -> None:
     while True:
         await asyncio.sleep(WATCH_EVERY_S)
         try:
-            await watch_once(runs, time.time())
+            await watch_once(runs, time.time(), events)
         except Exception:  # an outage must not end the watcher; it retries on the next tick
             log.exception("liveness pass failed; retrying")

@@ -184,6 +184,8 @@ def plan(manifest: Manifest, digest: str, statement: EligibilityBody, prices: Pr
         cost=estimate,
         checks=checks,
         ok=all(c.ok for c in checks),
+        gpu_model=topo.gpu_model,
+        region=statement.region,
     )
 
 

@@ -60,6 +60,23 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
         restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
         assert steps[restart] - 1 in (50, 100, 150) and steps[restart] <= killed_at + 1  # from a committed checkpoint
         assert steps[-1] == 600
+
+        # desk telemetry counts exactly this one interruption, and the run's time adds up to 100 %
+        deadline = time.monotonic() + 30
+        while True:
+            proc = stack.run("ito-training", "desk", "telemetry", "--json")
+            rollups = {(r["by"], r["key"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1] or "[]")}
+            if ("booking", booking) in rollups:
+                break
+            assert time.monotonic() < deadline, proc.stderr
+            time.sleep(0.5)
+        booking_rollup = rollups[("booking", booking)]
+        assert booking_rollup["runs"] == 1 and booking_rollup["interruptions"] == 1
+        assert booking_rollup["interruption_causes"] == {"trainer_lost": 1}
+        badput = booking_rollup["badput_gpu_hours"]
+        assert badput["recovery"] > 0 and badput["checkpoint_restore"] > 0 and badput["lost_to_interruptions"] > 0
+        assert booking_rollup["goodput_gpu_hours"] + sum(badput.values()) == pytest.approx(
+            booking_rollup["wall_gpu_hours"], rel=1e-9)
     finally:
         replacement.terminate()
         replacement.wait(timeout=15)

@@ -13,7 +13,21 @@ import msgspec
 import pytest
 
 import contracts
-from contracts import api, audit, base, booking, envelope, errors, evals, internal, manifest, models, runs, states
+from contracts import (
+    api,
+    audit,
+    base,
+    booking,
+    envelope,
+    errors,
+    evals,
+    internal,
+    manifest,
+    models,
+    runs,
+    states,
+    telemetry,
+)
 from contracts.api import Action
 from contracts.booking import BookingEventKind, BookingState, Fabric
 from contracts.errors import ErrorCode
@@ -90,6 +104,13 @@ GATE_DECISION = audit.GateDecision(
 EVAL_METRIC = evals.EvalMetric(name="held_out_loss", value=2.5, threshold=3.0, op="<=", passed=True)
 STAGE_GATE = evals.StageGate(stage="pretrain", passed=True, metrics=[EVAL_METRIC])
 PROVENANCE_STEP = evals.ProvenanceStep(name="exact_dedup", before=10, after=8, detail="2 duplicates")
+
+RUN_TELEMETRY = telemetry.RunTelemetry(
+    run_id="run_1", account="acme", booking_id="bk_1", region="eu", gpu_model="H200", gpus=8, state="succeeded",
+    accepted_at=T0, ended_at=T1, wall_s=100.0, goodput_s=80.0, badput_s={"queued": 20.0}, goodput=0.8,
+    gpu_hours=0.2, interruptions=1, interruption_causes={"trainer_lost": 1}, checkpoint_saves=2,
+    checkpoint_bytes_per_s_p50=1e9, checkpoint_bytes_per_s_min=5e8,
+)
 
 SAMPLES: dict[type, msgspec.Struct] = {
     # base
@@ -189,7 +210,17 @@ SAMPLES: dict[type, msgspec.Struct] = {
         tokens_per_s=1234.5, grad_norm=0.75,
     ),
     runs.CheckpointSaved: runs.CheckpointSaved(run_id="run_1", seq=5, at=T0, step=10, path="/srv/ckpt/step_10", bytes=4096, stall_s=0.5, save_s=1.25),
-    runs.DeskTelemetry: runs.DeskTelemetry(run_id="run_1", booking_id="bk_1", at=T1, wall_s=60.0, step_s=0.25, goodput=0.9),
+    runs.RunCreated: runs.RunCreated(run_id="run_1", seq=9, at=T0, account="acme", booking_id="bk_1", region="eu",
+                                     gpu_model="H200", gpus=8, accepted_at=T0),
+    runs.Interruption: runs.Interruption(run_id="run_1", seq=10, at=T1, cause="trainer_lost", silent_s=5.5, step=40),
+    # telemetry
+    telemetry.RunTelemetry: RUN_TELEMETRY,
+    telemetry.Rollup: telemetry.Rollup(
+        by="booking", key="bk_1", runs=1, wall_gpu_hours=1.0, goodput_gpu_hours=0.8, goodput=0.8,
+        badput_gpu_hours={"queued": 0.2}, interruptions=1, interruptions_per_1000_gpu_hours=1000.0,
+        interruption_causes={"trainer_lost": 1}, checkpoint_bytes_per_s_p50=1e9, checkpoint_bytes_per_s_min=5e8,
+        updated_at=T1,
+    ),
     runs.StageStarted: runs.StageStarted(run_id="run_1", seq=6, at=T0, stage="midtrain", total_steps=20),
     runs.EvalResult: runs.EvalResult(run_id="run_1", seq=7, at=T0, stage="pretrain", metrics=[EVAL_METRIC], passed=False),
     runs.DataProvenance: runs.DataProvenance(run_id="run_1", seq=8, at=T0, steps=[PROVENANCE_STEP],
@@ -219,7 +250,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
 
 STRUCTS = defined_structs()
 RUN_EVENT_CLASSES = [runs.StateChanged, runs.LogLine, runs.Metrics, runs.CheckpointSaved, runs.StageStarted,
-                     runs.EvalResult, runs.DataProvenance]
+                     runs.EvalResult, runs.DataProvenance, runs.RunCreated, runs.Interruption]
 
 
 def name_of(cls: type) -> str:
@@ -231,7 +262,8 @@ def name_of(cls: type) -> str:
 
 def test_every_listed_module_is_discovered():
     names = {m.__name__ for m in MODULES}
-    for module in (api, audit, base, booking, envelope, errors, evals, internal, manifest, models, runs, states):
+    for module in (api, audit, base, booking, envelope, errors, evals, internal, manifest, models, runs, states,
+                   telemetry):
         assert module.__name__ in names
 
 
