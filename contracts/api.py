@@ -142,6 +142,18 @@ class RunAccepted(Contract, kw_only=True):
     replay: bool = False
 
 
+class RestartProposal(Contract, kw_only=True):
+    """PaLM's remedy for a loss spike: go back to an earlier checkpoint and skip the batches around
+    the spike. Proposed by the trainer, carried out only with a `restart_from_checkpoint` confirmation."""
+
+    stage: str
+    checkpoint_step: int
+    skip_from: int  # first batch (data position) to skip
+    skip_to: int  # one past the last batch to skip
+    spike_step: int
+    reason: str
+
+
 class RunView(Contract, kw_only=True):
     run_id: str
     account: str
@@ -162,6 +174,7 @@ class RunView(Contract, kw_only=True):
     checkpoint_dir: str | None = None
     last_checkpoint_step: int | None = None
     cleaned_up: bool = False
+    proposal: RestartProposal | None = None  # while awaiting_approval: what the trainer proposes
 
 
 class LogLineView(Contract, kw_only=True):
@@ -250,4 +263,14 @@ class LeaseAnswer(Contract, kw_only=True):
     proceed: bool
     state: RunState | None = None
     epoch: int = 0
+
+
+class ApproveRequest(Contract, kw_only=True):
+    """Approve (with a `restart_from_checkpoint` confirmation) or reject a paused run's proposal."""
+
+    credential: Credential
+    run_id: str
+    idempotency_key: str
+    confirmation_ref: str | None = None
+    reject: bool = False
 

@@ -51,6 +51,8 @@ class ErrorCode(enum.StrEnum):
     request_invalid = "request_invalid"
     # Added by the lifecycle: cleanup (and other after-the-end actions) of a run still going.
     run_not_finished = "run_not_finished"
+    # Added with loss-spike approvals: approve/reject on a run that has no pending proposal.
+    proposal_not_found = "proposal_not_found"
 
 
 class ApiError(Contract, kw_only=True):

@@ -4,7 +4,7 @@ from datetime import datetime
 
 import msgspec
 
-from contracts.api import Plan
+from contracts.api import Plan, RestartProposal
 from contracts.base import Contract
 from contracts.evals import EvalMetric, ProvenanceStep, StageGate
 from contracts.states import RunState
@@ -20,6 +20,7 @@ class TrainWork(Contract, kw_only=True):
     manifest_digest: str
     plan: Plan
     checkpoint_dir: str
+    restart: RestartProposal | None = None  # an approved restart: resume from it, not from the latest
 
 
 class RunEventBase(
@@ -83,6 +84,12 @@ class DataProvenance(RunEventBase, tag="provenance", kw_only=True):
     output_digest: str
 
 
+class ProposalMade(RunEventBase, tag="proposal", kw_only=True):
+    """The trainer paused the run (`awaiting_approval`) and proposes this restart."""
+
+    proposal: RestartProposal
+
+
 class RunCreated(RunEventBase, tag="created", kw_only=True):
     """Published by the scheduler at hand-off: what desk telemetry rolls a run up by."""
 
@@ -103,7 +110,7 @@ class Interruption(RunEventBase, tag="interruption", kw_only=True):
 
 
 RunEvent = (StateChanged | LogLine | Metrics | CheckpointSaved | StageStarted | EvalResult | DataProvenance
-            | RunCreated | Interruption)
+            | RunCreated | Interruption | ProposalMade)
 
 
 class MetricsPage(Contract, kw_only=True):  # `ecc ito metrics`

@@ -20,6 +20,7 @@ API_CHECKPOINTS = "v1.api.checkpoints"
 API_EVALS = "v1.api.evals"
 API_CANCEL = "v1.api.cancel"
 API_CLEANUP = "v1.api.cleanup"
+API_APPROVE = "v1.api.approve"
 
 # --- trainer <-> scheduler (core NATS) ---
 RUN_LEASE = "v1.scheduler.lease"  # a trainer asks whether a run may (still) be trained

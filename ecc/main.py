@@ -77,6 +77,13 @@ def parser() -> argparse.ArgumentParser:
                    help="also ask ito-compute to release the booking (needs --release-confirmation-ref)")
     p.add_argument("--release-confirmation-ref", help="a `release_booking` confirmation for the run's booking")
     _common(p)
+    p = verbs.add_parser("approve", help="decide a paused run's restart proposal (loss spike): approve with a "
+                                         "restart_from_checkpoint confirmation, or --reject")
+    p.add_argument("run")
+    p.add_argument("--confirmation-ref")
+    p.add_argument("--idempotency-key", required=True)
+    p.add_argument("--reject", action="store_true", help="keep the run paused; nothing restarts")
+    _common(p)
     p = verbs.add_parser("audit", help="a run's gate decisions (who, which gate, pass/fail and code)")
     p.add_argument("run")
     _common(p)

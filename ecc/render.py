@@ -56,6 +56,11 @@ def _human(data) -> str:
         if data.get("provenance"):
             steps = ", ".join(f"{s['name']} {s['before']}->{s['after']}" for s in data["provenance"]["steps"])
             line += f"\n  data: {steps}"
+        if data.get("proposal"):
+            p = data["proposal"]
+            line += (f"\n  proposal ({p['reason']}): restart {p['stage']} from checkpoint step {p['checkpoint_step']}, "
+                     f"skipping batches [{p['skip_from']}, {p['skip_to']}); approve with "
+                     f"`ecc ito confirm --action restart_from_checkpoint --run {data['run_id']}` then `ecc ito approve`")
         if data.get("plan"):
             line += f"\n  plan: {data['plan']['strategy']}, estimate {data['plan']['cost']['total_usd']:.6f} USD"
         return line

@@ -9,6 +9,7 @@ import sys
 from contracts import subjects
 from contracts.api import (
     Action,
+    ApproveRequest,
     AuthRequest,
     CancelRequest,
     CleanupRequest,
@@ -162,6 +163,10 @@ def run_verb(args) -> Envelope:
                                  idempotency_key=args.idempotency_key, release_booking=args.release_booking,
                                  release_confirmation_ref=args.release_confirmation_ref)
             return asyncio.run(_mutate(args, subjects.API_CLEANUP, req))
+        case "approve":
+            req = ApproveRequest(credential=cred, run_id=args.run, confirmation_ref=args.confirmation_ref,
+                                 idempotency_key=args.idempotency_key, reject=args.reject)
+            return asyncio.run(_mutate(args, subjects.API_APPROVE, req))
         case "audit":
             from contracts.audit import AuditRequest
 

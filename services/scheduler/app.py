@@ -9,6 +9,7 @@ from faststream.nats import ConsumerConfig, NatsMessage, PullSub
 from contracts import subjects
 from contracts.audit import AuditRequest
 from contracts.api import (
+    ApproveRequest,
     AuthRequest,
     ConfirmRequest,
     FindRequest,
@@ -62,6 +63,7 @@ def register(w: Wiring) -> None:
     serve_requests(w, [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES] + [
         (subjects.API_CANCEL, CancelRequest, mutations.cancel),
         (subjects.API_CLEANUP, CleanupRequest, mutations.cleanup),
+        (subjects.API_APPROVE, ApproveRequest, mutations.approve),
         (subjects.RUN_LEASE, LeaseQuery, mutations.lease),
     ])
 

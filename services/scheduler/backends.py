@@ -123,3 +123,11 @@ class Backends:
         body = msgspec.json.encode({"account": account, "booking_id": booking_id, "run_id": run_id})
         await self.broker.publish(body, self.settings.subject(subjects.BOOKING_RELEASE_REQUESTS))
 
+    async def publish_work(self, run_id: str, work: bytes, msg_id: str) -> None:
+        """A work item for the trainer's queue (an approved restart; hand-offs go through Handoff)."""
+        await self.broker.publish(
+            work, self.settings.subject(f"{subjects.WORK_TRAIN}.{run_id}"),
+            stream=self.settings.stream(subjects.STREAM_WORK), headers={"Nats-Msg-Id": msg_id},
+            timeout=self.settings.request_timeout_s,
+        )
+

@@ -14,7 +14,6 @@ from datetime import UTC, datetime
 import msgspec
 from faststream.nats import NatsBroker
 
-from contracts import subjects
 from contracts.api import RunView
 from contracts.internal import LedgerEntry
 from contracts.runs import RunCreated, TrainWork
@@ -59,13 +58,8 @@ class Handoff:
             region=plan.region if plan else "", gpu_model=plan.gpu_model if plan else "",
             gpus=plan.cost.gpus if plan else 1, accepted_at=view.created_at,
         ), f"{view.run_id}:created")
-        await self.broker.publish(
-            entry.work,
-            self.settings.subject(f"{subjects.WORK_TRAIN}.{entry.run_id}"),
-            stream=self.settings.stream(subjects.STREAM_WORK),
-            headers={"Nats-Msg-Id": entry.run_id},
-            timeout=self.settings.request_timeout_s,
-        )
+        await self.runs.remember(view.account, view.run_id, "work", entry.work)  # for an approved restart
+        await self.backends.publish_work(entry.run_id, entry.work, entry.run_id)
 
         def to_queued(v: RunView) -> RunView:
             if v.state is not RunState.accepted:

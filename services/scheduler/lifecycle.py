@@ -13,6 +13,7 @@ from contracts.runs import (
     Interruption,
     LogLine,
     Metrics,
+    ProposalMade,
     RunCreated,
     RunEvent,
     StageStarted,
@@ -67,6 +68,8 @@ def apply_event(view: RunView, event: RunEvent) -> RunView:
             return msgspec.structs.replace(view, provenance=provenance, updated_at=event.at)
         case CheckpointSaved():
             return msgspec.structs.replace(view, last_checkpoint_step=event.step, updated_at=event.at)
+        case ProposalMade():
+            return msgspec.structs.replace(view, proposal=event.proposal, updated_at=event.at)
         case LogLine() | RunCreated() | Interruption():
             return view
     raise TypeError(f"unknown run event {type(event).__name__}")

@@ -13,6 +13,7 @@ import msgspec
 
 from contracts.api import (
     Action,
+    ApproveRequest,
     CancelRequest,
     CleanupOrder,
     CleanupRequest,
@@ -24,6 +25,7 @@ from contracts.api import (
 )
 from contracts.errors import ErrorCode
 from contracts.internal import LedgerAccept, LedgerEntry
+from contracts.runs import TrainWork
 from contracts.states import TERMINAL_STATES, RunState
 from services.runtime import accounts
 from services.runtime.codec import Refusal
@@ -39,6 +41,7 @@ LEASABLE = frozenset({RunState.accepted, RunState.queued, RunState.running, RunS
 # Cancel ends these at once: no trainer is working on them.
 CANCEL_AT_ONCE = frozenset({RunState.accepted, RunState.queued, RunState.interrupted, RunState.awaiting_approval})
 _cleanup_decoder = msgspec.json.Decoder(CleanupResult)
+_work_decoder = msgspec.json.Decoder(TrainWork)
 
 
 class Mutations:
@@ -129,6 +132,43 @@ class Mutations:
         await self.runs.update(account, req.run_id, None,
                                lambda v: msgspec.structs.replace(v, cleaned_up=True, updated_at=datetime.now(UTC)))
         return result, None
+
+    async def approve(self, req: ApproveRequest) -> tuple[MutationResult, str | None]:
+        """A paused run's restart proposal: approved only with a `restart_from_checkpoint`
+        confirmation for this run; rejected, the run stays paused and says so. Never automatic."""
+        account, view = await self._run(req.credential, req.run_id, req.idempotency_key)
+        action = Action.restart_from_checkpoint
+        existing = await self._existing(account, req.idempotency_key, action, req.run_id)
+        if existing is None and (view.state is not RunState.awaiting_approval or view.proposal is None):
+            raise Refusal(ErrorCode.proposal_not_found, f"the run is {view.state.value} with no proposal to decide")
+        if req.reject:
+            message = (f"restart proposal rejected; the run stays paused at {view.proposal.stage} step "
+                       f"{view.proposal.spike_step}: cancel it, or confirm and approve a restart")
+            updated, _ = await self.runs.update(account, req.run_id, None, lambda v: msgspec.structs.replace(
+                v, message=message, updated_at=datetime.now(UTC)))
+            return MutationResult(run_id=req.run_id, action=action, state=updated.state), message
+        if existing is None:
+            await self._accept(account, req.idempotency_key, action, req.run_id, req.confirmation_ref)
+        current = await self.runs.get(account, req.run_id)
+        if current.state is RunState.awaiting_approval and current.proposal is not None:
+            # (again on a replay, if the first attempt died before this point: publishing is idempotent)
+            work = _work_decoder.decode(await self.runs.recall(account, req.run_id, "work"))
+            restart = msgspec.structs.replace(work, restart=current.proposal)
+            msg_id = f"{req.run_id}:restart:{fingerprint(action, account, req.run_id, req.idempotency_key)[:16]}"
+
+            def to_queued(v: RunView) -> RunView:
+                if v.state is not RunState.awaiting_approval:
+                    return v
+                moved = lifecycle.transition(v, RunState.queued, datetime.now(UTC), message=(
+                    f"restart approved: from checkpoint step {v.proposal.checkpoint_step}, skipping batches "
+                    f"[{v.proposal.skip_from}, {v.proposal.skip_to})"))
+                return msgspec.structs.replace(moved, proposal=None)
+
+            await self.runs.update(account, req.run_id, None, to_queued)
+            await self.backends.publish_work(req.run_id, msgspec.json.encode(restart), msg_id)
+        final = await self.runs.get(account, req.run_id)
+        return (MutationResult(run_id=req.run_id, action=action, state=final.state, replay=existing is not None),
+                "replay: this idempotency key already approved the restart" if existing is not None else None)
 
     async def lease(self, req: LeaseQuery) -> LeaseAnswer:
         """Grant or renew a trainer's lease (each renewal is its heartbeat); see liveness.py."""
