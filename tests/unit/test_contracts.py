@@ -105,6 +105,9 @@ EVAL_METRIC = evals.EvalMetric(name="held_out_loss", value=2.5, threshold=3.0, o
 STAGE_GATE = evals.StageGate(stage="pretrain", passed=True, metrics=[EVAL_METRIC])
 PROVENANCE_STEP = evals.ProvenanceStep(name="exact_dedup", before=10, after=8, detail="2 duplicates")
 
+RESTART = api.RestartProposal(stage="pretrain", checkpoint_step=300, skip_from=300, skip_to=500, spike_step=400,
+                              reason="loss above 4 sigma for 3 steps")
+
 RUN_TELEMETRY = telemetry.RunTelemetry(
     run_id="run_1", account="acme", booking_id="bk_1", region="eu", gpu_model="H200", gpus=8, state="succeeded",
     accepted_at=T0, ended_at=T1, wall_s=100.0, goodput_s=80.0, badput_s={"queued": 20.0}, goodput=0.8,
@@ -212,6 +215,10 @@ SAMPLES: dict[type, msgspec.Struct] = {
     runs.CheckpointSaved: runs.CheckpointSaved(run_id="run_1", seq=5, at=T0, step=10, path="/srv/ckpt/step_10", bytes=4096, stall_s=0.5, save_s=1.25),
     runs.RunCreated: runs.RunCreated(run_id="run_1", seq=9, at=T0, account="acme", booking_id="bk_1", region="eu",
                                      gpu_model="H200", gpus=8, accepted_at=T0),
+    api.RestartProposal: RESTART,
+    runs.ProposalMade: runs.ProposalMade(run_id="run_1", seq=11, at=T1, proposal=RESTART),
+    api.ApproveRequest: api.ApproveRequest(credential=CREDENTIAL, run_id="run_1", idempotency_key="k",
+                                           confirmation_ref="cf_1", reject=False),
     runs.Interruption: runs.Interruption(run_id="run_1", seq=10, at=T1, cause="trainer_lost", silent_s=5.5, step=40),
     # telemetry
     telemetry.RunTelemetry: RUN_TELEMETRY,
@@ -250,7 +257,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
 
 STRUCTS = defined_structs()
 RUN_EVENT_CLASSES = [runs.StateChanged, runs.LogLine, runs.Metrics, runs.CheckpointSaved, runs.StageStarted,
-                     runs.EvalResult, runs.DataProvenance, runs.RunCreated, runs.Interruption]
+                     runs.EvalResult, runs.DataProvenance, runs.RunCreated, runs.Interruption, runs.ProposalMade]
 
 
 def name_of(cls: type) -> str:
