@@ -1,6 +1,10 @@
 """The reviewed training manifest: what a person asked to train, bound by its SHA-256 digest.
 
 Decoded strictly from the exact bytes that were hashed; unknown fields are rejected.
+
+Schema evolution: every field added after the first release has a default, so a manifest written
+before it still decodes to the same run. `stages` and the per-recipe sections of `post_training`
+were added by the staged trainer; without them a run is pretrain (plus the recipe) as before.
 """
 
 import enum
@@ -13,8 +17,14 @@ from contracts.booking import Fabric
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
+OpenFraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+Temperature = Annotated[float, msgspec.Meta(gt=0, le=10)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
 Usd = Annotated[float, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+RefNames = Annotated[list[Name], msgspec.Meta(max_length=64)]  # names of the manifest's data refs
 
 
 class ModelSize(enum.StrEnum):
@@ -59,8 +69,135 @@ class Target(Contract, kw_only=True):
     learning_rate: PositiveFloat = 3e-3
 
 
+class Gate(Contract, kw_only=True):
+    """Thresholds on a stage's fixed eval battery (held-out loss on the eval suites, exact-match
+    accuracy on the verifiable eval suites). None: measured and reported, not gated. A failed gate
+    ends the run in `gate_failed`; nothing overrides it."""
+
+    max_held_out_loss: PositiveFloat | None = None  # passes when held-out loss <= this (nats/byte)
+    min_task_accuracy: Fraction | None = None  # passes when verifiable-task accuracy >= this
+    task_samples: Count = 64  # problems of the eval suites decoded greedily; more = steadier, slower
+
+
+class LongContextGate(Contract, kw_only=True):
+    """The long-context battery: the common two, short-context loss recovered and needle retrieval."""
+
+    max_held_out_loss: PositiveFloat | None = None  # at the stage's long seq_len
+    min_task_accuracy: Fraction | None = None
+    task_samples: Count = 64
+    # Short-context held-out loss after the stage may exceed the incoming model's by at most this.
+    max_short_loss_increase: NonNegativeFloat | None = 0.25
+    min_needle_accuracy: Fraction | None = None  # synthetic key retrieval at random depths
+    needle_trials: Count = 32
+
+
+class DataPrepStage(Contract, kw_only=True):
+    """Exact dedup, near-duplicate removal (MinHash-LSH) and decontamination of every training ref."""
+
+    exact_dedup: bool = True
+    near_dedup: bool = True
+    near_dup_jaccard: OpenFraction = 0.8  # documents at or above this estimated Jaccard are duplicates
+    minhash_permutations: Annotated[int, msgspec.Meta(ge=8, le=1024)] = 112
+    minhash_bands: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 14  # 14 bands x 8 rows: candidates from J ~0.72
+    shingle_words: Annotated[int, msgspec.Meta(ge=1, le=32)] = 5
+    decontamination_ngram: Annotated[int, msgspec.Meta(ge=4, le=64)] = 13
+
+
+class LadderStage(Contract, kw_only=True):
+    """The pre-check for custom (`file:`) data: two short proxy runs, reference mix vs reference mix
+    plus the custom data, compared on the run's held-out eval; the custom data is used only if it
+    does not make held-out loss worse by more than `max_loss_regression`."""
+
+    proxy_steps: Positive = 50
+    max_budget_fraction: OpenFraction = 0.05  # both proxy runs together, of the pre-training steps
+    max_loss_regression: NonNegativeFloat = 0.0
+
+
+class PretrainStage(Contract, kw_only=True):
+    """Trains on `target.tokens` less what midtrain and long_context take out of it."""
+
+    data: RefNames = []  # names of training refs; [] = every training ref
+    gate: Gate = Gate()
+
+
+class MidtrainStage(Contract, kw_only=True):
+    """A higher-quality mix with the learning rate annealed linearly to zero."""
+
+    tokens: Positive  # taken out of target.tokens
+    data: RefNames = []
+    learning_rate: PositiveFloat | None = None  # None: target.learning_rate x 0.1 (where pretrain ended)
+    seq_len: Positive | None = None  # None: target.seq_len
+    gate: Gate = Gate()
+
+
+class LongContextStage(Contract, kw_only=True):
+    """Longer sequences with a raised RoPE base; the model's max_seq_len grows to seq_len."""
+
+    tokens: Positive  # taken out of target.tokens
+    seq_len: Positive  # must be longer than target.seq_len
+    rope_base: PositiveFloat = 500_000.0  # the Llama-3 value; the base scales with the target length
+    batch_size: Positive | None = None  # None: target.batch_size
+    learning_rate: PositiveFloat | None = None  # None: target.learning_rate x 0.1
+    data: RefNames = []
+    gate: LongContextGate = LongContextGate()
+
+
+class Stages(Contract, kw_only=True):
+    """The pre-training curriculum. Stages run in this fixed order; null (or absent) skips one.
+    Post-training follows, as `post_training.recipe` lists it."""
+
+    data_prep: DataPrepStage | None = None
+    ladder: LadderStage | None = None
+    pretrain: PretrainStage | None = PretrainStage()
+    midtrain: MidtrainStage | None = None
+    long_context: LongContextStage | None = None
+
+
+class SftStage(Contract, kw_only=True):
+    """Supervised fine-tuning on the verifiable tasks; loss on response tokens only."""
+
+    steps: Positive = 100
+    batch_size: Positive = 32
+    learning_rate: PositiveFloat = 1e-3  # tiny models; ~1e-5 for 1B+
+    data: RefNames = []  # names of generated task refs; [] = every generated training ref
+    gate: Gate = Gate()
+
+
+class DpoStage(Contract, kw_only=True):
+    """Direct preference optimisation (sigmoid loss) against the frozen incoming model."""
+
+    steps: Positive = 50
+    batch_size: Positive = 16
+    learning_rate: PositiveFloat = 1e-4
+    beta: PositiveFloat = 0.1  # Rafailov et al.; higher keeps the policy closer to the reference
+    data: RefNames = []
+    gate: Gate = Gate()
+
+
+class RlvrStage(Contract, kw_only=True):
+    """GRPO on verifiable rewards with the four DAPO changes (clip-higher, dynamic sampling,
+    token-level loss, overlong shaping); rollouts come from a separate worker process."""
+
+    steps: Positive = 20
+    prompts_per_step: Positive = 8  # groups kept per step after dynamic sampling
+    group_size: Annotated[int, msgspec.Meta(ge=2, le=1024)] = 8
+    learning_rate: PositiveFloat = 2e-4
+    eps_low: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2  # ratio clipped below at 1 - eps_low
+    eps_high: Annotated[float, msgspec.Meta(gt=0)] = 0.28  # ... and above at 1 + eps_high (clip-higher)
+    max_response_tokens: Positive = 16  # L_max: a response that has not ended by then scores -1
+    overlong_buffer_tokens: Positive = 4  # L_cache: linear penalty over the last L_cache tokens
+    max_staleness: Annotated[int, msgspec.Meta(ge=0, le=64)] = 1  # k: older rollouts are dropped
+    temperature: Temperature = 1.0
+    max_sampling_rounds: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4  # dynamic-sampling refills per step
+    data: RefNames = []
+    gate: Gate = Gate()
+
+
 class PostTraining(Contract, kw_only=True):
     recipe: list[str] = []  # ordered subset of "sft", "dpo", "rlvr"
+    sft: SftStage = SftStage()
+    dpo: DpoStage = DpoStage()
+    rlvr: RlvrStage = RlvrStage()
 
 
 class CheckpointPolicy(Contract, kw_only=True):
@@ -90,3 +227,4 @@ class Manifest(Contract, kw_only=True):
     budget_cap_usd: Usd
     max_incremental_cost_usd: Usd = 0.0
     seed: int = 0
+    stages: Stages = Stages()  # absent: pretrain only, then the post-training recipe

@@ -32,7 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 MARKER = "COMMITTED"
 SIDECAR = "trainer_state.json"
@@ -280,3 +285,17 @@ def load_latest(
     if restore_rng:
         _set_rng_state(sidecar["rng"])
     return ResumeState(step=int(sidecar["step"]), data_position=int(sidecar["data_position"]), path=str(path))
+
+
+def load_weights(directory: str | os.PathLike, model: torch.nn.Module) -> CheckpointInfo | None:
+    """Load only the model weights of the newest committed checkpoint, in place: how a stage starts
+    from the previous stage's result with its own fresh optimizer. None (nothing touched) if none."""
+    checkpoints = list_checkpoints(directory)
+    if not checkpoints:
+        return None
+    latest = checkpoints[-1]
+    model_sd = get_model_state_dict(model)
+    state = {"model": model_sd}
+    dcp.load(state, checkpoint_id=latest.path, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    return latest

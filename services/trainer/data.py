@@ -5,13 +5,21 @@ Sources (the `source` field of a manifest's data refs):
   builtin:pydoc_topics   the help texts that ship with CPython (`pydoc_data.topics`), ~1 MB
   generated:arithmetic   seeded lines like "12+35=47"
   generated:reverse      seeded lines like "abcde>edcba"
+  generated:small_arithmetic  seeded single-digit lines like "7-9=-2": 200 problems in all, learnt in
+                         minutes by the tiny model, for quick post-training runs (an eval suite of it
+                         holds every problem, so decontamination against one removes all of it)
+  generated:needle       seeded filler text with a planted key and a query for it at the end
   file:/abs/path         a UTF-8 text file, at most FILE_CAP_BYTES
+
+A source is also a list of documents (`load_documents`), the unit data preparation deduplicates
+and decontaminates: a pydoc topic, a generated line, a blank-line-separated paragraph of a file.
 
 Tokens are kept as uint8 (one byte per token) so a 64 MiB corpus costs 64 MiB, not 512 MiB;
 batches are widened to int64 on the way out.
 """
 
 import random
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -21,6 +29,12 @@ VOCAB_SIZE = 256  # bytes; every model shape trained on this data needs vocab_si
 FILE_CAP_BYTES = 64 * 1024 * 1024  # the input cap for file: sources; raise with the host's memory
 GENERATED_LINES = 20_000  # ~200 KB per generated source: enough that the tiny model cannot memorise it
 HELD_OUT_FRACTION = 0.1  # tail of the training text kept for held-out loss when no eval ref is given
+EVAL_SUITE_MAX_DOCS = 1000  # an eval ref's suite is its first 1000 documents: ~9K tokens of arithmetic
+EVAL_SEED_OFFSET = 1  # eval refs are generated with seed + 1, so they are not the training lines
+NEEDLE_LINES = 2_000  # needle documents in generated:needle
+NEEDLE_WORDS = ("the", "a", "river", "stone", "light", "green", "slow", "cloud", "over", "under", "and",
+                "small", "bird", "wind", "north", "old", "road", "blue", "sand", "quiet", "field", "of")
+TASK_SEPARATORS = ("=", ">")  # arithmetic "12+35=47", reverse "abc>cba": prompt ends with the separator
 
 
 class ByteTokenizer:
@@ -61,6 +75,15 @@ def _arithmetic(seed: int) -> str:
     return "".join(lines)
 
 
+def _small_arithmetic(seed: int) -> str:
+    rng = random.Random(f"small_arithmetic:{seed}")
+    lines = []
+    for _ in range(GENERATED_LINES):
+        a, b = rng.randrange(10), rng.randrange(10)
+        lines.append(f"{a}+{b}={a + b}\n" if rng.random() < 0.5 else f"{a}-{b}={a - b}\n")
+    return "".join(lines)
+
+
 def _reverse(seed: int) -> str:
     rng = random.Random(f"reverse:{seed}")
     letters = "abcdefghijklmnopqrstuvwxyz"
@@ -68,6 +91,30 @@ def _reverse(seed: int) -> str:
     for _ in range(GENERATED_LINES):
         word = "".join(rng.choice(letters) for _ in range(rng.randint(3, 10)))
         lines.append(f"{word}>{word[::-1]}\n")
+    return "".join(lines)
+
+
+def needle_document(rng: random.Random, length: int) -> tuple[str, str, str]:
+    """(context, query, answer): about `length` bytes of filler words with "|key NNNNN|" planted at
+    a random depth, then the query "?key " whose answer is the five digits. Retrieval needs the model
+    to find the key far back and copy it, which is what the long-context battery measures."""
+    key = f"{rng.randrange(100_000):05d}"
+    query = "?key "
+    budget = max(8, length - len(query) - len(key) - 12)
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < budget:
+        words.append(rng.choice(NEEDLE_WORDS))
+    at = rng.randint(0, len(words))
+    words.insert(at, f"|key {key}|")
+    return " ".join(words) + " ", query, key
+
+
+def _needle(seed: int) -> str:
+    rng = random.Random(f"needle:{seed}")
+    lines = []
+    for _ in range(NEEDLE_LINES):
+        context, query, key = needle_document(rng, rng.randint(48, 400))
+        lines.append(f"{context}{query}{key}\n")
     return "".join(lines)
 
 
@@ -96,13 +143,17 @@ def load_text(source: str, *, seed: int = 0, file_cap_bytes: int = FILE_CAP_BYTE
             return _pydoc_topics()
         case "generated", "arithmetic":
             return _arithmetic(seed)
+        case "generated", "small_arithmetic":
+            return _small_arithmetic(seed)
         case "generated", "reverse":
             return _reverse(seed)
+        case "generated", "needle":
+            return _needle(seed)
         case "file", path_text if path_text:
             return _file(path_text, file_cap_bytes)
     raise ValueError(
         f"Unknown data source {source!r}: use builtin:pydoc_topics, generated:arithmetic, "
-        "generated:reverse or file:/absolute/path."
+        "generated:small_arithmetic, generated:reverse, generated:needle or file:/absolute/path."
     )
 
 
@@ -112,6 +163,55 @@ def load_tokens(sources: Sequence[str], *, seed: int = 0, file_cap_bytes: int = 
         raise ValueError("At least one data source is needed.")
     text = "\n\n".join(load_text(s, seed=seed, file_cap_bytes=file_cap_bytes) for s in sources)
     return ByteTokenizer().encode_tensor(text)
+
+
+def is_line_source(source: str) -> bool:
+    """Generated sources are one document per line; the others are joined by blank lines."""
+    return source.startswith("generated:")
+
+
+def split_documents(source: str, text: str) -> list[str]:
+    """The documents of a source's text: lines for generated sources, topics for pydoc, blank-line
+    separated paragraphs otherwise. Empty documents are dropped."""
+    if is_line_source(source):
+        return [line for line in text.split("\n") if line.strip()]
+    if source == "builtin:pydoc_topics":
+        from pydoc_data.topics import topics
+
+        return [topics[key] for key in sorted(topics) if topics[key].strip()]
+    return [doc for doc in re.split(r"\n\s*\n", text) if doc.strip()]
+
+
+def join_documents(source: str, documents: Sequence[str]) -> str:
+    """The inverse of `split_documents` up to whitespace between documents."""
+    if is_line_source(source):
+        return "".join(doc + "\n" for doc in documents)
+    return "\n\n".join(documents)
+
+
+def load_documents(source: str, *, seed: int = 0, file_cap_bytes: int = FILE_CAP_BYTES) -> list[str]:
+    return split_documents(source, load_text(source, seed=seed, file_cap_bytes=file_cap_bytes))
+
+
+def load_eval_suite(source: str, *, seed: int = 0) -> list[str]:
+    """An eval ref's documents: the first EVAL_SUITE_MAX_DOCS, generated with the eval seed. Every
+    eval that reads an eval ref reads these, so decontamination against them is complete."""
+    return load_documents(source, seed=seed + EVAL_SEED_OFFSET)[:EVAL_SUITE_MAX_DOCS]
+
+
+def split_task_line(line: str) -> tuple[str, str] | None:
+    """(prompt, answer) of a verifiable task line, the prompt ending with its separator:
+    "12+35=47" -> ("12+35=", "47"); None for a line that is not a task."""
+    for sep in TASK_SEPARATORS:
+        prompt, found, answer = line.strip().partition(sep)
+        if found and prompt and answer and sep not in answer:
+            return prompt + sep, answer
+    return None
+
+
+def task_problems(text: str) -> list[tuple[str, str]]:
+    """Every verifiable (prompt, answer) in a text of task lines."""
+    return [problem for line in text.split("\n") if (problem := split_task_line(line)) is not None]
 
 
 def split_held_out(tokens: torch.Tensor, fraction: float = HELD_OUT_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,3 +275,11 @@ def eval_batches(
         starts = idx * seq_len
         windows = tokens[starts[:, None] + torch.arange(seq_len + 1)[None, :]].long()
         yield windows[:, :-1], windows[:, 1:]
+
+
+def load_eval_tokens(sources: Sequence[str], *, seed: int = 0) -> torch.Tensor:
+    """The eval suites of `sources` (see `load_eval_suite`) joined and encoded: held-out text."""
+    if not sources:
+        raise ValueError("At least one eval source is needed.")
+    text = "\n\n".join(join_documents(s, load_eval_suite(s, seed=seed)) for s in sources)
+    return ByteTokenizer().encode_tensor(text)

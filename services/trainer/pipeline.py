@@ -1,6 +1,21 @@
-"""The staged pipeline a run executes. The walking skeleton runs one stage, pretrain; the trainer
-issue adds data preparation, the ladder check, midtrain, long-context and post-training here."""
+"""The staged pipeline a run executes: data preparation, the ladder check, pretrain -> midtrain ->
+long-context, then SFT / DPO / RLVR as the recipe lists them, each training stage followed by its
+eval battery and gate.
 
+Contract with the worker (called from a thread): `run_pipeline(...) -> PipelineResult` whose
+`outcome` is "succeeded", "gate_failed" (a gate's numbers are in `summary`; nothing overrides it)
+or "stopped" (should_stop became true; the in-flight checkpoint was committed first). Invalid
+manifests raise ValueError before anything trains; other failures raise.
+
+Layout under checkpoint_dir: one directory per stage (`pretrain/`, `sft/`, ...) holding its
+checkpoints and, once judged, `GATE.json`; `data_prep/` holds the prepared corpus and provenance;
+`ladder/` the proxy runs and the decision. A redelivered run skips every stage with a verdict
+(re-reporting it; a failed gate stays failed) and resumes the first one without.
+"""
+
+import dataclasses
+import json
+import os
 import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -8,7 +23,22 @@ from dataclasses import dataclass
 import torch
 
 from contracts.manifest import Manifest
-from services.trainer.pretrain import stage_config_from_manifest, train_stage
+from services.trainer import dataprep
+from services.trainer.checkpoint import load_weights
+from services.trainer.curriculum import LmPlan, PostPlan, RunPlan, plan_run
+from services.trainer.data import join_documents, load_documents, load_eval_suite, load_eval_tokens, load_text, task_problems
+from services.trainer.evals import Check, describe, judge, needle_accuracy, needle_trials, standard_checks, task_suite
+from services.trainer.ladder import run_ladder
+from services.trainer.loop import pick_device
+from services.trainer.posttrain import PostConfig, train_dpo, train_sft
+from services.trainer.pretrain import build_model, held_out_loss, lm_loss, lm_stage_config, load_stage_data, train_stage
+from services.trainer.rlvr import RlvrConfig, train_rlvr
+
+OUTCOMES = ("succeeded", "gate_failed", "stopped")
+GATE_RECORD = "GATE.json"
+PROVENANCE_RECORD = "provenance.json"
+EVAL_MAX_BATCHES = 8  # held-out loss of post-training stages: the same windows as the LM stages
+NEEDLE_ANSWER_ROOM = 6  # five key digits and a spare byte after the needle prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,21 +47,259 @@ class PipelineResult:
     summary: str
     final_loss: float | None
     held_out_loss: float | None
+    outcome: str = "succeeded"  # one of OUTCOMES
+
+
+def _write_json(path: pathlib.Path, payload: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+class _Run:
+    """One execution of a plan; holds what stages hand on (data sources, the last stage's dir)."""
+
+    def __init__(self, manifest: Manifest, plan: RunPlan, root: pathlib.Path, emit: Callable[[str, dict], None],
+                 should_stop: Callable[[], bool], threads: int):
+        self.manifest, self.plan, self.root = manifest, plan, root
+        self.emit, self.should_stop, self.threads = emit, should_stop, threads
+        self.sources = dict(plan.train_refs)  # ref name -> what to load: raw source, or the prepared file
+        self.eval_sources = list(plan.eval_refs.values())
+        self.previous: str | None = None  # the last trained stage's checkpoint dir
+        self.parts: list[str] = []
+        self.note = ""  # what the stage that just trained did, for the summary
+        self.final_loss: float | None = None
+        self.held_out: float | None = None
+
+    def log(self, message: str, level: str = "info") -> None:
+        self.emit("log", {"level": level, "message": message})
+
+    def result(self, stage: str, outcome: str, summary: str | None = None) -> PipelineResult:
+        text = summary or "; ".join(self.parts) or "nothing to do"
+        if outcome == "stopped":
+            text = f"stopped during {stage} (checkpoint committed); " + text
+        return PipelineResult(last_stage=stage, summary=text, final_loss=self.final_loss,
+                              held_out_loss=self.held_out, outcome=outcome)
+
+    # --- data preparation ------------------------------------------------------------------------
+
+    def data_prep(self) -> None:
+        cfg = self.plan.data_prep
+        directory = self.root / "data_prep"
+        directory.mkdir(parents=True, exist_ok=True)
+        record = directory / PROVENANCE_RECORD
+        if record.exists():
+            saved = json.loads(record.read_text())
+            self.log("data_prep already done; using the prepared corpus")
+        else:
+            seed = self.manifest.seed
+            sources = {name: load_documents(src, seed=seed) for name, src in self.plan.train_refs.items()}
+            suites = {name: load_eval_suite(src, seed=seed) for name, src in self.plan.eval_refs.items()}
+            suites.update(self._battery_suites())
+            prepared = dataprep.prepare(
+                sources, suites, exact=cfg.exact_dedup, near=cfg.near_dedup, shingle_words=cfg.shingle_words,
+                permutations=cfg.minhash_permutations, bands=cfg.minhash_bands, jaccard=cfg.near_dup_jaccard,
+                ngram=cfg.decontamination_ngram,
+            )
+            files = {}
+            for i, (name, src) in enumerate(self.plan.train_refs.items()):
+                path = directory / f"{i:02d}.txt"
+                path.write_text(join_documents(src, prepared.documents[name]), encoding="utf-8")
+                files[name] = str(path)
+            saved = {"files": files, "input_digest": prepared.input_digest, "output_digest": prepared.output_digest,
+                     "steps": [dataclasses.asdict(s) for s in prepared.steps]}
+            _write_json(record, saved)  # last: the corpus counts only once this exists
+        self.sources = {name: f"file:{path}" for name, path in saved["files"].items()}
+        self.emit("provenance", {"steps": saved["steps"], "input_digest": saved["input_digest"],
+                                 "output_digest": saved["output_digest"]})
+        kept = saved["steps"][-1]["after"] if saved["steps"] else 0
+        self.parts.append(f"data_prep {saved['steps'][0]['before'] if saved['steps'] else 0} -> {kept} documents")
+
+    def _battery_suites(self) -> dict[str, list[str]]:
+        """Eval text the batteries generate themselves (the needle trials), decontaminated against too."""
+        suites = {}
+        for stage in self.plan.stages:
+            if isinstance(stage, LmPlan) and stage.name == "long_context":
+                trials = needle_trials(stage.gate.needle_trials, stage.seq_len - NEEDLE_ANSWER_ROOM, self.manifest.seed)
+                suites["needle-eval"] = [prompt + key for prompt, key in trials]
+        return suites
+
+    # --- ladder ----------------------------------------------------------------------------------
+
+    def ladder(self) -> bool:
+        """False if stopped."""
+        lad = self.plan.ladder
+        target = self.manifest.target
+        decision = run_ladder(lad, sources=self.sources, eval_sources=self.eval_sources, seed=self.manifest.seed,
+                              seq_len=target.seq_len, batch_size=target.batch_size, learning_rate=target.learning_rate,
+                              directory=self.root / "ladder", emit=self.emit, should_stop=self.should_stop)
+        if decision is None:
+            return False
+        verdict = "use" if decision.use else "do not use"
+        self.emit("eval", {"stage": "ladder", "metrics": decision.metrics(), "passed": decision.use})
+        self.log(f"ladder: custom data {list(lad.custom)}: held-out loss {decision.reference_loss:.4f} on the reference mix, "
+                 f"{decision.custom_loss:.4f} with the custom data (delta {decision.reference_loss - decision.custom_loss:+.4f}, "
+                 f"{decision.steps} proxy steps each); decision: {verdict}")
+        self.parts.append(f"ladder: {verdict} custom data ({decision.reference_loss:.3f} -> {decision.custom_loss:.3f})")
+        if not decision.use:
+            self._drop(set(lad.custom))
+        return True
+
+    def _drop(self, names: set[str]) -> None:
+        stages = []
+        for stage in self.plan.stages:
+            data = tuple(n for n in stage.data if n not in names)
+            if not data:
+                raise ValueError(f"The ladder rejected {sorted(names)}, which was all of {stage.name}'s data.")
+            stages.append(dataclasses.replace(stage, data=data))
+        self.plan = dataclasses.replace(self.plan, stages=tuple(stages))
+
+    # --- training stages -------------------------------------------------------------------------
+
+    def lm_stage(self, stage: LmPlan, directory: pathlib.Path) -> tuple[list[Check], bool]:
+        """Train a next-token stage; (its battery, stopped)."""
+        cfg = lm_stage_config(stage, self.manifest, directory, train_sources=[self.sources[n] for n in stage.data],
+                              eval_sources=self.eval_sources, init_from=self.previous)
+        baseline = None
+        if stage.short_seq_len is not None and self.previous is not None:
+            baseline = self._short_loss_before(cfg, stage)
+        result = train_stage(cfg, self.emit, self.should_stop)
+        if result.stopped:
+            return [], True
+        self._noted(stage.name, result.final_step, result.first_loss, result.final_loss)
+        self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
+        model = result.model
+        gate = stage.gate
+        checks = standard_checks(model, held_out=result.held_out_loss, problems=self._problems(gate.task_samples),
+                                 max_held_out_loss=gate.max_held_out_loss, min_task_accuracy=gate.min_task_accuracy)
+        if stage.short_seq_len is not None:
+            _, held = load_stage_data(cfg)
+            short = held_out_loss(model, held, cfg, pick_device(cfg.device), seq_len=stage.short_seq_len)
+            tolerance = gate.max_short_loss_increase
+            threshold = baseline + tolerance if baseline is not None and tolerance is not None else None
+            trials = needle_trials(gate.needle_trials, stage.seq_len - NEEDLE_ANSWER_ROOM, self.manifest.seed)
+            checks += [
+                Check(name="short_context_loss", value=short, threshold=threshold, op="<="),
+                Check(name="needle_accuracy", value=needle_accuracy(model, trials), threshold=gate.min_needle_accuracy),
+            ]
+        return checks, False
+
+    def _short_loss_before(self, cfg, stage: LmPlan) -> float | None:
+        """Short-context held-out loss of the incoming model (previous stage's weights, RoPE base)."""
+        device = pick_device(cfg.device)
+        incoming = build_model(stage.shape, seq_len=stage.short_seq_len, rope_base=None, device=device)
+        if load_weights(self.previous, incoming) is None:
+            return None
+        _, held = load_stage_data(cfg)
+        return held_out_loss(incoming, held, cfg, device, seq_len=stage.short_seq_len)
+
+    def post_stage(self, stage: PostPlan, directory: pathlib.Path) -> tuple[list[Check], bool]:
+        seed = self.manifest.seed
+        problems = [p for name in stage.data for p in task_problems(load_text(self.sources[name], seed=seed))]
+        section = stage.section
+        common = dict(stage=stage.name, shape=stage.shape, rope_base=stage.rope_base, problems=problems,
+                      steps=section.steps, learning_rate=section.learning_rate, seed=seed, checkpoint_dir=str(directory),
+                      checkpoint_interval=self.manifest.checkpoint.interval_steps,
+                      keep_last=self.manifest.checkpoint.keep_last, init_from=self.previous)
+        match stage.name:
+            case "sft":
+                result = train_sft(PostConfig(**common, batch_size=section.batch_size), self.emit, self.should_stop)
+            case "dpo":
+                result = train_dpo(PostConfig(**common, batch_size=section.batch_size, beta=section.beta),
+                                   self.emit, self.should_stop)
+            case "rlvr":
+                cfg = RlvrConfig(
+                    **common, batch_size=section.prompts_per_step * section.group_size,
+                    prompts_per_step=section.prompts_per_step, group_size=section.group_size, eps_low=section.eps_low,
+                    eps_high=section.eps_high, max_response_tokens=section.max_response_tokens,
+                    overlong_buffer_tokens=section.overlong_buffer_tokens, max_staleness=section.max_staleness,
+                    temperature=section.temperature, max_sampling_rounds=section.max_sampling_rounds,
+                    threads=max(1, self.threads // 2),
+                )
+                result = train_rlvr(cfg, self.emit, self.should_stop)
+                if result.stats:
+                    first, last = result.stats[0], result.stats[-1]
+                    self.log(f"rlvr reward {first.reward:.3f} -> {last.reward:.3f}, accuracy {first.accuracy:.3f} -> "
+                             f"{last.accuracy:.3f}; stale rollouts dropped {result.stale_dropped}")
+            case _:
+                raise ValueError(f"Unknown post-training stage {stage.name!r}.")
+        if result.stopped:
+            return [], True
+        self._noted(stage.name, result.final_step, result.first_loss, result.final_loss)
+        self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
+        held = None
+        if self.eval_sources:
+            target = self.manifest.target
+            tokens = load_eval_tokens(self.eval_sources, seed=seed)
+            held = lm_loss(result.model, tokens, seq_len=target.seq_len, batch_size=target.batch_size,
+                           max_batches=EVAL_MAX_BATCHES, device=pick_device())
+        gate = stage.gate
+        return standard_checks(result.model, held_out=held, problems=self._problems(gate.task_samples),
+                               max_held_out_loss=gate.max_held_out_loss, min_task_accuracy=gate.min_task_accuracy), False
+
+    def _noted(self, name: str, step: int, first: float | None, final: float | None) -> None:
+        if first is None or final is None:  # a redelivered run that had already trained this stage
+            self.note = f"{name} finished at step {step} (resumed from its final checkpoint)"
+        else:
+            self.note = f"{name} finished at step {step}: loss {first:.3f} -> {final:.3f}"
+
+    def _problems(self, limit: int) -> list[tuple[str, str]]:
+        return task_suite(self.eval_sources, seed=self.manifest.seed, limit=limit)
+
+    # --- the whole run ---------------------------------------------------------------------------
+
+    def execute(self) -> PipelineResult:
+        if self.plan.data_prep is not None:
+            self.emit("stage", {"stage": "data_prep", "total_steps": 0})
+            self.data_prep()
+            if self.should_stop():
+                return self.result("data_prep", "stopped")
+        if self.plan.ladder is not None:
+            if not self.plan.ladder.custom:
+                self.log("ladder skipped: no custom (file:) training data to decide on")
+            else:
+                self.emit("stage", {"stage": "ladder", "total_steps": 2 * self.plan.ladder.proxy_steps})
+                if not self.ladder():
+                    return self.result("ladder", "stopped")
+        last = "data_prep"
+        for stage in self.plan.stages:
+            last = stage.name
+            if self.should_stop():
+                return self.result(stage.name, "stopped")
+            directory = self.root / stage.name
+            directory.mkdir(parents=True, exist_ok=True)
+            steps = stage.steps if isinstance(stage, LmPlan) else stage.section.steps
+            self.emit("stage", {"stage": stage.name, "total_steps": steps})
+            record = directory / GATE_RECORD
+            if record.exists():
+                saved = json.loads(record.read_text())
+                self.log(f"{stage.name} already judged; reporting its recorded gate")
+                metrics, passed = saved["metrics"], saved["passed"]
+            else:
+                self.log(f"{stage.name}: {steps} steps")
+                trained = self.lm_stage(stage, directory) if isinstance(stage, LmPlan) else self.post_stage(stage, directory)
+                checks, stopped = trained
+                if stopped:
+                    return self.result(stage.name, "stopped")
+                metrics, passed = judge(checks)
+                _write_json(record, {"metrics": metrics, "passed": passed})
+            self.emit("eval", {"stage": stage.name, "metrics": metrics, "passed": passed})
+            held = next((m["value"] for m in metrics if m["name"] == "held_out_loss"), None)
+            self.held_out = held if held is not None else self.held_out
+            line = describe(stage.name, metrics)
+            self.log(line, "info" if passed else "error")
+            if not passed:
+                return self.result(stage.name, "gate_failed", summary=line)
+            self.parts.append(f"{self.note or stage.name}, {line.split(': ', 1)[-1]}")
+            self.note = ""
+            self.previous = str(directory)
+        return self.result(last, "succeeded")
 
 
 def run_pipeline(manifest: Manifest, checkpoint_dir: pathlib.Path, emit: Callable[[str, dict], None],
                  should_stop: Callable[[], bool], threads: int) -> PipelineResult:
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    cfg = stage_config_from_manifest(manifest, checkpoint_dir, stage="pretrain")
-    emit("log", {"level": "info", "message": f"pretrain: {cfg.steps} steps of {manifest.model.size.value}"})
-    result = train_stage(cfg, emit, should_stop)
-    summary = f"pretrain finished at step {result.final_step}"
-    if result.first_loss is not None and result.final_loss is not None:
-        summary += f": loss {result.first_loss:.3f} -> {result.final_loss:.3f}"
-    else:  # a redelivered run that had already finished: nothing was trained again
-        summary += ": already complete (resumed from its final checkpoint)"
-    if result.held_out_loss is not None:
-        summary += f", held-out loss {result.held_out_loss:.3f}"
-    return PipelineResult(last_stage="pretrain", summary=summary, final_loss=result.final_loss,
-                          held_out_loss=result.held_out_loss)
+    plan = plan_run(manifest)  # ValueError, in a sentence, before anything trains
+    emit("log", {"level": "info", "message": f"plan: {' -> '.join(plan.stage_names)} on {manifest.model.size.value}"})
+    return _Run(manifest, plan, checkpoint_dir, emit, should_stop, threads).execute()

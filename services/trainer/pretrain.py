@@ -1,4 +1,5 @@
-"""The pretraining stage: one manifest's next-token training loop, resumable and stoppable.
+"""Next-token training stages: pretrain, midtrain and long-context share this loop body and differ
+only in their `StageConfig` (data, sequence length, RoPE base, LR schedule, starting weights).
 
 `train_stage` does no I/O besides reading data and writing checkpoints: it reports through
 `emit(kind, fields)` with kind "metrics", "log" or "checkpoint" (fields named as in
@@ -8,24 +9,34 @@
 import math
 import os
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from contracts.manifest import DataRole, Manifest
-from contracts.models import MODEL_SHAPES, ModelShape
-from services.trainer.checkpoint import CheckpointFailed, CheckpointInfo, Checkpointer, load_latest
-from services.trainer.data import VOCAB_SIZE, BatchIterator, eval_batches, load_tokens, split_held_out
+from contracts.manifest import Manifest
+from contracts.models import ModelShape
+from services.trainer.curriculum import LmPlan, plan_run
+from services.trainer.data import VOCAB_SIZE, BatchIterator, eval_batches, load_eval_tokens, load_tokens, split_held_out
+from services.trainer.loop import (
+    Emit,
+    LoopSettings,
+    StepOutput,
+    TrainingError,
+    autocast,
+    maybe_shard,
+    pick_device,
+    rank,
+    resume_or_init,
+    run_loop,
+)
 from services.trainer.model import Transformer, count_parameters
 
-Emit = Callable[[str, dict], None]
-
-WARMUP_FRACTION = 0.05  # of all steps; 1-2% is enough for long runs, tiny runs need a few steps at least
-
+__all__ = ["Emit", "StageConfig", "StageResult", "TrainingError", "build_model", "build_optimizer",
+           "held_out_loss", "lm_loss", "lm_stage_config", "lr_factor", "stage_config_from_manifest", "train_stage"]
 
 @dataclass(kw_only=True, slots=True)
 class StageConfig:
@@ -63,6 +74,12 @@ class StageConfig:
     """Emit a progress log line every this many steps; 0 means about ten per stage."""
     device: str | None = None
     """None picks cuda when available, else cpu."""
+    rope_base: float | None = None
+    """None: the shape's; long-context raises it. The shape's max_seq_len grows to seq_len if needed."""
+    decay: str = "cosine"
+    """"cosine" to min_lr_ratio, or "linear" (midtrain: annealed linearly to min_lr_ratio = 0)."""
+    init_from: str | None = None
+    """A previous stage's checkpoint dir: its final weights start this stage (fresh optimizer)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -79,6 +96,8 @@ class StageConfig:
             raise ValueError("seq_len and batch_size need to be at least 1.")
         if self.seq_len > self.shape.max_seq_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_seq_len {self.shape.max_seq_len}.")
+        if self.decay not in ("cosine", "linear"):
+            raise ValueError(f"The LR decay must be cosine or linear, not {self.decay!r}.")
         if self.shape.vocab_size < VOCAB_SIZE:
             raise ValueError(f"The model's vocabulary ({self.shape.vocab_size}) is smaller than the {VOCAB_SIZE} bytes.")
         if not self.learning_rate > 0:
@@ -93,27 +112,26 @@ class StageResult:
     held_out_loss: float | None  # None when stopped early
     stopped: bool
     tokens: int  # tokens trained on over the whole stage, resumed part included
+    model: torch.nn.Module | None = field(default=None, repr=False, compare=False)  # the trained model, for the eval battery
 
 
-class TrainingError(RuntimeError):
-    """The stage cannot go on (diverged loss, final checkpoint not durable)."""
-
-
-def stage_config_from_manifest(
-    manifest: Manifest, checkpoint_dir: str | os.PathLike, stage: str = "pretrain"
-) -> StageConfig:
-    target = manifest.target
-    steps = max(1, target.tokens // (target.seq_len * target.batch_size))
+def lm_stage_config(plan: LmPlan, manifest: Manifest, checkpoint_dir: str | os.PathLike, *, train_sources: list[str],
+                    eval_sources: list[str], init_from: str | None = None) -> StageConfig:
+    """The StageConfig of a planned next-token stage; sources are source strings (prepared or raw)."""
     return StageConfig(
-        stage=stage,
-        shape=MODEL_SHAPES[manifest.model.size.value],
-        train_sources=[ref.source for ref in manifest.data if ref.role == DataRole.train],
-        eval_sources=[ref.source for ref in manifest.data if ref.role == DataRole.eval],
-        seq_len=target.seq_len,
-        batch_size=target.batch_size,
-        learning_rate=target.learning_rate,
-        steps=steps,
-        warmup_steps=max(1, round(WARMUP_FRACTION * steps)),
+        stage=plan.name,
+        shape=plan.shape,
+        train_sources=train_sources,
+        eval_sources=eval_sources,
+        seq_len=plan.seq_len,
+        batch_size=plan.batch_size,
+        learning_rate=plan.learning_rate,
+        steps=plan.steps,
+        warmup_steps=plan.warmup_steps,
+        min_lr_ratio=plan.min_lr_ratio,
+        decay=plan.decay,
+        rope_base=plan.rope_base,
+        init_from=init_from,
         seed=manifest.seed,
         checkpoint_dir=str(checkpoint_dir),
         checkpoint_interval=manifest.checkpoint.interval_steps,
@@ -121,12 +139,36 @@ def stage_config_from_manifest(
     )
 
 
-def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
-    """Multiplier on the peak LR for optimizer step `step` (0-based): linear warmup, cosine decay."""
+def stage_config_from_manifest(
+    manifest: Manifest, checkpoint_dir: str | os.PathLike, stage: str = "pretrain"
+) -> StageConfig:
+    """The config of one planned next-token stage on the manifest's raw (unprepared) data."""
+    plan = plan_run(manifest)
+    lm = next((p for p in plan.stages if p.name == stage and isinstance(p, LmPlan)), None)
+    if lm is None:
+        raise ValueError(f"The manifest does not run a {stage} stage.")
+    return lm_stage_config(lm, manifest, checkpoint_dir, train_sources=[plan.train_refs[n] for n in lm.data],
+                           eval_sources=list(plan.eval_refs.values()))
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float, decay: str = "cosine") -> float:
+    """Multiplier on the peak LR for optimizer step `step` (0-based): linear warmup, then cosine or
+    linear decay to `min_ratio` at the last step."""
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if decay == "cosine" else 1.0 - progress
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def build_model(shape: ModelShape, *, seq_len: int, rope_base: float | None = None, z_loss: float = 0.0,
+                device: torch.device | None = None) -> Transformer:
+    """The model for a stage: max_seq_len grown to seq_len when a stage trains longer sequences
+    (RoPE tables are derived, not weights, so the same weights load), FSDP2 when distributed."""
+    if seq_len > shape.max_seq_len:
+        shape = msgspec.structs.replace(shape, max_seq_len=seq_len)
+    model = Transformer(shape, rope_base=rope_base, z_loss=z_loss)
+    return maybe_shard(model.to(device or pick_device()))
 
 
 def build_optimizer(model: torch.nn.Module, cfg: StageConfig) -> torch.optim.AdamW:
@@ -144,125 +186,80 @@ def load_stage_data(cfg: StageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(train tokens, held-out tokens)."""
     train = load_tokens(cfg.train_sources, seed=cfg.seed)
     if cfg.eval_sources:
-        # Another seed, so a generated eval source does not repeat the generated training lines.
-        return train, load_tokens(cfg.eval_sources, seed=cfg.seed + 1)
+        # The eval suites: generated with another seed, so they are not the training lines.
+        return train, load_eval_tokens(cfg.eval_sources, seed=cfg.seed)
     return split_held_out(train, cfg.held_out_fraction)
 
 
 @torch.no_grad()
-def held_out_loss(model: Transformer, tokens: torch.Tensor, cfg: StageConfig, device: torch.device) -> float | None:
+def held_out_loss(model: Transformer, tokens: torch.Tensor, cfg: StageConfig, device: torch.device,
+                  seq_len: int | None = None) -> float | None:
+    """Mean loss over fixed windows of the held-out tokens (at `seq_len`, default the stage's)."""
+    return lm_loss(model, tokens, seq_len=seq_len or cfg.seq_len, batch_size=cfg.batch_size,
+                   max_batches=cfg.eval_max_batches, device=device)
+
+
+@torch.no_grad()
+def lm_loss(model: Transformer, tokens: torch.Tensor, *, seq_len: int, batch_size: int, max_batches: int,
+            device: torch.device) -> float | None:
+    """Mean next-token loss over the same fixed windows every call; None if none fits."""
     was_training = model.training
     model.eval()
     losses = []
-    for x, y in eval_batches(tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_max_batches):
-        with _autocast(device):
+    for x, y in eval_batches(tokens, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches):
+        with autocast(device):
             _, loss = model(x.to(device), y.to(device))
         losses.append(loss.item())
     model.train(was_training)
     return sum(losses) / len(losses) if losses else None
 
 
-def _autocast(device: torch.device) -> torch.autocast:
-    # bf16 only on cuda: CPU bf16 matmuls are slow on most hosts and change the numerics the tests pin.
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
-def _report(emit: Emit, outcomes: list[CheckpointInfo | CheckpointFailed]) -> CheckpointFailed | None:
-    failed = None
-    for outcome in outcomes:
-        match outcome:
-            case CheckpointInfo():
-                emit("checkpoint", {"step": outcome.step, "path": outcome.path, "bytes": outcome.bytes,
-                                    "stall_s": outcome.stall_s, "save_s": outcome.save_s})
-            case CheckpointFailed():
-                failed = outcome
-                emit("log", {"level": "warning", "message": f"Checkpoint at step {outcome.step} failed: {outcome.message}"})
-    return failed
-
-
 def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -> StageResult:
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     train_tokens, held_out = load_stage_data(cfg)
     if len(held_out) < cfg.seq_len + 1:
         raise ValueError(f"The held-out data has {len(held_out)} tokens, fewer than one window of {cfg.seq_len + 1}.")
 
-    model = Transformer(cfg.shape, z_loss=cfg.z_loss).to(device)
+    model = build_model(cfg.shape, seq_len=cfg.seq_len, rope_base=cfg.rope_base, z_loss=cfg.z_loss, device=device)
     optimizer = build_optimizer(model, cfg)
-    warmup = cfg.warmup_steps
-    scheduler = LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio))
-    batches = BatchIterator(train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed)
-    checkpointer = Checkpointer(cfg.checkpoint_dir, keep_last=cfg.keep_last)
-
+    schedule = partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio, decay=cfg.decay)
+    scheduler = LambdaLR(optimizer, schedule)
+    # Each rank draws its own batches (seed offset); on one device this is the manifest's seed.
+    batches = BatchIterator(train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed + 7919 * rank())
+    settings = LoopSettings(
+        stage=cfg.stage, steps=cfg.steps, checkpoint_dir=cfg.checkpoint_dir, checkpoint_interval=cfg.checkpoint_interval,
+        keep_last=cfg.keep_last, grad_clip=cfg.grad_clip, save_on_stop=cfg.save_on_stop, log_interval=cfg.log_interval,
+    )
     step = 0
-    resumed = load_latest(cfg.checkpoint_dir, model, optimizer, scheduler=scheduler)
+    resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
     if resumed is not None:
         step, batches.position = resumed.step, resumed.data_position
-        emit("log", {"level": "info", "message": f"Resuming {cfg.stage} from step {step} ({resumed.path})."})
     else:
         emit("log", {"level": "info", "message": (
             f"Starting {cfg.stage}: {count_parameters(cfg.shape):,} parameters, {cfg.steps} steps of "
             f"{cfg.batch_size}x{cfg.seq_len} tokens on {device.type}.")})
-
-    log_every = cfg.log_interval or max(1, cfg.steps // 10)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    first_loss = final_loss = None
-    saved_step = step if resumed is not None else -1
-    stopped = False
-    model.train()
-    while step < cfg.steps:
-        if should_stop():
-            stopped = True
-            break
-        started = time.perf_counter()
+
+    def step_fn(_: int) -> StepOutput:
         x, y = next(batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with _autocast(device):
+        with autocast(device):
             _, loss = model(x, y)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        learning_rate = scheduler.get_last_lr()[0]  # the LR this step uses
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        loss_value = loss.item()  # syncs the device, so the timing below is real
-        if not math.isfinite(loss_value):
-            emit("log", {"level": "error", "message": f"Loss became {loss_value} at step {step}; stopping."})
-            checkpointer.wait()
-            raise TrainingError(f"The loss diverged at step {step}.")
-        first_loss = loss_value if first_loss is None else first_loss
-        final_loss = loss_value
-        emit("metrics", {
-            "stage": cfg.stage, "step": step, "total_steps": cfg.steps, "loss": loss_value,
-            "learning_rate": learning_rate, "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
-            "grad_norm": float(grad_norm),
-        })
-        _report(emit, checkpointer.poll())
-        if step % cfg.checkpoint_interval == 0 or step == cfg.steps:
-            checkpointer.save(step, model, optimizer, scheduler=scheduler, data_position=batches.position)
-            saved_step = step
-            _report(emit, checkpointer.poll())
-        if step % log_every == 0:
-            emit("log", {"level": "info", "message": f"{cfg.stage} step {step}/{cfg.steps} loss {loss_value:.4f}"})
+        return StepOutput(loss=loss, tokens=tokens_per_step)
 
-    if stopped:
-        emit("log", {"level": "info", "message": f"Stop requested at step {step}; finishing the checkpoint."})
-        if cfg.save_on_stop and step > 0 and saved_step != step:
-            checkpointer.save(step, model, optimizer, scheduler=scheduler, data_position=batches.position)
-    failed = _report(emit, checkpointer.wait())
-    if failed is not None and failed.step == step and not stopped:
-        raise TrainingError(f"The final checkpoint at step {step} could not be saved: {failed.message}")
-
-    held_out_value = None if stopped else held_out_loss(model, held_out, cfg, device)
+    result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=step,
+                      position=lambda: batches.position)
+    held_out_value = None if result.stopped else held_out_loss(model, held_out, cfg, device)
     if held_out_value is not None:
-        emit("log", {"level": "info", "message": f"{cfg.stage} done at step {step}: held-out loss {held_out_value:.4f}"})
+        emit("log", {"level": "info", "message": f"{cfg.stage} done at step {result.final_step}: held-out loss {held_out_value:.4f}"})
     return StageResult(
-        final_step=step,
-        first_loss=first_loss,
-        final_loss=final_loss,
+        final_step=result.final_step,
+        first_loss=result.first_loss,
+        final_loss=result.final_loss,
         held_out_loss=held_out_value,
-        stopped=stopped,
-        tokens=step * tokens_per_step,
+        stopped=result.stopped,
+        tokens=result.final_step * tokens_per_step,
+        model=model,
     )

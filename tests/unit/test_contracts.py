@@ -255,6 +255,32 @@ SAMPLES: dict[type, msgspec.Struct] = {
     api.LeaseAnswer: api.LeaseAnswer(run_id="run_1", proceed=False, state=RunState.cancelled),
 }
 
+GATE = manifest.Gate(max_held_out_loss=2.5, min_task_accuracy=0.1, task_samples=32)
+LC_GATE = manifest.LongContextGate(max_held_out_loss=3.0, min_task_accuracy=0.1, task_samples=16,
+                                   max_short_loss_increase=0.2, min_needle_accuracy=0.5, needle_trials=8)
+MANIFEST_STAGE_SAMPLES = {
+    manifest.Gate: GATE,
+    manifest.LongContextGate: LC_GATE,
+    manifest.DataPrepStage: manifest.DataPrepStage(exact_dedup=False, near_dedup=True, near_dup_jaccard=0.7,
+                                                   minhash_permutations=128, minhash_bands=16, shingle_words=4,
+                                                   decontamination_ngram=8),
+    manifest.LadderStage: manifest.LadderStage(proxy_steps=20, max_budget_fraction=0.1, max_loss_regression=0.05),
+    manifest.PretrainStage: manifest.PretrainStage(data=["topics"], gate=GATE),
+    manifest.MidtrainStage: manifest.MidtrainStage(tokens=4096, data=["topics"], learning_rate=1e-4, seq_len=64, gate=GATE),
+    manifest.LongContextStage: manifest.LongContextStage(tokens=8192, seq_len=512, rope_base=1e6, batch_size=4,
+                                                         learning_rate=1e-4, data=["topics"], gate=LC_GATE),
+    manifest.Stages: manifest.Stages(data_prep=manifest.DataPrepStage(), ladder=manifest.LadderStage(),
+                                     pretrain=manifest.PretrainStage(), midtrain=manifest.MidtrainStage(tokens=4096),
+                                     long_context=manifest.LongContextStage(tokens=8192, seq_len=512)),
+    manifest.SftStage: manifest.SftStage(steps=10, batch_size=8, learning_rate=1e-4, data=["arith"], gate=GATE),
+    manifest.DpoStage: manifest.DpoStage(steps=10, batch_size=8, learning_rate=1e-5, beta=0.2, data=["arith"], gate=GATE),
+    manifest.RlvrStage: manifest.RlvrStage(steps=10, prompts_per_step=4, group_size=4, learning_rate=1e-5, eps_low=0.1,
+                                           eps_high=0.3, max_response_tokens=32, overlong_buffer_tokens=8,
+                                           max_staleness=2, temperature=0.8, max_sampling_rounds=2, data=["arith"],
+                                           gate=GATE),
+}
+SAMPLES.update(MANIFEST_STAGE_SAMPLES)
+
 STRUCTS = defined_structs()
 RUN_EVENT_CLASSES = [runs.StateChanged, runs.LogLine, runs.Metrics, runs.CheckpointSaved, runs.StageStarted,
                      runs.EvalResult, runs.DataProvenance, runs.RunCreated, runs.Interruption, runs.ProposalMade]

@@ -1,0 +1,202 @@
+"""The run plan: which stages a manifest runs, in what order, on which data, for how many steps,
+with which gate. A pure function of the manifest (`plan_run`), checked before anything trains, so a
+manifest that cannot run is refused with a sentence instead of failing hours in.
+
+Order is fixed: data_prep -> ladder -> pretrain -> midtrain -> long_context -> the post-training
+recipe in the order listed. Token budget: `target.tokens` is the whole pre-training budget D, as
+the planner prices it; midtrain and long_context take their `tokens` out of it and pretrain trains
+on the rest. The ladder's two proxy runs are bounded to `max_budget_fraction` of the pre-training
+steps. Post-training is sized in steps.
+"""
+
+from dataclasses import dataclass
+
+import msgspec
+
+from contracts.manifest import (
+    DataPrepStage,
+    DataRole,
+    DpoStage,
+    Gate,
+    LongContextGate,
+    Manifest,
+    RlvrStage,
+    SftStage,
+)
+from contracts.models import MODEL_SHAPES, ModelShape
+
+POST_STAGES = ("sft", "dpo", "rlvr")
+TASK_SOURCES = ("generated:arithmetic", "generated:small_arithmetic", "generated:reverse")  # sources with verifiable answers
+WARMUP_FRACTION = 0.05  # of a stage's steps; 1-2% is enough for long runs, tiny runs need a few steps
+ANNEAL_LR_FRACTION = 0.1  # midtrain/long-context default LR: where pretrain's cosine ended
+PROXY_SIZE = {"tiny": "tiny"}  # the ladder's proxy model; every other size uses the "150M" ladder
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LmPlan:
+    """A next-token stage: pretrain, midtrain or long_context."""
+
+    name: str
+    steps: int
+    data: tuple[str, ...]  # training ref names
+    seq_len: int
+    batch_size: int
+    learning_rate: float
+    warmup_steps: int
+    decay: str  # "cosine" or "linear"
+    min_lr_ratio: float
+    shape: ModelShape  # max_seq_len grown to seq_len for long context
+    rope_base: float | None
+    gate: Gate | LongContextGate
+    short_seq_len: int | None = None  # long_context: the length short-context loss is measured at
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PostPlan:
+    name: str  # "sft", "dpo" or "rlvr"
+    data: tuple[str, ...]  # generated task ref names
+    shape: ModelShape
+    rope_base: float | None
+    section: SftStage | DpoStage | RlvrStage
+    gate: Gate
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LadderPlan:
+    proxy_steps: int
+    max_loss_regression: float
+    proxy_shape: ModelShape
+    reference: tuple[str, ...]  # non-file training refs (the reference mix)
+    custom: tuple[str, ...]  # file: training refs; empty: nothing to decide, the ladder is skipped
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunPlan:
+    train_refs: dict[str, str]  # name -> source, in manifest order
+    eval_refs: dict[str, str]
+    data_prep: DataPrepStage | None
+    ladder: LadderPlan | None
+    stages: tuple[LmPlan | PostPlan, ...]
+
+    @property
+    def stage_names(self) -> list[str]:
+        pre = [name for name, on in (("data_prep", self.data_prep), ("ladder", self.ladder)) if on is not None]
+        return pre + [s.name for s in self.stages]
+
+
+def _steps(tokens: int, seq_len: int, batch_size: int) -> int:
+    return max(1, tokens // (seq_len * batch_size))
+
+
+def _warmup(steps: int) -> int:
+    return max(1, round(WARMUP_FRACTION * steps))
+
+
+def _names(stage: str, requested: list[str], available: dict[str, str]) -> tuple[str, ...]:
+    unknown = [n for n in requested if n not in available]
+    if unknown:
+        raise ValueError(f"Stage {stage} names data {unknown} that the manifest has no training ref for.")
+    return tuple(requested or available)
+
+
+def _check_gate(stage: str, gate: Gate | LongContextGate, *, has_tasks: bool, has_held_out: bool) -> None:
+    if gate.min_task_accuracy is not None and not has_tasks:
+        raise ValueError(f"Stage {stage} gates on task accuracy, but no eval ref is a verifiable task "
+                         f"({' or '.join(TASK_SOURCES)}).")
+    if gate.max_held_out_loss is not None and not has_held_out:
+        raise ValueError(f"Stage {stage} gates on held-out loss, but the manifest has no eval ref.")
+
+
+def plan_run(manifest: Manifest) -> RunPlan:
+    """The stages `manifest` runs, or ValueError with what to change."""
+    names = [ref.name for ref in manifest.data]
+    if len(set(names)) != len(names):
+        raise ValueError("Data ref names must be unique: stages refer to data by name.")
+    train = {ref.name: ref.source for ref in manifest.data if ref.role is DataRole.train}
+    evals = {ref.name: ref.source for ref in manifest.data if ref.role is DataRole.eval}
+    if not train:
+        raise ValueError("The manifest names no training data.")
+    has_tasks = any(src in TASK_SOURCES for src in evals.values())
+    target, stages = manifest.target, manifest.stages
+    base_shape = MODEL_SHAPES[manifest.model.size.value]
+    plans: list[LmPlan | PostPlan] = []
+
+    carved = (stages.midtrain.tokens if stages.midtrain else 0) + (stages.long_context.tokens if stages.long_context else 0)
+    pretrain_tokens = target.tokens - carved
+    if stages.pretrain is not None:
+        if pretrain_tokens < 1:
+            raise ValueError(f"midtrain and long_context take {carved} tokens, all of target.tokens ({target.tokens}); "
+                             "raise target.tokens, which is the whole pre-training budget.")
+        steps = _steps(pretrain_tokens, target.seq_len, target.batch_size)
+        _check_gate("pretrain", stages.pretrain.gate, has_tasks=has_tasks, has_held_out=True)
+        plans.append(LmPlan(
+            name="pretrain", steps=steps, data=_names("pretrain", stages.pretrain.data, train), seq_len=target.seq_len,
+            batch_size=target.batch_size, learning_rate=target.learning_rate, warmup_steps=_warmup(steps),
+            decay="cosine", min_lr_ratio=0.1, shape=base_shape, rope_base=None, gate=stages.pretrain.gate,
+        ))
+    if (mid := stages.midtrain) is not None:
+        seq_len = mid.seq_len or target.seq_len
+        if seq_len > base_shape.max_seq_len:
+            raise ValueError(f"midtrain seq_len {seq_len} exceeds the model's {base_shape.max_seq_len}; "
+                             "longer sequences are the long_context stage's.")
+        steps = _steps(mid.tokens, seq_len, target.batch_size)
+        _check_gate("midtrain", mid.gate, has_tasks=has_tasks, has_held_out=True)
+        plans.append(LmPlan(
+            name="midtrain", steps=steps, data=_names("midtrain", mid.data, train), seq_len=seq_len,
+            batch_size=target.batch_size, learning_rate=mid.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
+            warmup_steps=_warmup(steps), decay="linear", min_lr_ratio=0.0, shape=base_shape, rope_base=None,
+            gate=mid.gate,
+        ))
+    shape, rope_base = base_shape, None
+    if (lc := stages.long_context) is not None:
+        short = max([target.seq_len] + [p.seq_len for p in plans if isinstance(p, LmPlan)])
+        if lc.seq_len <= short:
+            raise ValueError(f"long_context seq_len {lc.seq_len} must be longer than the {short} tokens trained before it.")
+        if lc.rope_base <= base_shape.rope_base:
+            raise ValueError(f"long_context rope_base {lc.rope_base:g} must be above the model's {base_shape.rope_base:g}.")
+        batch_size = lc.batch_size or target.batch_size
+        steps = _steps(lc.tokens, lc.seq_len, batch_size)
+        shape = msgspec.structs.replace(base_shape, max_seq_len=max(base_shape.max_seq_len, lc.seq_len))
+        rope_base = lc.rope_base
+        _check_gate("long_context", lc.gate, has_tasks=has_tasks, has_held_out=True)
+        plans.append(LmPlan(
+            name="long_context", steps=steps, data=_names("long_context", lc.data, train), seq_len=lc.seq_len,
+            batch_size=batch_size, learning_rate=lc.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
+            warmup_steps=_warmup(steps), decay="linear", min_lr_ratio=0.0, shape=shape, rope_base=rope_base,
+            gate=lc.gate, short_seq_len=short,
+        ))
+
+    recipe = manifest.post_training.recipe
+    unknown = [r for r in recipe if r not in POST_STAGES]
+    if unknown or len(set(recipe)) != len(recipe):
+        raise ValueError(f"post_training.recipe lists {recipe}; use each of {', '.join(POST_STAGES)} at most once.")
+    tasks = {name: src for name, src in train.items() if src in TASK_SOURCES}
+    for name in recipe:
+        section = getattr(manifest.post_training, name)
+        data = _names(name, section.data, tasks if not section.data else train)
+        if not data or any(train[n] not in TASK_SOURCES for n in data):
+            raise ValueError(f"{name} trains on verifiable tasks: name training refs with source "
+                             f"{' or '.join(TASK_SOURCES)}.")
+        _check_gate(name, section.gate, has_tasks=has_tasks, has_held_out=bool(evals))
+        plans.append(PostPlan(name=name, data=data, shape=shape, rope_base=rope_base, section=section, gate=section.gate))
+
+    ladder = None
+    if (lad := stages.ladder) is not None:
+        custom = tuple(n for n, src in train.items() if src.startswith("file:"))
+        reference = tuple(n for n in train if n not in custom)
+        budget_steps = sum(p.steps for p in plans if isinstance(p, LmPlan))
+        bound = int(lad.max_budget_fraction * budget_steps) // 2  # two proxy runs share the fraction
+        if custom and bound < 1:
+            raise ValueError(f"The ladder's budget ({lad.max_budget_fraction:g} of {budget_steps} pre-training steps) "
+                             "allows no proxy step; raise max_budget_fraction or target.tokens.")
+        ladder = LadderPlan(
+            proxy_steps=min(lad.proxy_steps, max(1, bound)), max_loss_regression=lad.max_loss_regression,
+            proxy_shape=MODEL_SHAPES[PROXY_SIZE.get(manifest.model.size.value, "150M")],
+            reference=reference, custom=custom,
+        )
+    if stages.data_prep is not None and stages.data_prep.minhash_permutations % stages.data_prep.minhash_bands:
+        raise ValueError(f"data_prep: {stages.data_prep.minhash_permutations} MinHash permutations do not split into "
+                         f"{stages.data_prep.minhash_bands} equal bands.")
+    if not plans:
+        raise ValueError("The manifest trains nothing: no pre-training stage and an empty post-training recipe.")
+    return RunPlan(train_refs=train, eval_refs=evals, data_prep=stages.data_prep, ladder=ladder, stages=tuple(plans))

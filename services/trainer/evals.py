@@ -1,0 +1,119 @@
+"""The eval battery each stage runs when it ends, and the gate that judges it.
+
+The battery is fixed per stage kind: held-out loss on the run's eval suites and exact-match
+accuracy on its verifiable eval suites (greedy decoding) for every stage; long-context adds the
+short-context loss (against the incoming model's) and synthetic needle retrieval. The manifest only
+sets thresholds. `judge` is a pure function from measured values and thresholds to the eval event.
+"""
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.trainer.data import ByteTokenizer, load_eval_suite, needle_document, split_task_line
+from services.trainer.generation import complete
+from services.trainer.model import Transformer
+
+TASK_ANSWER_SLACK = 2  # decode a couple of tokens past the longest answer, so "47\n" vs "47\n" is fair
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Check:
+    """One metric of the battery and its threshold (None: reported, not gated)."""
+
+    name: str
+    value: float | None
+    threshold: float | None = None
+    op: str = ">="
+
+
+def judge(checks: Sequence[Check]) -> tuple[list[dict], bool]:
+    """EvalMetric fields for each measured check, and whether the gate passed. Unmeasured checks
+    without a threshold are left out; a gated one that cannot be measured is an error, never a pass."""
+    metrics, passed = [], True
+    for check in checks:
+        if check.op not in (">=", "<="):
+            raise ValueError(f"A gate compares with >= or <=, not {check.op!r}.")
+        if check.value is None:
+            if check.threshold is not None:  # the pipeline refuses such a gate before training
+                raise ValueError(f"The gate on {check.name} cannot be judged: there is nothing to measure it on.")
+            continue
+        ok = check.threshold is None or (
+            check.value >= check.threshold if check.op == ">=" else check.value <= check.threshold
+        )
+        passed &= ok
+        metrics.append({"name": check.name, "value": float(check.value), "threshold": check.threshold,
+                        "op": check.op, "passed": ok})
+    return metrics, passed
+
+
+def describe(stage: str, metrics: list[dict]) -> str:
+    """A one-line summary that states the numbers: "pretrain gate failed: held_out_loss 2.31 > 1.00"."""
+    failed = [m for m in metrics if not m["passed"]]
+    shown = failed or metrics
+    parts = []
+    for m in shown:
+        if m["threshold"] is None:
+            parts.append(f"{m['name']} {m['value']:.4f}")
+        else:
+            bad = {">=": "<", "<=": ">"}[m["op"]] if not m["passed"] else m["op"]
+            parts.append(f"{m['name']} {m['value']:.4f} {bad} {m['threshold']:.4f}")
+    verdict = "gate failed" if failed else "gate passed"
+    return f"{stage} {verdict}: " + ", ".join(parts) if parts else f"{stage} {verdict}"
+
+
+def task_suite(eval_sources: Sequence[str], *, seed: int, limit: int) -> list[tuple[str, str]]:
+    """Up to `limit` verifiable (prompt, answer) problems from the eval suites, round-robin across
+    suites so each task is represented."""
+    per_suite = []
+    for source in eval_sources:
+        if source.startswith("generated:"):
+            problems = [p for doc in load_eval_suite(source, seed=seed) if (p := split_task_line(doc)) is not None]
+            if problems:
+                per_suite.append(problems)
+    mixed = [problems[i] for i in range(max((len(p) for p in per_suite), default=0)) for problems in per_suite if i < len(problems)]
+    return mixed[:limit]
+
+
+def task_accuracy(model: Transformer, problems: Sequence[tuple[str, str]]) -> float | None:
+    """Exact-match accuracy of greedy answers (the text before the first newline)."""
+    if not problems:
+        return None
+    tok = ByteTokenizer()
+    max_new = max(len(answer.encode()) for _, answer in problems) + TASK_ANSWER_SLACK
+    completions = complete(model, [tok.encode(prompt) for prompt, _ in problems], max_new_tokens=max_new)
+    right = sum(tok.decode(c.tokens).split("\n", 1)[0] == answer for c, (_, answer) in zip(completions, problems, strict=True))
+    return right / len(problems)
+
+
+def needle_trials(count: int, context_bytes: int, seed: int) -> list[tuple[str, str]]:
+    """(prompt, key) pairs, every prompt exactly `context_bytes` long (left-padded with spaces) so
+    they decode as one batch; the key sits at a random depth."""
+    rng = random.Random(f"needle-eval:{seed}")
+    trials = []
+    while len(trials) < count:
+        context, query, key = needle_document(rng, context_bytes)
+        prompt = context + query
+        if len(prompt) <= context_bytes:
+            trials.append((prompt.rjust(context_bytes), key))
+    return trials
+
+
+def needle_accuracy(model: Transformer, trials: Sequence[tuple[str, str]]) -> float | None:
+    if not trials:
+        return None
+    tok = ByteTokenizer()
+    completions = complete(model, [tok.encode(prompt) for prompt, _ in trials], max_new_tokens=len(trials[0][1]))
+    return sum(tok.decode(c.tokens) == key for c, (_, key) in zip(completions, trials, strict=True)) / len(trials)
+
+
+@torch.no_grad()
+def standard_checks(model: Transformer, *, held_out: float | None, problems: Sequence[tuple[str, str]],
+                    max_held_out_loss: float | None, min_task_accuracy: float | None) -> list[Check]:
+    """The two checks every stage runs."""
+    return [
+        Check(name="held_out_loss", value=held_out, threshold=max_held_out_loss, op="<="),
+        Check(name="task_accuracy", value=task_accuracy(model, problems), threshold=min_task_accuracy, op=">="),
+    ]

@@ -1,0 +1,189 @@
+"""Post-training on verifiable tasks: SFT (loss on response tokens only) and DPO (sigmoid loss
+against the frozen incoming model). RLVR lives in `rlvr.py`; the objectives in `objectives.py`.
+
+A task is a (prompt, answer) pair from a generated source: "12+35=" -> "47"; the response the model
+learns is the answer and a newline. Batches are drawn from a generator seeded by (seed, stage, step)
+alone, so a resumed stage sees exactly the batches an uninterrupted one would.
+"""
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from contracts.models import ModelShape
+from services.trainer.checkpoint import load_weights
+from services.trainer.data import ByteTokenizer
+from services.trainer.generation import END_TOKEN
+from services.trainer.loop import (
+    Emit,
+    LoopSettings,
+    StepOutput,
+    autocast,
+    pick_device,
+    resume_or_init,
+    run_loop,
+)
+from services.trainer.model import Transformer
+from services.trainer.objectives import dpo_loss, sft_loss, token_logprobs
+from services.trainer.pretrain import build_model, lr_factor
+
+Problem = tuple[str, str]
+WARMUP_FRACTION = 0.05
+MIN_LR_RATIO = 0.1
+PAD_TOKEN = 0  # never attended to as context (padding sits to the right) and masked out of losses
+
+
+@dataclass(kw_only=True, slots=True)
+class PostConfig:
+    stage: str
+    """"sft", "dpo" or "rlvr"."""
+    shape: ModelShape
+    rope_base: float | None
+    problems: list[Problem]
+    """Training tasks, already prepared (deduplicated, decontaminated)."""
+    steps: int
+    batch_size: int
+    learning_rate: float
+    seed: int
+    checkpoint_dir: str
+    checkpoint_interval: int = 50
+    keep_last: int = 2
+    init_from: str | None = None
+    beta: float = 0.1
+    """DPO only."""
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.problems:
+            raise ValueError(f"{self.stage} needs verifiable task data (a generated:arithmetic or generated:reverse ref).")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(f"{self.stage} needs at least 1 step and a batch of at least 1.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PostResult:
+    final_step: int
+    first_loss: float | None
+    final_loss: float | None
+    stopped: bool
+    model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
+
+
+def batch_rng(seed: int, stage: str, step: int) -> random.Random:
+    return random.Random(f"{stage}:{seed}:{step}")
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer for a DPO rejected response: a nearby number, or a letter swap."""
+    if answer.lstrip("-").isdigit():
+        return str(int(answer) + rng.choice([d for d in range(-10, 11) if d]))
+    letters = list(answer)
+    if len(set(letters)) > 1:
+        while "".join(letters) == answer:
+            i, j = rng.sample(range(len(letters)), 2)
+            letters[i], letters[j] = letters[j], letters[i]
+        return "".join(letters)
+    return answer + ("a" if answer[-1:] != "a" else "b")
+
+
+def response_batch(prompts: Sequence[str], responses: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets, mask) for prompt+response+newline sequences, right-padded; mask is 1 where
+    the target is a response token (newline included), 0 on prompt and padding."""
+    tok = ByteTokenizer()
+    rows = [(tok.encode(p), tok.encode(r) + [END_TOKEN]) for p, r in zip(prompts, responses, strict=True)]
+    width = max(len(p) + len(r) for p, r in rows) - 1
+    inputs = torch.full((len(rows), width), PAD_TOKEN, dtype=torch.long)
+    targets = torch.full((len(rows), width), PAD_TOKEN, dtype=torch.long)
+    mask = torch.zeros((len(rows), width))
+    for i, (p, r) in enumerate(rows):
+        seq = torch.tensor(p + r)
+        inputs[i, : len(seq) - 1] = seq[:-1]
+        targets[i, : len(seq) - 1] = seq[1:]
+        mask[i, len(p) - 1 : len(seq) - 1] = 1.0
+    return inputs, targets, mask
+
+
+def sequence_logprobs(model: Transformer, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probabilities (B, T) of `targets` under the model (logits / temperature)."""
+    with autocast(device):
+        logits, _ = model(inputs.to(device))
+    return token_logprobs(logits.float() / temperature, targets.to(device))
+
+
+def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
+    # No weight decay in post-training: it would pull the weights toward zero, away from the
+    # pretrained model the small post-training steps are meant to stay near.
+    return torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def _setup(cfg: PostConfig, emit: Emit) -> tuple[Transformer, torch.optim.Optimizer, LambdaLR, LoopSettings, int, torch.device]:
+    device = pick_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    longest = max(len(p.encode()) + len(a.encode()) + 1 for p, a in cfg.problems)
+    model = build_model(cfg.shape, seq_len=min(longest, cfg.shape.max_seq_len), rope_base=cfg.rope_base, device=device)
+    optimizer = adamw(model, cfg.learning_rate)
+    warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
+    scheduler = LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=MIN_LR_RATIO))
+    settings = LoopSettings(stage=cfg.stage, steps=cfg.steps, checkpoint_dir=cfg.checkpoint_dir,
+                            checkpoint_interval=cfg.checkpoint_interval, keep_last=cfg.keep_last)
+    resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
+    return model, optimizer, scheduler, settings, (resumed.step if resumed else 0), device
+
+
+def _finish(model: torch.nn.Module, result) -> PostResult:
+    return PostResult(final_step=result.final_step, first_loss=result.first_loss, final_loss=result.final_loss,
+                      stopped=result.stopped, model=model)
+
+
+def train_sft(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> PostResult:
+    model, optimizer, scheduler, settings, start, device = _setup(cfg, emit)
+
+    def step_fn(step: int) -> StepOutput:
+        rng = batch_rng(cfg.seed, cfg.stage, step)
+        batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
+        inputs, targets, mask = response_batch([p for p, _ in batch], [a for _, a in batch])
+        logprobs = sequence_logprobs(model, inputs, targets, device)
+        return StepOutput(loss=sft_loss(logprobs, mask.to(device)), tokens=int(inputs.numel()))
+
+    result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=start,
+                      position=lambda: 0)
+    return _finish(model, result)
+
+
+def train_dpo(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> PostResult:
+    """Preference pairs (right answer, nearby wrong answer) on the tasks; the reference is the
+    incoming model (the previous stage's final weights), frozen, rebuilt the same on resume."""
+    model, optimizer, scheduler, settings, start, device = _setup(cfg, emit)
+    # Built the same way whether the stage starts or resumes: the seed's init, then the incoming weights.
+    torch.manual_seed(cfg.seed)
+    reference = build_model(cfg.shape, seq_len=model.shape.max_seq_len, rope_base=cfg.rope_base, device=device)
+    if cfg.init_from is not None:
+        load_weights(cfg.init_from, reference)
+    reference.eval().requires_grad_(False)
+
+    def step_fn(step: int) -> StepOutput:
+        rng = batch_rng(cfg.seed, cfg.stage, step)
+        batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
+        prompts = [p for p, _ in batch] * 2
+        responses = [a for _, a in batch] + [wrong_answer(a, rng) for _, a in batch]
+        inputs, targets, mask = response_batch(prompts, responses)
+        mask = mask.to(device)
+        policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
+        with torch.no_grad():
+            ref = (sequence_logprobs(reference, inputs, targets, device) * mask).sum(-1)
+        n = cfg.batch_size
+        loss, chosen, rejected = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], cfg.beta)
+        if (step + 1) % max(1, cfg.steps // 5) == 0:
+            emit("log", {"level": "info", "message": (
+                f"dpo step {step + 1}: reward accuracy {(chosen > rejected).float().mean().item():.2f}, "
+                f"margin {(chosen - rejected).mean().item():.3f}")})
+        return StepOutput(loss=loss, tokens=int(inputs.numel()))
+
+    result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=start,
+                      position=lambda: 0)
+    return _finish(model, result)
