@@ -10,7 +10,14 @@ import os
 ENV_FAULT_POINT = "ITO_FAULT_POINT"
 SCHEDULER_AFTER_ACCEPT = "scheduler.after_accept"  # the ledger reserved the key; no hand-off yet
 ENTITLEMENT_BEFORE_APPLY = "entitlement.before_apply"  # a booking event received, not yet written
-POINTS = frozenset({SCHEDULER_AFTER_ACCEPT, ENTITLEMENT_BEFORE_APPLY})
+TRAINER_LOSS_SPIKE = "trainer.loss_spike"  # losses reported x10 from ITO_FAULT_SPIKE_STEP on (first attempt)
+ENV_SPIKE_STEP = "ITO_FAULT_SPIKE_STEP"
+POINTS = frozenset({SCHEDULER_AFTER_ACCEPT, ENTITLEMENT_BEFORE_APPLY, TRAINER_LOSS_SPIKE})
+
+
+def active(point: str) -> bool:
+    assert point in POINTS, f"unknown fault point {point!r}"
+    return os.environ.get(ENV_FAULT_POINT) == point
 
 log = logging.getLogger("ito.faults")
 

@@ -299,3 +299,32 @@ def load_weights(directory: str | os.PathLike, model: torch.nn.Module) -> Checkp
     dcp.load(state, checkpoint_id=latest.path, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     return latest
+
+
+SKIP_FILE = "SKIP.json"  # an approved restart's batches to skip: {"from": a, "to": b}
+
+
+def rewind(directory: str | os.PathLike, step: int, skip_from: int, skip_to: int) -> list[int]:
+    """Make `step` this stage's latest committed checkpoint for an approved restart: newer ones move
+    to `discarded/` (kept, never loaded), and the batches [skip_from, skip_to) are marked to skip."""
+    directory = Path(directory)
+    moved = []
+    for info in list_checkpoints(directory):
+        if info.step > step:
+            target = directory / "discarded" / Path(info.path).name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(target, ignore_errors=True)
+            Path(info.path).rename(target)
+            moved.append(info.step)
+    _write_json_atomic(directory / SKIP_FILE, {"from": skip_from, "to": skip_to})
+    return moved
+
+
+def batches_to_skip(directory: str | os.PathLike, position: int) -> int | None:
+    """Where the data should continue when a restart resumed exactly at the skip's start."""
+    try:
+        skip = json.loads((Path(directory) / SKIP_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return int(skip["to"]) if position == int(skip["from"]) else None
+

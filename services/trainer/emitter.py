@@ -63,23 +63,23 @@ class Emitter:
             timeout=self.settings.request_timeout_s,
         )
 
-    def _base(self) -> dict:
+    def base(self) -> dict:
         return {"run_id": self.run_id, "seq": self._seq(), "at": datetime.now(UTC), "epoch": self.epoch}
 
     async def state(self, state: RunState, stage: str | None = None, message: str | None = None,
                     total_steps: int = 0) -> None:
-        await self.publish(StateChanged(**self._base(), state=state, stage=stage, message=message,
+        await self.publish(StateChanged(**self.base(), state=state, stage=stage, message=message,
                                         total_steps=total_steps))
 
     async def log(self, message: str, level: str = "info") -> None:
-        await self.publish(LogLine(**self._base(), level=level, message=message))
+        await self.publish(LogLine(**self.base(), level=level, message=message))
 
     def from_thread(self, kind: str, payload: dict) -> None:
         """The training loop's `emit(kind, payload)`: build the event here, publish on the loop."""
         cls = EVENT_KINDS.get(kind)
         if cls is None:
             raise ValueError(f"unknown event kind {kind!r}; known: {sorted(EVENT_KINDS)}")
-        event = msgspec.convert({**self._base(), **payload}, cls)
+        event = msgspec.convert({**self.base(), **payload}, cls)
         future = asyncio.run_coroutine_threadsafe(self.publish(event), self.loop)
         try:
             future.result(timeout=THREAD_PUBLISH_TIMEOUT_S)

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.manifest import Manifest
 from contracts.models import ModelShape
+from services.trainer.checkpoint import batches_to_skip
 from services.trainer.curriculum import LmPlan, plan_run
 from services.trainer.data import VOCAB_SIZE, BatchIterator, eval_batches, load_eval_tokens, load_tokens, split_held_out
 from services.trainer.loop import (
@@ -236,6 +237,10 @@ def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -
     resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
     if resumed is not None:
         step, batches.position = resumed.step, resumed.data_position
+        skip_to = batches_to_skip(cfg.checkpoint_dir, batches.position)
+        if skip_to is not None:  # an approved loss-spike restart: PaLM's skip of the batches around it
+            emit("log", {"level": "info", "message": f"Skipping batches [{batches.position}, {skip_to}) of {cfg.stage}."})
+            batches.position = skip_to
     else:
         emit("log", {"level": "info", "message": (
             f"Starting {cfg.stage}: {count_parameters(cfg.shape):,} parameters, {cfg.steps} steps of "

@@ -21,15 +21,16 @@ import msgspec
 from faststream.nats import NatsBroker, NatsMessage
 
 from contracts import subjects
-from contracts.api import CleanupOrder, CleanupResult, LeaseAnswer, LeaseQuery, RemovedArtifact
+from contracts.api import CleanupOrder, CleanupResult, LeaseAnswer, LeaseQuery, RemovedArtifact, RestartProposal
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
-from contracts.runs import TrainWork
+from contracts.runs import ProposalMade, TrainWork
 from contracts.states import RunState
-from services.runtime import codec
+from services.runtime import codec, faults
 from services.runtime.codec import Refusal
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
-from services.trainer.checkpoint import list_checkpoints
+from services.trainer import spikes
+from services.trainer.checkpoint import list_checkpoints, rewind
 from services.trainer.emitter import Emitter
 from services.trainer.pipeline import run_pipeline
 
@@ -65,6 +66,37 @@ class Stop:
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+
+WATCHED_STAGES = frozenset({"pretrain", "midtrain", "long_context"})  # PaLM's remedy is for LM training;
+# post-training losses (DPO margins, policy-gradient losses) swing by design and would page people for nothing
+
+
+class SpikeWatch:
+    """Sits between the pipeline and the bus: every step's loss goes through the spike detector; a
+    spike stops the loop (its checkpoint is committed first) so the run can be paused for approval."""
+
+    def __init__(self, emit, stop: Stop, planted: bool = False) -> None:
+        self._emit = emit
+        self.stop = stop
+        self.detector = spikes.SpikeDetector()
+        self.planted_from = int(os.environ.get(faults.ENV_SPIKE_STEP, "60")) if planted else None
+        self.stage, self.spike_step, self.total_steps, self.reason = "", 0, 0, ""
+        self._stage_seen = ""
+
+    def emit(self, kind: str, payload: dict) -> None:
+        if kind == "metrics" and payload["stage"] in WATCHED_STAGES:
+            if payload["stage"] != self._stage_seen:  # each stage has its own loss scale
+                self._stage_seen, self.detector = payload["stage"], spikes.SpikeDetector()
+            if self.planted_from is not None and payload["step"] >= self.planted_from:
+                payload = {**payload, "loss": payload["loss"] * 10.0}  # fault injection (tests, make chaos)
+            if self.detector.observe(payload["step"], payload["loss"], payload["grad_norm"]) and not self.stop.is_set():
+                self.stage, self.total_steps = payload["stage"], payload["total_steps"]
+                self.spike_step = self.detector.first_spike_step or payload["step"]
+                self.reason = (f"loss above mean + {spikes.K_SIGMA:g} sigma of the last {spikes.WINDOW} steps "
+                               f"for {spikes.CONSECUTIVE} steps")
+                self.stop.set("loss_spike")
+        self._emit(kind, payload)
 
 
 class Worker:
@@ -140,16 +172,25 @@ class Worker:
         stop = self.stops[work.run_id] = Stop()
         keep_alive = asyncio.create_task(self._keep_alive(msg, work.run_id, epoch, stop))
         checkpoint_dir = pathlib.Path(work.checkpoint_dir)
+        watch = SpikeWatch(emitter.from_thread, stop, planted=faults.active(faults.TRAINER_LOSS_SPIKE)
+                           and work.restart is None)
         try:
+            if work.restart is not None:
+                r = work.restart
+                moved = rewind(checkpoint_dir / r.stage, r.checkpoint_step, r.skip_from, r.skip_to)
+                await emitter.log(f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
+                                  f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})")
             await emitter.state(RunState.running, message="training started")
-            result = await asyncio.to_thread(run_pipeline, manifest, checkpoint_dir, emitter.from_thread,
+            result = await asyncio.to_thread(run_pipeline, manifest, checkpoint_dir, watch.emit,
                                              stop.is_set, self.threads)
             if stop.reason == "fenced":
                 # Another trainer holds (or will hold) the run: report nothing, acknowledge nothing.
                 log.warning("run %s: fenced at epoch %d; leaving it to the new lease holder", work.run_id, epoch)
                 return
             await emitter.log(result.summary)
-            if stop.is_set():
+            if stop.reason == "loss_spike":
+                await self._propose(emitter, checkpoint_dir, watch)
+            elif stop.is_set():
                 step = last_committed_step(checkpoint_dir)
                 kept = f"; last checkpoint at step {step}" if step is not None else "; no checkpoint yet"
                 await emitter.state(RunState.cancelled, stage=result.last_stage, message="cancelled" + kept)
@@ -165,6 +206,18 @@ class Worker:
             self.stops.pop(work.run_id, None)
         if stop.reason != "fenced":
             await msg.ack()
+
+    async def _propose(self, emitter: Emitter, checkpoint_dir: pathlib.Path, watch: "SpikeWatch") -> None:
+        """Pause the run with PaLM's remedy as a proposal; only a confirmed approval restarts it."""
+        committed = [c.step for c in list_checkpoints(checkpoint_dir / watch.stage)]
+        proposal = spikes.propose(watch.stage, watch.spike_step, watch.total_steps, committed, watch.reason) or \
+            RestartProposal(stage=watch.stage, checkpoint_step=0, skip_from=0, skip_to=watch.spike_step,
+                            spike_step=watch.spike_step, reason=watch.reason + "; no checkpoint before it")
+        await emitter.publish(ProposalMade(**emitter.base(), proposal=proposal))
+        await emitter.state(RunState.awaiting_approval, stage=watch.stage, message=(
+            f"loss spike at {watch.stage} step {watch.spike_step} ({watch.reason}); proposed: restart from "
+            f"checkpoint step {proposal.checkpoint_step}, skipping batches [{proposal.skip_from}, {proposal.skip_to}). "
+            "Waiting for a restart_from_checkpoint confirmation."))
 
     async def cleanup(self, order: CleanupOrder) -> CleanupResult:
         """Remove a finished run's artifacts and say what was removed. Only a directory that is

@@ -80,3 +80,46 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
     finally:
         replacement.terminate()
         replacement.wait(timeout=15)
+
+
+def test_a_planted_loss_spike_waits_for_approval_and_restarts_from_the_proposal(make_stack, manifest):
+    from services.runtime import faults
+
+    stack = make_stack(env={faults.ENV_FAULT_POINT: faults.TRAINER_LOSS_SPIKE, faults.ENV_SPIKE_STEP: "60"})
+    account, _, env = stack.account()
+    booking = stack.booking(account)
+    m = str(manifest(target={"tokens": 200 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
+                     checkpoint={"interval_steps": 20, "keep_last": 3, "storage": "local"}))
+    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)
+    _, out = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref",
+                       conf["data"]["confirmation_ref"], "--idempotency-key", "spike-1", env=env)
+    run_id = out["data"]["run_id"]
+    deadline = time.monotonic() + 120
+    while (view := status(stack, env, run_id))["state"] != "awaiting_approval":
+        assert view["state"] in ("queued", "running") and time.monotonic() < deadline, view
+        time.sleep(0.3)
+    proposal = view["proposal"]
+    assert proposal["spike_step"] == 60 and proposal["checkpoint_step"] == 40
+    assert (proposal["skip_from"], proposal["skip_to"]) == (40, 80)
+
+    rc, out = stack.ecc("approve", run_id, "--idempotency-key", "no-1", env=env)
+    assert out["error"]["code"] == "confirmation_required"
+    rc, out = stack.ecc("approve", run_id, "--reject", "--idempotency-key", "rej-1", env=env)
+    assert rc == 0 and out["data"]["state"] == "awaiting_approval" and "stays paused" in out["notice"]
+    time.sleep(2)
+    assert status(stack, env, run_id)["state"] == "awaiting_approval"  # never automatic
+
+    _, ref = stack.ecc("confirm", "--action", "restart_from_checkpoint", "--run", run_id, env=env)
+    rc, out = stack.ecc("approve", run_id, "--confirmation-ref", ref["data"]["confirmation_ref"],
+                        "--idempotency-key", "ok-1", env=env)
+    assert rc == 0 and out["data"]["state"] == "queued", out
+    deadline = time.monotonic() + 120
+    while (view := status(stack, env, run_id))["state"] not in ("succeeded", "failed", "awaiting_approval"):
+        assert time.monotonic() < deadline, view
+        time.sleep(0.5)
+    assert view["state"] == "succeeded", view
+    _, logs = stack.ecc("logs", run_id, env=env)
+    assert any("Skipping batches [40, 80)" in ln["message"] for ln in logs["data"]["lines"])
+    _, metrics = stack.ecc("metrics", run_id, env=env)
+    steps = [p["step"] for p in metrics["data"]["points"]]
+    assert steps.count(41) == 2 and steps[-1] == 200  # resumed from the proposed checkpoint
