@@ -47,9 +47,12 @@ def replier(handler: Callable[[Any], Coroutine[Any, Any, Any]], request_type: ty
     return reply
 
 
+REQUEST_CONCURRENCY = 64  # requests one endpoint handles at once; FastStream's default is one at a time
+
+
 def serve_requests(w: "Wiring", routes: list[Route]) -> None:
     for suffix, request_type, handler in routes:
-        w.broker.subscriber(w.settings.subject(suffix))(replier(handler, request_type))
+        w.broker.subscriber(w.settings.subject(suffix), max_workers=REQUEST_CONCURRENCY)(replier(handler, request_type))
 
 
 def build_app(service: str, settings: Settings, register: Callable[[Wiring], None]) -> FastStream:
