@@ -5,6 +5,7 @@ published when the request ends, whatever the outcome. Decisions carry codes, ne
 so no secret can ride along.
 """
 
+import asyncio
 import logging
 from collections.abc import Awaitable
 from datetime import UTC, datetime
@@ -63,8 +64,10 @@ class Auditor:
         self.settings = settings
 
     async def publish(self, trail: Trail) -> None:
+        """All of a trail's decisions at once: the PubAcks are awaited together, not one by one."""
         subject = self.settings.subject(f"{subjects.AUDIT}.{trail.request_id}")
-        for i, decision in enumerate(trail.decisions):
+
+        async def one(i: int, decision: GateDecision) -> None:
             try:
                 await self.broker.publish(
                     msgspec.json.encode(decision), subject, stream=self.settings.stream(subjects.STREAM_AUDIT),
@@ -72,6 +75,8 @@ class Auditor:
                 )
             except Exception:  # the request's outcome stands; the gap is logged, not hidden
                 log.error("audit: decision %s of request %s not published", decision.gate, trail.request_id)
+
+        await asyncio.gather(*(one(i, d) for i, d in enumerate(trail.decisions)))
 
     async def read(self, request_id: str) -> list[GateDecision]:
         nc = await self.broker.connect()
