@@ -85,16 +85,17 @@ class Auditor:
             self.settings.subject(f"{subjects.AUDIT}.{request_id}"), stream=self.settings.stream(subjects.STREAM_AUDIT),
             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
         )
-        decisions: list[GateDecision] = []
+        indexed: list[tuple[int, GateDecision]] = []
         try:
-            while len(decisions) < MAX_DECISIONS_READ:
+            while len(indexed) < MAX_DECISIONS_READ:
                 try:
                     msgs = await sub.fetch(batch=100, timeout=0.3)
                 except TimeoutError:
                     break
-                decisions += [_decoder.decode(m.data) for m in msgs]
-                for m in msgs:
+                for m in msgs:  # published together, so stored in any order: the msg id has the index
+                    index = int((m.headers or {}).get("Nats-Msg-Id", ":0").rsplit(":", 1)[1])
+                    indexed.append((index, _decoder.decode(m.data)))
                     await m.ack()
         finally:
             await sub.unsubscribe()
-        return decisions
+        return [d for _, d in sorted(indexed, key=lambda pair: pair[0])]
