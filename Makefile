@@ -22,8 +22,10 @@ demo: install
 test: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest
 
+# Writes bench/results.json and prints a table; `make bench BENCH_ARGS=--quick` runs tiny sizes.
+BENCH_ARGS ?=
 bench: install
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.run
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.run $(BENCH_ARGS)
 
 # Fault scenarios (trainer/scheduler SIGKILL, NATS/Redis restarts) on embedded infra -> a table.
 chaos: install

@@ -1,0 +1,406 @@
+"""Control-plane benchmarks: the latency of one gated train request against the bare round trips
+it is built from, accepted requests per second with many clients, and exactly-once run creation
+under duplicate requests.
+
+A gated train request is timed from the client's NATS request to the scheduler's answer (run
+accepted and handed off to the work queue). Confirmations are made beforehand and are not timed.
+The bare round trips are measured in the same run on the same servers: a core NATS request to an
+echo responder in this process, a JetStream publish awaiting its PubAck, and a Redis EVALSHA of a
+one-line script through redis-py asyncio (the client library the services use). The ratio divides
+the gated p50 by the sum of the bare round trips the request needs (counted below; the NATS count
+is checked against the messages a wildcard subscriber sees). One hop through our own service
+plumbing around a do-nothing handler is measured too, to read the gap between the two.
+"""
+
+import asyncio
+import logging
+import os
+import random
+import resource
+import time
+
+from bench import stats
+from bench.stack import ApiClient, Stack, confirmations
+
+# The round trips one gated train request needs, read from services/scheduler/api.py and the
+# handlers it calls (a fresh idempotency key, a known booking). NATS: request/reply hops and the
+# JetStream publish of the work item (its PubAck is awaited).
+NATS_ROUND_TRIPS = {
+    "client -> scheduler (api.train)": 1,
+    "ledger lookup": 1,
+    "entitlement eligibility": 1,
+    "confirmation resolve": 1,
+    "ledger accept": 1,
+    "ledger handed_off": 1,
+}
+JETSTREAM_ROUND_TRIPS = {"work item publish (Nats-Msg-Id = run id), PubAck awaited": 1}
+# Redis round trips on the request's path, one per awaited command or pipeline, as read from the
+# code; `observed_hops` cross-checks it with MONITOR (which also sees work beside the path).
+REDIS_ROUND_TRIPS = {
+    "scheduler authenticate: HGET apikeys": 1,
+    "ledger lookup: GET idem (miss)": 1,
+    "entitlement eligibility: HGET booking": 1,
+    "confirmation resolve: HGETALL conf, TIME": 2,
+    "ledger accept: EVALSHA accept script, SISMEMBER pending": 2,
+    "hand-off RunStore.create: HSETNX, pipeline(HSET, SET, ZADD)": 2,
+    "hand-off RunStore.remember: HSET work": 1,
+    "hand-off RunStore.update: WATCH, HMGET, MULTI/HSET/EXEC": 3,
+    "ledger handed_off: SREM, GET, SISMEMBER": 3,
+}
+# Subjects of the needed hops above, as the wildcard tap sees them (the work item carries the run id).
+NEEDED_SUBJECTS = {"v1.api.train", "v1.ledger.lookup", "v1.entitlement.eligibility", "v1.confirmation.resolve",
+                   "v1.ledger.accept", "v1.ledger.handed_off", "v1.work.train.*"}
+REDIS_PIPELINE_GAP_S = 20e-6  # see _round_trips
+ECHO_PAYLOAD = b"x" * 256  # about the size of an internal request
+CLIENTS = 64  # concurrent clients in the throughput and exactly-once runs (issue 8)
+
+
+async def bare_nats_round_trips(nats_url: str, namespace: str, samples: int) -> list[float]:
+    """Core NATS request/reply to a trivial echo responder on its own connection in this process."""
+    import nats
+
+    subject = f"{namespace}.bench.echo"  # under the namespace, outside every stream's filter
+    responder = await nats.connect(nats_url, connect_timeout=2)
+    requester = await nats.connect(nats_url, connect_timeout=2)
+    try:
+        async def echo(msg) -> None:
+            await msg.respond(msg.data)
+
+        await responder.subscribe(subject, cb=echo)
+        await responder.flush()
+        for _ in range(max(10, samples // 10)):  # warm-up
+            await requester.request(subject, ECHO_PAYLOAD, timeout=5)
+        timings = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            await requester.request(subject, ECHO_PAYLOAD, timeout=5)
+            timings.append(time.perf_counter() - started)
+        return timings
+    finally:
+        await requester.close()
+        await responder.close()
+
+
+async def service_hop_round_trips(stack: Stack, samples: int) -> list[float]:
+    """One request/reply hop through our services' own plumbing around a do-nothing handler:
+    the broker from `connections.make_broker`, a subscriber from `service.replier` (FastStream,
+    fast_depends, msgspec decode, Envelope encode). Run in this process, like the bare echo."""
+    import msgspec
+    import nats
+
+    from services.runtime import connections, service
+
+    class Echo(msgspec.Struct):
+        data: str
+
+    async def echo(request: Echo) -> Echo:
+        return request
+
+    subject = f"{stack.namespace}.bench.hop"
+    logging.getLogger("ito.bench-hop.nats").setLevel(logging.ERROR)  # its clean close is not news
+    broker = connections.make_broker(stack.settings(), "bench-hop")
+    broker.subscriber(subject)(service.replier(echo, Echo))
+    await broker.start()
+    requester = await nats.connect(stack.infra.nats_url, connect_timeout=2)
+    payload = msgspec.json.encode(Echo(data="x" * 240))
+    try:
+        for _ in range(max(10, samples // 10)):  # warm-up
+            await requester.request(subject, payload, timeout=5)
+        timings = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            await requester.request(subject, payload, timeout=5)
+            timings.append(time.perf_counter() - started)
+        return timings
+    finally:
+        await requester.close()
+        await broker.stop()
+
+
+async def bare_jetstream_publish(nats_url: str, namespace: str, samples: int) -> list[float]:
+    """A JetStream publish awaiting its PubAck, into a file-storage stream made for it (as the
+    work queue and the audit stream are), deleted afterwards."""
+    import nats
+    from nats.js.api import StorageType, StreamConfig
+
+    stream, subject = f"{namespace.upper()}_BENCH_ECHO", f"{namespace}.bench.js"
+    nc = await nats.connect(nats_url, connect_timeout=2)
+    js = nc.jetstream(timeout=5)
+    try:
+        await js.add_stream(StreamConfig(name=stream, subjects=[subject + ".>"], storage=StorageType.FILE))
+        for i in range(max(10, samples // 10)):  # warm-up
+            await js.publish(f"{subject}.w", ECHO_PAYLOAD, headers={"Nats-Msg-Id": f"w{i}"})
+        timings = []
+        for i in range(samples):
+            started = time.perf_counter()
+            await js.publish(f"{subject}.m", ECHO_PAYLOAD, headers={"Nats-Msg-Id": f"m{i}"})
+            timings.append(time.perf_counter() - started)
+        return timings
+    finally:
+        try:
+            await js.delete_stream(stream)
+        finally:
+            await nc.close()
+
+
+async def bare_redis_evalsha(redis_url: str, samples: int) -> list[float]:
+    """EVALSHA of a trivial script through redis-py asyncio, one at a time."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        script = r.register_script("return 1")
+        for _ in range(max(10, samples // 10)):  # warm-up (the first call loads the script)
+            await script()
+        timings = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            await script()
+            timings.append(time.perf_counter() - started)
+        return timings
+    finally:
+        await r.aclose()
+
+
+def _subject_kind(namespace: str, subject: str) -> str:
+    """`<ns>.v1.ledger.lookup` -> `v1.ledger.lookup`; run ids in subjects become `*`."""
+    parts = subject.removeprefix(namespace + ".").split(".")
+    return ".".join("*" if p.startswith("run_") else p for p in parts)
+
+
+def _round_trips(commands: list[tuple[float, tuple[str, int]]]) -> int:
+    """Redis round trips in a MONITOR log of one client's commands: a pipeline or MULTI/EXEC
+    arrives in one write, so its commands are logged microseconds apart; a new round trip
+    starts after a gap longer than any in-pipeline gap (loopback round trips take ~50+ us)."""
+    trips, last = 0, {}
+    for at, client in sorted(commands):
+        if client not in last or at - last[client] > REDIS_PIPELINE_GAP_S:
+            trips += 1
+        last[client] = at
+    return trips
+
+
+async def observed_hops(stack: Stack, requests: int) -> dict:
+    """What `requests` sequential gated requests send, per request: NATS messages on the
+    namespace's subjects by kind (a wildcard subscriber; answers go to inboxes and are not seen),
+    and Redis commands and round trips of the connections that touch the namespace's keys (Redis
+    MONITOR). Not timed: MONITOR slows Redis down.
+
+    The Redis figures include work a request sets off beside its own path: the scheduler's run
+    event consumer applying the `created` event, and periodic sweeps that fall in the window."""
+    import nats
+    import redis.asyncio as aioredis
+
+    refs = await confirmations(stack, requests, concurrency=1)
+    counts: dict[str, int] = {}
+    logged: list[tuple[float, tuple[str, int], str]] = []
+    tap = await nats.connect(stack.infra.nats_url, connect_timeout=2)
+    r = aioredis.Redis.from_url(stack.infra.redis_url)
+    monitor = r.monitor()
+    try:
+        async def count(msg) -> None:
+            kind = _subject_kind(stack.namespace, msg.subject)
+            counts[kind] = counts.get(kind, 0) + 1
+
+        async def listen() -> None:
+            async for entry in monitor.listen():
+                if entry["client_type"] != "lua":  # a script's own commands run inside its EVALSHA
+                    logged.append((entry["time"], (entry["client_address"], entry["client_port"]), entry["command"]))
+
+        await tap.subscribe(f"{stack.namespace}.>", cb=count)
+        await tap.flush()
+        await monitor.connect()
+        await monitor.connection.send_command("MONITOR")
+        assert await monitor.connection.read_response() in (b"OK", "OK")
+        listener = asyncio.create_task(listen())
+        async with ApiClient(stack) as client:
+            for i, ref in enumerate(refs):
+                out = await client.train(ref, f"tap-{i}")
+                assert out["ok"], out
+        await asyncio.sleep(0.3)  # the last audit publishes and MONITOR lines are still on their way
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+    finally:
+        await tap.close()
+        await monitor.connection.disconnect()
+        await r.aclose()
+    ours = {client for _, client, command in logged if f"{stack.namespace}:" in command}
+    commands = [(at, client) for at, client, _ in logged if client in ours]
+    return {
+        "nats_messages": {kind: round(n / requests, 2) for kind, n in sorted(counts.items())},
+        "redis_commands": round(len(commands) / requests, 2),
+        "redis_round_trips": round(_round_trips(commands) / requests, 2),
+    }
+
+
+async def gated_latency(stack: Stack, samples: int) -> tuple[list[float], dict[str, int]]:
+    """Sequential gated train requests, each with a new key and its own confirmation."""
+    warmup = max(5, samples // 10)
+    refs = await confirmations(stack, samples + warmup)
+    timings, errors = [], {}
+    async with ApiClient(stack) as client:
+        for i, ref in enumerate(refs):
+            started = time.perf_counter()
+            out = await client.train(ref, f"lat-{i}")
+            elapsed = time.perf_counter() - started
+            if not out["ok"]:
+                errors[out["error"]["code"]] = errors.get(out["error"]["code"], 0) + 1
+            elif i >= warmup:
+                timings.append(elapsed)
+    return timings, errors
+
+
+async def latency(stack: Stack, samples: int) -> dict:
+    nats_rtt = await bare_nats_round_trips(stack.infra.nats_url, stack.namespace, samples)
+    js_rtt = await bare_jetstream_publish(stack.infra.nats_url, stack.namespace, samples)
+    redis_rtt = await bare_redis_evalsha(stack.infra.redis_url, samples)
+    hop_rtt = await service_hop_round_trips(stack, samples)
+    gated, errors = await gated_latency(stack, samples)
+    observed = await observed_hops(stack, requests=5)
+    messages = observed["nats_messages"]
+    # Publishes beyond the needed hops (the audit trail, decision by decision; run events), each
+    # awaiting its PubAck before the answer: round trips the gates themselves do not need.
+    extra = {kind: n for kind, n in messages.items() if kind not in NEEDED_SUBJECTS}
+    n_nats, n_js = sum(NATS_ROUND_TRIPS.values()), sum(JETSTREAM_ROUND_TRIPS.values())
+    n_redis = sum(REDIS_ROUND_TRIPS.values())
+    nats_p50, js_p50 = stats.percentile(nats_rtt, 50), stats.percentile(js_rtt, 50)
+    redis_p50 = stats.percentile(redis_rtt, 50)
+    bare_sum = n_nats * nats_p50 + n_js * js_p50 + n_redis * redis_p50
+    with_extra = bare_sum + sum(extra.values()) * js_p50
+    gated_p50 = stats.percentile(gated, 50)
+    return {
+        "gated": stats.latency_summary(gated),
+        "gated_errors": errors,
+        "bare_nats_request_reply": stats.latency_summary(nats_rtt),
+        "bare_jetstream_publish": stats.latency_summary(js_rtt),
+        "bare_redis_evalsha": stats.latency_summary(redis_rtt),
+        # Not a bare figure: the framework cost of one hop, for reading the gap above the bare sum.
+        "service_hop_echo": stats.latency_summary(hop_rtt),
+        "round_trips_needed": {"nats_request_reply": n_nats, "jetstream_publish": n_js, "redis": n_redis,
+                               "nats_detail": NATS_ROUND_TRIPS, "jetstream_detail": JETSTREAM_ROUND_TRIPS,
+                               "redis_detail": REDIS_ROUND_TRIPS},
+        "observed_per_request": observed,
+        "needed_hops_seen_once_each": all(messages.get(kind) == 1.0 for kind in NEEDED_SUBJECTS),
+        "extra_publishes_per_request": sum(extra.values()),
+        "extra_publishes_detail": extra,
+        "audit_publishes_per_request": messages.get("v1.audit.*", 0.0),
+        "bare_sum_ms": stats.ms(bare_sum),
+        "ratio_p50_to_bare_sum": round(gated_p50 / bare_sum, 2),
+        "bare_sum_with_extra_publishes_ms": stats.ms(with_extra),
+        "ratio_p50_to_bare_sum_with_extra_publishes": round(gated_p50 / with_extra, 2),
+    }
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _delta(after: tuple[float, float], before: tuple[float, float]) -> tuple[float, float]:
+    return after[0] - before[0], after[1] - before[1]
+
+
+def _own_cpu_seconds() -> tuple[float, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
+async def _drive(stack: Stack, jobs: list[tuple[str, str]], clients: int) -> tuple[list[dict], float]:
+    """Send (confirmation ref, key) jobs from `clients` connections; (answers, wall seconds)."""
+    queue = iter(jobs)
+    answers: list[dict] = []
+
+    async def client_loop(client: ApiClient) -> None:
+        for ref, key in queue:  # a shared iterator: each job goes to exactly one client
+            out = await client.train(ref, key)
+            out["key"] = key
+            answers.append(out)
+
+    conns = [ApiClient(stack) for _ in range(clients)]
+    await asyncio.gather(*(c.__aenter__() for c in conns))
+    try:
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(c) for c in conns))
+        return answers, time.perf_counter() - started
+    finally:
+        await asyncio.gather(*(c.__aexit__(None, None, None) for c in conns))
+
+
+def _error_codes(answers: list[dict]) -> dict[str, int]:
+    codes: dict[str, int] = {}
+    for out in answers:
+        if not out["ok"]:
+            codes[out["error"]["code"]] = codes.get(out["error"]["code"], 0) + 1
+    return codes
+
+
+async def throughput(stack: Stack, requests: int, clients: int = CLIENTS) -> dict:
+    """Accepted gated train requests per second, every request a new key with its own confirmation.
+    Also the CPU each service spent per request (from /proc), the budget on a 2-core machine."""
+    refs = await confirmations(stack, requests)
+    jobs = [(ref, f"tput-{i}") for i, ref in enumerate(refs)]
+    pids = stack.service_pids()
+    cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+    own_before = _own_cpu_seconds()
+    answers, wall = await _drive(stack, jobs, clients)
+    cpu = {name: _delta(_cpu_seconds(pid), cpu_before[name]) for name, pid in pids.items()}
+    cpu["bench client"] = _delta(_own_cpu_seconds(), own_before)
+    accepted = sum(1 for out in answers if out["ok"] and not out["data"]["replay"])
+    per_request = {name: {"user": round(1000 * u / requests, 3), "system": round(1000 * s / requests, 3)}
+                   for name, (u, s) in cpu.items()}
+    return {
+        "clients": clients,
+        "requests": requests,
+        "accepted": accepted,
+        "errors": _error_codes(answers),
+        "wall_s": round(wall, 3),
+        "accepted_per_s": round(accepted / wall, 1),
+        "cpu_ms_per_request": per_request,
+        "cpu_ms_per_request_total": round(sum(1000 * (u + s) / requests for u, s in cpu.values()), 3),
+        # Cores our processes kept busy (services + this client; not the NATS or Redis server).
+        "cpu_cores_busy": round(sum(u + s for u, s in cpu.values()) / wall, 2),
+    }
+
+
+async def exactly_once(stack: Stack, requests: int, keys: int, clients: int = CLIENTS) -> dict:
+    """`requests` train requests over `keys` idempotency keys (each key's requests share its one
+    confirmation), shuffled and sent concurrently: every key must create exactly one run."""
+    refs = await confirmations(stack, keys)
+    jobs = [(refs[i % keys], f"once-{i % keys}") for i in range(requests)]
+    random.Random(0).shuffle(jobs)
+    queued_before = await stack.work_queued()
+    answers, wall = await _drive(stack, jobs, clients)
+    queued = await stack.work_queued() - queued_before
+    runs_by_key: dict[str, set[str]] = {}
+    for out in answers:
+        if out["ok"]:
+            runs_by_key.setdefault(out["key"], set()).add(out["data"]["run_id"])
+    run_ids = set().union(*runs_by_key.values()) if runs_by_key else set()
+    created = sum(1 for out in answers if out["ok"] and not out["data"]["replay"])
+    return {
+        "clients": clients,
+        "requests": requests,
+        "keys": keys,
+        "runs": len(run_ids),
+        "created_answers": created,  # answers that said "new run" rather than "replay"
+        "duplicates": sum(len(ids) - 1 for ids in runs_by_key.values()) + max(0, created - len(runs_by_key)),
+        "lost": keys - len(runs_by_key),
+        "work_queue_messages": queued,
+        "errors": _error_codes(answers),
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(requests / wall, 1),
+        "exactly_once": len(run_ids) == keys == queued == created == len(runs_by_key),
+    }
+
+
+async def run_all(stack: Stack, *, latency_samples: int, throughput_requests: int, once_requests: int,
+                  once_keys: int) -> dict[str, dict]:
+    return {
+        "control_plane_latency": await latency(stack, latency_samples),
+        "control_plane_throughput": await throughput(stack, throughput_requests),
+        "exactly_once": await exactly_once(stack, once_requests, once_keys),
+    }
+

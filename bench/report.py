@@ -1,0 +1,167 @@
+"""The results file and the table: the environment of a run, the headline figures of each
+benchmark, the targets of issue 8 and whether this run reached them.
+
+Targets are reported, never asserted: a benchmark that misses one still writes its numbers.
+"""
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import sys
+from dataclasses import dataclass
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    benchmark: str
+    figure: str
+    op: str  # "<=", ">=" or "=="
+    limit: float | bool
+    why: str
+
+    def met(self, value) -> bool:
+        match self.op:
+            case "<=":
+                return value <= self.limit
+            case ">=":
+                return value >= self.limit
+        return value == self.limit
+
+
+TARGETS = [
+    Target("control_plane_latency", "ratio_p50_to_bare_sum", "<=", 3.0, "gated p50 <= 3x the bare round trips it needs"),
+    Target("control_plane_throughput", "accepted_per_s", ">=", 500.0, ">= 500 accepted requests/s on 2 cores"),
+    Target("exactly_once", "exactly_once", "==", True, "N keys -> exactly N runs, 0 duplicates, 0 lost"),
+    Target("trainer_pretrain", "ratio", ">=", 0.95, "trainer >= 0.95x the plain loop"),
+    Target("trainer_dpo", "ratio", ">=", 0.95, "DPO step >= 0.95x the plain loop"),
+    Target("trainer_grpo", "ratio", ">=", 0.95, "GRPO step >= 0.95x the plain loop"),
+    Target("checkpoint_tiny", "stall_ratio", "<=", 0.10, "async stall <= 10% of a sync torch.save"),
+    Target("checkpoint_150M", "stall_ratio", "<=", 0.10, "async stall <= 10% of a sync torch.save"),
+    Target("cli_startup", "ecc_help_s", "<=", 0.3, "`ecc --help` <= 0.3 s"),
+]
+
+# The figures the table shows (and the quick-mode test checks are numbers), per benchmark.
+HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, unit)]
+    "control_plane_latency": [("gated.p50_ms", "ms"), ("gated.p99_ms", "ms"), ("bare_nats_request_reply.p50_ms", "ms"),
+                              ("bare_jetstream_publish.p50_ms", "ms"), ("bare_redis_evalsha.p50_ms", "ms"),
+                              ("bare_sum_ms", "ms"), ("ratio_p50_to_bare_sum", "x"),
+                              ("round_trips_needed.redis", ""), ("extra_publishes_per_request", ""),
+                              ("ratio_p50_to_bare_sum_with_extra_publishes", "x"),
+                              ("service_hop_echo.p50_ms", "ms")],
+    "control_plane_throughput": [("accepted_per_s", "/s"), ("accepted", ""), ("cpu_ms_per_request_total", "ms"),
+                                 ("cpu_cores_busy", "cores")],
+    "exactly_once": [("requests", ""), ("keys", ""), ("runs", ""), ("duplicates", ""), ("lost", ""),
+                     ("work_queue_messages", ""), ("requests_per_s", "/s")],
+    "trainer_pretrain": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
+    "trainer_dpo": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
+    "trainer_grpo": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
+    "checkpoint_tiny": [("checkpoint_bytes", "B"), ("async_stall_s", "s"), ("sync_torch_save_s", "s"),
+                        ("stall_ratio", "x"), ("checkpoint_write_mb_s", "MB/s"), ("raw_write_mb_s", "MB/s"),
+                        ("bandwidth_ratio", "x")],
+    "checkpoint_150M": [("checkpoint_bytes", "B"), ("async_stall_s", "s"), ("sync_torch_save_s", "s"),
+                        ("stall_ratio", "x"), ("checkpoint_write_mb_s", "MB/s"), ("raw_write_mb_s", "MB/s"),
+                        ("bandwidth_ratio", "x")],
+    "cli_startup": [("ecc_help_s", "s"), ("ecc_status_json_s", "s"), ("python_bare_start_s", "s")],
+}
+
+
+def figure(figures: dict, path: str):
+    value = figures
+    for part in path.split("."):
+        value = value[part]
+    return value
+
+
+def git_commit() -> str | None:
+    """HEAD's commit, read from .git without running git (the working tree may differ from it)."""
+    git = REPO / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head.removeprefix("ref: ")
+        if (git / ref).exists():
+            return (git / ref).read_text().strip()
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0]
+    except OSError:
+        pass
+    return None
+
+
+def environment(mode: str) -> dict:
+    import torch
+
+    return {
+        "mode": mode,
+        "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "git_commit": git_commit(),
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def with_targets(name: str, entry: dict) -> dict:
+    """Attach each target of this benchmark with this run's value and whether it was met."""
+    checks = []
+    for t in TARGETS:
+        if t.benchmark != name or entry.get("status") != "ok":
+            continue
+        value = entry["figures"][t.figure]
+        checks.append({"figure": t.figure, "op": t.op, "limit": t.limit, "value": value, "met": t.met(value),
+                       "target": t.why})
+    return {**entry, "targets": checks}
+
+
+def write(path: pathlib.Path, env: dict, benchmarks: dict[str, dict]) -> None:
+    env = {**env, "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"environment": env, "benchmarks": benchmarks}, indent=2) + "\n")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def table(env: dict, benchmarks: dict[str, dict]) -> str:
+    rows = [("benchmark", "figure", "value", "target", "met")]
+    for name, entry in benchmarks.items():
+        if entry.get("status") != "ok":
+            rows.append((name, entry.get("status", "?"), entry.get("reason") or entry.get("error", ""), "", ""))
+            continue
+        targets = {t["figure"]: t for t in entry.get("targets", [])}
+        shown = [p for p, _ in HEADLINES.get(name, [])]
+        for path, unit in HEADLINES.get(name, []):
+            t = targets.get(path)
+            rows.append((name, path, f"{_fmt(figure(entry['figures'], path))} {unit}".strip(),
+                         f"{t['op']} {_fmt(t['limit'])}" if t else "", _fmt(t["met"]) if t else ""))
+        for path, t in targets.items():
+            if path not in shown:
+                rows.append((name, path, _fmt(t["value"]), f"{t['op']} {_fmt(t['limit'])}", _fmt(t["met"])))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(5)]
+    lines = [f"ito-training bench ({env['mode']}): {env['cpu_count']} CPUs, python {env['python']}, "
+             f"torch {env['torch']}, commit {(env['git_commit'] or '?')[:12]}, load {env['load_avg_at_start']}"]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_table(env: dict, benchmarks: dict[str, dict]) -> None:
+    print(table(env, benchmarks), file=sys.stdout, flush=True)
