@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from services.runtime import infra
+from services.runtime import infra, namespaces
 from services.runtime.settings import DEFAULT_NATS_URL, DEFAULT_REDIS_URL
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -42,31 +42,9 @@ def new_namespace() -> str:
     return "t" + uuid.uuid4().hex[:10]
 
 
-async def _purge(nats_url: str, redis_url: str, namespace: str) -> None:
-    import nats
-    import redis.asyncio as aioredis
-
-    from services.runtime import settings as settings_mod
-    from services.runtime import streams
-
-    s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_NATS_URL": nats_url, "ITO_REDIS_URL": redis_url})
-    nc = await nats.connect(nats_url, connect_timeout=2)
-    try:
-        await streams.delete(nc.jetstream(), s)
-    finally:
-        await nc.close()
-    r = aioredis.Redis.from_url(redis_url)
-    try:
-        keys = [k async for k in r.scan_iter(match=f"{namespace}:*", count=1000)]
-        if keys:
-            await r.delete(*keys)
-    finally:
-        await r.aclose()
-
-
 @pytest.fixture(scope="session")
 def purge():
-    return lambda nats_url, redis_url, ns: asyncio.run(_purge(nats_url, redis_url, ns))
+    return lambda nats_url, redis_url, ns: asyncio.run(namespaces.purge(nats_url, redis_url, ns))
 
 
 class Stack:
@@ -192,4 +170,4 @@ def namespace():
 @pytest.fixture(scope="session")
 def apurge():
     """`purge` for async fixtures, which already run inside an event loop."""
-    return _purge
+    return namespaces.purge
