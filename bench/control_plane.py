@@ -386,8 +386,10 @@ async def exactly_once(stack: Stack, requests: int, keys: int, clients: int = CL
         "keys": keys,
         "runs": len(run_ids),
         "created_answers": created,  # answers that said "new run" rather than "replay"
-        "duplicates": sum(len(ids) - 1 for ids in runs_by_key.values()) + max(0, created - len(runs_by_key)),
-        "lost": keys - len(runs_by_key),
+        # Extra runs seen from any side (distinct run ids, "new run" answers, work items) ...
+        "duplicates": max(len(run_ids) - len(runs_by_key), created - len(runs_by_key), queued - keys, 0),
+        # ... and keys left without a run (no answer named one, or no work item for it).
+        "lost": max(keys - len(runs_by_key), keys - queued, 0),
         "work_queue_messages": queued,
         "errors": _error_codes(answers),
         "wall_s": round(wall, 3),

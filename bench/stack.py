@@ -24,6 +24,7 @@ import msgspec
 from contracts import subjects
 from contracts.api import Action, ConfirmRequest, Credential, TrainRequest
 from services.runtime import infra
+from services.runtime.namespaces import purge
 from services.runtime.settings import DEFAULT_NATS_URL, DEFAULT_REDIS_URL, ENV_NATS_URL, ENV_REDIS_URL
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -169,29 +170,6 @@ class Stack:
                        capture_output=True, text=True, timeout=60)
         asyncio.run(purge(self.infra.nats_url, self.infra.redis_url, self.namespace))
         shutil.rmtree(self.data_dir, ignore_errors=True)
-
-
-async def purge(nats_url: str, redis_url: str, namespace: str) -> None:
-    """Delete the namespace's streams and Redis keys (the machine's servers are shared)."""
-    import nats
-    import redis.asyncio as aioredis
-
-    from services.runtime import settings as settings_mod
-    from services.runtime import streams
-
-    s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_NATS_URL": nats_url, "ITO_REDIS_URL": redis_url})
-    nc = await nats.connect(nats_url, connect_timeout=2)
-    try:
-        await streams.delete(nc.jetstream(), s)
-    finally:
-        await nc.close()
-    r = aioredis.Redis.from_url(redis_url)
-    try:
-        keys = [k async for k in r.scan_iter(match=f"{namespace}:*", count=1000)]
-        for i in range(0, len(keys), 1000):
-            await r.delete(*keys[i:i + 1000])
-    finally:
-        await r.aclose()
 
 
 class ApiClient:
