@@ -5,16 +5,15 @@ import logging
 
 import msgspec
 
-from faststream import AckPolicy, FastStream
-from faststream.nats import ConsumerConfig, NatsMessage, PullSub
+from faststream import FastStream
 
 from contracts import subjects
 from contracts.internal import BookingsQuery, EligibilityQuery
 from services.entitlement.handlers import EntitlementHandlers, event_decoder
 from services.entitlement.store import BookingStore
 from services.runtime import settings as settings_mod
-from services.runtime import faults, streams
-from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
+from services.runtime import faults
+from services.runtime.service import Wiring, build_app, configure_logging, consume_in_order, serve_requests
 
 log = logging.getLogger("ito.entitlement")
 BOOKING_ACK_WAIT_S = 5  # applying an event takes milliseconds; a lost service's events come back fast
@@ -24,19 +23,10 @@ def register(w: Wiring) -> None:
     s = w.settings
     h = EntitlementHandlers(BookingStore(w.redis, w.keys), settings_mod.entitlement_key(s), s.eligibility_ttl_s)
 
-    # Durable: a late or restarted service replays what it missed. Acked only after the Redis
-    # write returned; an exception NAKs for redelivery (the apply is idempotent by version).
-    @w.broker.subscriber(
-        s.subject(subjects.BOOKING_EVENTS) + ".>",
-        stream=streams.ref(s, subjects.STREAM_BOOKINGS),
-        durable=f"{s.namespace}-{subjects.CONSUMER_ENTITLEMENT}",
-        pull_sub=PullSub(batch_size=1, timeout=1.0),  # in order: FastStream runs a batch concurrently
-        config=ConsumerConfig(ack_wait=BOOKING_ACK_WAIT_S),
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-    )
-    async def on_booking_event(msg: NatsMessage) -> None:
+    # Acked only after the Redis write returned (the apply is idempotent by version).
+    async def on_booking_event(body: bytes) -> None:
         try:
-            event = event_decoder.decode(msg.body)
+            event = event_decoder.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             # A malformed event would be redelivered forever: acknowledge it, count it, say why.
             log.error("booking event rejected (acked, not applied): %s", exc)
@@ -44,6 +34,9 @@ def register(w: Wiring) -> None:
             return
         faults.crash_here(faults.ENTITLEMENT_BEFORE_APPLY)
         await h.on_event(event)
+
+    consume_in_order(w, subjects.BOOKING_EVENTS, subjects.STREAM_BOOKINGS, subjects.CONSUMER_ENTITLEMENT,
+                     on_booking_event, ack_wait_s=BOOKING_ACK_WAIT_S)
 
     serve_requests(w, [
         (subjects.ENTITLEMENT_ELIGIBILITY, EligibilityQuery, h.eligibility),

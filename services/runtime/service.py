@@ -55,6 +55,30 @@ def serve_requests(w: "Wiring", routes: list[Route]) -> None:
         w.broker.subscriber(w.settings.subject(suffix), max_workers=REQUEST_CONCURRENCY)(replier(handler, request_type))
 
 
+def consume_in_order(w: "Wiring", subject_suffix: str, stream: str, consumer: str,
+                     handler: Callable[[bytes], Coroutine[Any, Any, None]], ack_wait_s: float) -> None:
+    """A durable JetStream consumer that applies messages one at a time, in stream order (FastStream
+    runs a fetched batch concurrently, so the batch is one). Acked after `handler` returns; an
+    exception NAKs for redelivery, so handlers must be idempotent. A late or restarted service
+    replays what it missed."""
+    from faststream import AckPolicy
+    from faststream.nats import ConsumerConfig, PullSub
+
+    from services.runtime import streams
+
+    s = w.settings
+
+    async def consume(msg: NatsMessage) -> None:
+        await handler(msg.body)
+
+    consume.__name__ = f"consume_{consumer.replace('-', '_')}"
+    w.broker.subscriber(
+        s.subject(subject_suffix) + ".>", stream=streams.ref(s, stream), durable=f"{s.namespace}-{consumer}",
+        pull_sub=PullSub(batch_size=1, timeout=0.5), config=ConsumerConfig(ack_wait=ack_wait_s),
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+    )(consume)
+
+
 def build_app(service: str, settings: Settings, register: Callable[[Wiring], None]) -> FastStream:
     broker = connections.make_broker(settings, service)
     wiring = Wiring(settings=settings, broker=broker, redis=connections.make_redis(settings), keys=Keys(settings))

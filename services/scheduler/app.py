@@ -3,8 +3,7 @@
 
 import asyncio
 
-from faststream import AckPolicy, FastStream
-from faststream.nats import ConsumerConfig, NatsMessage, PullSub
+from faststream import FastStream
 
 from contracts import subjects
 from contracts.audit import AuditRequest
@@ -24,8 +23,7 @@ from contracts.api import (
     TrainRequest,
 )
 from services.runtime import settings as settings_mod
-from services.runtime import streams
-from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
+from services.runtime.service import Wiring, build_app, configure_logging, consume_in_order, serve_requests
 from services.scheduler import liveness, planning
 from services.scheduler.api import Api
 from services.scheduler.audit import Auditor
@@ -67,16 +65,8 @@ def register(w: Wiring) -> None:
         (subjects.RUN_LEASE, LeaseQuery, mutations.lease),
     ])
 
-    @w.broker.subscriber(
-        s.subject(subjects.RUN_EVENTS) + ".>",
-        stream=streams.ref(s, subjects.STREAM_RUNS),
-        durable=f"{s.namespace}-{subjects.CONSUMER_SCHEDULER_RUNS}",
-        pull_sub=PullSub(batch_size=1, timeout=0.5),  # in order: FastStream runs a batch concurrently
-        config=ConsumerConfig(ack_wait=30),
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-    )
-    async def on_run_event(msg: NatsMessage) -> None:
-        await run_events.on_event(msg.body)
+    consume_in_order(w, subjects.RUN_EVENTS, subjects.STREAM_RUNS, subjects.CONSUMER_SCHEDULER_RUNS,
+                     run_events.on_event, ack_wait_s=30)
 
     w.tasks.append(handoff.reconcile_forever)
     w.tasks.append(lambda: liveness.watch_forever(runs, handoff.events))

@@ -2,13 +2,11 @@
 
 import asyncio
 
-from faststream import AckPolicy, FastStream
-from faststream.nats import ConsumerConfig, NatsMessage, PullSub
+from faststream import FastStream
 
 from contracts import subjects
 from services.runtime import settings as settings_mod
-from services.runtime import streams
-from services.runtime.service import Wiring, build_app, configure_logging
+from services.runtime.service import Wiring, build_app, configure_logging, consume_in_order
 from services.telemetry.handlers import TelemetryHandlers
 from services.telemetry.store import TelemetryStore
 
@@ -17,16 +15,8 @@ def register(w: Wiring) -> None:
     s = w.settings
     h = TelemetryHandlers(TelemetryStore(w.redis, w.keys), w.broker, s)
 
-    @w.broker.subscriber(
-        s.subject(subjects.RUN_EVENTS) + ".>",
-        stream=streams.ref(s, subjects.STREAM_RUNS),
-        durable=f"{s.namespace}-{subjects.CONSUMER_TELEMETRY}",
-        pull_sub=PullSub(batch_size=1, timeout=0.5),  # in order: FastStream runs a batch concurrently
-        config=ConsumerConfig(ack_wait=30),
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-    )
-    async def on_run_event(msg: NatsMessage) -> None:
-        await h.on_event(msg.body)
+    consume_in_order(w, subjects.RUN_EVENTS, subjects.STREAM_RUNS, subjects.CONSUMER_TELEMETRY, h.on_event,
+                     ack_wait_s=30)
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:
