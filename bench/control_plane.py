@@ -1,26 +1,46 @@
 """Control-plane benchmarks: the latency of one gated train request against the bare round trips
-it is built from, accepted requests per second with many clients, and exactly-once run creation
-under duplicate requests.
+it is built from, accepted requests per second with many clients, exactly-once run creation
+under duplicate requests, and what authentication costs.
 
-A gated train request is timed from the client's NATS request to the scheduler's answer (run
-accepted and handed off to the work queue). Confirmations are made beforehand and are not timed.
-The bare round trips are measured in the same run on the same servers: a core NATS request to an
-echo responder in this process, a JetStream publish awaiting its PubAck, and a Redis EVALSHA of a
-one-line script through redis-py asyncio (the client library the services use). The ratio divides
-the gated p50 by the sum of the bare round trips the request needs (counted below; the NATS count
-is checked against the messages a wildcard subscriber sees). One hop through our own service
-plumbing around a do-nothing handler is measured too, to read the gap between the two.
+Everything runs with authentication on, on the stack's own servers (bench/stack.py): the client is
+a tenant (its NKey, its own inbox, the account's own subjects), as `ecc` is. A gated train request
+is timed from the client's NATS request to the scheduler's answer (run accepted and handed off to
+the work queue). Confirmations are made beforehand and are not timed. The bare round trips are
+measured in the same run on the same authenticated servers: a core NATS request to an echo
+responder in this process (both ends as the operator identity), a JetStream publish awaiting its
+PubAck, and a Redis EVALSHA of a one-line script through redis-py asyncio (the client library the
+services use) as the admin ACL user. The ratio divides the gated p50 by the sum of the bare round
+trips the request needs (counted below; the NATS count is checked against the messages a wildcard
+subscriber sees). One hop through our own service plumbing around a do-nothing handler (signed by
+the scheduler's key and verified, as every internal request is) is measured too, to read the gap
+between the two.
+
+The cost of authentication compares the same bare operations against a nats-server and a
+redis-server without authentication, started here on loopback only for that comparison and
+stopped right after (never the machine's shared servers).
 """
 
 import asyncio
+import json
 import logging
 import os
+import pathlib
 import random
 import resource
+import shutil
+import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from bench import stats
-from bench.stack import ApiClient, Stack, confirmations
+from bench.stack import AUTH, ApiClient, Stack, confirmations
+
+CONNECT_TIMEOUT_S = 2  # every NATS connection the comparison opens to the server without auth
+RTT_TIMEOUT_S = 5  # one bare round trip; a timeout is an error, not a sample
+CONNECT_WARMUP = 2  # connections opened before the timed ones (imports, first handshake)
+MAX_CONNECT_SAMPLES = 200  # connections timed per variant: enough for a p50, cheap in full mode
+AUTH_COST_ROUNDS = 4  # turns each side of an auth comparison takes (see _alternating)
 
 # The round trips one gated train request needs, read from services/scheduler/api.py and the
 # handlers it calls (a fresh idempotency key, a known booking). NATS: request/reply hops and the
@@ -37,7 +57,7 @@ JETSTREAM_ROUND_TRIPS = {"work item publish (Nats-Msg-Id = run id), PubAck await
 # Redis round trips on the request's path, one per awaited command or pipeline, as read from the
 # code; `observed_hops` cross-checks it with MONITOR (which also sees work beside the path).
 REDIS_ROUND_TRIPS = {
-    "scheduler authenticate: HGET apikeys": 1,
+    "scheduler authenticate: HGETALL apikeys:<account>": 1,
     "ledger lookup: GET idem (miss)": 1,
     "entitlement eligibility: HGET booking": 1,
     "confirmation resolve: HGETALL conf, TIME": 2,
@@ -55,40 +75,55 @@ ECHO_PAYLOAD = b"x" * 256  # about the size of an internal request
 CLIENTS = 64  # concurrent clients in the throughput and exactly-once runs (issue 8)
 
 
-async def bare_nats_round_trips(nats_url: str, namespace: str, samples: int) -> list[float]:
-    """Core NATS request/reply to a trivial echo responder on its own connection in this process."""
-    import nats
+Connect = Callable[[], Awaitable[Any]]
+"""Opens one connection: as one of the stack's identities, or to a server without authentication."""
 
-    subject = f"{namespace}.bench.echo"  # under the namespace, outside every stream's filter
-    responder = await nats.connect(nats_url, connect_timeout=2)
-    requester = await nats.connect(nats_url, connect_timeout=2)
+
+async def _timed(op: Callable[[], Awaitable[Any]], samples: int) -> list[float]:
+    """Seconds of each of `samples` sequential calls of `op`, after a warm-up of a tenth of them."""
+    for _ in range(max(10, samples // 10)):
+        await op()
+    timings = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        await op()
+        timings.append(time.perf_counter() - started)
+    return timings
+
+
+async def bare_nats_round_trips(responder_connect: Connect, requester_connect: Connect, subject: str,
+                                samples: int) -> list[float]:
+    """Core NATS request/reply to a trivial echo responder, each end on its own connection in this
+    process (both authenticated on the stack's server, unless the comparison says otherwise)."""
+    responder = await responder_connect()
     try:
-        async def echo(msg) -> None:
-            await msg.respond(msg.data)
+        requester = await requester_connect()
+        try:
+            async def echo(msg) -> None:
+                await msg.respond(msg.data)
 
-        await responder.subscribe(subject, cb=echo)
-        await responder.flush()
-        for _ in range(max(10, samples // 10)):  # warm-up
-            await requester.request(subject, ECHO_PAYLOAD, timeout=5)
-        timings = []
-        for _ in range(samples):
-            started = time.perf_counter()
-            await requester.request(subject, ECHO_PAYLOAD, timeout=5)
-            timings.append(time.perf_counter() - started)
-        return timings
+            await responder.subscribe(subject, cb=echo)
+            await responder.flush(timeout=RTT_TIMEOUT_S)
+            return await _timed(lambda: requester.request(subject, ECHO_PAYLOAD, timeout=RTT_TIMEOUT_S), samples)
+        finally:
+            await requester.close()
     finally:
-        await requester.close()
         await responder.close()
 
 
 async def service_hop_round_trips(stack: Stack, samples: int) -> list[float]:
     """One request/reply hop through our services' own plumbing around a do-nothing handler:
-    the broker from `connections.make_broker`, a subscriber from `service.replier` (FastStream,
-    fast_depends, msgspec decode, Envelope encode). Run in this process, like the bare echo."""
+    the broker from `connections.make_broker`, a subscriber from `service.replier` (the scheduler's
+    signature verified, FastStream, fast_depends, msgspec decode, Envelope encode), the request
+    signed with the scheduler's key as `Backends` signs every internal request. Run in this
+    process, like the bare echo; as the operator identity, the only one that may serve a subject
+    outside the services' own."""
     import msgspec
-    import nats
 
     from services.runtime import connections, service
+    from services.runtime.identities import OPERATOR
+    from services.runtime.secrets import Secrets
+    from services.runtime.signing import Signer
 
     class Echo(msgspec.Struct):
         data: str
@@ -96,36 +131,40 @@ async def service_hop_round_trips(stack: Stack, samples: int) -> list[float]:
     async def echo(request: Echo) -> Echo:
         return request
 
+    s = stack.settings()
     subject = f"{stack.namespace}.bench.hop"
-    logging.getLogger("ito.bench-hop.nats").setLevel(logging.ERROR)  # its clean close is not news
-    broker = connections.make_broker(stack.settings(), "bench-hop")
-    broker.subscriber(subject)(service.replier(echo, Echo))
+    logging.getLogger(f"ito.{OPERATOR}.nats").setLevel(logging.ERROR)  # its clean close is not news
+    broker = connections.make_broker(s, OPERATOR)
+    broker.subscriber(subject)(service.replier(echo, Echo, service.scheduler_verifier(s)))
     await broker.start()
-    requester = await nats.connect(stack.infra.nats_url, connect_timeout=2)
+    signer = Signer(Secrets(s.secrets_dir).signing_key())
     payload = msgspec.json.encode(Echo(data="x" * 240))
     try:
-        for _ in range(max(10, samples // 10)):  # warm-up
-            await requester.request(subject, payload, timeout=5)
-        timings = []
-        for _ in range(samples):
-            started = time.perf_counter()
-            await requester.request(subject, payload, timeout=5)
-            timings.append(time.perf_counter() - started)
-        return timings
+        requester = await stack.nats(allow_reconnect=False)
+        try:
+            async def hop():
+                return await requester.request(subject, payload, timeout=RTT_TIMEOUT_S,
+                                               headers=signer.headers(subject, payload))
+
+            answer = msgspec.json.decode((await hop()).data)
+            if not answer.get("ok"):  # a refused signature would time a refusal, not a hop
+                raise RuntimeError(f"the echo hop refused the request: {answer.get('error')}")
+            return await _timed(hop, samples)
+        finally:
+            await requester.close()
     finally:
-        await requester.close()
         await broker.stop()
 
 
-async def bare_jetstream_publish(nats_url: str, namespace: str, samples: int) -> list[float]:
+async def bare_jetstream_publish(stack: Stack, samples: int) -> list[float]:
     """A JetStream publish awaiting its PubAck, into a file-storage stream made for it (as the
-    work queue and the audit stream are), deleted afterwards."""
-    import nats
+    work queue and the audit stream are), deleted afterwards; as the operator identity (no
+    service may create a stream)."""
     from nats.js.api import StorageType, StreamConfig
 
-    stream, subject = f"{namespace.upper()}_BENCH_ECHO", f"{namespace}.bench.js"
-    nc = await nats.connect(nats_url, connect_timeout=2)
-    js = nc.jetstream(timeout=5)
+    stream, subject = f"{stack.settings().stream_prefix}_BENCH_ECHO", f"{stack.namespace}.bench.js"
+    nc = await stack.nats(allow_reconnect=False)
+    js = nc.jetstream(timeout=RTT_TIMEOUT_S)
     try:
         await js.add_stream(StreamConfig(name=stream, subjects=[subject + ".>"], storage=StorageType.FILE))
         for i in range(max(10, samples // 10)):  # warm-up
@@ -143,28 +182,159 @@ async def bare_jetstream_publish(nats_url: str, namespace: str, samples: int) ->
             await nc.close()
 
 
-async def bare_redis_evalsha(redis_url: str, samples: int) -> list[float]:
+async def bare_redis_evalsha(make_redis: Callable[[], Any], samples: int) -> list[float]:
     """EVALSHA of a trivial script through redis-py asyncio, one at a time."""
-    import redis.asyncio as aioredis
-
-    r = aioredis.Redis.from_url(redis_url)
+    r = make_redis()
     try:
         script = r.register_script("return 1")
-        for _ in range(max(10, samples // 10)):  # warm-up (the first call loads the script)
-            await script()
-        timings = []
-        for _ in range(samples):
-            started = time.perf_counter()
-            await script()
-            timings.append(time.perf_counter() - started)
-        return timings
+        return await _timed(script, samples)  # the warm-up's first call loads the script
     finally:
         await r.aclose()
 
 
-def _subject_kind(namespace: str, subject: str) -> str:
-    """`<ns>.v1.ledger.lookup` -> `v1.ledger.lookup`; run ids in subjects become `*`."""
+async def _nats_connect_times(connect: Connect, n: int) -> list[float]:
+    """Seconds to open a NATS connection (TCP, INFO, CONNECT with the nkey's signature of the
+    server's nonce when there is one, PING/PONG); closing is not timed."""
+    timings = []
+    for i in range(n + CONNECT_WARMUP):
+        started = time.perf_counter()
+        nc = await connect()
+        elapsed = time.perf_counter() - started
+        await nc.close()
+        if i >= CONNECT_WARMUP:
+            timings.append(elapsed)
+    return timings
+
+
+async def _redis_connect_times(make_redis: Callable[[], Any], n: int) -> list[float]:
+    """Seconds from a new client to its first PING answered (TCP, AUTH when a user is set, PING)."""
+    timings = []
+    for i in range(n + CONNECT_WARMUP):
+        r = make_redis()  # outside the timing: reading the password file is not a network cost
+        try:
+            started = time.perf_counter()
+            await r.ping()
+            elapsed = time.perf_counter() - started
+        finally:
+            await r.aclose()
+        if i >= CONNECT_WARMUP:
+            timings.append(elapsed)
+    return timings
+
+
+def _start_servers_without_auth(root: pathlib.Path) -> list:
+    """A nats-server and a redis-server without authentication, for the comparison only: loopback,
+    fresh ports, Redis with the same durability as the stack's (AOF, fsync always)."""
+    from services.runtime import infra
+
+    def plain_nats(port: int):
+        config = root / "nats.conf"
+        config.write_text(json.dumps({"listen": f"127.0.0.1:{port}"}) + "\n")  # no authorization block
+        return infra.start_nats(config, port, root / "nats.log")
+
+    acl = root / "redis.acl"
+    acl.write_text("user default on nopass allkeys allchannels +@all\n")
+    started = []
+    try:
+        started.append(infra.on_free_port(plain_nats, None))
+        started.append(infra.on_free_port(lambda port: infra.start_redis(root / "redis", acl, port, root / "redis.log"),
+                                          None))
+    except Exception:
+        for s in started:
+            infra.stop_pid(s.pid)
+        raise
+    return started
+
+
+async def _alternating(variants: dict[str, Callable[[int], Awaitable[list[float]]]],
+                       samples: int) -> dict[str, list[float]]:
+    """Each variant measured in AUTH_COST_ROUNDS turns, taking turns with the others, so that a
+    drift of the machine (another process, frequency) falls on every side alike."""
+    out: dict[str, list[float]] = {name: [] for name in variants}
+    per_round = max(10, samples // AUTH_COST_ROUNDS)
+    for _ in range(AUTH_COST_ROUNDS):
+        for name, measure in variants.items():
+            out[name] += await measure(per_round)
+    return out
+
+
+async def auth_cost(stack: Stack, samples: int) -> dict:
+    """What authentication adds: connecting and one round trip on the stack's servers (nkeys and
+    allow-lists; ACL users) against the same on servers without authentication, started here for
+    this comparison and stopped before it returns."""
+    import nats
+    import redis.asyncio as aioredis
+
+    from services.runtime import connections, infra
+
+    connects = max(10, min(samples, MAX_CONNECT_SAMPLES))
+    root = pathlib.Path(tempfile.mkdtemp(prefix="ito-bench-noauth-"))
+    servers = []
+    try:
+        servers = await asyncio.to_thread(_start_servers_without_auth, root)
+        plain_nats_url, plain_redis_url = servers[0].url, servers[1].url
+
+        def plain_nats():
+            return nats.connect(plain_nats_url, connect_timeout=CONNECT_TIMEOUT_S, allow_reconnect=False)
+
+        def plain_redis():
+            return aioredis.Redis.from_url(plain_redis_url, socket_connect_timeout=connections.REDIS_CONNECT_TIMEOUT_S,
+                                           socket_timeout=connections.REDIS_SOCKET_TIMEOUT_S)
+
+        def operator():
+            return stack.nats(allow_reconnect=False)
+
+        def tenant():
+            return stack.tenant(allow_reconnect=False)
+
+        echo = f"{stack.namespace}.bench.echo"
+        # A tenant may publish only under its own API prefix: a verb no service serves, answered
+        # into the tenant's own inbox, is the path every `ecc` request takes.
+        tenant_echo = stack.api_subject("v1.api.benchecho")
+        nats_connect = await _alternating({
+            "nkey": lambda n: _nats_connect_times(operator, n),
+            "none": lambda n: _nats_connect_times(plain_nats, n)}, connects)
+        nats_rtt = await _alternating({
+            "operator": lambda n: bare_nats_round_trips(operator, operator, echo, n),
+            "tenant": lambda n: bare_nats_round_trips(operator, tenant, tenant_echo, n),
+            "none": lambda n: bare_nats_round_trips(plain_nats, plain_nats, echo, n)}, samples)
+        redis_connect = await _alternating({
+            "acl": lambda n: _redis_connect_times(stack.redis, n),
+            "none": lambda n: _redis_connect_times(plain_redis, n)}, connects)
+        redis_evalsha = await _alternating({
+            "acl": lambda n: bare_redis_evalsha(stack.redis, n),
+            "none": lambda n: bare_redis_evalsha(plain_redis, n)}, samples)
+    finally:
+        for s in servers:
+            await asyncio.to_thread(infra.stop_pid, s.pid)
+        shutil.rmtree(root, ignore_errors=True)
+
+    def extra(with_auth: list[float], without: list[float]) -> float:
+        return stats.ms(stats.percentile(with_auth, 50) - stats.percentile(without, 50))
+
+    def summaries(timings: dict[str, list[float]]) -> dict[str, dict]:
+        return {name: stats.latency_summary(t) for name, t in timings.items()}
+
+    return {
+        "nats_connect": summaries(nats_connect),
+        "nats_request_reply": summaries(nats_rtt),
+        "redis_connect": summaries(redis_connect),
+        "redis_evalsha": summaries(redis_evalsha),
+        # p50 with authentication minus p50 without (noise can make a difference slightly negative).
+        "nats_connect_extra_ms": extra(nats_connect["nkey"], nats_connect["none"]),
+        "nats_request_reply_extra_ms": extra(nats_rtt["operator"], nats_rtt["none"]),
+        "nats_tenant_request_reply_extra_ms": extra(nats_rtt["tenant"], nats_rtt["none"]),
+        "redis_connect_extra_ms": extra(redis_connect["acl"], redis_connect["none"]),
+        "redis_evalsha_extra_ms": extra(redis_evalsha["acl"], redis_evalsha["none"]),
+    }
+
+
+def _subject_kind(namespace: str, account: str, subject: str) -> str:
+    """`<ns>.v1.ledger.lookup` -> `v1.ledger.lookup`; `<ns>.v1.api.train.<account>` ->
+    `v1.api.train`; run ids in subjects become `*`."""
     parts = subject.removeprefix(namespace + ".").split(".")
+    if parts[:2] == ["v1", "api"] and parts[-1] == account:
+        parts = parts[:-1]
     return ".".join("*" if p.startswith("run_") else p for p in parts)
 
 
@@ -182,24 +352,21 @@ def _round_trips(commands: list[tuple[float, tuple[str, int]]]) -> int:
 
 async def observed_hops(stack: Stack, requests: int) -> dict:
     """What `requests` sequential gated requests send, per request: NATS messages on the
-    namespace's subjects by kind (a wildcard subscriber; answers go to inboxes and are not seen),
-    and Redis commands and round trips of the connections that touch the namespace's keys (Redis
-    MONITOR). Not timed: MONITOR slows Redis down.
+    namespace's subjects by kind (a wildcard subscriber as the operator identity; answers go to
+    inboxes and are not seen), and Redis commands and round trips of the connections that touch
+    the namespace's keys (Redis MONITOR, as the admin user). Not timed: MONITOR slows Redis down.
 
     The Redis figures include work a request sets off beside its own path: the scheduler's run
     event consumer applying the `created` event, and periodic sweeps that fall in the window."""
-    import nats
-    import redis.asyncio as aioredis
-
     refs = await confirmations(stack, requests, concurrency=1)
     counts: dict[str, int] = {}
     logged: list[tuple[float, tuple[str, int], str]] = []
-    tap = await nats.connect(stack.infra.nats_url, connect_timeout=2)
-    r = aioredis.Redis.from_url(stack.infra.redis_url)
+    tap = await stack.nats(allow_reconnect=False)
+    r = stack.redis()
     monitor = r.monitor()
     try:
         async def count(msg) -> None:
-            kind = _subject_kind(stack.namespace, msg.subject)
+            kind = _subject_kind(stack.namespace, stack.account, msg.subject)
             counts[kind] = counts.get(kind, 0) + 1
 
         async def listen() -> None:
@@ -208,7 +375,7 @@ async def observed_hops(stack: Stack, requests: int) -> dict:
                     logged.append((entry["time"], (entry["client_address"], entry["client_port"]), entry["command"]))
 
         await tap.subscribe(f"{stack.namespace}.>", cb=count)
-        await tap.flush()
+        await tap.flush(timeout=RTT_TIMEOUT_S)
         await monitor.connect()
         await monitor.connection.send_command("MONITOR")
         assert await monitor.connection.read_response() in (b"OK", "OK")
@@ -251,12 +418,16 @@ async def gated_latency(stack: Stack, samples: int) -> tuple[list[float], dict[s
 
 
 async def latency(stack: Stack, samples: int) -> dict:
-    nats_rtt = await bare_nats_round_trips(stack.infra.nats_url, stack.namespace, samples)
-    js_rtt = await bare_jetstream_publish(stack.infra.nats_url, stack.namespace, samples)
-    redis_rtt = await bare_redis_evalsha(stack.infra.redis_url, samples)
+    def operator():
+        return stack.nats(allow_reconnect=False)
+
+    nats_rtt = await bare_nats_round_trips(operator, operator, f"{stack.namespace}.bench.echo", samples)
+    js_rtt = await bare_jetstream_publish(stack, samples)
+    redis_rtt = await bare_redis_evalsha(stack.redis, samples)
     hop_rtt = await service_hop_round_trips(stack, samples)
     gated, errors = await gated_latency(stack, samples)
     observed = await observed_hops(stack, requests=5)
+    auth = await auth_cost(stack, samples)
     messages = observed["nats_messages"]
     # Publishes beyond the needed hops (the audit trail, decision by decision; run events), each
     # awaiting its PubAck before the answer: round trips the gates themselves do not need.
@@ -269,6 +440,7 @@ async def latency(stack: Stack, samples: int) -> dict:
     with_extra = bare_sum + sum(extra.values()) * js_p50
     gated_p50 = stats.percentile(gated, 50)
     return {
+        "auth": AUTH,
         "gated": stats.latency_summary(gated),
         "gated_errors": errors,
         "bare_nats_request_reply": stats.latency_summary(nats_rtt),
@@ -288,6 +460,7 @@ async def latency(stack: Stack, samples: int) -> dict:
         "ratio_p50_to_bare_sum": round(gated_p50 / bare_sum, 2),
         "bare_sum_with_extra_publishes_ms": stats.ms(with_extra),
         "ratio_p50_to_bare_sum_with_extra_publishes": round(gated_p50 / with_extra, 2),
+        "auth_cost": auth,
     }
 
 
@@ -339,29 +512,40 @@ def _error_codes(answers: list[dict]) -> dict[str, int]:
 
 async def throughput(stack: Stack, requests: int, clients: int = CLIENTS) -> dict:
     """Accepted gated train requests per second, every request a new key with its own confirmation.
-    Also the CPU each service spent per request (from /proc), the budget on a 2-core machine."""
+    Also the CPU each service spent per request (from /proc), the budget on a 2-core machine, and
+    apart from it the CPU of the stack's own nats-server and redis-server (where checking the
+    credentials and permissions happens)."""
     refs = await confirmations(stack, requests)
     jobs = [(ref, f"tput-{i}") for i, ref in enumerate(refs)]
-    pids = stack.service_pids()
+    pids, servers = stack.service_pids(), stack.infra_pids()
     cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+    servers_before = {name: _cpu_seconds(pid) for name, pid in servers.items()}
     own_before = _own_cpu_seconds()
     answers, wall = await _drive(stack, jobs, clients)
     cpu = {name: _delta(_cpu_seconds(pid), cpu_before[name]) for name, pid in pids.items()}
     cpu["bench client"] = _delta(_own_cpu_seconds(), own_before)
+    server_cpu = {name: _delta(_cpu_seconds(pid), servers_before[name]) for name, pid in servers.items()}
     accepted = sum(1 for out in answers if out["ok"] and not out["data"]["replay"])
-    per_request = {name: {"user": round(1000 * u / requests, 3), "system": round(1000 * s / requests, 3)}
-                   for name, (u, s) in cpu.items()}
+
+    def per_request(usage: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
+        return {name: {"user": round(1000 * u / requests, 3), "system": round(1000 * s / requests, 3)}
+                for name, (u, s) in usage.items()}
+
     return {
+        "auth": AUTH,
         "clients": clients,
         "requests": requests,
         "accepted": accepted,
         "errors": _error_codes(answers),
         "wall_s": round(wall, 3),
         "accepted_per_s": round(accepted / wall, 1),
-        "cpu_ms_per_request": per_request,
+        "cpu_ms_per_request": per_request(cpu),
         "cpu_ms_per_request_total": round(sum(1000 * (u + s) / requests for u, s in cpu.values()), 3),
         # Cores our processes kept busy (services + this client; not the NATS or Redis server).
         "cpu_cores_busy": round(sum(u + s for u, s in cpu.values()) / wall, 2),
+        # The stack's own servers, kept out of the totals above so those compare across runs.
+        "server_cpu_ms_per_request": per_request(server_cpu),
+        "server_cpu_cores_busy": round(sum(u + s for u, s in server_cpu.values()) / wall, 2),
     }
 
 

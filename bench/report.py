@@ -51,9 +51,15 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, u
                               ("bare_sum_ms", "ms"), ("ratio_p50_to_bare_sum", "x"),
                               ("round_trips_needed.redis", ""), ("extra_publishes_per_request", ""),
                               ("ratio_p50_to_bare_sum_with_extra_publishes", "x"),
-                              ("service_hop_echo.p50_ms", "ms")],
+                              ("service_hop_echo.p50_ms", "ms"),
+                              # What authentication adds (p50 with minus p50 without; see control_plane.auth_cost).
+                              ("auth_cost.nats_connect_extra_ms", "ms"),
+                              ("auth_cost.nats_request_reply_extra_ms", "ms"),
+                              ("auth_cost.nats_tenant_request_reply_extra_ms", "ms"),
+                              ("auth_cost.redis_connect_extra_ms", "ms"),
+                              ("auth_cost.redis_evalsha_extra_ms", "ms")],
     "control_plane_throughput": [("accepted_per_s", "/s"), ("accepted", ""), ("cpu_ms_per_request_total", "ms"),
-                                 ("cpu_cores_busy", "cores")],
+                                 ("cpu_cores_busy", "cores"), ("server_cpu_cores_busy", "cores")],
     "exactly_once": [("requests", ""), ("keys", ""), ("runs", ""), ("duplicates", ""), ("lost", ""),
                      ("work_queue_messages", ""), ("requests_per_s", "/s")],
     "trainer_pretrain": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
@@ -155,7 +161,8 @@ def table(env: dict, benchmarks: dict[str, dict]) -> str:
                 rows.append((name, path, _fmt(t["value"]), f"{t['op']} {_fmt(t['limit'])}", _fmt(t["met"])))
     widths = [max(len(str(r[i])) for r in rows) for i in range(5)]
     lines = [f"ito-training bench ({env['mode']}): {env['cpu_count']} CPUs, python {env['python']}, "
-             f"torch {env['torch']}, commit {(env['git_commit'] or '?')[:12]}, load {env['load_avg_at_start']}"]
+             f"torch {env['torch']}, commit {(env['git_commit'] or '?')[:12]}, load {env['load_avg_at_start']}, "
+             f"auth {env.get('auth', 'off')}"]
     for i, row in enumerate(rows):
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
         if i == 0:

@@ -3,6 +3,9 @@
 Full mode is `make bench`; quick mode runs every benchmark at tiny sizes in well under a minute
 (the test suite runs it so the benchmarks cannot rot). Targets are reported, never asserted; the
 exit status is non-zero only when a benchmark could not run.
+
+Authentication is on throughout: the stack is `ito-training up` with its own nats-server (nkeys)
+and redis-server (ACL users); the machine's unauthenticated servers are never touched.
 """
 
 import argparse
@@ -10,9 +13,7 @@ import asyncio
 import os
 import pathlib
 import resource
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -94,14 +95,17 @@ def _measured(run: Callable[[], dict[str, dict]], names: list[str]) -> dict[str,
     return out
 
 
-def _stack_groups(cfg: Config, infra, groups: set[str]) -> dict[str, dict]:
+def _stack_groups(cfg: Config, groups: set[str], env: dict) -> dict[str, dict]:
+    """The benchmarks that need a running stack: one `ito-training up` (its own authenticated
+    NATS and Redis), measured, then stopped. Records the servers it ran on in `env["infra"]`."""
     from bench import cli_startup, control_plane
-    from bench.stack import Stack
+    from bench.stack import Stack, infra_facts
 
     results: dict[str, dict] = {}
-    stack = Stack(infra)
+    stack = Stack()
     try:
         stack.up()
+        env["infra"] = asyncio.run(infra_facts(stack))
         asyncio.run(stack.provision())
         if "control_plane" in groups:
             results |= _measured(lambda: asyncio.run(control_plane.run_all(
@@ -128,26 +132,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg = quick() if args.quick else full()
 
     from bench import checkpoint_io, trainer_steps
-    from bench.stack import ensure_infra, infra_facts
+    from bench.stack import AUTH
 
     env = report.environment(cfg.mode)
-    state_dir = pathlib.Path(tempfile.mkdtemp(prefix="ito-bench-infra-"))
+    env["auth"] = AUTH  # every NATS and Redis connection of the stack is authenticated
+    env["infra"] = {"auth": AUTH, "started": False}  # replaced by the stack's servers when one runs
     benchmarks: dict[str, dict] = {}
-    infra = ensure_infra(state_dir)
-    try:
-        env["infra"] = asyncio.run(infra_facts(infra))
-        if groups & {"control_plane", "cli"}:
-            benchmarks |= _stack_groups(cfg, infra, groups)
-        # After the stack is down, so its processes do not compete with the training loops.
-        if "trainer" in groups:
-            benchmarks |= _measured(lambda: trainer_steps.run_all(cfg.trainer),
-                                    ["trainer_pretrain", "trainer_dpo", "trainer_grpo"])
-        if "checkpoint" in groups:
-            benchmarks |= _measured(lambda: checkpoint_io.run_all(cfg.checkpoint),
-                                    [f"checkpoint_{s}" for s in cfg.checkpoint.shapes])
-    finally:
-        infra.stop()
-        shutil.rmtree(state_dir, ignore_errors=True)
+    if groups & {"control_plane", "cli"}:
+        benchmarks |= _stack_groups(cfg, groups, env)
+    # After the stack is down, so its processes do not compete with the training loops.
+    if "trainer" in groups:
+        benchmarks |= _measured(lambda: trainer_steps.run_all(cfg.trainer),
+                                ["trainer_pretrain", "trainer_dpo", "trainer_grpo"])
+    if "checkpoint" in groups:
+        benchmarks |= _measured(lambda: checkpoint_io.run_all(cfg.checkpoint),
+                                [f"checkpoint_{s}" for s in cfg.checkpoint.shapes])
     report.write(args.out, env, benchmarks)
     report.print_table(env, benchmarks)
     print(f"\nresults: {args.out}")

@@ -1,9 +1,12 @@
-"""The system under test: infra, a stack of services under a unique namespace, one account with a
-booking, a client that talks to the API over NATS as `ecc` does, and the purge afterwards.
+"""The system under test: a stack of services started by `ito-training up`, one tenant account
+with a booking, a client that talks to the API over NATS exactly as `ecc` does, and the teardown.
 
-Infra is the NATS and Redis at ITO_NATS_URL / ITO_REDIS_URL when they answer (the machine's own
-are shared, so everything here lives under a fresh namespace and is removed at the end), else
-embedded servers started in a temp dir and stopped by their pid.
+Authentication is on everywhere: `up` starts a nats-server (nkeys, per-identity allow-lists) and a
+redis-server (ACL users, `default` off) of its own under a fresh data dir, and `down` stops them.
+The machine's NATS and Redis on the standard ports have no authentication and are never used, so
+ITO_NATS_URL / ITO_REDIS_URL are dropped from the environment before `up`. The load clients are
+tenants (their NKey, their own inbox prefix, requests on the account's own subjects, no credential
+in a body); probes connect as the operator (NATS) and admin (Redis) identities.
 """
 
 import asyncio
@@ -17,64 +20,25 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import msgspec
 
 from contracts import subjects
-from contracts.api import Action, ConfirmRequest, Credential, TrainRequest
+from contracts.api import Action, ConfirmRequest, TrainRequest
 from services.runtime import infra
-from services.runtime.namespaces import purge
-from services.runtime.settings import DEFAULT_NATS_URL, DEFAULT_REDIS_URL, ENV_NATS_URL, ENV_REDIS_URL
+from services.runtime.settings import ENV_DATA_DIR, ENV_NAMESPACE, ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
 CONTROL_PLANE = "entitlement,confirmation,ledger,scheduler"  # no trainer: runs pile up on the work queue
+AUTH = "nkeys+acl"  # NATS: nkey challenge-response + allow-lists; Redis: ACL users, default user off
 UP_TIMEOUT_S = 180.0  # `up` waits up to 90 s for health; a cold 2-core machine imports slowly
+CLI_TIMEOUT_S = 60.0  # one `ito-training` / `ecc` command (accounts create reloads the NATS config)
 REQUEST_TIMEOUT_S = 30.0  # one API call from the bench client; generous, a timeout is an error
 BOOKING_READY_TIMEOUT_S = 30.0  # the entitlement projection applies the simulated booking
+PROBE_TIMEOUT_S = 5.0  # a stream info or server info probe
 
 _encoder = msgspec.json.Encoder()
-
-
-@dataclass(slots=True)
-class Infra:
-    nats_url: str
-    redis_url: str
-    embedded_pids: list[int] = field(default_factory=list)
-
-    def stop(self) -> None:
-        for pid in self.embedded_pids:
-            infra.stop_pid(pid)
-
-
-def ensure_infra(state_dir: pathlib.Path) -> Infra:
-    nats_url = os.environ.get(ENV_NATS_URL) or DEFAULT_NATS_URL
-    redis_url = os.environ.get(ENV_REDIS_URL) or DEFAULT_REDIS_URL
-    nats, redis = infra.ensure(nats_url, redis_url, state_dir, state_dir / "logs")
-    return Infra(nats.url, redis.url, [s.pid for s in (nats, redis) if s.pid])
-
-
-async def infra_facts(i: Infra) -> dict:
-    """What the figures depend on: server versions, Redis durability, reused or embedded."""
-    import nats
-    import redis.asyncio as aioredis
-
-    nc = await nats.connect(i.nats_url, connect_timeout=2)
-    try:
-        nats_version = str(nc.connected_server_version)
-    finally:
-        await nc.close()
-    r = aioredis.Redis.from_url(i.redis_url, decode_responses=True)
-    try:
-        version = (await r.info("server"))["redis_version"]
-        appendonly = (await r.config_get("appendonly")).get("appendonly")
-        appendfsync = (await r.config_get("appendfsync")).get("appendfsync")
-    finally:
-        await r.aclose()
-    return {"nats_url": i.nats_url, "nats_server": nats_version, "redis_url": i.redis_url, "redis_server": version,
-            "redis_appendonly": appendonly, "redis_appendfsync": appendfsync,
-            "embedded": bool(i.embedded_pids)}
 
 
 def new_namespace() -> str:
@@ -90,53 +54,96 @@ def manifest_text() -> str:
 
 
 class Stack:
-    """`ito-training up --detach` under a fresh namespace and data dir; `close` stops and purges."""
+    """`ito-training up --detach` (its own authenticated infra) under a fresh namespace and data
+    dir; `close` stops all of it and removes the dir."""
 
-    def __init__(self, infra_: Infra, services: str = CONTROL_PLANE) -> None:
-        self.infra = infra_
+    def __init__(self, services: str = CONTROL_PLANE) -> None:
         self.services = services
         self.namespace = new_namespace()
         self.data_dir = pathlib.Path(tempfile.mkdtemp(prefix="ito-bench-stack-"))
-        self.env = {**os.environ, ENV_NATS_URL: infra_.nats_url, ENV_REDIS_URL: infra_.redis_url,
-                    "ITO_NAMESPACE": self.namespace, "ITO_DATA_DIR": str(self.data_dir),
-                    "ECC_CONFIG_DIR": str(self.data_dir / "ecc"), "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+        self.env = {**os.environ, ENV_NAMESPACE: self.namespace, ENV_DATA_DIR: str(self.data_dir),
+                    ENV_SECRETS_DIR: str(self.data_dir / "secrets"), "ECC_CONFIG_DIR": str(self.data_dir / "ecc"),
+                    "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+        for name in (ENV_NATS_URL, ENV_REDIS_URL):  # `up` starts its own servers; never the machine's
+            self.env.pop(name, None)
+        self.nats_url = ""
+        self.redis_url = ""
         self.account = ""
-        self.api_key = ""
+        self.api_key = ""  # the tenant's NKey seed as an API key: kept in memory, never logged
         self.booking = ""
 
-    def up(self) -> None:
-        proc = subprocess.run([str(BIN / "ito-training"), "up", "--detach", "--json", "--services", self.services],
-                              env=self.env, cwd=REPO, capture_output=True, text=True, timeout=UP_TIMEOUT_S)
+    def ito(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> dict:
+        """`ito-training ARGS --json` -> its JSON answer (the last line of stdout)."""
+        proc = subprocess.run([str(BIN / "ito-training"), *args, "--json"], env=self.env, cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"ito-training up failed: {proc.stderr[-2000:]}")
+            raise RuntimeError(f"ito-training {args[0]} failed: {proc.stderr[-2000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def up(self) -> None:
+        started = self.ito("up", "--detach", "--services", self.services, timeout=UP_TIMEOUT_S)
+        self.nats_url, self.redis_url = started["nats_url"], started["redis_url"]
+        # Every later CLI and service process of this stack talks to these servers.
+        self.env[ENV_NATS_URL], self.env[ENV_REDIS_URL] = self.nats_url, self.redis_url
+
+    def _state(self) -> dict:
+        return json.loads((self.data_dir / "up.json").read_text())
 
     def service_pids(self) -> dict[str, int]:
-        return json.loads((self.data_dir / "up.json").read_text())["services"]
+        return self._state()["services"]
+
+    def infra_pids(self) -> dict[str, int]:
+        """The stack's own nats-server and redis-server (CPU accounting; the servers are ours)."""
+        return self._state()["infra"]
 
     def settings(self):
         from services.runtime import settings as settings_mod
 
         return settings_mod.load(self.env)
 
-    async def provision(self) -> None:
-        """One account (key created in Redis as `ito-training accounts create` does) with one
-        completed booking, and wait until the entitlement service has projected it."""
-        from services.ops import booking_sim
-        from services.runtime import accounts, connections
-        from services.runtime.keys import Keys
+    async def nats(self, identity: str = "operator", **options):
+        """A plain nats-py connection as one of the stack's identities (operator: the probes)."""
+        from services.ops.authority import connect
 
-        s = self.settings()
+        return await connect(self.settings(), identity, **options)
+
+    def redis(self, identity: str = "admin"):
+        """An asyncio Redis client as one ACL user (admin: the probes; MONITOR, INFO, CONFIG GET)."""
+        from services.runtime import connections
+
+        return connections.make_redis(self.settings(), identity)
+
+    async def tenant(self, **options):
+        """A NATS connection as this stack's tenant, exactly as `ecc` makes it: its NKey (the seed
+        inside the API key signs the server's challenge, it never crosses the wire) and replies
+        only under the tenant's own inbox prefix."""
+        import nats
+
+        from ecc.transport import seed_of, tenant_inbox
+
+        return await nats.connect(self.nats_url, connect_timeout=2, nkeys_seed_str=seed_of(self.api_key).decode(),
+                                  inbox_prefix=tenant_inbox(self.account), **options)
+
+    def api_subject(self, suffix: str) -> str:
+        """`<ns>.<verb>.<account>`: the only subjects this tenant may publish on."""
+        return f"{self.namespace}.{suffix}.{self.account}"
+
+    async def provision(self) -> None:
+        """One account (made by `ito-training accounts create`, which also reloads the NATS server
+        so that it accepts the new NKey) with one completed booking, and wait until the
+        entitlement service has projected it."""
+        from services.ops import booking_sim
+
         self.account = "bench-" + uuid.uuid4().hex[:8]
-        r = connections.make_redis(s)
-        try:
-            self.api_key, _ = await accounts.create(r, Keys(s), self.account)
-        finally:
-            await r.aclose()
+        created = await asyncio.to_thread(self.ito, "accounts", "create", self.account)
+        if not created.get("server_reloaded"):
+            raise RuntimeError("the stack's nats-server was not reloaded with the new account")
+        self.api_key = created["api_key"]
         self.booking = "bk-" + uuid.uuid4().hex[:8]
         event = booking_sim.event(account=self.account, booking=self.booking, kind="completed", nodes=1,
                                   gpus_per_node=8, gpu_model="H200", region="eu-central-1", fabric="infiniband",
                                   hours=24.0)
-        await booking_sim.publish(s, event)
+        await booking_sim.publish(self.settings(), event)  # as the `compute` identity, as upstream would
         async with ApiClient(self) as client:
             deadline = time.monotonic() + BOOKING_READY_TIMEOUT_S
             while True:
@@ -148,63 +155,90 @@ class Stack:
                 await asyncio.sleep(0.2)
 
     def ecc_login(self) -> None:
+        # The key goes on stdin, never in an argument (argv is visible to every local user).
         proc = subprocess.run([str(BIN / "ecc"), "ito", "login", "--account", self.account, "--json"],
                               input=self.api_key + "\n", env=self.env, cwd=REPO, capture_output=True, text=True,
-                              timeout=60)
+                              timeout=CLI_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"ecc login failed: {proc.stdout[-1000:]} {proc.stderr[-1000:]}")
 
     async def work_queued(self) -> int:
         """Messages on this namespace's WORK stream: the trainer's only input."""
-        import nats
-
-        nc = await nats.connect(self.infra.nats_url, connect_timeout=2)
+        nc = await self.nats(allow_reconnect=False)
         try:
-            info = await nc.jetstream().stream_info(self.settings().stream(subjects.STREAM_WORK))
+            info = await nc.jetstream(timeout=PROBE_TIMEOUT_S).stream_info(self.settings().stream(subjects.STREAM_WORK))
             return info.state.messages
         finally:
             await nc.close()
 
     def close(self) -> None:
-        subprocess.run([str(BIN / "ito-training"), "down", "--json"], env=self.env, cwd=REPO,
-                       capture_output=True, text=True, timeout=60)
-        asyncio.run(purge(self.infra.nats_url, self.infra.redis_url, self.namespace))
+        """`down` (services, then the stack's own servers); if it could not, stop what up.json names."""
+        try:
+            leftover = self._state()
+        except (OSError, ValueError):
+            leftover = None  # `up` never wrote its state: nothing was started, or `up` cleaned up itself
+        try:
+            subprocess.run([str(BIN / "ito-training"), "down", "--json"], env=self.env, cwd=REPO,
+                           capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if leftover is not None and (self.data_dir / "up.json").exists():
+            for pid in [*leftover.get("services", {}).values(), *leftover.get("infra", {}).values()]:
+                infra.stop_pid(pid)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
+async def infra_facts(stack: Stack) -> dict:
+    """What the figures depend on: server versions, Redis durability, and that auth was on."""
+    nc = await stack.nats(allow_reconnect=False)
+    try:
+        nats_version = str(nc.connected_server_version)
+    finally:
+        await nc.close()
+    r = stack.redis()
+    try:
+        version = (await r.info("server"))["redis_version"]
+        appendonly = (await r.config_get("appendonly")).get("appendonly")  # redis-py gives str pairs here
+        appendfsync = (await r.config_get("appendfsync")).get("appendfsync")
+    finally:
+        await r.aclose()
+    return {"nats_url": stack.nats_url, "nats_server": nats_version, "redis_url": stack.redis_url,
+            "redis_server": version, "redis_appendonly": appendonly, "redis_appendfsync": appendfsync,
+            "embedded": True,  # always servers of the stack's own (`up` never reuses one)
+            "auth": AUTH}
+
+
 class ApiClient:
-    """One NATS connection to the API, as one `ecc` process holds; answers are decoded envelopes."""
+    """One tenant NATS connection to the API, as one `ecc` process holds; answers are decoded
+    envelopes. Requests go to `<ns>.<verb>.<account>` and carry no credential: the server
+    authenticated the connection, and the subject says which account is asking."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
-        self.prefix = stack.namespace + "."
-        self.credential = Credential(account=stack.account, api_key=stack.api_key)
         self.text = manifest_text()
         self.digest = hashlib.sha256(self.text.encode()).hexdigest()
         self.nc = None
 
     async def __aenter__(self) -> "ApiClient":
-        import nats
-
-        self.nc = await nats.connect(self.stack.infra.nats_url, connect_timeout=2, name="ito-bench")
+        self.nc = await self.stack.tenant(name="ito-bench")
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.nc.close()
 
     async def call(self, suffix: str, request: msgspec.Struct) -> dict:
-        reply = await self.nc.request(self.prefix + suffix, _encoder.encode(request), timeout=REQUEST_TIMEOUT_S)
+        reply = await self.nc.request(self.stack.api_subject(suffix), _encoder.encode(request),
+                                      timeout=REQUEST_TIMEOUT_S)
         return msgspec.json.decode(reply.data)
 
     async def confirm(self) -> dict:
         return await self.call(subjects.API_CONFIRM, ConfirmRequest(
-            credential=self.credential, action=Action.train, booking_id=self.stack.booking,
-            manifest_text=self.text, manifest_digest=self.digest))
+            action=Action.train, booking_id=self.stack.booking, manifest_text=self.text, manifest_digest=self.digest))
 
     async def train(self, confirmation_ref: str, idempotency_key: str) -> dict:
         return await self.call(subjects.API_TRAIN, TrainRequest(
-            credential=self.credential, booking_id=self.stack.booking, manifest_text=self.text,
-            manifest_digest=self.digest, idempotency_key=idempotency_key, confirmation_ref=confirmation_ref))
+            booking_id=self.stack.booking, manifest_text=self.text, manifest_digest=self.digest,
+            idempotency_key=idempotency_key, confirmation_ref=confirmation_ref))
 
 
 async def confirmations(stack: Stack, n: int, concurrency: int = 16) -> list[str]:

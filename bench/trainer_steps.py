@@ -301,3 +301,34 @@ def run_all(sizes: Sizes) -> dict[str, dict]:
         except (ImportError, AttributeError) as e:  # the losses are being added to services/trainer
             results[name] = _not_available(f"services.trainer has no usable pure loss for it yet ({e})")
     return results
+
+
+BENCHMARKS: dict[str, Callable[[Sizes], dict]] = {"pretrain": pretrain, "dpo": dpo, "grpo": grpo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.trainer_steps [--only dpo,grpo] [--steps N] [--threads T]`: the trainer
+    figures alone, without the stack, for before/after comparisons of one change."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m bench.trainer_steps", description=main.__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated from {', '.join(BENCHMARKS)}")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per repeat (make bench: 40)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    if not names or set(names) - set(BENCHMARKS):
+        parser.error(f"--only takes names from {', '.join(BENCHMARKS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = Sizes(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    results = {f"trainer_{name}": BENCHMARKS[name](sizes) for name in names}
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,17 +3,18 @@
 import enum
 from datetime import datetime
 
-from contracts.base import Contract
+from contracts.base import Contract, Internal
 from contracts.booking import Booking
 from contracts.evals import Provenance, StageGate
 from contracts.states import RunState
 
 
 class Credential(Contract, kw_only=True):
-    """Identity, not authority: it authenticates a caller and creates nothing by itself."""
+    """Identity, not authority. Kept for compatibility: the caller's account now comes from the NATS
+    credential that the server authenticated; `api_key` must be absent (a key on the wire is refused)."""
 
     account: str
-    api_key: str
+    api_key: str | None = None
 
     def __repr__(self) -> str:  # never print the key
         return f"Credential(account={self.account!r}, api_key=<redacted>)"
@@ -31,22 +32,22 @@ class Action(enum.StrEnum):
 
 
 class AuthRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
 
 
 class FindRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
 
 
 class PlanRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     booking_id: str
     manifest_text: str  # the exact bytes the client hashed, as UTF-8 text
     manifest_digest: str  # the client's SHA-256; the server recomputes it and never trusts it alone
 
 
 class ConfirmRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     action: Action
     booking_id: str | None = None
     run_id: str | None = None
@@ -56,7 +57,7 @@ class ConfirmRequest(Contract, kw_only=True):
 
 
 class TrainRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     booking_id: str
     manifest_text: str
     manifest_digest: str
@@ -65,13 +66,13 @@ class TrainRequest(Contract, kw_only=True):
 
 
 class StatusRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str | None = None
     idempotency_key: str | None = None
 
 
 class LogsRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
     since: int = 0  # index of the first line wanted
     limit: int = 200
@@ -80,25 +81,25 @@ class LogsRequest(Contract, kw_only=True):
 # --- answers (Envelope.data) ---
 
 
-class AuthInfo(Contract, kw_only=True):
+class AuthInfo(Internal, kw_only=True):
     account: str
     key_id: str
 
 
-class BookingView(Contract, kw_only=True):
+class BookingView(Internal, kw_only=True):
     booking: Booking
     allows_training: bool
     reason: str | None = None
 
 
-class PlanCheck(Contract, kw_only=True):
+class PlanCheck(Internal, kw_only=True):
     name: str
     ok: bool
     code: str | None = None
     reason: str
 
 
-class CostEstimate(Contract, kw_only=True):
+class CostEstimate(Internal, kw_only=True):
     flops: float
     tokens: int
     parameters: int
@@ -114,7 +115,14 @@ class CostEstimate(Contract, kw_only=True):
     incremental_usd: float  # cost beyond what the booking covers
 
 
-class Plan(Contract, kw_only=True):
+class StageGatePlan(Internal, kw_only=True):
+    """What a stage's gate will judge: the backend's battery, tightened by the manifest."""
+
+    stage: str
+    rules: list[str]  # e.g. "held_out_loss <= 0.99 x the incoming model's"
+
+
+class Plan(Internal, kw_only=True):
     booking_id: str
     manifest_digest: str
     strategy: str  # "single", "ddp", "fsdp2", "hsdp", "fsdp2+tp", ...
@@ -125,9 +133,10 @@ class Plan(Contract, kw_only=True):
     ok: bool
     gpu_model: str = ""
     region: str = ""
+    gates: list[StageGatePlan] = []  # every stage's gate with its thresholds, in run order
 
 
-class ConfirmationIssued(Contract, kw_only=True):
+class ConfirmationIssued(Internal, kw_only=True):
     confirmation_ref: str
     action: Action
     target: str
@@ -136,13 +145,17 @@ class ConfirmationIssued(Contract, kw_only=True):
     expires_at: datetime
 
 
-class RunAccepted(Contract, kw_only=True):
+class RunAccepted(Internal, kw_only=True):
     run_id: str
     state: RunState
     replay: bool = False
+    # The spec's stable identifiers, on the first answer and on a replay alike.
+    booking_id: str = ""
+    manifest_digest: str = ""
+    idempotency_key: str = ""
 
 
-class RestartProposal(Contract, kw_only=True):
+class RestartProposal(Internal, kw_only=True):
     """PaLM's remedy for a loss spike: go back to an earlier checkpoint and skip the batches around
     the spike. Proposed by the trainer, carried out only with a `restart_from_checkpoint` confirmation."""
 
@@ -154,7 +167,7 @@ class RestartProposal(Contract, kw_only=True):
     reason: str
 
 
-class RunView(Contract, kw_only=True):
+class RunView(Internal, kw_only=True):
     run_id: str
     account: str
     booking_id: str
@@ -177,21 +190,21 @@ class RunView(Contract, kw_only=True):
     proposal: RestartProposal | None = None  # while awaiting_approval: what the trainer proposes
 
 
-class LogLineView(Contract, kw_only=True):
+class LogLineView(Internal, kw_only=True):
     index: int
     at: datetime
     level: str
     message: str
 
 
-class LogPage(Contract, kw_only=True):
+class LogPage(Internal, kw_only=True):
     run_id: str
     lines: list[LogLineView]
     next: int
 
 
 class MetricsRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
     since: int = 0
     limit: int = 1000
@@ -200,19 +213,19 @@ class MetricsRequest(Contract, kw_only=True):
 class RunItemsRequest(Contract, kw_only=True):
     """`checkpoints` and `evals`: one run's list."""
 
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
 
 
 class CancelRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
     idempotency_key: str
     confirmation_ref: str | None = None
 
 
 class CleanupRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
     idempotency_key: str
     confirmation_ref: str | None = None
@@ -220,34 +233,41 @@ class CleanupRequest(Contract, kw_only=True):
     release_confirmation_ref: str | None = None  # its own `release_booking` confirmation
 
 
-class MutationResult(Contract, kw_only=True):
+class MutationResult(Internal, kw_only=True):
     run_id: str
     action: Action
     state: RunState
     replay: bool = False
+    booking_id: str = ""  # the target run's
+    manifest_digest: str = ""  # the target run's
+    idempotency_key: str = ""  # this mutation's
 
 
-class RemovedArtifact(Contract, kw_only=True):
+class RemovedArtifact(Internal, kw_only=True):
     path: str
     bytes: int
 
 
-class CleanupResult(Contract, kw_only=True):
+class CleanupResult(Internal, kw_only=True):
     run_id: str
     removed: list[RemovedArtifact]
     booking_release_requested: bool = False
     replay: bool = False
+    booking_id: str = ""  # the target run's
+    manifest_digest: str = ""  # the target run's
+    idempotency_key: str = ""  # this cleanup's
 
 
-class CleanupOrder(Contract, kw_only=True):
+class CleanupOrder(Internal, kw_only=True):
     """scheduler -> trainer: remove a finished run's artifacts (-> CleanupResult)."""
 
     account: str
     run_id: str
-    checkpoint_dir: str
+    checkpoint_dir: str  # informational: the trainer derives the directory from its own root
+    storage: str = "local"  # the manifest's checkpoint storage: "local" or an absolute root
 
 
-class LeaseQuery(Contract, kw_only=True):
+class LeaseQuery(Internal, kw_only=True):
     """trainer -> scheduler: may this run be trained now? (-> LeaseAnswer)
 
     Epoch 0 asks for a new lease; a held epoch renews it, and each renewal is the trainer's
@@ -256,9 +276,15 @@ class LeaseQuery(Contract, kw_only=True):
     run_id: str
     trainer_id: str = ""
     epoch: int = 0
+    # The work item's binding: a lease is granted only when it matches the run record (a forged or
+    # swapped item for a real run id gets nothing). Empty on renewals.
+    account: str = ""
+    booking_id: str = ""
+    manifest_digest: str = ""
+    plan_sha256: str = ""
 
 
-class LeaseAnswer(Contract, kw_only=True):
+class LeaseAnswer(Internal, kw_only=True):
     run_id: str
     proceed: bool
     state: RunState | None = None
@@ -268,7 +294,7 @@ class LeaseAnswer(Contract, kw_only=True):
 class ApproveRequest(Contract, kw_only=True):
     """Approve (with a `restart_from_checkpoint` confirmation) or reject a paused run's proposal."""
 
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
     idempotency_key: str
     confirmation_ref: str | None = None

@@ -3,10 +3,10 @@
 from datetime import datetime
 
 from contracts.api import Action, Credential
-from contracts.base import Contract
+from contracts.base import Contract, Internal
 
 
-class GateDecision(Contract, kw_only=True):
+class GateDecision(Internal, kw_only=True):
     request_id: str  # the run id the request would create (or created)
     at: datetime
     account: str
@@ -19,10 +19,10 @@ class GateDecision(Contract, kw_only=True):
 
 
 class AuditRequest(Contract, kw_only=True):
-    credential: Credential
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
 
 
-class AuditTrail(Contract, kw_only=True):
+class AuditTrail(Internal, kw_only=True):
     run_id: str
     decisions: list[GateDecision]

@@ -3,7 +3,7 @@
 import enum
 from datetime import datetime
 
-from contracts.base import Contract
+from contracts.base import Contract, Internal
 
 
 class BookingEventKind(enum.StrEnum):
@@ -50,7 +50,7 @@ class BookingState(enum.StrEnum):
     released = "released"
 
 
-class Booking(Contract, kw_only=True):
+class Booking(Internal, kw_only=True):
     """The entitlement service's projection of one booking (the last event by version)."""
 
     booking_id: str

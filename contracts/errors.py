@@ -2,7 +2,7 @@
 
 import enum
 
-from contracts.base import Contract
+from contracts.base import Internal
 
 
 class ErrorCode(enum.StrEnum):
@@ -55,7 +55,7 @@ class ErrorCode(enum.StrEnum):
     proposal_not_found = "proposal_not_found"
 
 
-class ApiError(Contract, kw_only=True):
+class ApiError(Internal, kw_only=True):
     """An error as a value: a stable code and a message that is safe to show (no secrets)."""
 
     code: ErrorCode

@@ -1,9 +1,9 @@
 """Eval and data-provenance records, shared by run events and the run view."""
 
-from contracts.base import Contract
+from contracts.base import Internal
 
 
-class EvalMetric(Contract, kw_only=True):
+class EvalMetric(Internal, kw_only=True):
     name: str
     value: float
     threshold: float | None = None
@@ -11,7 +11,7 @@ class EvalMetric(Contract, kw_only=True):
     passed: bool = True
 
 
-class StageGate(Contract, kw_only=True):
+class StageGate(Internal, kw_only=True):
     """A stage's eval battery as the run view shows it: every metric and the gate's verdict."""
 
     stage: str
@@ -19,14 +19,14 @@ class StageGate(Contract, kw_only=True):
     metrics: list[EvalMetric]
 
 
-class ProvenanceStep(Contract, kw_only=True):
+class ProvenanceStep(Internal, kw_only=True):
     name: str  # "exact_dedup", "near_dedup", "decontamination", ...
     before: int
     after: int
     detail: str | None = None
 
 
-class Provenance(Contract, kw_only=True):
+class Provenance(Internal, kw_only=True):
     steps: list[ProvenanceStep]
     input_digest: str
     output_digest: str

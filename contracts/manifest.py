@@ -67,6 +67,10 @@ class Target(Contract, kw_only=True):
     seq_len: Positive = 64
     batch_size: Positive = 16
     learning_rate: PositiveFloat = 3e-3
+    # PaLM's z-loss: adds z_loss * mean((log Z)^2) to the next-token loss of pretrain, midtrain and
+    # long_context, which keeps the softmax normaliser near 1 in long bf16 runs; PaLM used 1e-4.
+    # Post-training losses do not use it. Held-out loss is reported without it. 0 = off.
+    z_loss: NonNegativeFloat = 0.0
 
 
 class Gate(Contract, kw_only=True):

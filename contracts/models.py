@@ -1,10 +1,10 @@
 """The named model-size table: shapes only, shared by the planner (parameter counts, memory)
 and the trainer (which builds the model from it). Data, not code."""
 
-from contracts.base import Contract
+from contracts.base import Internal
 
 
-class ModelShape(Contract, kw_only=True):
+class ModelShape(Internal, kw_only=True):
     n_layer: int
     d_model: int
     n_head: int

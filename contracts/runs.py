@@ -5,12 +5,12 @@ from datetime import datetime
 import msgspec
 
 from contracts.api import Plan, RestartProposal
-from contracts.base import Contract
+from contracts.base import Internal
 from contracts.evals import EvalMetric, ProvenanceStep, StageGate
 from contracts.states import RunState
 
 
-class TrainWork(Contract, kw_only=True):
+class TrainWork(Internal, kw_only=True):
     """One run handed to the trainer's work queue (published with Nats-Msg-Id = run id)."""
 
     run_id: str
@@ -23,9 +23,7 @@ class TrainWork(Contract, kw_only=True):
     restart: RestartProposal | None = None  # an approved restart: resume from it, not from the latest
 
 
-class RunEventBase(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="kind"
-):
+class RunEventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):  # internal: lenient
     run_id: str
     seq: int  # per-run, grows; with run_id it is the Nats-Msg-Id of the event
     at: datetime
@@ -113,18 +111,18 @@ RunEvent = (StateChanged | LogLine | Metrics | CheckpointSaved | StageStarted | 
             | RunCreated | Interruption | ProposalMade)
 
 
-class MetricsPage(Contract, kw_only=True):  # `ecc ito metrics`
+class MetricsPage(Internal, kw_only=True):  # `ecc ito metrics`
     run_id: str
     points: list[Metrics]
     next: int
 
 
-class CheckpointList(Contract, kw_only=True):  # `ecc ito checkpoints`: committed ones only
+class CheckpointList(Internal, kw_only=True):  # `ecc ito checkpoints`: committed ones only
     run_id: str
     checkpoints: list[CheckpointSaved]
     cleaned_up: bool = False
 
 
-class EvalList(Contract, kw_only=True):  # `ecc ito evals`
+class EvalList(Internal, kw_only=True):  # `ecc ito evals`
     run_id: str
     gates: list[StageGate]

@@ -3,7 +3,7 @@
 
 from datetime import datetime
 
-from contracts.base import Contract
+from contracts.base import Internal
 
 # The badput categories, in the order a person reads them. Goodput plus these is 100 % of a run's
 # wall time (accepted -> final state); a booking's rollup adds `idle` (booked, no run).
@@ -11,7 +11,7 @@ BADPUT = ("queued", "startup", "data_loading", "checkpoint_stall", "checkpoint_r
           "recovery", "eval", "other")
 
 
-class RunTelemetry(Contract, kw_only=True):
+class RunTelemetry(Internal, kw_only=True):
     """`desk.telemetry.run.<run_id>`: one finished run."""
 
     run_id: str
@@ -35,7 +35,7 @@ class RunTelemetry(Contract, kw_only=True):
     checkpoint_bytes_per_s_min: float | None = None
 
 
-class Rollup(Contract, kw_only=True):
+class Rollup(Internal, kw_only=True):
     """`desk.telemetry.rollup.<by>.<key>`: the runs of one booking, region or GPU model so far."""
 
     by: str  # "booking", "region", "gpu_model"

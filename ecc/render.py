@@ -29,6 +29,13 @@ def show(args, env: Envelope) -> None:
     print(_human(env.data))
 
 
+def _bound(metric: dict) -> str:
+    """A metric's gate: its threshold, or that it is reported and not gated."""
+    if metric["threshold"] is None:
+        return "reported, not gated"
+    return f"gate {metric['op']} {metric['threshold']:.4f}"
+
+
 def _human(data) -> str:
     if isinstance(data, dict) and set(data) == {"account", "key_id"}:
         return f"logged in as {data['account']} (key {data['key_id']})"
@@ -51,7 +58,7 @@ def _human(data) -> str:
             line += f"\n  {data['message']}"
         for gate in data.get("gates") or []:
             verdict = "passed" if gate["passed"] else "FAILED"
-            numbers = ", ".join(f"{m['name']} {m['value']:.4f} (gate {m['op']} {m['threshold']})" for m in gate["metrics"])
+            numbers = ", ".join(f"{m['name']} {m['value']:.4f} ({_bound(m)})" for m in gate["metrics"])
             line += f"\n  gate {gate['stage']}: {verdict}: {numbers}"
         if data.get("provenance"):
             steps = ", ".join(f"{s['name']} {s['before']}->{s['after']}" for s in data["provenance"]["steps"])
@@ -77,7 +84,7 @@ def _human(data) -> str:
         rows = []
         for g in data["gates"]:
             rows.append(f"{g['stage']}: {'passed' if g['passed'] else 'FAILED'}")
-            rows += [f"  {m['name']} = {m['value']:.4f} (gate {m['op']} {m['threshold']}) "
+            rows += [f"  {m['name']} = {m['value']:.4f} ({_bound(m)}) "
                      f"{'ok' if m['passed'] else 'FAIL'}" for m in g["metrics"]]
         return "\n".join(rows) or "(no stage has been evaluated yet)"
     if isinstance(data, dict) and "removed" in data:
@@ -95,6 +102,7 @@ def _human(data) -> str:
         rows = [f"strategy {data['strategy']} {data['degrees']} precision {data['precision']}",
                 f"estimate {cost['total_usd']:.4f} USD ({cost['gpu_hours']:.4f} GPU-h at {cost['price_per_gpu_hour_usd']} USD)"]
         rows += [f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['reason']}" for c in data["checks"]]
+        rows += [f"  gate {g['stage']}: " + "; ".join(g["rules"]) for g in data.get("gates", [])]
         return "\n".join(rows)
     return _encoder.encode(data).decode()
 
@@ -132,7 +140,7 @@ async def follow(args, req: StatusRequest) -> Envelope:
         if not env.ok:
             return env
         view = env.data
-        logs = await _call(args, subjects.API_LOGS, LogsRequest(credential=req.credential, run_id=view["run_id"], since=since))
+        logs = await _call(args, subjects.API_LOGS, LogsRequest(run_id=view["run_id"], since=since))
         if logs is not None and logs.ok:
             since = logs.data["next"]
             for ln in logs.data["lines"]:
@@ -165,7 +173,7 @@ async def follow_logs(args, req: LogsRequest) -> Envelope:
         for ln in env.data["lines"]:
             print(_encoder.encode(ln).decode() if args.json else f"{ln['at']} {ln['level']}: {ln['message']}", flush=True)
         since = env.data["next"]
-        status = await _call(args, subjects.API_STATUS, StatusRequest(credential=req.credential, run_id=req.run_id))
+        status = await _call(args, subjects.API_STATUS, StatusRequest(run_id=req.run_id))
         if status is not None and status.ok and RunState(status.data["state"]) in TERMINAL_STATES and not env.data["lines"]:
             return Envelope(ok=True, live_api_contacted=True, notice=None, data={"run_id": req.run_id, "next": since})
         await asyncio.sleep(POLL_EVERY_S)

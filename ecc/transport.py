@@ -1,6 +1,14 @@
-"""One bounded request to the scheduler over core NATS, answered as an Envelope.
+"""One bounded, authenticated request to the scheduler over core NATS, answered as an Envelope.
+
+The connection authenticates with the tenant's NKey (challenge-response: the seed never leaves
+this process) and receives replies only under the tenant's own inbox prefix. The request goes to
+`<ns>.<verb>.<account>`: the server lets only this account's credential publish there, which is
+how the scheduler knows who is asking. No secret is ever in a request.
 
 Every call has a connect timeout and an overall timeout. Failures are values:
+- the server refuses the credential: `unauthenticated` at login, `credential_revoked` after;
+- the server drops the request for lack of permission (a credential of another account):
+  `unauthenticated`;
 - NATS unreachable, or nothing subscribed: `backend_unavailable` (nothing was processed);
 - the request was sent but no answer came in time: `timeout`, or for a mutation the caller
   resolves the ambiguity (see `ecc.verbs`).
@@ -27,16 +35,49 @@ def local_error(code: ErrorCode, message: str, contacted: bool = False) -> Envel
     return Envelope(ok=False, live_api_contacted=contacted, notice=None, error=ApiError(code=code, message=message))
 
 
+class Unauthenticated(Exception):
+    """The server does not require authentication: not ours, and not to be trusted with a request."""
+
+
 class SentButUnanswered(Exception):
     """The request left this process and no answer came back in time: its effect is unknown."""
 
 
+KEY_PREFIX = "ito_sk_"  # an API key is `ito_sk_` + the tenant's NKey seed
+
+
+def seed_of(api_key: str) -> bytes | None:
+    """The NKey seed inside an API key, or None when it is not one."""
+    import nkeys
+
+    if not api_key.startswith(KEY_PREFIX):
+        return None
+    seed = api_key[len(KEY_PREFIX):].encode()
+    try:
+        nkeys.from_seed(bytearray(seed))
+    except Exception:  # nkeys raises several types for a malformed seed
+        return None
+    return seed
+
+
+def tenant_inbox(account: str) -> str:
+    return f"_INBOX_t_{account}"  # the same rule as services/runtime/identities.py (ecc imports no service)
+
+
 class Client:
-    def __init__(self, connect_timeout_s: float, timeout_s: float) -> None:
+    def __init__(self, connect_timeout_s: float, timeout_s: float,
+                 credential: tuple[str, str] | None = None, fresh: bool = False) -> None:
+        """`credential`: (account, api key); by default the stored login. `fresh`: a credential
+        not yet known to work (login), so a refusal means "wrong", not "revoked"."""
+        from ecc import credentials
+
         self.url = os.environ.get(ENV_NATS_URL) or DEFAULT_NATS_URL
         self.namespace = os.environ.get(ENV_NAMESPACE) or DEFAULT_NAMESPACE
         self.connect_timeout_s = connect_timeout_s
         self.deadline = time.monotonic() + timeout_s
+        self.credential = credential or credentials.load()
+        self.fresh = fresh
+        self.violations: list[str] = []
         self._nc = None
 
     def remaining(self) -> float:
@@ -52,40 +93,75 @@ class Client:
             except Exception:  # closing is best effort; the process is about to exit
                 pass
 
-    async def _connect(self):
+    async def _connect(self, account: str, seed: bytes):
         import nats
 
+        async def on_error(exc: Exception) -> None:  # a denied publish is dropped and reported here only
+            self.violations.append(str(exc).lower())
+
         if self._nc is None:
-            self._nc = await nats.connect(
+            nc = await nats.connect(
                 self.url,
                 connect_timeout=min(self.connect_timeout_s, max(self.remaining(), 0.1)),
                 allow_reconnect=False,
                 max_reconnect_attempts=0,
                 name="ecc",
+                nkeys_seed_str=seed.decode(),
+                inbox_prefix=tenant_inbox(account),
+                error_cb=on_error,
             )
+            if not nc._server_info.get("auth_required"):  # never talk to a server anyone may use
+                await nc.close()
+                raise Unauthenticated()
+            self._nc = nc
         return self._nc
 
+    def _refused(self) -> Envelope:
+        if self.fresh:
+            return local_error(ErrorCode.unauthenticated, "the server does not accept this credential", contacted=True)
+        return local_error(ErrorCode.credential_revoked, "the server no longer accepts this credential (revoked); "
+                           "ask for a new one and run `ecc ito login`", contacted=True)
+
     async def call(self, suffix: str, request: msgspec.Struct) -> Envelope:
-        """The scheduler's Envelope, a local `backend_unavailable`, or SentButUnanswered."""
+        """The scheduler's Envelope, a local refusal, or SentButUnanswered."""
         from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
+        if self.credential is None:
+            return local_error(ErrorCode.unauthenticated, "not logged in; run `ecc ito login --account ACCOUNT`")
+        account, api_key = self.credential
+        seed = seed_of(api_key)
+        if seed is None:
+            return local_error(ErrorCode.unauthenticated, "the stored credential is not an ito-training API key; "
+                               "run `ecc ito login` again")
         payload = _encoder.encode(request)
         try:
-            nc = await asyncio.wait_for(self._connect(), timeout=max(self.remaining(), 0.1))
-        except Exception:  # refused, DNS, timeout: nothing was sent
+            nc = await asyncio.wait_for(self._connect(account, seed), timeout=max(self.remaining(), 0.1))
+        except Unauthenticated:
+            return local_error(ErrorCode.backend_unavailable, f"the server at {self.url} does not require "
+                               "authentication: it is not the ito-training API; nothing was sent")
+        except Exception as exc:  # refused, DNS, timeout: nothing was sent
+            if "authorization" in str(exc).lower():
+                return self._refused()
             return local_error(ErrorCode.backend_unavailable, f"cannot reach the ito-training API at {self.url}")
         remaining = self.remaining()
         if remaining <= 0:
             return local_error(ErrorCode.timeout, "the overall timeout passed before the request was sent")
         try:
-            reply = await nc.request(f"{self.namespace}.{suffix}", payload, timeout=remaining)
+            reply = await nc.request(f"{self.namespace}.{suffix}.{account}", payload, timeout=remaining)
         except NoRespondersError:
             return local_error(ErrorCode.backend_unavailable, "the ito-training API is not running")
         except (NatsTimeout, asyncio.TimeoutError):
+            if any("permissions violation" in v for v in self.violations):  # dropped by the server: not sent
+                return local_error(ErrorCode.unauthenticated, f"this credential may not act for account {account}",
+                                   contacted=True)
+            if any("authorization" in v for v in self.violations):
+                return self._refused()
             raise SentButUnanswered() from None
         except Exception as exc:  # connection dropped mid-request, payload too large, ...
             if "maximum payload" in str(exc).lower():
                 return local_error(ErrorCode.request_invalid, "the request is larger than the server accepts")
+            if any("authorization" in v for v in self.violations) or "authorization" in str(exc).lower():
+                return self._refused()
             raise SentButUnanswered() from None
         try:
             return _envelope_decoder.decode(reply.data)

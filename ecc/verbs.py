@@ -14,7 +14,6 @@ from contracts.api import (
     CancelRequest,
     CleanupRequest,
     ConfirmRequest,
-    Credential,
     FindRequest,
     LogsRequest,
     MetricsRequest,
@@ -27,14 +26,13 @@ from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from ecc import credentials, render
 from ecc.manifest_file import ManifestError, read_manifest
-from ecc.transport import Client, SentButUnanswered, local_error
+from ecc.transport import Client, SentButUnanswered, local_error, seed_of
 
 
-def _credential() -> Credential | Envelope:
-    stored = credentials.load()
-    if stored is None:
+def _logged_in() -> Envelope | None:
+    if credentials.load() is None:
         return local_error(ErrorCode.unauthenticated, "not logged in; run `ecc ito login --account ACCOUNT`")
-    return Credential(account=stored[0], api_key=stored[1])
+    return None
 
 
 def _manifest(path: str) -> tuple[str, str] | Envelope:
@@ -65,15 +63,16 @@ async def _train(args, request: TrainRequest) -> Envelope:
             pass
     async with Client(args.connect_timeout, max(args.timeout / 2, 5.0)) as client:
         try:
-            status = await client.call(subjects.API_STATUS, StatusRequest(
-                credential=request.credential, idempotency_key=request.idempotency_key))
+            status = await client.call(subjects.API_STATUS, StatusRequest(idempotency_key=request.idempotency_key))
         except SentButUnanswered:
             status = None
     if status is not None and status.ok:
         view = status.data
         return Envelope(ok=True, live_api_contacted=True,
                         notice="the answer was lost in transit; this run was found by its idempotency key",
-                        data={"run_id": view["run_id"], "state": view["state"], "replay": True})
+                        data={"run_id": view["run_id"], "state": view["state"], "replay": True,
+                              "booking_id": view["booking_id"], "manifest_digest": view["manifest_digest"],
+                              "idempotency_key": request.idempotency_key})
     return local_error(ErrorCode.transport_ambiguous,
                        "no answer in time and the run could not be found yet; ask "
                        "`ecc ito status --idempotency-key KEY` before retrying", contacted=True)
@@ -97,8 +96,17 @@ def _login(args) -> Envelope:
         api_key = sys.stdin.readline().strip()
     if not api_key:
         return local_error(ErrorCode.unauthenticated, "no API key given on stdin")
-    credential = Credential(account=args.account, api_key=api_key)
-    env = asyncio.run(_read(args, subjects.API_AUTH, AuthRequest(credential=credential)))
+    if seed_of(api_key) is None:
+        return local_error(ErrorCode.unauthenticated, "that is not an ito-training API key")
+
+    async def check() -> Envelope:
+        async with Client(args.connect_timeout, args.timeout, credential=(args.account, api_key), fresh=True) as c:
+            try:
+                return await c.call(subjects.API_AUTH, AuthRequest())
+            except SentButUnanswered:
+                return local_error(ErrorCode.timeout, "no answer in time; nothing was stored", contacted=True)
+
+    env = asyncio.run(check())
     if env.ok:
         where = credentials.save(args.account, api_key)
         return Envelope(ok=True, live_api_contacted=True, notice=f"credential stored in {where}", data=env.data)
@@ -111,24 +119,24 @@ def run_verb(args) -> Envelope:
     if args.verb == "logout":
         removed = credentials.remove()
         return Envelope(ok=True, live_api_contacted=False, notice=None, data={"logged_out": removed})
-    cred = _credential()
-    if isinstance(cred, Envelope):
-        return cred
+    missing = _logged_in()
+    if missing is not None:
+        return missing
     match args.verb:
         case "auth":
-            return asyncio.run(_read(args, subjects.API_AUTH, AuthRequest(credential=cred)))
+            return asyncio.run(_read(args, subjects.API_AUTH, AuthRequest()))
         case "find":
-            return asyncio.run(_read(args, subjects.API_FIND, FindRequest(credential=cred)))
+            return asyncio.run(_read(args, subjects.API_FIND, FindRequest()))
         case "plan" | "train":
             m = _manifest(args.manifest)
             if isinstance(m, Envelope):
                 return m
             text, digest = m
             if args.verb == "plan":
-                req = PlanRequest(credential=cred, booking_id=args.booking, manifest_text=text, manifest_digest=digest)
+                req = PlanRequest(booking_id=args.booking, manifest_text=text, manifest_digest=digest)
                 return asyncio.run(_read(args, subjects.API_PLAN, req))
             return asyncio.run(_train(args, TrainRequest(
-                credential=cred, booking_id=args.booking, manifest_text=text, manifest_digest=digest,
+                booking_id=args.booking, manifest_text=text, manifest_digest=digest,
                 confirmation_ref=args.confirmation_ref, idempotency_key=args.idempotency_key)))
         case "confirm":
             text = digest = None
@@ -137,42 +145,42 @@ def run_verb(args) -> Envelope:
                 if isinstance(m, Envelope):
                     return m
                 text, digest = m
-            req = ConfirmRequest(credential=cred, action=Action(args.action), booking_id=args.booking,
+            req = ConfirmRequest(action=Action(args.action), booking_id=args.booking,
                                  run_id=args.run, manifest_text=text, manifest_digest=digest,
                                  max_cost_usd=args.max_cost)
             return asyncio.run(_read(args, subjects.API_CONFIRM, req))
         case "status":
             if not args.run and not args.idempotency_key:
                 return local_error(ErrorCode.request_invalid, "give a run id or --idempotency-key")
-            req = StatusRequest(credential=cred, run_id=args.run, idempotency_key=args.idempotency_key)
+            req = StatusRequest(run_id=args.run, idempotency_key=args.idempotency_key)
             if args.follow:
                 return asyncio.run(render.follow(args, req))
             return asyncio.run(_read(args, subjects.API_STATUS, req))
         case "metrics":
-            req = MetricsRequest(credential=cred, run_id=args.run, since=args.since)
+            req = MetricsRequest(run_id=args.run, since=args.since)
             return asyncio.run(_read(args, subjects.API_METRICS, req))
         case "checkpoints" | "evals":
             suffix = subjects.API_CHECKPOINTS if args.verb == "checkpoints" else subjects.API_EVALS
-            return asyncio.run(_read(args, suffix, RunItemsRequest(credential=cred, run_id=args.run)))
+            return asyncio.run(_read(args, suffix, RunItemsRequest(run_id=args.run)))
         case "cancel":
-            req = CancelRequest(credential=cred, run_id=args.run, confirmation_ref=args.confirmation_ref,
+            req = CancelRequest(run_id=args.run, confirmation_ref=args.confirmation_ref,
                                 idempotency_key=args.idempotency_key)
             return asyncio.run(_mutate(args, subjects.API_CANCEL, req))
         case "cleanup":
-            req = CleanupRequest(credential=cred, run_id=args.run, confirmation_ref=args.confirmation_ref,
+            req = CleanupRequest(run_id=args.run, confirmation_ref=args.confirmation_ref,
                                  idempotency_key=args.idempotency_key, release_booking=args.release_booking,
                                  release_confirmation_ref=args.release_confirmation_ref)
             return asyncio.run(_mutate(args, subjects.API_CLEANUP, req))
         case "approve":
-            req = ApproveRequest(credential=cred, run_id=args.run, confirmation_ref=args.confirmation_ref,
+            req = ApproveRequest(run_id=args.run, confirmation_ref=args.confirmation_ref,
                                  idempotency_key=args.idempotency_key, reject=args.reject)
             return asyncio.run(_mutate(args, subjects.API_APPROVE, req))
         case "audit":
             from contracts.audit import AuditRequest
 
-            return asyncio.run(_read(args, subjects.API_AUDIT, AuditRequest(credential=cred, run_id=args.run)))
+            return asyncio.run(_read(args, subjects.API_AUDIT, AuditRequest(run_id=args.run)))
         case "logs":
-            req = LogsRequest(credential=cred, run_id=args.run, since=args.since)
+            req = LogsRequest(run_id=args.run, since=args.since)
             if args.follow:
                 return asyncio.run(render.follow_logs(args, req))
             return asyncio.run(_read(args, subjects.API_LOGS, req))

@@ -52,5 +52,12 @@ print("run %s: %s" % (run["run_id"], run["state"]))
 print("  stage %s, step %d/%d, final loss %.4f" % (run["stage"], run["step"], run["total_steps"], run["loss"]))
 print("  %s" % run["message"])
 print("  plan: %s on %s, estimate %.6f USD" % (plan["strategy"], plan["booking_id"], plan["cost"]["total_usd"]))
+for step in (run.get("provenance") or {}).get("steps", []):
+    print("  data prep %s: %d -> %d documents" % (step["name"], step["before"], step["after"]))
+for gate in run["gates"]:
+    print("  gate %s: %s" % (gate["stage"], "passed" if gate["passed"] else "FAILED"))
+    for m in gate["metrics"]:
+        bound = "reported" if m["threshold"] is None else "%s %.4f" % (m["op"], m["threshold"])
+        print("    %s %.4f (%s)" % (m["name"], m["value"], bound))
 sys.exit(0 if run["state"] == "succeeded" else 1)
 '

@@ -1,50 +1,94 @@
-"""Shared fixtures: real NATS and Redis (the machine's, or embedded ones started here), and a
-full stack of the five services under a namespace unique to this test run.
+"""Shared fixtures: real NATS and Redis with authentication on (started here, never the
+machine's unauthenticated ones on the standard ports), and full stacks of the services.
 
-Everything a run creates carries its namespace: streams `<NS>_*`, subjects `<ns>.*`, Redis keys
-`<ns>:*`. They are removed at the end, so runs on a shared server never see each other.
+A stack is `ito-training up` in a data dir of its own: its own nats-server and redis-server with
+generated credentials, under a namespace unique to the test run. `down` stops all of it.
 """
 
-import asyncio
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
 
 import pytest
 
-from services.runtime import infra, namespaces
-from services.runtime.settings import DEFAULT_NATS_URL, DEFAULT_REDIS_URL
+from services.runtime import infra
+from services.runtime import settings as settings_mod
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
 
 
-@pytest.fixture(scope="session")
-def infra_urls():
-    """(nats_url, redis_url): the standard ports when they answer, else embedded servers."""
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="ito-infra-"))
-    nats_url = os.environ.get("ITO_NATS_URL") or DEFAULT_NATS_URL
-    redis_url = os.environ.get("ITO_REDIS_URL") or DEFAULT_REDIS_URL
-    nats, redis = infra.ensure(nats_url, redis_url, tmp, tmp / "logs")
-    yield nats.url, redis.url
-    for started in (nats, redis):
-        if started.pid:
+class Infra:
+    """An authenticated NATS and Redis of our own for one namespace, started exactly as
+    `ito-training up` starts them (services/ops/authority.py): no test talks to a server without
+    authentication. `settings` carries the URLs and the secrets dir; connect as any identity."""
+
+    def __init__(self, settings, started) -> None:
+        self.settings = settings
+        self.started = started
+
+    @property
+    def nats_url(self) -> str:
+        return self.settings.nats_url
+
+    @property
+    def redis_url(self) -> str:
+        return self.settings.redis_url
+
+    def redis(self, identity: str = "admin"):
+        from services.runtime import connections
+
+        return connections.make_redis(self.settings, identity)
+
+    async def nats(self, identity: str = "operator", **options):
+        from services.ops.authority import connect
+
+        return await connect(self.settings, identity, **options)
+
+    def stop(self) -> None:
+        for started in self.started:
             infra.stop_pid(started.pid)
-    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start_infra(directory: pathlib.Path, namespace: str, nats: bool = True) -> Infra:
+    import dataclasses
+
+    from services.ops import authority
+
+    s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(directory)})
+    if nats:
+        nats_server, redis_server = authority.start_infra(s, directory / "logs")
+        started = [nats_server, redis_server]
+        s = dataclasses.replace(s, nats_url=nats_server.url, redis_url=redis_server.url)
+    else:
+        (directory / "logs").mkdir(parents=True, exist_ok=True)
+        redis_server = authority.start_redis(s, directory / "logs")
+        started = [redis_server]
+        s = dataclasses.replace(s, redis_url=redis_server.url)
+    return Infra(s, started)
+
+
+@pytest.fixture
+def own_infra(tmp_path, namespace):
+    """NATS (JetStream, nkeys) and Redis (ACLs, AOF always) for this test's namespace."""
+    i = start_infra(tmp_path / "infra", namespace)
+    yield i
+    i.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path, namespace):
+    """Only Redis (ACLs, AOF always), for tests of stores and in-memory handlers."""
+    i = start_infra(tmp_path / "infra", namespace, nats=False)
+    yield i
+    i.stop()
 
 
 def new_namespace() -> str:
     return "t" + uuid.uuid4().hex[:10]
-
-
-@pytest.fixture(scope="session")
-def purge():
-    return lambda nats_url, redis_url, ns: asyncio.run(namespaces.purge(nats_url, redis_url, ns))
 
 
 class Stack:
@@ -53,6 +97,45 @@ class Stack:
     def __init__(self, env: dict[str, str], data_dir: pathlib.Path) -> None:
         self.env = env
         self.data_dir = data_dir
+
+    @property
+    def settings(self):
+        return settings_mod.load(self.env)
+
+    def redis(self, identity: str = "admin"):
+        """A synchronous Redis client as one identity (admin: the test's eyes, not a service's)."""
+        import redis
+
+        from services.runtime.secrets import Secrets
+
+        return redis.Redis.from_url(self.env["ITO_REDIS_URL"], username=identity,
+                                    password=Secrets(self.settings.secrets_dir).password(identity))
+
+    async def nats(self, identity: str = "operator", **options):
+        from services.ops.authority import connect
+
+        return await connect(self.settings, identity, **options)
+
+    async def tenant(self, account: str, api_key: str, **options):
+        """A NATS connection as a tenant, exactly as `ecc` makes it (its NKey, its own inbox)."""
+        import nats
+
+        from ecc.transport import seed_of, tenant_inbox
+
+        return await nats.connect(self.env["ITO_NATS_URL"], connect_timeout=2, nkeys_seed_str=seed_of(api_key).decode(),
+                                  inbox_prefix=tenant_inbox(account), **options)
+
+    def api_subject(self, suffix: str, account: str) -> str:
+        return f"{self.env['ITO_NAMESPACE']}.{suffix}.{account}"
+
+    def restart_infra(self, name: str):
+        """Start the stack's `nats` or `redis` again on its port (after the test killed it)."""
+        from services.ops import stack as ops_stack
+
+        return ops_stack.restart_infra(self.settings, name)
+
+    def infra_pid(self, name: str) -> int:
+        return json.loads((self.data_dir / "up.json").read_text())["infra"][name]
 
     def run(self, exe: str, *args: str, input: str | None = None, env: dict | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
@@ -89,58 +172,44 @@ class Stack:
         return booking
 
 
-def start_stack(nats_url: str, redis_url: str, data_dir: pathlib.Path, services: str | None = None,
-                env: dict | None = None) -> Stack:
+def start_stack(data_dir: pathlib.Path, services: str | None = None, env: dict | None = None) -> Stack:
     ns = new_namespace()
-    full_env = {**os.environ, "ITO_NATS_URL": nats_url, "ITO_REDIS_URL": redis_url, "ITO_NAMESPACE": ns,
-                "ITO_DATA_DIR": str(data_dir), "ITO_TRAINER_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}",
-                **(env or {})}
+    full_env = {**os.environ, "ITO_NAMESPACE": ns, "ITO_DATA_DIR": str(data_dir),
+                "ITO_SECRETS_DIR": str(data_dir / "secrets"), "ITO_TRAINER_THREADS": "1",
+                "PATH": f"{BIN}:{os.environ['PATH']}", **(env or {})}
+    for name in ("ITO_NATS_URL", "ITO_REDIS_URL"):  # `up` starts its own; never the machine's
+        full_env.pop(name, None)
     s = Stack(full_env, data_dir)
     args = ["up", "--detach", "--json"] + (["--services", services] if services else [])
     up = s.run("ito-training", *args, timeout=180)
     assert up.returncode == 0, up.stderr[-3000:]
+    started = json.loads(up.stdout.strip().splitlines()[-1])
+    s.env["ITO_NATS_URL"], s.env["ITO_REDIS_URL"] = started["nats_url"], started["redis_url"]
     return s
 
 
 @pytest.fixture(scope="session")
-def stack(infra_urls, purge, tmp_path_factory):
-    """All five services, shared by the tests of a session (each test uses its own accounts)."""
-    s = start_stack(*infra_urls, tmp_path_factory.mktemp("stack"))
+def stack(tmp_path_factory):
+    """All services, shared by the tests of a session (each test uses its own accounts)."""
+    s = start_stack(tmp_path_factory.mktemp("stack"))
     try:
         yield s
     finally:
         s.run("ito-training", "down", timeout=60)
-        purge(*infra_urls, s.env["ITO_NAMESPACE"])
 
 
 @pytest.fixture
-def make_stack(infra_urls, purge, tmp_path_factory):
-    """Start a dedicated stack (a subset of services, extra env); stopped and purged after the test."""
+def make_stack(tmp_path_factory):
+    """Start a dedicated stack (a subset of services, extra env); stopped after the test."""
     started: list[Stack] = []
 
     def make(services: str | None = None, env: dict | None = None) -> Stack:
-        s = start_stack(*infra_urls, tmp_path_factory.mktemp("stack"), services, env)
+        s = start_stack(tmp_path_factory.mktemp("stack"), services, env)
         started.append(s)
         return s
 
     yield make
     for s in started:
-        s.run("ito-training", "down", timeout=60)
-        purge(*infra_urls, s.env["ITO_NAMESPACE"])
-
-
-@pytest.fixture
-def make_stack_on(purge, tmp_path_factory):
-    """Like make_stack, on NATS and Redis URLs the test chose (its own servers, say)."""
-    started: list[tuple[Stack, str, str]] = []
-
-    def make(nats_url: str, redis_url: str, services: str | None = None, env: dict | None = None) -> Stack:
-        s = start_stack(nats_url, redis_url, tmp_path_factory.mktemp("stack"), services, env)
-        started.append((s, nats_url, redis_url))
-        return s
-
-    yield make
-    for s, nats_url, redis_url in started:
         s.run("ito-training", "down", timeout=60)
 
 
@@ -167,7 +236,3 @@ def namespace():
     return new_namespace()
 
 
-@pytest.fixture(scope="session")
-def apurge():
-    """`purge` for async fixtures, which already run inside an event loop."""
-    return namespaces.purge

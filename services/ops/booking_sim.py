@@ -8,7 +8,6 @@ import msgspec
 
 from contracts import subjects
 from contracts.booking import BookingEvent, BookingEventKind, Fabric, Topology
-from services.runtime import streams
 from services.runtime.settings import Settings
 
 GPU_MEMORY_GB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -36,12 +35,12 @@ def event(*, account: str, booking: str, kind: str, nodes: int, gpus_per_node: i
 
 
 async def publish(settings: Settings, ev: BookingEvent) -> dict:
-    import nats
+    from services.ops.authority import connect
+    from services.runtime.identities import COMPUTE
 
-    nc = await nats.connect(settings.nats_url, connect_timeout=2, allow_reconnect=False)
+    nc = await connect(settings, COMPUTE, allow_reconnect=False)  # ito-compute's own identity
     try:
         js = nc.jetstream(timeout=settings.request_timeout_s)
-        await streams.declare(js, settings)
         ack = await js.publish(
             settings.subject(f"{subjects.BOOKING_EVENTS}.{ev.kind.value}"),
             msgspec.json.encode(ev),

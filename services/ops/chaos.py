@@ -1,9 +1,15 @@
-"""`make chaos`: fault scenarios on embedded infra, measured and printed as a table.
+"""`make chaos`: fault scenarios on stacks of our own, measured and printed as a table.
 
 Scenarios: a trainer killed with SIGKILL mid-stage; the scheduler killed between the ledger's
 reservation and the hand-off; NATS killed and restarted, then Redis, during a stream of train
 requests. For each: detection time, resume time, runs lost, duplicate runs, steps lost (work redone
-since the last checkpoint). Everything runs on servers this script starts on loopback and stops.
+since the last checkpoint).
+
+Authentication is on throughout: each scenario's stack is `ito-training up` with its own
+nats-server (nkeys, allow-lists) and redis-server (ACL users) on loopback, stopped by `down`; the
+machine's unauthenticated servers are never used. The load client is a tenant, as `ecc` is (its
+NKey, its own inbox, requests on the account's own subjects, no credential in a body); a killed
+NATS or Redis comes back through `restart_infra`, from the stack's own config and secrets.
 """
 
 import asyncio
@@ -11,6 +17,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,26 +25,46 @@ import tempfile
 import time
 import uuid
 
-from services.runtime import faults, infra
+from contracts import subjects
+from services.runtime import faults
+from services.runtime import settings as settings_mod
+from services.runtime.settings import ENV_DATA_DIR, ENV_NAMESPACE, ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
 
 BIN = pathlib.Path(sys.executable).parent
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONTROL_PLANE = "entitlement,confirmation,ledger,scheduler"
+UP_TIMEOUT_S = 180  # `up` waits up to 90 s for health; the trainer imports torch
+BURST_REQUEST_TIMEOUT_S = 8  # one request of the burst; an outage answers as a transport error
+BURST_RECONNECT_WAIT_S = 0.2
+BURST_MAX_RECONNECTS = 150  # ~30 s of outage, well past the restart, then the client gives up
+PROBE_TIMEOUT_S = 5  # a stream info probe
 
 
 class Stack:
-    def __init__(self, root: pathlib.Path, nats_url: str, redis_url: str, services: str | None = None) -> None:
+    """`ito-training up` (its own authenticated NATS and Redis) under a fresh namespace and data
+    dir, one tenant account logged in for `ecc`."""
+
+    def __init__(self, root: pathlib.Path, services: str | None = None) -> None:
         self.ns = "chaos" + uuid.uuid4().hex[:8]
         self.dir = root / self.ns
-        self.env = {**os.environ, "ITO_NATS_URL": nats_url, "ITO_REDIS_URL": redis_url, "ITO_NAMESPACE": self.ns,
-                    "ITO_DATA_DIR": str(self.dir), "ECC_CONFIG_DIR": str(self.dir / "ecc"),
+        self.env = {**os.environ, ENV_NAMESPACE: self.ns, ENV_DATA_DIR: str(self.dir),
+                    ENV_SECRETS_DIR: str(self.dir / "secrets"), "ECC_CONFIG_DIR": str(self.dir / "ecc"),
                     "ITO_TRAINER_THREADS": "1"}
+        for name in (ENV_NATS_URL, ENV_REDIS_URL):  # `up` starts its own servers; never the machine's
+            self.env.pop(name, None)
         args = ["up", "--detach", "--json"] + (["--services", services] if services else [])
-        self.cli("ito-training", *args, timeout=180)
+        started = self.cli("ito-training", *args, timeout=UP_TIMEOUT_S)
+        # Every later CLI and service process of this stack talks to these servers.
+        self.env[ENV_NATS_URL], self.env[ENV_REDIS_URL] = started["nats_url"], started["redis_url"]
         self.account = "chaos"
-        key = self.cli("ito-training", "accounts", "create", self.account, "--json")["api_key"]
-        self.cli("ecc", "ito", "login", "--account", self.account, "--json", input=key + "\n")
-        self.key = key
+        try:
+            # `accounts create` also reloads the stack's nats-server so that it accepts the new NKey.
+            key = self.cli("ito-training", "accounts", "create", self.account, "--json")["api_key"]
+            self.cli("ecc", "ito", "login", "--account", self.account, "--json", input=key + "\n")  # stdin, not argv
+        except Exception:  # the scenario never gets the stack, so it cannot stop it: stop it here
+            self.down()
+            raise
+        self.key = key  # the tenant's API key (its NKey seed): in memory only, never printed
 
     def cli(self, exe: str, *args: str, input: str | None = None, timeout: float = 60, check: bool = True):
         proc = subprocess.run([str(BIN / exe), *args], env=self.env, input=input, capture_output=True, text=True,
@@ -46,6 +73,9 @@ class Stack:
             raise RuntimeError(f"{exe} {' '.join(args[:2])}: {proc.stderr[-500:] or proc.stdout[-500:]}")
         lines = proc.stdout.strip().splitlines()
         return json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+
+    def settings(self) -> settings_mod.Settings:
+        return settings_mod.load(self.env)
 
     def ecc(self, *args: str, timeout: float = 60) -> dict:
         return self.cli("ecc", "ito", *args, "--json", timeout=timeout, check=False)
@@ -73,16 +103,26 @@ class Stack:
     def status(self, run_id: str) -> dict:
         return self.ecc("status", run_id)["data"]
 
+    def _state(self) -> dict:
+        return json.loads((self.dir / "up.json").read_text())
+
     def pids(self) -> dict:
-        return json.loads((self.dir / "up.json").read_text())["services"]
+        return self._state()["services"]
+
+    def infra_pid(self, name: str) -> int:
+        """The stack's own `nats` or `redis` server (restart_infra records a restarted one here)."""
+        return self._state()["infra"][name]
 
     def queued(self) -> int:
         async def count():
-            import nats
+            from services.ops.authority import connect
+            from services.runtime.identities import OPERATOR
 
-            nc = await nats.connect(self.env["ITO_NATS_URL"])
+            s = self.settings()
+            nc = await connect(s, OPERATOR, allow_reconnect=False)  # the stream probe is operator tooling
             try:
-                return (await nc.jetstream().stream_info(f"{self.ns.upper()}_WORK")).state.messages
+                info = await nc.jetstream(timeout=PROBE_TIMEOUT_S).stream_info(s.stream(subjects.STREAM_WORK))
+                return info.state.messages
             finally:
                 await nc.close()
 
@@ -102,8 +142,8 @@ def wait(predicate, timeout: float, every: float = 0.1):
     raise TimeoutError("condition not reached")
 
 
-def trainer_killed(root, nats_url, redis_url) -> dict:
-    stack = Stack(root, nats_url, redis_url)
+def trainer_killed(root) -> dict:
+    stack = Stack(root)
     try:
         run_id = stack.train(stack.booking(), stack.manifest(800), "kill-1")["data"]["run_id"]
         wait(lambda: (stack.status(run_id).get("last_checkpoint_step") or 0) >= 100, 120)
@@ -130,8 +170,8 @@ def trainer_killed(root, nats_url, redis_url) -> dict:
         stack.down()
 
 
-def scheduler_killed(root, nats_url, redis_url) -> dict:
-    stack = Stack(root, nats_url, redis_url, "entitlement,confirmation,ledger,scheduler")
+def scheduler_killed(root) -> dict:
+    stack = Stack(root, CONTROL_PLANE)
     try:
         pid = stack.pids()["scheduler"]
         os.kill(pid, signal.SIGTERM)
@@ -161,16 +201,14 @@ def scheduler_killed(root, nats_url, redis_url) -> dict:
 
 
 def restarted_during_burst(root, name: str) -> dict:
-    state_dir = root / f"own-{name}"
-    nats = infra.start_nats(state_dir, state_dir / "nats.log")
-    redis = infra.start_redis(state_dir, state_dir / "redis.log")
-    servers = {"nats": nats, "redis": redis}
-    stack = Stack(root, nats.url, redis.url, CONTROL_PLANE)
+    """The stack's own `name` server ("nats" or "redis") SIGKILLed and restarted while a tenant
+    sends a stream of confirm + train requests."""
+    stack = Stack(root, CONTROL_PLANE)
     try:
         booking, manifest = stack.booking(), stack.manifest(10)
         text = manifest.read_text()
         digest = hashlib.sha256(manifest.read_bytes()).hexdigest()
-        results, t_restart = asyncio.run(_burst_with_restart(stack, booking, text, digest, servers, state_dir, name))
+        results, t_restart = asyncio.run(_burst_with_restart(stack, booking, text, digest, name))
         accepted = {k: out["data"]["run_id"] for k, out in results if out.get("ok")}
         found = {}
         for k, _ in results:
@@ -183,50 +221,57 @@ def restarted_during_burst(root, name: str) -> dict:
                 "runs_lost": lost, "duplicate_runs": queued - len(set(found.values())), "steps_lost": 0,
                 "note": f"{len(accepted)}/{len(results)} answered ok, {len(found)} runs"}
     finally:
-        stack.down()
-        for s in servers.values():
-            infra.stop_pid(s.pid)
+        stack.down()  # `down` stops the restarted server too: restart_infra recorded its pid
 
 
-async def _burst_with_restart(stack, booking, text, digest, servers, state_dir, name):
+async def _burst_with_restart(stack, booking, text, digest, name):
     import nats
 
-    nc = await nats.connect(stack.env["ITO_NATS_URL"], max_reconnect_attempts=-1, reconnect_time_wait=0.2)
-    cred = {"account": stack.account, "api_key": stack.key}
+    from ecc.transport import seed_of, tenant_inbox
+    from services.ops.stack import restart_infra
+
+    async def outage(exc: Exception) -> None:
+        pass  # refused reconnects while the server is down are the scenario, not news (nats-py prints each)
+
+    # A tenant connection exactly as `ecc` makes one, but kept across the outage (reconnecting).
+    nc = await nats.connect(stack.env[ENV_NATS_URL], connect_timeout=2, nkeys_seed_str=seed_of(stack.key).decode(),
+                            inbox_prefix=tenant_inbox(stack.account), max_reconnect_attempts=BURST_MAX_RECONNECTS,
+                            reconnect_time_wait=BURST_RECONNECT_WAIT_S, error_cb=outage)
 
     async def call(suffix, **body):
+        # On the account's own subject, with no credential in the body: the server authenticated us.
         try:
-            reply = await nc.request(f"{stack.ns}.{suffix}", json.dumps({"credential": cred, **body}).encode(),
-                                     timeout=8)
+            reply = await nc.request(f"{stack.ns}.{suffix}.{stack.account}", json.dumps(body).encode(),
+                                     timeout=BURST_REQUEST_TIMEOUT_S)
             return json.loads(reply.data)
         except Exception as exc:  # the answer was lost in the outage
             return {"ok": False, "transport": type(exc).__name__}
 
     async def restart():
         await asyncio.sleep(1.0)
-        started = servers[name]
-        port = int(started.url.rsplit(":", 1)[1].split("/")[0])
-        os.kill(started.pid, signal.SIGKILL)
+        os.kill(stack.infra_pid(name), signal.SIGKILL)
         t0 = time.monotonic()
         await asyncio.sleep(1.0)
-        start = infra.start_nats if name == "nats" else infra.start_redis
-        servers[name] = await asyncio.to_thread(start, state_dir, state_dir / f"{name}.log", port)
+        # Same port, config and secrets; in a thread: it blocks until the server answers.
+        await asyncio.to_thread(restart_infra, stack.settings(), name)
         return time.monotonic() - t0
 
     restarter = asyncio.create_task(restart())
     results = []
-    for i in range(60):
-        conf = await call("v1.api.confirm", action="train", booking_id=booking, manifest_text=text,
-                          manifest_digest=digest)
-        if conf.get("ok"):
-            out = await call("v1.api.train", booking_id=booking, manifest_text=text, manifest_digest=digest,
-                             confirmation_ref=conf["data"]["confirmation_ref"], idempotency_key=f"b{i}")
-        else:
-            out = conf
-        results.append((f"b{i}", out))
-        await asyncio.sleep(0.05)
-    t = await restarter
-    await nc.close()
+    try:
+        for i in range(60):
+            conf = await call("v1.api.confirm", action="train", booking_id=booking, manifest_text=text,
+                              manifest_digest=digest)
+            if conf.get("ok"):
+                out = await call("v1.api.train", booking_id=booking, manifest_text=text, manifest_digest=digest,
+                                 confirmation_ref=conf["data"]["confirmation_ref"], idempotency_key=f"b{i}")
+            else:
+                out = conf
+            results.append((f"b{i}", out))
+            await asyncio.sleep(0.05)
+        t = await restarter
+    finally:
+        await nc.close()
     return results, t
 
 
@@ -236,24 +281,21 @@ def fmt(value) -> str:
 
 def main() -> int:
     root = pathlib.Path(tempfile.mkdtemp(prefix="ito-chaos-"))
-    own = root / "infra"
-    nats = infra.start_nats(own, own / "nats.log")
-    redis = infra.start_redis(own, own / "redis.log")
     rows = []
-    try:
-        scenarios = [("trainer SIGKILL mid-stage", lambda: trainer_killed(root, nats.url, redis.url)),
-                     ("scheduler SIGKILL after reservation", lambda: scheduler_killed(root, nats.url, redis.url)),
-                     ("nats restart during a burst", lambda: restarted_during_burst(root, "nats")),
-                     ("redis restart during a burst", lambda: restarted_during_burst(root, "redis"))]
-        for name, scenario in scenarios:
-            try:
-                rows.append(scenario())
-            except Exception as exc:  # one failed scenario is reported, the others still run
-                rows.append({"scenario": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        infra.stop_pid(nats.pid)
-        infra.stop_pid(redis.pid)
+    scenarios = [("trainer SIGKILL mid-stage", lambda: trainer_killed(root)),
+                 ("scheduler SIGKILL after reservation", lambda: scheduler_killed(root)),
+                 ("nats restart during a burst", lambda: restarted_during_burst(root, "nats")),
+                 ("redis restart during a burst", lambda: restarted_during_burst(root, "redis"))]
+    for name, scenario in scenarios:
+        try:
+            rows.append(scenario())
+        except Exception as exc:  # one failed scenario is reported, the others still run
+            rows.append({"scenario": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        print(json.dumps(rows[-1]), flush=True)
+    if any(r.get("error") for r in rows):
+        print(f"logs of the stacks: {root}/*/logs", file=sys.stderr)
+    else:  # every stack is down; what is left is their data, logs and secrets
+        shutil.rmtree(root, ignore_errors=True)
     header = ("scenario", "detection_s", "resume_s", "runs_lost", "duplicate_runs", "steps_lost")
     print("\n" + " | ".join(header))
     for row in rows:

@@ -10,8 +10,8 @@ import sys
 
 import msgspec
 
+from contracts import subjects
 from contracts.telemetry import BADPUT, Rollup, RunTelemetry
-from services.runtime import streams
 from services.runtime.settings import Settings
 
 IDLE_FETCH_S = 1.0  # without --follow: stop once the stream has had nothing new for this long
@@ -37,11 +37,14 @@ async def telemetry(settings: Settings, follow: bool, as_json: bool) -> int:
     import nats
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
-    nc = await nats.connect(settings.nats_url, connect_timeout=2)
+    from services.ops.authority import connect
+    from services.runtime.identities import DESK
+
+    nc = await connect(settings, DESK)  # read-only: desk telemetry and nothing else
     try:
         js = nc.jetstream(timeout=settings.request_timeout_s)
-        await streams.declare(js, settings)
         sub = await js.subscribe(settings.desk_subject_root() + ".>", ordered_consumer=True,
+                                 stream=settings.stream(subjects.STREAM_DESK),  # no stream lookup: not ours to ask
                                  config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
         rollups: dict[tuple[str, str], Rollup] = {}
         while True:

@@ -5,11 +5,12 @@ import asyncio
 import dataclasses
 import importlib
 import json
+import pathlib
 import sys
 
 from contracts.subjects import SERVICES
 from services.runtime import settings as settings_mod
-from services.runtime.settings import ENV_NATS_URL, ENV_REDIS_URL
+from services.runtime.settings import ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
 
 
 def resolve_settings() -> settings_mod.Settings:
@@ -25,6 +26,7 @@ def resolve_settings() -> settings_mod.Settings:
             s,
             nats_url=os.environ.get(ENV_NATS_URL) or state["nats_url"],
             redis_url=os.environ.get(ENV_REDIS_URL) or state["redis_url"],
+            secrets_dir=pathlib.Path(os.environ.get(ENV_SECRETS_DIR) or state.get("secrets_dir") or s.secrets_dir),
         )
     return s
 
@@ -53,10 +55,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = cmds.add_parser("accounts", help="create accounts and revoke their keys")
     acc = p.add_subparsers(dest="action", required=True)
-    q = acc.add_parser("create", help="create an account key; printed once, stored only as a hash")
+    q = acc.add_parser("create", help="issue a credential (an NKey seed, printed once; only its public key is kept)")
     q.add_argument("account")
     q.add_argument("--json", action="store_true")
-    q = acc.add_parser("revoke", help="revoke every key of an account")
+    q = acc.add_parser("revoke", help="revoke every key of an account; the NATS server refuses them at once")
     q.add_argument("account")
     q.add_argument("--json", action="store_true")
     p = cmds.add_parser("desk", help="the desk's views")
@@ -65,6 +67,11 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--follow", action="store_true", help="keep printing updates")
     q.add_argument("--json", action="store_true")
     cmds.add_parser("manifest-schema", help="print the manifest's JSON Schema (generated from the contract)")
+    p = cmds.add_parser("secrets", help="create the identities' credentials and the servers' auth config "
+                                        "(for compose.yaml; `up` does this by itself)")
+    p.add_argument("--rotate", action="append", default=[], metavar="IDENTITY",
+                   help="issue a new credential for this service identity (repeatable)")
+    p.add_argument("--json", action="store_true")
     p = cmds.add_parser("simulate-booking", help="publish an ito-compute booking event")
     p.add_argument("--account", required=True)
     p.add_argument("--booking", required=True)
@@ -86,16 +93,44 @@ def _print(args, data: dict, human: str) -> None:
 
 async def _accounts(s: settings_mod.Settings, action: str, account: str) -> dict:
     from services.runtime import accounts, connections
+    from services.runtime.identities import ACCOUNTS
     from services.runtime.keys import Keys
 
-    r = connections.make_redis(s)
+    r = connections.make_redis(s, ACCOUNTS)
     try:
         if action == "create":
-            api_key, key_id = await accounts.create(r, Keys(s), account)
-            return {"account": account, "api_key": api_key, "key_id": key_id}
+            api_key, key_id, public = await accounts.create(r, Keys(s), account)
+            return {"account": account, "api_key": api_key, "key_id": key_id, "nkey": public}
         return {"account": account, "revoked_keys": await accounts.revoke(r, Keys(s), account)}
     finally:
         await r.aclose()
+
+
+def _secrets(s: settings_mod.Settings, args) -> int:
+    """Write the secrets dir for containers; with --rotate, replace identities' credentials first.
+    A running stack (`up`) gets its config rewritten and reloaded too."""
+    from services.ops import authority, stack
+    from services.runtime.identities import NATS_IDENTITIES, REDIS_IDENTITIES
+    from services.runtime.secrets import Secrets
+
+    sec = Secrets(s.secrets_dir)
+    admin = sec.password("admin") if sec.password_path("admin").exists() else None  # to reload with, if rotated
+    for identity in args.rotate:
+        if identity not in NATS_IDENTITIES and identity not in REDIS_IDENTITIES:
+            raise ValueError(f"unknown identity {identity!r}")
+        if identity in NATS_IDENTITIES and sec.seed_path(identity).exists():
+            sec.rotate_nats(identity)
+        if identity in REDIS_IDENTITIES and sec.password_path(identity).exists():
+            sec.rotate_redis(identity)
+    state = stack.read_state(s)
+    running = state is not None and stack.apply_tenants(s)
+    if running and args.rotate:
+        stack.reload_redis_acl(s, admin)
+    written = [] if running else authority.write_for_containers(s, [])
+    _print(args, {"secrets_dir": str(s.secrets_dir), "rotated": args.rotate, "reloaded": running,
+                  "written": [str(p) for p in written]},
+           f"secrets in {s.secrets_dir}" + (" (running stack reloaded)" if running else ""))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,12 +163,17 @@ def main(argv: list[str] | None = None) -> int:
                 stack.wait_for_signal()
                 stack.down(s, log)
             return 0
+        if args.cmd == "secrets":
+            return _secrets(s, args)
         if args.cmd == "desk":
             from services.ops import desk
 
             return desk.main(s, args.follow, args.json)
         if args.cmd == "accounts":
+            from services.ops import stack
+
             data = asyncio.run(_accounts(s, args.action, args.account))
+            data["server_reloaded"] = stack.apply_tenants(s)
             human = (f"account {data['account']}: API key (shown once) {data['api_key']}" if args.action == "create"
                      else f"account {data['account']}: {data['revoked_keys']} key(s) revoked")
             _print(args, data, human)

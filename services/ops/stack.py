@@ -1,4 +1,6 @@
-"""`up` and `down`: infra plus all five services as processes, with state in `<data_dir>/up.json`."""
+"""`up` and `down`: our own authenticated infra plus all services as processes, with state in
+`<data_dir>/up.json`. `up` never uses a server it did not start: the machine's NATS and Redis on
+the standard ports have no authentication."""
 
 import asyncio
 import json
@@ -10,12 +12,15 @@ import sys
 import time
 
 from contracts.subjects import HEALTH, SERVICES
+from services.ops import authority
 from services.runtime import infra
+from services.runtime.identities import OPERATOR
 from services.runtime.settings import (
     ENV_DATA_DIR,
     ENV_NAMESPACE,
     ENV_NATS_URL,
     ENV_REDIS_URL,
+    ENV_SECRETS_DIR,
     Settings,
     entitlement_key,
 )
@@ -42,11 +47,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def _healthy(settings: Settings, nats_url: str, names: list[str]) -> set[str]:
-    import nats
+def write_state(settings: Settings, state: dict) -> None:
+    path = state_path(settings)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, path)
 
+
+async def _healthy(settings: Settings, nats_url: str, names: list[str]) -> set[str]:
     ok: set[str] = set()
-    nc = await nats.connect(nats_url, connect_timeout=2, allow_reconnect=False)
+    nc = await authority.connect(settings, OPERATOR, nats_url, allow_reconnect=False)
     try:
         for name in names:
             try:
@@ -65,14 +75,14 @@ def up(settings: Settings, log, services: tuple[str, ...] = SERVICES) -> dict:
     if existing and any(_alive(p) for p in existing.get("services", {}).values()):
         raise RuntimeError(f"already up (see {state_path(settings)}); run `ito-training down` first")
     logs = settings.data_dir / "logs"
-    nats, redis = infra.ensure(settings.nats_url, settings.redis_url, settings.data_dir, logs)
+    nats, redis = authority.start_infra(settings, logs)
     for started in (nats, redis):
-        how = f"started embedded, pid {started.pid}" if started.pid else "already running"
-        log(f"{started.name}: {started.url} ({how})")
+        log(f"{started.name}: {started.url} (started with authentication, pid {started.pid})")
     entitlement_key(settings)  # created once, before any service reads it
-    env = dict(os.environ, **{ENV_NATS_URL: nats.url, ENV_REDIS_URL: redis.url,
-                              ENV_NAMESPACE: settings.namespace, ENV_DATA_DIR: str(settings.data_dir)})
+    env = dict(os.environ, **{ENV_NATS_URL: nats.url, ENV_REDIS_URL: redis.url, ENV_NAMESPACE: settings.namespace,
+                              ENV_DATA_DIR: str(settings.data_dir), ENV_SECRETS_DIR: str(settings.secrets_dir)})
     state = {"nats_url": nats.url, "redis_url": redis.url, "namespace": settings.namespace,
+             "secrets_dir": str(settings.secrets_dir), "logs": str(logs),
              "infra": {s.name: s.pid for s in (nats, redis) if s.pid}, "services": {}}
     for name in services:
         out = open(logs / f"{name}.log", "ab")
@@ -80,7 +90,7 @@ def up(settings: Settings, log, services: tuple[str, ...] = SERVICES) -> dict:
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         state["services"][name] = proc.pid
-    state_path(settings).write_text(json.dumps(state, indent=2))
+    write_state(settings, state)
     deadline = time.monotonic() + SERVICES_READY_TIMEOUT_S
     ready: set[str] = set()
     while time.monotonic() < deadline:
@@ -128,3 +138,49 @@ def wait_for_signal() -> None:
         signal.signal(sig, lambda s, f: received.append(s))
     while not received:
         time.sleep(0.2)
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def restart_infra(settings: Settings, name: str) -> infra.Started:
+    """Start `name` ("nats" or "redis") again on its port from its config (after a crash, say)."""
+    state = read_state(settings)
+    if state is None:
+        raise RuntimeError("not up")
+    logs = pathlib.Path(state["logs"])
+    if name == "nats":
+        started = authority.start_nats(settings, logs, state["redis_url"], port=_port(state["nats_url"]))
+    else:
+        started = authority.start_redis(settings, logs, port=_port(state["redis_url"]))
+    state["infra"][name] = started.pid
+    write_state(settings, state)
+    return started
+
+
+def apply_tenants(settings: Settings) -> bool:
+    """After an account change: the running nats-server accepts exactly the active credentials.
+    False when nothing is up here (the next `up` writes the config from the registry anyway)."""
+    state = read_state(settings)
+    if state is None or "nats" not in state.get("infra", {}) or not _alive(state["infra"]["nats"]):
+        return False
+    tenants = asyncio.run(authority.active_tenants(settings, state["redis_url"]))
+    authority.apply_tenants(settings, state["infra"]["nats"], _port(state["nats_url"]), tenants,
+                            pathlib.Path(state["logs"]) / "nats.log")
+    return True
+
+
+def reload_redis_acl(settings: Settings, admin_password: str) -> None:
+    """Rewrite the ACL file from the current passwords and make the running Redis load it, as the
+    admin user it knows now (ACL LOAD drops every client: restart a service whose password was
+    rotated, since a client keeps its password in memory)."""
+    import redis
+
+    state = read_state(settings)
+    authority.write_redis_acl(settings)
+    r = redis.Redis.from_url(state["redis_url"], username="admin", password=admin_password, socket_timeout=5)
+    try:
+        r.execute_command("ACL", "LOAD")
+    finally:
+        r.close()

@@ -1,21 +1,25 @@
-"""API keys: created once, stored only as a SHA-256 hash, revocable.
+"""The account registry: each account's credentials, as public keys only, revocable.
 
-Identity is not authority: an authenticated caller still needs a booking, a manifest and a
-confirmation before anything is created. Keys are 256-bit random, so a plain SHA-256 (not a slow
-password hash) is the right lookup digest.
+A tenant's credential is an NKey seed (shown once, as the API key `ito_sk_<seed>`). The seed never
+crosses the wire: NATS authenticates the connection by challenge-response, and the server config
+lists only the public key with permissions for that account's own subjects. Identity is not
+authority: an authenticated caller still needs a booking, a manifest and a confirmation before
+anything is created.
+
+Redis layout: `<ns>:apikeys:<account>` maps each public nkey of the account to its KeyRecord (one
+read authenticates a request); `<ns>:accounts` is the set of account names. Only the `accounts` identity (operator tooling) writes them; the scheduler reads.
 """
 
-import hashlib
-import secrets
 import time
 
 import msgspec
 import redis.asyncio as aioredis
 
-from contracts.api import AuthInfo, Credential
+from contracts.api import AuthInfo
 from contracts.errors import ErrorCode
 from services.runtime.codec import Refusal
 from services.runtime.keys import Keys
+from services.runtime.secrets import new_nkey_seed, nkey_public
 
 KEY_PREFIX = "ito_sk_"
 MAX_ACCOUNT_LEN = 64
@@ -26,13 +30,10 @@ class KeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     key_id: str
     revoked: bool
     created_at: float
+    nkey: str = ""  # the public half; the seed is never stored
 
 
 _record_decoder = msgspec.json.Decoder(KeyRecord)
-
-
-def digest(api_key: str) -> str:
-    return hashlib.sha256(api_key.encode()).hexdigest()
 
 
 def valid_account(account: str) -> bool:
@@ -40,38 +41,64 @@ def valid_account(account: str) -> bool:
     return 0 < len(account) <= MAX_ACCOUNT_LEN and all(c.isascii() and (c.isalnum() or c in "-_") for c in account)
 
 
-async def create(r: aioredis.Redis, keys: Keys, account: str) -> tuple[str, str]:
-    """A new key for `account` (created if new): returns (api_key, key_id). The key is shown once."""
+def seed_of(api_key: str) -> bytes | None:
+    """The NKey seed inside an API key, or None when it is not one of ours."""
+    if not api_key.startswith(KEY_PREFIX):
+        return None
+    seed = api_key[len(KEY_PREFIX):].encode()
+    try:
+        nkey_public(seed)
+    except Exception:  # nkeys raises several types for a malformed seed
+        return None
+    return seed
+
+
+async def create(r: aioredis.Redis, keys: Keys, account: str) -> tuple[str, str, str]:
+    """A new credential for `account` (created if new): (api_key, key_id, public nkey). The key is
+    shown once; only its public half is kept."""
     if not valid_account(account):
         raise Refusal(ErrorCode.request_invalid, "account names are 1-64 ASCII letters, digits, '-' or '_'")
-    api_key = KEY_PREFIX + secrets.token_urlsafe(32)
-    key_hash = digest(api_key)
-    record = KeyRecord(account=account, key_id=key_hash[:12], revoked=False, created_at=time.time())
+    seed = new_nkey_seed()
+    public = nkey_public(seed)
+    record = KeyRecord(account=account, key_id=public[:12], revoked=False, created_at=time.time(), nkey=public)
     async with r.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.api_keys(), key_hash, msgspec.json.encode(record))
+        pipe.hset(keys.api_keys(account), public, msgspec.json.encode(record))
         pipe.sadd(keys.accounts(), account)
         await pipe.execute()
-    return api_key, record.key_id
+    return KEY_PREFIX + seed.decode(), record.key_id, public
+
+
+async def records(r: aioredis.Redis, keys: Keys, account: str) -> list[KeyRecord]:
+    return [_record_decoder.decode(raw) for raw in (await r.hgetall(keys.api_keys(account))).values()]
+
+
+async def active_tenants(r: aioredis.Redis, keys: Keys) -> list[tuple[str, str]]:
+    """(account, public nkey) of every credential the NATS server should accept."""
+    active = []
+    for account in sorted(a.decode() for a in await r.smembers(keys.accounts())):
+        active += [(k.account, k.nkey) for k in await records(r, keys, account) if not k.revoked and k.nkey]
+    return sorted(active)
 
 
 async def revoke(r: aioredis.Redis, keys: Keys, account: str) -> int:
     """Revoke every key of `account`; returns how many were active."""
     revoked = 0
-    for key_hash, raw in (await r.hgetall(keys.api_keys())).items():
-        record = _record_decoder.decode(raw)
-        if record.account == account and not record.revoked:
-            await r.hset(keys.api_keys(), key_hash, msgspec.json.encode(msgspec.structs.replace(record, revoked=True)))
+    for record in await records(r, keys, account):
+        if not record.revoked:
+            await r.hset(keys.api_keys(account), record.nkey,
+                         msgspec.json.encode(msgspec.structs.replace(record, revoked=True)))
             revoked += 1
     return revoked
 
 
-async def authenticate(r: aioredis.Redis, keys: Keys, credential: Credential) -> AuthInfo:
-    raw = await r.hget(keys.api_keys(), digest(credential.api_key))
-    if raw is None:
-        raise Refusal(ErrorCode.unauthenticated, "unknown credential; run `ecc ito login`")
-    record = _record_decoder.decode(raw)
-    if record.account != credential.account:
-        raise Refusal(ErrorCode.unauthenticated, "the credential does not belong to this account")
-    if record.revoked:
+async def authenticate(r: aioredis.Redis, keys: Keys, account: str) -> AuthInfo:
+    """The account the NATS server authenticated (from the request subject) must still hold an
+    active key here too: a revocation is refused even before the server's config reload lands."""
+    mine = await records(r, keys, account)
+    active = [k for k in mine if not k.revoked]
+    if not mine:
+        raise Refusal(ErrorCode.unauthenticated, "unknown account; run `ecc ito login`")
+    if not active:
         raise Refusal(ErrorCode.credential_revoked, "this credential was revoked")
-    return AuthInfo(account=record.account, key_id=record.key_id)
+    newest = max(active, key=lambda k: k.created_at)
+    return AuthInfo(account=account, key_id=newest.key_id)

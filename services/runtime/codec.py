@@ -29,6 +29,13 @@ def encode(value: Any) -> bytes:
     return _encoder.encode(value)
 
 
+def digest(value: Any) -> str:
+    """SHA-256 of a contract's encoding (deterministic for equal values of one type)."""
+    import hashlib
+
+    return hashlib.sha256(_encoder.encode(value)).hexdigest()
+
+
 def ok(data: Any, notice: str | None = None) -> bytes:
     return _encoder.encode(Envelope(ok=True, live_api_contacted=True, notice=notice, data=data))
 

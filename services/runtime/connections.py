@@ -1,13 +1,20 @@
-"""Connections with bounded timeouts: the NATS broker, Redis, and the JetStream stream configs."""
+"""Authenticated connections with bounded timeouts: the NATS broker and Redis, per identity.
+
+Every connection names its identity: NATS with the identity's nkey seed file (challenge-response)
+and its own inbox prefix, Redis with the identity's ACL user and password file. There is no
+anonymous path: a missing secret file is an error at start, never a fallback."""
 
 import logging
 
 import redis.asyncio as aioredis
 from faststream.nats import NatsBroker
+from faststream.nats.security import NatsNKey
 from fast_depends.msgspec import MsgSpecSerializer
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from services.runtime.identities import service_inbox
+from services.runtime.secrets import Secrets
 from services.runtime.settings import Settings
 
 NATS_CONNECT_TIMEOUT_S = 2
@@ -18,14 +25,25 @@ REDIS_SOCKET_TIMEOUT_S = 5.0
 REDIS_RETRIES = 5
 
 
+def nats_auth(settings: Settings, identity: str) -> dict:
+    """nats-py connect options that authenticate as `identity` (no secret in them: a file path)."""
+    path = Secrets(settings.secrets_dir).seed_path(identity)
+    Secrets(settings.secrets_dir).seed(identity)  # fail early, and on an unsafe mode, before connecting
+    return {"nkeys_seed": str(path), "inbox_prefix": service_inbox(identity)}
+
+
 def make_broker(settings: Settings, service: str) -> NatsBroker:
     log = logging.getLogger(f"ito.{service}.nats")
+    auth = nats_auth(settings, service)
 
     async def disconnected() -> None:
         log.warning("disconnected from NATS; reconnecting with backoff")
 
     async def reconnected() -> None:
         log.warning("reconnected to NATS")
+
+    async def errored(exc: Exception) -> None:  # permission violations arrive here, not as exceptions
+        log.warning("NATS error: %s", exc)
 
     return NatsBroker(
         settings.nats_url,
@@ -38,12 +56,17 @@ def make_broker(settings: Settings, service: str) -> NatsBroker:
         serializer=MsgSpecSerializer(),
         graceful_timeout=5.0,
         log_level=logging.DEBUG,  # per-message Received/Processed lines are noise at INFO
+        error_cb=errored,
+        security=NatsNKey(auth["nkeys_seed"]),
+        inbox_prefix=auth["inbox_prefix"],
     )
 
 
-def make_redis(settings: Settings) -> aioredis.Redis:
+def make_redis(settings: Settings, identity: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(
         settings.redis_url,
+        username=identity,
+        password=Secrets(settings.secrets_dir).password(identity),
         socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
         socket_timeout=REDIS_SOCKET_TIMEOUT_S,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), REDIS_RETRIES),

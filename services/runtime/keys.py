@@ -15,8 +15,8 @@ class Keys:
         return f"{self.ns}:{{{account}}}"
 
     # accounts and credentials
-    def api_keys(self) -> str:  # hash: sha256(api key) -> encoded key record
-        return f"{self.ns}:apikeys"
+    def api_keys(self, account: str) -> str:  # hash: public nkey -> encoded key record, one per account
+        return f"{self.ns}:apikeys:{account}"
 
     def accounts(self) -> str:  # set of account names
         return f"{self.ns}:accounts"

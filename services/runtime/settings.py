@@ -8,6 +8,7 @@ ENV_NATS_URL = "ITO_NATS_URL"
 ENV_REDIS_URL = "ITO_REDIS_URL"
 ENV_NAMESPACE = "ITO_NAMESPACE"
 ENV_DATA_DIR = "ITO_DATA_DIR"
+ENV_SECRETS_DIR = "ITO_SECRETS_DIR"
 ENV_ENTITLEMENT_KEY = "ITO_ENTITLEMENT_KEY"
 ENV_ENTITLEMENT_KEY_FILE = "ITO_ENTITLEMENT_KEY_FILE"
 ENV_CONFIRMATION_TTL_S = "ITO_CONFIRMATION_TTL_S"
@@ -48,6 +49,8 @@ class Settings:
     """Prefix of every subject, stream and Redis key; tests use a unique one per run."""
     data_dir: pathlib.Path
     """Embedded infra state, logs, checkpoints."""
+    secrets_dir: pathlib.Path
+    """Credentials, one 0600 file each (services/runtime/secrets.py); default `<data_dir>/secrets`."""
     confirmation_ttl_s: float
     eligibility_ttl_s: float
     idempotency_retention_s: float
@@ -76,11 +79,13 @@ class Settings:
 
 def load(env: dict[str, str] | None = None) -> Settings:
     env = dict(os.environ) if env is None else env
+    data_dir = pathlib.Path(env.get(ENV_DATA_DIR) or DEFAULT_DATA_DIR).absolute()
     return Settings(
         nats_url=env.get(ENV_NATS_URL) or DEFAULT_NATS_URL,
         redis_url=env.get(ENV_REDIS_URL) or DEFAULT_REDIS_URL,
         namespace=env.get(ENV_NAMESPACE) or DEFAULT_NAMESPACE,
-        data_dir=pathlib.Path(env.get(ENV_DATA_DIR) or DEFAULT_DATA_DIR).absolute(),
+        data_dir=data_dir,
+        secrets_dir=pathlib.Path(env.get(ENV_SECRETS_DIR) or data_dir / "secrets").absolute(),
         confirmation_ttl_s=_float(env, ENV_CONFIRMATION_TTL_S, DEFAULT_CONFIRMATION_TTL_S),
         eligibility_ttl_s=_float(env, ENV_ELIGIBILITY_TTL_S, DEFAULT_ELIGIBILITY_TTL_S),
         idempotency_retention_s=_float(env, ENV_IDEMPOTENCY_RETENTION_S, DEFAULT_IDEMPOTENCY_RETENTION_S),

@@ -1,4 +1,4 @@
-"""JetStream stream definitions, declared once by whoever starts first (idempotent).
+"""JetStream stream definitions, declared by the operator identity when the stack starts (idempotent).
 
 Subscribers refer to them by name with `JStream(name, declare=False)`, so the config lives here
 only. Request/reply subjects stay out of every filter (see contracts.subjects).
@@ -35,7 +35,9 @@ def configs(settings: Settings) -> list[StreamConfig]:
         cfg(subjects.STREAM_WORK, settings.subject(subjects.WORK_TRAIN), retention=RetentionPolicy.WORK_QUEUE),
         cfg(subjects.STREAM_RUNS, settings.subject(subjects.RUN_EVENTS), max_age=RUN_EVENTS_MAX_AGE_S),
         cfg(subjects.STREAM_DESK, settings.desk_subject_root()),
-        cfg(subjects.STREAM_AUDIT, settings.subject(subjects.AUDIT), max_age=AUDIT_MAX_AGE_S),
+        # Append-only: no identity, not even the operator, can purge it or delete a message from it.
+        cfg(subjects.STREAM_AUDIT, settings.subject(subjects.AUDIT), max_age=AUDIT_MAX_AGE_S,
+            deny_delete=True, deny_purge=True),
     ]
 
 

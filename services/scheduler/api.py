@@ -46,6 +46,7 @@ from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from contracts.states import RunState
 from services.runtime import accounts, faults
+from services.runtime.checkpoint_paths import run_dir
 from services.runtime.codec import Refusal
 from services.runtime.keys import Keys
 from services.scheduler import planning
@@ -67,12 +68,6 @@ def valid_idempotency_key(key: str) -> bool:
 
 def fingerprint(action: Action, account: str, target: str, digest: str) -> str:
     return hashlib.sha256("\0".join((action.value, account, target, digest)).encode()).hexdigest()
-
-
-def checkpoint_root(local: pathlib.Path, manifest: Manifest) -> pathlib.Path:
-    """Where a run's checkpoints go: the manifest's absolute path, or the service's own storage."""
-    storage = manifest.checkpoint.storage
-    return pathlib.Path(storage) if os.path.isabs(storage) else local
 
 
 def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, str] | None:
@@ -97,6 +92,25 @@ def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, 
     return None
 
 
+async def authenticate(r: aioredis.Redis, keys: Keys, caller: str, req) -> AuthInfo:
+    """The caller is the account whose credential the NATS server authenticated (the request's
+    subject says which; only that credential may publish there). An API key is never accepted on
+    the wire, and a credential block, when a client still sends one, must name the same account."""
+    credential = getattr(req, "credential", None)
+    if credential is not None:
+        if credential.api_key:
+            raise Refusal(ErrorCode.request_invalid, "API keys never travel in requests; upgrade ecc and log in again")
+        if credential.account != caller:
+            raise Refusal(ErrorCode.unauthenticated, "the request names another account than its credential")
+    return await accounts.authenticate(r, keys, caller)
+
+
+def accepted(view: RunView, replay: bool = False) -> RunAccepted:
+    """The train answer: the run's stable identifiers and state (first answer and replay alike)."""
+    return RunAccepted(run_id=view.run_id, state=view.state, replay=replay, booking_id=view.booking_id,
+                       manifest_digest=view.manifest_digest, idempotency_key=view.idempotency_key)
+
+
 def plan_refusal_message(p: Plan) -> str:
     return "; ".join(f"{c.name}: {c.reason}" for c in p.checks if not c.ok)
 
@@ -113,14 +127,14 @@ class Api:
         self.prices = prices
         self.checkpoint_root = checkpoint_root
 
-    async def _account(self, credential) -> str:
-        return (await accounts.authenticate(self.r, self.keys, credential)).account
+    async def _account(self, caller: str, req) -> str:
+        return (await authenticate(self.r, self.keys, caller, req)).account
 
-    async def auth(self, req: AuthRequest) -> AuthInfo:
-        return await accounts.authenticate(self.r, self.keys, req.credential)
+    async def auth(self, caller: str, req: AuthRequest) -> AuthInfo:
+        return await authenticate(self.r, self.keys, caller, req)
 
-    async def find(self, req: FindRequest) -> list[BookingView]:
-        account = await self._account(req.credential)
+    async def find(self, caller: str, req: FindRequest) -> list[BookingView]:
+        account = await self._account(caller, req)
         now = datetime.now(UTC)
         views = []
         for b in (await self.backends.bookings(account)).bookings:
@@ -135,9 +149,9 @@ class Api:
         p = planning.plan(manifest, digest, body, self.prices, storage_refusal(root, manifest))
         return p, body
 
-    async def plan(self, req: PlanRequest) -> Plan:
+    async def plan(self, caller: str, req: PlanRequest) -> Plan:
         """Creates nothing: no run, no confirmation, no ledger entry, nothing on the queue."""
-        account = await self._account(req.credential)
+        account = await self._account(caller, req)
         manifest, digest = verify(req.manifest_text, req.manifest_digest)
         p, _ = await self._plan(account, req.booking_id, manifest, digest)
         refusal = planning.first_refusal(p)
@@ -145,10 +159,10 @@ class Api:
             raise Refusal(refusal[0], plan_refusal_message(p))
         return p
 
-    async def confirm(self, req: ConfirmRequest) -> ConfirmationIssued:
+    async def confirm(self, caller: str, req: ConfirmRequest) -> ConfirmationIssued:
         """A single-use capability bound to account, action, target, digest and cost. Only the
         opaque reference leaves the server; it authorizes nothing by itself."""
-        account = await self._account(req.credential)
+        account = await self._account(caller, req)
         if req.action is Action.train:
             return await self._confirm_train(account, req)
         if req.action is Action.release_booking:
@@ -187,11 +201,11 @@ class Api:
         if entry.fingerprint != fp:
             raise Refusal(ErrorCode.idempotency_key_conflict, "this idempotency key was used for another request")
         view = await self.runs.get(entry.account, entry.run_id)
-        state = view.state if view is not None else RunState.accepted
-        return RunAccepted(run_id=entry.run_id, state=state, replay=True), "replay: this idempotency key already created this run"
+        view = view if view is not None else self.handoff.view_from(entry)
+        return accepted(view, replay=True), "replay: this idempotency key already created this run"
 
-    async def train(self, req: TrainRequest) -> tuple[RunAccepted, str | None]:
-        account = await self._account(req.credential)
+    async def train(self, caller: str, req: TrainRequest) -> tuple[RunAccepted, str | None]:
+        account = await self._account(caller, req)
         trail = Trail("run_" + secrets.token_hex(12), account, Action.train, req.booking_id)
         try:
             return await self._train(req, account, trail)
@@ -238,7 +252,8 @@ class Api:
                 account, req.booking_id, manifest))
         work = TrainWork(
             run_id=run_id, account=account, booking_id=req.booking_id, manifest_text=req.manifest_text,
-            manifest_digest=digest, plan=p, checkpoint_dir=str(checkpoint_root(self.checkpoint_root, manifest) / account / run_id),
+            manifest_digest=digest, plan=p,
+            checkpoint_dir=str(run_dir(self.checkpoint_root, manifest.checkpoint.storage, account, run_id)),
         )
         entry = await trail.gate("ledger_accept", self.backends.ledger_accept(LedgerAccept(
             account=account, idempotency_key=req.idempotency_key, fingerprint=fp, run_id=run_id, action=Action.train,
@@ -250,10 +265,10 @@ class Api:
         faults.crash_here(faults.SCHEDULER_AFTER_ACCEPT)
         view = await trail.gate("hand_off", self.handoff.hand_off(entry))
         log.info("run %s accepted for account %s on booking %s", run_id, account, req.booking_id)
-        return RunAccepted(run_id=run_id, state=view.state), None
+        return accepted(view), None
 
-    async def status(self, req: StatusRequest) -> RunView:
-        account = await self._account(req.credential)
+    async def status(self, caller: str, req: StatusRequest) -> RunView:
+        account = await self._account(caller, req)
         if req.run_id is not None:
             view = await self.runs.get(account, req.run_id)
             if view is None:
@@ -267,38 +282,38 @@ class Api:
         view = await self.runs.get(account, entry.run_id)
         return view if view is not None else self.handoff.view_from(entry)
 
-    async def audit(self, req: AuditRequest) -> AuditTrail:
+    async def audit(self, caller: str, req: AuditRequest) -> AuditTrail:
         """A run's gate decisions, replayed from the audit stream (tenant-scoped)."""
-        account = await self._account(req.credential)
+        account = await self._account(caller, req)
         if await self.runs.get(account, req.run_id) is None:
             raise Refusal(ErrorCode.run_not_found, "no such run for this account")
         decisions = [d for d in await self.auditor.read(req.run_id) if d.account == account]
         return AuditTrail(run_id=req.run_id, decisions=decisions)
 
-    async def _owned(self, credential, run_id: str) -> tuple[str, RunView]:
-        account = await self._account(credential)
+    async def _owned(self, caller: str, req, run_id: str) -> tuple[str, RunView]:
+        account = await self._account(caller, req)
         view = await self.runs.get(account, run_id)
         if view is None:
             raise Refusal(ErrorCode.run_not_found, "no such run for this account")
         return account, view
 
-    async def metrics(self, req: MetricsRequest) -> MetricsPage:
-        account, _ = await self._owned(req.credential, req.run_id)
+    async def metrics(self, caller: str, req: MetricsRequest) -> MetricsPage:
+        account, _ = await self._owned(caller, req, req.run_id)
         since, limit = max(0, req.since), max(1, min(req.limit, 5000))
         points = await self.runs.metrics(account, req.run_id, since, limit)
         return MetricsPage(run_id=req.run_id, points=points, next=since + len(points))
 
-    async def checkpoints(self, req: RunItemsRequest) -> CheckpointList:
-        account, view = await self._owned(req.credential, req.run_id)
+    async def checkpoints(self, caller: str, req: RunItemsRequest) -> CheckpointList:
+        account, view = await self._owned(caller, req, req.run_id)
         return CheckpointList(run_id=req.run_id, checkpoints=await self.runs.checkpoints(account, req.run_id),
                               cleaned_up=view.cleaned_up)
 
-    async def evals(self, req: RunItemsRequest) -> EvalList:
-        _, view = await self._owned(req.credential, req.run_id)
+    async def evals(self, caller: str, req: RunItemsRequest) -> EvalList:
+        _, view = await self._owned(caller, req, req.run_id)
         return EvalList(run_id=req.run_id, gates=view.gates)
 
-    async def logs(self, req: LogsRequest) -> LogPage:
-        account = await self._account(req.credential)
+    async def logs(self, caller: str, req: LogsRequest) -> LogPage:
+        account = await self._account(caller, req)
         if await self.runs.get(account, req.run_id) is None:
             raise Refusal(ErrorCode.run_not_found, "no such run for this account")
         limit = max(1, min(req.limit, 1000))

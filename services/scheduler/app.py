@@ -23,7 +23,16 @@ from contracts.api import (
     TrainRequest,
 )
 from services.runtime import settings as settings_mod
-from services.runtime.service import Wiring, build_app, configure_logging, consume_in_order, serve_requests
+from services.runtime.secrets import Secrets
+from services.runtime.service import (
+    Wiring,
+    build_app,
+    configure_logging,
+    consume_in_order,
+    serve_requests,
+    serve_tenant_requests,
+)
+from services.runtime.signing import Signer
 from services.scheduler import liveness, planning
 from services.scheduler.api import Api
 from services.scheduler.audit import Auditor
@@ -50,7 +59,7 @@ ROUTES = [  # (subject, request type, Api method name)
 
 def register(w: Wiring) -> None:
     s = w.settings
-    backends = Backends(w.broker, s, settings_mod.entitlement_key(s))
+    backends = Backends(w.broker, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key()))
     runs = RunStore(w.redis, w.keys)
     handoff = Handoff(w.broker, s, runs, backends)
     api = Api(w.redis, w.keys, backends, runs, handoff, Auditor(w.broker, s), planning.load_prices(),
@@ -58,15 +67,16 @@ def register(w: Wiring) -> None:
     run_events = RunEvents(runs)
 
     mutations = Mutations(w.redis, w.keys, backends, runs)
-    serve_requests(w, [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES] + [
+    serve_tenant_requests(w, [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES] + [
         (subjects.API_CANCEL, CancelRequest, mutations.cancel),
         (subjects.API_CLEANUP, CleanupRequest, mutations.cleanup),
         (subjects.API_APPROVE, ApproveRequest, mutations.approve),
-        (subjects.RUN_LEASE, LeaseQuery, mutations.lease),
     ])
+    # Only trainers may publish lease queries (NATS permissions); the answer is checked against the run.
+    serve_requests(w, [(subjects.RUN_LEASE, LeaseQuery, mutations.lease)], signed=False)
 
     consume_in_order(w, subjects.RUN_EVENTS, subjects.STREAM_RUNS, subjects.CONSUMER_SCHEDULER_RUNS,
-                     run_events.on_event, ack_wait_s=30)
+                     run_events.on_event, ack_wait_s=30, with_subject=True)
 
     w.tasks.append(handoff.reconcile_forever)
     w.tasks.append(lambda: liveness.watch_forever(runs, handoff.events))

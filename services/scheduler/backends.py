@@ -35,6 +35,7 @@ from contracts.manifest import Manifest
 from services.runtime import codec
 from services.runtime.codec import Refusal
 from services.runtime.settings import Settings
+from services.runtime.signing import Signer
 
 T = TypeVar("T")
 CLEANUP_TIMEOUT_S = 30.0  # removing a large checkpoint tree takes longer than one control hop
@@ -56,16 +57,19 @@ def verify_statement(stmt: EligibilityStatement, key: bytes, account: str, booki
 
 
 class Backends:
-    def __init__(self, broker: NatsBroker, settings: Settings, entitlement_key: bytes) -> None:
+    def __init__(self, broker: NatsBroker, settings: Settings, entitlement_key: bytes, signer: Signer) -> None:
         self.broker = broker
         self.settings = settings
         self._key = entitlement_key
+        self.signer = signer  # every order and internal request carries the scheduler's signature
 
     async def _call(self, suffix: str, request: msgspec.Struct, data_type: type[T], service: str,
                     timeout: float | None = None) -> T:
+        body, subject = codec.encode(request), self.settings.subject(suffix)
         try:
             reply = await self.broker.request(
-                codec.encode(request), self.settings.subject(suffix), timeout=timeout or self.settings.request_timeout_s
+                body, subject, headers=self.signer.headers(subject, body),
+                timeout=timeout or self.settings.request_timeout_s,
             )
         except (NoRespondersError, NatsTimeout, TimeoutError):
             raise Refusal(ErrorCode.backend_unavailable, f"the {service} service did not answer in time") from None
@@ -117,17 +121,20 @@ class Backends:
 
     async def notify_cancel(self, run_id: str) -> None:
         """Core NATS, fire and forget: trainers also poll the lease, so a lost notice only delays."""
-        await self.broker.publish(b"{}", self.settings.subject(f"{subjects.CONTROL_CANCEL}.{run_id}"))
+        subject = self.settings.subject(f"{subjects.CONTROL_CANCEL}.{run_id}")
+        await self.broker.publish(b"{}", subject, headers=self.signer.headers(subject, b"{}"))
 
     async def request_release(self, account: str, booking_id: str, run_id: str) -> None:
         body = msgspec.json.encode({"account": account, "booking_id": booking_id, "run_id": run_id})
-        await self.broker.publish(body, self.settings.subject(subjects.BOOKING_RELEASE_REQUESTS))
+        subject = self.settings.subject(subjects.BOOKING_RELEASE_REQUESTS)
+        await self.broker.publish(body, subject, headers=self.signer.headers(subject, body))
 
     async def publish_work(self, run_id: str, work: bytes, msg_id: str) -> None:
         """A work item for the trainer's queue (an approved restart; hand-offs go through Handoff)."""
+        subject = self.settings.subject(f"{subjects.WORK_TRAIN}.{run_id}")
         await self.broker.publish(
-            work, self.settings.subject(f"{subjects.WORK_TRAIN}.{run_id}"),
-            stream=self.settings.stream(subjects.STREAM_WORK), headers={"Nats-Msg-Id": msg_id},
+            work, subject, stream=self.settings.stream(subjects.STREAM_WORK),
+            headers={"Nats-Msg-Id": msg_id, **self.signer.headers(subject, work)},
             timeout=self.settings.request_timeout_s,
         )
 

@@ -1,36 +1,61 @@
-"""Consume the trainer's run events and fold them into run views, logs, metrics, checkpoints."""
+"""Consume the trainer's run events and fold them into run views, logs, metrics, checkpoints.
+
+What is applied: an event whose subject names its own kind (NATS lets only the trainer publish the
+trainer's kinds and only the scheduler its own), and a trainer event only from the current lease
+epoch's holder (epoch 0 included: with no lease held, nobody may report), in (epoch, seq) order
+with no implausible jump (the store decides, RunStore.update). The scheduler's own events
+(creation, interruptions) change no view and are not ordered against the trainer's.
+"""
 
 import logging
 
 import msgspec
 
 from contracts.api import LogLineView
-from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent
+from contracts.runs import CheckpointSaved, Interruption, LogLine, Metrics, RunCreated, RunEvent
 from contracts.states import TERMINAL_STATES
 from services.scheduler import lifecycle
 from services.scheduler.store import RunStore
 
 log = logging.getLogger("ito.scheduler.events")
 event_decoder = msgspec.json.Decoder(RunEvent)
+def admissible(event: RunEvent, subject: str | None) -> str | None:
+    """Why an event must not be applied, or None (pure; the lease and order checks are the store's)."""
+    kind = type(event).__struct_config__.tag
+    if subject is not None and subject.rsplit(".", 1)[-1] != kind:
+        return f"a {kind} event on a subject for another kind"
+    if subject is not None and subject.split(".")[-2:-1] != [event.run_id]:
+        return "an event on another run's subject"
+    return None
+
+
+def from_trainer(event: RunEvent) -> bool:
+    return not isinstance(event, RunCreated | Interruption)
 
 
 class RunEvents:
     def __init__(self, runs: RunStore) -> None:
         self.runs = runs
 
-    async def on_event(self, raw: bytes) -> None:
+    async def on_event(self, raw: bytes, subject: str | None = None) -> None:
         try:
             event = event_decoder.decode(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             log.error("run event rejected (acked, not applied): %s", exc)
+            return
+        refused = admissible(event, subject)
+        if refused is not None:
+            log.warning("run %s: event refused (%s)", event.run_id, refused)
             return
         account = await self.runs.owner(event.run_id)
         if account is None:
             log.error("event for unknown run %s ignored", event.run_id)
             return
         try:
-            view, applied = await self.runs.update(account, event.run_id, event.seq,
-                                                   lambda view: lifecycle.apply_event(view, event), epoch=event.epoch)
+            trainer = from_trainer(event)
+            view, applied = await self.runs.update(account, event.run_id, event.seq if trainer else None,
+                                                   lambda view: lifecycle.apply_event(view, event),
+                                                   holder_epoch=event.epoch if trainer else None)
         except lifecycle.IllegalTransition as exc:
             log.warning("run %s: %s refused, not applied", event.run_id, exc)
             return

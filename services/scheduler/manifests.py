@@ -1,5 +1,6 @@
 """Server-side manifest verification: recompute the digest over the exact bytes, parse them
-strictly, and refuse secrets. The client's digest is compared, never trusted alone."""
+strictly, refuse secrets, and refuse what the trainer could not run (the same `plan_run` it
+calls). The client's digest is compared, never trusted alone."""
 
 import hashlib
 
@@ -7,6 +8,7 @@ import msgspec
 
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
+from services.domain.curriculum import plan_run
 from services.runtime.codec import Refusal
 from services.scheduler.secret_scan import find_secret
 
@@ -39,4 +41,8 @@ def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -
         manifest = _decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise Refusal(ErrorCode.manifest_invalid, f"invalid manifest: {exc}") from None
+    try:
+        plan_run(manifest)  # accepted here means runnable there: the trainer's own guard is this call
+    except ValueError as exc:
+        raise Refusal(ErrorCode.manifest_invalid, f"the manifest cannot run: {exc}") from None
     return manifest, digest

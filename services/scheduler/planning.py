@@ -9,12 +9,13 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from contracts.api import CostEstimate, Plan, PlanCheck
+from contracts.api import CostEstimate, Plan, PlanCheck, StageGatePlan
 from contracts.booking import Fabric
 from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
 from contracts.manifest import DataRole, Manifest
 from contracts.models import MODEL_SHAPES, ModelShape
+from services.domain.curriculum import plan_run
 
 PRICES_PATH = pathlib.Path(__file__).with_name("desk_prices.json")
 ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "file:/")  # no remote URLs at run time
@@ -143,6 +144,16 @@ def data_policy(manifest: Manifest) -> tuple[ErrorCode, str] | None:
     return None
 
 
+def stage_gates(manifest: Manifest) -> list[StageGatePlan]:
+    """Every stage's gate as the trainer will judge it (services/domain/gates.py), in run order;
+    empty for a manifest that cannot run (the manifest gate refuses it before planning)."""
+    try:
+        run = plan_run(manifest)
+    except ValueError:
+        return []
+    return [StageGatePlan(stage=stage.name, rules=[r.describe() for r in run.rules(stage)]) for stage in run.stages]
+
+
 def plan(manifest: Manifest, digest: str, statement: EligibilityBody, prices: PriceTable,
          storage_refusal: tuple[ErrorCode, str] | None) -> Plan:
     shape = MODEL_SHAPES[manifest.model.size.value]
@@ -183,6 +194,7 @@ def plan(manifest: Manifest, digest: str, statement: EligibilityBody, prices: Pr
         precision=precision,
         cost=estimate,
         checks=checks,
+        gates=stage_gates(manifest),
         ok=all(c.ok for c in checks),
         gpu_model=topo.gpu_model,
         region=statement.region,

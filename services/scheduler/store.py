@@ -26,6 +26,16 @@ _metrics_decoder = msgspec.json.Decoder(Metrics)
 _checkpoint_decoder = msgspec.json.Decoder(CheckpointSaved)
 
 
+MAX_SEQ_GAP = 100_000  # events lost in transit leave small gaps; a jump this large is forged
+
+
+def in_order(epoch: int, seq: int, last_epoch: int, last_seq: int) -> bool:
+    """Does (epoch, seq) come after the last applied (last_epoch, last_seq), by a plausible step?"""
+    if epoch != last_epoch:
+        return epoch > last_epoch and seq <= MAX_SEQ_GAP
+    return last_seq < seq <= last_seq + MAX_SEQ_GAP
+
+
 class RunStore:
     def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
         self.r = r
@@ -52,28 +62,34 @@ class RunStore:
         return None if raw is None else _view_decoder.decode(raw)
 
     async def update(self, account: str, run_id: str, seq: int | None,
-                     change: Callable[[RunView], RunView], epoch: int = 0) -> tuple[RunView | None, bool]:
-        """Apply `change` atomically: (view, applied). With `seq`, an event at or below the last
-        applied one is skipped (a redelivery or duplicate); with `epoch`, an event from a fenced
-        trainer (an epoch below the current lease's) is skipped; `applied` is then False."""
+                     change: Callable[[RunView], RunView], holder_epoch: int | None = None) -> tuple[RunView | None, bool]:
+        """Apply `change` atomically: (view, applied). A trainer event comes with `holder_epoch` and
+        `seq`, its counter within the epoch: it applies only from the current lease holder (a
+        fenced trainer's, or any when no lease was ever granted, are skipped), only after the last
+        applied (epoch, seq) (a redelivery or duplicate is skipped) and never more than
+        MAX_SEQ_GAP ahead of it (a forged far-future seq would block every later event). No wall
+        clock is involved, so a trainer whose clock is off still has every event applied in order.
+        The scheduler's own transitions come without either and go through the same WATCH/MULTI,
+        so they are serialized with the events. `applied` is False when skipped."""
         key = self.keys.run(account, run_id)
         for _ in range(UPDATE_RETRIES):
             async with self.r.pipeline(transaction=True) as pipe:
                 try:
                     await pipe.watch(key)
-                    raw, last, lease_epoch = await pipe.hmget(key, ["view", "last_seq", "lease_epoch"])
+                    raw, last, last_epoch, lease_epoch = await pipe.hmget(
+                        key, ["view", "last_seq", "last_epoch", "lease_epoch"])
                     if raw is None:
                         return None, False
                     view = _view_decoder.decode(raw)
-                    if seq is not None and seq <= int(last or 0):
+                    if holder_epoch is not None and not (0 < int(lease_epoch or 0) == holder_epoch):
                         return view, False
-                    if epoch and epoch < int(lease_epoch or 0):
+                    if seq is not None and not in_order(holder_epoch or 0, seq, int(last_epoch or 0), int(last or 0)):
                         return view, False
                     new = change(view)
                     pipe.multi()
                     pipe.hset(key, "view", msgspec.json.encode(new))
                     if seq is not None:
-                        pipe.hset(key, "last_seq", seq)
+                        pipe.hset(key, mapping={"last_seq": seq, "last_epoch": holder_epoch or 0})
                     await pipe.execute()
                     return new, True
                 except WatchError:

@@ -1,6 +1,11 @@
-"""The trainer's entry point: config, build, run. One run at a time per process."""
+"""The trainer's entry point: config, build, run. One run at a time per process.
+
+Work items and cancel notices count only with the scheduler's signature; every file the trainer
+writes (checkpoints above all) is private to its user (umask 077: files 0600, directories 0700)."""
 
 import asyncio
+import logging
+import os
 
 from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, NatsMessage, PullSub
@@ -9,13 +14,15 @@ from contracts import subjects
 from contracts.api import CleanupOrder
 from services.runtime import settings as settings_mod
 from services.runtime import streams
-from services.runtime.service import Wiring, build_app, configure_logging, replier
+from services.runtime.service import Wiring, build_app, configure_logging, replier, scheduler_verifier
 from services.trainer.worker import WORK_ACK_WAIT_S, Worker
 
 
 def register(w: Wiring) -> None:
     s = w.settings
     worker = Worker(w.broker, s)
+    verifier = scheduler_verifier(s)
+    log = logging.getLogger("ito.trainer")
 
     @w.broker.subscriber(
         s.subject(subjects.WORK_TRAIN) + ".>",
@@ -24,17 +31,27 @@ def register(w: Wiring) -> None:
         pull_sub=PullSub(batch_size=1, timeout=1.0),
         config=ConsumerConfig(ack_wait=WORK_ACK_WAIT_S),
         ack_policy=AckPolicy.MANUAL,
+        inbox_prefix=w.inbox_prefix(),
     )
     async def on_work(msg: NatsMessage) -> None:
+        # Work items wait in the queue, so no age limit; the lease then checks the run record too.
+        if not verifier.valid(msg.raw_message.subject, msg.body, msg.headers, max_age_s=None):
+            log.error("work item without the scheduler's signature on %s: terminated, not trained",
+                      msg.raw_message.subject)
+            await msg.raw_message.term()
+            return
         await worker.handle(msg)
 
     @w.broker.subscriber(s.subject(subjects.CONTROL_CANCEL) + ".*")
     async def on_cancel(msg: NatsMessage) -> None:
-        worker.cancel(msg.raw_message.subject.rsplit(".", 1)[-1])
+        if not verifier.valid(msg.raw_message.subject, msg.body, msg.headers):
+            log.warning("cancel notice without the scheduler's signature ignored")
+            return
+        await worker.cancel(msg.raw_message.subject.rsplit(".", 1)[-1])
 
     # Any one trainer answers (a queue group): checkpoint storage is shared by the trainers.
     w.broker.subscriber(s.subject(subjects.TRAINER_CLEANUP), queue=subjects.TRAINER_QUEUE)(
-        replier(worker.cleanup, CleanupOrder))
+        replier(worker.cleanup, CleanupOrder, verifier))
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:
@@ -42,5 +59,6 @@ def build(settings: settings_mod.Settings | None = None) -> FastStream:
 
 
 def main() -> None:
+    os.umask(0o077)
     configure_logging("trainer")
     asyncio.run(build().run())

@@ -4,10 +4,20 @@ Layout of one checkpoint, `<dir>/step-<8 digit step>/`:
   __0_0.distcp, .metadata   model + optimizer tensors, written by torch.distributed.checkpoint
   trainer_state.json        step, data position, LR scheduler state, RNG states (the sidecar)
   COMMITTED                 JSON {step, bytes, stall_s, save_s}; written last, atomically
+  PINNED                    (optional) pruning leaves this checkpoint alone; see below
 
 A directory without COMMITTED is a save that is still running or that died: it is never listed and
 never loaded, and the next commit deletes it. At most one save is in flight: `save` first waits for
 the previous one, so a slow disk slows the loop instead of piling up staged copies in memory.
+
+Loss-spike restarts also live here. Beside the step directories, `SKIP.json` holds an approved
+restart's window of batches to skip, in data positions (the batch count the sidecar records), never
+in steps: once one skip has happened a step's data position is no longer its step number, so only
+a position compared with a position finds the restart point again. A restart's checkpoint is pinned
+from the moment a spike is suspected until the restart is carried out (`rewind`) or training goes on
+in the directory without it (the next `Checkpointer`); pruning by `keep_last` never removes it,
+since the saves around a spike (the one on stop among them) would otherwise evict exactly the
+checkpoint the proposal needs to go back to.
 
 Why a JSON sidecar for the non-tensor state rather than the DCP state dict: DCP stores non-tensor
 values as pickles, and loading a pickle from a shared checkpoint directory runs whatever it holds;
@@ -41,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 MARKER = "COMMITTED"
 SIDECAR = "trainer_state.json"
+PIN = "PINNED"
 DIR_PREFIX = "step-"
 
 # DCP warns on every single-process save/load even when no_dist=True is passed on purpose. A filter
@@ -162,6 +173,9 @@ class Checkpointer:
             raise ValueError("keep_last needs to be at least 1 checkpoint.")
         self.directory = Path(directory)
         self.keep_last = keep_last
+        # Training goes on here: a pin left by an earlier attempt belongs to a restart that was never
+        # carried out (a carried-out one was unpinned by `rewind`), and would hold its checkpoint forever.
+        unpin(self.directory)
         self._future: Future | None = None
         self._pending: dict | None = None  # step, path, started, stall_s, done_at of the in-flight save
         self._outcomes: list[CheckpointInfo | CheckpointFailed] = []
@@ -249,9 +263,10 @@ class Checkpointer:
         self._prune(info.step)
 
     def _prune(self, committed_step: int) -> None:
-        """Keep the newest `keep_last` committed checkpoints; drop older ones and dead saves."""
+        """Keep the newest `keep_last` committed checkpoints and the pinned ones; drop older ones and
+        dead saves."""
         committed = {info.step for info in list_checkpoints(self.directory)}
-        keep = set(sorted(committed)[-self.keep_last :])
+        keep = set(sorted(committed)[-self.keep_last :]) | set(pinned_steps(self.directory))
         for step, path in _step_dirs(self.directory):
             # Uncommitted dirs below the step just committed are dead: only one save is ever in flight.
             if step < committed_step and step not in keep:
@@ -301,13 +316,59 @@ def load_weights(directory: str | os.PathLike, model: torch.nn.Module) -> Checkp
     return latest
 
 
-SKIP_FILE = "SKIP.json"  # an approved restart's batches to skip: {"from": a, "to": b}
+def committed_positions(directory: str | os.PathLike) -> dict[int, int]:
+    """Committed step -> the data position (batches served) its sidecar recorded, oldest first."""
+    positions = {}
+    for info in list_checkpoints(directory):
+        try:
+            positions[info.step] = int(json.loads((Path(info.path) / SIDECAR).read_text())["data_position"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # pruned meanwhile, or a foreign sidecar: not a checkpoint to restart from
+    return positions
+
+
+def pinned_steps(directory: str | os.PathLike) -> list[int]:
+    return [step for step, path in _step_dirs(Path(directory)) if (path / PIN).exists()]
+
+
+def pin(directory: str | os.PathLike, step: int | None) -> bool:
+    """Make the committed checkpoint `step` the directory's one pinned checkpoint (None, or a step
+    that is not committed: none). One pin, because one proposal is pending at a time. True if pinned."""
+    directory = Path(directory)
+    path = step_dir(directory, step) if step is not None else None
+    target = path if path is not None and _read_marker(path) is not None else None
+    if target is not None:
+        (target / PIN).touch()
+    for _, other in _step_dirs(directory):
+        if other != target:
+            (other / PIN).unlink(missing_ok=True)
+    return target is not None
+
+
+def unpin(directory: str | os.PathLike) -> None:
+    pin(directory, None)
+
+
+SKIP_FILE = "SKIP.json"  # an approved restart's batches to skip, in data positions: {"from": a, "to": b}
 
 
 def rewind(directory: str | os.PathLike, step: int, skip_from: int, skip_to: int) -> list[int]:
     """Make `step` this stage's latest committed checkpoint for an approved restart: newer ones move
-    to `discarded/` (kept, never loaded), and the batches [skip_from, skip_to) are marked to skip."""
+    to `discarded/` (kept, never loaded), the data positions [skip_from, skip_to) are marked to skip,
+    and the pin that kept `step` through the proposal is removed (the restart is carried out).
+
+    `skip_from` has to be the data position `step` recorded (0 for a restart from the start): the
+    resume skips only when it lands exactly there, so any other value would silently skip nothing."""
     directory = Path(directory)
+    if step > 0:
+        recorded = committed_positions(directory).get(step)
+        if recorded is None:
+            raise ValueError(f"The restart's checkpoint at step {step} is not a committed checkpoint in {directory}.")
+    else:
+        recorded = 0
+    if skip_from != recorded or skip_to <= skip_from:
+        raise ValueError(f"The skip [{skip_from}, {skip_to}) does not start at the data position {recorded} that "
+                         f"the checkpoint at step {step} recorded, so the restart would skip nothing.")
     moved = []
     for info in list_checkpoints(directory):
         if info.step > step:
@@ -317,14 +378,21 @@ def rewind(directory: str | os.PathLike, step: int, skip_from: int, skip_to: int
             Path(info.path).rename(target)
             moved.append(info.step)
     _write_json_atomic(directory / SKIP_FILE, {"from": skip_from, "to": skip_to})
+    unpin(directory)
     return moved
 
 
-def batches_to_skip(directory: str | os.PathLike, position: int) -> int | None:
-    """Where the data should continue when a restart resumed exactly at the skip's start."""
+def skip_window(directory: str | os.PathLike) -> tuple[int, int] | None:
+    """The last approved restart's window [from, to) of data positions to skip, if any."""
     try:
         skip = json.loads((Path(directory) / SKIP_FILE).read_text())
-    except (OSError, ValueError):
+        return int(skip["from"]), int(skip["to"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return int(skip["to"]) if position == int(skip["from"]) else None
 
+
+def batches_to_skip(directory: str | os.PathLike, position: int) -> int | None:
+    """The data position to continue from when a resume lands at `position` (the data position its
+    checkpoint recorded) and that is where the approved skip starts; None: no skip here."""
+    skip = skip_window(directory)
+    return skip[1] if skip is not None and position == skip[0] else None

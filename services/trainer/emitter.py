@@ -1,12 +1,12 @@
 """Publish a run's events to JetStream, from the event loop or from the training thread.
 
-`seq` grows strictly per run, across restarts too (microseconds since the epoch, bumped when two
-events share a tick), so the scheduler can drop redeliveries and duplicates by comparing it.
+`seq` counts this lease epoch's events from 1; (epoch, seq) orders a run's events across trainers
+and restarts without any wall clock, so the scheduler drops redeliveries and duplicates by
+comparing it, and a trainer whose clock is off loses nothing.
 """
 
 import asyncio
 import logging
-import time
 from datetime import UTC, datetime
 
 import msgspec
@@ -49,22 +49,22 @@ class Emitter:
         self.epoch = epoch  # the lease epoch: the scheduler drops events of a fenced epoch
         self._last = 0
 
-    def _seq(self) -> int:
-        self._last = max(self._last + 1, time.time_ns() // 1000)
-        return self._last
-
     async def publish(self, event: RunEvent) -> None:
+        # The seq is given here, on the event loop, in the order the publishes are sent: an event
+        # built on the training thread can never overtake (and so shadow) one built later.
+        self._last += 1
+        event = msgspec.structs.replace(event, seq=self._last)
         kind = type(event).__struct_config__.tag
         await self.broker.publish(
             msgspec.json.encode(event),
             self.settings.subject(f"{subjects.RUN_EVENTS}.{self.run_id}.{kind}"),
             stream=self.settings.stream(subjects.STREAM_RUNS),
-            headers={"Nats-Msg-Id": f"{self.run_id}:{event.seq}"},
+            headers={"Nats-Msg-Id": f"{self.run_id}:{self.epoch}:{event.seq}"},
             timeout=self.settings.request_timeout_s,
         )
 
     def base(self) -> dict:
-        return {"run_id": self.run_id, "seq": self._seq(), "at": datetime.now(UTC), "epoch": self.epoch}
+        return {"run_id": self.run_id, "seq": 0, "at": datetime.now(UTC), "epoch": self.epoch}  # seq: at publish
 
     async def state(self, state: RunState, stage: str | None = None, message: str | None = None,
                     total_steps: int = 0) -> None:

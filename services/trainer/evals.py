@@ -107,13 +107,3 @@ def needle_accuracy(model: Transformer, trials: Sequence[tuple[str, str]]) -> fl
     tok = ByteTokenizer()
     completions = complete(model, [tok.encode(prompt) for prompt, _ in trials], max_new_tokens=len(trials[0][1]))
     return sum(tok.decode(c.tokens) == key for c, (_, key) in zip(completions, trials, strict=True)) / len(trials)
-
-
-@torch.no_grad()
-def standard_checks(model: Transformer, *, held_out: float | None, problems: Sequence[tuple[str, str]],
-                    max_held_out_loss: float | None, min_task_accuracy: float | None) -> list[Check]:
-    """The two checks every stage runs."""
-    return [
-        Check(name="held_out_loss", value=held_out, threshold=max_held_out_loss, op="<="),
-        Check(name="task_accuracy", value=task_accuracy(model, problems), threshold=min_task_accuracy, op=">="),
-    ]

@@ -3,8 +3,18 @@ worker (sampled, with the behaviour policy's log-probabilities).
 
 The model has no padding mask, so prompts are batched by length: every row of a forward pass has
 the same prompt length and no pad token ever reaches attention. Completions end at END_TOKEN.
-No KV cache: the completions here are a few dozen tokens from a small model, where recomputing the
-prefix costs less than the cache's bookkeeping; a serving engine takes over at scale.
+
+A KV cache: the prompts go through the model once (prefill), keeping each layer's keys and values;
+every new token then costs one position's forward, attending to the cache, instead of a forward over
+its whole prefix. The cached forward is built from the model's own modules (projections, norms, RoPE
+tables, MLP), so it computes what `Transformer.forward` does, one position at a time; greedy
+decoding gives the same tokens with the cache as without (tests/trainer/test_waste_generation.py).
+Without a cache (`kv_cache=False`, a sharded model, or a prompt plus completion longer than the
+model's context, where the uncached path slides its window) every token recomputes the prefix.
+
+Tokens, log-probabilities and lengths stay on the model's device until a batch is done and come to
+the host in one transfer. Whether every row has ended is looked at after each token on CPU, where
+looking costs nothing, and every EXIT_CHECK_EVERY tokens on an accelerator, where it is a sync.
 """
 
 from collections import defaultdict
@@ -15,10 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from services.trainer.loop import autocast
-from services.trainer.model import Transformer
+from services.trainer.model import Transformer, apply_rope
 
 END_TOKEN = ord("\n")  # a task answer ends with a newline, as every generated task line does
 MAX_BATCH = 256  # rows per forward pass; lower it if a long-context eval runs out of memory
+# Tokens between two "has every row ended?" checks on an accelerator: each check is a host sync,
+# each token past the last row's end is one wasted one-position forward (cheap with the cache).
+EXIT_CHECK_EVERY = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +44,11 @@ class Completion:
 @torch.no_grad()
 def complete(
     model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, kv_cache: bool = True,
 ) -> list[Completion]:
     """One completion per prompt, in prompt order. temperature 0 is greedy; otherwise tokens are
-    sampled from softmax(logits / temperature) with `generator` (CPU), so a seed fixes the result."""
+    sampled from softmax(logits / temperature) with `generator` (CPU), so a seed fixes the result
+    (on CPU the same tokens as ever; on cuda a device generator seeded from it draws them)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -42,29 +56,114 @@ def complete(
     for i, prompt in enumerate(prompts):
         by_length[len(prompt)].append(i)
     results: list[Completion | None] = [None] * len(prompts)
+    sampler = _device_generator(generator, device) if temperature else None
     for length in sorted(by_length):
         indices = by_length[length]
         for first in range(0, len(indices), MAX_BATCH):
             rows = indices[first : first + MAX_BATCH]
             batch = torch.tensor([list(prompts[i]) for i in rows], dtype=torch.long, device=device)
-            for i, completion in zip(rows, _complete_batch(model, batch, max_new_tokens, temperature, generator), strict=True):
+            completions = _complete_batch(model, batch, max_new_tokens, temperature, sampler, kv_cache)
+            for i, completion in zip(rows, completions, strict=True):
                 results[i] = completion
     model.train(was_training)
     return results  # type: ignore[return-value]
 
 
+def _device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """Sampling happens where the logits are. On CPU that is `generator` itself; elsewhere a
+    generator on the device, seeded from `generator`, so the seed still fixes every sample."""
+    if generator is None or device.type == "cpu":
+        return generator
+    seed = int(torch.randint(0, 2**62, (), generator=generator))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _cacheable(model: torch.nn.Module) -> bool:
+    # FSDP2 swaps the class for a subclass whose forward hooks gather the shards; calling its
+    # submodules directly would skip them, so a sharded model generates without the cache.
+    return type(model) is Transformer
+
+
+class _Recompute:
+    """The logits of the next position from a forward over the whole prefix (last max_seq_len tokens)."""
+
+    def __init__(self, model: Transformer, idx: torch.Tensor):
+        self.model = model
+        self.idx = idx
+
+    def next_logits(self, new: torch.Tensor | None) -> torch.Tensor:
+        if new is not None:
+            self.idx = torch.cat((self.idx, new[:, None]), dim=1)
+        logits, _ = self.model(self.idx[:, -self.model.shape.max_seq_len :])
+        return logits[:, -1, :]
+
+
+class _Cached:
+    """The logits of the next position from the KV cache: the prompt once, then one token a call."""
+
+    def __init__(self, model: Transformer, idx: torch.Tensor, length: int):
+        self.model = model
+        self.idx: torch.Tensor | None = idx
+        self.length = length  # positions the cache holds: prompt + every token fed back
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.pos = 0
+
+    def next_logits(self, new: torch.Tensor | None) -> torch.Tensor:
+        idx = self.idx if new is None else new[:, None]
+        self.idx = None
+        model, T, pos = self.model, idx.shape[1], self.pos
+        cos, sin = model.rope_cos[pos : pos + T], model.rope_sin[pos : pos + T]
+        x = model.tok_emb(idx)
+        for layer, block in enumerate(model.blocks):
+            x = x + self._attention(layer, block.attn, block.attn_norm(x), cos, sin)
+            x = x + block.mlp(block.mlp_norm(x))
+        self.pos += T
+        return model.lm_head(model.norm(x[:, -1:, :]))[:, -1, :]
+
+    def _attention(self, layer: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`Attention.forward` for positions pos..pos+T-1, their keys and values kept for later ones."""
+        B, T, _ = x.shape
+        q = attn.wq(x).view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)
+        k = attn.wk(x).view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
+        v = attn.wv(x).view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if layer == len(self.keys):  # first call: room for every position this batch will reach
+            self.keys.append(k.new_empty(B, attn.n_kv_head, self.length, attn.head_dim))
+            self.values.append(v.new_empty(B, attn.n_kv_head, self.length, attn.head_dim))
+        end = self.pos + T
+        self.keys[layer][:, :, self.pos : end] = k
+        self.values[layer][:, :, self.pos : end] = v
+        k, v = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        if attn.n_kv_head != attn.n_head:
+            repeat = attn.n_head // attn.n_kv_head
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        # The prompt (from position 0) is causal; a single new token may see every cached position.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        return attn.wo(y.transpose(1, 2).reshape(B, T, attn.n_head * attn.head_dim))
+
+
 def _complete_batch(model: Transformer, idx: torch.Tensor, max_new_tokens: int, temperature: float,
-                    generator: torch.Generator | None) -> list[Completion]:
+                    generator: torch.Generator | None, kv_cache: bool) -> list[Completion]:
     device = idx.device
-    rows = idx.shape[0]
-    tokens = torch.zeros((rows, max_new_tokens), dtype=torch.long)
-    logprobs = torch.zeros((rows, max_new_tokens))
-    done = torch.zeros(rows, dtype=torch.bool)
-    lengths = torch.full((rows,), max_new_tokens, dtype=torch.long)
+    rows, prompt_length = idx.shape
+    fits = prompt_length + max_new_tokens - 1 <= model.shape.max_seq_len  # the last token is never fed back
+    if kv_cache and fits and _cacheable(model):
+        decoder: _Cached | _Recompute = _Cached(model, idx, prompt_length + max_new_tokens - 1)
+    else:
+        decoder = _Recompute(model, idx)
+    check_every = 1 if device.type == "cpu" else EXIT_CHECK_EVERY
+    tokens = torch.zeros((rows, max_new_tokens), dtype=torch.long, device=device)
+    logprobs = torch.zeros((rows, max_new_tokens), device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
+    nxt = None
     for t in range(max_new_tokens):
         with autocast(device):
-            logits, _ = model(idx[:, -model.shape.max_seq_len :])
-        logits = logits[:, -1, :].float().cpu()
+            logits = decoder.next_logits(nxt)
+        logits = logits.float()
         if temperature == 0:
             nxt = logits.argmax(dim=-1)
             logp = F.log_softmax(logits, dim=-1)
@@ -74,12 +173,12 @@ def _complete_batch(model: Transformer, idx: torch.Tensor, max_new_tokens: int, 
         tokens[:, t] = nxt
         logprobs[:, t] = logp.gather(-1, nxt[:, None]).squeeze(-1)
         ended = (nxt == END_TOKEN) & ~done
-        lengths[ended] = t + 1
+        lengths.masked_fill_(ended, t + 1)  # not lengths[ended] = ...: a boolean index syncs
         done |= ended
-        if bool(done.all()):
+        if (t + 1) % check_every == 0 and bool(done.all()):
             break
-        idx = torch.cat((idx, nxt[:, None].to(device)), dim=1)
+    tokens, logprobs, lengths, done = tokens.cpu(), logprobs.cpu(), lengths.tolist(), done.tolist()  # the batch's sync
     return [
-        Completion(tokens=tokens[r, : lengths[r]].tolist(), logprobs=logprobs[r, : lengths[r]].tolist(), finished=bool(done[r]))
+        Completion(tokens=tokens[r, : lengths[r]].tolist(), logprobs=logprobs[r, : lengths[r]].tolist(), finished=done[r])
         for r in range(rows)
     ]

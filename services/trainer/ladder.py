@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.trainer.curriculum import WARMUP_FRACTION, LadderPlan
+from services.domain.curriculum import WARMUP_FRACTION, LadderPlan
 from services.trainer.data import load_text
 from services.trainer.loop import Emit, ShouldStop
 from services.trainer.pretrain import StageConfig, train_stage

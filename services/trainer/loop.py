@@ -5,12 +5,21 @@ A stage supplies `step_fn(step) -> StepOutput` (its forward pass and loss); the 
 so pretrain, midtrain, long-context, SFT, DPO and RLVR checkpoint, resume and stop the same way.
 The loop reports through `emit(kind, fields)` ("metrics", "checkpoint", "log") and asks
 `should_stop()` before every step; on a stop it commits a checkpoint of the current step first.
+
+Host syncs: a step's loss, gradient norm and the stage's own scalars (`StepOutput.scalars`) travel
+to the host as one tensor, and are read `read_lag` steps later (one step on an accelerator), so the
+device is never drained before `optimizer.step` nor between steps: the host queues step s+1 while
+the device finishes step s. Every step's values are still emitted, in order, one step late at most;
+before a checkpoint, a stop and the end they are all read first, so a checkpoint never holds a
+step whose loss was not yet checked, and the divergence check sees every step.
 """
 
+import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -58,6 +67,15 @@ def maybe_shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a sync: a copy from pageable memory into cuda waits for the
+    device queue, one from pinned memory does not (the caching host allocator keeps the pinned
+    buffer alive until the copy is done)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded weights on CPU (gathered under FSDP2): what the rollout worker loads."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -69,6 +87,11 @@ class StepOutput:
     """The scalar to minimise; None when the step has nothing to learn from (the step still counts)."""
     tokens: int
     """Tokens processed, for tokens/s."""
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Device scalars the stage wants on the host (a KL, a clip fraction): read with the loss in the
+    same transfer, without a sync of their own, and handed to `on_scalars` (a step later at most)."""
+    on_scalars: Callable[[dict[str, float]], None] | None = None
+    """Called with `scalars` as floats once they are on the host, before the step's metrics go out."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,6 +105,10 @@ class LoopSettings:
     save_on_stop: bool = True
     log_interval: int = 0
     """A progress log line every this many steps; 0 means about ten per stage."""
+    read_lag: int | None = None
+    """Steps the host reads a step's loss and grad norm behind the device. None: 1 on an accelerator
+    (the host queues the next step while the device finishes this one), 0 on CPU, where reading is
+    not a sync and a lag would only delay the divergence check and stop requests by a step."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +150,36 @@ def resume_or_init(
     return None
 
 
+@dataclass(slots=True)
+class _Reading:
+    """One finished step whose values are on their way to the host."""
+
+    step: int  # 1-based: the optimizer steps taken after it
+    values: torch.Tensor | None  # [loss, grad norm, *scalars] (in flight on cuda); None: nothing learned
+    ready: "torch.cuda.Event | None"  # recorded after the copy; None when `values` is read directly
+    names: list[str]  # of the scalars after loss and grad norm
+    on_scalars: Callable[[dict[str, float]], None] | None
+    learning_rate: float
+    tokens: int
+    started: float
+
+
+def _send_to_host(out: StepOutput, grad_norm: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Stack the step's scalars and start their copy to the host; nothing here waits for the device."""
+    assert out.loss is not None
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the same norm on every rank
+        grad_norm = grad_norm.full_tensor()
+    loss = out.loss.detach().float()
+    values = torch.stack([loss, grad_norm.detach().float().to(loss.device),
+                          *(v.detach().float().reshape(()).to(loss.device) for v in out.scalars.values())])
+    if values.device.type != "cuda":
+        return values, None  # CPU: already there; other accelerators: read (and synced) when due
+    host = values.to("cpu", non_blocking=True)  # into pinned memory: an asynchronous copy
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 def run_loop(
     settings: LoopSettings, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler, step_fn: Callable[[int], StepOutput], emit: Emit,
@@ -132,46 +189,84 @@ def run_loop(
     the step it computes; `position()` is the data position stored with each checkpoint."""
     checkpointer = Checkpointer(settings.checkpoint_dir, keep_last=settings.keep_last)
     log_every = settings.log_interval or max(1, settings.steps // 10)
+    device = next(model.parameters()).device
+    lag = settings.read_lag if settings.read_lag is not None else (0 if device.type == "cpu" else 1)
     step = start_step
     first_loss = final_loss = None
     saved_step = step if start_step > 0 else -1
     stopped = False
-    model.train()
-    while step < settings.steps:
-        if should_stop():
-            stopped = True
-            break
-        started = time.perf_counter()
-        out = step_fn(step)
-        learning_rate = scheduler.get_last_lr()[0]  # the LR this step uses
-        if out.loss is not None:
-            out.loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip))
-            optimizer.step()
-            loss_value = out.loss.item()  # syncs the device, so the timing below is real
+    pending: deque[_Reading] = deque()
+    last_read = 0.0
+
+    def read(reading: _Reading) -> None:
+        """The host side of one step: its values, the divergence check, its metrics."""
+        nonlocal first_loss, final_loss, last_read
+        if reading.values is None:
+            loss_value, grad_norm, scalars = 0.0, 0.0, []
         else:
-            grad_norm, loss_value = 0.0, 0.0
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
+            if reading.ready is not None:
+                reading.ready.synchronize()  # the copy of this step only; later steps keep running
+            loss_value, grad_norm, *scalars = reading.values.tolist()
+        if reading.on_scalars is not None:
+            reading.on_scalars(dict(zip(reading.names, scalars, strict=True)))
         if not math.isfinite(loss_value):
-            emit("log", {"level": "error", "message": f"Loss became {loss_value} at step {step}; stopping."})
+            emit("log", {"level": "error", "message": f"Loss became {loss_value} at step {reading.step}; stopping."})
             checkpointer.wait()
-            raise TrainingError(f"The loss diverged at step {step} of {settings.stage}.")
+            raise TrainingError(f"The loss diverged at step {reading.step} of {settings.stage}.")
         first_loss = loss_value if first_loss is None else first_loss
         final_loss = loss_value
+        now = time.perf_counter()
+        # Since the step started, or, when the host ran ahead, since the previous step was read:
+        # with a lag the device time of consecutive steps is what the reads are apart.
+        elapsed = max(now - max(reading.started, last_read), 1e-9)
+        last_read = now
         emit("metrics", {
-            "stage": settings.stage, "step": step, "total_steps": settings.steps, "loss": loss_value,
-            "learning_rate": learning_rate, "tokens_per_s": out.tokens / (time.perf_counter() - started),
+            "stage": settings.stage, "step": reading.step, "total_steps": settings.steps, "loss": loss_value,
+            "learning_rate": reading.learning_rate, "tokens_per_s": reading.tokens / elapsed,
             "grad_norm": grad_norm,
         })
-        report_checkpoints(emit, checkpointer.poll())
-        if step % settings.checkpoint_interval == 0 or step == settings.steps:
-            checkpointer.save(step, model, optimizer, scheduler=scheduler, data_position=position())
-            saved_step = step
+        if reading.step % log_every == 0:
+            emit("log", {"level": "info", "message": f"{settings.stage} step {reading.step}/{settings.steps} loss {loss_value:.4f}"})
+
+    def read_all(keep: int = 0) -> None:
+        while len(pending) > keep:
+            read(pending.popleft())
+
+    model.train()
+    try:
+        while step < settings.steps:
+            if should_stop():
+                stopped = True
+                break
+            started = time.perf_counter()
+            out = step_fn(step)
+            learning_rate = scheduler.get_last_lr()[0]  # the LR this step uses
+            values = ready = None
+            if out.loss is not None:
+                out.loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+                optimizer.step()
+                values, ready = _send_to_host(out, grad_norm)
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            pending.append(_Reading(step=step, values=values, ready=ready, names=list(out.scalars),
+                                    on_scalars=out.on_scalars if out.loss is not None else None,
+                                    learning_rate=learning_rate, tokens=out.tokens, started=started))
+            checkpoint_due = step % settings.checkpoint_interval == 0 or step == settings.steps
+            read_all(keep=0 if checkpoint_due else lag)
             report_checkpoints(emit, checkpointer.poll())
-        if step % log_every == 0:
-            emit("log", {"level": "info", "message": f"{settings.stage} step {step}/{settings.steps} loss {loss_value:.4f}"})
+            if checkpoint_due:
+                checkpointer.save(step, model, optimizer, scheduler=scheduler, data_position=position())
+                saved_step = step
+                report_checkpoints(emit, checkpointer.poll())
+        read_all()
+    except TrainingError:
+        raise  # a diverged read: the steps after it are not worth reporting
+    except BaseException:
+        with contextlib.suppress(Exception):  # the steps that did finish still report, then the error
+            read_all()
+        raise
 
     if stopped:
         emit("log", {"level": "info", "message": f"Stop requested at step {step}; finishing the checkpoint."})

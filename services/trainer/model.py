@@ -146,7 +146,8 @@ class Transformer(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx, targets: (B, T) int64. Returns logits (B, T, vocab) and the mean loss or None."""
+        """idx, targets: (B, T) int64. Returns logits (B, T, vocab) and the mean loss or None (plus
+        the z-loss term in training mode)."""
         _, T = idx.shape
         assert T <= self.shape.max_seq_len, f"sequence of {T} exceeds max_seq_len {self.shape.max_seq_len}"
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
@@ -158,7 +159,9 @@ class Transformer(nn.Module):
             return logits, None
         flat = logits.float().view(-1, logits.shape[-1])
         loss = F.cross_entropy(flat, targets.reshape(-1))
-        if self.z_loss:
+        if self.z_loss and self.training:
+            # A training penalty only: in eval mode the loss stays the cross-entropy, so held-out
+            # loss (and the gates on it) means the same with z-loss on or off.
             loss = loss + self.z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean()
         return logits, loss
 

@@ -1,6 +1,7 @@
 """Post-training objectives as pure tensor functions: SFT's masked loss, DPO's sigmoid loss, and
-GRPO with the four DAPO changes (Yu et al., 2025). No model, no I/O: each is tested on values
-computed by hand.
+GRPO with the four DAPO changes (Yu et al., 2025) and verl's dual-clip. No model, no I/O: each is
+tested on values computed by hand, and against the published reference formula on random tensors
+(tests/trainer/test_reference_formulas.py).
 
 Conventions: per-token tensors are (batch, tokens) with a float `mask` of 1 on response tokens and
 0 on prompt and padding; log-probabilities are natural logs.
@@ -9,7 +10,13 @@ Conventions: per-token tensors are (batch, tokens) with a float `mask` of 1 on r
 import torch
 import torch.nn.functional as F
 
-ADVANTAGE_EPS = 1e-6  # keeps a group's normalisation finite; groups with std 0 are dropped anyway
+ADVANTAGE_EPS = 1e-6  # keeps a group's normalisation finite (a kept group's shaped rewards can still tie)
+# Dual-clip PPO (Ye et al., 2020), verl's default: for A < 0 the per-token loss is at most c * |A|,
+# so a token whose probability already rose far above the behaviour policy's cannot blow up the step.
+DUAL_CLIP_C = 3.0
+# verl clamps log(pi / pi_old) to this before exp(): the ratio stays finite (and its gradient not
+# NaN) however far a stale token's log-probability moved; inside the bound the objective is unchanged.
+MAX_LOG_RATIO = 20.0
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -49,10 +56,13 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - mean) / (std + ADVANTAGE_EPS)
 
 
-def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """DAPO dynamic sampling: True for groups whose rewards are not all equal. A group where every
-    answer is right (or every one wrong) has zero advantage everywhere and only dilutes the batch."""
-    return (rewards != rewards[..., :1]).any(dim=-1)
+def informative_groups(correct: torch.Tensor) -> torch.Tensor:
+    """DAPO dynamic sampling: True for groups whose answers are neither all right nor all wrong;
+    `correct` is (groups, group_size), the verifier's accuracy before any reward shaping. Judged on
+    correctness, not on the shaped reward: an all-wrong group where one answer ran into the overlong
+    buffer has rewards that differ, but normalising them would hand a length penalty the advantage of
+    a right answer. A uniform group has zero advantage everywhere and only dilutes the batch."""
+    return (correct != correct[..., :1]).any(dim=-1)
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer_tokens: int) -> float:
@@ -71,21 +81,27 @@ def overlong_penalty(length: int, max_tokens: int, buffer_tokens: int) -> float:
 
 def clipped_policy_loss(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    eps_low: float, eps_high: float,
+    eps_low: float, eps_high: float, clip_ratio_c: float = DUAL_CLIP_C,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO-style clipped surrogate with DAPO's clip-higher (ratio clipped to [1 - eps_low,
-    1 + eps_high], eps_high > eps_low leaves low-probability tokens room to rise) and token-level
-    averaging (every response token of the batch weighs the same, so long responses are not
-    down-weighted as a per-sample mean would). `advantages` is per sequence (B,) or per token (B, T).
-    Returns (loss, fraction of response tokens where the clip was binding)."""
+    """verl's `compute_policy_loss`: the PPO clipped surrogate with DAPO's clip-higher (ratio clipped
+    to [1 - eps_low, 1 + eps_high]; eps_high > eps_low leaves low-probability tokens room to rise),
+    dual-clip for negative advantages (the loss of a token with A < 0 is at most clip_ratio_c * |A|),
+    and token-level averaging (every response token of the batch weighs the same, so long responses
+    are not down-weighted as a per-sample mean would). `advantages` is per sequence (B,) or per token
+    (B, T). Returns (loss, fraction of response tokens where a clip, either one, chose the value:
+    those pass no gradient)."""
+    if clip_ratio_c <= 1.0:
+        raise ValueError("The dual-clip constant must be above 1.")
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
-    ratio = torch.exp(logprobs - old_logprobs)
-    clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    unclipped_term, clipped_term = ratio * advantages, clipped_ratio * advantages
-    per_token = -torch.minimum(unclipped_term, clipped_term)
-    clipped = (clipped_term < unclipped_term).float()  # the clip chose the value: no gradient there
-    return masked_mean(per_token, mask), masked_mean(clipped, mask).detach()
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    ppo = torch.maximum(unclipped, clipped)  # the pessimistic of the two: PPO's min over objectives
+    bound = -advantages * clip_ratio_c  # positive where A < 0
+    per_token = torch.where(advantages < 0, torch.minimum(ppo, bound), ppo)
+    binding = (clipped > unclipped) | ((advantages < 0) & (ppo > bound))
+    return masked_mean(per_token, mask), masked_mean(binding.float(), mask).detach()
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

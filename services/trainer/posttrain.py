@@ -4,9 +4,15 @@ against the frozen incoming model). RLVR lives in `rlvr.py`; the objectives in `
 A task is a (prompt, answer) pair from a generated source: "12+35=" -> "47"; the response the model
 learns is the answer and a newline. Batches are drawn from a generator seeded by (seed, stage, step)
 alone, so a resumed stage sees exactly the batches an uninterrupted one would.
+
+DPO's frozen reference is a function of the batch alone, so its log-probabilities are computed once
+per batch, ahead of the steps, many batches to a no-grad forward (`ReferenceLogprobs`), not in every
+step beside the policy's forward.
 """
 
 import random
+import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,6 +32,7 @@ from services.trainer.loop import (
     pick_device,
     resume_or_init,
     run_loop,
+    to_device,
 )
 from services.trainer.model import Transformer
 from services.trainer.objectives import dpo_loss, sft_loss, token_logprobs
@@ -35,6 +42,9 @@ Problem = tuple[str, str]
 WARMUP_FRACTION = 0.05
 MIN_LR_RATIO = 0.1
 PAD_TOKEN = 0  # never attended to as context (padding sits to the right) and masked out of losses
+# Logits one reference forward may hold (64 MiB in float32): large enough that a tiny model's
+# batches go through hundreds at a time, small enough for a 128k vocabulary; lower it if memory-bound.
+REFERENCE_CHUNK_LOGITS = 1 << 24
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,8 +121,11 @@ def sequence_logprobs(model: Transformer, inputs: torch.Tensor, targets: torch.T
                       temperature: float = 1.0) -> torch.Tensor:
     """Per-token log-probabilities (B, T) of `targets` under the model (logits / temperature)."""
     with autocast(device):
-        logits, _ = model(inputs.to(device))
-    return token_logprobs(logits.float() / temperature, targets.to(device))
+        logits, _ = model(to_device(inputs, device))
+    logits = logits.float()
+    if temperature != 1.0:  # dividing by 1 is a pass over (B, T, vocab) that changes no bit
+        logits = logits / temperature
+    return token_logprobs(logits, to_device(targets, device))
 
 
 def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
@@ -148,11 +161,76 @@ def train_sft(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> P
         batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
         inputs, targets, mask = response_batch([p for p, _ in batch], [a for _, a in batch])
         logprobs = sequence_logprobs(model, inputs, targets, device)
-        return StepOutput(loss=sft_loss(logprobs, mask.to(device)), tokens=int(inputs.numel()))
+        return StepOutput(loss=sft_loss(logprobs, to_device(mask, device)), tokens=int(inputs.numel()))
 
     result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=start,
                       position=lambda: 0)
     return _finish(model, result)
+
+
+def dpo_batch(cfg: PostConfig, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step `step`'s preference pairs as one batch, a function of (seed, stage, step): the
+    `batch_size` chosen rows (right answers), then their rejected rows (nearby wrong answers)."""
+    rng = batch_rng(cfg.seed, cfg.stage, step)
+    batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
+    prompts = [p for p, _ in batch] * 2
+    responses = [a for _, a in batch] + [wrong_answer(a, rng) for _, a in batch]
+    return response_batch(prompts, responses)
+
+
+class ReferenceLogprobs:
+    """The frozen reference's summed response log-probabilities of each step's batch, computed once
+    per batch index and handed out once. When a step's are missing, the batches of it and the steps
+    after it (up to `chunk_logits` logits) are built and their reference forwards run together, the
+    batches of one width concatenated into one forward: a row's values do not depend on the rows
+    beside it (bit for bit on CPU), so the results are those of one forward per step, for fewer and
+    larger forwards."""
+
+    def __init__(self, reference: Transformer, batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 steps: int, device: torch.device, chunk_logits: int = REFERENCE_CHUNK_LOGITS):
+        self.reference = reference
+        self.batch_of = batch_of
+        self.steps = steps
+        self.device = device
+        self.chunk_logits = chunk_logits
+        self.batches = 0  # batches whose reference values were computed
+        self.forwards = 0
+        self.seconds = 0.0  # host time in the reference forwards (on cuda: time to queue them)
+        self._ready: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def take(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(inputs, targets, mask on the device, reference sums per row) of step `step`'s batch."""
+        if step not in self._ready:
+            self._fill(step)
+        return self._ready.pop(step)
+
+    @torch.no_grad()
+    def _fill(self, first: int) -> None:
+        started = time.perf_counter()
+        vocab = self.reference.shape.vocab_size
+        window: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        held = 0
+        for step in range(first, self.steps):
+            batch = self.batch_of(step)
+            size = batch[0].numel() * vocab
+            if window and held + size > self.chunk_logits:
+                break
+            window[step] = batch
+            held += size
+        by_width: dict[int, list[int]] = defaultdict(list)
+        for step, (inputs, _, _) in window.items():
+            by_width[inputs.shape[1]].append(step)
+        for steps in by_width.values():
+            inputs = torch.cat([window[s][0] for s in steps])
+            targets = torch.cat([window[s][1] for s in steps])
+            mask = to_device(torch.cat([window[s][2] for s in steps]), self.device)
+            sums = (sequence_logprobs(self.reference, inputs, targets, self.device) * mask).sum(-1)
+            rows = [window[s][0].shape[0] for s in steps]
+            for s, m, r in zip(steps, mask.split(rows), sums.split(rows), strict=True):
+                self._ready[s] = (window[s][0], window[s][1], m, r)
+            self.forwards += 1
+        self.batches += len(window)
+        self.seconds += time.perf_counter() - started
 
 
 def train_dpo(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> PostResult:
@@ -165,25 +243,28 @@ def train_dpo(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> P
     if cfg.init_from is not None:
         load_weights(cfg.init_from, reference)
     reference.eval().requires_grad_(False)
+    references = ReferenceLogprobs(reference, partial(dpo_batch, cfg), cfg.steps, device)
+    report_every = max(1, cfg.steps // 5)
+
+    def report(step: int, values: dict[str, float]) -> None:
+        emit("log", {"level": "info", "message": (
+            f"dpo step {step + 1}: reward accuracy {values['accuracy']:.2f}, margin {values['margin']:.3f}")})
 
     def step_fn(step: int) -> StepOutput:
-        rng = batch_rng(cfg.seed, cfg.stage, step)
-        batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
-        prompts = [p for p, _ in batch] * 2
-        responses = [a for _, a in batch] + [wrong_answer(a, rng) for _, a in batch]
-        inputs, targets, mask = response_batch(prompts, responses)
-        mask = mask.to(device)
+        inputs, targets, mask, ref = references.take(step)
         policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
-        with torch.no_grad():
-            ref = (sequence_logprobs(reference, inputs, targets, device) * mask).sum(-1)
         n = cfg.batch_size
         loss, chosen, rejected = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], cfg.beta)
-        if (step + 1) % max(1, cfg.steps // 5) == 0:
-            emit("log", {"level": "info", "message": (
-                f"dpo step {step + 1}: reward accuracy {(chosen > rejected).float().mean().item():.2f}, "
-                f"margin {(chosen - rejected).mean().item():.3f}")})
-        return StepOutput(loss=loss, tokens=int(inputs.numel()))
+        if (step + 1) % report_every:
+            return StepOutput(loss=loss, tokens=int(inputs.numel()))
+        # Read with the loss, in the loop's one transfer: no sync of their own in the step.
+        scalars = {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()}
+        return StepOutput(loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(report, step))
 
     result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=start,
                       position=lambda: 0)
+    if references.batches:
+        emit("log", {"level": "info", "message": (
+            f"dpo: reference log-probs of {references.batches} batches, each computed once, in "
+            f"{references.forwards} forwards, {references.seconds:.3f} s")})
     return _finish(model, result)

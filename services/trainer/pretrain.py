@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from contracts.manifest import Manifest
 from contracts.models import ModelShape
 from services.trainer.checkpoint import batches_to_skip
-from services.trainer.curriculum import LmPlan, plan_run
+from services.domain.curriculum import LmPlan, plan_run
 from services.trainer.data import VOCAB_SIZE, BatchIterator, eval_batches, load_eval_tokens, load_tokens, split_held_out
 from services.trainer.loop import (
     Emit,
@@ -33,6 +33,7 @@ from services.trainer.loop import (
     rank,
     resume_or_init,
     run_loop,
+    to_device,
 )
 from services.trainer.model import Transformer, count_parameters
 
@@ -137,6 +138,7 @@ def lm_stage_config(plan: LmPlan, manifest: Manifest, checkpoint_dir: str | os.P
         checkpoint_dir=str(checkpoint_dir),
         checkpoint_interval=manifest.checkpoint.interval_steps,
         keep_last=manifest.checkpoint.keep_last,
+        z_loss=manifest.target.z_loss,
     )
 
 
@@ -209,10 +211,11 @@ def lm_loss(model: Transformer, tokens: torch.Tensor, *, seq_len: int, batch_siz
     losses = []
     for x, y in eval_batches(tokens, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches):
         with autocast(device):
-            _, loss = model(x.to(device), y.to(device))
-        losses.append(loss.item())
+            _, loss = model(to_device(x, device), to_device(y, device))
+        losses.append(loss.float())
     model.train(was_training)
-    return sum(losses) / len(losses) if losses else None
+    values = torch.stack(losses).tolist() if losses else []  # one host sync for every batch
+    return sum(values) / len(values) if values else None
 
 
 def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -> StageResult:
@@ -249,7 +252,7 @@ def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -
 
     def step_fn(_: int) -> StepOutput:
         x, y = next(batches)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = to_device(x, device), to_device(y, device)
         with autocast(device):
             _, loss = model(x, y)
         return StepOutput(loss=loss, tokens=tokens_per_step)

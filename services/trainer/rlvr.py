@@ -1,4 +1,5 @@
-"""RLVR: GRPO on verifiable rewards with the four DAPO changes, rollouts from a separate process.
+"""RLVR: GRPO on verifiable rewards with the four DAPO changes and verl's dual-clip, rollouts from a
+separate process.
 
 Per optimizer step s (the policy is then at version s):
   1. publish the weights of version s to the rollout worker;
@@ -6,9 +7,11 @@ Per optimizer step s (the policy is then at version s):
      this step trains; they are one version old when used, within the default bound k = 1;
   3. take step s's rollouts (requested during step s-1, or now on the first step), drop them if
      they are more than k versions old, score them (exact answer, plus the overlong penalty), and
-     keep only groups whose rewards differ (dynamic sampling), requesting refills (sampled from
-     version s) until `prompts_per_step` groups are kept or `max_sampling_rounds` is spent;
-  4. the clipped (clip-higher), token-averaged policy loss over the kept groups.
+     keep only groups whose answers are neither all right nor all wrong (dynamic sampling, judged on
+     correctness as DAPO does, not on the shaped reward), requesting refills (sampled from version
+     s) until `prompts_per_step` groups are kept or `max_sampling_rounds` is spent;
+  4. group-normalised advantages of the shaped rewards, and the clipped (clip-higher, dual-clip
+     c = 3), token-averaged policy loss over the kept groups.
 No KL term in the loss (DAPO drops it); the k3 estimate against the behaviour policy is logged.
 
 Resume: the stage restarts from its latest checkpoint (policy, optimizer, step) with a fresh worker;
@@ -28,6 +31,7 @@ from services.trainer.data import ByteTokenizer
 from services.trainer.generation import Completion
 from services.trainer.loop import Emit, LoopSettings, StepOutput, full_state_dict, pick_device, resume_or_init, run_loop
 from services.trainer.objectives import (
+    DUAL_CLIP_C,
     clipped_policy_loss,
     fresh_rollouts,
     group_advantages,
@@ -74,7 +78,7 @@ class StepStats:
     accuracy: float = 0.0
     reward: float = 0.0
     groups_kept: int = 0
-    groups_uniform: int = 0
+    groups_uniform: int = 0  # all right or all wrong: dropped by dynamic sampling
     stale_dropped: int = 0
     rounds: int = 0
     kl: float = 0.0
@@ -99,6 +103,14 @@ def score(completion: Completion, answer: str, *, max_tokens: int, buffer_tokens
     correct = completion.finished and text[:-1] == answer
     length = len(completion.tokens) if completion.finished else max_tokens + 1
     return float(correct) + overlong_penalty(length, max_tokens, buffer_tokens), correct
+
+
+def score_group(group: list[Completion], answer: str, cfg: RlvrConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shaped rewards, correct) of one group, both (group_size,): the rewards feed the advantages,
+    the verifier's bare correctness decides whether dynamic sampling keeps the group."""
+    scored = [score(c, answer, max_tokens=cfg.max_response_tokens, buffer_tokens=cfg.overlong_buffer_tokens)
+              for c in group]
+    return torch.tensor([r for r, _ in scored]), torch.tensor([ok for _, ok in scored])
 
 
 def policy_batch(prompts: list[list[int]], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,6 +160,70 @@ class Sampler:
         return self.worker.collect(request_id), self.answers.pop(request_id)
 
 
+@dataclass(slots=True)
+class Kept:
+    """What a step sampled: the groups kept for the loss, and totals over every fresh rollout (the
+    reported accuracy and reward are before any filtering)."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    completions: list[Completion] = field(default_factory=list)
+    rewards: list[torch.Tensor] = field(default_factory=list)
+    sampled: int = 0
+    right: int = 0
+    reward_sum: float = 0.0
+
+
+def take_batch(batch: RolloutBatch, answers: list[str], cfg: RlvrConfig, kept: Kept, st: StepStats) -> None:
+    """Score a fresh batch and keep, up to `prompts_per_step`, the groups dynamic sampling lets through."""
+    for prompt, group, answer in zip(batch.prompts, batch.groups, answers, strict=True):
+        rewards, correct = score_group(group, answer, cfg)
+        kept.sampled += len(group)
+        kept.right += int(correct.sum())
+        kept.reward_sum += float(rewards.sum())
+        if not bool(informative_groups(correct[None])[0]):
+            st.groups_uniform += 1
+        elif len(kept.rewards) < cfg.prompts_per_step:
+            kept.prompts += [prompt] * len(group)
+            kept.completions += group
+            kept.rewards.append(rewards)
+
+
+def sample_step(step: int, first: str, cfg: RlvrConfig, sampler: Sampler, st: StepStats) -> Kept:
+    """Step `step`'s groups: the batch `first`, then refills until enough are kept or the rounds run out;
+    a batch more than `max_staleness` versions old is dropped whole."""
+    kept = Kept()
+    request_id, round_ = first, 0
+    while True:
+        batch, answers = sampler.collect(request_id)
+        st.rounds += 1
+        if fresh_rollouts([batch.version], step, cfg.max_staleness)[0]:
+            take_batch(batch, answers, cfg, kept, st)
+        else:
+            st.stale_dropped += sum(len(g) for g in batch.groups)
+        if len(kept.rewards) >= cfg.prompts_per_step or round_ + 1 >= cfg.max_sampling_rounds:
+            break
+        round_ += 1
+        request_id = sampler.request(step, round_, cfg.prompts_per_step)
+    st.groups_kept = len(kept.rewards)
+    st.accuracy = kept.right / kept.sampled if kept.sampled else 0.0
+    st.reward = kept.reward_sum / kept.sampled if kept.sampled else 0.0
+    return kept
+
+
+def policy_loss(model: torch.nn.Module, kept: Kept, cfg: RlvrConfig, device: torch.device,
+                st: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, response mask) over the kept groups: advantages normalised within each group of shaped
+    rewards, the clipped policy loss; the k3 KL and the clip fraction go to `st`."""
+    inputs, targets, mask, old = policy_batch(kept.prompts, kept.completions)
+    mask, old = mask.to(device), old.to(device)
+    advantages = group_advantages(torch.stack(kept.rewards)).reshape(-1).to(device)
+    logprobs = sequence_logprobs(model, inputs, targets, device, temperature=cfg.temperature)
+    loss, clip_fraction = clipped_policy_loss(logprobs, old, advantages, mask, cfg.eps_low, cfg.eps_high)
+    st.kl = float(kl_estimate(logprobs, old, mask))
+    st.clip_fraction = float(clip_fraction)
+    return loss, mask
+
+
 def train_rlvr(cfg: RlvrConfig, emit: Emit, should_stop: Callable[[], bool], *,
                worker_factory: Callable[..., RolloutWorker] = RolloutWorker) -> RlvrResult:
     """`worker_factory(shape, rope_base, threads=, device=)` builds the rollout worker (a context
@@ -165,69 +241,29 @@ def train_rlvr(cfg: RlvrConfig, emit: Emit, should_stop: Callable[[], bool], *,
     resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
     start = resumed.step if resumed else 0
     stats: list[StepStats] = []
-    stale_total = 0
     if start < cfg.steps:
         emit("log", {"level": "info", "message": (
             f"rlvr: {cfg.steps - start} steps of {cfg.prompts_per_step} groups x {cfg.group_size} rollouts, "
-            f"clip [{1 - cfg.eps_low:.2f}, {1 + cfg.eps_high:.2f}], L_max {cfg.max_response_tokens}, "
-            f"L_cache {cfg.overlong_buffer_tokens}, staleness <= {cfg.max_staleness}")})
+            f"clip [{1 - cfg.eps_low:.2f}, {1 + cfg.eps_high:.2f}], dual-clip {DUAL_CLIP_C:g}, "
+            f"L_max {cfg.max_response_tokens}, L_cache {cfg.overlong_buffer_tokens}, staleness <= {cfg.max_staleness}")})
 
     with worker_factory(model.shape, cfg.rope_base, threads=cfg.threads, device=device.type) as worker:
         sampler = Sampler(cfg, worker)
 
         def step_fn(step: int) -> StepOutput:
-            nonlocal stale_total
             st = StepStats(step=step + 1)
+            stats.append(st)
             worker.publish(step, full_state_dict(model))
             first = sampler.request(step, 0, cfg.prompts_per_step)
             if cfg.max_staleness >= 1 and step + 1 < cfg.steps:
                 sampler.request(step + 1, 0, cfg.prompts_per_step)  # sampled from version `step`
-            prompts: list[list[int]] = []
-            completions: list[Completion] = []
-            rewards: list[torch.Tensor] = []
-            sampled = right = 0
-            reward_sum = 0.0
-            request_id, round_ = first, 0
-            while True:
-                batch, answers = sampler.collect(request_id)
-                st.rounds += 1
-                if not fresh_rollouts([batch.version], step, cfg.max_staleness)[0]:
-                    st.stale_dropped += sum(len(g) for g in batch.groups)
-                else:
-                    for prompt, group, answer in zip(batch.prompts, batch.groups, answers, strict=True):
-                        scored = [score(c, answer, max_tokens=cfg.max_response_tokens,
-                                        buffer_tokens=cfg.overlong_buffer_tokens) for c in group]
-                        group_rewards = torch.tensor([r for r, _ in scored])
-                        sampled += len(group)
-                        right += sum(ok for _, ok in scored)
-                        reward_sum += float(group_rewards.sum())
-                        if not bool(informative_groups(group_rewards[None])[0]):
-                            st.groups_uniform += 1
-                        elif len(rewards) < cfg.prompts_per_step:
-                            prompts += [prompt] * len(group)
-                            completions += group
-                            rewards.append(group_rewards)
-                needed = cfg.prompts_per_step - len(rewards)
-                if needed <= 0 or round_ + 1 >= cfg.max_sampling_rounds:
-                    break
-                round_ += 1
-                request_id = sampler.request(step, round_, cfg.prompts_per_step)
-            stale_total += st.stale_dropped
-            st.groups_kept = len(rewards)
-            st.accuracy = right / sampled if sampled else 0.0
-            st.reward = reward_sum / sampled if sampled else 0.0
-            stats.append(st)
-            if not rewards:
+            kept = sample_step(step, first, cfg, sampler, st)
+            if not kept.rewards:
                 emit("log", {"level": "warning", "message": (
-                    f"rlvr step {step + 1}: no group with differing rewards after {st.rounds} rounds; nothing to learn")})
+                    f"rlvr step {step + 1}: no group with both right and wrong answers after {st.rounds} "
+                    "rounds; nothing to learn")})
                 return StepOutput(loss=None, tokens=0)
-            inputs, targets, mask, old = policy_batch(prompts, completions)
-            mask, old = mask.to(device), old.to(device)
-            advantages = group_advantages(torch.stack(rewards)).reshape(-1).to(device)
-            logprobs = sequence_logprobs(model, inputs, targets, device, temperature=cfg.temperature)
-            loss, clip_fraction = clipped_policy_loss(logprobs, old, advantages, mask, cfg.eps_low, cfg.eps_high)
-            st.kl = float(kl_estimate(logprobs, old, mask))
-            st.clip_fraction = float(clip_fraction)
+            loss, mask = policy_loss(model, kept, cfg, device, st)
             emit("log", {"level": "info", "message": (
                 f"rlvr step {step + 1}: reward {st.reward:.3f}, accuracy {st.accuracy:.3f}, kl {st.kl:.4f}, "
                 f"clipped {st.clip_fraction:.3f}, groups kept {st.groups_kept} (uniform dropped {st.groups_uniform}), "
@@ -236,6 +272,7 @@ def train_rlvr(cfg: RlvrConfig, emit: Emit, should_stop: Callable[[], bool], *,
 
         result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=start,
                           position=lambda: 0)
+    stale_total = sum(st.stale_dropped for st in stats)
     if stale_total:
         emit("log", {"level": "info", "message": f"rlvr dropped {stale_total} stale rollouts (older than {cfg.max_staleness} versions)"})
     return RlvrResult(final_step=result.final_step, first_loss=result.first_loss, final_loss=result.final_loss,

@@ -27,10 +27,11 @@ from contracts.manifest import Manifest
 from contracts.runs import ProposalMade, TrainWork
 from contracts.states import RunState
 from services.runtime import codec, faults
+from services.runtime.checkpoint_paths import inside, run_dir, storage_root
 from services.runtime.codec import Refusal
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
 from services.trainer import spikes
-from services.trainer.checkpoint import list_checkpoints, rewind
+from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.emitter import Emitter
 from services.trainer.pipeline import run_pipeline
 
@@ -41,6 +42,7 @@ IN_PROGRESS_EVERY_S = 2.0  # well inside WORK_ACK_WAIT_S
 RENEW_EVERY_S = 1.0  # the lease renewal is the heartbeat the scheduler's watcher listens for
 SELF_FENCE_S = 3.0  # no renewal for this long: stop, since the scheduler declares us lost at 5 s
 RETRY_LEASE_AFTER_S = 5  # the scheduler did not answer: give the item back, try again later
+FINAL_STATE_WAIT_S = 15.0  # the item is acked only once the scheduler shows the final state
 
 work_decoder = msgspec.json.Decoder(TrainWork)
 manifest_decoder = msgspec.json.Decoder(Manifest)
@@ -74,15 +76,21 @@ WATCHED_STAGES = frozenset({"pretrain", "midtrain", "long_context"})  # PaLM's r
 
 class SpikeWatch:
     """Sits between the pipeline and the bus: every step's loss goes through the spike detector; a
-    spike stops the loop (its checkpoint is committed first) so the run can be paused for approval."""
+    spike stops the loop (its checkpoint is committed first) so the run can be paused for approval.
 
-    def __init__(self, emit, stop: Stop, planted: bool = False) -> None:
+    Given the run's `checkpoint_dir`, it pins the checkpoint a restart would go back to from the
+    first spiking step on, on the training thread and so before any later save prunes: the saves
+    around a spike (the one on stop among them) would otherwise evict it by `keep_last`."""
+
+    def __init__(self, emit, stop: Stop, planted: bool = False, checkpoint_dir: pathlib.Path | None = None) -> None:
         self._emit = emit
         self.stop = stop
+        self.checkpoint_dir = checkpoint_dir
         self.detector = spikes.SpikeDetector()
         self.planted_from = int(os.environ.get(faults.ENV_SPIKE_STEP, "60")) if planted else None
         self.stage, self.spike_step, self.total_steps, self.reason = "", 0, 0, ""
         self._stage_seen = ""
+        self._pinned_for: int | None = None  # the first spiking step the current pin is for
 
     def emit(self, kind: str, payload: dict) -> None:
         if kind == "metrics" and payload["stage"] in WATCHED_STAGES:
@@ -90,13 +98,36 @@ class SpikeWatch:
                 self._stage_seen, self.detector = payload["stage"], spikes.SpikeDetector()
             if self.planted_from is not None and payload["step"] >= self.planted_from:
                 payload = {**payload, "loss": payload["loss"] * 10.0}  # fault injection (tests, make chaos)
-            if self.detector.observe(payload["step"], payload["loss"], payload["grad_norm"]) and not self.stop.is_set():
-                self.stage, self.total_steps = payload["stage"], payload["total_steps"]
-                self.spike_step = self.detector.first_spike_step or payload["step"]
-                self.reason = (f"loss above mean + {spikes.K_SIGMA:g} sigma of the last {spikes.WINDOW} steps "
-                               f"for {spikes.CONSECUTIVE} steps")
-                self.stop.set("loss_spike")
+            if not self.stop.is_set():  # once stopping, the spike (and its pin) stay as they are
+                spiked = self.detector.observe(payload["step"], payload["loss"], payload["grad_norm"])
+                if self.detector.first_spike_step != self._pinned_for:  # a suspected spike began or ended
+                    self._pin(payload["stage"], payload["total_steps"])
+                if spiked:
+                    self.stage, self.total_steps = payload["stage"], payload["total_steps"]
+                    self.spike_step = self.detector.first_spike_step or payload["step"]
+                    self.reason = (f"loss above mean + {spikes.K_SIGMA:g} sigma of the last {spikes.WINDOW} steps "
+                                   f"for {spikes.CONSECUTIVE} steps")
+                    self.stop.set("loss_spike")
         self._emit(kind, payload)
+
+    def _pin(self, stage: str, total_steps: int) -> None:
+        self._pinned_for = self.detector.first_spike_step
+        if self.checkpoint_dir is None:
+            return
+        stage_dir = self.checkpoint_dir / stage
+        point = None if self._pinned_for is None else spikes.restart_point(
+            self._pinned_for, total_steps, [c.step for c in list_checkpoints(stage_dir)])
+        pin(stage_dir, point)
+
+    def proposal(self, checkpoint_dir: pathlib.Path) -> RestartProposal:
+        """PaLM's remedy for the spike that stopped the loop, in data positions, from the checkpoints
+        as they are now (the one saved on stop included); its checkpoint stays pinned until the
+        restart is carried out."""
+        stage_dir = checkpoint_dir / self.stage
+        proposal = spikes.propose(self.stage, self.spike_step, self.total_steps, committed_positions(stage_dir),
+                                  self.reason, skip=skip_window(stage_dir))
+        pin(stage_dir, proposal.checkpoint_step)
+        return proposal
 
 
 class Worker:
@@ -106,17 +137,30 @@ class Worker:
         self.threads = int(os.environ.get(ENV_TRAINER_THREADS) or os.cpu_count() or 1)
         self.trainer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stops: dict[str, Stop] = {}
+        self.epochs: dict[str, int] = {}
+        self.checkpoint_root = settings.data_dir / "checkpoints"
 
-    def cancel(self, run_id: str) -> None:
-        stop = self.stops.get(run_id)
-        if stop is not None:
-            log.info("run %s: cancel notice received; stopping after this step", run_id)
+    async def cancel(self, run_id: str) -> None:
+        """A (signed) cancel notice is a hint to look now: the lease says whether the run really
+        is being cancelled, so a notice alone never stops a run."""
+        stop, epoch = self.stops.get(run_id), self.epochs.get(run_id)
+        if stop is None or epoch is None:
+            return
+        answer = await self.lease(run_id, epoch)
+        if answer is not None and not answer.proceed and answer.state in (RunState.cancelling, RunState.cancelled):
+            log.info("run %s: cancel confirmed by the lease; stopping after this step", run_id)
             stop.set("cancelled")
+        else:
+            log.warning("run %s: cancel notice not backed by the run's state; training on", run_id)
 
-    async def lease(self, run_id: str, epoch: int = 0) -> LeaseAnswer | None:
-        """Ask for (epoch 0) or renew a run's lease; None when the scheduler did not answer."""
+    async def lease(self, run_id: str, epoch: int = 0, work: TrainWork | None = None) -> LeaseAnswer | None:
+        """Ask for (epoch 0, with the work item's binding) or renew a run's lease; None when the
+        scheduler did not answer."""
         try:
-            query = LeaseQuery(run_id=run_id, trainer_id=self.trainer_id, epoch=epoch)
+            binding = {} if work is None else {
+                "account": work.account, "booking_id": work.booking_id, "manifest_digest": work.manifest_digest,
+                "plan_sha256": codec.digest(work.plan)}
+            query = LeaseQuery(run_id=run_id, trainer_id=self.trainer_id, epoch=epoch, **binding)
             reply = await self.broker.request(codec.encode(query),
                                               self.settings.subject(subjects.RUN_LEASE),
                                               timeout=self.settings.request_timeout_s)
@@ -155,7 +199,7 @@ class Worker:
             log.error("work item rejected (terminated, not trained): %s", exc)
             await msg.raw_message.term()
             return
-        answer = await self.lease(work.run_id)  # a new lease: epoch 0 asks for the next epoch
+        answer = await self.lease(work.run_id, work=work)  # a new lease: epoch 0 asks for the next epoch
         if answer is None:
             log.warning("run %s: the scheduler did not answer the lease; retrying in %ds", work.run_id,
                         RETRY_LEASE_AFTER_S)
@@ -170,10 +214,14 @@ class Worker:
     async def _train(self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int) -> None:
         emitter = Emitter(self.broker, self.settings, work.run_id, asyncio.get_running_loop(), epoch)
         stop = self.stops[work.run_id] = Stop()
+        self.epochs[work.run_id] = epoch
         keep_alive = asyncio.create_task(self._keep_alive(msg, work.run_id, epoch, stop))
-        checkpoint_dir = pathlib.Path(work.checkpoint_dir)
+        # Derived from our own root, never taken from the message.
+        checkpoint_dir = run_dir(self.checkpoint_root, manifest.checkpoint.storage, work.account, work.run_id)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        final: RunState | None = None
         watch = SpikeWatch(emitter.from_thread, stop, planted=faults.active(faults.TRAINER_LOSS_SPIKE)
-                           and work.restart is None)
+                           and work.restart is None, checkpoint_dir=checkpoint_dir)
         try:
             if work.restart is not None:
                 r = work.restart
@@ -190,29 +238,48 @@ class Worker:
             await emitter.log(result.summary)
             if stop.reason == "loss_spike":
                 await self._propose(emitter, checkpoint_dir, watch)
+                final = RunState.awaiting_approval
             elif stop.is_set():
                 step = last_committed_step(checkpoint_dir)
                 kept = f"; last checkpoint at step {step}" if step is not None else "; no checkpoint yet"
-                await emitter.state(RunState.cancelled, stage=result.last_stage, message="cancelled" + kept)
+                final = RunState.cancelled
+                await emitter.state(final, stage=result.last_stage, message="cancelled" + kept)
             elif getattr(result, "outcome", "succeeded") == "gate_failed":
-                await emitter.state(RunState.gate_failed, stage=result.last_stage, message=result.summary)
+                final = RunState.gate_failed
+                await emitter.state(final, stage=result.last_stage, message=result.summary)
             else:
-                await emitter.state(RunState.succeeded, stage=result.last_stage, message=result.summary)
+                final = RunState.succeeded
+                await emitter.state(final, stage=result.last_stage, message=result.summary)
         except Exception as exc:  # the run failed; report it as state and stop redelivery
             log.exception("run %s failed", work.run_id)
-            await emitter.state(RunState.failed, message=f"training failed: {type(exc).__name__}")
+            final = RunState.failed
+            await emitter.state(final, message=f"training failed: {type(exc).__name__}")
         finally:
             keep_alive.cancel()
             self.stops.pop(work.run_id, None)
-        if stop.reason != "fenced":
+            self.epochs.pop(work.run_id, None)
+        if stop.reason == "fenced":
+            return
+        if await self._applied(work.run_id, epoch, final):
             await msg.ack()
+        else:  # refused or unseen: never ack; the item comes back and the lease decides what happens
+            log.warning("run %s: the scheduler does not show %s; leaving the work item unacknowledged",
+                        work.run_id, final)
+            await msg.raw_message.nak(delay=RETRY_LEASE_AFTER_S)
+
+    async def _applied(self, run_id: str, epoch: int, final: RunState | None) -> bool:
+        """Did the scheduler apply our final transition? Asked through the lease (bounded)."""
+        deadline = time.monotonic() + FINAL_STATE_WAIT_S
+        while time.monotonic() < deadline:
+            answer = await self.lease(run_id, epoch)
+            if answer is not None and answer.state is final:
+                return True
+            await asyncio.sleep(0.2)
+        return False
 
     async def _propose(self, emitter: Emitter, checkpoint_dir: pathlib.Path, watch: "SpikeWatch") -> None:
         """Pause the run with PaLM's remedy as a proposal; only a confirmed approval restarts it."""
-        committed = [c.step for c in list_checkpoints(checkpoint_dir / watch.stage)]
-        proposal = spikes.propose(watch.stage, watch.spike_step, watch.total_steps, committed, watch.reason) or \
-            RestartProposal(stage=watch.stage, checkpoint_step=0, skip_from=0, skip_to=watch.spike_step,
-                            spike_step=watch.spike_step, reason=watch.reason + "; no checkpoint before it")
+        proposal = watch.proposal(checkpoint_dir)
         await emitter.publish(ProposalMade(**emitter.base(), proposal=proposal))
         await emitter.state(RunState.awaiting_approval, stage=watch.stage, message=(
             f"loss spike at {watch.stage} step {watch.spike_step} ({watch.reason}); proposed: restart from "
@@ -220,10 +287,13 @@ class Worker:
             "Waiting for a restart_from_checkpoint confirmation."))
 
     async def cleanup(self, order: CleanupOrder) -> CleanupResult:
-        """Remove a finished run's artifacts and say what was removed. Only a directory that is
-        named for this account and run is ever touched."""
-        path = pathlib.Path(order.checkpoint_dir)
-        if not path.is_absolute() or path.parts[-2:] != (order.account, order.run_id) or path.is_symlink():
+        """Remove a finished run's artifacts and say what was removed. The directory is derived
+        from our own root (never taken from the order), and with every link resolved it must still
+        be that root's `<account>/<run_id>`."""
+        root = storage_root(self.checkpoint_root, order.storage)
+        path = run_dir(self.checkpoint_root, order.storage, order.account, order.run_id)
+        if (not root.is_absolute() or path.is_symlink() or path.parent.is_symlink() or not inside(root, path)
+                or pathlib.Path(os.path.realpath(path)) != pathlib.Path(os.path.realpath(root)) / order.account / order.run_id):
             raise Refusal(ErrorCode.forbidden, "the checkpoint directory is not this run's")
         removed = []
         if path.exists():

@@ -33,20 +33,20 @@ class Bus:
     """Direct requests to the API, as many concurrent `ecc` processes would send them."""
 
     def __init__(self, stack, account, key):
-        self.stack, self.cred = stack, {"account": account, "api_key": key}
+        self.stack, self.account, self.key = stack, account, key
         self.ns = stack.env["ITO_NAMESPACE"]
 
     async def __aenter__(self):
-        import nats
-
-        self.nc = await nats.connect(self.stack.env["ITO_NATS_URL"], connect_timeout=2)
+        self.nc = await self.stack.tenant(self.account, self.key)  # authenticated as the tenant, like ecc
+        self.ops = await self.stack.nats("operator")  # the test's eyes on the queue
         return self
 
     async def __aexit__(self, *exc):
         await self.nc.close()
+        await self.ops.close()
 
     async def call(self, suffix, **body):
-        reply = await self.nc.request(f"{self.ns}.{suffix}", json.dumps({"credential": self.cred, **body}).encode(),
+        reply = await self.nc.request(self.stack.api_subject(suffix, self.account), json.dumps(body).encode(),
                                       timeout=30)
         return json.loads(reply.data)
 
@@ -61,7 +61,7 @@ class Bus:
                                confirmation_ref=ref, idempotency_key=key)
 
     async def queued(self) -> int:
-        js = self.nc.jetstream()
+        js = self.ops.jetstream()
         info = await js.stream_info(f"{self.ns.upper()}_WORK")
         return info.state.messages
 
@@ -175,7 +175,7 @@ def test_plan_creates_nothing(make_stack, manifest):
     m = str(manifest())
     ref = json.loads(json.dumps(stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m,
                                           env=env)[1]))["data"]["confirmation_ref"]
-    r = redis.Redis.from_url(stack.env["ITO_REDIS_URL"])
+    r = stack.redis()
     ns = stack.env["ITO_NAMESPACE"]
 
     def state():

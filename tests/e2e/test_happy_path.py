@@ -48,6 +48,12 @@ def test_train_to_succeeded_and_replay(stack, manifest):
     rc, again = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref", "cf_unused",
                           "--idempotency-key", "happy-1", env=env)
     assert rc == 0 and again["data"]["run_id"] == run_id and again["data"]["replay"] is True
+    # the spec's identifiers, on the first answer and the replay alike
+    for answer in (train, again):
+        assert {k: answer["data"][k] for k in ("booking_id", "run_id", "manifest_digest", "idempotency_key")} == {
+            "booking_id": booking, "run_id": run_id, "manifest_digest": plan["data"]["manifest_digest"],
+            "idempotency_key": "happy-1"}
+        assert answer["data"]["state"] in ("accepted", "queued", "running", "succeeded")
     assert "replay" in again["notice"]
 
     final = wait_for_state(stack, env, run_id, {"succeeded", "failed"})

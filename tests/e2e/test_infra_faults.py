@@ -10,44 +10,26 @@ import uuid
 
 import pytest
 
-from services.runtime import infra
 
 pytestmark = pytest.mark.e2e
 CONTROL_PLANE = "entitlement,confirmation,ledger,scheduler"
 
 
-@pytest.fixture
-def own_infra(tmp_path):
-    """NATS (JetStream on disk) and Redis (AOF always) of our own, so that we may restart them."""
-    nats = infra.start_nats(tmp_path, tmp_path / "nats.log")
-    redis = infra.start_redis(tmp_path, tmp_path / "redis.log")
-    state = {"nats": nats, "redis": redis}
-    yield state, tmp_path
-    for started in state.values():
-        infra.stop_pid(started.pid)
-
-
-def restart(state, tmp_path, name, down_s, during=None):
-    started = state[name]
-    port = int(started.url.rsplit(":", 1)[1].split("/")[0])
-    os.kill(started.pid, signal.SIGKILL)
+def restart(stack, name, down_s, during=None):
+    """SIGKILL the stack's own `nats` or `redis`, wait, and start it again on its port."""
+    os.kill(stack.infra_pid(name), signal.SIGKILL)
     outcome = during() if during else None
     time.sleep(down_s)
-    start = infra.start_nats if name == "nats" else infra.start_redis
-    state[name] = start(tmp_path, tmp_path / f"{name}.log", port=port)
+    stack.restart_infra(name)
     return outcome
 
 
 async def burst(stack, account, key, booking, text, digest, n, prefix):
-    import nats
-
-    nc = await nats.connect(stack.env["ITO_NATS_URL"], connect_timeout=2, max_reconnect_attempts=-1,
-                            reconnect_time_wait=0.2)
-    ns, cred = stack.env["ITO_NAMESPACE"], {"account": account, "api_key": key}
+    nc = await stack.tenant(account, key, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
 
     async def call(suffix, **body):
         try:
-            reply = await nc.request(f"{ns}.{suffix}", json.dumps({"credential": cred, **body}).encode(), timeout=8)
+            reply = await nc.request(stack.api_subject(suffix, account), json.dumps(body).encode(), timeout=8)
             return json.loads(reply.data)
         except Exception as exc:  # the outage: the answer is lost, the effect is unknown
             return {"ok": False, "transport": type(exc).__name__}
@@ -71,9 +53,8 @@ async def burst(stack, account, key, booking, text, digest, n, prefix):
 
 
 @pytest.mark.parametrize("victim", ["nats", "redis"])
-def test_restart_during_a_burst_keeps_exactly_once(own_infra, make_stack_on, manifest, victim):
-    state, tmp_path = own_infra
-    stack = make_stack_on(state["nats"].url, state["redis"].url, CONTROL_PLANE)
+def test_restart_during_a_burst_keeps_exactly_once(make_stack, manifest, victim):
+    stack = make_stack(CONTROL_PLANE)
     account, key, env = stack.account()
     booking = stack.booking(account)
     path = manifest()
@@ -87,7 +68,7 @@ def test_restart_during_a_burst_keeps_exactly_once(own_infra, make_stack_on, man
     async def scenario():
         task = asyncio.create_task(burst(stack, account, key, booking, text, digest, 60, "k"))
         await asyncio.sleep(1.0)
-        during = await asyncio.to_thread(restart, state, tmp_path, victim, 1.0,
+        during = await asyncio.to_thread(restart, stack, victim, 1.0,
                                          cli_during_outage if victim == "nats" else None)
         return await task, during
 
@@ -119,9 +100,7 @@ def test_restart_during_a_burst_keeps_exactly_once(own_infra, make_stack_on, man
 
     # no duplicate: the work queue holds exactly one item per run (the reconciler finishes hand-offs)
     async def queued():
-        import nats
-
-        nc = await nats.connect(stack.env["ITO_NATS_URL"])
+        nc = await stack.nats("operator")
         try:
             return (await nc.jetstream().stream_info(f"{stack.env['ITO_NAMESPACE'].upper()}_WORK")).state.messages
         finally:

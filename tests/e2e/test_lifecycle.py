@@ -56,6 +56,8 @@ def test_cancel_a_running_run_then_clean_it_up(stack, manifest):
     ref = confirm(stack, env, "cancel", "--run", run_id)
     rc, out = stack.ecc("cancel", run_id, "--confirmation-ref", ref, "--idempotency-key", "c-1", env=env)
     assert rc == 0 and out["data"]["state"] in ("cancelling", "cancelled"), out
+    assert (out["data"]["booking_id"], out["data"]["idempotency_key"]) == (booking, "c-1")
+    assert len(out["data"]["manifest_digest"]) == 64
     final = wait_for(stack, env, run_id, lambda v: v["state"] == "cancelled", timeout=30)
     assert "last checkpoint at step" in final["message"]
     assert final["step"] < final["total_steps"]
@@ -81,6 +83,8 @@ def test_cancel_a_running_run_then_clean_it_up(stack, manifest):
     assert out["data"]["booking_release_requested"] is False
     rc, again = stack.ecc("cleanup", run_id, "--confirmation-ref", ref, "--idempotency-key", "cl-1", env=env)
     assert again["data"]["replay"] is True and again["data"]["removed"] == removed
+    for answer in (out, again):
+        assert (answer["data"]["booking_id"], answer["data"]["idempotency_key"]) == (booking, "cl-1")
     rc, cps = stack.ecc("checkpoints", run_id, env=env)
     assert cps["data"]["checkpoints"] == [] and cps["data"]["cleaned_up"] is True
     _, found = stack.ecc("find", env=env)
@@ -102,9 +106,7 @@ def test_cleanup_with_release_booking_needs_its_own_confirmation(stack, manifest
     release = confirm(stack, env, "release_booking", "--booking", booking)
 
     async def cleanup_and_watch():
-        import nats
-
-        nc = await nats.connect(stack.env["ITO_NATS_URL"])
+        nc = await stack.nats("compute")  # ito-compute's identity: the only one that may receive these
         sub = await nc.subscribe(f"{stack.env['ITO_NAMESPACE']}.compute.v1.requests.release")
         proc = await asyncio.create_subprocess_exec(
             *[ECC, "ito", "cleanup", run_id, "--confirmation-ref",

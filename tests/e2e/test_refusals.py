@@ -116,6 +116,26 @@ def test_manifest_gates(stack, manifest, tmp_path):
     assert code(out) == "manifest_symlink"
 
 
+def test_a_manifest_the_trainer_would_refuse_is_refused_before_anything_is_consumed(stack, manifest):
+    """Accepted then refused: `recipe: ["sftt"]` and midtrain tokens above target.tokens used to plan
+    `ok`, consume the confirmation and reserve the key, and only then fail in the trainer."""
+    account, _, env = stack.account()
+    booking = stack.booking(account)
+    good = manifest()
+    ref = confirm(stack, env, booking, good)  # a confirmation the bad manifests must not be able to burn
+    for bad, where in ((manifest(post_training={"recipe": ["sftt"]}), "post_training.recipe"),
+                       (manifest(stages={"midtrain": {"tokens": 10**9}}), "target.tokens")):
+        for verb in (["plan"], ["confirm", "--action", "train"]):
+            rc, out = stack.ecc(*verb, "--booking", booking, "--manifest", str(bad), env=env)
+            assert code(out) == "manifest_invalid" and where in out["error"]["message"], out
+        rc, out = train(stack, env, booking, bad, ref, key="bad-" + where)
+        assert code(out) == "manifest_invalid", out
+        rc, out = stack.ecc("status", "--idempotency-key", "bad-" + where, env=env)
+        assert code(out) == "run_not_found"
+    rc, out = train(stack, env, booking, good, ref, key="good-after-bad")
+    assert rc == 0, out  # the confirmation was not consumed by the refused requests
+
+
 @pytest.mark.parametrize("payload, why", [
     (b'{"credential": {"account": "a", "api_key": "k"}, "surprise": 1}', "unknown field"),
     (b'{"credential": {"account": "a", "api_key": 5}}', "wrong type"),
@@ -123,12 +143,12 @@ def test_manifest_gates(stack, manifest, tmp_path):
     (b'{"credential": {"account": "a", "api_key": "' + b"k" * (3 * 1024 * 1024) + b'"}}', "oversized"),
 ])
 def test_bad_requests_get_request_invalid(stack, payload, why):
-    import nats
+    account, key, _ = stack.account()
 
     async def ask():
-        nc = await nats.connect(stack.env["ITO_NATS_URL"], connect_timeout=2)
+        nc = await stack.tenant(account, key)
         try:
-            reply = await nc.request(f"{stack.env['ITO_NAMESPACE']}.v1.api.auth", payload, timeout=5)
+            reply = await nc.request(stack.api_subject("v1.api.auth", account), payload, timeout=5)
             return json.loads(reply.data)
         finally:
             await nc.close()

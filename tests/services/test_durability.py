@@ -1,13 +1,13 @@
 """Redis persistence as documented: AOF with fsync on every write. A SIGKILLed Redis restarted from
 its directory still holds every consumed confirmation and every idempotency reservation."""
 
+import dataclasses
 import os
 import signal
 import time
 from datetime import UTC, datetime
 
 import pytest
-import redis.asyncio as aioredis
 
 from contracts.api import Action
 from contracts.errors import ErrorCode
@@ -15,23 +15,31 @@ from contracts.internal import LedgerAccept, LedgerEntry
 from services.confirmation.binding import Stored
 from services.confirmation.store import ConfirmationStore, new_ref
 from services.ledger.store import LedgerStore
-from services.runtime import infra
+from services.ops import authority
+from services.runtime import connections, infra
 from services.runtime import settings as settings_mod
 from services.runtime.codec import Refusal
 from services.runtime.keys import Keys
 
 
 def start(tmp_path, port=None):
-    return infra.start_redis(tmp_path, tmp_path / "redis.log", port=port)
+    s = settings_mod.load({"ITO_NAMESPACE": "durable", "ITO_DATA_DIR": str(tmp_path)})
+    return authority.start_redis(s, tmp_path, port=port), s
+
+
+def clients(server, s):
+    """Each store through its own service's ACL user, as in production."""
+    s = dataclasses.replace(s, redis_url=server.url)
+    return connections.make_redis(s, "confirmation"), connections.make_redis(s, "ledger")
 
 
 async def test_consumed_confirmation_and_reservation_survive_a_redis_kill(tmp_path):
-    server = start(tmp_path)
+    server, s = start(tmp_path)
     port = int(server.url.rsplit(":", 1)[1].split("/")[0])
-    keys = Keys(settings_mod.load({"ITO_NAMESPACE": "durable"}))
+    keys = Keys(s)
     try:
-        r = aioredis.Redis.from_url(server.url)
-        confirmations, ledger = ConfirmationStore(r, keys), LedgerStore(r, keys, retention_s=3600)
+        rc, rl = clients(server, s)
+        confirmations, ledger = ConfirmationStore(rc, keys), LedgerStore(rl, keys, retention_s=3600)
         ref = new_ref()
         await confirmations.create(ref, Stored(account="acme", action=Action.train, target="b1", digest="d" * 64,
                                                max_cost=1.0, expires_at=await confirmations.now() + 600, consumed=False))
@@ -41,13 +49,14 @@ async def test_consumed_confirmation_and_reservation_survive_a_redis_kill(tmp_pa
                             handed_off=False, created_at=datetime.now(UTC))
         _, created = await ledger.accept(req, entry)
         assert created
-        await r.aclose()
+        await rc.aclose()
+        await rl.aclose()
 
         os.kill(server.pid, signal.SIGKILL)  # no shutdown save: only the AOF can bring state back
         time.sleep(0.2)
-        server = start(tmp_path, port=port)
-        r = aioredis.Redis.from_url(server.url)
-        confirmations, ledger = ConfirmationStore(r, keys), LedgerStore(r, keys, retention_s=3600)
+        server, s = start(tmp_path, port=port)
+        rc, rl = clients(server, s)
+        confirmations, ledger = ConfirmationStore(rc, keys), LedgerStore(rl, keys, retention_s=3600)
         assert (await confirmations.get("acme", ref)).consumed is True
         assert (await ledger.lookup("acme", "k1")).run_id == "run_1"
         fresh = LedgerAccept(**{**{f: getattr(req, f) for f in req.__struct_fields__}, "idempotency_key": "k2",
@@ -55,6 +64,7 @@ async def test_consumed_confirmation_and_reservation_survive_a_redis_kill(tmp_pa
         with pytest.raises(Refusal) as refused:
             await ledger.accept(fresh, entry)
         assert refused.value.code is ErrorCode.confirmation_consumed
-        await r.aclose()
+        await rc.aclose()
+        await rl.aclose()
     finally:
         infra.stop_pid(server.pid)

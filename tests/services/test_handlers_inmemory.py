@@ -1,5 +1,6 @@
-"""Every service's handlers on one in-memory broker (FastStream's TestNatsBroker), against the
-real Redis: the decisions and the Redis scripts, without processes or a NATS server."""
+"""Every service's handlers on one in-memory broker (FastStream's TestNatsBroker), against a real
+Redis (ACLs on; the handlers share the admin user here, the security suite tests each service's
+own): the decisions and the Redis scripts, without processes or a NATS server."""
 
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -34,23 +35,22 @@ REPO_MANIFEST = __import__("pathlib").Path(__file__).resolve().parents[2] / "exa
 
 
 @pytest.fixture
-async def bus(infra_urls, namespace, apurge, tmp_path, monkeypatch):
+async def bus(own_redis, monkeypatch):
     monkeypatch.setenv(settings_mod.ENV_ENTITLEMENT_KEY, "in-memory-test-key")
-    nats_url, redis_url = infra_urls
-    s = settings_mod.load({"ITO_NATS_URL": nats_url, "ITO_REDIS_URL": redis_url, "ITO_NAMESPACE": namespace,
-                           "ITO_DATA_DIR": str(tmp_path)})
-    broker = connections.make_broker(s, "test")
-    w = Wiring(settings=s, broker=broker, redis=connections.make_redis(s), keys=Keys(s))
+    s = own_redis.settings
+    broker = connections.make_broker(s, "scheduler")
+    w = Wiring(settings=s, broker=broker, redis=own_redis.redis("admin"), keys=Keys(s))
     for module in (entitlement_app, confirmation_app, ledger_app, scheduler_app):
         module.register(w)
     async with TestNatsBroker(broker) as br:
         yield br, w
     await w.redis.aclose()
-    await apurge(nats_url, redis_url, namespace)
 
 
-async def call(br, w, suffix, request):
-    reply = await br.request(codec.encode(request), w.settings.subject(suffix), timeout=10)
+async def call(br, w, suffix, request, account="acme"):
+    """An API request on the tenant's own subject (in memory, as if NATS had authenticated `account`)."""
+    subject = w.settings.subject(suffix) + (f".{account}" if suffix.startswith("v1.api.") else "")
+    reply = await br.request(codec.encode(request), subject, timeout=10)
     return codec.decode_envelope(reply.body)
 
 
@@ -70,8 +70,8 @@ async def publish_booking(br, w, ev):
 
 
 async def login(w, name="acme"):
-    key, _ = await accounts.create(w.redis, w.keys, name)
-    return Credential(account=name, api_key=key)
+    await accounts.create(w.redis, w.keys, name)
+    return None  # the account comes from the authenticated subject; nothing secret travels
 
 
 async def test_auth(bus):
@@ -79,8 +79,13 @@ async def test_auth(bus):
     cred = await login(w)
     out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=cred))
     assert out.ok and out.data["account"] == "acme"
-    out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=Credential(account="acme", api_key="nope")))
+    out = await call(br, w, subjects.API_AUTH, AuthRequest(), account="nobody")
     assert not out.ok and out.error.code == "unauthenticated"
+    # a key on the wire is refused, and a credential block naming another account too
+    out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=Credential(account="acme", api_key="nope")))
+    assert out.error.code == "request_invalid"
+    out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=Credential(account="other")))
+    assert out.error.code == "unauthenticated"
     await accounts.revoke(w.redis, w.keys, "acme")
     out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=cred))
     assert out.error.code == "credential_revoked"
@@ -89,7 +94,7 @@ async def test_auth(bus):
 async def test_unknown_field_is_request_invalid(bus):
     br, w = bus
     reply = await br.request(b'{"credential": {"account": "a", "api_key": "k"}, "x": 1}',
-                             w.settings.subject(subjects.API_AUTH), timeout=5)
+                             w.settings.subject(subjects.API_AUTH) + ".a", timeout=5)
     out = codec.decode_envelope(reply.body)
     assert not out.ok and out.error.code == "request_invalid" and "x" in out.error.message
 

@@ -6,11 +6,9 @@ import uuid
 from datetime import UTC, datetime
 
 import pytest
-import redis.asyncio as aioredis
 
 from contracts.api import RunView
 from contracts.states import RunState
-from services.runtime import settings as settings_mod
 from services.runtime.keys import Keys
 from services.scheduler import liveness
 from services.scheduler.mutations import LEASABLE
@@ -20,11 +18,10 @@ NOW = datetime.now(UTC)
 
 
 @pytest.fixture
-async def runs(infra_urls, namespace, apurge):
-    r = aioredis.Redis.from_url(infra_urls[1])
-    yield RunStore(r, Keys(settings_mod.load({"ITO_NAMESPACE": namespace})))
+async def runs(own_redis):
+    r = own_redis.redis("scheduler")  # the scheduler's own ACL user: these are its keys and commands
+    yield RunStore(r, Keys(own_redis.settings))
     await r.aclose()
-    await apurge(*infra_urls, namespace)
 
 
 async def new_run(runs: RunStore, state=RunState.queued) -> str:
@@ -55,11 +52,60 @@ async def test_a_new_holder_fences_the_old_one(runs):
     assert granted and epoch == 2
     assert (await runs.lease("acme", run_id, "old", 1, 1011.0, 5.0, leasable))[0] is False  # fenced renewal
     assert (await runs.lease("acme", run_id, "new", 2, 1011.0, 5.0, leasable))[0] is True
-    # an event from the fenced epoch is not applied
-    _, applied = await runs.update("acme", run_id, 10**15, lambda v: v, epoch=1)
-    assert applied is False
-    _, applied = await runs.update("acme", run_id, 10**15, lambda v: v, epoch=2)
+    # an event from the fenced epoch is not applied, nor one claiming epoch 0 or a future epoch
+    for epoch in (1, 0, 3):
+        _, applied = await runs.update("acme", run_id, 1, lambda v: v, holder_epoch=epoch)
+        assert applied is False, epoch
+    _, applied = await runs.update("acme", run_id, 1, lambda v: v, holder_epoch=2)
     assert applied is True
+
+
+async def test_no_trainer_event_applies_before_any_lease(runs):
+    run_id = await new_run(runs, RunState.running)
+    _, applied = await runs.update("acme", run_id, 1, lambda v: v, holder_epoch=0)
+    assert applied is False
+
+
+@pytest.mark.parametrize("epoch, seq, last_epoch, last_seq, ok", [
+    (1, 1, 0, 0, True),  # the first event of the first lease
+    (1, 5, 1, 4, True), (1, 4, 1, 4, False), (1, 3, 1, 4, False),  # in order; duplicate; redelivered
+    (2, 1, 1, 900, True),  # a new lease starts its own count
+    (1, 950, 2, 3, False),  # a fenced epoch, whatever its count
+    (1, 4 + 100_001, 1, 4, False), (3, 100_001, 2, 7, False),  # an implausible jump (forged)
+])
+def test_event_order_is_epoch_then_counter(epoch, seq, last_epoch, last_seq, ok):
+    from services.scheduler.store import in_order
+
+    assert in_order(epoch, seq, last_epoch, last_seq) is ok
+
+
+async def test_a_trainer_clock_ten_minutes_off_still_has_every_event_applied(runs):
+    """No wall clock orders events: a trainer whose clock is 10 minutes behind (or ahead) reports
+    a run's whole life and every event applies, in order, duplicates dropped."""
+    import msgspec
+
+    from contracts.runs import LogLine, RunCreated, StateChanged
+    from services.scheduler.events import RunEvents
+    from services.scheduler.publish import seq_now
+
+    for skew in (-600, 600):
+        run_id = await new_run(runs)
+        granted, _, epoch = await runs.lease("acme", run_id, "t", 0, 1000.0, 5.0, leasable)
+        assert granted
+        at = datetime.fromtimestamp(NOW.timestamp() + skew, UTC)
+        subject = f"ns.v1.run.{run_id}"
+        created = RunCreated(run_id=run_id, seq=seq_now(), at=NOW, account="acme", booking_id="b", region="r",
+                             gpu_model="g", gpus=1, accepted_at=NOW)  # the scheduler's own event, its own clock
+        events = [created, StateChanged(run_id=run_id, seq=1, at=at, epoch=epoch, state=RunState.running),
+                  LogLine(run_id=run_id, seq=2, at=at, epoch=epoch, level="info", message="step 1"),
+                  LogLine(run_id=run_id, seq=2, at=at, epoch=epoch, level="info", message="step 1"),  # duplicate
+                  LogLine(run_id=run_id, seq=3, at=at, epoch=epoch, level="info", message="step 2"),
+                  StateChanged(run_id=run_id, seq=4, at=at, epoch=epoch, state=RunState.succeeded)]
+        consumer = RunEvents(runs)
+        for e in events:
+            await consumer.on_event(msgspec.json.encode(e), f"{subject}.{type(e).__struct_config__.tag}")
+        assert (await runs.get("acme", run_id)).state is RunState.succeeded
+        assert [line.message for line in await runs.logs("acme", run_id, 0, 10)] == ["step 1", "step 2"]
 
 
 async def test_a_cancelled_run_cannot_be_leased(runs):

@@ -5,7 +5,7 @@ import asyncio
 import uuid
 from datetime import UTC, datetime, timedelta
 
-import redis.asyncio as aioredis
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,8 +13,8 @@ from contracts.booking import BookingEvent, BookingEventKind, Fabric, Topology
 from services.entitlement.handlers import EntitlementHandlers
 from services.entitlement.projection import STATE_AFTER
 from services.entitlement.store import BookingStore
-from services.runtime import settings as settings_mod
 from services.runtime.keys import Keys
+from tests.conftest import start_infra
 
 KINDS = list(BookingEventKind)
 NOW = datetime.now(UTC)
@@ -33,16 +33,23 @@ histories = st.lists(st.tuples(st.integers(1, 50), st.sampled_from(KINDS)), min_
                      unique_by=lambda t: t[0])
 
 
+@pytest.fixture(scope="module")
+def projection_redis(tmp_path_factory):
+    i = start_infra(tmp_path_factory.mktemp("projection"), "prop", nats=False)
+    yield i
+    i.stop()
+
+
 @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(history=histories, data=st.data())
-def test_projection_is_the_last_event_by_version(infra_urls, history, data):
+def test_projection_is_the_last_event_by_version(projection_redis, history, data):
     deliveries = data.draw(st.permutations(history + data.draw(st.lists(st.sampled_from(history), max_size=4))))
-    namespace = "p" + uuid.uuid4().hex[:8]
     booking = "b-" + uuid.uuid4().hex[:6]
 
     async def run():
-        r = aioredis.Redis.from_url(infra_urls[1])
-        keys = Keys(settings_mod.load({"ITO_NAMESPACE": namespace}))
+        r = projection_redis.redis("entitlement")  # the entitlement service's own ACL user
+        admin = projection_redis.redis("admin")
+        keys = Keys(projection_redis.settings)
         try:
             h = EntitlementHandlers(BookingStore(r, keys), b"k", 60)
             for version, kind in deliveries:
@@ -50,8 +57,9 @@ def test_projection_is_the_last_event_by_version(infra_urls, history, data):
             await h.on_event(event(booking, BookingEventKind.completed, 1, account="intruder"))  # foreign: rejected
             return await BookingStore(r, keys).get("acme", booking)
         finally:
-            await r.delete(*[k async for k in r.scan_iter(match=f"{namespace}:*")] or ["-"])
+            await admin.delete(*[k async for k in admin.scan_iter(match="prop:*")] or ["-"])
             await r.aclose()
+            await admin.aclose()
 
     projected = asyncio.run(run())
     if not any(kind is BookingEventKind.completed for _, kind in history):

@@ -12,7 +12,10 @@ from contracts.states import RunState
 from contracts.runs import RunEvent, StateChanged, TrainWork
 from services.runtime import codec, connections, streams
 from services.runtime import settings as settings_mod
+from services.runtime.identities import NATS_IDENTITIES
 from services.runtime.keys import Keys
+from services.runtime.secrets import Secrets
+from services.runtime.signing import Signer
 from services.runtime.service import Wiring
 from services.trainer import app as trainer_app
 
@@ -33,32 +36,39 @@ def plan() -> Plan:
                 cost=cost, checks=[], ok=True)
 
 
-@pytest.mark.parametrize("body, final", [("valid", "succeeded"), ("garbage", None)])
-async def test_trainer_handler(infra_urls, namespace, tmp_path, monkeypatch, body, final):
+@pytest.mark.parametrize("body, final", [("valid", "succeeded"), ("garbage", None), ("unsigned", None)])
+async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
     monkeypatch.setenv("ITO_TRAINER_THREADS", "1")
-    s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(tmp_path),
-                           "ITO_NATS_URL": infra_urls[0], "ITO_REDIS_URL": infra_urls[1]})
-    broker = connections.make_broker(s, "test")
-    w = Wiring(settings=s, broker=broker, redis=connections.make_redis(s), keys=Keys(s))
+    s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(tmp_path)})
+    Secrets(s.secrets_dir).ensure(NATS_IDENTITIES, ())
+    broker = connections.make_broker(s, "trainer")
+    w = Wiring(settings=s, broker=broker, redis=None, keys=Keys(s), service="trainer")
     trainer_app.register(w)
     events: list[RunEvent] = []
     decoder = msgspec.json.Decoder(RunEvent)
 
+    current = [RunState.queued]  # the scheduler's view, as the events it applied make it
+
     @broker.subscriber(s.subject(subjects.RUN_LEASE))  # the scheduler's part: this run may train
     async def lease(msg: NatsMessage) -> bytes:
-        return codec.ok(LeaseAnswer(run_id="run_t", proceed=True, state=RunState.queued))
+        return codec.ok(LeaseAnswer(run_id="run_t", proceed=current[0] in (RunState.queued, RunState.running),
+                                    state=current[0], epoch=1))
 
     @broker.subscriber(s.subject(subjects.RUN_EVENTS) + ".>", stream=streams.ref(s, subjects.STREAM_RUNS))
     async def collect(msg: NatsMessage) -> None:
-        events.append(decoder.decode(msg.body))
+        event = decoder.decode(msg.body)
+        events.append(event)
+        if isinstance(event, StateChanged):
+            current[0] = event.state
 
     work = TrainWork(run_id="run_t", account="acme", booking_id="b", manifest_text=small_manifest_text(),
                      manifest_digest="d", plan=plan(), checkpoint_dir=str(tmp_path / "ckpt"))
-    payload = msgspec.json.encode(work) if body == "valid" else b"{not a work item"
+    payload = b"{not a work item" if body == "garbage" else msgspec.json.encode(work)
+    subject = s.subject(f"{subjects.WORK_TRAIN}.run_t")
+    signed = {} if body == "unsigned" else Signer(Secrets(s.secrets_dir).signing_key()).headers(subject, payload)
     async with TestNatsBroker(broker) as br:
         # in memory, publish runs the trainer's handler to its end (the whole run) before returning
-        await br.publish(payload, s.subject(f"{subjects.WORK_TRAIN}.run_t"), stream=s.stream(subjects.STREAM_WORK))
-    await w.redis.aclose()
+        await br.publish(payload, subject, stream=s.stream(subjects.STREAM_WORK), headers=signed)
     states = [e.state.value for e in events if isinstance(e, StateChanged)]
     if final is None:
         assert states == []  # a malformed item is terminated, never trained
@@ -69,3 +79,51 @@ async def test_trainer_handler(infra_urls, namespace, tmp_path, monkeypatch, bod
     assert any(type(e).__name__ == "CheckpointSaved" for e in events)
     seqs = [e.seq for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+async def test_a_refused_final_transition_is_never_acknowledged(namespace, tmp_path, monkeypatch):
+    """The trainer acks its work item only once the scheduler shows the state it reported; here the
+    scheduler never applies it (say, the transition was refused), so the item is given back."""
+    from faststream.nats.message import NatsMessage as Message
+    from faststream.nats.testing import PatchedMessage as Msg  # what the in-memory broker delivers
+
+    from services.trainer import worker as worker_mod
+
+    monkeypatch.setenv("ITO_TRAINER_THREADS", "1")
+    monkeypatch.setattr(worker_mod, "FINAL_STATE_WAIT_S", 1.0)
+    outcome: list[str] = []
+
+    async def acked(self, *args, **kwargs):
+        if ".v1.work." in self.raw_message.subject:
+            outcome.append("ack")
+
+    async def naked(self, *args, **kwargs):
+        if ".v1.work." in self.subject:
+            outcome.append("nak")
+
+    monkeypatch.setattr(Message, "ack", acked)
+    monkeypatch.setattr(Msg, "nak", naked)
+    s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(tmp_path)})
+    Secrets(s.secrets_dir).ensure(NATS_IDENTITIES, ())
+    broker = connections.make_broker(s, "trainer")
+    w = Wiring(settings=s, broker=broker, redis=None, keys=Keys(s), service="trainer")
+    trainer_app.register(w)
+
+    @broker.subscriber(s.subject(subjects.RUN_LEASE))  # a scheduler whose view stays `running`
+    async def lease(msg: NatsMessage) -> bytes:
+        return codec.ok(LeaseAnswer(run_id="run_r", proceed=True, state=RunState.running, epoch=1))
+
+    @broker.subscriber(s.subject(subjects.RUN_EVENTS) + ".>", stream=streams.ref(s, subjects.STREAM_RUNS))
+    async def ignore(msg: NatsMessage) -> None:
+        pass
+
+    work = TrainWork(run_id="run_r", account="acme", booking_id="b", manifest_text=small_manifest_text(),
+                     manifest_digest="d", plan=plan(), checkpoint_dir="/ignored")
+    payload = msgspec.json.encode(work)
+    subject = s.subject(f"{subjects.WORK_TRAIN}.run_r")
+    async with TestNatsBroker(broker) as br:
+        await br.publish(payload, subject, stream=s.stream(subjects.STREAM_WORK),
+                         headers=Signer(Secrets(s.secrets_dir).signing_key()).headers(subject, payload))
+    assert outcome == ["nak"]
+    # the checkpoint directory came from the trainer's own root, not from the message
+    assert (tmp_path / "checkpoints" / "acme" / "run_r").is_dir() and not pathlib.Path("/ignored").exists()

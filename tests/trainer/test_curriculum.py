@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from contracts.manifest import Manifest
-from services.trainer.curriculum import LmPlan, PostPlan, plan_run
+from services.domain.curriculum import LmPlan, PostPlan, plan_run
 from services.trainer.evals import Check, describe, judge
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
@@ -27,18 +27,36 @@ def manifest(stages=None, recipe=(), data=None, post=None, tokens=100_000) -> Ma
     return msgspec.convert(doc, Manifest)
 
 
-def test_without_stages_a_run_is_pretrain_only_on_every_training_ref():
+def test_without_stages_a_run_preps_its_data_and_pretrains_on_every_training_ref():
     plan = plan_run(manifest())
-    assert plan.stage_names == ["pretrain"]
+    assert plan.stage_names == ["data_prep", "pretrain"]  # there are eval refs to keep out of training
     [pre] = plan.stages
     assert pre.steps == 100_000 // (64 * 16) and pre.data == ("docs", "arith", "needle")
     assert pre.decay == "cosine" and pre.rope_base is None and plan.eval_refs == {"arith-eval": "generated:arithmetic"}
 
 
-def test_tiny_example_is_still_pretrain_only():
+def test_tiny_example_does_the_data_prep_it_declares():
+    """Declared means done: tiny.json declares 13-gram decontamination by ito-training data-prep."""
     tiny = msgspec.json.decode((EXAMPLES / "tiny.json").read_bytes(), type=Manifest)
     plan = plan_run(tiny)
-    assert plan.stage_names == ["pretrain"] and plan.stages[0].steps == 400
+    assert plan.stage_names == ["data_prep", "pretrain"] and plan.stages[0].steps == 400
+    assert plan.data_prep.decontamination_ngram == 13
+
+
+def test_no_declaration_and_no_eval_data_means_no_data_prep():
+    plan = plan_run(manifest(data=[{"name": "docs", "source": "builtin:pydoc_topics"}]))
+    assert plan.stage_names == ["pretrain"]
+
+
+@pytest.mark.parametrize("deco, why", [
+    ({"method": "embedding-similarity", "provenance": "p"}, "cannot honour"),
+    ({"method": "13-gram", "against": ["gsm8k"], "provenance": "p"}, "not eval refs"),
+    ({"method": "8-gram", "provenance": "p"}, "cannot honour"),
+])
+def test_a_declaration_the_backend_cannot_honour_is_refused(deco, why):
+    data = [{**DATA[0], "decontamination": deco}, *DATA[1:]]
+    with pytest.raises(ValueError, match=why):
+        plan_run(manifest(data=data))
 
 
 def test_full_example_runs_every_stage_in_curriculum_order():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from services.trainer.objectives import (
+    DUAL_CLIP_C,
     clipped_policy_loss,
     dpo_loss,
     fresh_rollouts,
@@ -56,9 +57,17 @@ def test_group_advantages_normalise_within_each_group():
     assert torch.all(group_advantages(torch.tensor([[0.3, 0.3, 0.3]])) == 0)  # uniform group: zero, finite
 
 
-def test_dynamic_sampling_keeps_only_groups_with_differing_rewards():
-    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0], [-0.5, -0.5, -0.25]])
-    assert informative_groups(rewards).tolist() == [False, False, True, True]
+@pytest.mark.parametrize(
+    "correct, keep",
+    [
+        ([True, True, True], False),  # all right: zero advantage everywhere
+        ([False, False, False], False),  # all wrong, whatever their lengths (rewards may still differ)
+        ([True, False, True], True),
+        ([False, False, True], True),
+    ],
+)
+def test_dynamic_sampling_keeps_groups_with_both_right_and_wrong_answers(correct, keep):
+    assert informative_groups(torch.tensor([correct])).tolist() == [keep]
 
 
 @pytest.mark.parametrize(
@@ -88,18 +97,49 @@ def test_clip_higher_clips_each_side_where_ppo_would():
     eps_low, eps_high = 0.2, 0.28
     mask = torch.ones(1, 1)
     cases = [
-        # (ratio, advantage, per-token loss = -min(r A, clip(r) A), clip binding?)
+        # (ratio, advantage, per-token loss = -min(r A, clip(r) A), then min(that, 3 |A|) for A < 0; clip binding?)
         (1.5, 1.0, -1.28, True),  # positive A: capped at 1 + eps_high
         (1.2, 1.0, -1.2, False),  # inside [0.8, 1.28]: unclipped (plain PPO at 0.2 would clip here)
         (0.5, 1.0, -0.5, False),  # ratio fell under positive A: min keeps the unclipped, lower value
+        (5.0, 1.0, -1.28, True),  # positive A, far past the cap: still 1 + eps_high; no dual clip for A > 0
         (0.5, -1.0, 0.8, True),  # negative A: floored at 1 - eps_low
         (1.5, -1.0, 1.5, False),  # negative A, ratio rose: min keeps r A = -1.5 -> loss 1.5
+        (2.9, -1.0, 2.9, False),  # under the dual clip c = 3: unchanged
+        (5.0, -1.0, 3.0, True),  # dual clip: loss min(5, 3) * |A|
+        (5.0, -0.5, 1.5, True),  # the bound scales with |A|
     ]
     for ratio, advantage, expected, clipped in cases:
         new, old = ratio_logprobs([[ratio]])
         loss, fraction = clipped_policy_loss(new, old, torch.tensor([advantage]), mask, eps_low, eps_high)
         assert loss.item() == pytest.approx(expected, rel=1e-5), (ratio, advantage)
         assert fraction.item() == (1.0 if clipped else 0.0)
+
+
+def test_dual_clip_bounds_a_negative_advantage_with_a_huge_ratio():
+    # A = -2, ratio e^6 ~ 403: without the dual clip the token's loss is 2 * 403 = 807 and its
+    # gradient as large; with it, 3 * |A| = 6 and no gradient at all (the bound is a constant).
+    new = torch.tensor([[6.0]], requires_grad=True)
+    loss, fraction = clipped_policy_loss(new, torch.zeros(1, 1), torch.tensor([-2.0]), torch.ones(1, 1), 0.2, 0.28)
+    loss.backward()
+    assert loss.item() == pytest.approx(DUAL_CLIP_C * 2.0) and fraction.item() == 1.0
+    assert new.grad.item() == 0.0
+
+
+def test_an_absurd_log_ratio_gives_a_finite_loss_and_gradient():
+    # A stale token whose log-probability moved by 200 nats: exp() would overflow to inf (and its
+    # gradient to NaN); the log-ratio is clamped at +-20 first, as verl does.
+    new = torch.tensor([[200.0, -200.0, 0.1]], requires_grad=True)
+    for advantage in (1.0, -1.0):
+        loss, _ = clipped_policy_loss(new, torch.zeros(1, 3), torch.tensor([advantage]), torch.ones(1, 3), 0.2, 0.28)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(new.grad).all()
+        new.grad = None
+
+
+def test_dual_clip_constant_must_exceed_1():
+    with pytest.raises(ValueError, match="above 1"):
+        clipped_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.28,
+                            clip_ratio_c=1.0)
 
 
 def test_clipped_tokens_pass_no_gradient():

@@ -71,7 +71,8 @@ def small_manifest(stages: dict, recipe=(), **post) -> Manifest:
         "data": [{"name": "docs", "source": "builtin:pydoc_topics"},
                  {"name": "arith", "source": "generated:small_arithmetic"},
                  {"name": "arith-eval", "source": "generated:small_arithmetic", "role": "eval"}],
-        "target": {"tokens": 48 * 16 * 32, "seq_len": 32, "batch_size": 16},
+        # 80 steps: enough for held-out loss to beat the fresh model's, which the pretrain gate demands
+        "target": {"tokens": 80 * 16 * 32, "seq_len": 32, "batch_size": 16},
         "stages": stages, "post_training": {"recipe": list(recipe), **post},
         "checkpoint": {"interval_steps": 8, "keep_last": 2}, "budget_cap_usd": 1.0,
     }, Manifest)
@@ -124,7 +125,7 @@ def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
     held = next(m for m in gate["metrics"] if m["name"] == "held_out_loss")
     assert held == {"name": "held_out_loss", "value": held["value"], "threshold": 0.01, "op": "<=", "passed": False}
     assert result.summary == f"pretrain gate failed: held_out_loss {held['value']:.4f} > 0.0100"
-    assert [s["stage"] for s in emit.of("stage")] == ["pretrain"]  # midtrain never starts
+    assert [s["stage"] for s in emit.of("stage")] == ["data_prep", "pretrain"]  # midtrain never starts
 
     # Redelivered: the recorded verdict stands; nothing is retrained and nothing overrides it.
     again = Recorder()
@@ -144,7 +145,7 @@ def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):
     assert stopped.outcome == "stopped" and stopped.last_stage == "midtrain"
     assert "stopped during midtrain" in stopped.summary
     assert list_checkpoints(tmp_path / "resumed" / "midtrain")[-1].step == 5  # committed before returning
-    assert [s["stage"] for s in first.of("stage")] == ["pretrain", "midtrain"]
+    assert [s["stage"] for s in first.of("stage")] == ["data_prep", "pretrain", "midtrain"]
 
     second = Recorder()
     finished = run_pipeline(manifest, tmp_path / "resumed", second, never, threads=2)
@@ -163,9 +164,9 @@ def test_the_default_manifest_is_pretrain_only_and_reports_its_battery(tmp_path)
     emit = Recorder()
     result = run_pipeline(manifest, tmp_path, emit, never, threads=2)
     assert result.outcome == "succeeded" and result.last_stage == "pretrain"
-    assert [s["stage"] for s in emit.of("stage")] == ["pretrain"]
-    assert [m["step"] for m in emit.of("metrics")] == list(range(1, 49))
-    assert result.summary.startswith("pretrain finished at step 48: loss ")
+    assert [s["stage"] for s in emit.of("stage")] == ["data_prep", "pretrain"]  # it has eval data to keep out
+    assert [m["step"] for m in emit.of("metrics")] == list(range(1, 81))
+    assert "pretrain finished at step 80: loss " in result.summary
     assert "held_out_loss" in result.summary and "task_accuracy" in result.summary
 
 

@@ -1,5 +1,6 @@
 """RLVR end to end on CPU: reward rises from an SFT warm start; stale rollouts are dropped and
-counted; uniform groups are dropped and refilled; the rollout worker is a real separate process."""
+counted; groups that are all right or all wrong are dropped and refilled, judged on correctness and
+not on the shaped reward; the rollout worker is a real separate process."""
 
 import pathlib
 
@@ -11,7 +12,8 @@ from services.trainer.data import load_text, task_problems
 from services.trainer.generation import Completion
 from services.trainer.posttrain import PostConfig, train_sft
 from services.trainer.pretrain import StageConfig, train_stage
-from services.trainer.rlvr import RlvrConfig, policy_batch, score, train_rlvr
+from services.trainer.objectives import group_advantages
+from services.trainer.rlvr import RlvrConfig, policy_batch, score, score_group, train_rlvr
 from services.trainer.rollout import RolloutBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -88,6 +90,14 @@ def test_score_exact_answer_and_overlong_shaping():
     assert score(completion("47474747", finished=False), "47", max_tokens=8, buffer_tokens=3) == (-1.0, False)
 
 
+def test_a_group_is_scored_for_reward_and_for_correctness():
+    cfg = rl_config(pathlib.Path("/tmp/unused"), None, [("1+2=", "3")])
+    # L_max 8, L_cache 3: free up to 5 tokens; "xxxxx\n" is 6 long -> (5 - 6) / 3
+    rewards, correct = score_group([completion("x\n")] * 7 + [completion("xxxxx\n")], "3", cfg)
+    assert rewards.tolist() == pytest.approx([0.0] * 7 + [-1 / 3])
+    assert correct.tolist() == [False] * 8
+
+
 def test_policy_batch_masks_the_completion_tokens():
     inputs, targets, mask, old = policy_batch([[1, 2, 3], [4]], [completion("a\n"), completion("bc\n")])
     assert inputs.tolist() == [[1, 2, 3, 97], [4, 98, 99, 0]]  # right-padded with 0
@@ -157,3 +167,34 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(tmp_path):
     cfg = rl_config(tmp_path, None, [("1+2=", "3")], steps=2, prompts_per_step=3, group_size=4, max_staleness=0)
     result = train_rlvr(cfg, Recorder(), never, worker_factory=UniformWorker)
     assert [(s.groups_uniform, s.groups_kept, s.rounds) for s in result.stats] == [(3, 3, 2), (3, 3, 2)]
+
+
+def all_wrong_one_long(group_size: int) -> list[Completion]:
+    """Every answer wrong; the last one 6 tokens long, inside the overlong buffer (reward -1/3)."""
+    return [completion("x\n") for _ in range(group_size - 1)] + [completion("xxxxx\n")]
+
+
+class AllWrongWorker(FakeWorker):
+    """Fresh rollouts; every group all wrong, one answer in each slightly long."""
+
+    def collect(self, request_id):
+        request = self.pending.pop(request_id)
+        groups = [all_wrong_one_long(request.group_size) for _ in request.prompts]
+        return RolloutBatch(request_id=request_id, version=self.version, prompts=request.prompts, groups=groups)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # no group kept: no optimizer step
+def test_dynamic_sampling_judges_correctness_not_the_shaped_reward(tmp_path):
+    # Rewards [0 x 7, -1/3] differ, so a filter on the shaped reward kept these groups, and their
+    # normalised advantages are those of a group with one right answer: the length penalty alone
+    # would be taught as hard as correctness. DAPO keeps a group only if its accuracy varies.
+    shaped = torch.tensor([[0.0] * 7 + [-1 / 3]])
+    one_right = torch.tensor([[0.0] * 7 + [1.0]])
+    assert torch.allclose(group_advantages(shaped), -group_advantages(one_right))
+    emit = Recorder()
+    cfg = rl_config(tmp_path, None, [("1+2=", "3")], steps=1, prompts_per_step=2, group_size=8, max_staleness=0,
+                    max_sampling_rounds=2)
+    result = train_rlvr(cfg, emit, never, worker_factory=AllWrongWorker)
+    assert [(s.groups_uniform, s.groups_kept, s.rounds) for s in result.stats] == [(4, 0, 2)]
+    assert result.stats[0].accuracy == 0.0 and result.stats[0].reward == pytest.approx(-1 / 24)
+    assert any("nothing to learn" in e["message"] for e in emit.of("log"))

@@ -22,9 +22,10 @@ VALID = {
     "model": {"size": "tiny", "revision": "0123456789abcdef0123456789abcdef01234567"},
     "data": [
         {"name": "topics", "source": "builtin:pydoc_topics", "role": "train",
-         "decontamination": {"method": "13-gram", "against": ["gsm8k"], "provenance": "sha256:" + "ab" * 32}},
+         "decontamination": {"method": "13-gram", "against": ["arith"], "provenance": "sha256:" + "ab" * 32}},
         {"name": "arith", "source": "generated:arithmetic", "role": "eval"},
         {"name": "local", "source": "file:/srv/data/corpus.txt", "role": "eval"},
+        {"name": "tasks", "source": "generated:arithmetic", "role": "train"},  # SFT trains on verifiable tasks
     ],
     "target": {"tokens": 100000, "seq_len": 64, "batch_size": 16, "learning_rate": 0.003},
     "post_training": {"recipe": ["sft"]},

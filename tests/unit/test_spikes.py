@@ -1,8 +1,14 @@
-"""Loss-spike detection and the restart proposal, on hand-made loss curves."""
+"""Loss-spike detection and the restart proposal, on hand-made loss curves and checkpoint tables.
+
+Checkpoint tables map a committed step to the data position its sidecar recorded; after an approved
+skip the two differ, which is what the proposal's window (in data positions) has to follow.
+"""
 
 import math
 
-from services.trainer.spikes import SpikeDetector, propose
+import pytest
+
+from services.trainer.spikes import SpikeDetector, position_after, propose, restart_point
 
 
 def feed(losses, norms=None):
@@ -41,18 +47,55 @@ def test_no_verdict_before_enough_history():
     assert feed([1.0] * 5 + [100.0] * 3) is None
 
 
-def test_proposal_goes_back_and_skips_past_the_spike():
-    p = propose("pretrain", spike_step=400, total_steps=1000, committed_steps=[100, 200, 300, 350, 390],
-                reason="loss 4σ above its window for 3 steps")
-    assert p.checkpoint_step == 350  # at least 5 % (50 steps) before the spike
-    assert (p.skip_from, p.skip_to) == (350, 500)  # skip 10 % of the stage past the spike
-    assert p.spike_step == 400
+@pytest.mark.parametrize(("spike_step", "total_steps", "committed", "expected"), [
+    (400, 1000, [100, 200, 300, 350, 390], 350),  # at least 5 % (50 steps) before the spike
+    (60, 1000, [50], 50),  # none far enough back: the newest before the spike
+    (60, 200, [20, 40, 60, 62], 40),  # the e2e run: the checkpoint at the spike and the stop's are after it
+    (10, 100, [20], None),  # none before the spike
+    (10, 100, [], None),
+])
+def test_restart_point(spike_step, total_steps, committed, expected):
+    assert restart_point(spike_step, total_steps, committed) == expected
 
 
-def test_proposal_uses_an_earlier_checkpoint_when_none_is_far_enough_back():
-    p = propose("pretrain", spike_step=60, total_steps=1000, committed_steps=[50], reason="r")
-    assert p.checkpoint_step == 50
+# One run of 80 steps (back 4 steps, skip 8 batches), restarted three times: from step 5 skipping
+# [5, 20), from step 10 (which, 5 steps past that skip, recorded position 25) skipping [25, 39), and
+# from step 15 (position 44) skipping [44, 59). Positions are the batches served once a step ran.
+FIRST = {5: 5, 10: 10, 14: 14}  # no skip yet: position == step; 14 is the save on stop
+SECOND = {5: 5, 10: 25, 15: 30, 18: 33}  # resumed at 5, continued from 20
+THIRD = {5: 5, 10: 25, 15: 44, 20: 49, 24: 53}  # resumed at 10, continued from 39
 
 
-def test_no_checkpoint_before_the_spike_no_proposal():
-    assert propose("pretrain", spike_step=10, total_steps=100, committed_steps=[20], reason="r") is None
+@pytest.mark.parametrize(("step", "positions", "skip", "expected"), [
+    (12, FIRST, None, 12),
+    (16, SECOND, (5, 20), 31),  # counted back from the stop's checkpoint at 18
+    (13, SECOND, (5, 20), 28),  # ... or from the one at 15
+    (8, {5: 5}, (5, 20), 23),  # only the resume point before it: the data went on at the skip's end
+    (13, {5: 5, 10: 25}, (5, 20), 28),  # the newest before it, after the skip: no jump
+    (22, THIRD, (25, 39), 51),
+    (22, {5: 5, 10: 25}, (25, 39), 51),  # no checkpoint after the spike (the stop's save failed)
+    (7, {}, None, 7),  # nothing committed: the stage ran from position 0
+])
+def test_position_after(step, positions, skip, expected):
+    assert position_after(step, positions, skip) == expected
+
+
+@pytest.mark.parametrize(("spike_step", "total", "positions", "skip", "checkpoint", "window"), [
+    (400, 1000, {100: 100, 200: 200, 300: 300, 350: 350, 390: 390, 402: 402}, None, 350, (350, 500)),
+    (60, 200, {40: 40, 60: 60, 62: 62}, None, 40, (40, 80)),  # the e2e run's proposal
+    (12, 80, FIRST, None, 5, (5, 20)),
+    # the 2nd restart: from step 10, whose recorded position (25) is where its resume lands, not 10
+    (16, 80, SECOND, (5, 20), 10, (25, 39)),
+    (22, 80, THIRD, (25, 39), 15, (44, 59)),  # the 3rd
+    # back to the last restart's own checkpoint: one window from its position, over the old one too
+    (8, 80, {5: 5, 10: 25}, (5, 20), 5, (5, 31)),
+    (10, 80, {20: 20}, None, 0, (0, 18)),  # nothing before the spike: from the start
+])
+def test_proposal_window_is_in_data_positions(spike_step, total, positions, skip, checkpoint, window):
+    p = propose("pretrain", spike_step=spike_step, total_steps=total, positions=positions, reason="r", skip=skip)
+    assert (p.checkpoint_step, (p.skip_from, p.skip_to), p.spike_step) == (checkpoint, window, spike_step)
+
+
+def test_a_restart_from_the_start_says_so():
+    p = propose("pretrain", spike_step=10, total_steps=100, positions={20: 20}, reason="r")
+    assert (p.checkpoint_step, p.skip_from, p.skip_to) == (0, 0, 20) and p.reason.endswith("no checkpoint before it")

@@ -1,6 +1,7 @@
 """The run plan: which stages a manifest runs, in what order, on which data, for how many steps,
-with which gate. A pure function of the manifest (`plan_run`), checked before anything trains, so a
-manifest that cannot run is refused with a sentence instead of failing hours in.
+with which gate. A pure function of the manifest (`plan_run`): the one validation, used twice. The
+scheduler's plan gate calls it before anything is reserved (`manifest_invalid` with the sentence),
+and the trainer calls it again as its own guard, so a manifest the plan accepts always runs.
 
 Order is fixed: data_prep -> ladder -> pretrain -> midtrain -> long_context -> the post-training
 recipe in the order listed. Token budget: `target.tokens` is the whole pre-training budget D, as
@@ -24,6 +25,7 @@ from contracts.manifest import (
     SftStage,
 )
 from contracts.models import MODEL_SHAPES, ModelShape
+from services.domain import gates
 
 POST_STAGES = ("sft", "dpo", "rlvr")
 TASK_SOURCES = ("generated:arithmetic", "generated:small_arithmetic", "generated:reverse")  # sources with verifiable answers
@@ -78,6 +80,11 @@ class RunPlan:
     ladder: LadderPlan | None
     stages: tuple[LmPlan | PostPlan, ...]
 
+    def rules(self, stage: "LmPlan | PostPlan") -> list[gates.Rule]:
+        """The gate `stage` is judged on: the backend's battery, tightened by the manifest."""
+        has_tasks = any(src in TASK_SOURCES for src in self.eval_refs.values())
+        return gates.rules(stage.name, stage.gate, has_tasks=has_tasks, has_held_out=bool(self.eval_refs))
+
     @property
     def stage_names(self) -> list[str]:
         pre = [name for name, on in (("data_prep", self.data_prep), ("ladder", self.ladder)) if on is not None]
@@ -100,6 +107,7 @@ def _names(stage: str, requested: list[str], available: dict[str, str]) -> tuple
 
 
 def _check_gate(stage: str, gate: Gate | LongContextGate, *, has_tasks: bool, has_held_out: bool) -> None:
+    gates.refuse_loosening(stage, gate)
     if gate.min_task_accuracy is not None and not has_tasks:
         raise ValueError(f"Stage {stage} gates on task accuracy, but no eval ref is a verifiable task "
                          f"({' or '.join(TASK_SOURCES)}).")
@@ -194,9 +202,35 @@ def plan_run(manifest: Manifest) -> RunPlan:
             proxy_shape=MODEL_SHAPES[PROXY_SIZE.get(manifest.model.size.value, "150M")],
             reference=reference, custom=custom,
         )
-    if stages.data_prep is not None and stages.data_prep.minhash_permutations % stages.data_prep.minhash_bands:
-        raise ValueError(f"data_prep: {stages.data_prep.minhash_permutations} MinHash permutations do not split into "
-                         f"{stages.data_prep.minhash_bands} equal bands.")
+    data_prep = _data_prep(manifest, evals)
     if not plans:
         raise ValueError("The manifest trains nothing: no pre-training stage and an empty post-training recipe.")
-    return RunPlan(train_refs=train, eval_refs=evals, data_prep=stages.data_prep, ladder=ladder, stages=tuple(plans))
+    return RunPlan(train_refs=train, eval_refs=evals, data_prep=data_prep, ladder=ladder, stages=tuple(plans))
+
+
+def _data_prep(manifest: Manifest, evals: dict[str, str]) -> DataPrepStage | None:
+    """Declared means done: whenever a training ref declares decontamination, or the manifest has
+    eval refs to keep out of the training data, data prep runs (with the defaults unless the
+    manifest configures it). A declaration this backend cannot honour is refused here."""
+    declared = [(i, ref) for i, ref in enumerate(manifest.data)
+                if ref.role is DataRole.train and ref.decontamination is not None]
+    prep = manifest.stages.data_prep
+    if prep is None and (declared or evals):
+        prep = DataPrepStage()
+    if prep is None:
+        return None
+    if prep.minhash_permutations % prep.minhash_bands:
+        raise ValueError(f"data_prep: {prep.minhash_permutations} MinHash permutations do not split into "
+                         f"{prep.minhash_bands} equal bands.")
+    method = f"{prep.decontamination_ngram}-gram"
+    for i, ref in declared:
+        deco = ref.decontamination
+        if deco.method != method:
+            raise ValueError(f"data[{i}].decontamination.method is {deco.method!r}, which this backend cannot "
+                             f"honour: data prep decontaminates by {method} overlap (stages.data_prep."
+                             "decontamination_ngram sets n).")
+        unknown = [name for name in deco.against if name not in evals]
+        if unknown:
+            raise ValueError(f"data[{i}].decontamination.against names {unknown}, which are not eval refs of this "
+                             "manifest: data prep can only decontaminate against eval data it has.")
+    return prep
