@@ -62,7 +62,7 @@ def _raw_write(path: pathlib.Path, n_bytes: int) -> float:
     with open(path, "wb") as f:
         left = n_bytes
         while left > 0:
-            left -= f.write(chunk[:min(left, len(chunk))])
+            left -= f.write(chunk[: min(left, len(chunk))])
         f.flush()
         os.fsync(f.fileno())
     return time.perf_counter() - started

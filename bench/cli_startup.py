@@ -23,7 +23,9 @@ def _wall(argv: list[str], env: dict[str, str], runs: int) -> tuple[float, list[
         proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
         elapsed = time.perf_counter() - started
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv[:3])} exited {proc.returncode}: {proc.stdout[-500:]} {proc.stderr[-500:]}")
+            raise RuntimeError(
+                f"{' '.join(argv[:3])} exited {proc.returncode}: {proc.stdout[-500:]} {proc.stderr[-500:]}"
+            )
         if i:
             timings.append(elapsed)
     return stats.median(timings), timings

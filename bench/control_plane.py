@@ -68,8 +68,15 @@ REDIS_ROUND_TRIPS = {
     "ledger handed_off: SREM, GET, SISMEMBER": 3,
 }
 # Subjects of the needed hops above, as the wildcard tap sees them (the work item carries the run id).
-NEEDED_SUBJECTS = {"v1.api.train", "v1.ledger.lookup", "v1.entitlement.eligibility", "v1.confirmation.resolve",
-                   "v1.ledger.accept", "v1.ledger.handed_off", "v1.work.train.*"}
+NEEDED_SUBJECTS = {
+    "v1.api.train",
+    "v1.ledger.lookup",
+    "v1.entitlement.eligibility",
+    "v1.confirmation.resolve",
+    "v1.ledger.accept",
+    "v1.ledger.handed_off",
+    "v1.work.train.*",
+}
 REDIS_PIPELINE_GAP_S = 20e-6  # see _round_trips
 ECHO_PAYLOAD = b"x" * 256  # about the size of an internal request
 CLIENTS = 64  # concurrent clients in the throughput and exactly-once runs (issue 8)
@@ -91,20 +98,24 @@ async def _timed(op: Callable[[], Awaitable[Any]], samples: int) -> list[float]:
     return timings
 
 
-async def bare_nats_round_trips(responder_connect: Connect, requester_connect: Connect, subject: str,
-                                samples: int) -> list[float]:
+async def bare_nats_round_trips(
+    responder_connect: Connect, requester_connect: Connect, subject: str, samples: int
+) -> list[float]:
     """Core NATS request/reply to a trivial echo responder, each end on its own connection in this
     process (both authenticated on the stack's server, unless the comparison says otherwise)."""
     responder = await responder_connect()
     try:
         requester = await requester_connect()
         try:
+
             async def echo(msg) -> None:
                 await msg.respond(msg.data)
 
             await responder.subscribe(subject, cb=echo)
             await responder.flush(timeout=RTT_TIMEOUT_S)
-            return await _timed(lambda: requester.request(subject, ECHO_PAYLOAD, timeout=RTT_TIMEOUT_S), samples)
+            return await _timed(
+                lambda: requester.request(subject, ECHO_PAYLOAD, timeout=RTT_TIMEOUT_S), samples
+            )
         finally:
             await requester.close()
     finally:
@@ -142,9 +153,11 @@ async def service_hop_round_trips(stack: Stack, samples: int) -> list[float]:
     try:
         requester = await stack.nats(allow_reconnect=False)
         try:
+
             async def hop():
-                return await requester.request(subject, payload, timeout=RTT_TIMEOUT_S,
-                                               headers=signer.headers(subject, payload))
+                return await requester.request(
+                    subject, payload, timeout=RTT_TIMEOUT_S, headers=signer.headers(subject, payload)
+                )
 
             answer = msgspec.json.decode((await hop()).data)
             if not answer.get("ok"):  # a refused signature would time a refusal, not a hop
@@ -237,8 +250,11 @@ def _start_servers_without_auth(root: pathlib.Path) -> list:
     started = []
     try:
         started.append(infra.on_free_port(plain_nats, None))
-        started.append(infra.on_free_port(lambda port: infra.start_redis(root / "redis", acl, port, root / "redis.log"),
-                                          None))
+        started.append(
+            infra.on_free_port(
+                lambda port: infra.start_redis(root / "redis", acl, port, root / "redis.log"), None
+            )
+        )
     except Exception:
         for s in started:
             infra.stop_pid(s.pid)
@@ -246,8 +262,9 @@ def _start_servers_without_auth(root: pathlib.Path) -> list:
     return started
 
 
-async def _alternating(variants: dict[str, Callable[[int], Awaitable[list[float]]]],
-                       samples: int) -> dict[str, list[float]]:
+async def _alternating(
+    variants: dict[str, Callable[[int], Awaitable[list[float]]]], samples: int
+) -> dict[str, list[float]]:
     """Each variant measured in AUTH_COST_ROUNDS turns, taking turns with the others, so that a
     drift of the machine (another process, frequency) falls on every side alike."""
     out: dict[str, list[float]] = {name: [] for name in variants}
@@ -278,8 +295,11 @@ async def auth_cost(stack: Stack, samples: int) -> dict:
             return nats.connect(plain_nats_url, connect_timeout=CONNECT_TIMEOUT_S, allow_reconnect=False)
 
         def plain_redis():
-            return aioredis.Redis.from_url(plain_redis_url, socket_connect_timeout=connections.REDIS_CONNECT_TIMEOUT_S,
-                                           socket_timeout=connections.REDIS_SOCKET_TIMEOUT_S)
+            return aioredis.Redis.from_url(
+                plain_redis_url,
+                socket_connect_timeout=connections.REDIS_CONNECT_TIMEOUT_S,
+                socket_timeout=connections.REDIS_SOCKET_TIMEOUT_S,
+            )
 
         def operator():
             return stack.nats(allow_reconnect=False)
@@ -291,19 +311,35 @@ async def auth_cost(stack: Stack, samples: int) -> dict:
         # A tenant may publish only under its own API prefix: a verb no service serves, answered
         # into the tenant's own inbox, is the path every `ecc` request takes.
         tenant_echo = stack.api_subject("v1.api.benchecho")
-        nats_connect = await _alternating({
-            "nkey": lambda n: _nats_connect_times(operator, n),
-            "none": lambda n: _nats_connect_times(plain_nats, n)}, connects)
-        nats_rtt = await _alternating({
-            "operator": lambda n: bare_nats_round_trips(operator, operator, echo, n),
-            "tenant": lambda n: bare_nats_round_trips(operator, tenant, tenant_echo, n),
-            "none": lambda n: bare_nats_round_trips(plain_nats, plain_nats, echo, n)}, samples)
-        redis_connect = await _alternating({
-            "acl": lambda n: _redis_connect_times(stack.redis, n),
-            "none": lambda n: _redis_connect_times(plain_redis, n)}, connects)
-        redis_evalsha = await _alternating({
-            "acl": lambda n: bare_redis_evalsha(stack.redis, n),
-            "none": lambda n: bare_redis_evalsha(plain_redis, n)}, samples)
+        nats_connect = await _alternating(
+            {
+                "nkey": lambda n: _nats_connect_times(operator, n),
+                "none": lambda n: _nats_connect_times(plain_nats, n),
+            },
+            connects,
+        )
+        nats_rtt = await _alternating(
+            {
+                "operator": lambda n: bare_nats_round_trips(operator, operator, echo, n),
+                "tenant": lambda n: bare_nats_round_trips(operator, tenant, tenant_echo, n),
+                "none": lambda n: bare_nats_round_trips(plain_nats, plain_nats, echo, n),
+            },
+            samples,
+        )
+        redis_connect = await _alternating(
+            {
+                "acl": lambda n: _redis_connect_times(stack.redis, n),
+                "none": lambda n: _redis_connect_times(plain_redis, n),
+            },
+            connects,
+        )
+        redis_evalsha = await _alternating(
+            {
+                "acl": lambda n: bare_redis_evalsha(stack.redis, n),
+                "none": lambda n: bare_redis_evalsha(plain_redis, n),
+            },
+            samples,
+        )
     finally:
         for s in servers:
             await asyncio.to_thread(infra.stop_pid, s.pid)
@@ -365,6 +401,7 @@ async def observed_hops(stack: Stack, requests: int) -> dict:
     r = stack.redis()
     monitor = r.monitor()
     try:
+
         async def count(msg) -> None:
             kind = _subject_kind(stack.namespace, stack.account, msg.subject)
             counts[kind] = counts.get(kind, 0) + 1
@@ -372,7 +409,9 @@ async def observed_hops(stack: Stack, requests: int) -> dict:
         async def listen() -> None:
             async for entry in monitor.listen():
                 if entry["client_type"] != "lua":  # a script's own commands run inside its EVALSHA
-                    logged.append((entry["time"], (entry["client_address"], entry["client_port"]), entry["command"]))
+                    logged.append(
+                        (entry["time"], (entry["client_address"], entry["client_port"]), entry["command"])
+                    )
 
         await tap.subscribe(f"{stack.namespace}.>", cb=count)
         await tap.flush(timeout=RTT_TIMEOUT_S)
@@ -448,9 +487,14 @@ async def latency(stack: Stack, samples: int) -> dict:
         "bare_redis_evalsha": stats.latency_summary(redis_rtt),
         # Not a bare figure: the framework cost of one hop, for reading the gap above the bare sum.
         "service_hop_echo": stats.latency_summary(hop_rtt),
-        "round_trips_needed": {"nats_request_reply": n_nats, "jetstream_publish": n_js, "redis": n_redis,
-                               "nats_detail": NATS_ROUND_TRIPS, "jetstream_detail": JETSTREAM_ROUND_TRIPS,
-                               "redis_detail": REDIS_ROUND_TRIPS},
+        "round_trips_needed": {
+            "nats_request_reply": n_nats,
+            "jetstream_publish": n_js,
+            "redis": n_redis,
+            "nats_detail": NATS_ROUND_TRIPS,
+            "jetstream_detail": JETSTREAM_ROUND_TRIPS,
+            "redis_detail": REDIS_ROUND_TRIPS,
+        },
         "observed_per_request": observed,
         "needed_hops_seen_once_each": all(messages.get(kind) == 1.0 for kind in NEEDED_SUBJECTS),
         "extra_publishes_per_request": sum(extra.values()),
@@ -528,8 +572,10 @@ async def throughput(stack: Stack, requests: int, clients: int = CLIENTS) -> dic
     accepted = sum(1 for out in answers if out["ok"] and not out["data"]["replay"])
 
     def per_request(usage: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
-        return {name: {"user": round(1000 * u / requests, 3), "system": round(1000 * s / requests, 3)}
-                for name, (u, s) in usage.items()}
+        return {
+            name: {"user": round(1000 * u / requests, 3), "system": round(1000 * s / requests, 3)}
+            for name, (u, s) in usage.items()
+        }
 
     return {
         "auth": AUTH,
@@ -582,11 +628,11 @@ async def exactly_once(stack: Stack, requests: int, keys: int, clients: int = CL
     }
 
 
-async def run_all(stack: Stack, *, latency_samples: int, throughput_requests: int, once_requests: int,
-                  once_keys: int) -> dict[str, dict]:
+async def run_all(
+    stack: Stack, *, latency_samples: int, throughput_requests: int, once_requests: int, once_keys: int
+) -> dict[str, dict]:
     return {
         "control_plane_latency": await latency(stack, latency_samples),
         "control_plane_throughput": await throughput(stack, throughput_requests),
         "exactly_once": await exactly_once(stack, once_requests, once_keys),
     }
-

@@ -74,7 +74,9 @@ def numpy_signatures(sets: Sequence[np.ndarray], permutations: int, seed: int) -
     lengths = np.array([len(s) for s in sets], dtype=np.int64)
     if n == 0 or lengths.sum() == 0:
         return out
-    values = (np.concatenate([np.asarray(s, dtype=np.uint64) for s in sets]) % np.uint64(MERSENNE_31)).astype(np.int64)
+    values = (np.concatenate([np.asarray(s, dtype=np.uint64) for s in sets]) % np.uint64(MERSENNE_31)).astype(
+        np.int64
+    )
     owner = np.repeat(np.arange(n), lengths)
     for start in range(0, len(values), SIGNATURE_CHUNK):
         x = values[start : start + SIGNATURE_CHUNK]
@@ -117,8 +119,12 @@ def numpy_keep(sets: Sequence[np.ndarray], seed: int) -> list[bool]:
 
 def numpy_pairs(sets: Sequence[np.ndarray], seed: int) -> set[tuple[int, int]]:
     signatures = numpy_signatures(sets, PERMUTATIONS, seed)
-    return {(j, i) for i, earlier in numpy_candidates(signatures, BANDS).items() for j in earlier
-            if len(sets[i]) and len(sets[j]) and float(np.mean(signatures[i] == signatures[j])) >= THRESHOLD}
+    return {
+        (j, i)
+        for i, earlier in numpy_candidates(signatures, BANDS).items()
+        for j in earlier
+        if len(sets[i]) and len(sets[j]) and float(np.mean(signatures[i] == signatures[j])) >= THRESHOLD
+    }
 
 
 # --- the one-shingle shortcut the stage takes, for the numpy rows ---------------------------------------
@@ -158,7 +164,9 @@ def one_shingle_path(keep_fn: Callable, pairs_fn: Callable) -> tuple[Callable, C
 
 
 def datasketch_keep(sets: Sequence[np.ndarray], seed: int) -> list[bool]:
-    return dataprep.near_duplicate_sets(sets, permutations=PERMUTATIONS, bands=BANDS, threshold=THRESHOLD, seed=seed)
+    return dataprep.near_duplicate_sets(
+        sets, permutations=PERMUTATIONS, bands=BANDS, threshold=THRESHOLD, seed=seed
+    )
 
 
 def _datasketch_lsh_pairs(sets: Sequence[np.ndarray], seed: int) -> set[tuple[int, int]]:
@@ -202,7 +210,11 @@ def planted_corpus(documents: Sequence[str], seed: int = 0) -> tuple[list[str], 
         for rate in SPAN_RATES:
             width = max(1, round(rate * len(tokens)))
             start = rng.randrange(len(tokens) - width + 1)
-            copy = tokens[:start] + [f"planted{rng.randrange(10**9)}" for _ in range(width)] + tokens[start + width :]
+            copy = (
+                tokens[:start]
+                + [f"planted{rng.randrange(10**9)}" for _ in range(width)]
+                + tokens[start + width :]
+            )
             out.append(" ".join(copy))
             labels.append(f"span {rate:.0%}")
     return out, labels
@@ -210,7 +222,9 @@ def planted_corpus(documents: Sequence[str], seed: int = 0) -> tuple[list[str], 
 
 def exact_jaccard_pairs(sets: Sequence[np.ndarray], threshold: float) -> tuple[set[tuple[int, int]], int]:
     """Every pair (j < i) whose shingle sets have Jaccard >= threshold, and how many pairs were compared."""
-    vocab, column = np.unique(np.concatenate([np.asarray(s, dtype=np.uint64) for s in sets]), return_inverse=True)
+    vocab, column = np.unique(
+        np.concatenate([np.asarray(s, dtype=np.uint64) for s in sets]), return_inverse=True
+    )
     lengths = np.array([len(s) for s in sets])
     rows = np.repeat(np.arange(len(sets)), lengths)
     x = sparse.csr_matrix((np.ones(len(rows), dtype=np.int32), (rows, column)), shape=(len(sets), len(vocab)))
@@ -238,17 +252,24 @@ def quality(sets: Sequence[np.ndarray], seeds: int) -> dict:
             clear_recalls.append(len(pairs & clear) / len(clear) if clear else None)
             precisions.append(len(pairs & truth) / len(pairs) if pairs else None)
             flagged.append(len(pairs))
-        out[name] = {"recall": mean(recalls), "recall_min": worst(recalls),
-                     "recall_clear": mean(clear_recalls), "recall_clear_min": worst(clear_recalls),
-                     "precision": mean(precisions), "precision_min": worst(precisions),
-                     "flagged_pairs": statistics.fmean(flagged)}
+        out[name] = {
+            "recall": mean(recalls),
+            "recall_min": worst(recalls),
+            "recall_clear": mean(clear_recalls),
+            "recall_clear_min": worst(clear_recalls),
+            "precision": mean(precisions),
+            "precision_min": worst(precisions),
+            "flagged_pairs": statistics.fmean(flagged),
+        }
     return out
 
 
 def speed(documents: Sequence[str], repeats: int) -> dict:
     """Median seconds over alternating repeats: end to end (shingling included) and MinHash + LSH only."""
     sets = [np.array(dataprep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in documents]
-    times: dict[str, dict[str, list[float]]] = {name: {"total": [], "minhash_lsh": []} for name in IMPLEMENTATIONS}
+    times: dict[str, dict[str, list[float]]] = {
+        name: {"total": [], "minhash_lsh": []} for name in IMPLEMENTATIONS
+    }
     for _ in range(repeats):
         for name, (keep_fn, _) in IMPLEMENTATIONS.items():
             t0 = time.perf_counter()
@@ -261,8 +282,12 @@ def speed(documents: Sequence[str], repeats: int) -> dict:
     out = {}
     for name, t in times.items():
         total, core = statistics.median(t["total"]), statistics.median(t["minhash_lsh"])
-        out[name] = {"docs_per_s": round(len(documents) / total, 1), "seconds": round(total, 4),
-                     "minhash_lsh_docs_per_s": round(len(documents) / core, 1), "minhash_lsh_seconds": round(core, 4)}
+        out[name] = {
+            "docs_per_s": round(len(documents) / total, 1),
+            "seconds": round(total, 4),
+            "minhash_lsh_docs_per_s": round(len(documents) / core, 1),
+            "minhash_lsh_seconds": round(core, 4),
+        }
     return out
 
 
@@ -274,12 +299,18 @@ def removed(documents: Sequence[str]) -> dict[str, int]:
 def example_mix(path: pathlib.Path = EXAMPLE_MANIFEST) -> list[str]:
     """The training refs of an example manifest, loaded as the pipeline loads them (its seed)."""
     raw = json.loads(path.read_text())
-    return [doc for ref in raw["data"] if ref.get("role", "train") == "train" and not ref["source"].startswith("file:")
-            for doc in load_documents(ref["source"], seed=raw.get("seed", 0))]
+    return [
+        doc
+        for ref in raw["data"]
+        if ref.get("role", "train") == "train" and not ref["source"].startswith("file:")
+        for doc in load_documents(ref["source"], seed=raw.get("seed", 0))
+    ]
 
 
 def _deduped(documents: list[str]) -> list[str]:
-    return [d for d, k in zip(documents, dataprep.exact_duplicates(documents), strict=True) if k]  # as prepare()
+    return [
+        d for d, k in zip(documents, dataprep.exact_duplicates(documents), strict=True) if k
+    ]  # as prepare()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,38 +322,60 @@ def main(argv: list[str] | None = None) -> int:
 
     shipped = _deduped(load_documents(SOURCE))
     planted, _ = planted_corpus(shipped)
-    corpora = {"pydoc topics (shipped)": shipped, "topics + planted copies": planted,
-               f"{EXAMPLE_MANIFEST.name} training mix": _deduped(example_mix())}
-    results = {"source": SOURCE, "permutations": PERMUTATIONS, "bands": BANDS, "rows": PERMUTATIONS // BANDS,
-               "threshold": THRESHOLD, "shingle_words": SHINGLE_WORDS, "corpora": {}}
+    corpora = {
+        "pydoc topics (shipped)": shipped,
+        "topics + planted copies": planted,
+        f"{EXAMPLE_MANIFEST.name} training mix": _deduped(example_mix()),
+    }
+    results = {
+        "source": SOURCE,
+        "permutations": PERMUTATIONS,
+        "bands": BANDS,
+        "rows": PERMUTATIONS // BANDS,
+        "threshold": THRESHOLD,
+        "shingle_words": SHINGLE_WORDS,
+        "corpora": {},
+    }
     for label, corpus in corpora.items():
         sets = [np.array(dataprep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in corpus]
-        results["corpora"][label] = {"documents": len(corpus), "shingles": int(sum(len(s) for s in sets)),
-                                     "one_shingle_documents": sum(len(s) == 1 for s in sets),
-                                     "near_duplicates_removed": removed(corpus), "speed": speed(corpus, args.repeats),
-                                     "quality": quality(sets, args.seeds)}
+        results["corpora"][label] = {
+            "documents": len(corpus),
+            "shingles": int(sum(len(s) for s in sets)),
+            "one_shingle_documents": sum(len(s) == 1 for s in sets),
+            "near_duplicates_removed": removed(corpus),
+            "speed": speed(corpus, args.repeats),
+            "quality": quality(sets, args.seeds),
+        }
 
-    print(f"near dedup: {PERMUTATIONS} permutations, {BANDS} bands x {PERMUTATIONS // BANDS} rows, "
-          f"{SHINGLE_WORDS}-word shingles, Jaccard >= {THRESHOLD}; quality: mean (worst) over {args.seeds} seeds")
+    print(
+        f"near dedup: {PERMUTATIONS} permutations, {BANDS} bands x {PERMUTATIONS // BANDS} rows, "
+        f"{SHINGLE_WORDS}-word shingles, Jaccard >= {THRESHOLD}; quality: mean (worst) over {args.seeds} seeds"
+    )
 
     def fmt(mean: float | None, worst: float | None) -> str:
         return f"{'-':>15}" if mean is None else f"{mean:>7.3f} ({worst:.3f})"
 
     clear = f"recall J>={THRESHOLD + CLEAR_MARGIN:.2f}"
-    header = (f"{'corpus':<28} {'implementation':<24} {'docs/s':>8} {'MinHash+LSH docs/s':>18} {'recall':>15} "
-              f"{clear:>15} {'precision':>15} {'removed':>7}")
+    header = (
+        f"{'corpus':<28} {'implementation':<24} {'docs/s':>8} {'MinHash+LSH docs/s':>18} {'recall':>15} "
+        f"{clear:>15} {'precision':>15} {'removed':>7}"
+    )
     print(header)
     print("-" * len(header))
     for label, r in results["corpora"].items():
         q = r["quality"]
         for name in IMPLEMENTATIONS:
             s, qi = r["speed"][name], q[name]
-            print(f"{label:<28} {name:<24} {s['docs_per_s']:>8.0f} {s['minhash_lsh_docs_per_s']:>18.0f} "
-                  f"{fmt(qi['recall'], qi['recall_min'])} {fmt(qi['recall_clear'], qi['recall_clear_min'])} "
-                  f"{fmt(qi['precision'], qi['precision_min'])} {r['near_duplicates_removed'][name]:>7}")
-        print(f"{'':<28} {r['documents']} documents ({r['one_shingle_documents']} of one shingle), {r['shingles']} "
-              f"shingles; of {q['pairs_compared']} pairs, {q['true_pairs']} at exact Jaccard >= {THRESHOLD}, "
-              f"{q['clear_pairs']} at >= {THRESHOLD + CLEAR_MARGIN:.2f}")
+            print(
+                f"{label:<28} {name:<24} {s['docs_per_s']:>8.0f} {s['minhash_lsh_docs_per_s']:>18.0f} "
+                f"{fmt(qi['recall'], qi['recall_min'])} {fmt(qi['recall_clear'], qi['recall_clear_min'])} "
+                f"{fmt(qi['precision'], qi['precision_min'])} {r['near_duplicates_removed'][name]:>7}"
+            )
+        print(
+            f"{'':<28} {r['documents']} documents ({r['one_shingle_documents']} of one shingle), {r['shingles']} "
+            f"shingles; of {q['pairs_compared']} pairs, {q['true_pairs']} at exact Jaccard >= {THRESHOLD}, "
+            f"{q['clear_pairs']} at >= {THRESHOLD + CLEAR_MARGIN:.2f}"
+        )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -33,8 +33,16 @@ class Target:
 
 
 TARGETS = [
-    Target("control_plane_latency", "ratio_p50_to_bare_sum", "<=", 3.0, "gated p50 <= 3x the bare round trips it needs"),
-    Target("control_plane_throughput", "accepted_per_s", ">=", 500.0, ">= 500 accepted requests/s on 2 cores"),
+    Target(
+        "control_plane_latency",
+        "ratio_p50_to_bare_sum",
+        "<=",
+        3.0,
+        "gated p50 <= 3x the bare round trips it needs",
+    ),
+    Target(
+        "control_plane_throughput", "accepted_per_s", ">=", 500.0, ">= 500 accepted requests/s on 2 cores"
+    ),
     Target("exactly_once", "exactly_once", "==", True, "N keys -> exactly N runs, 0 duplicates, 0 lost"),
     Target("trainer_pretrain", "ratio", ">=", 0.95, "trainer >= 0.95x the plain loop"),
     Target("trainer_dpo", "ratio", ">=", 0.95, "DPO step >= 0.95x the plain loop"),
@@ -46,31 +54,62 @@ TARGETS = [
 
 # The figures the table shows (and the quick-mode test checks are numbers), per benchmark.
 HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, unit)]
-    "control_plane_latency": [("gated.p50_ms", "ms"), ("gated.p99_ms", "ms"), ("bare_nats_request_reply.p50_ms", "ms"),
-                              ("bare_jetstream_publish.p50_ms", "ms"), ("bare_redis_evalsha.p50_ms", "ms"),
-                              ("bare_sum_ms", "ms"), ("ratio_p50_to_bare_sum", "x"),
-                              ("round_trips_needed.redis", ""), ("extra_publishes_per_request", ""),
-                              ("ratio_p50_to_bare_sum_with_extra_publishes", "x"),
-                              ("service_hop_echo.p50_ms", "ms"),
-                              # What authentication adds (p50 with minus p50 without; see control_plane.auth_cost).
-                              ("auth_cost.nats_connect_extra_ms", "ms"),
-                              ("auth_cost.nats_request_reply_extra_ms", "ms"),
-                              ("auth_cost.nats_tenant_request_reply_extra_ms", "ms"),
-                              ("auth_cost.redis_connect_extra_ms", "ms"),
-                              ("auth_cost.redis_evalsha_extra_ms", "ms")],
-    "control_plane_throughput": [("accepted_per_s", "/s"), ("accepted", ""), ("cpu_ms_per_request_total", "ms"),
-                                 ("cpu_cores_busy", "cores"), ("server_cpu_cores_busy", "cores")],
-    "exactly_once": [("requests", ""), ("keys", ""), ("runs", ""), ("duplicates", ""), ("lost", ""),
-                     ("work_queue_messages", ""), ("requests_per_s", "/s")],
+    "control_plane_latency": [
+        ("gated.p50_ms", "ms"),
+        ("gated.p99_ms", "ms"),
+        ("bare_nats_request_reply.p50_ms", "ms"),
+        ("bare_jetstream_publish.p50_ms", "ms"),
+        ("bare_redis_evalsha.p50_ms", "ms"),
+        ("bare_sum_ms", "ms"),
+        ("ratio_p50_to_bare_sum", "x"),
+        ("round_trips_needed.redis", ""),
+        ("extra_publishes_per_request", ""),
+        ("ratio_p50_to_bare_sum_with_extra_publishes", "x"),
+        ("service_hop_echo.p50_ms", "ms"),
+        # What authentication adds (p50 with minus p50 without; see control_plane.auth_cost).
+        ("auth_cost.nats_connect_extra_ms", "ms"),
+        ("auth_cost.nats_request_reply_extra_ms", "ms"),
+        ("auth_cost.nats_tenant_request_reply_extra_ms", "ms"),
+        ("auth_cost.redis_connect_extra_ms", "ms"),
+        ("auth_cost.redis_evalsha_extra_ms", "ms"),
+    ],
+    "control_plane_throughput": [
+        ("accepted_per_s", "/s"),
+        ("accepted", ""),
+        ("cpu_ms_per_request_total", "ms"),
+        ("cpu_cores_busy", "cores"),
+        ("server_cpu_cores_busy", "cores"),
+    ],
+    "exactly_once": [
+        ("requests", ""),
+        ("keys", ""),
+        ("runs", ""),
+        ("duplicates", ""),
+        ("lost", ""),
+        ("work_queue_messages", ""),
+        ("requests_per_s", "/s"),
+    ],
     "trainer_pretrain": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
     "trainer_dpo": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
     "trainer_grpo": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
-    "checkpoint_tiny": [("checkpoint_bytes", "B"), ("async_stall_s", "s"), ("sync_torch_save_s", "s"),
-                        ("stall_ratio", "x"), ("checkpoint_write_mb_s", "MB/s"), ("raw_write_mb_s", "MB/s"),
-                        ("bandwidth_ratio", "x")],
-    "checkpoint_150M": [("checkpoint_bytes", "B"), ("async_stall_s", "s"), ("sync_torch_save_s", "s"),
-                        ("stall_ratio", "x"), ("checkpoint_write_mb_s", "MB/s"), ("raw_write_mb_s", "MB/s"),
-                        ("bandwidth_ratio", "x")],
+    "checkpoint_tiny": [
+        ("checkpoint_bytes", "B"),
+        ("async_stall_s", "s"),
+        ("sync_torch_save_s", "s"),
+        ("stall_ratio", "x"),
+        ("checkpoint_write_mb_s", "MB/s"),
+        ("raw_write_mb_s", "MB/s"),
+        ("bandwidth_ratio", "x"),
+    ],
+    "checkpoint_150M": [
+        ("checkpoint_bytes", "B"),
+        ("async_stall_s", "s"),
+        ("sync_torch_save_s", "s"),
+        ("stall_ratio", "x"),
+        ("checkpoint_write_mb_s", "MB/s"),
+        ("raw_write_mb_s", "MB/s"),
+        ("bandwidth_ratio", "x"),
+    ],
     "cli_startup": [("ecc_help_s", "s"), ("ecc_status_json_s", "s"), ("python_bare_start_s", "s")],
 }
 
@@ -123,8 +162,16 @@ def with_targets(name: str, entry: dict) -> dict:
         if t.benchmark != name or entry.get("status") != "ok":
             continue
         value = entry["figures"][t.figure]
-        checks.append({"figure": t.figure, "op": t.op, "limit": t.limit, "value": value, "met": t.met(value),
-                       "target": t.why})
+        checks.append(
+            {
+                "figure": t.figure,
+                "op": t.op,
+                "limit": t.limit,
+                "value": value,
+                "met": t.met(value),
+                "target": t.why,
+            }
+        )
     return {**entry, "targets": checks}
 
 
@@ -148,23 +195,34 @@ def table(env: dict, benchmarks: dict[str, dict]) -> str:
     rows = [("benchmark", "figure", "value", "target", "met")]
     for name, entry in benchmarks.items():
         if entry.get("status") != "ok":
-            rows.append((name, entry.get("status", "?"), entry.get("reason") or entry.get("error", ""), "", ""))
+            rows.append(
+                (name, entry.get("status", "?"), entry.get("reason") or entry.get("error", ""), "", "")
+            )
             continue
         targets = {t["figure"]: t for t in entry.get("targets", [])}
         shown = [p for p, _ in HEADLINES.get(name, [])]
         for path, unit in HEADLINES.get(name, []):
             t = targets.get(path)
-            rows.append((name, path, f"{_fmt(figure(entry['figures'], path))} {unit}".strip(),
-                         f"{t['op']} {_fmt(t['limit'])}" if t else "", _fmt(t["met"]) if t else ""))
+            rows.append(
+                (
+                    name,
+                    path,
+                    f"{_fmt(figure(entry['figures'], path))} {unit}".strip(),
+                    f"{t['op']} {_fmt(t['limit'])}" if t else "",
+                    _fmt(t["met"]) if t else "",
+                )
+            )
         for path, t in targets.items():
             if path not in shown:
                 rows.append((name, path, _fmt(t["value"]), f"{t['op']} {_fmt(t['limit'])}", _fmt(t["met"])))
     widths = [max(len(str(r[i])) for r in rows) for i in range(5)]
-    lines = [f"ito-training bench ({env['mode']}): {env['cpu_count']} CPUs, python {env['python']}, "
-             f"torch {env['torch']}, commit {(env['git_commit'] or '?')[:12]}, load {env['load_avg_at_start']}, "
-             f"auth {env.get('auth', 'off')}"]
+    lines = [
+        f"ito-training bench ({env['mode']}): {env['cpu_count']} CPUs, python {env['python']}, "
+        f"torch {env['torch']}, commit {(env['git_commit'] or '?')[:12]}, load {env['load_avg_at_start']}, "
+        f"auth {env.get('auth', 'off')}"
+    ]
     for i, row in enumerate(rows):
-        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -44,17 +44,29 @@ class Config:
 
 
 def full() -> Config:
-    return Config(mode="full", latency_samples=1000, throughput_requests=3000, once_requests=10_000, once_keys=1000,
-                  trainer=TrainerSizes(steps=40, warmup=5, repeats=8),
-                  checkpoint=CheckpointSizes(shapes=("tiny", "150M"), repeats=3),  # 150M: ~1.6 GB of state
-                  cli_runs=9)
+    return Config(
+        mode="full",
+        latency_samples=1000,
+        throughput_requests=3000,
+        once_requests=10_000,
+        once_keys=1000,
+        trainer=TrainerSizes(steps=40, warmup=5, repeats=8),
+        checkpoint=CheckpointSizes(shapes=("tiny", "150M"), repeats=3),  # 150M: ~1.6 GB of state
+        cli_runs=9,
+    )
 
 
 def quick() -> Config:
-    return Config(mode="quick", latency_samples=50, throughput_requests=200, once_requests=1000, once_keys=100,
-                  trainer=TrainerSizes(steps=6, warmup=2, repeats=2),
-                  checkpoint=CheckpointSizes(shapes=("tiny",), repeats=1),
-                  cli_runs=3)
+    return Config(
+        mode="quick",
+        latency_samples=50,
+        throughput_requests=200,
+        once_requests=1000,
+        once_keys=100,
+        trainer=TrainerSizes(steps=6, warmup=2, repeats=2),
+        checkpoint=CheckpointSizes(shapes=("tiny",), repeats=1),
+        cli_runs=3,
+    )
 
 
 def _machine_busy_s() -> float:
@@ -108,13 +120,23 @@ def _stack_groups(cfg: Config, groups: set[str], env: dict) -> dict[str, dict]:
         env["infra"] = asyncio.run(infra_facts(stack))
         asyncio.run(stack.provision())
         if "control_plane" in groups:
-            results |= _measured(lambda: asyncio.run(control_plane.run_all(
-                stack, latency_samples=cfg.latency_samples, throughput_requests=cfg.throughput_requests,
-                once_requests=cfg.once_requests, once_keys=cfg.once_keys)),
-                ["control_plane_latency", "control_plane_throughput", "exactly_once"])
+            results |= _measured(
+                lambda: asyncio.run(
+                    control_plane.run_all(
+                        stack,
+                        latency_samples=cfg.latency_samples,
+                        throughput_requests=cfg.throughput_requests,
+                        once_requests=cfg.once_requests,
+                        once_keys=cfg.once_keys,
+                    )
+                ),
+                ["control_plane_latency", "control_plane_throughput", "exactly_once"],
+            )
         if "cli" in groups:
-            results |= _measured(lambda: {"cli_startup": asyncio.run(cli_startup.measure(stack, cfg.cli_runs))},
-                                 ["cli_startup"])
+            results |= _measured(
+                lambda: {"cli_startup": asyncio.run(cli_startup.measure(stack, cfg.cli_runs))},
+                ["cli_startup"],
+            )
     finally:
         stack.close()
     return results
@@ -123,8 +145,12 @@ def _stack_groups(cfg: Config, groups: set[str], env: dict) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, well under a minute")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help=f"results file (default {DEFAULT_OUT})")
-    parser.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups from {', '.join(GROUPS)}")
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=DEFAULT_OUT, help=f"results file (default {DEFAULT_OUT})"
+    )
+    parser.add_argument(
+        "--only", default=",".join(GROUPS), help=f"comma-separated groups from {', '.join(GROUPS)}"
+    )
     args = parser.parse_args(argv)
     groups = {g.strip() for g in args.only.split(",") if g.strip()}
     if not groups or groups - set(GROUPS):
@@ -142,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         benchmarks |= _stack_groups(cfg, groups, env)
     # After the stack is down, so its processes do not compete with the training loops.
     if "trainer" in groups:
-        benchmarks |= _measured(lambda: trainer_steps.run_all(cfg.trainer),
-                                ["trainer_pretrain", "trainer_dpo", "trainer_grpo"])
+        benchmarks |= _measured(
+            lambda: trainer_steps.run_all(cfg.trainer), ["trainer_pretrain", "trainer_dpo", "trainer_grpo"]
+        )
     if "checkpoint" in groups:
-        benchmarks |= _measured(lambda: checkpoint_io.run_all(cfg.checkpoint),
-                                [f"checkpoint_{s}" for s in cfg.checkpoint.shapes])
+        benchmarks |= _measured(
+            lambda: checkpoint_io.run_all(cfg.checkpoint), [f"checkpoint_{s}" for s in cfg.checkpoint.shapes]
+        )
     report.write(args.out, env, benchmarks)
     report.print_table(env, benchmarks)
     print(f"\nresults: {args.out}")

@@ -26,7 +26,13 @@ import msgspec
 from contracts import subjects
 from contracts.api import Action, ConfirmRequest, TrainRequest
 from services.runtime import infra
-from services.runtime.settings import ENV_DATA_DIR, ENV_NAMESPACE, ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
+from services.runtime.settings import (
+    ENV_DATA_DIR,
+    ENV_NAMESPACE,
+    ENV_NATS_URL,
+    ENV_REDIS_URL,
+    ENV_SECRETS_DIR,
+)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
@@ -61,9 +67,14 @@ class Stack:
         self.services = services
         self.namespace = new_namespace()
         self.data_dir = pathlib.Path(tempfile.mkdtemp(prefix="ito-bench-stack-"))
-        self.env = {**os.environ, ENV_NAMESPACE: self.namespace, ENV_DATA_DIR: str(self.data_dir),
-                    ENV_SECRETS_DIR: str(self.data_dir / "secrets"), "ECC_CONFIG_DIR": str(self.data_dir / "ecc"),
-                    "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+        self.env = {
+            **os.environ,
+            ENV_NAMESPACE: self.namespace,
+            ENV_DATA_DIR: str(self.data_dir),
+            ENV_SECRETS_DIR: str(self.data_dir / "secrets"),
+            "ECC_CONFIG_DIR": str(self.data_dir / "ecc"),
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        }
         for name in (ENV_NATS_URL, ENV_REDIS_URL):  # `up` starts its own servers; never the machine's
             self.env.pop(name, None)
         self.nats_url = ""
@@ -74,8 +85,14 @@ class Stack:
 
     def ito(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> dict:
         """`ito-training ARGS --json` -> its JSON answer (the last line of stdout)."""
-        proc = subprocess.run([str(BIN / "ito-training"), *args, "--json"], env=self.env, cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [str(BIN / "ito-training"), *args, "--json"],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"ito-training {args[0]} failed: {proc.stderr[-2000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -121,8 +138,13 @@ class Stack:
 
         from ecc.transport import seed_of, tenant_inbox
 
-        return await nats.connect(self.nats_url, connect_timeout=2, nkeys_seed_str=seed_of(self.api_key).decode(),
-                                  inbox_prefix=tenant_inbox(self.account), **options)
+        return await nats.connect(
+            self.nats_url,
+            connect_timeout=2,
+            nkeys_seed_str=seed_of(self.api_key).decode(),
+            inbox_prefix=tenant_inbox(self.account),
+            **options,
+        )
 
     def api_subject(self, suffix: str) -> str:
         """`<ns>.<verb>.<account>`: the only subjects this tenant may publish on."""
@@ -140,9 +162,17 @@ class Stack:
             raise RuntimeError("the stack's nats-server was not reloaded with the new account")
         self.api_key = created["api_key"]
         self.booking = "bk-" + uuid.uuid4().hex[:8]
-        event = booking_sim.event(account=self.account, booking=self.booking, kind="completed", nodes=1,
-                                  gpus_per_node=8, gpu_model="H200", region="eu-central-1", fabric="infiniband",
-                                  hours=24.0)
+        event = booking_sim.event(
+            account=self.account,
+            booking=self.booking,
+            kind="completed",
+            nodes=1,
+            gpus_per_node=8,
+            gpu_model="H200",
+            region="eu-central-1",
+            fabric="infiniband",
+            hours=24.0,
+        )
         await booking_sim.publish(self.settings(), event)  # as the `compute` identity, as upstream would
         async with ApiClient(self) as client:
             deadline = time.monotonic() + BOOKING_READY_TIMEOUT_S
@@ -156,9 +186,15 @@ class Stack:
 
     def ecc_login(self) -> None:
         # The key goes on stdin, never in an argument (argv is visible to every local user).
-        proc = subprocess.run([str(BIN / "ecc"), "ito", "login", "--account", self.account, "--json"],
-                              input=self.api_key + "\n", env=self.env, cwd=REPO, capture_output=True, text=True,
-                              timeout=CLI_TIMEOUT_S)
+        proc = subprocess.run(
+            [str(BIN / "ecc"), "ito", "login", "--account", self.account, "--json"],
+            input=self.api_key + "\n",
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=CLI_TIMEOUT_S,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"ecc login failed: {proc.stdout[-1000:]} {proc.stderr[-1000:]}")
 
@@ -166,7 +202,9 @@ class Stack:
         """Messages on this namespace's WORK stream: the trainer's only input."""
         nc = await self.nats(allow_reconnect=False)
         try:
-            info = await nc.jetstream(timeout=PROBE_TIMEOUT_S).stream_info(self.settings().stream(subjects.STREAM_WORK))
+            info = await nc.jetstream(timeout=PROBE_TIMEOUT_S).stream_info(
+                self.settings().stream(subjects.STREAM_WORK)
+            )
             return info.state.messages
         finally:
             await nc.close()
@@ -178,8 +216,14 @@ class Stack:
         except (OSError, ValueError):
             leftover = None  # `up` never wrote its state: nothing was started, or `up` cleaned up itself
         try:
-            subprocess.run([str(BIN / "ito-training"), "down", "--json"], env=self.env, cwd=REPO,
-                           capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+            subprocess.run(
+                [str(BIN / "ito-training"), "down", "--json"],
+                env=self.env,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=CLI_TIMEOUT_S,
+            )
         except subprocess.TimeoutExpired:
             pass
         if leftover is not None and (self.data_dir / "up.json").exists():
@@ -202,10 +246,16 @@ async def infra_facts(stack: Stack) -> dict:
         appendfsync = (await r.config_get("appendfsync")).get("appendfsync")
     finally:
         await r.aclose()
-    return {"nats_url": stack.nats_url, "nats_server": nats_version, "redis_url": stack.redis_url,
-            "redis_server": version, "redis_appendonly": appendonly, "redis_appendfsync": appendfsync,
-            "embedded": True,  # always servers of the stack's own (`up` never reuses one)
-            "auth": AUTH}
+    return {
+        "nats_url": stack.nats_url,
+        "nats_server": nats_version,
+        "redis_url": stack.redis_url,
+        "redis_server": version,
+        "redis_appendonly": appendonly,
+        "redis_appendfsync": appendfsync,
+        "embedded": True,  # always servers of the stack's own (`up` never reuses one)
+        "auth": AUTH,
+    }
 
 
 class ApiClient:
@@ -227,18 +277,33 @@ class ApiClient:
         await self.nc.close()
 
     async def call(self, suffix: str, request: msgspec.Struct) -> dict:
-        reply = await self.nc.request(self.stack.api_subject(suffix), _encoder.encode(request),
-                                      timeout=REQUEST_TIMEOUT_S)
+        reply = await self.nc.request(
+            self.stack.api_subject(suffix), _encoder.encode(request), timeout=REQUEST_TIMEOUT_S
+        )
         return msgspec.json.decode(reply.data)
 
     async def confirm(self) -> dict:
-        return await self.call(subjects.API_CONFIRM, ConfirmRequest(
-            action=Action.train, booking_id=self.stack.booking, manifest_text=self.text, manifest_digest=self.digest))
+        return await self.call(
+            subjects.API_CONFIRM,
+            ConfirmRequest(
+                action=Action.train,
+                booking_id=self.stack.booking,
+                manifest_text=self.text,
+                manifest_digest=self.digest,
+            ),
+        )
 
     async def train(self, confirmation_ref: str, idempotency_key: str) -> dict:
-        return await self.call(subjects.API_TRAIN, TrainRequest(
-            booking_id=self.stack.booking, manifest_text=self.text, manifest_digest=self.digest,
-            idempotency_key=idempotency_key, confirmation_ref=confirmation_ref))
+        return await self.call(
+            subjects.API_TRAIN,
+            TrainRequest(
+                booking_id=self.stack.booking,
+                manifest_text=self.text,
+                manifest_digest=self.digest,
+                idempotency_key=idempotency_key,
+                confirmation_ref=confirmation_ref,
+            ),
+        )
 
 
 async def confirmations(stack: Stack, n: int, concurrency: int = 16) -> list[str]:

@@ -15,6 +15,7 @@ alternate in short runs, `repeats` times, so that load from other processes on a
 is one over its median step time over all runs.
 """
 
+import itertools
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,12 +50,15 @@ class Sizes:
 
 def _step_times(times: list[float], warmup: int) -> list[float]:
     """Durations of the steps after the warm-up, from consecutive end-of-step timestamps."""
-    window = times[warmup - 1:]
-    return [b - a for a, b in zip(window, window[1:])]
+    window = times[warmup - 1 :]
+    return [b - a for a, b in itertools.pairwise(window)]
 
 
-def _compare(ours: Callable[[], tuple[list[float], float]], plain: Callable[[], tuple[list[float], float]],
-             sizes: Sizes) -> dict:
+def _compare(
+    ours: Callable[[], tuple[list[float], float]],
+    plain: Callable[[], tuple[list[float], float]],
+    sizes: Sizes,
+) -> dict:
     """Steps/s of each side from the median step time over all repeats: on a shared 2-core
     machine another process can stall a few steps, and a median is robust to those. The
     mean-based rates (window length over window time) are reported beside it."""
@@ -91,12 +95,19 @@ def _plain_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
     """AdamW with decay on matrices only, as the trainer does (same update math on both sides)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=LEARNING_RATE, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LEARNING_RATE,
+        betas=(0.9, 0.95),
+    )
 
 
-def _plain_loop(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], total: int,
-                optimizer: torch.optim.Optimizer | None = None) -> tuple[list[float], float]:
+def _plain_loop(
+    model: torch.nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    total: int,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> tuple[list[float], float]:
     optimizer = optimizer or _plain_optimizer(model)
     model.train()
     times, first = [], None
@@ -126,9 +137,19 @@ def pretrain(sizes: Sizes) -> dict:
     total = sizes.warmup + sizes.steps
 
     def config(directory: str) -> StageConfig:
-        return StageConfig(stage="bench", shape=MODEL_SHAPES[SHAPE], train_sources=["builtin:pydoc_topics"],
-                           seq_len=SEQ_LEN, batch_size=BATCH_SIZE, learning_rate=LEARNING_RATE, steps=total,
-                           checkpoint_dir=directory, checkpoint_interval=total, eval_max_batches=1, device="cpu")
+        return StageConfig(
+            stage="bench",
+            shape=MODEL_SHAPES[SHAPE],
+            train_sources=["builtin:pydoc_topics"],
+            seq_len=SEQ_LEN,
+            batch_size=BATCH_SIZE,
+            learning_rate=LEARNING_RATE,
+            steps=total,
+            checkpoint_dir=directory,
+            checkpoint_interval=total,
+            eval_max_batches=1,
+            device="cpu",
+        )
 
     def ours() -> tuple[list[float], float]:
         times, losses = [], []
@@ -154,7 +175,10 @@ def pretrain(sizes: Sizes) -> dict:
 
         return _plain_loop(model, loss_fn, total)
 
-    return {"what": f"train_stage on the {SHAPE} model, batch {BATCH_SIZE}x{SEQ_LEN}", **_compare(ours, plain, sizes)}
+    return {
+        "what": f"train_stage on the {SHAPE} model, batch {BATCH_SIZE}x{SEQ_LEN}",
+        **_compare(ours, plain, sizes),
+    }
 
 
 # --- DPO: our stage vs the same loss written inline -------------------------------------------
@@ -171,9 +195,20 @@ def dpo(sizes: Sizes) -> dict:
     problems = task_problems(load_text("generated:arithmetic", seed=0))
 
     def config(directory: str):
-        return posttrain.PostConfig(stage="dpo", shape=MODEL_SHAPES[SHAPE], rope_base=None, problems=problems,
-                                    steps=total, batch_size=PAIRS, learning_rate=POST_LEARNING_RATE, seed=0,
-                                    checkpoint_dir=directory, checkpoint_interval=total, beta=DPO_BETA, device="cpu")
+        return posttrain.PostConfig(
+            stage="dpo",
+            shape=MODEL_SHAPES[SHAPE],
+            rope_base=None,
+            problems=problems,
+            steps=total,
+            batch_size=PAIRS,
+            learning_rate=POST_LEARNING_RATE,
+            seed=0,
+            checkpoint_dir=directory,
+            checkpoint_interval=total,
+            beta=DPO_BETA,
+            device="cpu",
+        )
 
     def ours() -> tuple[list[float], float]:
         times, losses = [], []
@@ -209,10 +244,15 @@ def dpo(sizes: Sizes) -> dict:
             margin = (policy[:PAIRS] - ref[:PAIRS]) - (policy[PAIRS:] - ref[PAIRS:])
             return -F.logsigmoid(DPO_BETA * margin).mean()
 
-        optimizer = torch.optim.AdamW(model.parameters(), lr=POST_LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=POST_LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0
+        )
         return _plain_loop(model, loss_fn, total, optimizer)
 
-    return {"what": f"posttrain.train_dpo, {PAIRS} pairs of arithmetic answers, {SHAPE} model", **_compare(ours, plain, sizes)}
+    return {
+        "what": f"posttrain.train_dpo, {PAIRS} pairs of arithmetic answers, {SHAPE} model",
+        **_compare(ours, plain, sizes),
+    }
 
 
 # --- GRPO: our loop and losses vs the same loss written inline, on fixed rollouts ---------------
@@ -223,11 +263,13 @@ def _sequences(n: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 256, (n, length + 1), generator=g)
     mask = torch.zeros(n, length)
-    mask[:, length // 3:] = 1.0
+    mask[:, length // 3 :] = 1.0
     return tokens[:, :-1], tokens[:, 1:], mask
 
 
-def _run_ours(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], total: int, tokens: int) -> tuple[list[float], float]:
+def _run_ours(
+    model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], total: int, tokens: int
+) -> tuple[list[float], float]:
     from torch.optim.lr_scheduler import LambdaLR
 
     from services.trainer.loop import LoopSettings, StepOutput, run_loop
@@ -242,9 +284,18 @@ def _run_ours(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], total
             losses.append(fields["loss"])
 
     with tempfile.TemporaryDirectory(prefix="ito-bench-post-") as directory:
-        settings = LoopSettings(stage="bench", steps=total, checkpoint_dir=directory, checkpoint_interval=total)
-        run_loop(settings, model, optimizer, scheduler, lambda _: StepOutput(loss=loss_fn(), tokens=tokens),
-                 emit, lambda: False)
+        settings = LoopSettings(
+            stage="bench", steps=total, checkpoint_dir=directory, checkpoint_interval=total
+        )
+        run_loop(
+            settings,
+            model,
+            optimizer,
+            scheduler,
+            lambda _: StepOutput(loss=loss_fn(), tokens=tokens),
+            emit,
+            lambda: False,
+        )
     return times, losses[0]
 
 
@@ -267,7 +318,9 @@ def grpo(sizes: Sizes) -> dict:
         def loss_fn() -> torch.Tensor:
             advantages = objectives.group_advantages(rewards).reshape(-1)
             logprobs = objectives.token_logprobs(model(inputs)[0], targets)
-            loss, _ = objectives.clipped_policy_loss(logprobs, old_logprobs, advantages, mask, CLIP_LOW, CLIP_HIGH)
+            loss, _ = objectives.clipped_policy_loss(
+                logprobs, old_logprobs, advantages, mask, CLIP_LOW, CLIP_HIGH
+            )
             return loss
 
         return _run_ours(model, loss_fn, total, int(mask.sum()))
@@ -278,15 +331,22 @@ def grpo(sizes: Sizes) -> dict:
         def loss_fn() -> torch.Tensor:
             mean, std = rewards.mean(-1, keepdim=True), rewards.std(-1, keepdim=True)
             advantages = ((rewards - mean) / (std + 1e-6)).reshape(-1, 1)
-            logp = F.log_softmax(model(inputs)[0].float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            logp = (
+                F.log_softmax(model(inputs)[0].float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            )
             ratio = torch.exp(logp - old_logprobs)
-            surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * advantages)
+            surrogate = torch.minimum(
+                ratio * advantages, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * advantages
+            )
             return -(surrogate * mask).sum() / mask.sum()
 
         return _plain_loop(model, loss_fn, total)
 
-    return {"what": f"run_loop + objectives.clipped_policy_loss, {GROUPS}x{GROUP_SIZE} rollouts x {ROLLOUT_LEN} tokens, "
-                    f"{SHAPE} model", **_compare(ours, plain, sizes)}
+    return {
+        "what": f"run_loop + objectives.clipped_policy_loss, {GROUPS}x{GROUP_SIZE} rollouts x {ROLLOUT_LEN} tokens, "
+        f"{SHAPE} model",
+        **_compare(ours, plain, sizes),
+    }
 
 
 def _not_available(reason: str) -> dict:
@@ -312,8 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m bench.trainer_steps", description=main.__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated from {', '.join(BENCHMARKS)}")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.trainer_steps", description=main.__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--only", default=",".join(BENCHMARKS), help=f"comma-separated from {', '.join(BENCHMARKS)}"
+    )
     parser.add_argument("--steps", type=int, default=40, help="timed steps per repeat (make bench: 40)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=8)

@@ -9,7 +9,7 @@ from contracts.evals import Provenance, StageGate
 from contracts.states import RunState
 
 
-class Credential(Contract, kw_only=True):
+class Credential(Contract, frozen=True, kw_only=True):
     """Identity, not authority. Kept for compatibility: the caller's account now comes from the NATS
     credential that the server authenticated; `api_key` must be absent (a key on the wire is refused)."""
 
@@ -31,22 +31,22 @@ class Action(enum.StrEnum):
 # --- requests ---
 
 
-class AuthRequest(Contract, kw_only=True):
+class AuthRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
 
 
-class FindRequest(Contract, kw_only=True):
+class FindRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
 
 
-class PlanRequest(Contract, kw_only=True):
+class PlanRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     booking_id: str
     manifest_text: str  # the exact bytes the client hashed, as UTF-8 text
     manifest_digest: str  # the client's SHA-256; the server recomputes it and never trusts it alone
 
 
-class ConfirmRequest(Contract, kw_only=True):
+class ConfirmRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     action: Action
     booking_id: str | None = None
@@ -56,7 +56,7 @@ class ConfirmRequest(Contract, kw_only=True):
     max_cost_usd: float | None = None
 
 
-class TrainRequest(Contract, kw_only=True):
+class TrainRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     booking_id: str
     manifest_text: str
@@ -65,13 +65,13 @@ class TrainRequest(Contract, kw_only=True):
     confirmation_ref: str | None = None
 
 
-class StatusRequest(Contract, kw_only=True):
+class StatusRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str | None = None
     idempotency_key: str | None = None
 
 
-class LogsRequest(Contract, kw_only=True):
+class LogsRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
     since: int = 0  # index of the first line wanted
@@ -81,25 +81,25 @@ class LogsRequest(Contract, kw_only=True):
 # --- answers (Envelope.data) ---
 
 
-class AuthInfo(Internal, kw_only=True):
+class AuthInfo(Internal, frozen=True, kw_only=True):
     account: str
     key_id: str
 
 
-class BookingView(Internal, kw_only=True):
+class BookingView(Internal, frozen=True, kw_only=True):
     booking: Booking
     allows_training: bool
     reason: str | None = None
 
 
-class PlanCheck(Internal, kw_only=True):
+class PlanCheck(Internal, frozen=True, kw_only=True):
     name: str
     ok: bool
     code: str | None = None
     reason: str
 
 
-class CostEstimate(Internal, kw_only=True):
+class CostEstimate(Internal, frozen=True, kw_only=True):
     flops: float
     tokens: int
     parameters: int
@@ -115,14 +115,14 @@ class CostEstimate(Internal, kw_only=True):
     incremental_usd: float  # cost beyond what the booking covers
 
 
-class StageGatePlan(Internal, kw_only=True):
+class StageGatePlan(Internal, frozen=True, kw_only=True):
     """What a stage's gate will judge: the backend's battery, tightened by the manifest."""
 
     stage: str
     rules: list[str]  # e.g. "held_out_loss <= 0.99 x the incoming model's"
 
 
-class Plan(Internal, kw_only=True):
+class Plan(Internal, frozen=True, kw_only=True):
     booking_id: str
     manifest_digest: str
     strategy: str  # "single", "ddp", "fsdp2", "hsdp", "fsdp2+tp", ...
@@ -136,7 +136,7 @@ class Plan(Internal, kw_only=True):
     gates: list[StageGatePlan] = []  # every stage's gate with its thresholds, in run order
 
 
-class ConfirmationIssued(Internal, kw_only=True):
+class ConfirmationIssued(Internal, frozen=True, kw_only=True):
     confirmation_ref: str
     action: Action
     target: str
@@ -145,7 +145,7 @@ class ConfirmationIssued(Internal, kw_only=True):
     expires_at: datetime
 
 
-class RunAccepted(Internal, kw_only=True):
+class RunAccepted(Internal, frozen=True, kw_only=True):
     run_id: str
     state: RunState
     replay: bool = False
@@ -155,7 +155,7 @@ class RunAccepted(Internal, kw_only=True):
     idempotency_key: str = ""
 
 
-class RestartProposal(Internal, kw_only=True):
+class RestartProposal(Internal, frozen=True, kw_only=True):
     """PaLM's remedy for a loss spike: go back to an earlier checkpoint and skip the batches around
     the spike. Proposed by the trainer, carried out only with a `restart_from_checkpoint` confirmation."""
 
@@ -167,7 +167,7 @@ class RestartProposal(Internal, kw_only=True):
     reason: str
 
 
-class RunView(Internal, kw_only=True):
+class RunView(Internal, frozen=True, kw_only=True):
     run_id: str
     account: str
     booking_id: str
@@ -190,41 +190,41 @@ class RunView(Internal, kw_only=True):
     proposal: RestartProposal | None = None  # while awaiting_approval: what the trainer proposes
 
 
-class LogLineView(Internal, kw_only=True):
+class LogLineView(Internal, frozen=True, kw_only=True):
     index: int
     at: datetime
     level: str
     message: str
 
 
-class LogPage(Internal, kw_only=True):
+class LogPage(Internal, frozen=True, kw_only=True):
     run_id: str
     lines: list[LogLineView]
     next: int
 
 
-class MetricsRequest(Contract, kw_only=True):
+class MetricsRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
     since: int = 0
     limit: int = 1000
 
 
-class RunItemsRequest(Contract, kw_only=True):
+class RunItemsRequest(Contract, frozen=True, kw_only=True):
     """`checkpoints` and `evals`: one run's list."""
 
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
 
 
-class CancelRequest(Contract, kw_only=True):
+class CancelRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
     idempotency_key: str
     confirmation_ref: str | None = None
 
 
-class CleanupRequest(Contract, kw_only=True):
+class CleanupRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
     idempotency_key: str
@@ -233,7 +233,7 @@ class CleanupRequest(Contract, kw_only=True):
     release_confirmation_ref: str | None = None  # its own `release_booking` confirmation
 
 
-class MutationResult(Internal, kw_only=True):
+class MutationResult(Internal, frozen=True, kw_only=True):
     run_id: str
     action: Action
     state: RunState
@@ -243,12 +243,12 @@ class MutationResult(Internal, kw_only=True):
     idempotency_key: str = ""  # this mutation's
 
 
-class RemovedArtifact(Internal, kw_only=True):
+class RemovedArtifact(Internal, frozen=True, kw_only=True):
     path: str
     bytes: int
 
 
-class CleanupResult(Internal, kw_only=True):
+class CleanupResult(Internal, frozen=True, kw_only=True):
     run_id: str
     removed: list[RemovedArtifact]
     booking_release_requested: bool = False
@@ -258,7 +258,7 @@ class CleanupResult(Internal, kw_only=True):
     idempotency_key: str = ""  # this cleanup's
 
 
-class CleanupOrder(Internal, kw_only=True):
+class CleanupOrder(Internal, frozen=True, kw_only=True):
     """scheduler -> trainer: remove a finished run's artifacts (-> CleanupResult)."""
 
     account: str
@@ -267,7 +267,7 @@ class CleanupOrder(Internal, kw_only=True):
     storage: str = "local"  # the manifest's checkpoint storage: "local" or an absolute root
 
 
-class LeaseQuery(Internal, kw_only=True):
+class LeaseQuery(Internal, frozen=True, kw_only=True):
     """trainer -> scheduler: may this run be trained now? (-> LeaseAnswer)
 
     Epoch 0 asks for a new lease; a held epoch renews it, and each renewal is the trainer's
@@ -284,14 +284,14 @@ class LeaseQuery(Internal, kw_only=True):
     plan_sha256: str = ""
 
 
-class LeaseAnswer(Internal, kw_only=True):
+class LeaseAnswer(Internal, frozen=True, kw_only=True):
     run_id: str
     proceed: bool
     state: RunState | None = None
     epoch: int = 0
 
 
-class ApproveRequest(Contract, kw_only=True):
+class ApproveRequest(Contract, frozen=True, kw_only=True):
     """Approve (with a `restart_from_checkpoint` confirmation) or reject a paused run's proposal."""
 
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
@@ -299,4 +299,3 @@ class ApproveRequest(Contract, kw_only=True):
     idempotency_key: str
     confirmation_ref: str | None = None
     reject: bool = False
-

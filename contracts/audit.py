@@ -6,7 +6,7 @@ from contracts.api import Action, Credential
 from contracts.base import Contract, Internal
 
 
-class GateDecision(Internal, kw_only=True):
+class GateDecision(Internal, frozen=True, kw_only=True):
     request_id: str  # the run id the request would create (or created)
     at: datetime
     account: str
@@ -18,11 +18,11 @@ class GateDecision(Internal, kw_only=True):
     manifest_digest: str | None = None
 
 
-class AuditRequest(Contract, kw_only=True):
+class AuditRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str
 
 
-class AuditTrail(Internal, kw_only=True):
+class AuditTrail(Internal, frozen=True, kw_only=True):
     run_id: str
     decisions: list[GateDecision]

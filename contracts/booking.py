@@ -20,14 +20,14 @@ class Fabric(enum.StrEnum):
     ethernet = "ethernet"
 
 
-class Topology(Contract, kw_only=True):
+class Topology(Contract, frozen=True, kw_only=True):
     nodes: int
     gpus_per_node: int
     gpu_model: str  # e.g. "H200"
     gpu_memory_gb: int
 
 
-class BookingEvent(Contract, kw_only=True):
+class BookingEvent(Contract, frozen=True, kw_only=True):
     """One upstream change to a booking. `version` grows with every change upstream."""
 
     event_id: str
@@ -50,7 +50,7 @@ class BookingState(enum.StrEnum):
     released = "released"
 
 
-class Booking(Internal, kw_only=True):
+class Booking(Internal, frozen=True, kw_only=True):
     """The entitlement service's projection of one booking (the last event by version)."""
 
     booking_id: str

@@ -7,7 +7,8 @@ import msgspec
 from contracts.errors import ApiError
 
 
-class Envelope(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):  # our answer: readers skip newer fields
+# our answer: readers skip newer fields
+class Envelope(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """`{ok, live_api_contacted, notice, data | error}`: `notice` is always present (null when
     there is nothing to say); exactly one of `data` and `error` is on the wire."""
 

@@ -55,7 +55,7 @@ class ErrorCode(enum.StrEnum):
     proposal_not_found = "proposal_not_found"
 
 
-class ApiError(Internal, kw_only=True):
+class ApiError(Internal, frozen=True, kw_only=True):
     """An error as a value: a stable code and a message that is safe to show (no secrets)."""
 
     code: ErrorCode

@@ -3,7 +3,7 @@
 from contracts.base import Internal
 
 
-class EvalMetric(Internal, kw_only=True):
+class EvalMetric(Internal, frozen=True, kw_only=True):
     name: str
     value: float
     threshold: float | None = None
@@ -11,7 +11,7 @@ class EvalMetric(Internal, kw_only=True):
     passed: bool = True
 
 
-class StageGate(Internal, kw_only=True):
+class StageGate(Internal, frozen=True, kw_only=True):
     """A stage's eval battery as the run view shows it: every metric and the gate's verdict."""
 
     stage: str
@@ -19,14 +19,14 @@ class StageGate(Internal, kw_only=True):
     metrics: list[EvalMetric]
 
 
-class ProvenanceStep(Internal, kw_only=True):
+class ProvenanceStep(Internal, frozen=True, kw_only=True):
     name: str  # "exact_dedup", "near_dedup", "decontamination", ...
     before: int
     after: int
     detail: str | None = None
 
 
-class Provenance(Internal, kw_only=True):
+class Provenance(Internal, frozen=True, kw_only=True):
     steps: list[ProvenanceStep]
     input_digest: str
     output_digest: str

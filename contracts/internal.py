@@ -10,7 +10,7 @@ from contracts.base import Internal
 from contracts.booking import Booking, Fabric, Topology
 
 
-class EligibilityQuery(Internal, kw_only=True):  # -> EligibilityStatement
+class EligibilityQuery(Internal, frozen=True, kw_only=True):  # -> EligibilityStatement
     account: str
     booking_id: str
     nodes: int
@@ -19,7 +19,7 @@ class EligibilityQuery(Internal, kw_only=True):  # -> EligibilityStatement
     fabric: Fabric | None = None
 
 
-class EligibilityBody(Internal, kw_only=True):
+class EligibilityBody(Internal, frozen=True, kw_only=True):
     account: str
     booking_id: str
     booking_version: int
@@ -32,22 +32,22 @@ class EligibilityBody(Internal, kw_only=True):
     expires_at: datetime
 
 
-class EligibilityStatement(Internal, kw_only=True):
+class EligibilityStatement(Internal, frozen=True, kw_only=True):
     """`body` signed by the entitlement service: HMAC-SHA256 over msgspec's JSON of `body`."""
 
     body: EligibilityBody
     signature: str  # hex
 
 
-class BookingsQuery(Internal, kw_only=True):  # -> list[Booking]
+class BookingsQuery(Internal, frozen=True, kw_only=True):  # -> list[Booking]
     account: str
 
 
-class BookingsAnswer(Internal, kw_only=True):
+class BookingsAnswer(Internal, frozen=True, kw_only=True):
     bookings: list[Booking]
 
 
-class ConfirmationCreate(Internal, kw_only=True):  # -> ConfirmationIssued
+class ConfirmationCreate(Internal, frozen=True, kw_only=True):  # -> ConfirmationIssued
     account: str
     action: Action
     target: str
@@ -55,7 +55,8 @@ class ConfirmationCreate(Internal, kw_only=True):  # -> ConfirmationIssued
     max_cost_usd: float | None = None
 
 
-class ConfirmationResolve(Internal, kw_only=True):  # -> ConfirmationIssued (checks the binding, consumes nothing)
+# -> ConfirmationIssued (checks the binding, consumes nothing)
+class ConfirmationResolve(Internal, frozen=True, kw_only=True):
     account: str
     confirmation_ref: str
     action: Action
@@ -64,12 +65,12 @@ class ConfirmationResolve(Internal, kw_only=True):  # -> ConfirmationIssued (che
     cost_usd: float | None = None
 
 
-class LedgerLookup(Internal, kw_only=True):  # -> LedgerEntry | None
+class LedgerLookup(Internal, frozen=True, kw_only=True):  # -> LedgerEntry | None
     account: str
     idempotency_key: str
 
 
-class LedgerEntry(Internal, kw_only=True):
+class LedgerEntry(Internal, frozen=True, kw_only=True):
     account: str
     idempotency_key: str
     fingerprint: str
@@ -80,7 +81,7 @@ class LedgerEntry(Internal, kw_only=True):
     work: bytes = b""  # the encoded hand-off message, so a reconciler can finish a lost hand-off
 
 
-class LedgerAccept(Internal, kw_only=True):  # -> LedgerEntry (fresh or existing on replay)
+class LedgerAccept(Internal, frozen=True, kw_only=True):  # -> LedgerEntry (fresh or existing on replay)
     """Atomically: consume the confirmation (re-checking its binding) and reserve the key."""
 
     account: str
@@ -95,22 +96,21 @@ class LedgerAccept(Internal, kw_only=True):  # -> LedgerEntry (fresh or existing
     work: bytes = b""
 
 
-class LedgerHandedOff(Internal, kw_only=True):  # -> LedgerEntry
+class LedgerHandedOff(Internal, frozen=True, kw_only=True):  # -> LedgerEntry
     account: str
     idempotency_key: str
 
 
-class LedgerPending(Internal, kw_only=True):  # -> LedgerPendingAnswer
+class LedgerPending(Internal, frozen=True, kw_only=True):  # -> LedgerPendingAnswer
     """Accepted runs whose hand-off to the trainer is not confirmed, older than `older_than_s`."""
 
     older_than_s: float
 
 
-class LedgerPendingAnswer(Internal, kw_only=True):
+class LedgerPendingAnswer(Internal, frozen=True, kw_only=True):
     entries: list[LedgerEntry]
 
 
-class Health(Internal, kw_only=True):
+class Health(Internal, frozen=True, kw_only=True):
     service: str
     ok: bool
-

@@ -35,12 +35,12 @@ class ModelSize(enum.StrEnum):
     b70 = "70B"
 
 
-class ModelSpec(Contract, kw_only=True):
+class ModelSpec(Contract, frozen=True, kw_only=True):
     size: ModelSize
     revision: str
 
 
-class Decontamination(Contract, kw_only=True):
+class Decontamination(Contract, frozen=True, kw_only=True):
     """Where the reference's decontamination was established, and against what."""
 
     method: str  # e.g. "13-gram"
@@ -53,14 +53,14 @@ class DataRole(enum.StrEnum):
     eval = "eval"
 
 
-class DataRef(Contract, kw_only=True):
+class DataRef(Contract, frozen=True, kw_only=True):
     name: str
     source: str  # "builtin:pydoc_topics", "generated:arithmetic", "file:/abs/path"
     role: DataRole = DataRole.train
     decontamination: Decontamination | None = None
 
 
-class Target(Contract, kw_only=True):
+class Target(Contract, frozen=True, kw_only=True):
     """How much to train: tokens D and the shape of a step."""
 
     tokens: Positive
@@ -73,7 +73,7 @@ class Target(Contract, kw_only=True):
     z_loss: NonNegativeFloat = 0.0
 
 
-class Gate(Contract, kw_only=True):
+class Gate(Contract, frozen=True, kw_only=True):
     """Thresholds on a stage's fixed eval battery (held-out loss on the eval suites, exact-match
     accuracy on the verifiable eval suites). None: measured and reported, not gated. A failed gate
     ends the run in `gate_failed`; nothing overrides it."""
@@ -83,7 +83,7 @@ class Gate(Contract, kw_only=True):
     task_samples: Count = 64  # problems of the eval suites decoded greedily; more = steadier, slower
 
 
-class LongContextGate(Contract, kw_only=True):
+class LongContextGate(Contract, frozen=True, kw_only=True):
     """The long-context battery: the common two, short-context loss recovered and needle retrieval."""
 
     max_held_out_loss: PositiveFloat | None = None  # at the stage's long seq_len
@@ -95,19 +95,21 @@ class LongContextGate(Contract, kw_only=True):
     needle_trials: Count = 32
 
 
-class DataPrepStage(Contract, kw_only=True):
+class DataPrepStage(Contract, frozen=True, kw_only=True):
     """Exact dedup, near-duplicate removal (MinHash-LSH) and decontamination of every training ref."""
 
     exact_dedup: bool = True
     near_dedup: bool = True
     near_dup_jaccard: OpenFraction = 0.8  # documents at or above this estimated Jaccard are duplicates
     minhash_permutations: Annotated[int, msgspec.Meta(ge=8, le=1024)] = 112
-    minhash_bands: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 14  # 14 bands x 8 rows: candidates from J ~0.72
+    minhash_bands: Annotated[int, msgspec.Meta(ge=1, le=1024)] = (
+        14  # 14 bands x 8 rows: candidates from J ~0.72
+    )
     shingle_words: Annotated[int, msgspec.Meta(ge=1, le=32)] = 5
     decontamination_ngram: Annotated[int, msgspec.Meta(ge=4, le=64)] = 13
 
 
-class LadderStage(Contract, kw_only=True):
+class LadderStage(Contract, frozen=True, kw_only=True):
     """The pre-check for custom (`file:`) data: two short proxy runs, reference mix vs reference mix
     plus the custom data, compared on the run's held-out eval; the custom data is used only if it
     does not make held-out loss worse by more than `max_loss_regression`."""
@@ -117,14 +119,14 @@ class LadderStage(Contract, kw_only=True):
     max_loss_regression: NonNegativeFloat = 0.0
 
 
-class PretrainStage(Contract, kw_only=True):
+class PretrainStage(Contract, frozen=True, kw_only=True):
     """Trains on `target.tokens` less what midtrain and long_context take out of it."""
 
     data: RefNames = []  # names of training refs; [] = every training ref
     gate: Gate = Gate()
 
 
-class MidtrainStage(Contract, kw_only=True):
+class MidtrainStage(Contract, frozen=True, kw_only=True):
     """A higher-quality mix with the learning rate annealed linearly to zero."""
 
     tokens: Positive  # taken out of target.tokens
@@ -134,7 +136,7 @@ class MidtrainStage(Contract, kw_only=True):
     gate: Gate = Gate()
 
 
-class LongContextStage(Contract, kw_only=True):
+class LongContextStage(Contract, frozen=True, kw_only=True):
     """Longer sequences with a raised RoPE base; the model's max_seq_len grows to seq_len."""
 
     tokens: Positive  # taken out of target.tokens
@@ -146,7 +148,7 @@ class LongContextStage(Contract, kw_only=True):
     gate: LongContextGate = LongContextGate()
 
 
-class Stages(Contract, kw_only=True):
+class Stages(Contract, frozen=True, kw_only=True):
     """The pre-training curriculum. Stages run in this fixed order; null (or absent) skips one.
     Post-training follows, as `post_training.recipe` lists it."""
 
@@ -157,7 +159,7 @@ class Stages(Contract, kw_only=True):
     long_context: LongContextStage | None = None
 
 
-class SftStage(Contract, kw_only=True):
+class SftStage(Contract, frozen=True, kw_only=True):
     """Supervised fine-tuning on the verifiable tasks; loss on response tokens only."""
 
     steps: Positive = 100
@@ -167,7 +169,7 @@ class SftStage(Contract, kw_only=True):
     gate: Gate = Gate()
 
 
-class DpoStage(Contract, kw_only=True):
+class DpoStage(Contract, frozen=True, kw_only=True):
     """Direct preference optimisation (sigmoid loss) against the frozen incoming model."""
 
     steps: Positive = 50
@@ -178,7 +180,7 @@ class DpoStage(Contract, kw_only=True):
     gate: Gate = Gate()
 
 
-class RlvrStage(Contract, kw_only=True):
+class RlvrStage(Contract, frozen=True, kw_only=True):
     """GRPO on verifiable rewards with the four DAPO changes (clip-higher, dynamic sampling,
     token-level loss, overlong shaping); rollouts come from a separate worker process."""
 
@@ -197,20 +199,20 @@ class RlvrStage(Contract, kw_only=True):
     gate: Gate = Gate()
 
 
-class PostTraining(Contract, kw_only=True):
+class PostTraining(Contract, frozen=True, kw_only=True):
     recipe: list[str] = []  # ordered subset of "sft", "dpo", "rlvr"
     sft: SftStage = SftStage()
     dpo: DpoStage = DpoStage()
     rlvr: RlvrStage = RlvrStage()
 
 
-class CheckpointPolicy(Contract, kw_only=True):
+class CheckpointPolicy(Contract, frozen=True, kw_only=True):
     interval_steps: Positive = 50
     keep_last: Positive = 2
     storage: str = "local"  # "local" (the service's data dir) or an absolute path
 
 
-class Resources(Contract, kw_only=True):
+class Resources(Contract, frozen=True, kw_only=True):
     """What the run asks of the booking; checked against the booking by the server."""
 
     nodes: Positive = 1
@@ -219,7 +221,7 @@ class Resources(Contract, kw_only=True):
     fabric: Fabric | None = None
 
 
-class Manifest(Contract, kw_only=True):
+class Manifest(Contract, frozen=True, kw_only=True):
     schema_version: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
     name: Name
     model: ModelSpec

@@ -10,7 +10,7 @@ from contracts.evals import EvalMetric, ProvenanceStep, StageGate
 from contracts.states import RunState
 
 
-class TrainWork(Internal, kw_only=True):
+class TrainWork(Internal, frozen=True, kw_only=True):
     """One run handed to the trainer's work queue (published with Nats-Msg-Id = run id)."""
 
     run_id: str
@@ -30,19 +30,19 @@ class RunEventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     epoch: int = 0  # the trainer's lease epoch; events of a fenced (older) epoch are dropped
 
 
-class StateChanged(RunEventBase, tag="state", kw_only=True):
+class StateChanged(RunEventBase, tag="state", frozen=True, kw_only=True):
     state: RunState
     stage: str | None = None
     message: str | None = None
     total_steps: int = 0
 
 
-class LogLine(RunEventBase, tag="log", kw_only=True):
+class LogLine(RunEventBase, tag="log", frozen=True, kw_only=True):
     level: str = "info"
     message: str
 
 
-class Metrics(RunEventBase, tag="metrics", kw_only=True):
+class Metrics(RunEventBase, tag="metrics", frozen=True, kw_only=True):
     stage: str
     step: int
     total_steps: int
@@ -53,7 +53,7 @@ class Metrics(RunEventBase, tag="metrics", kw_only=True):
     data_wait_s: float = 0.0  # time this step waited for its batch (desk telemetry: data loading)
 
 
-class CheckpointSaved(RunEventBase, tag="checkpoint", kw_only=True):
+class CheckpointSaved(RunEventBase, tag="checkpoint", frozen=True, kw_only=True):
     step: int
     path: str
     bytes: int
@@ -61,12 +61,12 @@ class CheckpointSaved(RunEventBase, tag="checkpoint", kw_only=True):
     save_s: float
 
 
-class StageStarted(RunEventBase, tag="stage", kw_only=True):
+class StageStarted(RunEventBase, tag="stage", frozen=True, kw_only=True):
     stage: str  # "data_prep", "ladder", "pretrain", "midtrain", "long_context", "sft", "dpo", "rlvr"
     total_steps: int = 0
 
 
-class EvalResult(RunEventBase, tag="eval", kw_only=True):
+class EvalResult(RunEventBase, tag="eval", frozen=True, kw_only=True):
     """A stage's fixed eval battery and its gate: every metric, its threshold, pass or fail."""
 
     stage: str
@@ -74,7 +74,7 @@ class EvalResult(RunEventBase, tag="eval", kw_only=True):
     passed: bool
 
 
-class DataProvenance(RunEventBase, tag="provenance", kw_only=True):
+class DataProvenance(RunEventBase, tag="provenance", frozen=True, kw_only=True):
     """What data preparation did: counts before/after each step, input and output digests."""
 
     steps: list[ProvenanceStep]
@@ -82,13 +82,13 @@ class DataProvenance(RunEventBase, tag="provenance", kw_only=True):
     output_digest: str
 
 
-class ProposalMade(RunEventBase, tag="proposal", kw_only=True):
+class ProposalMade(RunEventBase, tag="proposal", frozen=True, kw_only=True):
     """The trainer paused the run (`awaiting_approval`) and proposes this restart."""
 
     proposal: RestartProposal
 
 
-class RunCreated(RunEventBase, tag="created", kw_only=True):
+class RunCreated(RunEventBase, tag="created", frozen=True, kw_only=True):
     """Published by the scheduler at hand-off: what desk telemetry rolls a run up by."""
 
     account: str
@@ -99,7 +99,7 @@ class RunCreated(RunEventBase, tag="created", kw_only=True):
     accepted_at: datetime
 
 
-class Interruption(RunEventBase, tag="interruption", kw_only=True):
+class Interruption(RunEventBase, tag="interruption", frozen=True, kw_only=True):
     """Published by the scheduler's liveness watcher when a run's trainer went silent."""
 
     cause: str  # "trainer_lost", ...
@@ -107,22 +107,32 @@ class Interruption(RunEventBase, tag="interruption", kw_only=True):
     step: int = 0
 
 
-RunEvent = (StateChanged | LogLine | Metrics | CheckpointSaved | StageStarted | EvalResult | DataProvenance
-            | RunCreated | Interruption | ProposalMade)
+RunEvent = (
+    StateChanged
+    | LogLine
+    | Metrics
+    | CheckpointSaved
+    | StageStarted
+    | EvalResult
+    | DataProvenance
+    | RunCreated
+    | Interruption
+    | ProposalMade
+)
 
 
-class MetricsPage(Internal, kw_only=True):  # `ecc ito metrics`
+class MetricsPage(Internal, frozen=True, kw_only=True):  # `ecc ito metrics`
     run_id: str
     points: list[Metrics]
     next: int
 
 
-class CheckpointList(Internal, kw_only=True):  # `ecc ito checkpoints`: committed ones only
+class CheckpointList(Internal, frozen=True, kw_only=True):  # `ecc ito checkpoints`: committed ones only
     run_id: str
     checkpoints: list[CheckpointSaved]
     cleaned_up: bool = False
 
 
-class EvalList(Internal, kw_only=True):  # `ecc ito evals`
+class EvalList(Internal, frozen=True, kw_only=True):  # `ecc ito evals`
     run_id: str
     gates: list[StageGate]

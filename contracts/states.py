@@ -39,7 +39,9 @@ ALLOWED_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.interrupted: frozenset(
         {RunState.queued, RunState.running, RunState.failed, RunState.cancelling, RunState.cancelled}
     ),
-    RunState.awaiting_approval: frozenset({RunState.queued, RunState.cancelling, RunState.cancelled, RunState.failed}),
+    RunState.awaiting_approval: frozenset(
+        {RunState.queued, RunState.cancelling, RunState.cancelled, RunState.failed}
+    ),
     RunState.cancelling: frozenset({RunState.cancelled, RunState.failed}),
     RunState.succeeded: frozenset(),
     RunState.failed: frozenset(),

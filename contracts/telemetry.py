@@ -7,11 +7,20 @@ from contracts.base import Internal
 
 # The badput categories, in the order a person reads them. Goodput plus these is 100 % of a run's
 # wall time (accepted -> final state); a booking's rollup adds `idle` (booked, no run).
-BADPUT = ("queued", "startup", "data_loading", "checkpoint_stall", "checkpoint_restore", "lost_to_interruptions",
-          "recovery", "eval", "other")
+BADPUT = (
+    "queued",
+    "startup",
+    "data_loading",
+    "checkpoint_stall",
+    "checkpoint_restore",
+    "lost_to_interruptions",
+    "recovery",
+    "eval",
+    "other",
+)
 
 
-class RunTelemetry(Internal, kw_only=True):
+class RunTelemetry(Internal, frozen=True, kw_only=True):
     """`desk.telemetry.run.<run_id>`: one finished run."""
 
     run_id: str
@@ -35,7 +44,7 @@ class RunTelemetry(Internal, kw_only=True):
     checkpoint_bytes_per_s_min: float | None = None
 
 
-class Rollup(Internal, kw_only=True):
+class Rollup(Internal, frozen=True, kw_only=True):
     """`desk.telemetry.rollup.<by>.<key>`: the runs of one booking, region or GPU model so far."""
 
     by: str  # "booking", "region", "gpu_model"

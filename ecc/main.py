@@ -36,11 +36,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, help="absolute path of the reviewed manifest")
     _common(p)
     p = verbs.add_parser("confirm", help="confirm an action; returns an opaque confirmation_ref")
-    p.add_argument("--action", required=True, choices=["train", "cancel", "cleanup", "release_booking", "restart_from_checkpoint"])
+    p.add_argument(
+        "--action",
+        required=True,
+        choices=["train", "cancel", "cleanup", "release_booking", "restart_from_checkpoint"],
+    )
     p.add_argument("--booking")
     p.add_argument("--run")
     p.add_argument("--manifest")
-    p.add_argument("--max-cost", type=float, help="the most you confirm to spend, in USD (default: the plan's estimate)")
+    p.add_argument(
+        "--max-cost", type=float, help="the most you confirm to spend, in USD (default: the plan's estimate)"
+    )
     _common(p)
     p = verbs.add_parser("train", help="create a training run (needs a confirmation and an idempotency key)")
     p.add_argument("--booking", required=True)
@@ -68,17 +74,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--confirmation-ref", required=True)
     p.add_argument("--idempotency-key", required=True)
     _common(p)
-    p = verbs.add_parser("cleanup", help="remove a finished run's artifacts; the booking is untouched "
-                                         "unless --release-booking")
+    p = verbs.add_parser(
+        "cleanup", help="remove a finished run's artifacts; the booking is untouched unless --release-booking"
+    )
     p.add_argument("run")
     p.add_argument("--confirmation-ref", required=True)
     p.add_argument("--idempotency-key", required=True)
-    p.add_argument("--release-booking", action="store_true",
-                   help="also ask ito-compute to release the booking (needs --release-confirmation-ref)")
-    p.add_argument("--release-confirmation-ref", help="a `release_booking` confirmation for the run's booking")
+    p.add_argument(
+        "--release-booking",
+        action="store_true",
+        help="also ask ito-compute to release the booking (needs --release-confirmation-ref)",
+    )
+    p.add_argument(
+        "--release-confirmation-ref", help="a `release_booking` confirmation for the run's booking"
+    )
     _common(p)
-    p = verbs.add_parser("approve", help="decide a paused run's restart proposal (loss spike): approve with a "
-                                         "restart_from_checkpoint confirmation, or --reject")
+    p = verbs.add_parser(
+        "approve",
+        help="decide a paused run's restart proposal (loss spike): approve with a "
+        "restart_from_checkpoint confirmation, or --reject",
+    )
     p.add_argument("run")
     p.add_argument("--confirmation-ref")
     p.add_argument("--idempotency-key", required=True)

@@ -39,10 +39,14 @@ def _check_chain(directory: str) -> None:
         st = os.stat(directory)
         sticky = bool(st.st_mode & stat.S_ISVTX)
         if not _trusted_owner(st.st_uid) and not sticky:
-            raise ManifestError(ErrorCode.manifest_unsafe_permissions, f"{directory} is owned by another user")
+            raise ManifestError(
+                ErrorCode.manifest_unsafe_permissions, f"{directory} is owned by another user"
+            )
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky:
-            raise ManifestError(ErrorCode.manifest_unsafe_permissions,
-                                f"{directory} is writable by other users and has no sticky bit")
+            raise ManifestError(
+                ErrorCode.manifest_unsafe_permissions,
+                f"{directory} is writable by other users and has no sticky bit",
+            )
         parent = os.path.dirname(directory)
         if parent == directory:
             return
@@ -60,24 +64,34 @@ def read_manifest(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes,
             raise ManifestError(ErrorCode.manifest_symlink, "the manifest path is a symbolic link") from None
         if exc.errno == errno.ENOENT:
             raise ManifestError(ErrorCode.manifest_invalid, "no file at the manifest path") from None
-        raise ManifestError(ErrorCode.manifest_not_regular, f"cannot open the manifest: {exc.strerror}") from None
+        raise ManifestError(
+            ErrorCode.manifest_not_regular, f"cannot open the manifest: {exc.strerror}"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ManifestError(ErrorCode.manifest_not_regular, "the manifest is not a regular file")
         if not _trusted_owner(st.st_uid):
-            raise ManifestError(ErrorCode.manifest_unsafe_permissions, "the manifest is owned by another user")
+            raise ManifestError(
+                ErrorCode.manifest_unsafe_permissions, "the manifest is owned by another user"
+            )
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise ManifestError(ErrorCode.manifest_unsafe_permissions, "the manifest is writable by group or others")
+            raise ManifestError(
+                ErrorCode.manifest_unsafe_permissions, "the manifest is writable by group or others"
+            )
         _check_parents(path)
         if st.st_size > max_bytes:
-            raise ManifestError(ErrorCode.manifest_too_large, f"the manifest is {st.st_size} bytes; the limit is {max_bytes}")
+            raise ManifestError(
+                ErrorCode.manifest_too_large, f"the manifest is {st.st_size} bytes; the limit is {max_bytes}"
+            )
         chunks, total = [], 0
         while total <= max_bytes:
             try:
                 chunk = os.read(fd, max_bytes + 1 - total)
             except BlockingIOError:
-                raise ManifestError(ErrorCode.manifest_not_regular, "the manifest would block on read") from None
+                raise ManifestError(
+                    ErrorCode.manifest_not_regular, "the manifest would block on read"
+                ) from None
             if not chunk:
                 break
             chunks.append(chunk)
@@ -91,8 +105,13 @@ def read_manifest(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes,
     try:
         now = os.stat(path, follow_symlinks=False)
     except OSError:
-        raise ManifestError(ErrorCode.manifest_changed, "the manifest path changed while it was read") from None
-    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        raise ManifestError(
+            ErrorCode.manifest_changed, "the manifest path changed while it was read"
+        ) from None
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or (after.st_size, after.st_mtime_ns) != (
+        st.st_size,
+        st.st_mtime_ns,
+    ):
         raise ManifestError(ErrorCode.manifest_changed, "the manifest changed while it was read")
     if len(data) != after.st_size:
         raise ManifestError(ErrorCode.manifest_changed, "the manifest changed while it was read")

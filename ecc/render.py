@@ -44,8 +44,10 @@ def _human(data) -> str:
         for v in data:
             b, t = v["booking"], v["booking"]["topology"]
             allows = "allows training" if v["allows_training"] else f"no training: {v['reason']}"
-            rows.append(f"{b['booking_id']}: {b['state']}, {t['nodes']}x{t['gpus_per_node']} {t['gpu_model']}, "
-                        f"{b['fabric']}, {b['region']}, until {b['window_end']} ({allows})")
+            rows.append(
+                f"{b['booking_id']}: {b['state']}, {t['nodes']}x{t['gpus_per_node']} {t['gpu_model']}, "
+                f"{b['fabric']}, {b['region']}, until {b['window_end']} ({allows})"
+            )
         return "\n".join(rows) or "(no bookings)"
     if isinstance(data, dict) and "state" in data and "run_id" in data:
         line = f"run {data['run_id']}: {data['state']}"
@@ -65,42 +67,66 @@ def _human(data) -> str:
             line += f"\n  data: {steps}"
         if data.get("proposal"):
             p = data["proposal"]
-            line += (f"\n  proposal ({p['reason']}): restart {p['stage']} from checkpoint step {p['checkpoint_step']}, "
-                     f"skipping batches [{p['skip_from']}, {p['skip_to']}); approve with "
-                     f"`ecc ito confirm --action restart_from_checkpoint --run {data['run_id']}` then `ecc ito approve`")
+            line += (
+                f"\n  proposal ({p['reason']}): restart {p['stage']} from checkpoint step {p['checkpoint_step']}, "
+                f"skipping batches [{p['skip_from']}, {p['skip_to']}); approve with "
+                f"`ecc ito confirm --action restart_from_checkpoint --run {data['run_id']}` then `ecc ito approve`"
+            )
         if data.get("plan"):
-            line += f"\n  plan: {data['plan']['strategy']}, estimate {data['plan']['cost']['total_usd']:.6f} USD"
+            line += (
+                f"\n  plan: {data['plan']['strategy']}, estimate {data['plan']['cost']['total_usd']:.6f} USD"
+            )
         return line
     if isinstance(data, dict) and "confirmation_ref" in data:
         return f"confirmation_ref: {data['confirmation_ref']} (expires {data['expires_at']})"
     if isinstance(data, dict) and "points" in data:
-        return "\n".join(f"{p['stage']} step {p['step']}/{p['total_steps']} loss {p['loss']:.4f} "
-                         f"lr {p['learning_rate']:.2e} {p['tokens_per_s']:.0f} tok/s" for p in data["points"]) or "(none)"
+        return (
+            "\n".join(
+                f"{p['stage']} step {p['step']}/{p['total_steps']} loss {p['loss']:.4f} "
+                f"lr {p['learning_rate']:.2e} {p['tokens_per_s']:.0f} tok/s"
+                for p in data["points"]
+            )
+            or "(none)"
+        )
     if isinstance(data, dict) and "checkpoints" in data:
-        rows = [f"step {c['step']}: {c['bytes'] / 1e6:.1f} MB, loop stalled {c['stall_s'] * 1000:.1f} ms, "
-                f"saved in {c['save_s']:.2f} s  {c['path']}" for c in data["checkpoints"]]
+        rows = [
+            f"step {c['step']}: {c['bytes'] / 1e6:.1f} MB, loop stalled {c['stall_s'] * 1000:.1f} ms, "
+            f"saved in {c['save_s']:.2f} s  {c['path']}"
+            for c in data["checkpoints"]
+        ]
         return "\n".join(rows) or ("(removed by cleanup)" if data.get("cleaned_up") else "(none yet)")
     if isinstance(data, dict) and "gates" in data and "run_id" in data and len(data) == 2:
         rows = []
         for g in data["gates"]:
             rows.append(f"{g['stage']}: {'passed' if g['passed'] else 'FAILED'}")
-            rows += [f"  {m['name']} = {m['value']:.4f} ({_bound(m)}) "
-                     f"{'ok' if m['passed'] else 'FAIL'}" for m in g["metrics"]]
+            rows += [
+                f"  {m['name']} = {m['value']:.4f} ({_bound(m)}) {'ok' if m['passed'] else 'FAIL'}"
+                for m in g["metrics"]
+            ]
         return "\n".join(rows) or "(no stage has been evaluated yet)"
     if isinstance(data, dict) and "removed" in data:
         rows = [f"removed {a['path']} ({a['bytes']} bytes)" for a in data["removed"]]
-        rows.append(f"{len(data['removed'])} artifacts removed; booking release requested: "
-                    f"{data['booking_release_requested']}")
+        rows.append(
+            f"{len(data['removed'])} artifacts removed; booking release requested: "
+            f"{data['booking_release_requested']}"
+        )
         return "\n".join(rows)
     if isinstance(data, dict) and "decisions" in data:
-        return "\n".join(f"{d['at']} {d['gate']}: {'pass' if d['ok'] else 'FAIL ' + str(d['code'])}"
-                         for d in data["decisions"]) or "(no decisions)"
+        return (
+            "\n".join(
+                f"{d['at']} {d['gate']}: {'pass' if d['ok'] else 'FAIL ' + str(d['code'])}"
+                for d in data["decisions"]
+            )
+            or "(no decisions)"
+        )
     if isinstance(data, dict) and "lines" in data:
         return "\n".join(f"{ln['at']} {ln['level']}: {ln['message']}" for ln in data["lines"]) or "(no lines)"
     if isinstance(data, dict) and "checks" in data:
         cost = data["cost"]
-        rows = [f"strategy {data['strategy']} {data['degrees']} precision {data['precision']}",
-                f"estimate {cost['total_usd']:.4f} USD ({cost['gpu_hours']:.4f} GPU-h at {cost['price_per_gpu_hour_usd']} USD)"]
+        rows = [
+            f"strategy {data['strategy']} {data['degrees']} precision {data['precision']}",
+            f"estimate {cost['total_usd']:.4f} USD ({cost['gpu_hours']:.4f} GPU-h at {cost['price_per_gpu_hour_usd']} USD)",
+        ]
         rows += [f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['reason']}" for c in data["checks"]]
         rows += [f"  gate {g['stage']}: " + "; ".join(g["rules"]) for g in data.get("gates", [])]
         return "\n".join(rows)
@@ -171,9 +197,19 @@ async def follow_logs(args, req: LogsRequest) -> Envelope:
         if not env.ok:
             return env
         for ln in env.data["lines"]:
-            print(_encoder.encode(ln).decode() if args.json else f"{ln['at']} {ln['level']}: {ln['message']}", flush=True)
+            print(
+                _encoder.encode(ln).decode() if args.json else f"{ln['at']} {ln['level']}: {ln['message']}",
+                flush=True,
+            )
         since = env.data["next"]
         status = await _call(args, subjects.API_STATUS, StatusRequest(run_id=req.run_id))
-        if status is not None and status.ok and RunState(status.data["state"]) in TERMINAL_STATES and not env.data["lines"]:
-            return Envelope(ok=True, live_api_contacted=True, notice=None, data={"run_id": req.run_id, "next": since})
+        if (
+            status is not None
+            and status.ok
+            and RunState(status.data["state"]) in TERMINAL_STATES
+            and not env.data["lines"]
+        ):
+            return Envelope(
+                ok=True, live_api_contacted=True, notice=None, data={"run_id": req.run_id, "next": since}
+            )
         await asyncio.sleep(POLL_EVERY_S)

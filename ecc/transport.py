@@ -32,7 +32,9 @@ _encoder = msgspec.json.Encoder()
 
 
 def local_error(code: ErrorCode, message: str, contacted: bool = False) -> Envelope:
-    return Envelope(ok=False, live_api_contacted=contacted, notice=None, error=ApiError(code=code, message=message))
+    return Envelope(
+        ok=False, live_api_contacted=contacted, notice=None, error=ApiError(code=code, message=message)
+    )
 
 
 class Unauthenticated(Exception):
@@ -52,7 +54,7 @@ def seed_of(api_key: str) -> bytes | None:
 
     if not api_key.startswith(KEY_PREFIX):
         return None
-    seed = api_key[len(KEY_PREFIX):].encode()
+    seed = api_key[len(KEY_PREFIX) :].encode()
     try:
         nkeys.from_seed(bytearray(seed))
     except Exception:  # nkeys raises several types for a malformed seed
@@ -65,8 +67,13 @@ def tenant_inbox(account: str) -> str:
 
 
 class Client:
-    def __init__(self, connect_timeout_s: float, timeout_s: float,
-                 credential: tuple[str, str] | None = None, fresh: bool = False) -> None:
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        timeout_s: float,
+        credential: tuple[str, str] | None = None,
+        fresh: bool = False,
+    ) -> None:
         """`credential`: (account, api key); by default the stored login. `fresh`: a credential
         not yet known to work (login), so a refusal means "wrong", not "revoked"."""
         from ecc import credentials
@@ -118,31 +125,47 @@ class Client:
 
     def _refused(self) -> Envelope:
         if self.fresh:
-            return local_error(ErrorCode.unauthenticated, "the server does not accept this credential", contacted=True)
-        return local_error(ErrorCode.credential_revoked, "the server no longer accepts this credential (revoked); "
-                           "ask for a new one and run `ecc ito login`", contacted=True)
+            return local_error(
+                ErrorCode.unauthenticated, "the server does not accept this credential", contacted=True
+            )
+        return local_error(
+            ErrorCode.credential_revoked,
+            "the server no longer accepts this credential (revoked); "
+            "ask for a new one and run `ecc ito login`",
+            contacted=True,
+        )
 
     async def call(self, suffix: str, request: msgspec.Struct) -> Envelope:
         """The scheduler's Envelope, a local refusal, or SentButUnanswered."""
-        from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
 
         if self.credential is None:
-            return local_error(ErrorCode.unauthenticated, "not logged in; run `ecc ito login --account ACCOUNT`")
+            return local_error(
+                ErrorCode.unauthenticated, "not logged in; run `ecc ito login --account ACCOUNT`"
+            )
         account, api_key = self.credential
         seed = seed_of(api_key)
         if seed is None:
-            return local_error(ErrorCode.unauthenticated, "the stored credential is not an ito-training API key; "
-                               "run `ecc ito login` again")
+            return local_error(
+                ErrorCode.unauthenticated,
+                "the stored credential is not an ito-training API key; run `ecc ito login` again",
+            )
         payload = _encoder.encode(request)
         try:
             nc = await asyncio.wait_for(self._connect(account, seed), timeout=max(self.remaining(), 0.1))
         except Unauthenticated:
-            return local_error(ErrorCode.backend_unavailable, f"the server at {self.url} does not require "
-                               "authentication: it is not the ito-training API; nothing was sent")
+            return local_error(
+                ErrorCode.backend_unavailable,
+                f"the server at {self.url} does not require "
+                "authentication: it is not the ito-training API; nothing was sent",
+            )
         except Exception as exc:  # refused, DNS, timeout: nothing was sent
             if "authorization" in str(exc).lower():
                 return self._refused()
-            return local_error(ErrorCode.backend_unavailable, f"cannot reach the ito-training API at {self.url}")
+            return local_error(
+                ErrorCode.backend_unavailable, f"cannot reach the ito-training API at {self.url}"
+            )
         remaining = self.remaining()
         if remaining <= 0:
             return local_error(ErrorCode.timeout, "the overall timeout passed before the request was sent")
@@ -150,10 +173,13 @@ class Client:
             reply = await nc.request(f"{self.namespace}.{suffix}.{account}", payload, timeout=remaining)
         except NoRespondersError:
             return local_error(ErrorCode.backend_unavailable, "the ito-training API is not running")
-        except (NatsTimeout, asyncio.TimeoutError):
+        except (TimeoutError, NatsTimeout):
             if any("permissions violation" in v for v in self.violations):  # dropped by the server: not sent
-                return local_error(ErrorCode.unauthenticated, f"this credential may not act for account {account}",
-                                   contacted=True)
+                return local_error(
+                    ErrorCode.unauthenticated,
+                    f"this credential may not act for account {account}",
+                    contacted=True,
+                )
             if any("authorization" in v for v in self.violations):
                 return self._refused()
             raise SentButUnanswered() from None

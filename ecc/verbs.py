@@ -5,7 +5,6 @@ import asyncio
 import getpass
 import sys
 
-
 from contracts import subjects
 from contracts.api import (
     Action,
@@ -51,7 +50,9 @@ async def _read(args, suffix: str, request) -> Envelope:
         try:
             return await client.call(suffix, request)
         except SentButUnanswered:
-            return local_error(ErrorCode.timeout, "no answer in time; nothing was changed by this read", contacted=True)
+            return local_error(
+                ErrorCode.timeout, "no answer in time; nothing was changed by this read", contacted=True
+            )
 
 
 async def _train(args, request: TrainRequest) -> Envelope:
@@ -63,19 +64,32 @@ async def _train(args, request: TrainRequest) -> Envelope:
             pass
     async with Client(args.connect_timeout, max(args.timeout / 2, 5.0)) as client:
         try:
-            status = await client.call(subjects.API_STATUS, StatusRequest(idempotency_key=request.idempotency_key))
+            status = await client.call(
+                subjects.API_STATUS, StatusRequest(idempotency_key=request.idempotency_key)
+            )
         except SentButUnanswered:
             status = None
     if status is not None and status.ok:
         view = status.data
-        return Envelope(ok=True, live_api_contacted=True,
-                        notice="the answer was lost in transit; this run was found by its idempotency key",
-                        data={"run_id": view["run_id"], "state": view["state"], "replay": True,
-                              "booking_id": view["booking_id"], "manifest_digest": view["manifest_digest"],
-                              "idempotency_key": request.idempotency_key})
-    return local_error(ErrorCode.transport_ambiguous,
-                       "no answer in time and the run could not be found yet; ask "
-                       "`ecc ito status --idempotency-key KEY` before retrying", contacted=True)
+        return Envelope(
+            ok=True,
+            live_api_contacted=True,
+            notice="the answer was lost in transit; this run was found by its idempotency key",
+            data={
+                "run_id": view["run_id"],
+                "state": view["state"],
+                "replay": True,
+                "booking_id": view["booking_id"],
+                "manifest_digest": view["manifest_digest"],
+                "idempotency_key": request.idempotency_key,
+            },
+        )
+    return local_error(
+        ErrorCode.transport_ambiguous,
+        "no answer in time and the run could not be found yet; ask "
+        "`ecc ito status --idempotency-key KEY` before retrying",
+        contacted=True,
+    )
 
 
 async def _mutate(args, suffix: str, request) -> Envelope:
@@ -84,9 +98,12 @@ async def _mutate(args, suffix: str, request) -> Envelope:
         try:
             return await client.call(suffix, request)
         except SentButUnanswered:
-            return local_error(ErrorCode.transport_ambiguous,
-                               "no answer in time; the request may have taken effect. Retry with the same "
-                               "--idempotency-key: it is applied at most once", contacted=True)
+            return local_error(
+                ErrorCode.transport_ambiguous,
+                "no answer in time; the request may have taken effect. Retry with the same "
+                "--idempotency-key: it is applied at most once",
+                contacted=True,
+            )
 
 
 def _login(args) -> Envelope:
@@ -100,7 +117,9 @@ def _login(args) -> Envelope:
         return local_error(ErrorCode.unauthenticated, "that is not an ito-training API key")
 
     async def check() -> Envelope:
-        async with Client(args.connect_timeout, args.timeout, credential=(args.account, api_key), fresh=True) as c:
+        async with Client(
+            args.connect_timeout, args.timeout, credential=(args.account, api_key), fresh=True
+        ) as c:
             try:
                 return await c.call(subjects.API_AUTH, AuthRequest())
             except SentButUnanswered:
@@ -109,7 +128,9 @@ def _login(args) -> Envelope:
     env = asyncio.run(check())
     if env.ok:
         where = credentials.save(args.account, api_key)
-        return Envelope(ok=True, live_api_contacted=True, notice=f"credential stored in {where}", data=env.data)
+        return Envelope(
+            ok=True, live_api_contacted=True, notice=f"credential stored in {where}", data=env.data
+        )
     return env
 
 
@@ -135,9 +156,18 @@ def run_verb(args) -> Envelope:
             if args.verb == "plan":
                 req = PlanRequest(booking_id=args.booking, manifest_text=text, manifest_digest=digest)
                 return asyncio.run(_read(args, subjects.API_PLAN, req))
-            return asyncio.run(_train(args, TrainRequest(
-                booking_id=args.booking, manifest_text=text, manifest_digest=digest,
-                confirmation_ref=args.confirmation_ref, idempotency_key=args.idempotency_key)))
+            return asyncio.run(
+                _train(
+                    args,
+                    TrainRequest(
+                        booking_id=args.booking,
+                        manifest_text=text,
+                        manifest_digest=digest,
+                        confirmation_ref=args.confirmation_ref,
+                        idempotency_key=args.idempotency_key,
+                    ),
+                )
+            )
         case "confirm":
             text = digest = None
             if args.manifest:
@@ -145,9 +175,14 @@ def run_verb(args) -> Envelope:
                 if isinstance(m, Envelope):
                     return m
                 text, digest = m
-            req = ConfirmRequest(action=Action(args.action), booking_id=args.booking,
-                                 run_id=args.run, manifest_text=text, manifest_digest=digest,
-                                 max_cost_usd=args.max_cost)
+            req = ConfirmRequest(
+                action=Action(args.action),
+                booking_id=args.booking,
+                run_id=args.run,
+                manifest_text=text,
+                manifest_digest=digest,
+                max_cost_usd=args.max_cost,
+            )
             return asyncio.run(_read(args, subjects.API_CONFIRM, req))
         case "status":
             if not args.run and not args.idempotency_key:
@@ -163,17 +198,26 @@ def run_verb(args) -> Envelope:
             suffix = subjects.API_CHECKPOINTS if args.verb == "checkpoints" else subjects.API_EVALS
             return asyncio.run(_read(args, suffix, RunItemsRequest(run_id=args.run)))
         case "cancel":
-            req = CancelRequest(run_id=args.run, confirmation_ref=args.confirmation_ref,
-                                idempotency_key=args.idempotency_key)
+            req = CancelRequest(
+                run_id=args.run, confirmation_ref=args.confirmation_ref, idempotency_key=args.idempotency_key
+            )
             return asyncio.run(_mutate(args, subjects.API_CANCEL, req))
         case "cleanup":
-            req = CleanupRequest(run_id=args.run, confirmation_ref=args.confirmation_ref,
-                                 idempotency_key=args.idempotency_key, release_booking=args.release_booking,
-                                 release_confirmation_ref=args.release_confirmation_ref)
+            req = CleanupRequest(
+                run_id=args.run,
+                confirmation_ref=args.confirmation_ref,
+                idempotency_key=args.idempotency_key,
+                release_booking=args.release_booking,
+                release_confirmation_ref=args.release_confirmation_ref,
+            )
             return asyncio.run(_mutate(args, subjects.API_CLEANUP, req))
         case "approve":
-            req = ApproveRequest(run_id=args.run, confirmation_ref=args.confirmation_ref,
-                                 idempotency_key=args.idempotency_key, reject=args.reject)
+            req = ApproveRequest(
+                run_id=args.run,
+                confirmation_ref=args.confirmation_ref,
+                idempotency_key=args.idempotency_key,
+                reject=args.reject,
+            )
             return asyncio.run(_mutate(args, subjects.API_APPROVE, req))
         case "audit":
             from contracts.audit import AuditRequest
@@ -191,5 +235,3 @@ def dispatch(args: argparse.Namespace) -> int:
     env = run_verb(args)
     render.show(args, env)
     return 0 if env.ok else 1
-
-

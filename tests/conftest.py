@@ -108,8 +108,11 @@ class Stack:
 
         from services.runtime.secrets import Secrets
 
-        return redis.Redis.from_url(self.env["ITO_REDIS_URL"], username=identity,
-                                    password=Secrets(self.settings.secrets_dir).password(identity))
+        return redis.Redis.from_url(
+            self.env["ITO_REDIS_URL"],
+            username=identity,
+            password=Secrets(self.settings.secrets_dir).password(identity),
+        )
 
     async def nats(self, identity: str = "operator", **options):
         from services.ops.authority import connect
@@ -122,8 +125,13 @@ class Stack:
 
         from ecc.transport import seed_of, tenant_inbox
 
-        return await nats.connect(self.env["ITO_NATS_URL"], connect_timeout=2, nkeys_seed_str=seed_of(api_key).decode(),
-                                  inbox_prefix=tenant_inbox(account), **options)
+        return await nats.connect(
+            self.env["ITO_NATS_URL"],
+            connect_timeout=2,
+            nkeys_seed_str=seed_of(api_key).decode(),
+            inbox_prefix=tenant_inbox(account),
+            **options,
+        )
 
     def api_subject(self, suffix: str, account: str) -> str:
         return f"{self.env['ITO_NAMESPACE']}.{suffix}.{account}"
@@ -137,10 +145,18 @@ class Stack:
     def infra_pid(self, name: str) -> int:
         return json.loads((self.data_dir / "up.json").read_text())["infra"][name]
 
-    def run(self, exe: str, *args: str, input: str | None = None, env: dict | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / exe), *args], input=input, capture_output=True, text=True,
-                              env={**self.env, **(env or {})}, timeout=timeout, cwd=REPO)
+    def run(
+        self, exe: str, *args: str, input: str | None = None, env: dict | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / exe), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env={**self.env, **(env or {})},
+            timeout=timeout,
+            cwd=REPO,
+        )
 
     def ecc(self, *args: str, input: str | None = None, env: dict | None = None, timeout: float = 120):
         """(exit code, the JSON envelope) of `ecc ito ARGS --json`."""
@@ -174,9 +190,15 @@ class Stack:
 
 def start_stack(data_dir: pathlib.Path, services: str | None = None, env: dict | None = None) -> Stack:
     ns = new_namespace()
-    full_env = {**os.environ, "ITO_NAMESPACE": ns, "ITO_DATA_DIR": str(data_dir),
-                "ITO_SECRETS_DIR": str(data_dir / "secrets"), "ITO_TRAINER_THREADS": "1",
-                "PATH": f"{BIN}:{os.environ['PATH']}", **(env or {})}
+    full_env = {
+        **os.environ,
+        "ITO_NAMESPACE": ns,
+        "ITO_DATA_DIR": str(data_dir),
+        "ITO_SECRETS_DIR": str(data_dir / "secrets"),
+        "ITO_TRAINER_THREADS": "1",
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        **(env or {}),
+    }
     for name in ("ITO_NATS_URL", "ITO_REDIS_URL"):  # `up` starts its own; never the machine's
         full_env.pop(name, None)
     s = Stack(full_env, data_dir)
@@ -234,5 +256,3 @@ def manifest(tmp_path):
 @pytest.fixture
 def namespace():
     return new_namespace()
-
-

@@ -14,10 +14,13 @@ from services.runtime.service import Wiring, build_app, configure_logging, serve
 
 def register(w: Wiring) -> None:
     h = ConfirmationHandlers(ConfirmationStore(w.redis, w.keys), w.settings.confirmation_ttl_s)
-    serve_requests(w, [
-        (subjects.CONFIRMATION_CREATE, ConfirmationCreate, h.create),
-        (subjects.CONFIRMATION_RESOLVE, ConfirmationResolve, h.resolve),
-    ])
+    serve_requests(
+        w,
+        [
+            (subjects.CONFIRMATION_CREATE, ConfirmationCreate, h.create),
+            (subjects.CONFIRMATION_RESOLVE, ConfirmationResolve, h.resolve),
+        ],
+    )
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

@@ -17,8 +17,16 @@ class Stored:
     consumed: bool
 
 
-def check(stored: Stored, *, account: str, action: Action, target: str, digest: str | None,
-          cost: float | None, now: float) -> tuple[ErrorCode, str] | None:
+def check(
+    stored: Stored,
+    *,
+    account: str,
+    action: Action,
+    target: str,
+    digest: str | None,
+    cost: float | None,
+    now: float,
+) -> tuple[ErrorCode, str] | None:
     """None when the confirmation authorizes the request; else the refusal, in a fixed order."""
     if stored.account != account:
         return ErrorCode.confirmation_mismatch, "this confirmation belongs to another account"
@@ -31,7 +39,10 @@ def check(stored: Stored, *, account: str, action: Action, target: str, digest: 
     if stored.target != target:
         return ErrorCode.confirmation_mismatch, "this confirmation is for another target"
     if stored.digest and stored.digest != (digest or ""):
-        return ErrorCode.manifest_digest_mismatch, "the manifest changed since it was confirmed; review and confirm again"
+        return (
+            ErrorCode.manifest_digest_mismatch,
+            "the manifest changed since it was confirmed; review and confirm again",
+        )
     if stored.max_cost is not None and cost is not None and cost > stored.max_cost:
         return ErrorCode.confirmation_mismatch, (
             f"the estimated cost {cost:.2f} USD is above the confirmed {stored.max_cost:.2f} USD"

@@ -10,7 +10,6 @@ from services.confirmation.store import ConfirmationStore, new_ref
 from services.runtime.codec import Refusal
 
 
-
 def _issued(ref: str, s: binding.Stored) -> ConfirmationIssued:
     return ConfirmationIssued(
         confirmation_ref=ref,

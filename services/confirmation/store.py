@@ -29,15 +29,18 @@ class ConfirmationStore:
         key = self.keys.confirmation(stored.account, ref)
         ttl = int(stored.expires_at - await self.now()) + RETAIN_AFTER_EXPIRY_S
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={
-                "account": stored.account,
-                "action": stored.action.value,
-                "target": stored.target,
-                "digest": stored.digest,
-                "max_cost": "" if stored.max_cost is None else repr(float(stored.max_cost)),
-                "expires_at": repr(stored.expires_at),
-                "consumed": "0",
-            })
+            pipe.hset(
+                key,
+                mapping={
+                    "account": stored.account,
+                    "action": stored.action.value,
+                    "target": stored.target,
+                    "digest": stored.digest,
+                    "max_cost": "" if stored.max_cost is None else repr(float(stored.max_cost)),
+                    "expires_at": repr(stored.expires_at),
+                    "consumed": "0",
+                },
+            )
             pipe.expire(key, ttl)
             pipe.set(self.keys.confirmation_owner(ref), stored.account, ex=ttl)
             await pipe.execute()

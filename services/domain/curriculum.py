@@ -28,7 +28,11 @@ from contracts.models import MODEL_SHAPES, ModelShape
 from services.domain import gates
 
 POST_STAGES = ("sft", "dpo", "rlvr")
-TASK_SOURCES = ("generated:arithmetic", "generated:small_arithmetic", "generated:reverse")  # sources with verifiable answers
+TASK_SOURCES = (
+    "generated:arithmetic",
+    "generated:small_arithmetic",
+    "generated:reverse",
+)  # sources with verifiable answers
 WARMUP_FRACTION = 0.05  # of a stage's steps; 1-2% is enough for long runs, tiny runs need a few steps
 ANNEAL_LR_FRACTION = 0.1  # midtrain/long-context default LR: where pretrain's cosine ended
 PROXY_SIZE = {"tiny": "tiny"}  # the ladder's proxy model; every other size uses the "150M" ladder
@@ -87,7 +91,9 @@ class RunPlan:
 
     @property
     def stage_names(self) -> list[str]:
-        pre = [name for name, on in (("data_prep", self.data_prep), ("ladder", self.ladder)) if on is not None]
+        pre = [
+            name for name, on in (("data_prep", self.data_prep), ("ladder", self.ladder)) if on is not None
+        ]
         return pre + [s.name for s in self.stages]
 
 
@@ -109,8 +115,10 @@ def _names(stage: str, requested: list[str], available: dict[str, str]) -> tuple
 def _check_gate(stage: str, gate: Gate | LongContextGate, *, has_tasks: bool, has_held_out: bool) -> None:
     gates.refuse_loosening(stage, gate)
     if gate.min_task_accuracy is not None and not has_tasks:
-        raise ValueError(f"Stage {stage} gates on task accuracy, but no eval ref is a verifiable task "
-                         f"({' or '.join(TASK_SOURCES)}).")
+        raise ValueError(
+            f"Stage {stage} gates on task accuracy, but no eval ref is a verifiable task "
+            f"({' or '.join(TASK_SOURCES)})."
+        )
     if gate.max_held_out_loss is not None and not has_held_out:
         raise ValueError(f"Stage {stage} gates on held-out loss, but the manifest has no eval ref.")
 
@@ -129,64 +137,114 @@ def plan_run(manifest: Manifest) -> RunPlan:
     base_shape = MODEL_SHAPES[manifest.model.size.value]
     plans: list[LmPlan | PostPlan] = []
 
-    carved = (stages.midtrain.tokens if stages.midtrain else 0) + (stages.long_context.tokens if stages.long_context else 0)
+    carved = (stages.midtrain.tokens if stages.midtrain else 0) + (
+        stages.long_context.tokens if stages.long_context else 0
+    )
     pretrain_tokens = target.tokens - carved
     if stages.pretrain is not None:
         if pretrain_tokens < 1:
-            raise ValueError(f"midtrain and long_context take {carved} tokens, all of target.tokens ({target.tokens}); "
-                             "raise target.tokens, which is the whole pre-training budget.")
+            raise ValueError(
+                f"midtrain and long_context take {carved} tokens, all of target.tokens ({target.tokens}); "
+                "raise target.tokens, which is the whole pre-training budget."
+            )
         steps = _steps(pretrain_tokens, target.seq_len, target.batch_size)
         _check_gate("pretrain", stages.pretrain.gate, has_tasks=has_tasks, has_held_out=True)
-        plans.append(LmPlan(
-            name="pretrain", steps=steps, data=_names("pretrain", stages.pretrain.data, train), seq_len=target.seq_len,
-            batch_size=target.batch_size, learning_rate=target.learning_rate, warmup_steps=_warmup(steps),
-            decay="cosine", min_lr_ratio=0.1, shape=base_shape, rope_base=None, gate=stages.pretrain.gate,
-        ))
+        plans.append(
+            LmPlan(
+                name="pretrain",
+                steps=steps,
+                data=_names("pretrain", stages.pretrain.data, train),
+                seq_len=target.seq_len,
+                batch_size=target.batch_size,
+                learning_rate=target.learning_rate,
+                warmup_steps=_warmup(steps),
+                decay="cosine",
+                min_lr_ratio=0.1,
+                shape=base_shape,
+                rope_base=None,
+                gate=stages.pretrain.gate,
+            )
+        )
     if (mid := stages.midtrain) is not None:
         seq_len = mid.seq_len or target.seq_len
         if seq_len > base_shape.max_seq_len:
-            raise ValueError(f"midtrain seq_len {seq_len} exceeds the model's {base_shape.max_seq_len}; "
-                             "longer sequences are the long_context stage's.")
+            raise ValueError(
+                f"midtrain seq_len {seq_len} exceeds the model's {base_shape.max_seq_len}; "
+                "longer sequences are the long_context stage's."
+            )
         steps = _steps(mid.tokens, seq_len, target.batch_size)
         _check_gate("midtrain", mid.gate, has_tasks=has_tasks, has_held_out=True)
-        plans.append(LmPlan(
-            name="midtrain", steps=steps, data=_names("midtrain", mid.data, train), seq_len=seq_len,
-            batch_size=target.batch_size, learning_rate=mid.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
-            warmup_steps=_warmup(steps), decay="linear", min_lr_ratio=0.0, shape=base_shape, rope_base=None,
-            gate=mid.gate,
-        ))
+        plans.append(
+            LmPlan(
+                name="midtrain",
+                steps=steps,
+                data=_names("midtrain", mid.data, train),
+                seq_len=seq_len,
+                batch_size=target.batch_size,
+                learning_rate=mid.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
+                warmup_steps=_warmup(steps),
+                decay="linear",
+                min_lr_ratio=0.0,
+                shape=base_shape,
+                rope_base=None,
+                gate=mid.gate,
+            )
+        )
     shape, rope_base = base_shape, None
     if (lc := stages.long_context) is not None:
         short = max([target.seq_len] + [p.seq_len for p in plans if isinstance(p, LmPlan)])
         if lc.seq_len <= short:
-            raise ValueError(f"long_context seq_len {lc.seq_len} must be longer than the {short} tokens trained before it.")
+            raise ValueError(
+                f"long_context seq_len {lc.seq_len} must be longer than the {short} tokens trained before it."
+            )
         if lc.rope_base <= base_shape.rope_base:
-            raise ValueError(f"long_context rope_base {lc.rope_base:g} must be above the model's {base_shape.rope_base:g}.")
+            raise ValueError(
+                f"long_context rope_base {lc.rope_base:g} must be above the model's {base_shape.rope_base:g}."
+            )
         batch_size = lc.batch_size or target.batch_size
         steps = _steps(lc.tokens, lc.seq_len, batch_size)
         shape = msgspec.structs.replace(base_shape, max_seq_len=max(base_shape.max_seq_len, lc.seq_len))
         rope_base = lc.rope_base
         _check_gate("long_context", lc.gate, has_tasks=has_tasks, has_held_out=True)
-        plans.append(LmPlan(
-            name="long_context", steps=steps, data=_names("long_context", lc.data, train), seq_len=lc.seq_len,
-            batch_size=batch_size, learning_rate=lc.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
-            warmup_steps=_warmup(steps), decay="linear", min_lr_ratio=0.0, shape=shape, rope_base=rope_base,
-            gate=lc.gate, short_seq_len=short,
-        ))
+        plans.append(
+            LmPlan(
+                name="long_context",
+                steps=steps,
+                data=_names("long_context", lc.data, train),
+                seq_len=lc.seq_len,
+                batch_size=batch_size,
+                learning_rate=lc.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
+                warmup_steps=_warmup(steps),
+                decay="linear",
+                min_lr_ratio=0.0,
+                shape=shape,
+                rope_base=rope_base,
+                gate=lc.gate,
+                short_seq_len=short,
+            )
+        )
 
     recipe = manifest.post_training.recipe
     unknown = [r for r in recipe if r not in POST_STAGES]
     if unknown or len(set(recipe)) != len(recipe):
-        raise ValueError(f"post_training.recipe lists {recipe}; use each of {', '.join(POST_STAGES)} at most once.")
+        raise ValueError(
+            f"post_training.recipe lists {recipe}; use each of {', '.join(POST_STAGES)} at most once."
+        )
     tasks = {name: src for name, src in train.items() if src in TASK_SOURCES}
     for name in recipe:
         section = getattr(manifest.post_training, name)
         data = _names(name, section.data, tasks if not section.data else train)
         if not data or any(train[n] not in TASK_SOURCES for n in data):
-            raise ValueError(f"{name} trains on verifiable tasks: name training refs with source "
-                             f"{' or '.join(TASK_SOURCES)}.")
+            raise ValueError(
+                f"{name} trains on verifiable tasks: name training refs with source "
+                f"{' or '.join(TASK_SOURCES)}."
+            )
         _check_gate(name, section.gate, has_tasks=has_tasks, has_held_out=bool(evals))
-        plans.append(PostPlan(name=name, data=data, shape=shape, rope_base=rope_base, section=section, gate=section.gate))
+        plans.append(
+            PostPlan(
+                name=name, data=data, shape=shape, rope_base=rope_base, section=section, gate=section.gate
+            )
+        )
 
     ladder = None
     if (lad := stages.ladder) is not None:
@@ -195,16 +253,22 @@ def plan_run(manifest: Manifest) -> RunPlan:
         budget_steps = sum(p.steps for p in plans if isinstance(p, LmPlan))
         bound = int(lad.max_budget_fraction * budget_steps) // 2  # two proxy runs share the fraction
         if custom and bound < 1:
-            raise ValueError(f"The ladder's budget ({lad.max_budget_fraction:g} of {budget_steps} pre-training steps) "
-                             "allows no proxy step; raise max_budget_fraction or target.tokens.")
+            raise ValueError(
+                f"The ladder's budget ({lad.max_budget_fraction:g} of {budget_steps} pre-training steps) "
+                "allows no proxy step; raise max_budget_fraction or target.tokens."
+            )
         ladder = LadderPlan(
-            proxy_steps=min(lad.proxy_steps, max(1, bound)), max_loss_regression=lad.max_loss_regression,
+            proxy_steps=min(lad.proxy_steps, max(1, bound)),
+            max_loss_regression=lad.max_loss_regression,
             proxy_shape=MODEL_SHAPES[PROXY_SIZE.get(manifest.model.size.value, "150M")],
-            reference=reference, custom=custom,
+            reference=reference,
+            custom=custom,
         )
     data_prep = _data_prep(manifest, evals)
     if not plans:
-        raise ValueError("The manifest trains nothing: no pre-training stage and an empty post-training recipe.")
+        raise ValueError(
+            "The manifest trains nothing: no pre-training stage and an empty post-training recipe."
+        )
     return RunPlan(train_refs=train, eval_refs=evals, data_prep=data_prep, ladder=ladder, stages=tuple(plans))
 
 
@@ -212,25 +276,34 @@ def _data_prep(manifest: Manifest, evals: dict[str, str]) -> DataPrepStage | Non
     """Declared means done: whenever a training ref declares decontamination, or the manifest has
     eval refs to keep out of the training data, data prep runs (with the defaults unless the
     manifest configures it). A declaration this backend cannot honour is refused here."""
-    declared = [(i, ref) for i, ref in enumerate(manifest.data)
-                if ref.role is DataRole.train and ref.decontamination is not None]
+    declared = [
+        (i, ref)
+        for i, ref in enumerate(manifest.data)
+        if ref.role is DataRole.train and ref.decontamination is not None
+    ]
     prep = manifest.stages.data_prep
     if prep is None and (declared or evals):
         prep = DataPrepStage()
     if prep is None:
         return None
     if prep.minhash_permutations % prep.minhash_bands:
-        raise ValueError(f"data_prep: {prep.minhash_permutations} MinHash permutations do not split into "
-                         f"{prep.minhash_bands} equal bands.")
+        raise ValueError(
+            f"data_prep: {prep.minhash_permutations} MinHash permutations do not split into "
+            f"{prep.minhash_bands} equal bands."
+        )
     method = f"{prep.decontamination_ngram}-gram"
     for i, ref in declared:
         deco = ref.decontamination
         if deco.method != method:
-            raise ValueError(f"data[{i}].decontamination.method is {deco.method!r}, which this backend cannot "
-                             f"honour: data prep decontaminates by {method} overlap (stages.data_prep."
-                             "decontamination_ngram sets n).")
+            raise ValueError(
+                f"data[{i}].decontamination.method is {deco.method!r}, which this backend cannot "
+                f"honour: data prep decontaminates by {method} overlap (stages.data_prep."
+                "decontamination_ngram sets n)."
+            )
         unknown = [name for name in deco.against if name not in evals]
         if unknown:
-            raise ValueError(f"data[{i}].decontamination.against names {unknown}, which are not eval refs of this "
-                             "manifest: data prep can only decontaminate against eval data it has.")
+            raise ValueError(
+                f"data[{i}].decontamination.against names {unknown}, which are not eval refs of this "
+                "manifest: data prep can only decontaminate against eval data it has."
+            )
     return prep

@@ -63,8 +63,14 @@ def rules(stage: str, gate: Gate | LongContextGate, *, has_tasks: bool, has_held
             out.append(Rule("task_accuracy", ">=", None, 0.0, gate.min_task_accuracy))
         if isinstance(gate, LongContextGate):
             increase = gate.max_short_loss_increase
-            out.append(Rule("short_context_loss", "<=", "delta",
-                            DEFAULT_MAX_SHORT_LOSS_INCREASE if increase is None else increase))
+            out.append(
+                Rule(
+                    "short_context_loss",
+                    "<=",
+                    "delta",
+                    DEFAULT_MAX_SHORT_LOSS_INCREASE if increase is None else increase,
+                )
+            )
             if gate.min_needle_accuracy is not None:
                 out.append(Rule("needle_accuracy", ">=", None, 0.0, gate.min_needle_accuracy))
         return out
@@ -97,8 +103,12 @@ def refuse_loosening(stage: str, gate: Gate | LongContextGate) -> None:
     if isinstance(gate, LongContextGate):
         increase = gate.max_short_loss_increase
         if increase is None:
-            raise ValueError(f"stages.{stage}.gate.max_short_loss_increase cannot be removed: the backend gates "
-                             f"short-context loss (at most +{DEFAULT_MAX_SHORT_LOSS_INCREASE:g}).")
+            raise ValueError(
+                f"stages.{stage}.gate.max_short_loss_increase cannot be removed: the backend gates "
+                f"short-context loss (at most +{DEFAULT_MAX_SHORT_LOSS_INCREASE:g})."
+            )
         if increase > DEFAULT_MAX_SHORT_LOSS_INCREASE:
-            raise ValueError(f"stages.{stage}.gate.max_short_loss_increase {increase:g} loosens the backend's gate "
-                             f"(at most {DEFAULT_MAX_SHORT_LOSS_INCREASE:g}); a manifest may only tighten it.")
+            raise ValueError(
+                f"stages.{stage}.gate.max_short_loss_increase {increase:g} loosens the backend's gate "
+                f"(at most {DEFAULT_MAX_SHORT_LOSS_INCREASE:g}); a manifest may only tighten it."
+            )

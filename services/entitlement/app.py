@@ -4,15 +4,14 @@ import asyncio
 import logging
 
 import msgspec
-
 from faststream import FastStream
 
 from contracts import subjects
 from contracts.internal import BookingsQuery, EligibilityQuery
 from services.entitlement.handlers import EntitlementHandlers, event_decoder
 from services.entitlement.store import BookingStore
-from services.runtime import settings as settings_mod
 from services.runtime import faults
+from services.runtime import settings as settings_mod
 from services.runtime.service import Wiring, build_app, configure_logging, consume_in_order, serve_requests
 
 log = logging.getLogger("ito.entitlement")
@@ -21,7 +20,9 @@ BOOKING_ACK_WAIT_S = 5  # applying an event takes milliseconds; a lost service's
 
 def register(w: Wiring) -> None:
     s = w.settings
-    h = EntitlementHandlers(BookingStore(w.redis, w.keys), settings_mod.entitlement_key(s), s.eligibility_ttl_s)
+    h = EntitlementHandlers(
+        BookingStore(w.redis, w.keys), settings_mod.entitlement_key(s), s.eligibility_ttl_s
+    )
 
     # Acked only after the Redis write returned (the apply is idempotent by version).
     async def on_booking_event(body: bytes) -> None:
@@ -35,13 +36,22 @@ def register(w: Wiring) -> None:
         faults.crash_here(faults.ENTITLEMENT_BEFORE_APPLY)
         await h.on_event(event)
 
-    consume_in_order(w, subjects.BOOKING_EVENTS, subjects.STREAM_BOOKINGS, subjects.CONSUMER_ENTITLEMENT,
-                     on_booking_event, ack_wait_s=BOOKING_ACK_WAIT_S)
+    consume_in_order(
+        w,
+        subjects.BOOKING_EVENTS,
+        subjects.STREAM_BOOKINGS,
+        subjects.CONSUMER_ENTITLEMENT,
+        on_booking_event,
+        ack_wait_s=BOOKING_ACK_WAIT_S,
+    )
 
-    serve_requests(w, [
-        (subjects.ENTITLEMENT_ELIGIBILITY, EligibilityQuery, h.eligibility),
-        (subjects.ENTITLEMENT_BOOKINGS, BookingsQuery, h.bookings),
-    ])
+    serve_requests(
+        w,
+        [
+            (subjects.ENTITLEMENT_ELIGIBILITY, EligibilityQuery, h.eligibility),
+            (subjects.ENTITLEMENT_BOOKINGS, BookingsQuery, h.bookings),
+        ],
+    )
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

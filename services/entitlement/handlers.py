@@ -6,7 +6,13 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 
 from contracts.booking import BookingEvent, BookingEventKind
-from contracts.internal import BookingsAnswer, BookingsQuery, EligibilityBody, EligibilityQuery, EligibilityStatement
+from contracts.internal import (
+    BookingsAnswer,
+    BookingsQuery,
+    EligibilityBody,
+    EligibilityQuery,
+    EligibilityStatement,
+)
 from services.entitlement import projection, signing
 from services.entitlement.store import BookingStore
 from services.runtime.codec import Refusal
@@ -27,7 +33,9 @@ class EntitlementHandlers:
         owner = await self.store.owner(event.booking_id)
         if owner is not None and owner != event.account:
             await self.store.count("rejected_foreign_account")
-            log.warning("event %s for booking %s names another account; rejected", event.event_id, event.booking_id)
+            log.warning(
+                "event %s for booking %s names another account; rejected", event.event_id, event.booking_id
+            )
             return "rejected"
         current = await self.store.get(event.account, event.booking_id)
         if current is None and event.kind is not BookingEventKind.completed:

@@ -30,8 +30,9 @@ def project(event: BookingEvent) -> Booking:
     )
 
 
-def eligibility(booking: Booking | None, query: EligibilityQuery, now: datetime,
-                parked: bool = False) -> tuple[ErrorCode, str] | None:
+def eligibility(
+    booking: Booking | None, query: EligibilityQuery, now: datetime, parked: bool = False
+) -> tuple[ErrorCode, str] | None:
     """None when the booking allows this run; else the refusal. Unknown and foreign look alike."""
     if booking is None or booking.account != query.account:
         if parked and booking is None:
@@ -50,7 +51,13 @@ def eligibility(booking: Booking | None, query: EligibilityQuery, now: datetime,
             f"the booking has {t.nodes}x{t.gpus_per_node} {t.gpu_model}"
         )
     if query.region is not None and query.region != booking.region:
-        return ErrorCode.booking_mismatch, f"the manifest asks for region {query.region}; the booking is in {booking.region}"
+        return (
+            ErrorCode.booking_mismatch,
+            f"the manifest asks for region {query.region}; the booking is in {booking.region}",
+        )
     if query.fabric is not None and query.fabric != booking.fabric:
-        return ErrorCode.booking_mismatch, f"the manifest asks for {query.fabric.value}; the booking has {booking.fabric.value}"
+        return (
+            ErrorCode.booking_mismatch,
+            f"the manifest asks for {query.fabric.value}; the booking has {booking.fabric.value}",
+        )
     return None

@@ -42,7 +42,10 @@ class BookingStore:
 
     async def apply(self, booking: Booking) -> str:
         outcome = await self._apply(
-            keys=[self.keys.booking(booking.account, booking.booking_id), self.keys.bookings(booking.account)],
+            keys=[
+                self.keys.booking(booking.account, booking.booking_id),
+                self.keys.bookings(booking.account),
+            ],
             args=[booking.version, msgspec.json.encode(booking), booking.booking_id],
         )
         return outcome.decode()

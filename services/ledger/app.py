@@ -14,12 +14,15 @@ from services.runtime.service import Wiring, build_app, configure_logging, serve
 
 def register(w: Wiring) -> None:
     h = LedgerHandlers(LedgerStore(w.redis, w.keys, w.settings.idempotency_retention_s))
-    serve_requests(w, [
-        (subjects.LEDGER_LOOKUP, LedgerLookup, h.lookup),
-        (subjects.LEDGER_ACCEPT, LedgerAccept, h.accept),
-        (subjects.LEDGER_HANDED_OFF, LedgerHandedOff, h.handed_off),
-        (subjects.LEDGER_PENDING, LedgerPending, h.pending),
-    ])
+    serve_requests(
+        w,
+        [
+            (subjects.LEDGER_LOOKUP, LedgerLookup, h.lookup),
+            (subjects.LEDGER_ACCEPT, LedgerAccept, h.accept),
+            (subjects.LEDGER_HANDED_OFF, LedgerHandedOff, h.handed_off),
+            (subjects.LEDGER_PENDING, LedgerPending, h.pending),
+        ],
+    )
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

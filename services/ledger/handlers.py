@@ -15,7 +15,6 @@ from services.ledger.store import LedgerStore
 from services.runtime.codec import Refusal
 
 
-
 class LedgerHandlers:
     def __init__(self, store: LedgerStore) -> None:
         self.store = store
@@ -38,7 +37,9 @@ class LedgerHandlers:
         if created:
             return stored, None
         if stored.fingerprint != req.fingerprint:
-            raise Refusal(ErrorCode.idempotency_key_conflict, "this idempotency key was used for another request")
+            raise Refusal(
+                ErrorCode.idempotency_key_conflict, "this idempotency key was used for another request"
+            )
         return stored, "replay: this idempotency key already created this run"
 
     async def handed_off(self, req: LedgerHandedOff) -> LedgerEntry:

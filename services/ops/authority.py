@@ -65,16 +65,30 @@ def write_redis_acl(s: Settings) -> pathlib.Path:
     return path
 
 
-def write_nats_config(s: Settings, port: int, tenants: list[tuple[str, str]], host: str = "127.0.0.1",
-                      store_dir: str | None = None) -> pathlib.Path:
+def write_nats_config(
+    s: Settings,
+    port: int,
+    tenants: list[tuple[str, str]],
+    host: str = "127.0.0.1",
+    store_dir: str | None = None,
+) -> pathlib.Path:
     sec = secrets(s)
     if store_dir is None:
         store = s.data_dir / "nats"
         store.mkdir(parents=True, exist_ok=True, mode=0o700)
         store_dir = str(store)
     path = s.secrets_dir / NATS_CONFIG
-    _write_private(path, nats_config(s, port=port, store_dir=store_dir, host=host,
-                                     services={i: sec.public_nkey(i) for i in NATS_IDENTITIES}, tenants=tenants))
+    _write_private(
+        path,
+        nats_config(
+            s,
+            port=port,
+            store_dir=store_dir,
+            host=host,
+            services={i: sec.public_nkey(i) for i in NATS_IDENTITIES},
+            tenants=tenants,
+        ),
+    )
     return path
 
 
@@ -115,14 +129,17 @@ async def connect(s: Settings, identity: str, url: str | None = None, **options)
     nc = await nats.connect(url or s.nats_url, connect_timeout=2, **nats_auth(s, identity), **options)
     if not nc._server_info.get("auth_required"):
         await nc.close()
-        raise RuntimeError(f"the NATS server at {url or s.nats_url} does not require authentication; refusing it")
+        raise RuntimeError(
+            f"the NATS server at {url or s.nats_url} does not require authentication; refusing it"
+        )
     return nc
 
 
 def start_redis(s: Settings, log_dir: pathlib.Path, port: int | None = None) -> infra.Started:
     aclfile = write_redis_acl(s)
-    return infra.on_free_port(lambda p: infra.start_redis(s.data_dir / "redis", aclfile, p, log_dir / "redis.log"),
-                              port)
+    return infra.on_free_port(
+        lambda p: infra.start_redis(s.data_dir / "redis", aclfile, p, log_dir / "redis.log"), port
+    )
 
 
 def start_nats(s: Settings, log_dir: pathlib.Path, redis_url: str, port: int | None = None) -> infra.Started:
@@ -156,8 +173,9 @@ def _reloads_logged(log_path: pathlib.Path) -> int:
         return 0
 
 
-def apply_tenants(s: Settings, nats_pid: int, port: int, tenants: list[tuple[str, str]],
-                  log_path: pathlib.Path) -> None:
+def apply_tenants(
+    s: Settings, nats_pid: int, port: int, tenants: list[tuple[str, str]], log_path: pathlib.Path
+) -> None:
     """Rewrite the config with these tenants and reload the running server; returns once the
     server says it reloaded (bounded)."""
     with _config_lock(s):

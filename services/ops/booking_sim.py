@@ -13,9 +13,20 @@ from services.runtime.settings import Settings
 GPU_MEMORY_GB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
 
 
-def event(*, account: str, booking: str, kind: str, nodes: int, gpus_per_node: int, gpu_model: str,
-          region: str, fabric: str, hours: float, version: int | None = None,
-          start: datetime | None = None) -> BookingEvent:
+def event(
+    *,
+    account: str,
+    booking: str,
+    kind: str,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_model: str,
+    region: str,
+    fabric: str,
+    hours: float,
+    version: int | None = None,
+    start: datetime | None = None,
+) -> BookingEvent:
     now = datetime.now(UTC)
     start = start or now - timedelta(minutes=1)
     return BookingEvent(
@@ -24,8 +35,12 @@ def event(*, account: str, booking: str, kind: str, nodes: int, gpus_per_node: i
         booking_id=booking,
         account=account,
         version=version if version is not None else time.time_ns() // 1000,  # grows with every change
-        topology=Topology(nodes=nodes, gpus_per_node=gpus_per_node, gpu_model=gpu_model,
-                          gpu_memory_gb=GPU_MEMORY_GB.get(gpu_model, 80)),
+        topology=Topology(
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            gpu_model=gpu_model,
+            gpu_memory_gb=GPU_MEMORY_GB.get(gpu_model, 80),
+        ),
         region=region,
         fabric=Fabric(fabric),
         window_start=start,
@@ -48,5 +63,12 @@ async def publish(settings: Settings, ev: BookingEvent) -> dict:
         )
     finally:
         await nc.close()
-    return {"event_id": ev.event_id, "booking_id": ev.booking_id, "kind": ev.kind.value,
-            "version": ev.version, "stream": ack.stream, "seq": ack.seq, "duplicate": bool(ack.duplicate)}
+    return {
+        "event_id": ev.event_id,
+        "booking_id": ev.booking_id,
+        "kind": ev.kind.value,
+        "version": ev.version,
+        "stream": ack.stream,
+        "seq": ack.seq,
+        "duplicate": bool(ack.duplicate),
+    }

@@ -28,7 +28,13 @@ import uuid
 from contracts import subjects
 from services.runtime import faults
 from services.runtime import settings as settings_mod
-from services.runtime.settings import ENV_DATA_DIR, ENV_NAMESPACE, ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
+from services.runtime.settings import (
+    ENV_DATA_DIR,
+    ENV_NAMESPACE,
+    ENV_NATS_URL,
+    ENV_REDIS_URL,
+    ENV_SECRETS_DIR,
+)
 
 BIN = pathlib.Path(sys.executable).parent
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -47,9 +53,14 @@ class Stack:
     def __init__(self, root: pathlib.Path, services: str | None = None) -> None:
         self.ns = "chaos" + uuid.uuid4().hex[:8]
         self.dir = root / self.ns
-        self.env = {**os.environ, ENV_NAMESPACE: self.ns, ENV_DATA_DIR: str(self.dir),
-                    ENV_SECRETS_DIR: str(self.dir / "secrets"), "ECC_CONFIG_DIR": str(self.dir / "ecc"),
-                    "ITO_TRAINER_THREADS": "1"}
+        self.env = {
+            **os.environ,
+            ENV_NAMESPACE: self.ns,
+            ENV_DATA_DIR: str(self.dir),
+            ENV_SECRETS_DIR: str(self.dir / "secrets"),
+            "ECC_CONFIG_DIR": str(self.dir / "ecc"),
+            "ITO_TRAINER_THREADS": "1",
+        }
         for name in (ENV_NATS_URL, ENV_REDIS_URL):  # `up` starts its own servers; never the machine's
             self.env.pop(name, None)
         args = ["up", "--detach", "--json"] + (["--services", services] if services else [])
@@ -60,15 +71,23 @@ class Stack:
         try:
             # `accounts create` also reloads the stack's nats-server so that it accepts the new NKey.
             key = self.cli("ito-training", "accounts", "create", self.account, "--json")["api_key"]
-            self.cli("ecc", "ito", "login", "--account", self.account, "--json", input=key + "\n")  # stdin, not argv
+            self.cli(
+                "ecc", "ito", "login", "--account", self.account, "--json", input=key + "\n"
+            )  # stdin, not argv
         except Exception:  # the scenario never gets the stack, so it cannot stop it: stop it here
             self.down()
             raise
         self.key = key  # the tenant's API key (its NKey seed): in memory only, never printed
 
     def cli(self, exe: str, *args: str, input: str | None = None, timeout: float = 60, check: bool = True):
-        proc = subprocess.run([str(BIN / exe), *args], env=self.env, input=input, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [str(BIN / exe), *args],
+            env=self.env,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and proc.returncode != 0:
             raise RuntimeError(f"{exe} {' '.join(args[:2])}: {proc.stderr[-500:] or proc.stdout[-500:]}")
         lines = proc.stdout.strip().splitlines()
@@ -82,8 +101,17 @@ class Stack:
 
     def booking(self) -> str:
         booking = "bk-" + uuid.uuid4().hex[:6]
-        self.cli("ito-training", "simulate-booking", "--account", self.account, "--booking", booking,
-                 "--event", "completed", "--json")
+        self.cli(
+            "ito-training",
+            "simulate-booking",
+            "--account",
+            self.account,
+            "--booking",
+            booking,
+            "--event",
+            "completed",
+            "--json",
+        )
         return booking
 
     def manifest(self, steps: int) -> pathlib.Path:
@@ -97,8 +125,19 @@ class Stack:
 
     def train(self, booking: str, manifest: pathlib.Path, key: str) -> dict:
         ref = self.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", str(manifest))
-        return self.ecc("train", "--booking", booking, "--manifest", str(manifest), "--confirmation-ref",
-                        ref["data"]["confirmation_ref"], "--idempotency-key", key, "--timeout", "5")
+        return self.ecc(
+            "train",
+            "--booking",
+            booking,
+            "--manifest",
+            str(manifest),
+            "--confirmation-ref",
+            ref["data"]["confirmation_ref"],
+            "--idempotency-key",
+            key,
+            "--timeout",
+            "5",
+        )
 
     def status(self, run_id: str) -> dict:
         return self.ecc("status", run_id)["data"]
@@ -152,20 +191,36 @@ def trainer_killed(root) -> dict:
         t0 = time.monotonic()
         wait(lambda: stack.status(run_id)["state"] == "interrupted", 60, 0.05)
         detected = time.monotonic() - t0
-        replacement = subprocess.Popen([str(BIN / "ito-training"), "serve", "trainer"], env=stack.env,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        replacement = subprocess.Popen(
+            [str(BIN / "ito-training"), "serve", "trainer"],
+            env=stack.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
-            wait(lambda: stack.status(run_id)["state"] == "running" and stack.status(run_id)["step"] > 0, 90, 0.05)
+            wait(
+                lambda: stack.status(run_id)["state"] == "running" and stack.status(run_id)["step"] > 0,
+                90,
+                0.05,
+            )
             resumed = time.monotonic() - t0
-            final = wait(lambda: (v := stack.status(run_id))["state"] in ("succeeded", "failed") and v, 300, 0.5)
+            final = wait(
+                lambda: (v := stack.status(run_id))["state"] in ("succeeded", "failed") and v, 300, 0.5
+            )
             points = stack.ecc("metrics", run_id)["data"]["points"]
             steps = [p["step"] for p in points]
             restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
             lost = killed_step - (steps[restart] - 1)
         finally:
             replacement.terminate()
-        return {"scenario": "trainer SIGKILL mid-stage", "detection_s": detected, "resume_s": resumed,
-                "runs_lost": int(final["state"] != "succeeded"), "duplicate_runs": 0, "steps_lost": lost}
+        return {
+            "scenario": "trainer SIGKILL mid-stage",
+            "detection_s": detected,
+            "resume_s": resumed,
+            "runs_lost": int(final["state"] != "succeeded"),
+            "duplicate_runs": 0,
+            "steps_lost": lost,
+        }
     finally:
         stack.down()
 
@@ -176,26 +231,46 @@ def scheduler_killed(root) -> dict:
         pid = stack.pids()["scheduler"]
         os.kill(pid, signal.SIGTERM)
         time.sleep(1)
-        crashing = subprocess.Popen([str(BIN / "ito-training"), "serve", "scheduler"],
-                                    env={**stack.env, faults.ENV_FAULT_POINT: faults.SCHEDULER_AFTER_ACCEPT},
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        crashing = subprocess.Popen(
+            [str(BIN / "ito-training"), "serve", "scheduler"],
+            env={**stack.env, faults.ENV_FAULT_POINT: faults.SCHEDULER_AFTER_ACCEPT},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait(lambda: stack.ecc("auth").get("ok"), 30)
         booking, manifest = stack.booking(), stack.manifest(10)
         answer = stack.train(booking, manifest, "crash-1")
         crashing.wait(timeout=10)
         t0 = time.monotonic()
-        healthy = subprocess.Popen([str(BIN / "ito-training"), "serve", "scheduler"], env=stack.env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        healthy = subprocess.Popen(
+            [str(BIN / "ito-training"), "serve", "scheduler"],
+            env=stack.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
-            view = wait(lambda: (o := stack.ecc("status", "--idempotency-key", "crash-1")).get("ok")
-                        and o["data"]["state"] == "queued" and o["data"], 60, 0.1)
+            view = wait(
+                lambda: (
+                    (o := stack.ecc("status", "--idempotency-key", "crash-1")).get("ok")
+                    and o["data"]["state"] == "queued"
+                    and o["data"]
+                ),
+                60,
+                0.1,
+            )
             resumed = time.monotonic() - t0
             queued = stack.queued()
         finally:
             healthy.terminate()
-        return {"scenario": "scheduler SIGKILL after reservation", "detection_s": None, "resume_s": resumed,
-                "runs_lost": int(not view), "duplicate_runs": max(0, queued - 1), "steps_lost": 0,
-                "note": f"the CLI answered {answer.get('error', {}).get('code', 'ok')}"}
+        return {
+            "scenario": "scheduler SIGKILL after reservation",
+            "detection_s": None,
+            "resume_s": resumed,
+            "runs_lost": int(not view),
+            "duplicate_runs": max(0, queued - 1),
+            "steps_lost": 0,
+            "note": f"the CLI answered {answer.get('error', {}).get('code', 'ok')}",
+        }
     finally:
         stack.down()
 
@@ -217,9 +292,15 @@ def restarted_during_burst(root, name: str) -> dict:
                 found[k] = out["data"]["run_id"]
         lost = sum(1 for k in accepted if found.get(k) != accepted[k])
         queued = wait(lambda: (q := stack.queued()) >= len(found) and q, 30, 0.5)
-        return {"scenario": f"{name} restart during a burst", "detection_s": None, "resume_s": t_restart,
-                "runs_lost": lost, "duplicate_runs": queued - len(set(found.values())), "steps_lost": 0,
-                "note": f"{len(accepted)}/{len(results)} answered ok, {len(found)} runs"}
+        return {
+            "scenario": f"{name} restart during a burst",
+            "detection_s": None,
+            "resume_s": t_restart,
+            "runs_lost": lost,
+            "duplicate_runs": queued - len(set(found.values())),
+            "steps_lost": 0,
+            "note": f"{len(accepted)}/{len(results)} answered ok, {len(found)} runs",
+        }
     finally:
         stack.down()  # `down` stops the restarted server too: restart_infra recorded its pid
 
@@ -234,15 +315,24 @@ async def _burst_with_restart(stack, booking, text, digest, name):
         pass  # refused reconnects while the server is down are the scenario, not news (nats-py prints each)
 
     # A tenant connection exactly as `ecc` makes one, but kept across the outage (reconnecting).
-    nc = await nats.connect(stack.env[ENV_NATS_URL], connect_timeout=2, nkeys_seed_str=seed_of(stack.key).decode(),
-                            inbox_prefix=tenant_inbox(stack.account), max_reconnect_attempts=BURST_MAX_RECONNECTS,
-                            reconnect_time_wait=BURST_RECONNECT_WAIT_S, error_cb=outage)
+    nc = await nats.connect(
+        stack.env[ENV_NATS_URL],
+        connect_timeout=2,
+        nkeys_seed_str=seed_of(stack.key).decode(),
+        inbox_prefix=tenant_inbox(stack.account),
+        max_reconnect_attempts=BURST_MAX_RECONNECTS,
+        reconnect_time_wait=BURST_RECONNECT_WAIT_S,
+        error_cb=outage,
+    )
 
     async def call(suffix, **body):
         # On the account's own subject, with no credential in the body: the server authenticated us.
         try:
-            reply = await nc.request(f"{stack.ns}.{suffix}.{stack.account}", json.dumps(body).encode(),
-                                     timeout=BURST_REQUEST_TIMEOUT_S)
+            reply = await nc.request(
+                f"{stack.ns}.{suffix}.{stack.account}",
+                json.dumps(body).encode(),
+                timeout=BURST_REQUEST_TIMEOUT_S,
+            )
             return json.loads(reply.data)
         except Exception as exc:  # the answer was lost in the outage
             return {"ok": False, "transport": type(exc).__name__}
@@ -260,11 +350,22 @@ async def _burst_with_restart(stack, booking, text, digest, name):
     results = []
     try:
         for i in range(60):
-            conf = await call("v1.api.confirm", action="train", booking_id=booking, manifest_text=text,
-                              manifest_digest=digest)
+            conf = await call(
+                "v1.api.confirm",
+                action="train",
+                booking_id=booking,
+                manifest_text=text,
+                manifest_digest=digest,
+            )
             if conf.get("ok"):
-                out = await call("v1.api.train", booking_id=booking, manifest_text=text, manifest_digest=digest,
-                                 confirmation_ref=conf["data"]["confirmation_ref"], idempotency_key=f"b{i}")
+                out = await call(
+                    "v1.api.train",
+                    booking_id=booking,
+                    manifest_text=text,
+                    manifest_digest=digest,
+                    confirmation_ref=conf["data"]["confirmation_ref"],
+                    idempotency_key=f"b{i}",
+                )
             else:
                 out = conf
             results.append((f"b{i}", out))
@@ -282,10 +383,12 @@ def fmt(value) -> str:
 def main() -> int:
     root = pathlib.Path(tempfile.mkdtemp(prefix="ito-chaos-"))
     rows = []
-    scenarios = [("trainer SIGKILL mid-stage", lambda: trainer_killed(root)),
-                 ("scheduler SIGKILL after reservation", lambda: scheduler_killed(root)),
-                 ("nats restart during a burst", lambda: restarted_during_burst(root, "nats")),
-                 ("redis restart during a burst", lambda: restarted_during_burst(root, "redis"))]
+    scenarios = [
+        ("trainer SIGKILL mid-stage", lambda: trainer_killed(root)),
+        ("scheduler SIGKILL after reservation", lambda: scheduler_killed(root)),
+        ("nats restart during a burst", lambda: restarted_during_burst(root, "nats")),
+        ("redis restart during a burst", lambda: restarted_during_burst(root, "redis")),
+    ]
     for name, scenario in scenarios:
         try:
             rows.append(scenario())
@@ -299,8 +402,11 @@ def main() -> int:
     header = ("scenario", "detection_s", "resume_s", "runs_lost", "duplicate_runs", "steps_lost")
     print("\n" + " | ".join(header))
     for row in rows:
-        print(" | ".join(fmt(row.get(h)) for h in header) + (f"  ({row['note']})" if row.get("note") else "")
-              + (f"  ERROR {row['error']}" if row.get("error") else ""))
+        print(
+            " | ".join(fmt(row.get(h)) for h in header)
+            + (f"  ({row['note']})" if row.get("note") else "")
+            + (f"  ERROR {row['error']}" if row.get("error") else "")
+        )
     out = REPO / "bench" / "chaos.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(rows, indent=2))

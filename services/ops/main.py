@@ -26,7 +26,9 @@ def resolve_settings() -> settings_mod.Settings:
             s,
             nats_url=os.environ.get(ENV_NATS_URL) or state["nats_url"],
             redis_url=os.environ.get(ENV_REDIS_URL) or state["redis_url"],
-            secrets_dir=pathlib.Path(os.environ.get(ENV_SECRETS_DIR) or state.get("secrets_dir") or s.secrets_dir),
+            secrets_dir=pathlib.Path(
+                os.environ.get(ENV_SECRETS_DIR) or state.get("secrets_dir") or s.secrets_dir
+            ),
         )
     return s
 
@@ -48,14 +50,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("service", choices=SERVICES)
     p = cmds.add_parser("up", help="infra (reused or embedded) and all services")
     p.add_argument("--detach", action="store_true", help="return once everything is ready")
-    p.add_argument("--services", default=",".join(SERVICES),
-                   help="comma-separated subset to start (default: all five)")
+    p.add_argument(
+        "--services", default=",".join(SERVICES), help="comma-separated subset to start (default: all five)"
+    )
     p.add_argument("--json", action="store_true")
     p = cmds.add_parser("down", help="stop what `up` started")
     p.add_argument("--json", action="store_true")
     p = cmds.add_parser("accounts", help="create accounts and revoke their keys")
     acc = p.add_subparsers(dest="action", required=True)
-    q = acc.add_parser("create", help="issue a credential (an NKey seed, printed once; only its public key is kept)")
+    q = acc.add_parser(
+        "create", help="issue a credential (an NKey seed, printed once; only its public key is kept)"
+    )
     q.add_argument("account")
     q.add_argument("--json", action="store_true")
     q = acc.add_parser("revoke", help="revoke every key of an account; the NATS server refuses them at once")
@@ -67,15 +72,25 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--follow", action="store_true", help="keep printing updates")
     q.add_argument("--json", action="store_true")
     cmds.add_parser("manifest-schema", help="print the manifest's JSON Schema (generated from the contract)")
-    p = cmds.add_parser("secrets", help="create the identities' credentials and the servers' auth config "
-                                        "(for compose.yaml; `up` does this by itself)")
-    p.add_argument("--rotate", action="append", default=[], metavar="IDENTITY",
-                   help="issue a new credential for this service identity (repeatable)")
+    p = cmds.add_parser(
+        "secrets",
+        help="create the identities' credentials and the servers' auth config "
+        "(for compose.yaml; `up` does this by itself)",
+    )
+    p.add_argument(
+        "--rotate",
+        action="append",
+        default=[],
+        metavar="IDENTITY",
+        help="issue a new credential for this service identity (repeatable)",
+    )
     p.add_argument("--json", action="store_true")
     p = cmds.add_parser("simulate-booking", help="publish an ito-compute booking event")
     p.add_argument("--account", required=True)
     p.add_argument("--booking", required=True)
-    p.add_argument("--event", required=True, choices=["completed", "modified", "revoked", "expired", "released"])
+    p.add_argument(
+        "--event", required=True, choices=["completed", "modified", "revoked", "expired", "released"]
+    )
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-model", default="H200")
@@ -114,7 +129,9 @@ def _secrets(s: settings_mod.Settings, args) -> int:
     from services.runtime.secrets import Secrets
 
     sec = Secrets(s.secrets_dir)
-    admin = sec.password("admin") if sec.password_path("admin").exists() else None  # to reload with, if rotated
+    admin = (
+        sec.password("admin") if sec.password_path("admin").exists() else None
+    )  # to reload with, if rotated
     for identity in args.rotate:
         if identity not in NATS_IDENTITIES and identity not in REDIS_IDENTITIES:
             raise ValueError(f"unknown identity {identity!r}")
@@ -127,9 +144,16 @@ def _secrets(s: settings_mod.Settings, args) -> int:
     if running and args.rotate:
         stack.reload_redis_acl(s, admin)
     written = [] if running else authority.write_for_containers(s, [])
-    _print(args, {"secrets_dir": str(s.secrets_dir), "rotated": args.rotate, "reloaded": running,
-                  "written": [str(p) for p in written]},
-           f"secrets in {s.secrets_dir}" + (" (running stack reloaded)" if running else ""))
+    _print(
+        args,
+        {
+            "secrets_dir": str(s.secrets_dir),
+            "rotated": args.rotate,
+            "reloaded": running,
+            "written": [str(p) for p in written],
+        },
+        f"secrets in {s.secrets_dir}" + (" (running stack reloaded)" if running else ""),
+    )
     return 0
 
 
@@ -156,9 +180,16 @@ def main(argv: list[str] | None = None) -> int:
             if unknown or not chosen:
                 raise ValueError(f"--services takes names from {', '.join(SERVICES)}")
             state = stack.up(s, log, chosen)
-            _print(args, {"nats_url": state["nats_url"], "redis_url": state["redis_url"],
-                          "namespace": state["namespace"], "data_dir": str(s.data_dir)},
-                   f"NATS {state['nats_url']}\nRedis {state['redis_url']}")
+            _print(
+                args,
+                {
+                    "nats_url": state["nats_url"],
+                    "redis_url": state["redis_url"],
+                    "namespace": state["namespace"],
+                    "data_dir": str(s.data_dir),
+                },
+                f"NATS {state['nats_url']}\nRedis {state['redis_url']}",
+            )
             if not args.detach:
                 stack.wait_for_signal()
                 stack.down(s, log)
@@ -174,18 +205,32 @@ def main(argv: list[str] | None = None) -> int:
 
             data = asyncio.run(_accounts(s, args.action, args.account))
             data["server_reloaded"] = stack.apply_tenants(s)
-            human = (f"account {data['account']}: API key (shown once) {data['api_key']}" if args.action == "create"
-                     else f"account {data['account']}: {data['revoked_keys']} key(s) revoked")
+            human = (
+                f"account {data['account']}: API key (shown once) {data['api_key']}"
+                if args.action == "create"
+                else f"account {data['account']}: {data['revoked_keys']} key(s) revoked"
+            )
             _print(args, data, human)
             return 0
         if args.cmd == "simulate-booking":
             from services.ops import booking_sim
 
-            ev = booking_sim.event(account=args.account, booking=args.booking, kind=args.event, nodes=args.nodes,
-                                   gpus_per_node=args.gpus_per_node, gpu_model=args.gpu_model, region=args.region,
-                                   fabric=args.fabric, hours=args.hours, version=args.version)
+            ev = booking_sim.event(
+                account=args.account,
+                booking=args.booking,
+                kind=args.event,
+                nodes=args.nodes,
+                gpus_per_node=args.gpus_per_node,
+                gpu_model=args.gpu_model,
+                region=args.region,
+                fabric=args.fabric,
+                hours=args.hours,
+                version=args.version,
+            )
             data = asyncio.run(booking_sim.publish(s, ev))
-            _print(args, data, f"published {data['kind']} for booking {data['booking_id']} (v{data['version']})")
+            _print(
+                args, data, f"published {data['kind']} for booking {data['booking_id']} (v{data['version']})"
+            )
             return 0
     except Exception as exc:  # operator tooling: one readable line, non-zero exit
         print(f"ito-training {args.cmd}: {exc}", file=sys.stderr)

@@ -79,16 +79,35 @@ def up(settings: Settings, log, services: tuple[str, ...] = SERVICES) -> dict:
     for started in (nats, redis):
         log(f"{started.name}: {started.url} (started with authentication, pid {started.pid})")
     entitlement_key(settings)  # created once, before any service reads it
-    env = dict(os.environ, **{ENV_NATS_URL: nats.url, ENV_REDIS_URL: redis.url, ENV_NAMESPACE: settings.namespace,
-                              ENV_DATA_DIR: str(settings.data_dir), ENV_SECRETS_DIR: str(settings.secrets_dir)})
-    state = {"nats_url": nats.url, "redis_url": redis.url, "namespace": settings.namespace,
-             "secrets_dir": str(settings.secrets_dir), "logs": str(logs),
-             "infra": {s.name: s.pid for s in (nats, redis) if s.pid}, "services": {}}
+    env = dict(
+        os.environ,
+        **{
+            ENV_NATS_URL: nats.url,
+            ENV_REDIS_URL: redis.url,
+            ENV_NAMESPACE: settings.namespace,
+            ENV_DATA_DIR: str(settings.data_dir),
+            ENV_SECRETS_DIR: str(settings.secrets_dir),
+        },
+    )
+    state = {
+        "nats_url": nats.url,
+        "redis_url": redis.url,
+        "namespace": settings.namespace,
+        "secrets_dir": str(settings.secrets_dir),
+        "logs": str(logs),
+        "infra": {s.name: s.pid for s in (nats, redis) if s.pid},
+        "services": {},
+    }
     for name in services:
         out = open(logs / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "services.ops.main", "serve", name], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.ops.main", "serve", name],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         state["services"][name] = proc.pid
     write_state(settings, state)
     deadline = time.monotonic() + SERVICES_READY_TIMEOUT_S
@@ -104,7 +123,9 @@ def up(settings: Settings, log, services: tuple[str, ...] = SERVICES) -> dict:
             raise RuntimeError(f"service(s) {', '.join(dead)} exited at start; see {logs}")
         time.sleep(0.3)
     down(settings, log)
-    raise RuntimeError(f"services not ready within {SERVICES_READY_TIMEOUT_S:.0f}s: {sorted(set(services) - ready)}")
+    raise RuntimeError(
+        f"services not ready within {SERVICES_READY_TIMEOUT_S:.0f}s: {sorted(set(services) - ready)}"
+    )
 
 
 def _reaped(pid: int) -> bool:
@@ -166,8 +187,13 @@ def apply_tenants(settings: Settings) -> bool:
     if state is None or "nats" not in state.get("infra", {}) or not _alive(state["infra"]["nats"]):
         return False
     tenants = asyncio.run(authority.active_tenants(settings, state["redis_url"]))
-    authority.apply_tenants(settings, state["infra"]["nats"], _port(state["nats_url"]), tenants,
-                            pathlib.Path(state["logs"]) / "nats.log")
+    authority.apply_tenants(
+        settings,
+        state["infra"]["nats"],
+        _port(state["nats_url"]),
+        tenants,
+        pathlib.Path(state["logs"]) / "nats.log",
+    )
     return True
 
 

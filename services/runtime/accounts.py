@@ -38,14 +38,16 @@ _record_decoder = msgspec.json.Decoder(KeyRecord)
 
 def valid_account(account: str) -> bool:
     # no '.', '*' or '>': an account name must be safe as one NATS subject token
-    return 0 < len(account) <= MAX_ACCOUNT_LEN and all(c.isascii() and (c.isalnum() or c in "-_") for c in account)
+    return 0 < len(account) <= MAX_ACCOUNT_LEN and all(
+        c.isascii() and (c.isalnum() or c in "-_") for c in account
+    )
 
 
 def seed_of(api_key: str) -> bytes | None:
     """The NKey seed inside an API key, or None when it is not one of ours."""
     if not api_key.startswith(KEY_PREFIX):
         return None
-    seed = api_key[len(KEY_PREFIX):].encode()
+    seed = api_key[len(KEY_PREFIX) :].encode()
     try:
         nkey_public(seed)
     except Exception:  # nkeys raises several types for a malformed seed
@@ -60,7 +62,9 @@ async def create(r: aioredis.Redis, keys: Keys, account: str) -> tuple[str, str,
         raise Refusal(ErrorCode.request_invalid, "account names are 1-64 ASCII letters, digits, '-' or '_'")
     seed = new_nkey_seed()
     public = nkey_public(seed)
-    record = KeyRecord(account=account, key_id=public[:12], revoked=False, created_at=time.time(), nkey=public)
+    record = KeyRecord(
+        account=account, key_id=public[:12], revoked=False, created_at=time.time(), nkey=public
+    )
     async with r.pipeline(transaction=True) as pipe:
         pipe.hset(keys.api_keys(account), public, msgspec.json.encode(record))
         pipe.sadd(keys.accounts(), account)
@@ -85,8 +89,11 @@ async def revoke(r: aioredis.Redis, keys: Keys, account: str) -> int:
     revoked = 0
     for record in await records(r, keys, account):
         if not record.revoked:
-            await r.hset(keys.api_keys(account), record.nkey,
-                         msgspec.json.encode(msgspec.structs.replace(record, revoked=True)))
+            await r.hset(
+                keys.api_keys(account),
+                record.nkey,
+                msgspec.json.encode(msgspec.structs.replace(record, revoked=True)),
+            )
             revoked += 1
     return revoked
 

@@ -49,7 +49,9 @@ def fail(code: ErrorCode, message: str) -> bytes:
 def decode_request(raw: bytes, decoder: "msgspec.json.Decoder[T]") -> T:
     """Bytes from the wire into a contract, or a `request_invalid` refusal naming the field."""
     if len(raw) > MAX_REQUEST_BYTES:
-        raise Refusal(ErrorCode.request_invalid, f"request is {len(raw)} bytes; the limit is {MAX_REQUEST_BYTES}")
+        raise Refusal(
+            ErrorCode.request_invalid, f"request is {len(raw)} bytes; the limit is {MAX_REQUEST_BYTES}"
+        )
     try:
         return decoder.decode(raw)
     except msgspec.ValidationError as exc:

@@ -7,9 +7,9 @@ anonymous path: a missing secret file is an error at start, never a fallback."""
 import logging
 
 import redis.asyncio as aioredis
+from fast_depends.msgspec import MsgSpecSerializer
 from faststream.nats import NatsBroker
 from faststream.nats.security import NatsNKey
-from fast_depends.msgspec import MsgSpecSerializer
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 

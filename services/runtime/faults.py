@@ -19,6 +19,7 @@ def active(point: str) -> bool:
     assert point in POINTS, f"unknown fault point {point!r}"
     return os.environ.get(ENV_FAULT_POINT) == point
 
+
 log = logging.getLogger("ito.faults")
 
 

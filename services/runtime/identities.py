@@ -59,18 +59,25 @@ class Permissions:
 def _durable(stream: str, durable: str) -> tuple[str, ...]:
     """Create/bind one named pull consumer on one stream, fetch from it and ack its messages."""
     return (
-        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>",
-        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
-        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+        f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
     )
 
 
 def _reader(stream: str) -> tuple[str, ...]:
     """Replay one stream through short-lived consumers of its own (never purge or delete messages)."""
     return (
-        f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-        f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>",
-        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>", f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>",
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.>",
+        f"$JS.API.CONSUMER.DELETE.{stream}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+        f"$JS.FC.{stream}.>",
     )
 
 
@@ -82,9 +89,14 @@ def nats_permissions(identity: str, s: Settings) -> Permissions:
         case "scheduler":
             return Permissions(
                 publish=(
-                    ns("v1.entitlement.>"), ns("v1.confirmation.>"), ns("v1.ledger.>"),
-                    ns(subjects.TRAINER_CLEANUP), ns(f"{subjects.CONTROL_CANCEL}.*"),
-                    ns(f"{subjects.WORK_TRAIN}.>"), ns(f"{subjects.AUDIT}.>"), ns(subjects.BOOKING_RELEASE_REQUESTS),
+                    ns("v1.entitlement.>"),
+                    ns("v1.confirmation.>"),
+                    ns("v1.ledger.>"),
+                    ns(subjects.TRAINER_CLEANUP),
+                    ns(f"{subjects.CONTROL_CANCEL}.*"),
+                    ns(f"{subjects.WORK_TRAIN}.>"),
+                    ns(f"{subjects.AUDIT}.>"),
+                    ns(subjects.BOOKING_RELEASE_REQUESTS),
                     *(ns(f"{subjects.RUN_EVENTS}.*.{k}") for k in SCHEDULER_EVENT_KINDS),
                     *_durable(st(subjects.STREAM_RUNS), f"{s.namespace}-{subjects.CONSUMER_SCHEDULER_RUNS}"),
                     *_reader(st(subjects.STREAM_AUDIT)),
@@ -94,29 +106,42 @@ def nats_permissions(identity: str, s: Settings) -> Permissions:
             )
         case "entitlement":
             return Permissions(
-                publish=_durable(st(subjects.STREAM_BOOKINGS), f"{s.namespace}-{subjects.CONSUMER_ENTITLEMENT}"),
-                subscribe=(ns("v1.entitlement.>"), health, inbox), responses=True)
+                publish=_durable(
+                    st(subjects.STREAM_BOOKINGS), f"{s.namespace}-{subjects.CONSUMER_ENTITLEMENT}"
+                ),
+                subscribe=(ns("v1.entitlement.>"), health, inbox),
+                responses=True,
+            )
         case "confirmation" | "ledger":
             return Permissions(publish=(), subscribe=(ns(f"v1.{identity}.>"), health, inbox), responses=True)
         case "trainer":
             return Permissions(
                 publish=(
-                    ns(subjects.RUN_LEASE), *(ns(f"{subjects.RUN_EVENTS}.*.{k}") for k in TRAINER_EVENT_KINDS),
+                    ns(subjects.RUN_LEASE),
+                    *(ns(f"{subjects.RUN_EVENTS}.*.{k}") for k in TRAINER_EVENT_KINDS),
                     *_durable(st(subjects.STREAM_WORK), f"{s.namespace}-{subjects.CONSUMER_TRAINER}"),
                 ),
                 subscribe=(ns(f"{subjects.CONTROL_CANCEL}.*"), ns(subjects.TRAINER_CLEANUP), health, inbox),
-                responses=True)
+                responses=True,
+            )
         case "telemetry":
             return Permissions(
-                publish=(s.desk_subject_root() + ".>",
-                         *_durable(st(subjects.STREAM_RUNS), f"{s.namespace}-{subjects.CONSUMER_TELEMETRY}")),
-                subscribe=(health, inbox), responses=True)
+                publish=(
+                    s.desk_subject_root() + ".>",
+                    *_durable(st(subjects.STREAM_RUNS), f"{s.namespace}-{subjects.CONSUMER_TELEMETRY}"),
+                ),
+                subscribe=(health, inbox),
+                responses=True,
+            )
         case "compute":
-            return Permissions(publish=(ns(f"{subjects.BOOKING_EVENTS}.>"),),
-                               subscribe=(ns(subjects.BOOKING_RELEASE_REQUESTS), inbox))
+            return Permissions(
+                publish=(ns(f"{subjects.BOOKING_EVENTS}.>"),),
+                subscribe=(ns(subjects.BOOKING_RELEASE_REQUESTS), inbox),
+            )
         case "desk":
-            return Permissions(publish=_reader(st(subjects.STREAM_DESK)),
-                               subscribe=(s.desk_subject_root() + ".>", inbox))
+            return Permissions(
+                publish=_reader(st(subjects.STREAM_DESK)), subscribe=(s.desk_subject_root() + ".>", inbox)
+            )
         case "operator":
             return Permissions(publish=(">",), subscribe=(">",), responses=True)
     raise ValueError(f"unknown identity {identity!r}")
@@ -138,8 +163,15 @@ def _user(nkey: str, p: Permissions) -> dict:
 MAX_PAYLOAD_BYTES = 4 * 1024 * 1024  # a train request carries a manifest of up to 1 MiB; the default is 1 MB
 
 
-def nats_config(s: Settings, *, port: int, store_dir: str, services: dict[str, str],
-                tenants: list[tuple[str, str]], host: str = "127.0.0.1") -> str:
+def nats_config(
+    s: Settings,
+    *,
+    port: int,
+    store_dir: str,
+    services: dict[str, str],
+    tenants: list[tuple[str, str]],
+    host: str = "127.0.0.1",
+) -> str:
     """The nats-server config (JSON is valid NATS config syntax). `services`: identity -> public
     nkey; `tenants`: (account, public nkey) of every active tenant credential."""
     users = [_user(nkey, nats_permissions(identity, s)) for identity, nkey in sorted(services.items())]
@@ -166,25 +198,49 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
     scripts = "+evalsha +eval +script|load"
     match identity:
         case "scheduler":
-            return ((f"{acct}:run:*", f"{acct}:runs", f"{ns}:run-owner:*", f"{ns}:leased", f"{ns}:apikeys:*",
-                     f"{ns}:accounts"),
-                    "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +rpush +ltrim +llen +lrange "
-                    "+smembers +watch +unwatch +multi +exec +discard")
+            return (
+                (
+                    f"{acct}:run:*",
+                    f"{acct}:runs",
+                    f"{ns}:run-owner:*",
+                    f"{ns}:leased",
+                    f"{ns}:apikeys:*",
+                    f"{ns}:accounts",
+                ),
+                "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +rpush +ltrim +llen +lrange "
+                "+smembers +watch +unwatch +multi +exec +discard",
+            )
         case "ledger":
-            return ((f"{acct}:idem:*", f"{acct}:conf:*", f"{acct}:pending", f"{ns}:accounts"),
-                    f"+get +set +hmget +hset +sadd +srem +sismember +smembers +time {scripts}")
+            return (
+                (f"{acct}:idem:*", f"{acct}:conf:*", f"{acct}:pending", f"{ns}:accounts"),
+                f"+get +set +hmget +hset +sadd +srem +sismember +smembers +time {scripts}",
+            )
         case "confirmation":
-            return ((f"{acct}:conf:*", f"{ns}:conf-owner:*"),
-                    "+get +set +hset +hgetall +expire +pexpire +time +multi +exec +discard")
+            return (
+                (f"{acct}:conf:*", f"{ns}:conf-owner:*"),
+                "+get +set +hset +hgetall +expire +pexpire +time +multi +exec +discard",
+            )
         case "entitlement":
-            return ((f"{acct}:booking:*", f"{acct}:bookings", f"{ns}:booking-owner:*", f"{ns}:booking-parked:*",
-                     f"{ns}:booking-stats"),
-                    f"+get +set +del +hget +hset +hincrby +sadd +smembers +rpush +lrange {scripts}")
+            return (
+                (
+                    f"{acct}:booking:*",
+                    f"{acct}:bookings",
+                    f"{ns}:booking-owner:*",
+                    f"{ns}:booking-parked:*",
+                    f"{ns}:booking-stats",
+                ),
+                f"+get +set +del +hget +hset +hincrby +sadd +smembers +rpush +lrange {scripts}",
+            )
         case "telemetry":
-            return ((f"{ns}:telemetry:*", f"{ns}:desk:*"),
-                    "+hget +hset +hvals +hgetall +expire +multi +exec +discard")
+            return (
+                (f"{ns}:telemetry:*", f"{ns}:desk:*"),
+                "+hget +hset +hvals +hgetall +expire +multi +exec +discard",
+            )
         case "accounts":
-            return ((f"{ns}:apikeys:*", f"{ns}:accounts"), "+hget +hset +hgetall +sadd +smembers +multi +exec +discard")
+            return (
+                (f"{ns}:apikeys:*", f"{ns}:accounts"),
+                "+hget +hset +hgetall +sadd +smembers +multi +exec +discard",
+            )
         case "admin":
             return (("*",), "+@all")
     raise ValueError(f"unknown Redis identity {identity!r}")
@@ -197,5 +253,7 @@ def redis_acl(s: Settings, passwords: dict[str, str]) -> str:
         patterns, commands = redis_rules(identity, s)
         digest = hashlib.sha256(passwords[identity].encode()).hexdigest()
         keys = " ".join(f"~{p}" for p in patterns)
-        lines.append(f"user {identity} on #{digest} resetkeys {keys} resetchannels -@all {_REDIS_CONNECT} {commands}")
+        lines.append(
+            f"user {identity} on #{digest} resetkeys {keys} resetchannels -@all {_REDIS_CONNECT} {commands}"
+        )
     return "\n".join(lines) + "\n"

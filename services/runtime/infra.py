@@ -137,7 +137,10 @@ def start_nats(config: pathlib.Path, port: int, log_path: pathlib.Path) -> Start
     log = open(log_path, "ab")
     proc = subprocess.Popen(
         [nats_binary(), "-c", str(config)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     url = f"nats://127.0.0.1:{port}"
     _wait(nats_answers, url, proc, "nats-server")
@@ -149,10 +152,29 @@ def start_redis(store: pathlib.Path, aclfile: pathlib.Path, port: int, log_path:
     store.mkdir(parents=True, exist_ok=True, mode=0o700)
     log = open(log_path, "ab")
     proc = subprocess.Popen(
-        [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(store),
-         "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "yes",
-         "--aclfile", str(aclfile)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        [
+            redis_binary(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(store),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--aclfile",
+            str(aclfile),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     url = f"redis://127.0.0.1:{port}/0"
     _wait(redis_answers, url, proc, "redis-server")

@@ -98,7 +98,9 @@ class Secrets:
         try:
             return bytes.fromhex((self.root / SIGNING_DIR / SCHEDULER_VERIFY_KEY).read_text().strip())
         except (OSError, ValueError):
-            raise SecretError(f"the scheduler's public key is missing under {self.root / SIGNING_DIR}") from None
+            raise SecretError(
+                f"the scheduler's public key is missing under {self.root / SIGNING_DIR}"
+            ) from None
 
     def ensure(self, nats_identities: tuple[str, ...], redis_identities: tuple[str, ...]) -> None:
         """Create whatever is missing (existing credentials are kept: rotation is explicit)."""

@@ -16,9 +16,9 @@ import redis.asyncio as aioredis
 from faststream import FastStream
 from faststream.nats import NatsBroker, NatsMessage
 
+from contracts.errors import ErrorCode
 from contracts.internal import Health
 from contracts.subjects import HEALTH
-from contracts.errors import ErrorCode
 from services.runtime import codec, connections
 from services.runtime.identities import REDIS_SERVICES, service_inbox, tenant_inbox
 from services.runtime.keys import Keys
@@ -51,8 +51,9 @@ Route = tuple[str, type, Callable[[Any], Coroutine[Any, Any, Any]]]
 """(subject suffix, request contract, async handler): one core request/reply endpoint."""
 
 
-def replier(handler: Callable[[Any], Coroutine[Any, Any, Any]], request_type: type,
-            verifier: Verifier | None = None):
+def replier(
+    handler: Callable[[Any], Coroutine[Any, Any, Any]], request_type: type, verifier: Verifier | None = None
+):
     """A subscriber that decodes the request at the edge and answers with an Envelope. With a
     verifier, a request the scheduler did not sign (recently) is refused before it is decoded.
     A factory, so that FastStream sees only the message argument."""
@@ -102,19 +103,27 @@ def serve_requests(w: "Wiring", routes: list[Route], signed: bool = True) -> Non
     verifier = scheduler_verifier(w.settings) if signed else None
     for suffix, request_type, handler in routes:
         w.broker.subscriber(w.settings.subject(suffix), max_workers=REQUEST_CONCURRENCY)(
-            replier(handler, request_type, verifier))
+            replier(handler, request_type, verifier)
+        )
 
 
 def serve_tenant_requests(w: "Wiring", routes: list[Route]) -> None:
     """API endpoints on `<ns>.<verb>.<account>`; the handler is called as handler(account, request)."""
     for suffix, request_type, handler in routes:
         w.broker.subscriber(w.settings.subject(suffix) + ".*", max_workers=REQUEST_CONCURRENCY)(
-            tenant_replier(handler, request_type))
+            tenant_replier(handler, request_type)
+        )
 
 
-def consume_in_order(w: "Wiring", subject_suffix: str, stream: str, consumer: str,
-                     handler: Callable[..., Coroutine[Any, Any, None]], ack_wait_s: float,
-                     with_subject: bool = False) -> None:
+def consume_in_order(
+    w: "Wiring",
+    subject_suffix: str,
+    stream: str,
+    consumer: str,
+    handler: Callable[..., Coroutine[Any, Any, None]],
+    ack_wait_s: float,
+    with_subject: bool = False,
+) -> None:
     """A durable JetStream consumer that applies messages one at a time, in stream order (FastStream
     runs a fetched batch concurrently, so the batch is one). Acked after `handler` returns; an
     exception NAKs for redelivery, so handlers must be idempotent. A late or restarted service
@@ -134,9 +143,13 @@ def consume_in_order(w: "Wiring", subject_suffix: str, stream: str, consumer: st
 
     consume.__name__ = f"consume_{consumer.replace('-', '_')}"
     w.broker.subscriber(
-        s.subject(subject_suffix) + ".>", stream=streams.ref(s, stream), durable=f"{s.namespace}-{consumer}",
-        pull_sub=PullSub(batch_size=1, timeout=0.5), config=ConsumerConfig(ack_wait=ack_wait_s),
-        ack_policy=AckPolicy.NACK_ON_ERROR, inbox_prefix=w.inbox_prefix(),
+        s.subject(subject_suffix) + ".>",
+        stream=streams.ref(s, stream),
+        durable=f"{s.namespace}-{consumer}",
+        pull_sub=PullSub(batch_size=1, timeout=0.5),
+        config=ConsumerConfig(ack_wait=ack_wait_s),
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+        inbox_prefix=w.inbox_prefix(),
     )(consume)
 
 
@@ -161,7 +174,9 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
     async def refuse_open_servers() -> None:
         nc = await broker.connect()
         if not nc._server_info.get("auth_required"):  # a server without authentication is not ours
-            raise RuntimeError(f"the NATS server at {settings.nats_url} does not require authentication; refusing it")
+            raise RuntimeError(
+                f"the NATS server at {settings.nats_url} does not require authentication; refusing it"
+            )
 
     running: list[asyncio.Task] = []
 

@@ -37,8 +37,14 @@ class Verifier:
     def __init__(self, public_key: bytes) -> None:
         self._key = VerifyKey(public_key)
 
-    def valid(self, subject: str, body: bytes, headers: dict[str, str] | None, now: float | None = None,
-              max_age_s: float | None = MAX_AGE_S) -> bool:
+    def valid(
+        self,
+        subject: str,
+        body: bytes,
+        headers: dict[str, str] | None,
+        now: float | None = None,
+        max_age_s: float | None = MAX_AGE_S,
+    ) -> bool:
         headers = headers or {}
         signed_at, signature = headers.get(HEADER_SIGNED_AT, ""), headers.get(HEADER_SIGNATURE, "")
         if not signed_at.isdigit() or not signature:

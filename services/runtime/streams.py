@@ -32,12 +32,19 @@ def configs(settings: Settings) -> list[StreamConfig]:
 
     return [
         cfg(subjects.STREAM_BOOKINGS, settings.subject(subjects.BOOKING_EVENTS)),
-        cfg(subjects.STREAM_WORK, settings.subject(subjects.WORK_TRAIN), retention=RetentionPolicy.WORK_QUEUE),
+        cfg(
+            subjects.STREAM_WORK, settings.subject(subjects.WORK_TRAIN), retention=RetentionPolicy.WORK_QUEUE
+        ),
         cfg(subjects.STREAM_RUNS, settings.subject(subjects.RUN_EVENTS), max_age=RUN_EVENTS_MAX_AGE_S),
         cfg(subjects.STREAM_DESK, settings.desk_subject_root()),
         # Append-only: no identity, not even the operator, can purge it or delete a message from it.
-        cfg(subjects.STREAM_AUDIT, settings.subject(subjects.AUDIT), max_age=AUDIT_MAX_AGE_S,
-            deny_delete=True, deny_purge=True),
+        cfg(
+            subjects.STREAM_AUDIT,
+            settings.subject(subjects.AUDIT),
+            max_age=AUDIT_MAX_AGE_S,
+            deny_delete=True,
+            deny_purge=True,
+        ),
     ]
 
 

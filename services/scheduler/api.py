@@ -44,7 +44,6 @@ from contracts.internal import ConfirmationCreate, LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
-from contracts.states import RunState
 from services.runtime import accounts, faults
 from services.runtime.checkpoint_paths import run_dir
 from services.runtime.codec import Refusal
@@ -79,9 +78,15 @@ def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, 
     elif os.path.isabs(policy.storage):
         target = pathlib.Path(policy.storage)
     else:
-        return ErrorCode.checkpoint_storage_unavailable, "checkpoint storage must be 'local' or an absolute path"
+        return (
+            ErrorCode.checkpoint_storage_unavailable,
+            "checkpoint storage must be 'local' or an absolute path",
+        )
     if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
-        return ErrorCode.checkpoint_storage_unavailable, "the checkpoint storage does not exist or is not writable"
+        return (
+            ErrorCode.checkpoint_storage_unavailable,
+            "the checkpoint storage does not exist or is not writable",
+        )
     params = planning.parameter_count(MODEL_SHAPES[manifest.model.size.value])
     needed = params * planning.BYTES_PER_PARAM_CHECKPOINT * policy.keep_last
     free = shutil.disk_usage(target).free
@@ -99,7 +104,9 @@ async def authenticate(r: aioredis.Redis, keys: Keys, caller: str, req) -> AuthI
     credential = getattr(req, "credential", None)
     if credential is not None:
         if credential.api_key:
-            raise Refusal(ErrorCode.request_invalid, "API keys never travel in requests; upgrade ecc and log in again")
+            raise Refusal(
+                ErrorCode.request_invalid, "API keys never travel in requests; upgrade ecc and log in again"
+            )
         if credential.account != caller:
             raise Refusal(ErrorCode.unauthenticated, "the request names another account than its credential")
     return await accounts.authenticate(r, keys, caller)
@@ -107,8 +114,14 @@ async def authenticate(r: aioredis.Redis, keys: Keys, caller: str, req) -> AuthI
 
 def accepted(view: RunView, replay: bool = False) -> RunAccepted:
     """The train answer: the run's stable identifiers and state (first answer and replay alike)."""
-    return RunAccepted(run_id=view.run_id, state=view.state, replay=replay, booking_id=view.booking_id,
-                       manifest_digest=view.manifest_digest, idempotency_key=view.idempotency_key)
+    return RunAccepted(
+        run_id=view.run_id,
+        state=view.state,
+        replay=replay,
+        booking_id=view.booking_id,
+        manifest_digest=view.manifest_digest,
+        idempotency_key=view.idempotency_key,
+    )
 
 
 def plan_refusal_message(p: Plan) -> str:
@@ -116,8 +129,17 @@ def plan_refusal_message(p: Plan) -> str:
 
 
 class Api:
-    def __init__(self, r: aioredis.Redis, keys: Keys, backends: Backends, runs: RunStore, handoff: Handoff,
-                 auditor: Auditor, prices: planning.PriceTable, checkpoint_root: pathlib.Path) -> None:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        keys: Keys,
+        backends: Backends,
+        runs: RunStore,
+        handoff: Handoff,
+        auditor: Auditor,
+        prices: planning.PriceTable,
+        checkpoint_root: pathlib.Path,
+    ) -> None:
         self.auditor = auditor
         self.r = r
         self.keys = keys
@@ -139,7 +161,9 @@ class Api:
         views = []
         for b in (await self.backends.bookings(account)).bookings:
             allows = b.state is BookingState.completed and now < b.window_end
-            reason = None if allows else ("window over" if b.state is BookingState.completed else b.state.value)
+            reason = (
+                None if allows else ("window over" if b.state is BookingState.completed else b.state.value)
+            )
             views.append(BookingView(booking=b, allows_training=allows, reason=reason))
         return views
 
@@ -178,9 +202,15 @@ class Api:
             if await self.runs.get(account, req.run_id) is None:
                 raise Refusal(ErrorCode.run_not_found, "no such run for this account")
             target = req.run_id
-        return await self.backends.create_confirmation(ConfirmationCreate(
-            account=account, action=req.action, target=target, manifest_digest=None, max_cost_usd=None,
-        ))
+        return await self.backends.create_confirmation(
+            ConfirmationCreate(
+                account=account,
+                action=req.action,
+                target=target,
+                manifest_digest=None,
+                max_cost_usd=None,
+            )
+        )
 
     async def _confirm_train(self, account: str, req: ConfirmRequest) -> ConfirmationIssued:
         if req.booking_id is None or req.manifest_text is None or req.manifest_digest is None:
@@ -192,14 +222,25 @@ class Api:
             raise Refusal(refusal[0], plan_refusal_message(p))
         max_cost = req.max_cost_usd if req.max_cost_usd is not None else p.cost.total_usd
         if p.cost.total_usd > max_cost:
-            raise Refusal(ErrorCode.budget_exceeded, f"the estimate {p.cost.total_usd:.2f} USD is above --max-cost {max_cost:.2f} USD")
-        return await self.backends.create_confirmation(ConfirmationCreate(
-            account=account, action=Action.train, target=req.booking_id, manifest_digest=digest, max_cost_usd=max_cost,
-        ))
+            raise Refusal(
+                ErrorCode.budget_exceeded,
+                f"the estimate {p.cost.total_usd:.2f} USD is above --max-cost {max_cost:.2f} USD",
+            )
+        return await self.backends.create_confirmation(
+            ConfirmationCreate(
+                account=account,
+                action=Action.train,
+                target=req.booking_id,
+                manifest_digest=digest,
+                max_cost_usd=max_cost,
+            )
+        )
 
     async def _replay(self, entry: LedgerEntry, fp: str) -> tuple[RunAccepted, str]:
         if entry.fingerprint != fp:
-            raise Refusal(ErrorCode.idempotency_key_conflict, "this idempotency key was used for another request")
+            raise Refusal(
+                ErrorCode.idempotency_key_conflict, "this idempotency key was used for another request"
+            )
         view = await self.runs.get(entry.account, entry.run_id)
         view = view if view is not None else self.handoff.view_from(entry)
         return accepted(view, replay=True), "replay: this idempotency key already created this run"
@@ -215,8 +256,14 @@ class Api:
     async def _train(self, req: TrainRequest, account: str, trail: Trail) -> tuple[RunAccepted, str | None]:
         run_id = trail.request_id
         trail.record("authenticate", True)
-        trail.check("idempotency_key_format", None if valid_idempotency_key(req.idempotency_key) else Refusal(
-            ErrorCode.idempotency_key_invalid, "idempotency keys are 1-255 printable ASCII characters"))
+        trail.check(
+            "idempotency_key_format",
+            None
+            if valid_idempotency_key(req.idempotency_key)
+            else Refusal(
+                ErrorCode.idempotency_key_invalid, "idempotency keys are 1-255 printable ASCII characters"
+            ),
+        )
         try:
             manifest, digest = verify(req.manifest_text, req.manifest_digest)
         except Refusal as refusal:
@@ -224,7 +271,9 @@ class Api:
         trail.digest = digest
         trail.record("manifest", True)
         fp = fingerprint(Action.train, account, req.booking_id, digest)
-        existing = await trail.gate("ledger_lookup", self.backends.ledger_lookup(account, req.idempotency_key))
+        existing = await trail.gate(
+            "ledger_lookup", self.backends.ledger_lookup(account, req.idempotency_key)
+        )
         if existing is not None:
             return await trail.gate("replay", self._replay(existing, fp))
         p, body = await trail.gate("eligibility", self._plan(account, req.booking_id, manifest, digest))
@@ -234,11 +283,20 @@ class Api:
         if refusal is not None:
             raise Refusal(refusal[0], plan_refusal_message(p))
         if not req.confirmation_ref:
-            trail.check("confirmation", Refusal(ErrorCode.confirmation_required,
-                                                "run `ecc ito confirm --action train` first and pass --confirmation-ref"))
+            trail.check(
+                "confirmation",
+                Refusal(
+                    ErrorCode.confirmation_required,
+                    "run `ecc ito confirm --action train` first and pass --confirmation-ref",
+                ),
+            )
         try:
-            await trail.gate("confirmation", self.backends.resolve_confirmation(
-                account, req.confirmation_ref, Action.train, req.booking_id, digest, p.cost.total_usd))
+            await trail.gate(
+                "confirmation",
+                self.backends.resolve_confirmation(
+                    account, req.confirmation_ref, Action.train, req.booking_id, digest, p.cost.total_usd
+                ),
+            )
         except Refusal as refusal:
             # A concurrent request with the same key may have consumed it a moment ago: that is a replay.
             if refusal.code is ErrorCode.confirmation_consumed:
@@ -248,18 +306,35 @@ class Api:
             raise
         if not self.backends.still_fresh(body, datetime.now(UTC)):
             # re-fetched, never stretched: the gate is checked again at the moment of creation
-            body = await trail.gate("eligibility_refresh", self.backends.verified_eligibility(
-                account, req.booking_id, manifest))
+            body = await trail.gate(
+                "eligibility_refresh", self.backends.verified_eligibility(account, req.booking_id, manifest)
+            )
         work = TrainWork(
-            run_id=run_id, account=account, booking_id=req.booking_id, manifest_text=req.manifest_text,
-            manifest_digest=digest, plan=p,
+            run_id=run_id,
+            account=account,
+            booking_id=req.booking_id,
+            manifest_text=req.manifest_text,
+            manifest_digest=digest,
+            plan=p,
             checkpoint_dir=str(run_dir(self.checkpoint_root, manifest.checkpoint.storage, account, run_id)),
         )
-        entry = await trail.gate("ledger_accept", self.backends.ledger_accept(LedgerAccept(
-            account=account, idempotency_key=req.idempotency_key, fingerprint=fp, run_id=run_id, action=Action.train,
-            confirmation_ref=req.confirmation_ref, target=req.booking_id, manifest_digest=digest,
-            cost_usd=p.cost.total_usd, work=msgspec.json.encode(work),
-        )))
+        entry = await trail.gate(
+            "ledger_accept",
+            self.backends.ledger_accept(
+                LedgerAccept(
+                    account=account,
+                    idempotency_key=req.idempotency_key,
+                    fingerprint=fp,
+                    run_id=run_id,
+                    action=Action.train,
+                    confirmation_ref=req.confirmation_ref,
+                    target=req.booking_id,
+                    manifest_digest=digest,
+                    cost_usd=p.cost.total_usd,
+                    work=msgspec.json.encode(work),
+                )
+            ),
+        )
         if entry.run_id != run_id:  # a concurrent request with the same key won the reservation
             return await trail.gate("replay", self._replay(entry, fp))
         faults.crash_here(faults.SCHEDULER_AFTER_ACCEPT)
@@ -305,8 +380,11 @@ class Api:
 
     async def checkpoints(self, caller: str, req: RunItemsRequest) -> CheckpointList:
         account, view = await self._owned(caller, req, req.run_id)
-        return CheckpointList(run_id=req.run_id, checkpoints=await self.runs.checkpoints(account, req.run_id),
-                              cleaned_up=view.cleaned_up)
+        return CheckpointList(
+            run_id=req.run_id,
+            checkpoints=await self.runs.checkpoints(account, req.run_id),
+            cleaned_up=view.cleaned_up,
+        )
 
     async def evals(self, caller: str, req: RunItemsRequest) -> EvalList:
         _, view = await self._owned(caller, req, req.run_id)

@@ -6,14 +6,13 @@ import asyncio
 from faststream import FastStream
 
 from contracts import subjects
-from contracts.audit import AuditRequest
 from contracts.api import (
     ApproveRequest,
     AuthRequest,
-    ConfirmRequest,
-    FindRequest,
     CancelRequest,
     CleanupRequest,
+    ConfirmRequest,
+    FindRequest,
     LeaseQuery,
     LogsRequest,
     MetricsRequest,
@@ -22,6 +21,7 @@ from contracts.api import (
     StatusRequest,
     TrainRequest,
 )
+from contracts.audit import AuditRequest
 from services.runtime import settings as settings_mod
 from services.runtime.secrets import Secrets
 from services.runtime.service import (
@@ -59,24 +59,45 @@ ROUTES = [  # (subject, request type, Api method name)
 
 def register(w: Wiring) -> None:
     s = w.settings
-    backends = Backends(w.broker, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key()))
+    backends = Backends(
+        w.broker, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key())
+    )
     runs = RunStore(w.redis, w.keys)
     handoff = Handoff(w.broker, s, runs, backends)
-    api = Api(w.redis, w.keys, backends, runs, handoff, Auditor(w.broker, s), planning.load_prices(),
-              s.data_dir / "checkpoints")
+    api = Api(
+        w.redis,
+        w.keys,
+        backends,
+        runs,
+        handoff,
+        Auditor(w.broker, s),
+        planning.load_prices(),
+        s.data_dir / "checkpoints",
+    )
     run_events = RunEvents(runs)
 
     mutations = Mutations(w.redis, w.keys, backends, runs)
-    serve_tenant_requests(w, [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES] + [
-        (subjects.API_CANCEL, CancelRequest, mutations.cancel),
-        (subjects.API_CLEANUP, CleanupRequest, mutations.cleanup),
-        (subjects.API_APPROVE, ApproveRequest, mutations.approve),
-    ])
+    serve_tenant_requests(
+        w,
+        [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES]
+        + [
+            (subjects.API_CANCEL, CancelRequest, mutations.cancel),
+            (subjects.API_CLEANUP, CleanupRequest, mutations.cleanup),
+            (subjects.API_APPROVE, ApproveRequest, mutations.approve),
+        ],
+    )
     # Only trainers may publish lease queries (NATS permissions); the answer is checked against the run.
     serve_requests(w, [(subjects.RUN_LEASE, LeaseQuery, mutations.lease)], signed=False)
 
-    consume_in_order(w, subjects.RUN_EVENTS, subjects.STREAM_RUNS, subjects.CONSUMER_SCHEDULER_RUNS,
-                     run_events.on_event, ack_wait_s=30, with_subject=True)
+    consume_in_order(
+        w,
+        subjects.RUN_EVENTS,
+        subjects.STREAM_RUNS,
+        subjects.CONSUMER_SCHEDULER_RUNS,
+        run_events.on_event,
+        ack_wait_s=30,
+        with_subject=True,
+    )
 
     w.tasks.append(handoff.reconcile_forever)
     w.tasks.append(lambda: liveness.watch_forever(runs, handoff.events))

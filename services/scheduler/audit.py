@@ -37,10 +37,19 @@ class Trail:
         self.decisions: list[GateDecision] = []
 
     def record(self, gate: str, ok: bool, code: str | None = None) -> None:
-        self.decisions.append(GateDecision(
-            request_id=self.request_id, at=datetime.now(UTC), account=self.account, action=self.action, gate=gate,
-            ok=ok, code=code, booking_id=self.booking_id, manifest_digest=self.digest,
-        ))
+        self.decisions.append(
+            GateDecision(
+                request_id=self.request_id,
+                at=datetime.now(UTC),
+                account=self.account,
+                action=self.action,
+                gate=gate,
+                ok=ok,
+                code=code,
+                booking_id=self.booking_id,
+                manifest_digest=self.digest,
+            )
+        )
 
     async def gate(self, name: str, awaitable: Awaitable[T]) -> T:
         try:
@@ -70,8 +79,11 @@ class Auditor:
         async def one(i: int, decision: GateDecision) -> None:
             try:
                 await self.broker.publish(
-                    msgspec.json.encode(decision), subject, stream=self.settings.stream(subjects.STREAM_AUDIT),
-                    headers={"Nats-Msg-Id": f"{trail.request_id}:{i}"}, timeout=self.settings.request_timeout_s,
+                    msgspec.json.encode(decision),
+                    subject,
+                    stream=self.settings.stream(subjects.STREAM_AUDIT),
+                    headers={"Nats-Msg-Id": f"{trail.request_id}:{i}"},
+                    timeout=self.settings.request_timeout_s,
                 )
             except Exception:  # the request's outcome stands; the gap is logged, not hidden
                 log.error("audit: decision %s of request %s not published", decision.gate, trail.request_id)
@@ -82,7 +94,8 @@ class Auditor:
         nc = await self.broker.connect()
         js = nc.jetstream(timeout=self.settings.request_timeout_s)
         sub = await js.pull_subscribe(
-            self.settings.subject(f"{subjects.AUDIT}.{request_id}"), stream=self.settings.stream(subjects.STREAM_AUDIT),
+            self.settings.subject(f"{subjects.AUDIT}.{request_id}"),
+            stream=self.settings.stream(subjects.STREAM_AUDIT),
             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
         )
         indexed: list[tuple[int, GateDecision]] = []

@@ -19,6 +19,8 @@ from services.scheduler.store import RunStore
 
 log = logging.getLogger("ito.scheduler.events")
 event_decoder = msgspec.json.Decoder(RunEvent)
+
+
 def admissible(event: RunEvent, subject: str | None) -> str | None:
     """Why an event must not be applied, or None (pure; the lease and order checks are the store's)."""
     kind = type(event).__struct_config__.tag
@@ -53,9 +55,13 @@ class RunEvents:
             return
         try:
             trainer = from_trainer(event)
-            view, applied = await self.runs.update(account, event.run_id, event.seq if trainer else None,
-                                                   lambda view: lifecycle.apply_event(view, event),
-                                                   holder_epoch=event.epoch if trainer else None)
+            view, applied = await self.runs.update(
+                account,
+                event.run_id,
+                event.seq if trainer else None,
+                lambda view: lifecycle.apply_event(view, event),
+                holder_epoch=event.epoch if trainer else None,
+            )
         except lifecycle.IllegalTransition as exc:
             log.warning("run %s: %s refused, not applied", event.run_id, exc)
             return
@@ -66,8 +72,11 @@ class RunEvents:
         match event:
             case LogLine():
                 index = await self.runs.log_count(account, event.run_id)
-                await self.runs.append_log(account, event.run_id, LogLineView(
-                    index=index, at=event.at, level=event.level, message=event.message))
+                await self.runs.append_log(
+                    account,
+                    event.run_id,
+                    LogLineView(index=index, at=event.at, level=event.level, message=event.message),
+                )
             case Metrics():
                 await self.runs.append_metrics(account, event.run_id, event)
             case CheckpointSaved():

@@ -43,9 +43,15 @@ class Handoff:
     def view_from(self, entry: LedgerEntry) -> RunView:
         work = _work_decoder.decode(entry.work)
         return RunView(
-            run_id=work.run_id, account=work.account, booking_id=work.booking_id,
-            manifest_digest=work.manifest_digest, idempotency_key=entry.idempotency_key, state=RunState.accepted,
-            created_at=entry.created_at, updated_at=entry.created_at, plan=work.plan,
+            run_id=work.run_id,
+            account=work.account,
+            booking_id=work.booking_id,
+            manifest_digest=work.manifest_digest,
+            idempotency_key=entry.idempotency_key,
+            state=RunState.accepted,
+            created_at=entry.created_at,
+            updated_at=entry.created_at,
+            plan=work.plan,
             checkpoint_dir=work.checkpoint_dir,
         )
 
@@ -53,11 +59,18 @@ class Handoff:
         view = self.view_from(entry)
         await self.runs.create(view)
         plan = view.plan
-        await self.events.publish(RunCreated(  # before the work item: its history starts here
-            **self.events.base(view.run_id), account=view.account, booking_id=view.booking_id,
-            region=plan.region if plan else "", gpu_model=plan.gpu_model if plan else "",
-            gpus=plan.cost.gpus if plan else 1, accepted_at=view.created_at,
-        ), f"{view.run_id}:created")
+        await self.events.publish(
+            RunCreated(  # before the work item: its history starts here
+                **self.events.base(view.run_id),
+                account=view.account,
+                booking_id=view.booking_id,
+                region=plan.region if plan else "",
+                gpu_model=plan.gpu_model if plan else "",
+                gpus=plan.cost.gpus if plan else 1,
+                accepted_at=view.created_at,
+            ),
+            f"{view.run_id}:created",
+        )
         await self.runs.remember(view.account, view.run_id, "work", entry.work)  # for an approved restart
         await self.backends.publish_work(entry.run_id, entry.work, entry.run_id)
 

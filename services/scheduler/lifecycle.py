@@ -29,8 +29,15 @@ class IllegalTransition(Exception):
         self.wanted = wanted
 
 
-def transition(view: RunView, state: RunState, at: datetime, *, stage: str | None = None,
-               message: str | None = None, total_steps: int = 0) -> RunView:
+def transition(
+    view: RunView,
+    state: RunState,
+    at: datetime,
+    *,
+    stage: str | None = None,
+    message: str | None = None,
+    total_steps: int = 0,
+) -> RunView:
     """The run in its new state, or IllegalTransition: never applied when not in the table."""
     if state == view.state:
         return view
@@ -50,21 +57,35 @@ def apply_event(view: RunView, event: RunEvent) -> RunView:
     """Fold one trainer event into the run's view (logs and checkpoints are stored beside it)."""
     match event:
         case StateChanged():
-            return transition(view, event.state, event.at, stage=event.stage, message=event.message,
-                              total_steps=event.total_steps)
+            return transition(
+                view,
+                event.state,
+                event.at,
+                stage=event.stage,
+                message=event.message,
+                total_steps=event.total_steps,
+            )
         case Metrics():
-            return msgspec.structs.replace(view, stage=event.stage, step=event.step, total_steps=event.total_steps,
-                                           loss=event.loss, updated_at=event.at)
+            return msgspec.structs.replace(
+                view,
+                stage=event.stage,
+                step=event.step,
+                total_steps=event.total_steps,
+                loss=event.loss,
+                updated_at=event.at,
+            )
         case StageStarted():
-            return msgspec.structs.replace(view, stage=event.stage, step=0, total_steps=event.total_steps,
-                                           loss=None, updated_at=event.at)
+            return msgspec.structs.replace(
+                view, stage=event.stage, step=0, total_steps=event.total_steps, loss=None, updated_at=event.at
+            )
         case EvalResult():
             gate = StageGate(stage=event.stage, passed=event.passed, metrics=event.metrics)
             gates = [g for g in view.gates if g.stage != event.stage] + [gate]
             return msgspec.structs.replace(view, gates=gates, updated_at=event.at)
         case DataProvenance():
-            provenance = Provenance(steps=event.steps, input_digest=event.input_digest,
-                                    output_digest=event.output_digest)
+            provenance = Provenance(
+                steps=event.steps, input_digest=event.input_digest, output_digest=event.output_digest
+            )
             return msgspec.structs.replace(view, provenance=provenance, updated_at=event.at)
         case CheckpointSaved():
             return msgspec.structs.replace(view, last_checkpoint_step=event.step, updated_at=event.at)

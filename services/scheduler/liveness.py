@@ -39,21 +39,39 @@ async def watch_once(runs: RunStore, now: float, events: RunEventPublisher | Non
             continue
         silent = now - seen
 
-        def to_interrupted(v: RunView) -> RunView:
+        def to_interrupted(v: RunView, silent: float = silent) -> RunView:
             if v.state is not RunState.running:
                 return v
-            return lifecycle.transition(v, RunState.interrupted, datetime.now(UTC),
-                                        message=f"trainer silent for {silent:.1f}s; resuming from the last checkpoint")
+            return lifecycle.transition(
+                v,
+                RunState.interrupted,
+                datetime.now(UTC),
+                message=f"trainer silent for {silent:.1f}s; resuming from the last checkpoint",
+            )
 
         updated, applied = await runs.update(account, run_id, None, to_interrupted)
         if applied and updated is not None and updated.state is RunState.interrupted:
-            await runs.record_interruption(account, run_id, {
-                "detected_at": now, "silent_s": round(silent, 3), "cause": "trainer_lost",
-                "step": updated.step, "stage": updated.stage,
-            })
+            await runs.record_interruption(
+                account,
+                run_id,
+                {
+                    "detected_at": now,
+                    "silent_s": round(silent, 3),
+                    "cause": "trainer_lost",
+                    "step": updated.step,
+                    "stage": updated.stage,
+                },
+            )
             if events is not None:
-                await events.publish(Interruption(**events.base(run_id), cause="trainer_lost", silent_s=round(silent, 3),
-                                                  step=updated.step), f"{run_id}:interruption:{int(now)}")
+                await events.publish(
+                    Interruption(
+                        **events.base(run_id),
+                        cause="trainer_lost",
+                        silent_s=round(silent, 3),
+                        step=updated.step,
+                    ),
+                    f"{run_id}:interruption:{int(now)}",
+                )
             log.warning("run %s: trainer silent for %.1fs; marked interrupted", run_id, silent)
             interrupted.append(run_id)
     return interrupted

@@ -24,10 +24,14 @@ def digest_of(data: bytes) -> str:
 def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -> tuple[Manifest, str]:
     data = text.encode("utf-8")
     if len(data) > max_bytes:
-        raise Refusal(ErrorCode.manifest_too_large, f"the manifest is {len(data)} bytes; the limit is {max_bytes}")
+        raise Refusal(
+            ErrorCode.manifest_too_large, f"the manifest is {len(data)} bytes; the limit is {max_bytes}"
+        )
     digest = digest_of(data)
     if digest != client_digest:
-        raise Refusal(ErrorCode.manifest_digest_mismatch, "the manifest bytes do not match the digest the client sent")
+        raise Refusal(
+            ErrorCode.manifest_digest_mismatch, "the manifest bytes do not match the digest the client sent"
+        )
     try:
         untyped = msgspec.json.decode(data)
     except msgspec.DecodeError:

@@ -75,15 +75,41 @@ def strategy(params: int, shape: ModelShape, manifest: Manifest, gpu: GpuPrice, 
     gpus = nodes * gpn
     usable = gpu.memory_gb * 1e9 * USABLE_MEMORY_FRACTION
     state = params * BYTES_PER_PARAM_TRAINING
-    activations = shape.n_layer * manifest.target.seq_len * shape.d_model * ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM
+    activations = (
+        shape.n_layer * manifest.target.seq_len * shape.d_model * ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM
+    )
     precision = "fp8" if gpu.fp8 and params >= FP8_MIN_PARAMS else "bf16"
 
     if nodes > 1 and fabric is Fabric.ethernet:
-        return "none", {}, precision, 0.0, (ErrorCode.fabric_unsupported, "a multi-node run needs InfiniBand or RoCE; the booking has ethernet")
+        return (
+            "none",
+            {},
+            precision,
+            0.0,
+            (
+                ErrorCode.fabric_unsupported,
+                "a multi-node run needs InfiniBand or RoCE; the booking has ethernet",
+            ),
+        )
     if gpus > 1 and params < SMALL_MODEL_PARAMS:
-        return "none", {}, precision, 0.0, (ErrorCode.plan_wasteful, f"{gpus} GPUs for a {params / 1e6:.1f}M-parameter model: use one GPU")
+        return (
+            "none",
+            {},
+            precision,
+            0.0,
+            (ErrorCode.plan_wasteful, f"{gpus} GPUs for a {params / 1e6:.1f}M-parameter model: use one GPU"),
+        )
     if nodes > 1 and params < MULTI_NODE_MIN_PARAMS:
-        return "none", {}, precision, 0.0, (ErrorCode.plan_wasteful, f"{nodes} nodes for a {params / 1e6:.0f}M-parameter model: use one node")
+        return (
+            "none",
+            {},
+            precision,
+            0.0,
+            (
+                ErrorCode.plan_wasteful,
+                f"{nodes} nodes for a {params / 1e6:.0f}M-parameter model: use one node",
+            ),
+        )
 
     # Cheapest communication first: replicate, shard in a node, shard everywhere, then add TP.
     candidates = [
@@ -98,18 +124,32 @@ def strategy(params: int, shape: ModelShape, manifest: Manifest, gpu: GpuPrice, 
         per_gpu = state / (shard * tp) + activations / tp
         if per_gpu <= usable:
             return name, degrees, precision, per_gpu, None
-    return "none", {}, precision, state / gpus, (
-        ErrorCode.capacity_insufficient,
-        f"{params / 1e9:.1f}B parameters need ~{state / 1e9:.0f} GB of training state; {gpus} x {gpu.memory_gb:.0f} GB cannot hold it",
+    return (
+        "none",
+        {},
+        precision,
+        state / gpus,
+        (
+            ErrorCode.capacity_insufficient,
+            f"{params / 1e9:.1f}B parameters need ~{state / 1e9:.0f} GB of training state; {gpus} x {gpu.memory_gb:.0f} GB cannot hold it",
+        ),
     )
 
 
-def cost(params: int, manifest: Manifest, gpu: GpuPrice, prices: PriceTable, booked_gpu_hours: float,
-         window_hours: float) -> CostEstimate:
+def cost(
+    params: int,
+    manifest: Manifest,
+    gpu: GpuPrice,
+    prices: PriceTable,
+    booked_gpu_hours: float,
+    window_hours: float,
+) -> CostEstimate:
     tokens = manifest.target.tokens
     flops = 6.0 * params * tokens
     for stage in manifest.post_training.recipe:
-        flops += POST_TRAINING_FLOPS_PER_TOKEN.get(stage, 6.0) * params * tokens * POST_TRAINING_TOKENS_FRACTION
+        flops += (
+            POST_TRAINING_FLOPS_PER_TOKEN.get(stage, 6.0) * params * tokens * POST_TRAINING_TOKENS_FRACTION
+        )
     gpus = manifest.resources.nodes * manifest.resources.gpus_per_node
     gpu_hours = flops / (gpu.peak_bf16_tflops * 1e12 * gpu.assumed_mfu) / 3600.0
     compute = gpu_hours * gpu.price_per_gpu_hour_usd
@@ -151,41 +191,85 @@ def stage_gates(manifest: Manifest) -> list[StageGatePlan]:
         run = plan_run(manifest)
     except ValueError:
         return []
-    return [StageGatePlan(stage=stage.name, rules=[r.describe() for r in run.rules(stage)]) for stage in run.stages]
+    return [
+        StageGatePlan(stage=stage.name, rules=[r.describe() for r in run.rules(stage)])
+        for stage in run.stages
+    ]
 
 
-def plan(manifest: Manifest, digest: str, statement: EligibilityBody, prices: PriceTable,
-         storage_refusal: tuple[ErrorCode, str] | None) -> Plan:
+def plan(
+    manifest: Manifest,
+    digest: str,
+    statement: EligibilityBody,
+    prices: PriceTable,
+    storage_refusal: tuple[ErrorCode, str] | None,
+) -> Plan:
     shape = MODEL_SHAPES[manifest.model.size.value]
     params = parameter_count(shape)
     topo = statement.topology
     gpu = prices.gpus.get(topo.gpu_model)
     checks: list[PlanCheck] = []
     if gpu is None:
-        gpu = GpuPrice(price_per_gpu_hour_usd=0.0, peak_bf16_tflops=1.0, assumed_mfu=1.0, memory_gb=topo.gpu_memory_gb, fp8=False)
-        checks.append(_check("price", (ErrorCode.capacity_insufficient, f"no desk price for GPU model {topo.gpu_model}"), ""))
+        gpu = GpuPrice(
+            price_per_gpu_hour_usd=0.0,
+            peak_bf16_tflops=1.0,
+            assumed_mfu=1.0,
+            memory_gb=topo.gpu_memory_gb,
+            fp8=False,
+        )
+        checks.append(
+            _check(
+                "price",
+                (ErrorCode.capacity_insufficient, f"no desk price for GPU model {topo.gpu_model}"),
+                "",
+            )
+        )
     name, degrees, precision, per_gpu, refusal = strategy(params, shape, manifest, gpu, statement.fabric)
     fabric_refusal = refusal if refusal and refusal[0] is ErrorCode.fabric_unsupported else None
-    checks.append(_check("fabric", fabric_refusal, f"{statement.fabric.value} is fine for {manifest.resources.nodes} node(s)"))
+    checks.append(
+        _check(
+            "fabric",
+            fabric_refusal,
+            f"{statement.fabric.value} is fine for {manifest.resources.nodes} node(s)",
+        )
+    )
     if fabric_refusal is None:
-        checks.append(_check("parallelism", refusal, f"{name} {degrees}, {precision}, ~{per_gpu / 1e9:.2f} GB per GPU"))
+        checks.append(
+            _check("parallelism", refusal, f"{name} {degrees}, {precision}, ~{per_gpu / 1e9:.2f} GB per GPU")
+        )
     window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
     booked = topo.nodes * topo.gpus_per_node * window_hours
     estimate = cost(params, manifest, gpu, prices, booked, window_hours)
-    checks.append(_check("data_policy", data_policy(manifest), "every source allowed, decontamination declared"))
+    checks.append(
+        _check("data_policy", data_policy(manifest), "every source allowed, decontamination declared")
+    )
     checks.append(_check("checkpoint_storage", storage_refusal, "checkpoint storage writable with room"))
     over_cap = estimate.total_usd > manifest.budget_cap_usd
-    checks.append(_check(
-        "budget_cap",
-        (ErrorCode.budget_exceeded, f"estimate {estimate.total_usd:.2f} USD is above the cap {manifest.budget_cap_usd:.2f} USD") if over_cap else None,
-        f"estimate {estimate.total_usd:.4f} USD within the cap {manifest.budget_cap_usd:.2f} USD",
-    ))
+    checks.append(
+        _check(
+            "budget_cap",
+            (
+                ErrorCode.budget_exceeded,
+                f"estimate {estimate.total_usd:.2f} USD is above the cap {manifest.budget_cap_usd:.2f} USD",
+            )
+            if over_cap
+            else None,
+            f"estimate {estimate.total_usd:.4f} USD within the cap {manifest.budget_cap_usd:.2f} USD",
+        )
+    )
     over_incr = estimate.incremental_usd > manifest.max_incremental_cost_usd
-    checks.append(_check(
-        "incremental_cost",
-        (ErrorCode.budget_exceeded, f"{estimate.incremental_usd:.2f} USD beyond the booking is above the allowed {manifest.max_incremental_cost_usd:.2f} USD") if over_incr else None,
-        f"{estimate.incremental_usd:.2f} USD beyond the booking",
-    ))
+    checks.append(
+        _check(
+            "incremental_cost",
+            (
+                ErrorCode.budget_exceeded,
+                f"{estimate.incremental_usd:.2f} USD beyond the booking is above the allowed {manifest.max_incremental_cost_usd:.2f} USD",
+            )
+            if over_incr
+            else None,
+            f"{estimate.incremental_usd:.2f} USD beyond the booking",
+        )
+    )
     return Plan(
         booking_id=statement.booking_id,
         manifest_digest=digest,

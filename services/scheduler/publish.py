@@ -27,7 +27,9 @@ class RunEventPublisher:
     async def publish(self, event: RunEvent, msg_id: str) -> None:
         kind = type(event).__struct_config__.tag
         await self.broker.publish(
-            msgspec.json.encode(event), self.settings.subject(f"{subjects.RUN_EVENTS}.{event.run_id}.{kind}"),
-            stream=self.settings.stream(subjects.STREAM_RUNS), headers={"Nats-Msg-Id": msg_id},
+            msgspec.json.encode(event),
+            self.settings.subject(f"{subjects.RUN_EVENTS}.{event.run_id}.{kind}"),
+            stream=self.settings.stream(subjects.STREAM_RUNS),
+            headers={"Nats-Msg-Id": msg_id},
             timeout=self.settings.request_timeout_s,
         )

@@ -21,9 +21,14 @@ PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("a JSON web token", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")),
     # bounded repetitions: an unbounded scheme or user part backtracks quadratically on long text
     ("a password in a URL", re.compile(r"\b[a-z][a-z0-9+.-]{0,31}://[^/\s:@]{1,256}:[^/\s@]{1,256}@")),
-    ("an assigned password or secret", re.compile(r"(?i)\b(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|token)\s*[:=]\s*\S{6,}")),
+    (
+        "an assigned password or secret",
+        re.compile(r"(?i)\b(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|token)\s*[:=]\s*\S{6,}"),
+    ),
 ]
-SECRET_FIELD_NAMES = re.compile(r"(?i)^(?:password|passwd|secret|api[_-]?key|access[_-]?key|secret[_-]?key|token|credentials?|private[_-]?key)$")
+SECRET_FIELD_NAMES = re.compile(
+    r"(?i)^(?:password|passwd|secret|api[_-]?key|access[_-]?key|secret[_-]?key|token|credentials?|private[_-]?key)$"
+)
 
 
 MAX_DEPTH = 64  # deeper documents are refused before this scan (and no manifest needs it)

@@ -61,8 +61,14 @@ class RunStore:
         raw = await self.r.hget(self.keys.run(account, run_id), "view")
         return None if raw is None else _view_decoder.decode(raw)
 
-    async def update(self, account: str, run_id: str, seq: int | None,
-                     change: Callable[[RunView], RunView], holder_epoch: int | None = None) -> tuple[RunView | None, bool]:
+    async def update(
+        self,
+        account: str,
+        run_id: str,
+        seq: int | None,
+        change: Callable[[RunView], RunView],
+        holder_epoch: int | None = None,
+    ) -> tuple[RunView | None, bool]:
         """Apply `change` atomically: (view, applied). A trainer event comes with `holder_epoch` and
         `seq`, its counter within the epoch: it applies only from the current lease holder (a
         fenced trainer's, or any when no lease was ever granted, are skipped), only after the last
@@ -77,13 +83,16 @@ class RunStore:
                 try:
                     await pipe.watch(key)
                     raw, last, last_epoch, lease_epoch = await pipe.hmget(
-                        key, ["view", "last_seq", "last_epoch", "lease_epoch"])
+                        key, ["view", "last_seq", "last_epoch", "lease_epoch"]
+                    )
                     if raw is None:
                         return None, False
                     view = _view_decoder.decode(raw)
                     if holder_epoch is not None and not (0 < int(lease_epoch or 0) == holder_epoch):
                         return view, False
-                    if seq is not None and not in_order(holder_epoch or 0, seq, int(last_epoch or 0), int(last or 0)):
+                    if seq is not None and not in_order(
+                        holder_epoch or 0, seq, int(last_epoch or 0), int(last or 0)
+                    ):
                         return view, False
                     new = change(view)
                     pipe.multi()
@@ -143,15 +152,25 @@ class RunStore:
 
     # --- leases: which trainer may train a run, fenced by a growing epoch ---
 
-    async def lease(self, account: str, run_id: str, trainer_id: str, epoch: int, now: float,
-                    silence_s: float, leasable: Callable[[RunView], bool]) -> tuple[bool, RunView | None, int]:
+    async def lease(
+        self,
+        account: str,
+        run_id: str,
+        trainer_id: str,
+        epoch: int,
+        now: float,
+        silence_s: float,
+        leasable: Callable[[RunView], bool],
+    ) -> tuple[bool, RunView | None, int]:
         """Grant (epoch 0) or renew (the held epoch) a run's lease: (granted, view, epoch)."""
         key = self.keys.run(account, run_id)
         for _ in range(UPDATE_RETRIES):
             async with self.r.pipeline(transaction=True) as pipe:
                 try:
                     await pipe.watch(key)
-                    raw, cur, holder, seen = await pipe.hmget(key, ["view", "lease_epoch", "lease_holder", "lease_seen"])
+                    raw, cur, holder, seen = await pipe.hmget(
+                        key, ["view", "lease_epoch", "lease_holder", "lease_seen"]
+                    )
                     if raw is None:
                         return False, None, 0
                     view, cur = _view_decoder.decode(raw), int(cur or 0)
@@ -168,7 +187,9 @@ class RunStore:
                     if holder and holder != trainer_id and now - float(seen or 0) < silence_s:
                         return False, view, cur  # another live trainer holds it
                     pipe.multi()
-                    pipe.hset(key, mapping={"lease_epoch": cur + 1, "lease_holder": trainer_id, "lease_seen": now})
+                    pipe.hset(
+                        key, mapping={"lease_epoch": cur + 1, "lease_holder": trainer_id, "lease_seen": now}
+                    )
                     pipe.hset(self.keys.leased(), run_id, account)
                     await pipe.execute()
                     return True, view, cur + 1
@@ -190,5 +211,7 @@ class RunStore:
         await self.r.rpush(self.keys.run_interruptions(account, run_id), msgspec.json.encode(record))
 
     async def interruptions(self, account: str, run_id: str) -> list[dict]:
-        return [msgspec.json.decode(x) for x in await self.r.lrange(self.keys.run_interruptions(account, run_id), 0, -1)]
-
+        return [
+            msgspec.json.decode(x)
+            for x in await self.r.lrange(self.keys.run_interruptions(account, run_id), 0, -1)
+        ]

@@ -90,11 +90,23 @@ def account(created: RunCreated, events: list[RunEvent], ended_at: datetime, sta
         badput["lost_to_interruptions"] += sum(occurrences[:-1])
     wall = max((ended_at - created.accepted_at).total_seconds(), 0.0)
     return RunTelemetry(
-        run_id=created.run_id, account=created.account, booking_id=created.booking_id, region=created.region,
-        gpu_model=created.gpu_model, gpus=created.gpus, state=state, accepted_at=created.accepted_at,
-        ended_at=ended_at, wall_s=wall, goodput_s=goodput_s, badput_s=badput,
-        goodput=goodput_s / wall if wall > 0 else 0.0, gpu_hours=wall * created.gpus / 3600.0,
-        interruptions=sum(causes.values()), interruption_causes=dict(causes), checkpoint_saves=len(bandwidths),
+        run_id=created.run_id,
+        account=created.account,
+        booking_id=created.booking_id,
+        region=created.region,
+        gpu_model=created.gpu_model,
+        gpus=created.gpus,
+        state=state,
+        accepted_at=created.accepted_at,
+        ended_at=ended_at,
+        wall_s=wall,
+        goodput_s=goodput_s,
+        badput_s=badput,
+        goodput=goodput_s / wall if wall > 0 else 0.0,
+        gpu_hours=wall * created.gpus / 3600.0,
+        interruptions=sum(causes.values()),
+        interruption_causes=dict(causes),
+        checkpoint_saves=len(bandwidths),
         checkpoint_bytes_per_s_p50=statistics.median(bandwidths) if bandwidths else None,
         checkpoint_bytes_per_s_min=min(bandwidths) if bandwidths else None,
     )
@@ -111,10 +123,17 @@ def rollup(by: str, key: str, runs: list[RunTelemetry], now: datetime) -> Rollup
     p50s = [r.checkpoint_bytes_per_s_p50 for r in runs if r.checkpoint_bytes_per_s_p50 is not None]
     mins = [r.checkpoint_bytes_per_s_min for r in runs if r.checkpoint_bytes_per_s_min is not None]
     return Rollup(
-        by=by, key=key, runs=len(runs), wall_gpu_hours=wall, goodput_gpu_hours=good,
-        goodput=good / wall if wall > 0 else 0.0, badput_gpu_hours=badput, interruptions=interruptions,
+        by=by,
+        key=key,
+        runs=len(runs),
+        wall_gpu_hours=wall,
+        goodput_gpu_hours=good,
+        goodput=good / wall if wall > 0 else 0.0,
+        badput_gpu_hours=badput,
+        interruptions=interruptions,
         interruptions_per_1000_gpu_hours=interruptions / wall * 1000.0 if wall > 0 else 0.0,
         interruption_causes=dict(causes),
         checkpoint_bytes_per_s_p50=statistics.median(p50s) if p50s else None,
-        checkpoint_bytes_per_s_min=min(mins) if mins else None, updated_at=now,
+        checkpoint_bytes_per_s_min=min(mins) if mins else None,
+        updated_at=now,
     )

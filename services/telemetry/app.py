@@ -15,8 +15,9 @@ def register(w: Wiring) -> None:
     s = w.settings
     h = TelemetryHandlers(TelemetryStore(w.redis, w.keys), w.broker, s)
 
-    consume_in_order(w, subjects.RUN_EVENTS, subjects.STREAM_RUNS, subjects.CONSUMER_TELEMETRY, h.on_event,
-                     ack_wait_s=30)
+    consume_in_order(
+        w, subjects.RUN_EVENTS, subjects.STREAM_RUNS, subjects.CONSUMER_TELEMETRY, h.on_event, ack_wait_s=30
+    )
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

@@ -25,8 +25,10 @@ class TelemetryHandlers:
 
     async def _publish(self, suffix: str, body, msg_id: str) -> None:
         await self.broker.publish(
-            msgspec.json.encode(body), f"{self.settings.desk_subject_root()}.{suffix}",
-            stream=self.settings.stream("DESK"), headers={"Nats-Msg-Id": msg_id},
+            msgspec.json.encode(body),
+            f"{self.settings.desk_subject_root()}.{suffix}",
+            stream=self.settings.stream("DESK"),
+            headers={"Nats-Msg-Id": msg_id},
             timeout=self.settings.request_timeout_s,
         )
 
@@ -46,14 +48,19 @@ class TelemetryHandlers:
         if created is None:
             log.error("run %s ended without a creation record; not accounted", run_id)
             return
-        run = accounting.account(created, [e for e in events if not isinstance(e, RunCreated)], ended_at, state)
+        run = accounting.account(
+            created, [e for e in events if not isinstance(e, RunCreated)], ended_at, state
+        )
         await self._publish(f"run.{run_id}", run, f"run:{run_id}")
         now = datetime.now(UTC)
         for by in ROLLUPS:
             key = getattr(run, {"booking": "booking_id"}.get(by, by))
             runs = await self.store.put_run(by, key, run)
-            await self._publish(f"rollup.{by}.{_token(key)}", accounting.rollup(by, key, runs, now),
-                                f"rollup:{by}:{key}:{len(runs)}:{run_id}")
+            await self._publish(
+                f"rollup.{by}.{_token(key)}",
+                accounting.rollup(by, key, runs, now),
+                f"rollup:{by}:{key}:{len(runs)}:{run_id}",
+            )
         log.info("run %s: goodput %.1f%% of %.1fs", run_id, 100 * run.goodput, run.wall_s)
 
 

@@ -22,7 +22,11 @@ class TelemetryStore:
         key = self.keys.telemetry_events(event.run_id)
         async with self.r.pipeline(transaction=True) as pipe:
             # (epoch, seq, kind) names an event: trainer counters restart with each lease epoch
-            pipe.hset(key, f"{event.epoch}:{event.seq}:{type(event).__struct_config__.tag}", msgspec.json.encode(event))
+            pipe.hset(
+                key,
+                f"{event.epoch}:{event.seq}:{type(event).__struct_config__.tag}",
+                msgspec.json.encode(event),
+            )
             pipe.expire(key, EVENTS_TTL_S)
             await pipe.execute()
 

@@ -36,8 +36,10 @@ def register(w: Wiring) -> None:
     async def on_work(msg: NatsMessage) -> None:
         # Work items wait in the queue, so no age limit; the lease then checks the run record too.
         if not verifier.valid(msg.raw_message.subject, msg.body, msg.headers, max_age_s=None):
-            log.error("work item without the scheduler's signature on %s: terminated, not trained",
-                      msg.raw_message.subject)
+            log.error(
+                "work item without the scheduler's signature on %s: terminated, not trained",
+                msg.raw_message.subject,
+            )
             await msg.raw_message.term()
             return
         await worker.handle(msg)
@@ -51,7 +53,8 @@ def register(w: Wiring) -> None:
 
     # Any one trainer answers (a queue group): checkpoint storage is shared by the trainers.
     w.broker.subscriber(s.subject(subjects.TRAINER_CLEANUP), queue=subjects.TRAINER_QUEUE)(
-        replier(worker.cleanup, CleanupOrder, verifier))
+        replier(worker.cleanup, CleanupOrder, verifier)
+    )
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

@@ -146,7 +146,9 @@ def _rng_state() -> dict:
         "python": [version, list(internal), gauss],
     }
     if torch.cuda.is_available():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = [
+            base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()
+        ]
     return state
 
 
@@ -363,12 +365,16 @@ def rewind(directory: str | os.PathLike, step: int, skip_from: int, skip_to: int
     if step > 0:
         recorded = committed_positions(directory).get(step)
         if recorded is None:
-            raise ValueError(f"The restart's checkpoint at step {step} is not a committed checkpoint in {directory}.")
+            raise ValueError(
+                f"The restart's checkpoint at step {step} is not a committed checkpoint in {directory}."
+            )
     else:
         recorded = 0
     if skip_from != recorded or skip_to <= skip_from:
-        raise ValueError(f"The skip [{skip_from}, {skip_to}) does not start at the data position {recorded} that "
-                         f"the checkpoint at step {step} recorded, so the restart would skip nothing.")
+        raise ValueError(
+            f"The skip [{skip_from}, {skip_to}) does not start at the data position {recorded} that "
+            f"the checkpoint at step {step} recorded, so the restart would skip nothing."
+        )
     moved = []
     for info in list_checkpoints(directory):
         if info.step > step:

@@ -32,8 +32,30 @@ HELD_OUT_FRACTION = 0.1  # tail of the training text kept for held-out loss when
 EVAL_SUITE_MAX_DOCS = 1000  # an eval ref's suite is its first 1000 documents: ~9K tokens of arithmetic
 EVAL_SEED_OFFSET = 1  # eval refs are generated with seed + 1, so they are not the training lines
 NEEDLE_LINES = 2_000  # needle documents in generated:needle
-NEEDLE_WORDS = ("the", "a", "river", "stone", "light", "green", "slow", "cloud", "over", "under", "and",
-                "small", "bird", "wind", "north", "old", "road", "blue", "sand", "quiet", "field", "of")
+NEEDLE_WORDS = (
+    "the",
+    "a",
+    "river",
+    "stone",
+    "light",
+    "green",
+    "slow",
+    "cloud",
+    "over",
+    "under",
+    "and",
+    "small",
+    "bird",
+    "wind",
+    "north",
+    "old",
+    "road",
+    "blue",
+    "sand",
+    "quiet",
+    "field",
+    "of",
+)
 TASK_SEPARATORS = ("=", ">")  # arithmetic "12+35=47", reverse "abc>cba": prompt ends with the separator
 
 
@@ -157,7 +179,9 @@ def load_text(source: str, *, seed: int = 0, file_cap_bytes: int = FILE_CAP_BYTE
     )
 
 
-def load_tokens(sources: Sequence[str], *, seed: int = 0, file_cap_bytes: int = FILE_CAP_BYTES) -> torch.Tensor:
+def load_tokens(
+    sources: Sequence[str], *, seed: int = 0, file_cap_bytes: int = FILE_CAP_BYTES
+) -> torch.Tensor:
     """The sources' texts joined by a blank line and encoded, as a 1-D uint8 tensor."""
     if not sources:
         raise ValueError("At least one data source is needed.")
@@ -214,7 +238,9 @@ def task_problems(text: str) -> list[tuple[str, str]]:
     return [problem for line in text.split("\n") if (problem := split_task_line(line)) is not None]
 
 
-def split_held_out(tokens: torch.Tensor, fraction: float = HELD_OUT_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
+def split_held_out(
+    tokens: torch.Tensor, fraction: float = HELD_OUT_FRACTION
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, held_out): the last `fraction` of the tokens is held out. Contiguous, not shuffled,
     so no training window overlaps a held-out one."""
     if not 0.0 < fraction < 1.0:

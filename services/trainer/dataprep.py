@@ -103,7 +103,11 @@ def _empty_minhash(permutations: int, seed: int) -> MinHash:
 
 
 def near_duplicate_sets(
-    shingle_sets: Iterable[Sequence[int]], *, permutations: int = 112, bands: int = 14, threshold: float = 0.8,
+    shingle_sets: Iterable[Sequence[int]],
+    *,
+    permutations: int = 112,
+    bands: int = 14,
+    threshold: float = 0.8,
     seed: int = 1,
 ) -> list[bool]:
     """`near_duplicates` on shingle sets already computed (see `shingles`)."""
@@ -111,8 +115,11 @@ def near_duplicate_sets(
         raise ValueError(f"{permutations} MinHash permutations do not split into {bands} equal bands.")
     # datasketch's LSH needs two bands or more; one band of every row proposes only documents
     # with the whole signature equal, which a dict of signatures finds just the same
-    lsh = MinHashLSH(threshold=threshold, num_perm=permutations, params=(bands, permutations // bands)) \
-        if bands > 1 else None
+    lsh = (
+        MinHashLSH(threshold=threshold, num_perm=permutations, params=(bands, permutations // bands))
+        if bands > 1
+        else None
+    )
     # A one-shingle document (no longer than a shingle) has Jaccard 1 with the same single shingle and at
     # most 1/2 with any larger set, so above 0.5 its near duplicates are exactly the earlier
     # one-shingle documents with the same shingle: a set lookup instead of a MinHash. Line-per-
@@ -146,21 +153,34 @@ def near_duplicate_sets(
 
 
 def near_duplicates(
-    documents: Sequence[str], *, shingle_words: int = 5, permutations: int = 112, bands: int = 14,
-    threshold: float = 0.8, seed: int = 1,
+    documents: Sequence[str],
+    *,
+    shingle_words: int = 5,
+    permutations: int = 112,
+    bands: int = 14,
+    threshold: float = 0.8,
+    seed: int = 1,
 ) -> list[bool]:
     """keep[i] is False for a document whose estimated Jaccard similarity (shingle sets, MinHash)
     with an earlier kept document is at least `threshold`. LSH (`bands` bands of
     `permutations // bands` rows) proposes the pairs; the signature agreement decides, so a band
     collision alone never removes a document. Documents are hashed one at a time: only the kept
     documents' signatures stay in memory, never every shingle set."""
-    return near_duplicate_sets((shingles(doc, shingle_words) for doc in documents), permutations=permutations,
-                               bands=bands, threshold=threshold, seed=seed)
+    return near_duplicate_sets(
+        (shingles(doc, shingle_words) for doc in documents),
+        permutations=permutations,
+        bands=bands,
+        threshold=threshold,
+        seed=seed,
+    )
 
 
-def estimated_jaccard(a: str, b: str, *, shingle_words: int = 5, permutations: int = 112, seed: int = 1) -> float:
+def estimated_jaccard(
+    a: str, b: str, *, shingle_words: int = 5, permutations: int = 112, seed: int = 1
+) -> float:
     return minhash(shingles(a, shingle_words), permutations=permutations, seed=seed).jaccard(
-        minhash(shingles(b, shingle_words), permutations=permutations, seed=seed))
+        minhash(shingles(b, shingle_words), permutations=permutations, seed=seed)
+    )
 
 
 # --- decontamination -----------------------------------------------------------------------------
@@ -229,8 +249,16 @@ def _per_source(before: dict[str, list[str]], after: dict[str, list[str]]) -> st
 
 
 def prepare(
-    sources: dict[str, list[str]], eval_suites: dict[str, list[str]], *, exact: bool = True, near: bool = True,
-    shingle_words: int = 5, permutations: int = 112, bands: int = 14, jaccard: float = 0.8, ngram: int = 13,
+    sources: dict[str, list[str]],
+    eval_suites: dict[str, list[str]],
+    *,
+    exact: bool = True,
+    near: bool = True,
+    shingle_words: int = 5,
+    permutations: int = 112,
+    bands: int = 14,
+    jaccard: float = 0.8,
+    ngram: int = 13,
 ) -> Prepared:
     """Dedup across all training sources together (the first occurrence wins, in source order), then
     drop every training document that shares an n-gram with any eval suite."""
@@ -243,23 +271,46 @@ def prepare(
     if exact:
         before = current
         current = _apply(current, exact_duplicates(flat(current)))
-        steps.append(PrepStep(name="exact_dedup", before=len(flat(before)), after=len(flat(current)),
-                              detail=f"sha256 of normalized text; {_per_source(before, current)}"))
+        steps.append(
+            PrepStep(
+                name="exact_dedup",
+                before=len(flat(before)),
+                after=len(flat(current)),
+                detail=f"sha256 of normalized text; {_per_source(before, current)}",
+            )
+        )
     if near:
         before = current
-        keep = near_duplicates(flat(current), shingle_words=shingle_words, permutations=permutations,
-                               bands=bands, threshold=jaccard)
+        keep = near_duplicates(
+            flat(current),
+            shingle_words=shingle_words,
+            permutations=permutations,
+            bands=bands,
+            threshold=jaccard,
+        )
         current = _apply(current, keep)
-        steps.append(PrepStep(
-            name="near_dedup", before=len(flat(before)), after=len(flat(current)),
-            detail=(f"MinHash-LSH {permutations} hashes, {bands} bands x {permutations // bands} rows, "
-                    f"{shingle_words}-word shingles, Jaccard >= {jaccard}; {_per_source(before, current)}"),
-        ))
+        steps.append(
+            PrepStep(
+                name="near_dedup",
+                before=len(flat(before)),
+                after=len(flat(current)),
+                detail=(
+                    f"MinHash-LSH {permutations} hashes, {bands} bands x {permutations // bands} rows, "
+                    f"{shingle_words}-word shingles, Jaccard >= {jaccard}; {_per_source(before, current)}"
+                ),
+            )
+        )
     index = ContaminationIndex.build((doc for suite in eval_suites.values() for doc in suite), ngram)
     before = current
     current = {name: [doc for doc in docs if not index.contaminated(doc)] for name, docs in current.items()}
     suites = ", ".join(eval_suites) or "none"
-    steps.append(PrepStep(name="decontamination", before=len(flat(before)), after=len(flat(current)),
-                          detail=f"{ngram}-gram overlap with eval suites [{suites}]; {_per_source(before, current)}"))
+    steps.append(
+        PrepStep(
+            name="decontamination",
+            before=len(flat(before)),
+            after=len(flat(current)),
+            detail=f"{ngram}-gram overlap with eval suites [{suites}]; {_per_source(before, current)}",
+        )
+    )
     output_digest = digest(f"{name}\0{doc}" for name in names for doc in current[name])
     return Prepared(documents=current, steps=steps, input_digest=input_digest, output_digest=output_digest)

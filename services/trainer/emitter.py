@@ -40,8 +40,14 @@ EVENT_KINDS = {
 
 
 class Emitter:
-    def __init__(self, broker: NatsBroker, settings: Settings, run_id: str, loop: asyncio.AbstractEventLoop,
-                 epoch: int = 0) -> None:
+    def __init__(
+        self,
+        broker: NatsBroker,
+        settings: Settings,
+        run_id: str,
+        loop: asyncio.AbstractEventLoop,
+        epoch: int = 0,
+    ) -> None:
         self.broker = broker
         self.settings = settings
         self.run_id = run_id
@@ -64,12 +70,19 @@ class Emitter:
         )
 
     def base(self) -> dict:
-        return {"run_id": self.run_id, "seq": 0, "at": datetime.now(UTC), "epoch": self.epoch}  # seq: at publish
+        return {
+            "run_id": self.run_id,
+            "seq": 0,
+            "at": datetime.now(UTC),
+            "epoch": self.epoch,
+        }  # seq: at publish
 
-    async def state(self, state: RunState, stage: str | None = None, message: str | None = None,
-                    total_steps: int = 0) -> None:
-        await self.publish(StateChanged(**self.base(), state=state, stage=stage, message=message,
-                                        total_steps=total_steps))
+    async def state(
+        self, state: RunState, stage: str | None = None, message: str | None = None, total_steps: int = 0
+    ) -> None:
+        await self.publish(
+            StateChanged(**self.base(), state=state, stage=stage, message=message, total_steps=total_steps)
+        )
 
     async def log(self, message: str, level: str = "info") -> None:
         await self.publish(LogLine(**self.base(), level=level, message=message))

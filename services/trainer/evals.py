@@ -10,8 +10,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from services.trainer.data import ByteTokenizer, load_eval_suite, needle_document, split_task_line
 from services.trainer.generation import complete
 from services.trainer.model import Transformer
@@ -38,14 +36,23 @@ def judge(checks: Sequence[Check]) -> tuple[list[dict], bool]:
             raise ValueError(f"A gate compares with >= or <=, not {check.op!r}.")
         if check.value is None:
             if check.threshold is not None:  # the pipeline refuses such a gate before training
-                raise ValueError(f"The gate on {check.name} cannot be judged: there is nothing to measure it on.")
+                raise ValueError(
+                    f"The gate on {check.name} cannot be judged: there is nothing to measure it on."
+                )
             continue
         ok = check.threshold is None or (
             check.value >= check.threshold if check.op == ">=" else check.value <= check.threshold
         )
         passed &= ok
-        metrics.append({"name": check.name, "value": float(check.value), "threshold": check.threshold,
-                        "op": check.op, "passed": ok})
+        metrics.append(
+            {
+                "name": check.name,
+                "value": float(check.value),
+                "threshold": check.threshold,
+                "op": check.op,
+                "passed": ok,
+            }
+        )
     return metrics, passed
 
 
@@ -70,10 +77,17 @@ def task_suite(eval_sources: Sequence[str], *, seed: int, limit: int) -> list[tu
     per_suite = []
     for source in eval_sources:
         if source.startswith("generated:"):
-            problems = [p for doc in load_eval_suite(source, seed=seed) if (p := split_task_line(doc)) is not None]
+            problems = [
+                p for doc in load_eval_suite(source, seed=seed) if (p := split_task_line(doc)) is not None
+            ]
             if problems:
                 per_suite.append(problems)
-    mixed = [problems[i] for i in range(max((len(p) for p in per_suite), default=0)) for problems in per_suite if i < len(problems)]
+    mixed = [
+        problems[i]
+        for i in range(max((len(p) for p in per_suite), default=0))
+        for problems in per_suite
+        if i < len(problems)
+    ]
     return mixed[:limit]
 
 
@@ -84,7 +98,10 @@ def task_accuracy(model: Transformer, problems: Sequence[tuple[str, str]]) -> fl
     tok = ByteTokenizer()
     max_new = max(len(answer.encode()) for _, answer in problems) + TASK_ANSWER_SLACK
     completions = complete(model, [tok.encode(prompt) for prompt, _ in problems], max_new_tokens=max_new)
-    right = sum(tok.decode(c.tokens).split("\n", 1)[0] == answer for c, (_, answer) in zip(completions, problems, strict=True))
+    right = sum(
+        tok.decode(c.tokens).split("\n", 1)[0] == answer
+        for c, (_, answer) in zip(completions, problems, strict=True)
+    )
     return right / len(problems)
 
 
@@ -105,5 +122,9 @@ def needle_accuracy(model: Transformer, trials: Sequence[tuple[str, str]]) -> fl
     if not trials:
         return None
     tok = ByteTokenizer()
-    completions = complete(model, [tok.encode(prompt) for prompt, _ in trials], max_new_tokens=len(trials[0][1]))
-    return sum(tok.decode(c.tokens) == key for c, (_, key) in zip(completions, trials, strict=True)) / len(trials)
+    completions = complete(
+        model, [tok.encode(prompt) for prompt, _ in trials], max_new_tokens=len(trials[0][1])
+    )
+    return sum(tok.decode(c.tokens) == key for c, (_, key) in zip(completions, trials, strict=True)) / len(
+        trials
+    )

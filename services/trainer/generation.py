@@ -43,8 +43,13 @@ class Completion:
 
 @torch.no_grad()
 def complete(
-    model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
-    generator: torch.Generator | None = None, kv_cache: bool = True,
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    kv_cache: bool = True,
 ) -> list[Completion]:
     """One completion per prompt, in prompt order. temperature 0 is greedy; otherwise tokens are
     sampled from softmax(logits / temperature) with `generator` (CPU), so a seed fixes the result
@@ -121,7 +126,9 @@ class _Cached:
         self.pos += T
         return model.lm_head(model.norm(x[:, -1:, :]))[:, -1, :]
 
-    def _attention(self, layer: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self, layer: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """`Attention.forward` for positions pos..pos+T-1, their keys and values kept for later ones."""
         B, T, _ = x.shape
         q = attn.wq(x).view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)
@@ -145,8 +152,14 @@ class _Cached:
         return attn.wo(y.transpose(1, 2).reshape(B, T, attn.n_head * attn.head_dim))
 
 
-def _complete_batch(model: Transformer, idx: torch.Tensor, max_new_tokens: int, temperature: float,
-                    generator: torch.Generator | None, kv_cache: bool) -> list[Completion]:
+def _complete_batch(
+    model: Transformer,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    kv_cache: bool,
+) -> list[Completion]:
     device = idx.device
     rows, prompt_length = idx.shape
     fits = prompt_length + max_new_tokens - 1 <= model.shape.max_seq_len  # the last token is never fed back
@@ -177,8 +190,17 @@ def _complete_batch(model: Transformer, idx: torch.Tensor, max_new_tokens: int, 
         done |= ended
         if (t + 1) % check_every == 0 and bool(done.all()):
             break
-    tokens, logprobs, lengths, done = tokens.cpu(), logprobs.cpu(), lengths.tolist(), done.tolist()  # the batch's sync
+    tokens, logprobs, lengths, done = (
+        tokens.cpu(),
+        logprobs.cpu(),
+        lengths.tolist(),
+        done.tolist(),
+    )  # the batch's sync
     return [
-        Completion(tokens=tokens[r, : lengths[r]].tolist(), logprobs=logprobs[r, : lengths[r]].tolist(), finished=done[r])
+        Completion(
+            tokens=tokens[r, : lengths[r]].tolist(),
+            logprobs=logprobs[r, : lengths[r]].tolist(),
+            finished=done[r],
+        )
         for r in range(rows)
     ]

@@ -33,11 +33,27 @@ class LadderDecision:
     def metrics(self) -> list[dict]:
         """The eval event's metrics: the custom mix is judged against reference + tolerance."""
         return [
-            {"name": "held_out_loss_reference", "value": self.reference_loss, "threshold": None, "op": "<=", "passed": True},
-            {"name": "held_out_loss_with_custom", "value": self.custom_loss, "threshold": self.threshold, "op": "<=",
-             "passed": self.use},
-            {"name": "eval_delta", "value": self.reference_loss - self.custom_loss, "threshold": None, "op": ">=",
-             "passed": True},
+            {
+                "name": "held_out_loss_reference",
+                "value": self.reference_loss,
+                "threshold": None,
+                "op": "<=",
+                "passed": True,
+            },
+            {
+                "name": "held_out_loss_with_custom",
+                "value": self.custom_loss,
+                "threshold": self.threshold,
+                "op": "<=",
+                "passed": self.use,
+            },
+            {
+                "name": "eval_delta",
+                "value": self.reference_loss - self.custom_loss,
+                "threshold": None,
+                "op": ">=",
+                "passed": True,
+            },
         ]
 
 
@@ -64,9 +80,19 @@ def _proxy_emit(emit: Emit, offset: int, total: int) -> Emit:
     return forward
 
 
-def run_ladder(plan: LadderPlan, *, sources: dict[str, str], eval_sources: list[str], seed: int, seq_len: int,
-               batch_size: int, learning_rate: float, directory: str | os.PathLike, emit: Emit,
-               should_stop: ShouldStop) -> LadderDecision | None:
+def run_ladder(
+    plan: LadderPlan,
+    *,
+    sources: dict[str, str],
+    eval_sources: list[str],
+    seed: int,
+    seq_len: int,
+    batch_size: int,
+    learning_rate: float,
+    directory: str | os.PathLike,
+    emit: Emit,
+    should_stop: ShouldStop,
+) -> LadderDecision | None:
     """The decision, or None if a stop request interrupted a proxy run (its checkpoint is kept)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -86,20 +112,43 @@ def run_ladder(plan: LadderPlan, *, sources: dict[str, str], eval_sources: list[
     losses = []
     for i, (name, train_sources) in enumerate((("reference", reference), ("custom", reference + custom))):
         cfg = StageConfig(
-            stage="ladder", shape=plan.proxy_shape, train_sources=train_sources, eval_sources=held_out,
-            seq_len=min(seq_len, plan.proxy_shape.max_seq_len), batch_size=batch_size, learning_rate=learning_rate,
-            steps=plan.proxy_steps, warmup_steps=max(1, round(WARMUP_FRACTION * plan.proxy_steps)), seed=seed,
-            checkpoint_dir=str(directory / name), checkpoint_interval=plan.proxy_steps, keep_last=1,
+            stage="ladder",
+            shape=plan.proxy_shape,
+            train_sources=train_sources,
+            eval_sources=held_out,
+            seq_len=min(seq_len, plan.proxy_shape.max_seq_len),
+            batch_size=batch_size,
+            learning_rate=learning_rate,
+            steps=plan.proxy_steps,
+            warmup_steps=max(1, round(WARMUP_FRACTION * plan.proxy_steps)),
+            seed=seed,
+            checkpoint_dir=str(directory / name),
+            checkpoint_interval=plan.proxy_steps,
+            keep_last=1,
         )
         result = train_stage(cfg, _proxy_emit(emit, i * plan.proxy_steps, 2 * plan.proxy_steps), should_stop)
         if result.stopped or result.held_out_loss is None:
             return None
         losses.append(result.held_out_loss)
     threshold = losses[0] + plan.max_loss_regression
-    decision = LadderDecision(use=decide(losses[0], losses[1], plan.max_loss_regression), reference_loss=losses[0],
-                              custom_loss=losses[1], threshold=threshold, steps=plan.proxy_steps)
+    decision = LadderDecision(
+        use=decide(losses[0], losses[1], plan.max_loss_regression),
+        reference_loss=losses[0],
+        custom_loss=losses[1],
+        threshold=threshold,
+        steps=plan.proxy_steps,
+    )
     tmp = record.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"use": decision.use, "reference_loss": decision.reference_loss,
-                               "custom_loss": decision.custom_loss, "threshold": threshold, "steps": decision.steps}))
+    tmp.write_text(
+        json.dumps(
+            {
+                "use": decision.use,
+                "reference_loss": decision.reference_loss,
+                "custom_loss": decision.custom_loss,
+                "threshold": threshold,
+                "steps": decision.steps,
+            }
+        )
+    )
     os.replace(tmp, record)
     return decision

@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from services.trainer.checkpoint import CheckpointFailed, CheckpointInfo, Checkpointer, ResumeState, load_latest, load_weights
+from services.trainer.checkpoint import (
+    Checkpointer,
+    CheckpointFailed,
+    CheckpointInfo,
+    ResumeState,
+    load_latest,
+    load_weights,
+)
 
 Emit = Callable[[str, dict], None]
 ShouldStop = Callable[[], bool]
@@ -119,33 +126,62 @@ class LoopResult:
     stopped: bool
 
 
-def report_checkpoints(emit: Emit, outcomes: list[CheckpointInfo | CheckpointFailed]) -> CheckpointFailed | None:
+def report_checkpoints(
+    emit: Emit, outcomes: list[CheckpointInfo | CheckpointFailed]
+) -> CheckpointFailed | None:
     failed = None
     for outcome in outcomes:
         match outcome:
             case CheckpointInfo():
-                emit("checkpoint", {"step": outcome.step, "path": outcome.path, "bytes": outcome.bytes,
-                                    "stall_s": outcome.stall_s, "save_s": outcome.save_s})
+                emit(
+                    "checkpoint",
+                    {
+                        "step": outcome.step,
+                        "path": outcome.path,
+                        "bytes": outcome.bytes,
+                        "stall_s": outcome.stall_s,
+                        "save_s": outcome.save_s,
+                    },
+                )
             case CheckpointFailed():
                 failed = outcome
-                emit("log", {"level": "warning", "message": f"Checkpoint at step {outcome.step} failed: {outcome.message}"})
+                emit(
+                    "log",
+                    {
+                        "level": "warning",
+                        "message": f"Checkpoint at step {outcome.step} failed: {outcome.message}",
+                    },
+                )
     return failed
 
 
 def resume_or_init(
-    settings: LoopSettings, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None, emit: Emit, *, init_from: str | None = None,
+    settings: LoopSettings,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    emit: Emit,
+    *,
+    init_from: str | None = None,
 ) -> ResumeState | None:
     """Restore this stage's latest committed checkpoint; failing that, start from the weights of
     the previous stage's final checkpoint (`init_from`) with a fresh optimizer."""
     resumed = load_latest(settings.checkpoint_dir, model, optimizer, scheduler=scheduler)
     if resumed is not None:
-        emit("log", {"level": "info", "message": f"Resuming {settings.stage} from step {resumed.step} ({resumed.path})."})
+        emit(
+            "log",
+            {
+                "level": "info",
+                "message": f"Resuming {settings.stage} from step {resumed.step} ({resumed.path}).",
+            },
+        )
         return resumed
     if init_from is not None:
         source = load_weights(init_from, model)
         if source is None:
-            raise TrainingError(f"{settings.stage} starts from {init_from}, which holds no committed checkpoint.")
+            raise TrainingError(
+                f"{settings.stage} starts from {init_from}, which holds no committed checkpoint."
+            )
         emit("log", {"level": "info", "message": f"{settings.stage} starts from {source.path}."})
     return None
 
@@ -170,8 +206,13 @@ def _send_to_host(out: StepOutput, grad_norm: torch.Tensor) -> tuple[torch.Tenso
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the same norm on every rank
         grad_norm = grad_norm.full_tensor()
     loss = out.loss.detach().float()
-    values = torch.stack([loss, grad_norm.detach().float().to(loss.device),
-                          *(v.detach().float().reshape(()).to(loss.device) for v in out.scalars.values())])
+    values = torch.stack(
+        [
+            loss,
+            grad_norm.detach().float().to(loss.device),
+            *(v.detach().float().reshape(()).to(loss.device) for v in out.scalars.values()),
+        ]
+    )
     if values.device.type != "cuda":
         return values, None  # CPU: already there; other accelerators: read (and synced) when due
     host = values.to("cpu", non_blocking=True)  # into pinned memory: an asynchronous copy
@@ -181,9 +222,16 @@ def _send_to_host(out: StepOutput, grad_norm: torch.Tensor) -> tuple[torch.Tenso
 
 
 def run_loop(
-    settings: LoopSettings, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, step_fn: Callable[[int], StepOutput], emit: Emit,
-    should_stop: ShouldStop, *, start_step: int = 0, position: Callable[[], int] = lambda: 0,
+    settings: LoopSettings,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    step_fn: Callable[[int], StepOutput],
+    emit: Emit,
+    should_stop: ShouldStop,
+    *,
+    start_step: int = 0,
+    position: Callable[[], int] = lambda: 0,
 ) -> LoopResult:
     """Run optimizer steps start_step+1 .. settings.steps. `step_fn(step)` gets the 0-based index of
     the step it computes; `position()` is the data position stored with each checkpoint."""
@@ -210,7 +258,10 @@ def run_loop(
         if reading.on_scalars is not None:
             reading.on_scalars(dict(zip(reading.names, scalars, strict=True)))
         if not math.isfinite(loss_value):
-            emit("log", {"level": "error", "message": f"Loss became {loss_value} at step {reading.step}; stopping."})
+            emit(
+                "log",
+                {"level": "error", "message": f"Loss became {loss_value} at step {reading.step}; stopping."},
+            )
             checkpointer.wait()
             raise TrainingError(f"The loss diverged at step {reading.step} of {settings.stage}.")
         first_loss = loss_value if first_loss is None else first_loss
@@ -220,13 +271,26 @@ def run_loop(
         # with a lag the device time of consecutive steps is what the reads are apart.
         elapsed = max(now - max(reading.started, last_read), 1e-9)
         last_read = now
-        emit("metrics", {
-            "stage": settings.stage, "step": reading.step, "total_steps": settings.steps, "loss": loss_value,
-            "learning_rate": reading.learning_rate, "tokens_per_s": reading.tokens / elapsed,
-            "grad_norm": grad_norm,
-        })
+        emit(
+            "metrics",
+            {
+                "stage": settings.stage,
+                "step": reading.step,
+                "total_steps": settings.steps,
+                "loss": loss_value,
+                "learning_rate": reading.learning_rate,
+                "tokens_per_s": reading.tokens / elapsed,
+                "grad_norm": grad_norm,
+            },
+        )
         if reading.step % log_every == 0:
-            emit("log", {"level": "info", "message": f"{settings.stage} step {reading.step}/{settings.steps} loss {loss_value:.4f}"})
+            emit(
+                "log",
+                {
+                    "level": "info",
+                    "message": f"{settings.stage} step {reading.step}/{settings.steps} loss {loss_value:.4f}",
+                },
+            )
 
     def read_all(keep: int = 0) -> None:
         while len(pending) > keep:
@@ -250,9 +314,18 @@ def run_loop(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            pending.append(_Reading(step=step, values=values, ready=ready, names=list(out.scalars),
-                                    on_scalars=out.on_scalars if out.loss is not None else None,
-                                    learning_rate=learning_rate, tokens=out.tokens, started=started))
+            pending.append(
+                _Reading(
+                    step=step,
+                    values=values,
+                    ready=ready,
+                    names=list(out.scalars),
+                    on_scalars=out.on_scalars if out.loss is not None else None,
+                    learning_rate=learning_rate,
+                    tokens=out.tokens,
+                    started=started,
+                )
+            )
             checkpoint_due = step % settings.checkpoint_interval == 0 or step == settings.steps
             read_all(keep=0 if checkpoint_due else lag)
             report_checkpoints(emit, checkpointer.poll())
@@ -274,5 +347,7 @@ def run_loop(
             checkpointer.save(step, model, optimizer, scheduler=scheduler, data_position=position())
     failed = report_checkpoints(emit, checkpointer.wait())
     if failed is not None and failed.step == step and not stopped:
-        raise TrainingError(f"The final checkpoint of {settings.stage} at step {step} could not be saved: {failed.message}")
+        raise TrainingError(
+            f"The final checkpoint of {settings.stage} at step {step} could not be saved: {failed.message}"
+        )
     return LoopResult(final_step=step, first_loss=first_loss, final_loss=final_loss, stopped=stopped)

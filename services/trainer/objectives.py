@@ -36,8 +36,11 @@ def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def dpo_loss(
-    policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
-    reference_chosen: torch.Tensor, reference_rejected: torch.Tensor, beta: float,
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    beta: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rafailov et al. (2023): -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), averaged.
     Inputs are summed response log-probabilities, one per pair. Returns (loss, chosen reward,
@@ -80,8 +83,13 @@ def overlong_penalty(length: int, max_tokens: int, buffer_tokens: int) -> float:
 
 
 def clipped_policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    eps_low: float, eps_high: float, clip_ratio_c: float = DUAL_CLIP_C,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float = DUAL_CLIP_C,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's `compute_policy_loss`: the PPO clipped surrogate with DAPO's clip-higher (ratio clipped
     to [1 - eps_low, 1 + eps_high]; eps_high > eps_low leaves low-probability tokens room to rise),

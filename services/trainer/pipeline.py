@@ -23,16 +23,38 @@ from dataclasses import dataclass
 import torch
 
 from contracts.manifest import Manifest
+from services.domain.curriculum import LmPlan, PostPlan, RunPlan, plan_run
+from services.domain.gates import threshold
 from services.trainer import dataprep
 from services.trainer.checkpoint import load_weights
-from services.domain.curriculum import LmPlan, PostPlan, RunPlan, plan_run
-from services.trainer.data import join_documents, load_documents, load_eval_suite, load_eval_tokens, load_text, task_problems
-from services.domain.gates import threshold
-from services.trainer.evals import Check, describe, judge, needle_accuracy, needle_trials, task_accuracy, task_suite
+from services.trainer.data import (
+    join_documents,
+    load_documents,
+    load_eval_suite,
+    load_eval_tokens,
+    load_text,
+    task_problems,
+)
+from services.trainer.evals import (
+    Check,
+    describe,
+    judge,
+    needle_accuracy,
+    needle_trials,
+    task_accuracy,
+    task_suite,
+)
 from services.trainer.ladder import run_ladder
 from services.trainer.loop import pick_device
 from services.trainer.posttrain import PostConfig, train_dpo, train_sft
-from services.trainer.pretrain import build_model, held_out_loss, lm_loss, lm_stage_config, load_stage_data, train_stage
+from services.trainer.pretrain import (
+    build_model,
+    held_out_loss,
+    lm_loss,
+    lm_stage_config,
+    load_stage_data,
+    train_stage,
+)
 from services.trainer.rlvr import RlvrConfig, train_rlvr
 
 OUTCOMES = ("succeeded", "gate_failed", "stopped")
@@ -60,8 +82,15 @@ def _write_json(path: pathlib.Path, payload: dict) -> None:
 class _Run:
     """One execution of a plan; holds what stages hand on (data sources, the last stage's dir)."""
 
-    def __init__(self, manifest: Manifest, plan: RunPlan, root: pathlib.Path, emit: Callable[[str, dict], None],
-                 should_stop: Callable[[], bool], threads: int):
+    def __init__(
+        self,
+        manifest: Manifest,
+        plan: RunPlan,
+        root: pathlib.Path,
+        emit: Callable[[str, dict], None],
+        should_stop: Callable[[], bool],
+        threads: int,
+    ):
         self.manifest, self.plan, self.root = manifest, plan, root
         self.emit, self.should_stop, self.threads = emit, should_stop, threads
         self.sources = dict(plan.train_refs)  # ref name -> what to load: raw source, or the prepared file
@@ -79,8 +108,13 @@ class _Run:
         text = summary or "; ".join(self.parts) or "nothing to do"
         if outcome == "stopped":
             text = f"stopped during {stage} (checkpoint committed); " + text
-        return PipelineResult(last_stage=stage, summary=text, final_loss=self.final_loss,
-                              held_out_loss=self.held_out, outcome=outcome)
+        return PipelineResult(
+            last_stage=stage,
+            summary=text,
+            final_loss=self.final_loss,
+            held_out_loss=self.held_out,
+            outcome=outcome,
+        )
 
     # --- data preparation ------------------------------------------------------------------------
 
@@ -98,8 +132,14 @@ class _Run:
             suites = {name: load_eval_suite(src, seed=seed) for name, src in self.plan.eval_refs.items()}
             suites.update(self._battery_suites())
             prepared = dataprep.prepare(
-                sources, suites, exact=cfg.exact_dedup, near=cfg.near_dedup, shingle_words=cfg.shingle_words,
-                permutations=cfg.minhash_permutations, bands=cfg.minhash_bands, jaccard=cfg.near_dup_jaccard,
+                sources,
+                suites,
+                exact=cfg.exact_dedup,
+                near=cfg.near_dedup,
+                shingle_words=cfg.shingle_words,
+                permutations=cfg.minhash_permutations,
+                bands=cfg.minhash_bands,
+                jaccard=cfg.near_dup_jaccard,
                 ngram=cfg.decontamination_ngram,
             )
             files = {}
@@ -107,21 +147,35 @@ class _Run:
                 path = directory / f"{i:02d}.txt"
                 path.write_text(join_documents(src, prepared.documents[name]), encoding="utf-8")
                 files[name] = str(path)
-            saved = {"files": files, "input_digest": prepared.input_digest, "output_digest": prepared.output_digest,
-                     "steps": [dataclasses.asdict(s) for s in prepared.steps]}
+            saved = {
+                "files": files,
+                "input_digest": prepared.input_digest,
+                "output_digest": prepared.output_digest,
+                "steps": [dataclasses.asdict(s) for s in prepared.steps],
+            }
             _write_json(record, saved)  # last: the corpus counts only once this exists
         self.sources = {name: f"file:{path}" for name, path in saved["files"].items()}
-        self.emit("provenance", {"steps": saved["steps"], "input_digest": saved["input_digest"],
-                                 "output_digest": saved["output_digest"]})
+        self.emit(
+            "provenance",
+            {
+                "steps": saved["steps"],
+                "input_digest": saved["input_digest"],
+                "output_digest": saved["output_digest"],
+            },
+        )
         kept = saved["steps"][-1]["after"] if saved["steps"] else 0
-        self.parts.append(f"data_prep {saved['steps'][0]['before'] if saved['steps'] else 0} -> {kept} documents")
+        self.parts.append(
+            f"data_prep {saved['steps'][0]['before'] if saved['steps'] else 0} -> {kept} documents"
+        )
 
     def _battery_suites(self) -> dict[str, list[str]]:
         """Eval text the batteries generate themselves (the needle trials), decontaminated against too."""
         suites = {}
         for stage in self.plan.stages:
             if isinstance(stage, LmPlan) and stage.name == "long_context":
-                trials = needle_trials(stage.gate.needle_trials, stage.seq_len - NEEDLE_ANSWER_ROOM, self.manifest.seed)
+                trials = needle_trials(
+                    stage.gate.needle_trials, stage.seq_len - NEEDLE_ANSWER_ROOM, self.manifest.seed
+                )
                 suites["needle-eval"] = [prompt + key for prompt, key in trials]
         return suites
 
@@ -131,17 +185,30 @@ class _Run:
         """False if stopped."""
         lad = self.plan.ladder
         target = self.manifest.target
-        decision = run_ladder(lad, sources=self.sources, eval_sources=self.eval_sources, seed=self.manifest.seed,
-                              seq_len=target.seq_len, batch_size=target.batch_size, learning_rate=target.learning_rate,
-                              directory=self.root / "ladder", emit=self.emit, should_stop=self.should_stop)
+        decision = run_ladder(
+            lad,
+            sources=self.sources,
+            eval_sources=self.eval_sources,
+            seed=self.manifest.seed,
+            seq_len=target.seq_len,
+            batch_size=target.batch_size,
+            learning_rate=target.learning_rate,
+            directory=self.root / "ladder",
+            emit=self.emit,
+            should_stop=self.should_stop,
+        )
         if decision is None:
             return False
         verdict = "use" if decision.use else "do not use"
         self.emit("eval", {"stage": "ladder", "metrics": decision.metrics(), "passed": decision.use})
-        self.log(f"ladder: custom data {list(lad.custom)}: held-out loss {decision.reference_loss:.4f} on the reference mix, "
-                 f"{decision.custom_loss:.4f} with the custom data (delta {decision.reference_loss - decision.custom_loss:+.4f}, "
-                 f"{decision.steps} proxy steps each); decision: {verdict}")
-        self.parts.append(f"ladder: {verdict} custom data ({decision.reference_loss:.3f} -> {decision.custom_loss:.3f})")
+        self.log(
+            f"ladder: custom data {list(lad.custom)}: held-out loss {decision.reference_loss:.4f} on the reference mix, "
+            f"{decision.custom_loss:.4f} with the custom data (delta {decision.reference_loss - decision.custom_loss:+.4f}, "
+            f"{decision.steps} proxy steps each); decision: {verdict}"
+        )
+        self.parts.append(
+            f"ladder: {verdict} custom data ({decision.reference_loss:.3f} -> {decision.custom_loss:.3f})"
+        )
         if not decision.use:
             self._drop(set(lad.custom))
         return True
@@ -151,7 +218,9 @@ class _Run:
         for stage in self.plan.stages:
             data = tuple(n for n in stage.data if n not in names)
             if not data:
-                raise ValueError(f"The ladder rejected {sorted(names)}, which was all of {stage.name}'s data.")
+                raise ValueError(
+                    f"The ladder rejected {sorted(names)}, which was all of {stage.name}'s data."
+                )
             stages.append(dataclasses.replace(stage, data=data))
         self.plan = dataclasses.replace(self.plan, stages=tuple(stages))
 
@@ -159,8 +228,14 @@ class _Run:
 
     def lm_stage(self, stage: LmPlan, directory: pathlib.Path) -> tuple[list[Check], bool]:
         """Train a next-token stage; (its battery, stopped)."""
-        cfg = lm_stage_config(stage, self.manifest, directory, train_sources=[self.sources[n] for n in stage.data],
-                              eval_sources=self.eval_sources, init_from=self.previous)
+        cfg = lm_stage_config(
+            stage,
+            self.manifest,
+            directory,
+            train_sources=[self.sources[n] for n in stage.data],
+            eval_sources=self.eval_sources,
+            init_from=self.previous,
+        )
         device = pick_device(cfg.device)
         _, held = load_stage_data(cfg)
         incoming: dict[str, float | None] = {}
@@ -176,10 +251,14 @@ class _Run:
         self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
         model = result.model
         gate = stage.gate
-        measured = {"held_out_loss": result.held_out_loss,
-                    "task_accuracy": task_accuracy(model, self._problems(gate.task_samples))}
+        measured = {
+            "held_out_loss": result.held_out_loss,
+            "task_accuracy": task_accuracy(model, self._problems(gate.task_samples)),
+        }
         if stage.short_seq_len is not None:
-            measured["short_context_loss"] = held_out_loss(model, held, cfg, device, seq_len=stage.short_seq_len)
+            measured["short_context_loss"] = held_out_loss(
+                model, held, cfg, device, seq_len=stage.short_seq_len
+            )
             trials = needle_trials(gate.needle_trials, stage.seq_len - NEEDLE_ANSWER_ROOM, self.manifest.seed)
             measured["needle_accuracy"] = needle_accuracy(model, trials)
         return self._checks(stage, measured, incoming), False
@@ -194,8 +273,9 @@ class _Run:
             return None
         return model
 
-    def _checks(self, stage: LmPlan | PostPlan, measured: dict[str, float | None],
-                incoming: dict[str, float | None]) -> list[Check]:
+    def _checks(
+        self, stage: LmPlan | PostPlan, measured: dict[str, float | None], incoming: dict[str, float | None]
+    ) -> list[Check]:
         """The battery's measurements against the stage's gate: every rule of the gate is judged
         (its threshold relative to the incoming model, tightened by the manifest); what the gate
         does not cover is reported with no threshold."""
@@ -206,7 +286,9 @@ class _Run:
             if rule is None:
                 checks.append(Check(name=name, value=value))
             else:
-                checks.append(Check(name=name, value=value, threshold=threshold(rule, incoming.get(name)), op=rule.op))
+                checks.append(
+                    Check(name=name, value=value, threshold=threshold(rule, incoming.get(name)), op=rule.op)
+                )
         return checks
 
     def _short_loss_before(self, cfg, stage: LmPlan) -> float | None:
@@ -220,34 +302,57 @@ class _Run:
 
     def post_stage(self, stage: PostPlan, directory: pathlib.Path) -> tuple[list[Check], bool]:
         seed = self.manifest.seed
-        incoming = self._post_measures(self._incoming_model(stage.shape, self.manifest.target.seq_len, stage.rope_base),
-                                       stage)
+        incoming = self._post_measures(
+            self._incoming_model(stage.shape, self.manifest.target.seq_len, stage.rope_base), stage
+        )
         problems = [p for name in stage.data for p in task_problems(load_text(self.sources[name], seed=seed))]
         section = stage.section
-        common = dict(stage=stage.name, shape=stage.shape, rope_base=stage.rope_base, problems=problems,
-                      steps=section.steps, learning_rate=section.learning_rate, seed=seed, checkpoint_dir=str(directory),
-                      checkpoint_interval=self.manifest.checkpoint.interval_steps,
-                      keep_last=self.manifest.checkpoint.keep_last, init_from=self.previous)
+        common = dict(
+            stage=stage.name,
+            shape=stage.shape,
+            rope_base=stage.rope_base,
+            problems=problems,
+            steps=section.steps,
+            learning_rate=section.learning_rate,
+            seed=seed,
+            checkpoint_dir=str(directory),
+            checkpoint_interval=self.manifest.checkpoint.interval_steps,
+            keep_last=self.manifest.checkpoint.keep_last,
+            init_from=self.previous,
+        )
         match stage.name:
             case "sft":
-                result = train_sft(PostConfig(**common, batch_size=section.batch_size), self.emit, self.should_stop)
+                result = train_sft(
+                    PostConfig(**common, batch_size=section.batch_size), self.emit, self.should_stop
+                )
             case "dpo":
-                result = train_dpo(PostConfig(**common, batch_size=section.batch_size, beta=section.beta),
-                                   self.emit, self.should_stop)
+                result = train_dpo(
+                    PostConfig(**common, batch_size=section.batch_size, beta=section.beta),
+                    self.emit,
+                    self.should_stop,
+                )
             case "rlvr":
                 cfg = RlvrConfig(
-                    **common, batch_size=section.prompts_per_step * section.group_size,
-                    prompts_per_step=section.prompts_per_step, group_size=section.group_size, eps_low=section.eps_low,
-                    eps_high=section.eps_high, max_response_tokens=section.max_response_tokens,
-                    overlong_buffer_tokens=section.overlong_buffer_tokens, max_staleness=section.max_staleness,
-                    temperature=section.temperature, max_sampling_rounds=section.max_sampling_rounds,
+                    **common,
+                    batch_size=section.prompts_per_step * section.group_size,
+                    prompts_per_step=section.prompts_per_step,
+                    group_size=section.group_size,
+                    eps_low=section.eps_low,
+                    eps_high=section.eps_high,
+                    max_response_tokens=section.max_response_tokens,
+                    overlong_buffer_tokens=section.overlong_buffer_tokens,
+                    max_staleness=section.max_staleness,
+                    temperature=section.temperature,
+                    max_sampling_rounds=section.max_sampling_rounds,
                     threads=max(1, self.threads // 2),
                 )
                 result = train_rlvr(cfg, self.emit, self.should_stop)
                 if result.stats:
                     first, last = result.stats[0], result.stats[-1]
-                    self.log(f"rlvr reward {first.reward:.3f} -> {last.reward:.3f}, accuracy {first.accuracy:.3f} -> "
-                             f"{last.accuracy:.3f}; stale rollouts dropped {result.stale_dropped}")
+                    self.log(
+                        f"rlvr reward {first.reward:.3f} -> {last.reward:.3f}, accuracy {first.accuracy:.3f} -> "
+                        f"{last.accuracy:.3f}; stale rollouts dropped {result.stale_dropped}"
+                    )
             case _:
                 raise ValueError(f"Unknown post-training stage {stage.name!r}.")
         if result.stopped:
@@ -265,9 +370,18 @@ class _Run:
         if self.eval_sources:
             target = self.manifest.target
             tokens = load_eval_tokens(self.eval_sources, seed=self.manifest.seed)
-            held = lm_loss(model, tokens, seq_len=target.seq_len, batch_size=target.batch_size,
-                           max_batches=EVAL_MAX_BATCHES, device=pick_device())
-        return {"held_out_loss": held, "task_accuracy": task_accuracy(model, self._problems(stage.gate.task_samples))}
+            held = lm_loss(
+                model,
+                tokens,
+                seq_len=target.seq_len,
+                batch_size=target.batch_size,
+                max_batches=EVAL_MAX_BATCHES,
+                device=pick_device(),
+            )
+        return {
+            "held_out_loss": held,
+            "task_accuracy": task_accuracy(model, self._problems(stage.gate.task_samples)),
+        }
 
     def _noted(self, name: str, step: int, first: float | None, final: float | None) -> None:
         if first is None or final is None:  # a redelivered run that had already trained this stage
@@ -309,7 +423,11 @@ class _Run:
                 metrics, passed = saved["metrics"], saved["passed"]
             else:
                 self.log(f"{stage.name}: {steps} steps")
-                trained = self.lm_stage(stage, directory) if isinstance(stage, LmPlan) else self.post_stage(stage, directory)
+                trained = (
+                    self.lm_stage(stage, directory)
+                    if isinstance(stage, LmPlan)
+                    else self.post_stage(stage, directory)
+                )
                 checks, stopped = trained
                 if stopped:
                     return self.result(stage.name, "stopped")
@@ -328,10 +446,18 @@ class _Run:
         return self.result(last, "succeeded")
 
 
-def run_pipeline(manifest: Manifest, checkpoint_dir: pathlib.Path, emit: Callable[[str, dict], None],
-                 should_stop: Callable[[], bool], threads: int) -> PipelineResult:
+def run_pipeline(
+    manifest: Manifest,
+    checkpoint_dir: pathlib.Path,
+    emit: Callable[[str, dict], None],
+    should_stop: Callable[[], bool],
+    threads: int,
+) -> PipelineResult:
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     plan = plan_run(manifest)  # ValueError, in a sentence, before anything trains
-    emit("log", {"level": "info", "message": f"plan: {' -> '.join(plan.stage_names)} on {manifest.model.size.value}"})
+    emit(
+        "log",
+        {"level": "info", "message": f"plan: {' -> '.join(plan.stage_names)} on {manifest.model.size.value}"},
+    )
     return _Run(manifest, plan, checkpoint_dir, emit, should_stop, threads).execute()

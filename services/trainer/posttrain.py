@@ -69,7 +69,9 @@ class PostConfig:
 
     def __post_init__(self) -> None:
         if not self.problems:
-            raise ValueError(f"{self.stage} needs verifiable task data (a generated:arithmetic or generated:reverse ref).")
+            raise ValueError(
+                f"{self.stage} needs verifiable task data (a generated:arithmetic or generated:reverse ref)."
+            )
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"{self.stage} needs at least 1 step and a batch of at least 1.")
 
@@ -100,11 +102,13 @@ def wrong_answer(answer: str, rng: random.Random) -> str:
     return answer + ("a" if answer[-1:] != "a" else "b")
 
 
-def response_batch(prompts: Sequence[str], responses: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def response_batch(
+    prompts: Sequence[str], responses: Sequence[str]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(inputs, targets, mask) for prompt+response+newline sequences, right-padded; mask is 1 where
     the target is a response token (newline included), 0 on prompt and padding."""
     tok = ByteTokenizer()
-    rows = [(tok.encode(p), tok.encode(r) + [END_TOKEN]) for p, r in zip(prompts, responses, strict=True)]
+    rows = [(tok.encode(p), [*tok.encode(r), END_TOKEN]) for p, r in zip(prompts, responses, strict=True)]
     width = max(len(p) + len(r) for p, r in rows) - 1
     inputs = torch.full((len(rows), width), PAD_TOKEN, dtype=torch.long)
     targets = torch.full((len(rows), width), PAD_TOKEN, dtype=torch.long)
@@ -117,8 +121,13 @@ def response_batch(prompts: Sequence[str], responses: Sequence[str]) -> tuple[to
     return inputs, targets, mask
 
 
-def sequence_logprobs(model: Transformer, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
-                      temperature: float = 1.0) -> torch.Tensor:
+def sequence_logprobs(
+    model: Transformer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    device: torch.device,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Per-token log-probabilities (B, T) of `targets` under the model (logits / temperature)."""
     with autocast(device):
         logits, _ = model(to_device(inputs, device))
@@ -134,23 +143,39 @@ def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
 
 
-def _setup(cfg: PostConfig, emit: Emit) -> tuple[Transformer, torch.optim.Optimizer, LambdaLR, LoopSettings, int, torch.device]:
+def _setup(
+    cfg: PostConfig, emit: Emit
+) -> tuple[Transformer, torch.optim.Optimizer, LambdaLR, LoopSettings, int, torch.device]:
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     longest = max(len(p.encode()) + len(a.encode()) + 1 for p, a in cfg.problems)
-    model = build_model(cfg.shape, seq_len=min(longest, cfg.shape.max_seq_len), rope_base=cfg.rope_base, device=device)
+    model = build_model(
+        cfg.shape, seq_len=min(longest, cfg.shape.max_seq_len), rope_base=cfg.rope_base, device=device
+    )
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
-    scheduler = LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=MIN_LR_RATIO))
-    settings = LoopSettings(stage=cfg.stage, steps=cfg.steps, checkpoint_dir=cfg.checkpoint_dir,
-                            checkpoint_interval=cfg.checkpoint_interval, keep_last=cfg.keep_last)
+    scheduler = LambdaLR(
+        optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=MIN_LR_RATIO)
+    )
+    settings = LoopSettings(
+        stage=cfg.stage,
+        steps=cfg.steps,
+        checkpoint_dir=cfg.checkpoint_dir,
+        checkpoint_interval=cfg.checkpoint_interval,
+        keep_last=cfg.keep_last,
+    )
     resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
     return model, optimizer, scheduler, settings, (resumed.step if resumed else 0), device
 
 
 def _finish(model: torch.nn.Module, result) -> PostResult:
-    return PostResult(final_step=result.final_step, first_loss=result.first_loss, final_loss=result.final_loss,
-                      stopped=result.stopped, model=model)
+    return PostResult(
+        final_step=result.final_step,
+        first_loss=result.first_loss,
+        final_loss=result.final_loss,
+        stopped=result.stopped,
+        model=model,
+    )
 
 
 def train_sft(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> PostResult:
@@ -163,8 +188,17 @@ def train_sft(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> P
         logprobs = sequence_logprobs(model, inputs, targets, device)
         return StepOutput(loss=sft_loss(logprobs, to_device(mask, device)), tokens=int(inputs.numel()))
 
-    result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=start,
-                      position=lambda: 0)
+    result = run_loop(
+        settings,
+        model,
+        optimizer,
+        scheduler,
+        step_fn,
+        emit,
+        should_stop,
+        start_step=start,
+        position=lambda: 0,
+    )
     return _finish(model, result)
 
 
@@ -186,8 +220,14 @@ class ReferenceLogprobs:
     beside it (bit for bit on CPU), so the results are those of one forward per step, for fewer and
     larger forwards."""
 
-    def __init__(self, reference: Transformer, batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                 steps: int, device: torch.device, chunk_logits: int = REFERENCE_CHUNK_LOGITS):
+    def __init__(
+        self,
+        reference: Transformer,
+        batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        steps: int,
+        device: torch.device,
+        chunk_logits: int = REFERENCE_CHUNK_LOGITS,
+    ):
         self.reference = reference
         self.batch_of = batch_of
         self.steps = steps
@@ -239,7 +279,9 @@ def train_dpo(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> P
     model, optimizer, scheduler, settings, start, device = _setup(cfg, emit)
     # Built the same way whether the stage starts or resumes: the seed's init, then the incoming weights.
     torch.manual_seed(cfg.seed)
-    reference = build_model(cfg.shape, seq_len=model.shape.max_seq_len, rope_base=cfg.rope_base, device=device)
+    reference = build_model(
+        cfg.shape, seq_len=model.shape.max_seq_len, rope_base=cfg.rope_base, device=device
+    )
     if cfg.init_from is not None:
         load_weights(cfg.init_from, reference)
     reference.eval().requires_grad_(False)
@@ -247,8 +289,15 @@ def train_dpo(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> P
     report_every = max(1, cfg.steps // 5)
 
     def report(step: int, values: dict[str, float]) -> None:
-        emit("log", {"level": "info", "message": (
-            f"dpo step {step + 1}: reward accuracy {values['accuracy']:.2f}, margin {values['margin']:.3f}")})
+        emit(
+            "log",
+            {
+                "level": "info",
+                "message": (
+                    f"dpo step {step + 1}: reward accuracy {values['accuracy']:.2f}, margin {values['margin']:.3f}"
+                ),
+            },
+        )
 
     def step_fn(step: int) -> StepOutput:
         inputs, targets, mask, ref = references.take(step)
@@ -259,12 +308,30 @@ def train_dpo(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> P
             return StepOutput(loss=loss, tokens=int(inputs.numel()))
         # Read with the loss, in the loop's one transfer: no sync of their own in the step.
         scalars = {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()}
-        return StepOutput(loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(report, step))
+        return StepOutput(
+            loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(report, step)
+        )
 
-    result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=start,
-                      position=lambda: 0)
+    result = run_loop(
+        settings,
+        model,
+        optimizer,
+        scheduler,
+        step_fn,
+        emit,
+        should_stop,
+        start_step=start,
+        position=lambda: 0,
+    )
     if references.batches:
-        emit("log", {"level": "info", "message": (
-            f"dpo: reference log-probs of {references.batches} batches, each computed once, in "
-            f"{references.forwards} forwards, {references.seconds:.3f} s")})
+        emit(
+            "log",
+            {
+                "level": "info",
+                "message": (
+                    f"dpo: reference log-probs of {references.batches} batches, each computed once, in "
+                    f"{references.forwards} forwards, {references.seconds:.3f} s"
+                ),
+            },
+        )
     return _finish(model, result)

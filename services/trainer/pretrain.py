@@ -19,9 +19,16 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.manifest import Manifest
 from contracts.models import ModelShape
-from services.trainer.checkpoint import batches_to_skip
 from services.domain.curriculum import LmPlan, plan_run
-from services.trainer.data import VOCAB_SIZE, BatchIterator, eval_batches, load_eval_tokens, load_tokens, split_held_out
+from services.trainer.checkpoint import batches_to_skip
+from services.trainer.data import (
+    VOCAB_SIZE,
+    BatchIterator,
+    eval_batches,
+    load_eval_tokens,
+    load_tokens,
+    split_held_out,
+)
 from services.trainer.loop import (
     Emit,
     LoopSettings,
@@ -37,8 +44,21 @@ from services.trainer.loop import (
 )
 from services.trainer.model import Transformer, count_parameters
 
-__all__ = ["Emit", "StageConfig", "StageResult", "TrainingError", "build_model", "build_optimizer",
-           "held_out_loss", "lm_loss", "lm_stage_config", "lr_factor", "stage_config_from_manifest", "train_stage"]
+__all__ = [
+    "Emit",
+    "StageConfig",
+    "StageResult",
+    "TrainingError",
+    "build_model",
+    "build_optimizer",
+    "held_out_loss",
+    "lm_loss",
+    "lm_stage_config",
+    "lr_factor",
+    "stage_config_from_manifest",
+    "train_stage",
+]
+
 
 @dataclass(kw_only=True, slots=True)
 class StageConfig:
@@ -97,11 +117,15 @@ class StageConfig:
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError("seq_len and batch_size need to be at least 1.")
         if self.seq_len > self.shape.max_seq_len:
-            raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_seq_len {self.shape.max_seq_len}.")
+            raise ValueError(
+                f"seq_len {self.seq_len} exceeds the model's max_seq_len {self.shape.max_seq_len}."
+            )
         if self.decay not in ("cosine", "linear"):
             raise ValueError(f"The LR decay must be cosine or linear, not {self.decay!r}.")
         if self.shape.vocab_size < VOCAB_SIZE:
-            raise ValueError(f"The model's vocabulary ({self.shape.vocab_size}) is smaller than the {VOCAB_SIZE} bytes.")
+            raise ValueError(
+                f"The model's vocabulary ({self.shape.vocab_size}) is smaller than the {VOCAB_SIZE} bytes."
+            )
         if not self.learning_rate > 0:
             raise ValueError("The learning rate needs to be positive.")
 
@@ -114,11 +138,20 @@ class StageResult:
     held_out_loss: float | None  # None when stopped early
     stopped: bool
     tokens: int  # tokens trained on over the whole stage, resumed part included
-    model: torch.nn.Module | None = field(default=None, repr=False, compare=False)  # the trained model, for the eval battery
+    model: torch.nn.Module | None = field(
+        default=None, repr=False, compare=False
+    )  # the trained model, for the eval battery
 
 
-def lm_stage_config(plan: LmPlan, manifest: Manifest, checkpoint_dir: str | os.PathLike, *, train_sources: list[str],
-                    eval_sources: list[str], init_from: str | None = None) -> StageConfig:
+def lm_stage_config(
+    plan: LmPlan,
+    manifest: Manifest,
+    checkpoint_dir: str | os.PathLike,
+    *,
+    train_sources: list[str],
+    eval_sources: list[str],
+    init_from: str | None = None,
+) -> StageConfig:
     """The StageConfig of a planned next-token stage; sources are source strings (prepared or raw)."""
     return StageConfig(
         stage=plan.name,
@@ -150,8 +183,13 @@ def stage_config_from_manifest(
     lm = next((p for p in plan.stages if p.name == stage and isinstance(p, LmPlan)), None)
     if lm is None:
         raise ValueError(f"The manifest does not run a {stage} stage.")
-    return lm_stage_config(lm, manifest, checkpoint_dir, train_sources=[plan.train_refs[n] for n in lm.data],
-                           eval_sources=list(plan.eval_refs.values()))
+    return lm_stage_config(
+        lm,
+        manifest,
+        checkpoint_dir,
+        train_sources=[plan.train_refs[n] for n in lm.data],
+        eval_sources=list(plan.eval_refs.values()),
+    )
 
 
 def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float, decay: str = "cosine") -> float:
@@ -164,8 +202,14 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float, decay: st
     return min_ratio + (1.0 - min_ratio) * shape
 
 
-def build_model(shape: ModelShape, *, seq_len: int, rope_base: float | None = None, z_loss: float = 0.0,
-                device: torch.device | None = None) -> Transformer:
+def build_model(
+    shape: ModelShape,
+    *,
+    seq_len: int,
+    rope_base: float | None = None,
+    z_loss: float = 0.0,
+    device: torch.device | None = None,
+) -> Transformer:
     """The model for a stage: max_seq_len grown to seq_len when a stage trains longer sequences
     (RoPE tables are derived, not weights, so the same weights load), FSDP2 when distributed."""
     if seq_len > shape.max_seq_len:
@@ -195,16 +239,34 @@ def load_stage_data(cfg: StageConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def held_out_loss(model: Transformer, tokens: torch.Tensor, cfg: StageConfig, device: torch.device,
-                  seq_len: int | None = None) -> float | None:
+def held_out_loss(
+    model: Transformer,
+    tokens: torch.Tensor,
+    cfg: StageConfig,
+    device: torch.device,
+    seq_len: int | None = None,
+) -> float | None:
     """Mean loss over fixed windows of the held-out tokens (at `seq_len`, default the stage's)."""
-    return lm_loss(model, tokens, seq_len=seq_len or cfg.seq_len, batch_size=cfg.batch_size,
-                   max_batches=cfg.eval_max_batches, device=device)
+    return lm_loss(
+        model,
+        tokens,
+        seq_len=seq_len or cfg.seq_len,
+        batch_size=cfg.batch_size,
+        max_batches=cfg.eval_max_batches,
+        device=device,
+    )
 
 
 @torch.no_grad()
-def lm_loss(model: Transformer, tokens: torch.Tensor, *, seq_len: int, batch_size: int, max_batches: int,
-            device: torch.device) -> float | None:
+def lm_loss(
+    model: Transformer,
+    tokens: torch.Tensor,
+    *,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int,
+    device: torch.device,
+) -> float | None:
     """Mean next-token loss over the same fixed windows every call; None if none fits."""
     was_training = model.training
     model.eval()
@@ -224,17 +286,31 @@ def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -
     random.seed(cfg.seed)
     train_tokens, held_out = load_stage_data(cfg)
     if len(held_out) < cfg.seq_len + 1:
-        raise ValueError(f"The held-out data has {len(held_out)} tokens, fewer than one window of {cfg.seq_len + 1}.")
+        raise ValueError(
+            f"The held-out data has {len(held_out)} tokens, fewer than one window of {cfg.seq_len + 1}."
+        )
 
-    model = build_model(cfg.shape, seq_len=cfg.seq_len, rope_base=cfg.rope_base, z_loss=cfg.z_loss, device=device)
+    model = build_model(
+        cfg.shape, seq_len=cfg.seq_len, rope_base=cfg.rope_base, z_loss=cfg.z_loss, device=device
+    )
     optimizer = build_optimizer(model, cfg)
-    schedule = partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio, decay=cfg.decay)
+    schedule = partial(
+        lr_factor, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio, decay=cfg.decay
+    )
     scheduler = LambdaLR(optimizer, schedule)
     # Each rank draws its own batches (seed offset); on one device this is the manifest's seed.
-    batches = BatchIterator(train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed + 7919 * rank())
+    batches = BatchIterator(
+        train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed + 7919 * rank()
+    )
     settings = LoopSettings(
-        stage=cfg.stage, steps=cfg.steps, checkpoint_dir=cfg.checkpoint_dir, checkpoint_interval=cfg.checkpoint_interval,
-        keep_last=cfg.keep_last, grad_clip=cfg.grad_clip, save_on_stop=cfg.save_on_stop, log_interval=cfg.log_interval,
+        stage=cfg.stage,
+        steps=cfg.steps,
+        checkpoint_dir=cfg.checkpoint_dir,
+        checkpoint_interval=cfg.checkpoint_interval,
+        keep_last=cfg.keep_last,
+        grad_clip=cfg.grad_clip,
+        save_on_stop=cfg.save_on_stop,
+        log_interval=cfg.log_interval,
     )
     step = 0
     resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
@@ -242,12 +318,25 @@ def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -
         step, batches.position = resumed.step, resumed.data_position
         skip_to = batches_to_skip(cfg.checkpoint_dir, batches.position)
         if skip_to is not None:  # an approved loss-spike restart: PaLM's skip of the batches around it
-            emit("log", {"level": "info", "message": f"Skipping batches [{batches.position}, {skip_to}) of {cfg.stage}."})
+            emit(
+                "log",
+                {
+                    "level": "info",
+                    "message": f"Skipping batches [{batches.position}, {skip_to}) of {cfg.stage}.",
+                },
+            )
             batches.position = skip_to
     else:
-        emit("log", {"level": "info", "message": (
-            f"Starting {cfg.stage}: {count_parameters(cfg.shape):,} parameters, {cfg.steps} steps of "
-            f"{cfg.batch_size}x{cfg.seq_len} tokens on {device.type}.")})
+        emit(
+            "log",
+            {
+                "level": "info",
+                "message": (
+                    f"Starting {cfg.stage}: {count_parameters(cfg.shape):,} parameters, {cfg.steps} steps of "
+                    f"{cfg.batch_size}x{cfg.seq_len} tokens on {device.type}."
+                ),
+            },
+        )
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
     def step_fn(_: int) -> StepOutput:
@@ -257,11 +346,26 @@ def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -
             _, loss = model(x, y)
         return StepOutput(loss=loss, tokens=tokens_per_step)
 
-    result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=step,
-                      position=lambda: batches.position)
+    result = run_loop(
+        settings,
+        model,
+        optimizer,
+        scheduler,
+        step_fn,
+        emit,
+        should_stop,
+        start_step=step,
+        position=lambda: batches.position,
+    )
     held_out_value = None if result.stopped else held_out_loss(model, held_out, cfg, device)
     if held_out_value is not None:
-        emit("log", {"level": "info", "message": f"{cfg.stage} done at step {result.final_step}: held-out loss {held_out_value:.4f}"})
+        emit(
+            "log",
+            {
+                "level": "info",
+                "message": f"{cfg.stage} done at step {result.final_step}: held-out loss {held_out_value:.4f}",
+            },
+        )
     return StageResult(
         final_step=result.final_step,
         first_loss=result.first_loss,

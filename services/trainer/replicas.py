@@ -65,7 +65,7 @@ from torch.distributed import TCPStore
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
 from contracts.models import MODEL_SHAPES
-from services.trainer.checkpoint import CheckpointFailed, Checkpointer, CheckpointInfo, load_latest
+from services.trainer.checkpoint import Checkpointer, CheckpointFailed, CheckpointInfo, load_latest
 from services.trainer.data import BatchIterator, load_tokens
 from services.trainer.model import Transformer
 
@@ -241,7 +241,9 @@ class ReplicaWorker:
 
         shape = MODEL_SHAPES[config.model_size]
         tokens = load_tokens([config.data_source], seed=config.seed)
-        self.batches = BatchIterator(tokens, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
+        self.batches = BatchIterator(
+            tokens, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed
+        )
         self.model = Transformer(shape)
         self.progress = ManagerProgress()
         self.view = CheckpointView(self.model, self.progress)
@@ -269,7 +271,9 @@ class ReplicaWorker:
         self.optimizer = Optimizer(self.manager, torch.optim.AdamW(self.model.parameters(), lr=config.lr))
         # The inner optimizer, never the wrapper, goes to the checkpointer: DCP's template step on a
         # fresh optimizer would otherwise run a torchft should_commit outside the training loop.
-        self.checkpointer = Checkpointer(Path(config.checkpoint_dir) / f"replica-{config.replica_id}", keep_last=config.keep_last)
+        self.checkpointer = Checkpointer(
+            Path(config.checkpoint_dir) / f"replica-{config.replica_id}", keep_last=config.keep_last
+        )
         self.log.emit("started", pid=os.getpid(), store_port=self.store.port)
 
     # --- the state a healing peer receives (torchft calls these on the training thread or its quorum thread)
@@ -342,24 +346,45 @@ class ReplicaWorker:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m services.trainer.replicas", description=__doc__.split("\n")[0])
-    parser.add_argument("--serve-lighthouse", metavar="BIND", help="run only a Lighthouse on BIND, e.g. '[::]:29510'")
+    parser = argparse.ArgumentParser(
+        prog="python -m services.trainer.replicas", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--serve-lighthouse", metavar="BIND", help="run only a Lighthouse on BIND, e.g. '[::]:29510'"
+    )
     parser.add_argument("--min-replicas", type=int, default=1, help="with --serve-lighthouse")
     parser.add_argument("--replica-id", type=int)
     parser.add_argument("--lighthouse", help="the Lighthouse address, e.g. http://host:29510")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--checkpoint-dir")
     defaults = ReplicaConfig(replica_id=0, lighthouse="", steps=1, checkpoint_dir="")
-    for name in ("checkpoint_every", "keep_last", "num_replica_groups", "model_size", "seq_len", "batch_size",
-                 "lr", "seed", "data_source", "timeout_s", "quorum_timeout_s", "connect_timeout_s",
-                 "store_host", "progress", "threads"):
+    for name in (
+        "checkpoint_every",
+        "keep_last",
+        "num_replica_groups",
+        "model_size",
+        "seq_len",
+        "batch_size",
+        "lr",
+        "seed",
+        "data_source",
+        "timeout_s",
+        "quorum_timeout_s",
+        "connect_timeout_s",
+        "store_host",
+        "progress",
+        "threads",
+    ):
         default = getattr(defaults, name)
         kind = str if default is None else type(default)
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
     args = parser.parse_args(argv)
     if args.serve_lighthouse is None:
-        missing = [f"--{n.replace('_', '-')}" for n in ("replica_id", "lighthouse", "steps", "checkpoint_dir")
-                   if getattr(args, n) is None]
+        missing = [
+            f"--{n.replace('_', '-')}"
+            for n in ("replica_id", "lighthouse", "steps", "checkpoint_dir")
+            if getattr(args, n) is None
+        ]
         if missing:
             parser.error(f"a replica needs {', '.join(missing)} (or run --serve-lighthouse BIND)")
     return args

@@ -29,7 +29,15 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from services.trainer.data import ByteTokenizer
 from services.trainer.generation import Completion
-from services.trainer.loop import Emit, LoopSettings, StepOutput, full_state_dict, pick_device, resume_or_init, run_loop
+from services.trainer.loop import (
+    Emit,
+    LoopSettings,
+    StepOutput,
+    full_state_dict,
+    pick_device,
+    resume_or_init,
+    run_loop,
+)
 from services.trainer.objectives import (
     DUAL_CLIP_C,
     clipped_policy_loss,
@@ -108,12 +116,16 @@ def score(completion: Completion, answer: str, *, max_tokens: int, buffer_tokens
 def score_group(group: list[Completion], answer: str, cfg: RlvrConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(shaped rewards, correct) of one group, both (group_size,): the rewards feed the advantages,
     the verifier's bare correctness decides whether dynamic sampling keeps the group."""
-    scored = [score(c, answer, max_tokens=cfg.max_response_tokens, buffer_tokens=cfg.overlong_buffer_tokens)
-              for c in group]
+    scored = [
+        score(c, answer, max_tokens=cfg.max_response_tokens, buffer_tokens=cfg.overlong_buffer_tokens)
+        for c in group
+    ]
     return torch.tensor([r for r, _ in scored]), torch.tensor([ok for _, ok in scored])
 
 
-def policy_batch(prompts: list[list[int]], completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_batch(
+    prompts: list[list[int]], completions: list[Completion]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(inputs, targets, mask, old log-probs) of prompt+completion rows, right-padded."""
     width = max(len(p) + len(c.tokens) for p, c in zip(prompts, completions, strict=True)) - 1
     rows = len(prompts)
@@ -148,11 +160,16 @@ class Sampler:
         rng = random.Random(f"rlvr:{self.cfg.seed}:{request_id}")
         chosen = [rng.choice(self.cfg.problems) for _ in range(prompts)]
         self.answers[request_id] = [a for _, a in chosen]
-        self.worker.request(RolloutRequest(
-            request_id=request_id, prompts=[self.tok.encode(p) for p, _ in chosen], group_size=self.cfg.group_size,
-            max_new_tokens=self.cfg.max_response_tokens, temperature=self.cfg.temperature,
-            seed=rng.randrange(2**62),
-        ))
+        self.worker.request(
+            RolloutRequest(
+                request_id=request_id,
+                prompts=[self.tok.encode(p) for p, _ in chosen],
+                group_size=self.cfg.group_size,
+                max_new_tokens=self.cfg.max_response_tokens,
+                temperature=self.cfg.temperature,
+                seed=rng.randrange(2**62),
+            )
+        )
         self.requested.add(request_id)
         return request_id
 
@@ -210,8 +227,9 @@ def sample_step(step: int, first: str, cfg: RlvrConfig, sampler: Sampler, st: St
     return kept
 
 
-def policy_loss(model: torch.nn.Module, kept: Kept, cfg: RlvrConfig, device: torch.device,
-                st: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_loss(
+    model: torch.nn.Module, kept: Kept, cfg: RlvrConfig, device: torch.device, st: StepStats
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, response mask) over the kept groups: advantages normalised within each group of shaped
     rewards, the clipped policy loss; the k3 KL and the clip fraction go to `st`."""
     inputs, targets, mask, old = policy_batch(kept.prompts, kept.completions)
@@ -224,8 +242,13 @@ def policy_loss(model: torch.nn.Module, kept: Kept, cfg: RlvrConfig, device: tor
     return loss, mask
 
 
-def train_rlvr(cfg: RlvrConfig, emit: Emit, should_stop: Callable[[], bool], *,
-               worker_factory: Callable[..., RolloutWorker] = RolloutWorker) -> RlvrResult:
+def train_rlvr(
+    cfg: RlvrConfig,
+    emit: Emit,
+    should_stop: Callable[[], bool],
+    *,
+    worker_factory: Callable[..., RolloutWorker] = RolloutWorker,
+) -> RlvrResult:
     """`worker_factory(shape, rope_base, threads=, device=)` builds the rollout worker (a context
     manager); tests pass a fake one to exercise staleness without timing."""
     device = pick_device(cfg.device)
@@ -236,16 +259,28 @@ def train_rlvr(cfg: RlvrConfig, emit: Emit, should_stop: Callable[[], bool], *,
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
     scheduler = LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=1.0))
-    settings = LoopSettings(stage=cfg.stage, steps=cfg.steps, checkpoint_dir=cfg.checkpoint_dir,
-                            checkpoint_interval=cfg.checkpoint_interval, keep_last=cfg.keep_last)
+    settings = LoopSettings(
+        stage=cfg.stage,
+        steps=cfg.steps,
+        checkpoint_dir=cfg.checkpoint_dir,
+        checkpoint_interval=cfg.checkpoint_interval,
+        keep_last=cfg.keep_last,
+    )
     resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
     start = resumed.step if resumed else 0
     stats: list[StepStats] = []
     if start < cfg.steps:
-        emit("log", {"level": "info", "message": (
-            f"rlvr: {cfg.steps - start} steps of {cfg.prompts_per_step} groups x {cfg.group_size} rollouts, "
-            f"clip [{1 - cfg.eps_low:.2f}, {1 + cfg.eps_high:.2f}], dual-clip {DUAL_CLIP_C:g}, "
-            f"L_max {cfg.max_response_tokens}, L_cache {cfg.overlong_buffer_tokens}, staleness <= {cfg.max_staleness}")})
+        emit(
+            "log",
+            {
+                "level": "info",
+                "message": (
+                    f"rlvr: {cfg.steps - start} steps of {cfg.prompts_per_step} groups x {cfg.group_size} rollouts, "
+                    f"clip [{1 - cfg.eps_low:.2f}, {1 + cfg.eps_high:.2f}], dual-clip {DUAL_CLIP_C:g}, "
+                    f"L_max {cfg.max_response_tokens}, L_cache {cfg.overlong_buffer_tokens}, staleness <= {cfg.max_staleness}"
+                ),
+            },
+        )
 
     with worker_factory(model.shape, cfg.rope_base, threads=cfg.threads, device=device.type) as worker:
         sampler = Sampler(cfg, worker)
@@ -259,21 +294,57 @@ def train_rlvr(cfg: RlvrConfig, emit: Emit, should_stop: Callable[[], bool], *,
                 sampler.request(step + 1, 0, cfg.prompts_per_step)  # sampled from version `step`
             kept = sample_step(step, first, cfg, sampler, st)
             if not kept.rewards:
-                emit("log", {"level": "warning", "message": (
-                    f"rlvr step {step + 1}: no group with both right and wrong answers after {st.rounds} "
-                    "rounds; nothing to learn")})
+                emit(
+                    "log",
+                    {
+                        "level": "warning",
+                        "message": (
+                            f"rlvr step {step + 1}: no group with both right and wrong answers after {st.rounds} "
+                            "rounds; nothing to learn"
+                        ),
+                    },
+                )
                 return StepOutput(loss=None, tokens=0)
             loss, mask = policy_loss(model, kept, cfg, device, st)
-            emit("log", {"level": "info", "message": (
-                f"rlvr step {step + 1}: reward {st.reward:.3f}, accuracy {st.accuracy:.3f}, kl {st.kl:.4f}, "
-                f"clipped {st.clip_fraction:.3f}, groups kept {st.groups_kept} (uniform dropped {st.groups_uniform}), "
-                f"stale rollouts dropped {st.stale_dropped}, rounds {st.rounds}")})
+            emit(
+                "log",
+                {
+                    "level": "info",
+                    "message": (
+                        f"rlvr step {step + 1}: reward {st.reward:.3f}, accuracy {st.accuracy:.3f}, kl {st.kl:.4f}, "
+                        f"clipped {st.clip_fraction:.3f}, groups kept {st.groups_kept} (uniform dropped {st.groups_uniform}), "
+                        f"stale rollouts dropped {st.stale_dropped}, rounds {st.rounds}"
+                    ),
+                },
+            )
             return StepOutput(loss=loss, tokens=int(mask.sum().item()))
 
-        result = run_loop(settings, model, optimizer, scheduler, step_fn, emit, should_stop, start_step=start,
-                          position=lambda: 0)
+        result = run_loop(
+            settings,
+            model,
+            optimizer,
+            scheduler,
+            step_fn,
+            emit,
+            should_stop,
+            start_step=start,
+            position=lambda: 0,
+        )
     stale_total = sum(st.stale_dropped for st in stats)
     if stale_total:
-        emit("log", {"level": "info", "message": f"rlvr dropped {stale_total} stale rollouts (older than {cfg.max_staleness} versions)"})
-    return RlvrResult(final_step=result.final_step, first_loss=result.first_loss, final_loss=result.final_loss,
-                      stopped=result.stopped, stats=stats, stale_dropped=stale_total, model=model)
+        emit(
+            "log",
+            {
+                "level": "info",
+                "message": f"rlvr dropped {stale_total} stale rollouts (older than {cfg.max_staleness} versions)",
+            },
+        )
+    return RlvrResult(
+        final_step=result.final_step,
+        first_loss=result.first_loss,
+        final_loss=result.final_loss,
+        stopped=result.stopped,
+        stats=stats,
+        stale_dropped=stale_total,
+        model=model,
+    )

@@ -136,8 +136,9 @@ def _signature(state_dict: dict[str, torch.Tensor]) -> list[tuple[str, torch.dty
     return [(k, v.dtype, tuple(v.shape)) for k, v in state_dict.items()]
 
 
-def worker_main(control: "mp.Queue", results: "mp.Queue", shape: dict, rope_base: float | None, threads: int,
-                device: str) -> None:
+def worker_main(
+    control: "mp.Queue", results: "mp.Queue", shape: dict, rope_base: float | None, threads: int, device: str
+) -> None:
     """The worker process: apply weights, serve requests, in queue order, until a None arrives."""
     from services.trainer.model import Transformer
 
@@ -152,7 +153,11 @@ def worker_main(control: "mp.Queue", results: "mp.Queue", shape: dict, rope_base
             match message:
                 case ("attach", str(path), list(layout), int(slot_bytes)):
                     size = slot_bytes * WEIGHT_SLOTS
-                    shared = (torch.from_file(path, shared=True, size=size, dtype=torch.uint8), layout, slot_bytes)
+                    shared = (
+                        torch.from_file(path, shared=True, size=size, dtype=torch.uint8),
+                        layout,
+                        slot_bytes,
+                    )
                 case ("weights_at", int(new_version), int(slot)):
                     assert shared is not None, "weights_at before attach"
                     model.load_state_dict(_slot_views(shared[0], shared[1], shared[2], slot))
@@ -165,11 +170,27 @@ def worker_main(control: "mp.Queue", results: "mp.Queue", shape: dict, rope_base
                 case ("request", RolloutRequest() as request):
                     generator = torch.Generator().manual_seed(request.seed)
                     prompts = [p for p in request.prompts for _ in range(request.group_size)]
-                    flat = complete(model, prompts, max_new_tokens=request.max_new_tokens,
-                                    temperature=request.temperature, generator=generator)
-                    groups = [flat[i : i + request.group_size] for i in range(0, len(flat), request.group_size)]
-                    results.put(("batch", RolloutBatch(request_id=request.request_id, version=version,
-                                                       prompts=request.prompts, groups=groups)))
+                    flat = complete(
+                        model,
+                        prompts,
+                        max_new_tokens=request.max_new_tokens,
+                        temperature=request.temperature,
+                        generator=generator,
+                    )
+                    groups = [
+                        flat[i : i + request.group_size] for i in range(0, len(flat), request.group_size)
+                    ]
+                    results.put(
+                        (
+                            "batch",
+                            RolloutBatch(
+                                request_id=request.request_id,
+                                version=version,
+                                prompts=request.prompts,
+                                groups=groups,
+                            ),
+                        )
+                    )
     except Exception as e:  # reported to the trainer, which fails the stage with the message
         results.put(("error", f"{type(e).__name__}: {e}"))
 
@@ -183,7 +204,8 @@ class RolloutWorker:
         self._control = ctx.Queue()
         self._results = ctx.Queue()
         self._process = ctx.Process(
-            target=worker_main, name="ito-rollout",
+            target=worker_main,
+            name="ito-rollout",
             args=(self._control, self._results, msgspec.to_builtins(shape), rope_base, threads, device),
             daemon=True,
         )
@@ -242,7 +264,9 @@ class RolloutWorker:
     def collect(self, request_id: str, timeout_s: float = COLLECT_TIMEOUT_S) -> RolloutBatch:
         """The batch answering `request_id` (batches for other requests are kept for later)."""
         if request_id not in self._ready:
-            self._receive(lambda kind, payload: kind == "batch" and payload.request_id == request_id, timeout_s)
+            self._receive(
+                lambda kind, payload: kind == "batch" and payload.request_id == request_id, timeout_s
+            )
         return self._ready.pop(request_id)
 
     def _receive(self, done, timeout_s: float) -> None:
@@ -252,7 +276,9 @@ class RolloutWorker:
                 kind, payload = self._results.get(timeout=POLL_S)
             except queue.Empty:
                 if not self._process.is_alive():
-                    raise RolloutError(f"The rollout worker exited with code {self._process.exitcode}.") from None
+                    raise RolloutError(
+                        f"The rollout worker exited with code {self._process.exitcode}."
+                    ) from None
                 continue
             if kind == "error":
                 raise RolloutError(f"The rollout worker failed: {payload}")

@@ -49,7 +49,8 @@ class SpikeDetector:
     def observe(self, step: int, loss: float, grad_norm: float) -> bool:
         """True once `consecutive` spiking steps in a row were seen; spiking steps stay out of the window."""
         if len(self._losses) >= self.min_history and (
-            not math.isfinite(loss) or self._above(self._losses, loss, self.k)
+            not math.isfinite(loss)
+            or self._above(self._losses, loss, self.k)
             or self._above(self._norms, grad_norm, self.k)
         ):
             self._run += 1
@@ -69,7 +70,9 @@ def restart_point(spike_step: int, total_steps: int, committed_steps: Collection
     """The checkpoint a restart goes back to: the newest at least `BACK_FRACTION` of the stage before
     the spike, else the newest before it; None when none lies before the spike."""
     back = max(1, round(BACK_FRACTION * total_steps))
-    candidates = [s for s in committed_steps if s <= spike_step - back] or [s for s in committed_steps if s < spike_step]
+    candidates = [s for s in committed_steps if s <= spike_step - back] or [
+        s for s in committed_steps if s < spike_step
+    ]
     return max(candidates, default=None)
 
 
@@ -96,8 +99,14 @@ def position_after(step: int, positions: Mapping[int, int], skip: tuple[int, int
     return position + (step - newest)
 
 
-def propose(stage: str, spike_step: int, total_steps: int, positions: Mapping[int, int], reason: str,
-            skip: tuple[int, int] | None = None) -> RestartProposal:
+def propose(
+    stage: str,
+    spike_step: int,
+    total_steps: int,
+    positions: Mapping[int, int],
+    reason: str,
+    skip: tuple[int, int] | None = None,
+) -> RestartProposal:
     """The restart to propose for a spike first seen at `spike_step`. `positions`: committed step ->
     the data position it recorded; `skip`: the last approved skip window, if any. The window starts
     at the restart checkpoint's recorded position (where its resume lands, so the skip fires) and
@@ -107,7 +116,19 @@ def propose(stage: str, spike_step: int, total_steps: int, positions: Mapping[in
     past = min(MAX_SKIP, max(1, round(SKIP_FRACTION * total_steps)))
     skip_to = position_after(spike_step, positions, skip) + past
     if checkpoint is None:
-        return RestartProposal(stage=stage, checkpoint_step=0, skip_from=0, skip_to=skip_to, spike_step=spike_step,
-                               reason=reason + "; no checkpoint before it")
-    return RestartProposal(stage=stage, checkpoint_step=checkpoint, skip_from=positions[checkpoint],
-                           skip_to=skip_to, spike_step=spike_step, reason=reason)
+        return RestartProposal(
+            stage=stage,
+            checkpoint_step=0,
+            skip_from=0,
+            skip_to=skip_to,
+            spike_step=spike_step,
+            reason=reason + "; no checkpoint before it",
+        )
+    return RestartProposal(
+        stage=stage,
+        checkpoint_step=checkpoint,
+        skip_from=positions[checkpoint],
+        skip_to=skip_to,
+        spike_step=spike_step,
+        reason=reason,
+    )

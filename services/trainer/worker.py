@@ -21,7 +21,14 @@ import msgspec
 from faststream.nats import NatsBroker, NatsMessage
 
 from contracts import subjects
-from contracts.api import CleanupOrder, CleanupResult, LeaseAnswer, LeaseQuery, RemovedArtifact, RestartProposal
+from contracts.api import (
+    CleanupOrder,
+    CleanupResult,
+    LeaseAnswer,
+    LeaseQuery,
+    RemovedArtifact,
+    RestartProposal,
+)
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.runs import ProposalMade, TrainWork
@@ -50,7 +57,12 @@ manifest_decoder = msgspec.json.Decoder(Manifest)
 
 def last_committed_step(checkpoint_dir: pathlib.Path) -> int | None:
     """The newest committed checkpoint's step across the run's stage directories, if any."""
-    steps = [c.step for d in [checkpoint_dir, *checkpoint_dir.glob("*/")] if d.is_dir() for c in list_checkpoints(d)]
+    steps = [
+        c.step
+        for d in [checkpoint_dir, *checkpoint_dir.glob("*/")]
+        if d.is_dir()
+        for c in list_checkpoints(d)
+    ]
     return max(steps) if steps else None
 
 
@@ -82,7 +94,9 @@ class SpikeWatch:
     first spiking step on, on the training thread and so before any later save prunes: the saves
     around a spike (the one on stop among them) would otherwise evict it by `keep_last`."""
 
-    def __init__(self, emit, stop: Stop, planted: bool = False, checkpoint_dir: pathlib.Path | None = None) -> None:
+    def __init__(
+        self, emit, stop: Stop, planted: bool = False, checkpoint_dir: pathlib.Path | None = None
+    ) -> None:
         self._emit = emit
         self.stop = stop
         self.checkpoint_dir = checkpoint_dir
@@ -105,8 +119,10 @@ class SpikeWatch:
                 if spiked:
                     self.stage, self.total_steps = payload["stage"], payload["total_steps"]
                     self.spike_step = self.detector.first_spike_step or payload["step"]
-                    self.reason = (f"loss above mean + {spikes.K_SIGMA:g} sigma of the last {spikes.WINDOW} steps "
-                                   f"for {spikes.CONSECUTIVE} steps")
+                    self.reason = (
+                        f"loss above mean + {spikes.K_SIGMA:g} sigma of the last {spikes.WINDOW} steps "
+                        f"for {spikes.CONSECUTIVE} steps"
+                    )
                     self.stop.set("loss_spike")
         self._emit(kind, payload)
 
@@ -115,8 +131,13 @@ class SpikeWatch:
         if self.checkpoint_dir is None:
             return
         stage_dir = self.checkpoint_dir / stage
-        point = None if self._pinned_for is None else spikes.restart_point(
-            self._pinned_for, total_steps, [c.step for c in list_checkpoints(stage_dir)])
+        point = (
+            None
+            if self._pinned_for is None
+            else spikes.restart_point(
+                self._pinned_for, total_steps, [c.step for c in list_checkpoints(stage_dir)]
+            )
+        )
         pin(stage_dir, point)
 
     def proposal(self, checkpoint_dir: pathlib.Path) -> RestartProposal:
@@ -124,8 +145,14 @@ class SpikeWatch:
         as they are now (the one saved on stop included); its checkpoint stays pinned until the
         restart is carried out."""
         stage_dir = checkpoint_dir / self.stage
-        proposal = spikes.propose(self.stage, self.spike_step, self.total_steps, committed_positions(stage_dir),
-                                  self.reason, skip=skip_window(stage_dir))
+        proposal = spikes.propose(
+            self.stage,
+            self.spike_step,
+            self.total_steps,
+            committed_positions(stage_dir),
+            self.reason,
+            skip=skip_window(stage_dir),
+        )
         pin(stage_dir, proposal.checkpoint_step)
         return proposal
 
@@ -147,7 +174,11 @@ class Worker:
         if stop is None or epoch is None:
             return
         answer = await self.lease(run_id, epoch)
-        if answer is not None and not answer.proceed and answer.state in (RunState.cancelling, RunState.cancelled):
+        if (
+            answer is not None
+            and not answer.proceed
+            and answer.state in (RunState.cancelling, RunState.cancelled)
+        ):
             log.info("run %s: cancel confirmed by the lease; stopping after this step", run_id)
             stop.set("cancelled")
         else:
@@ -157,13 +188,22 @@ class Worker:
         """Ask for (epoch 0, with the work item's binding) or renew a run's lease; None when the
         scheduler did not answer."""
         try:
-            binding = {} if work is None else {
-                "account": work.account, "booking_id": work.booking_id, "manifest_digest": work.manifest_digest,
-                "plan_sha256": codec.digest(work.plan)}
+            binding = (
+                {}
+                if work is None
+                else {
+                    "account": work.account,
+                    "booking_id": work.booking_id,
+                    "manifest_digest": work.manifest_digest,
+                    "plan_sha256": codec.digest(work.plan),
+                }
+            )
             query = LeaseQuery(run_id=run_id, trainer_id=self.trainer_id, epoch=epoch, **binding)
-            reply = await self.broker.request(codec.encode(query),
-                                              self.settings.subject(subjects.RUN_LEASE),
-                                              timeout=self.settings.request_timeout_s)
+            reply = await self.broker.request(
+                codec.encode(query),
+                self.settings.subject(subjects.RUN_LEASE),
+                timeout=self.settings.request_timeout_s,
+            )
             return codec.unwrap(reply.body, LeaseAnswer)
         except Exception:  # no answer is not a yes
             return None
@@ -201,8 +241,11 @@ class Worker:
             return
         answer = await self.lease(work.run_id, work=work)  # a new lease: epoch 0 asks for the next epoch
         if answer is None:
-            log.warning("run %s: the scheduler did not answer the lease; retrying in %ds", work.run_id,
-                        RETRY_LEASE_AFTER_S)
+            log.warning(
+                "run %s: the scheduler did not answer the lease; retrying in %ds",
+                work.run_id,
+                RETRY_LEASE_AFTER_S,
+            )
             await msg.raw_message.nak(delay=RETRY_LEASE_AFTER_S)
             return
         if not answer.proceed:
@@ -220,20 +263,29 @@ class Worker:
         checkpoint_dir = run_dir(self.checkpoint_root, manifest.checkpoint.storage, work.account, work.run_id)
         checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         final: RunState | None = None
-        watch = SpikeWatch(emitter.from_thread, stop, planted=faults.active(faults.TRAINER_LOSS_SPIKE)
-                           and work.restart is None, checkpoint_dir=checkpoint_dir)
+        watch = SpikeWatch(
+            emitter.from_thread,
+            stop,
+            planted=faults.active(faults.TRAINER_LOSS_SPIKE) and work.restart is None,
+            checkpoint_dir=checkpoint_dir,
+        )
         try:
             if work.restart is not None:
                 r = work.restart
                 moved = rewind(checkpoint_dir / r.stage, r.checkpoint_step, r.skip_from, r.skip_to)
-                await emitter.log(f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
-                                  f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})")
+                await emitter.log(
+                    f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
+                    f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})"
+                )
             await emitter.state(RunState.running, message="training started")
-            result = await asyncio.to_thread(run_pipeline, manifest, checkpoint_dir, watch.emit,
-                                             stop.is_set, self.threads)
+            result = await asyncio.to_thread(
+                run_pipeline, manifest, checkpoint_dir, watch.emit, stop.is_set, self.threads
+            )
             if stop.reason == "fenced":
                 # Another trainer holds (or will hold) the run: report nothing, acknowledge nothing.
-                log.warning("run %s: fenced at epoch %d; leaving it to the new lease holder", work.run_id, epoch)
+                log.warning(
+                    "run %s: fenced at epoch %d; leaving it to the new lease holder", work.run_id, epoch
+                )
                 return
             await emitter.log(result.summary)
             if stop.reason == "loss_spike":
@@ -263,8 +315,11 @@ class Worker:
         if await self._applied(work.run_id, epoch, final):
             await msg.ack()
         else:  # refused or unseen: never ack; the item comes back and the lease decides what happens
-            log.warning("run %s: the scheduler does not show %s; leaving the work item unacknowledged",
-                        work.run_id, final)
+            log.warning(
+                "run %s: the scheduler does not show %s; leaving the work item unacknowledged",
+                work.run_id,
+                final,
+            )
             await msg.raw_message.nak(delay=RETRY_LEASE_AFTER_S)
 
     async def _applied(self, run_id: str, epoch: int, final: RunState | None) -> bool:
@@ -281,10 +336,15 @@ class Worker:
         """Pause the run with PaLM's remedy as a proposal; only a confirmed approval restarts it."""
         proposal = watch.proposal(checkpoint_dir)
         await emitter.publish(ProposalMade(**emitter.base(), proposal=proposal))
-        await emitter.state(RunState.awaiting_approval, stage=watch.stage, message=(
-            f"loss spike at {watch.stage} step {watch.spike_step} ({watch.reason}); proposed: restart from "
-            f"checkpoint step {proposal.checkpoint_step}, skipping batches [{proposal.skip_from}, {proposal.skip_to}). "
-            "Waiting for a restart_from_checkpoint confirmation."))
+        await emitter.state(
+            RunState.awaiting_approval,
+            stage=watch.stage,
+            message=(
+                f"loss spike at {watch.stage} step {watch.spike_step} ({watch.reason}); proposed: restart from "
+                f"checkpoint step {proposal.checkpoint_step}, skipping batches [{proposal.skip_from}, {proposal.skip_to}). "
+                "Waiting for a restart_from_checkpoint confirmation."
+            ),
+        )
 
     async def cleanup(self, order: CleanupOrder) -> CleanupResult:
         """Remove a finished run's artifacts and say what was removed. The directory is derived
@@ -292,8 +352,14 @@ class Worker:
         be that root's `<account>/<run_id>`."""
         root = storage_root(self.checkpoint_root, order.storage)
         path = run_dir(self.checkpoint_root, order.storage, order.account, order.run_id)
-        if (not root.is_absolute() or path.is_symlink() or path.parent.is_symlink() or not inside(root, path)
-                or pathlib.Path(os.path.realpath(path)) != pathlib.Path(os.path.realpath(root)) / order.account / order.run_id):
+        if (
+            not root.is_absolute()
+            or path.is_symlink()
+            or path.parent.is_symlink()
+            or not inside(root, path)
+            or pathlib.Path(os.path.realpath(path))
+            != pathlib.Path(os.path.realpath(root)) / order.account / order.run_id
+        ):
             raise Refusal(ErrorCode.forbidden, "the checkpoint directory is not this run's")
         removed = []
         if path.exists():

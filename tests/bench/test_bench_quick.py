@@ -14,8 +14,16 @@ from bench.report import HEADLINES, figure
 
 pytestmark = pytest.mark.e2e
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
-QUICK_BENCHMARKS = {"control_plane_latency", "control_plane_throughput", "exactly_once", "cli_startup",
-                    "trainer_pretrain", "trainer_dpo", "trainer_grpo", "checkpoint_tiny"}
+QUICK_BENCHMARKS = {
+    "control_plane_latency",
+    "control_plane_throughput",
+    "exactly_once",
+    "cli_startup",
+    "trainer_pretrain",
+    "trainer_dpo",
+    "trainer_grpo",
+    "checkpoint_tiny",
+}
 ENVIRONMENT_FIELDS = {"mode", "cpu_count", "python", "torch", "git_commit", "infra"}
 
 
@@ -26,8 +34,13 @@ def is_number(value) -> bool:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ratio_p50_to_bare_sum" in proc.stdout  # the table was printed
     return json.loads(out.read_text())

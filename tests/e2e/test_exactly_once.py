@@ -46,19 +46,31 @@ class Bus:
         await self.ops.close()
 
     async def call(self, suffix, **body):
-        reply = await self.nc.request(self.stack.api_subject(suffix, self.account), json.dumps(body).encode(),
-                                      timeout=30)
+        reply = await self.nc.request(
+            self.stack.api_subject(suffix, self.account), json.dumps(body).encode(), timeout=30
+        )
         return json.loads(reply.data)
 
     async def confirm(self, booking, text, digest):
-        out = await self.call(subjects.API_CONFIRM, action="train", booking_id=booking, manifest_text=text,
-                              manifest_digest=digest)
+        out = await self.call(
+            subjects.API_CONFIRM,
+            action="train",
+            booking_id=booking,
+            manifest_text=text,
+            manifest_digest=digest,
+        )
         assert out["ok"], out
         return out["data"]["confirmation_ref"]
 
     async def train(self, booking, text, digest, ref, key):
-        return await self.call(subjects.API_TRAIN, booking_id=booking, manifest_text=text, manifest_digest=digest,
-                               confirmation_ref=ref, idempotency_key=key)
+        return await self.call(
+            subjects.API_TRAIN,
+            booking_id=booking,
+            manifest_text=text,
+            manifest_digest=digest,
+            confirmation_ref=ref,
+            idempotency_key=key,
+        )
 
     async def queued(self) -> int:
         js = self.ops.jetstream()
@@ -75,7 +87,9 @@ def test_50_parallel_trains_with_one_key_create_one_run(make_stack, manifest):
     async def scenario():
         async with Bus(stack, account, key) as bus:
             ref = await bus.confirm(booking, text, digest)
-            outs = await asyncio.gather(*(bus.train(booking, text, digest, ref, "same-key") for _ in range(50)))
+            outs = await asyncio.gather(
+                *(bus.train(booking, text, digest, ref, "same-key") for _ in range(50))
+            )
             return outs, await bus.queued()
 
     outs, queued = asyncio.run(scenario())
@@ -95,7 +109,9 @@ def test_200_distinct_keys_in_parallel_create_200_runs(make_stack, manifest):
     async def scenario():
         async with Bus(stack, account, key) as bus:
             refs = await asyncio.gather(*(bus.confirm(booking, text, digest) for _ in range(200)))
-            outs = await asyncio.gather(*(bus.train(booking, text, digest, ref, f"key-{i}") for i, ref in enumerate(refs)))
+            outs = await asyncio.gather(
+                *(bus.train(booking, text, digest, ref, f"key-{i}") for i, ref in enumerate(refs))
+            )
             return outs, await bus.queued()
 
     outs, queued = asyncio.run(scenario())
@@ -108,9 +124,12 @@ def test_scheduler_killed_between_reservation_and_handoff(make_stack, manifest):
     """The accept is durable; the reconciler of the restarted scheduler finishes the hand-off once."""
     stack = make_stack("entitlement,confirmation,ledger")
     m = str(manifest())
-    crashing = subprocess.Popen([ITO_TRAINING, "serve", "scheduler"],
-                                env={**stack.env, faults.ENV_FAULT_POINT: faults.SCHEDULER_AFTER_ACCEPT},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    crashing = subprocess.Popen(
+        [ITO_TRAINING, "serve", "scheduler"],
+        env={**stack.env, faults.ENV_FAULT_POINT: faults.SCHEDULER_AFTER_ACCEPT},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         account, key = "crash-" + uuid.uuid4().hex[:6], None
         key = stack.ito("accounts", "create", account)["api_key"]
@@ -121,14 +140,30 @@ def test_scheduler_killed_between_reservation_and_handoff(make_stack, manifest):
             time.sleep(0.2)
         booking = stack.booking(account)
         _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)
-        rc, out = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref",
-                            conf["data"]["confirmation_ref"], "--idempotency-key", "crash-1", "--timeout", "5", env=env)
+        rc, out = stack.ecc(
+            "train",
+            "--booking",
+            booking,
+            "--manifest",
+            m,
+            "--confirmation-ref",
+            conf["data"]["confirmation_ref"],
+            "--idempotency-key",
+            "crash-1",
+            "--timeout",
+            "5",
+            env=env,
+        )
         assert crashing.wait(timeout=10) == 137  # it died at the fault point
         assert rc == 1 and out["error"]["code"] == "transport_ambiguous", out
     finally:
         crashing.kill()
-    healthy = subprocess.Popen([ITO_TRAINING, "serve", "scheduler"],
-                               env=stack.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    healthy = subprocess.Popen(
+        [ITO_TRAINING, "serve", "scheduler"],
+        env=stack.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -143,8 +178,18 @@ def test_scheduler_killed_between_reservation_and_handoff(make_stack, manifest):
                 return await bus.queued()
 
         assert asyncio.run(queued()) == 1
-        rc, again = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref", "cf_x",
-                              "--idempotency-key", "crash-1", env=env)
+        rc, again = stack.ecc(
+            "train",
+            "--booking",
+            booking,
+            "--manifest",
+            m,
+            "--confirmation-ref",
+            "cf_x",
+            "--idempotency-key",
+            "crash-1",
+            env=env,
+        )
         assert rc == 0 and again["data"]["run_id"] == status["data"]["run_id"] and again["data"]["replay"]
         assert asyncio.run(queued()) == 1
     finally:
@@ -154,11 +199,23 @@ def test_scheduler_killed_between_reservation_and_handoff(make_stack, manifest):
 
 def test_entitlement_down_is_backend_unavailable_within_the_timeout(make_stack, manifest):
     stack = make_stack("confirmation,ledger,scheduler")
-    account, _, env = stack.account()
+    _account, _, env = stack.account()
     m = str(manifest())
     started = time.monotonic()
-    rc, out = stack.ecc("train", "--booking", "bk-" + uuid.uuid4().hex[:6], "--manifest", m, "--confirmation-ref",
-                        "cf_x", "--idempotency-key", "down-1", "--timeout", "10", env=env)
+    rc, out = stack.ecc(
+        "train",
+        "--booking",
+        "bk-" + uuid.uuid4().hex[:6],
+        "--manifest",
+        m,
+        "--confirmation-ref",
+        "cf_x",
+        "--idempotency-key",
+        "down-1",
+        "--timeout",
+        "10",
+        env=env,
+    )
     assert rc == 1 and out["error"]["code"] == "backend_unavailable", out
     assert time.monotonic() - started < 10 + 5  # inside the CLI's timeout, with process start-up slack
     rc, out = stack.ecc("status", "--idempotency-key", "down-1", env=env)
@@ -167,14 +224,16 @@ def test_entitlement_down_is_backend_unavailable_within_the_timeout(make_stack, 
 
 def test_plan_creates_nothing(make_stack, manifest):
     """No run, no consumed confirmation, no ledger entry, nothing on the trainer's queue."""
-    import redis
 
     stack = make_stack(CONTROL_PLANE)
     account, key, env = stack.account()
     booking = stack.booking(account)
     m = str(manifest())
-    ref = json.loads(json.dumps(stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m,
-                                          env=env)[1]))["data"]["confirmation_ref"]
+    ref = json.loads(
+        json.dumps(
+            stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)[1]
+        )
+    )["data"]["confirmation_ref"]
     r = stack.redis()
     ns = stack.env["ITO_NAMESPACE"]
 

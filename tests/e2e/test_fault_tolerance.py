@@ -28,8 +28,18 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
     booking = stack.booking(account)
     m = str(manifest(target=LONG, checkpoint={"interval_steps": 50, "keep_last": 2, "storage": "local"}))
     _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)
-    rc, out = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref",
-                        conf["data"]["confirmation_ref"], "--idempotency-key", "ft-1", env=env)
+    _rc, out = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        m,
+        "--confirmation-ref",
+        conf["data"]["confirmation_ref"],
+        "--idempotency-key",
+        "ft-1",
+        env=env,
+    )
     run_id = out["data"]["run_id"]
     deadline = time.monotonic() + 120
     while (status(stack, env, run_id).get("last_checkpoint_step") or 0) < 100:
@@ -44,8 +54,12 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
         states.add(status(stack, env, run_id)["state"])
         assert time.monotonic() < deadline, states
         time.sleep(0.2)
-    replacement = subprocess.Popen([ITO_TRAINING, "serve", "trainer"], env=stack.env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    replacement = subprocess.Popen(
+        [ITO_TRAINING, "serve", "trainer"],
+        env=stack.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while (view := status(stack, env, run_id))["state"] not in ("succeeded", "failed"):
@@ -58,14 +72,18 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
         _, metrics = stack.ecc("metrics", run_id, "--since", "0", env=env)
         steps = [p["step"] for p in metrics["data"]["points"]]
         restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-        assert steps[restart] - 1 in (50, 100, 150) and steps[restart] <= killed_at + 1  # from a committed checkpoint
+        assert (
+            steps[restart] - 1 in (50, 100, 150) and steps[restart] <= killed_at + 1
+        )  # from a committed checkpoint
         assert steps[-1] == 600
 
         # desk telemetry counts exactly this one interruption, and the run's time adds up to 100 %
         deadline = time.monotonic() + 30
         while True:
             proc = stack.run("ito-training", "desk", "telemetry", "--json")
-            rollups = {(r["by"], r["key"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1] or "[]")}
+            rollups = {
+                (r["by"], r["key"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1] or "[]")
+            }
             if ("booking", booking) in rollups:
                 break
             assert time.monotonic() < deadline, proc.stderr
@@ -74,9 +92,14 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
         assert booking_rollup["runs"] == 1 and booking_rollup["interruptions"] == 1
         assert booking_rollup["interruption_causes"] == {"trainer_lost": 1}
         badput = booking_rollup["badput_gpu_hours"]
-        assert badput["recovery"] > 0 and badput["checkpoint_restore"] > 0 and badput["lost_to_interruptions"] > 0
+        assert (
+            badput["recovery"] > 0
+            and badput["checkpoint_restore"] > 0
+            and badput["lost_to_interruptions"] > 0
+        )
         assert booking_rollup["goodput_gpu_hours"] + sum(badput.values()) == pytest.approx(
-            booking_rollup["wall_gpu_hours"], rel=1e-9)
+            booking_rollup["wall_gpu_hours"], rel=1e-9
+        )
     finally:
         replacement.terminate()
         replacement.wait(timeout=15)
@@ -88,11 +111,25 @@ def test_a_planted_loss_spike_waits_for_approval_and_restarts_from_the_proposal(
     stack = make_stack(env={faults.ENV_FAULT_POINT: faults.TRAINER_LOSS_SPIKE, faults.ENV_SPIKE_STEP: "60"})
     account, _, env = stack.account()
     booking = stack.booking(account)
-    m = str(manifest(target={"tokens": 200 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
-                     checkpoint={"interval_steps": 20, "keep_last": 3, "storage": "local"}))
+    m = str(
+        manifest(
+            target={"tokens": 200 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
+            checkpoint={"interval_steps": 20, "keep_last": 3, "storage": "local"},
+        )
+    )
     _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)
-    _, out = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref",
-                       conf["data"]["confirmation_ref"], "--idempotency-key", "spike-1", env=env)
+    _, out = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        m,
+        "--confirmation-ref",
+        conf["data"]["confirmation_ref"],
+        "--idempotency-key",
+        "spike-1",
+        env=env,
+    )
     run_id = out["data"]["run_id"]
     deadline = time.monotonic() + 120
     while (view := status(stack, env, run_id))["state"] != "awaiting_approval":
@@ -110,8 +147,15 @@ def test_a_planted_loss_spike_waits_for_approval_and_restarts_from_the_proposal(
     assert status(stack, env, run_id)["state"] == "awaiting_approval"  # never automatic
 
     _, ref = stack.ecc("confirm", "--action", "restart_from_checkpoint", "--run", run_id, env=env)
-    rc, out = stack.ecc("approve", run_id, "--confirmation-ref", ref["data"]["confirmation_ref"],
-                        "--idempotency-key", "ok-1", env=env)
+    rc, out = stack.ecc(
+        "approve",
+        run_id,
+        "--confirmation-ref",
+        ref["data"]["confirmation_ref"],
+        "--idempotency-key",
+        "ok-1",
+        env=env,
+    )
     assert rc == 0 and out["data"]["state"] == "queued", out
     deadline = time.monotonic() + 120
     while (view := status(stack, env, run_id))["state"] not in ("succeeded", "failed", "awaiting_approval"):

@@ -10,7 +10,6 @@ import uuid
 
 import pytest
 
-
 pytestmark = pytest.mark.e2e
 CONTROL_PLANE = "entitlement,confirmation,ledger,scheduler"
 
@@ -35,13 +34,20 @@ async def burst(stack, account, key, booking, text, digest, n, prefix):
             return {"ok": False, "transport": type(exc).__name__}
 
     async def one(i):
-        conf = await call("v1.api.confirm", action="train", booking_id=booking, manifest_text=text,
-                          manifest_digest=digest)
+        conf = await call(
+            "v1.api.confirm", action="train", booking_id=booking, manifest_text=text, manifest_digest=digest
+        )
         if not conf["ok"]:
             return f"{prefix}{i}", None, conf
         ref = conf["data"]["confirmation_ref"]
-        out = await call("v1.api.train", booking_id=booking, manifest_text=text, manifest_digest=digest,
-                         confirmation_ref=ref, idempotency_key=f"{prefix}{i}")
+        out = await call(
+            "v1.api.train",
+            booking_id=booking,
+            manifest_text=text,
+            manifest_digest=digest,
+            confirmation_ref=ref,
+            idempotency_key=f"{prefix}{i}",
+        )
         return f"{prefix}{i}", ref, out
 
     results = []
@@ -62,14 +68,17 @@ def test_restart_during_a_burst_keeps_exactly_once(make_stack, manifest, victim)
 
     def cli_during_outage():
         started = time.monotonic()
-        rc, out = stack.ecc("status", "--idempotency-key", "k0", "--timeout", "3", "--connect-timeout", "1", env=env)
+        rc, out = stack.ecc(
+            "status", "--idempotency-key", "k0", "--timeout", "3", "--connect-timeout", "1", env=env
+        )
         return rc, out, time.monotonic() - started
 
     async def scenario():
         task = asyncio.create_task(burst(stack, account, key, booking, text, digest, 60, "k"))
         await asyncio.sleep(1.0)
-        during = await asyncio.to_thread(restart, stack, victim, 1.0,
-                                         cli_during_outage if victim == "nats" else None)
+        during = await asyncio.to_thread(
+            restart, stack, victim, 1.0, cli_during_outage if victim == "nats" else None
+        )
         return await task, during
 
     results, during = asyncio.run(scenario())
@@ -79,8 +88,11 @@ def test_restart_during_a_burst_keeps_exactly_once(make_stack, manifest, victim)
     accepted = {k: out["data"]["run_id"] for k, _, out in results if out.get("ok")}
     assert accepted, results[:3]
     lost_answers = [k for k, _, out in results if not out.get("ok")]
-    assert all("transport" in out or out["error"]["code"] in {"backend_unavailable", "timeout", "internal"}
-               for _, _, out in results if not out.get("ok")), [o for _, _, o in results if not o.get("ok")][:3]
+    assert all(
+        "transport" in out or out["error"]["code"] in {"backend_unavailable", "timeout", "internal"}
+        for _, _, out in results
+        if not out.get("ok")
+    ), [o for _, _, o in results if not o.get("ok")][:3]
 
     # every accepted request is there, by its key, with the same run; status tells the truth for the rest
     deadline = time.monotonic() + 60
@@ -102,7 +114,9 @@ def test_restart_during_a_burst_keeps_exactly_once(make_stack, manifest, victim)
     async def queued():
         nc = await stack.nats("operator")
         try:
-            return (await nc.jetstream().stream_info(f"{stack.env['ITO_NAMESPACE'].upper()}_WORK")).state.messages
+            return (
+                await nc.jetstream().stream_info(f"{stack.env['ITO_NAMESPACE'].upper()}_WORK")
+            ).state.messages
         finally:
             await nc.close()
 
@@ -114,6 +128,16 @@ def test_restart_during_a_burst_keeps_exactly_once(make_stack, manifest, victim)
 
     # a consumed confirmation stays consumed across the restart
     k, ref, _ = next(r for r in results if r[0] in accepted)
-    rc, out = stack.ecc("train", "--booking", booking, "--manifest", str(path), "--confirmation-ref", ref,
-                        "--idempotency-key", "fresh-" + uuid.uuid4().hex[:6], env=env)
+    rc, out = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        str(path),
+        "--confirmation-ref",
+        ref,
+        "--idempotency-key",
+        "fresh-" + uuid.uuid4().hex[:6],
+        env=env,
+    )
     assert out["error"]["code"] == "confirmation_consumed"

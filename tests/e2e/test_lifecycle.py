@@ -36,19 +36,40 @@ def start_run(stack, env, account, manifest, key, **overrides):
     booking = stack.booking(account)
     m = str(manifest(**overrides))
     ref = confirm(stack, env, "train", "--booking", booking, "--manifest", m)
-    rc, out = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref", ref,
-                        "--idempotency-key", key, env=env)
+    rc, out = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        m,
+        "--confirmation-ref",
+        ref,
+        "--idempotency-key",
+        key,
+        env=env,
+    )
     assert rc == 0, out
     return booking, out["data"]["run_id"]
 
 
 def test_cancel_a_running_run_then_clean_it_up(stack, manifest):
     account, _, env = stack.account()
-    booking, run_id = start_run(stack, env, account, manifest, "long-1", target=LONG,
-                                checkpoint={"interval_steps": 20, "keep_last": 2, "storage": "local"})
-    wait_for(stack, env, run_id, lambda v: v["state"] == "running" and (v.get("last_checkpoint_step") or 0) >= 20)
+    booking, run_id = start_run(
+        stack,
+        env,
+        account,
+        manifest,
+        "long-1",
+        target=LONG,
+        checkpoint={"interval_steps": 20, "keep_last": 2, "storage": "local"},
+    )
+    wait_for(
+        stack, env, run_id, lambda v: v["state"] == "running" and (v.get("last_checkpoint_step") or 0) >= 20
+    )
 
-    rc, out = stack.ecc("cleanup", run_id, "--confirmation-ref", "cf_x", "--idempotency-key", "clean-early", env=env)
+    rc, out = stack.ecc(
+        "cleanup", run_id, "--confirmation-ref", "cf_x", "--idempotency-key", "clean-early", env=env
+    )
     assert out["error"]["code"] == "run_not_finished"
 
     rc, out = stack.ecc("cancel", run_id, "--confirmation-ref", "", "--idempotency-key", "c-0", env=env)
@@ -97,11 +118,22 @@ def test_cleanup_with_release_booking_needs_its_own_confirmation(stack, manifest
     booking, run_id = start_run(stack, env, account, manifest, "rel-1")
     wait_for(stack, env, run_id, lambda v: v["state"] == "succeeded")
     ref = confirm(stack, env, "cleanup", "--run", run_id)
-    rc, out = stack.ecc("cleanup", run_id, "--confirmation-ref", ref, "--idempotency-key", "r-1",
-                        "--release-booking", env=env)
+    _rc, out = stack.ecc(
+        "cleanup", run_id, "--confirmation-ref", ref, "--idempotency-key", "r-1", "--release-booking", env=env
+    )
     assert out["error"]["code"] == "confirmation_required"
-    rc, out = stack.ecc("cleanup", run_id, "--confirmation-ref", ref, "--idempotency-key", "r-1", "--release-booking",
-                        "--release-confirmation-ref", ref, env=env)  # a cleanup confirmation is not a release one
+    _rc, out = stack.ecc(
+        "cleanup",
+        run_id,
+        "--confirmation-ref",
+        ref,
+        "--idempotency-key",
+        "r-1",
+        "--release-booking",
+        "--release-confirmation-ref",
+        ref,
+        env=env,
+    )  # a cleanup confirmation is not a release one
     assert out["error"]["code"] == "confirmation_mismatch"
     release = confirm(stack, env, "release_booking", "--booking", booking)
 
@@ -109,9 +141,23 @@ def test_cleanup_with_release_booking_needs_its_own_confirmation(stack, manifest
         nc = await stack.nats("compute")  # ito-compute's identity: the only one that may receive these
         sub = await nc.subscribe(f"{stack.env['ITO_NAMESPACE']}.compute.v1.requests.release")
         proc = await asyncio.create_subprocess_exec(
-            *[ECC, "ito", "cleanup", run_id, "--confirmation-ref",
-              ref, "--idempotency-key", "r-2", "--release-booking", "--release-confirmation-ref", release, "--json"],
-            env={**stack.env, **env}, stdout=asyncio.subprocess.PIPE)
+            *[
+                ECC,
+                "ito",
+                "cleanup",
+                run_id,
+                "--confirmation-ref",
+                ref,
+                "--idempotency-key",
+                "r-2",
+                "--release-booking",
+                "--release-confirmation-ref",
+                release,
+                "--json",
+            ],
+            env={**stack.env, **env},
+            stdout=asyncio.subprocess.PIPE,
+        )
         stdout, _ = await proc.communicate()
         msg = await sub.next_msg(timeout=5)
         await nc.close()
@@ -126,11 +172,17 @@ def test_every_verb_is_tenant_scoped(stack, manifest):
     owner, _, env = stack.account()
     _, _, other = stack.account()
     _, run_id = start_run(stack, env, owner, manifest, "t-1")
-    for args in (["status", run_id], ["logs", run_id], ["metrics", run_id], ["checkpoints", run_id],
-                 ["evals", run_id], ["audit", run_id],
-                 ["cancel", run_id, "--confirmation-ref", "cf_x", "--idempotency-key", "x"],
-                 ["cleanup", run_id, "--confirmation-ref", "cf_x", "--idempotency-key", "x"],
-                 ["confirm", "--action", "cancel", "--run", run_id]):
+    for args in (
+        ["status", run_id],
+        ["logs", run_id],
+        ["metrics", run_id],
+        ["checkpoints", run_id],
+        ["evals", run_id],
+        ["audit", run_id],
+        ["cancel", run_id, "--confirmation-ref", "cf_x", "--idempotency-key", "x"],
+        ["cleanup", run_id, "--confirmation-ref", "cf_x", "--idempotency-key", "x"],
+        ["confirm", "--action", "cancel", "--run", run_id],
+    ):
         rc, out = stack.ecc(*args, env=other)
         assert rc == 1 and out["error"]["code"] == "run_not_found", (args, out)
     rc, out = stack.ecc("evals", run_id, env=env)
@@ -140,9 +192,14 @@ def test_every_verb_is_tenant_scoped(stack, manifest):
 def test_revocation_stops_follow_at_once(stack, manifest):
     account, _, env = stack.account()
     _, run_id = start_run(stack, env, account, manifest, "f-1", target=LONG)
-    follow = subprocess.Popen([ECC, "ito", "status", run_id,
-                               "--follow", "--json"], env={**stack.env, **env}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    follow = subprocess.Popen(
+        [ECC, "ito", "status", run_id, "--follow", "--json"],
+        env={**stack.env, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     time.sleep(2)
     stack.ito("accounts", "revoke", account)
     try:

@@ -15,13 +15,26 @@ def run_to_end(stack, env, account, manifest_path, key):
     m = str(manifest_path)
     rc, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)
     assert rc == 0, conf
-    rc, out = stack.ecc("train", "--booking", booking, "--manifest", m, "--confirmation-ref",
-                        conf["data"]["confirmation_ref"], "--idempotency-key", key, env=env)
+    rc, out = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        m,
+        "--confirmation-ref",
+        conf["data"]["confirmation_ref"],
+        "--idempotency-key",
+        key,
+        env=env,
+    )
     assert rc == 0, out
     run_id = out["data"]["run_id"]
     deadline = time.monotonic() + 300
     while (view := stack.ecc("status", run_id, env=env)[1]["data"])["state"] not in (
-            "succeeded", "failed", "gate_failed"):
+        "succeeded",
+        "failed",
+        "gate_failed",
+    ):
         assert time.monotonic() < deadline, view
         time.sleep(1)
     return run_id, view
@@ -52,9 +65,13 @@ def test_an_unreachable_gate_stops_the_run_in_gate_failed(stack, tmp_path):
     path = tmp_path / "strict.json"
     path.write_text(json.dumps(raw))
     path.chmod(0o644)
-    run_id, view = run_to_end(stack, env, account, path, "gate-1")
+    _run_id, view = run_to_end(stack, env, account, path, "gate-1")
     assert view["state"] == "gate_failed", view
     (gate,) = [g for g in view["gates"] if g["stage"] == "pretrain"]
     (metric,) = [m for m in gate["metrics"] if m["name"] == "held_out_loss"]
-    assert gate["passed"] is False and metric["passed"] is False and metric["value"] > metric["threshold"] == 0.01
+    assert (
+        gate["passed"] is False
+        and metric["passed"] is False
+        and metric["value"] > metric["threshold"] == 0.01
+    )
     assert "held_out_loss" in view["message"] or str(round(metric["value"], 2))[:3] in view["message"]

@@ -1,9 +1,9 @@
 """Refusals through the real CLI: each gate fails closed with a stable code and changes nothing."""
 
 import asyncio
+import json
 import os
 import time
-import json
 import uuid
 
 import pytest
@@ -18,8 +18,18 @@ def confirm(stack, env, booking, m):
 
 
 def train(stack, env, booking, m, ref, key=None):
-    return stack.ecc("train", "--booking", booking, "--manifest", str(m), "--confirmation-ref", ref,
-                     "--idempotency-key", key or uuid.uuid4().hex, env=env)
+    return stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        str(m),
+        "--confirmation-ref",
+        ref,
+        "--idempotency-key",
+        key or uuid.uuid4().hex,
+        env=env,
+    )
 
 
 def code(out):
@@ -33,9 +43,10 @@ def test_not_logged_in_is_unauthenticated(stack, tmp_path):
 
 
 def test_wrong_key_and_revoked_key(stack, tmp_path):
-    account, key, env = stack.account()
-    rc, out = stack.ecc("login", "--account", account, input="ito_sk_wrong\n",
-                        env={"ECC_CONFIG_DIR": str(tmp_path / "x")})
+    account, _key, env = stack.account()
+    rc, out = stack.ecc(
+        "login", "--account", account, input="ito_sk_wrong\n", env={"ECC_CONFIG_DIR": str(tmp_path / "x")}
+    )
     assert rc == 1 and code(out) == "unauthenticated"
     assert "ito_sk_wrong" not in json.dumps(out)
     stack.ito("accounts", "revoke", account)
@@ -45,7 +56,7 @@ def test_wrong_key_and_revoked_key(stack, tmp_path):
 
 def test_booking_gates(stack, manifest):
     account, _, env = stack.account()
-    other, _, other_env = stack.account()
+    other, _, _other_env = stack.account()
     m = manifest()
     rc, out = stack.ecc("plan", "--booking", "bk-none", "--manifest", str(m), env=env)
     assert code(out) == "booking_not_found"
@@ -53,8 +64,14 @@ def test_booking_gates(stack, manifest):
     rc, out = stack.ecc("plan", "--booking", theirs, "--manifest", str(m), env=env)
     assert code(out) == "booking_not_found"  # another tenant's booking leaks nothing
     small = stack.booking(account, gpus_per_node=1)
-    rc, out = stack.ecc("plan", "--booking", small, "--manifest",
-                        str(manifest(resources={"nodes": 1, "gpus_per_node": 2})), env=env)
+    rc, out = stack.ecc(
+        "plan",
+        "--booking",
+        small,
+        "--manifest",
+        str(manifest(resources={"nodes": 1, "gpus_per_node": 2})),
+        env=env,
+    )
     assert code(out) == "booking_mismatch"
     revoked = stack.booking(account)
     ref = confirm(stack, env, revoked, m)
@@ -68,8 +85,18 @@ def test_confirmation_gates(stack, manifest):
     other, _, other_env = stack.account()
     booking = stack.booking(account)
     m = manifest()
-    rc, out = stack.ecc("train", "--booking", booking, "--manifest", str(m), "--confirmation-ref", "",
-                        "--idempotency-key", "k-none", env=env)
+    rc, out = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        str(m),
+        "--confirmation-ref",
+        "",
+        "--idempotency-key",
+        "k-none",
+        env=env,
+    )
     assert code(out) == "confirmation_required"
     rc, out = train(stack, env, booking, m, "cf_does_not_exist")
     assert code(out) == "confirmation_not_found"
@@ -102,17 +129,17 @@ def test_idempotency_gates(stack, manifest):
 def test_manifest_gates(stack, manifest, tmp_path):
     account, _, env = stack.account()
     booking = stack.booking(account)
-    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", "relative.json", env=env)
+    _rc, out = stack.ecc("plan", "--booking", booking, "--manifest", "relative.json", env=env)
     assert code(out) == "manifest_not_absolute" and out["live_api_contacted"] is False
     secret = "AKIA" + "Q" * 16
     m = manifest(name=f"run {secret}")
-    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(m), env=env)
+    _rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(m), env=env)
     assert code(out) == "manifest_contains_secret" and secret not in json.dumps(out)
-    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(manifest(unknown_field=1)), env=env)
+    _rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(manifest(unknown_field=1)), env=env)
     assert code(out) == "manifest_invalid" and "unknown_field" in out["error"]["message"]
     link = tmp_path / "link.json"
     link.symlink_to(manifest())
-    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(link), env=env)
+    _rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(link), env=env)
     assert code(out) == "manifest_symlink"
 
 
@@ -123,8 +150,10 @@ def test_a_manifest_the_trainer_would_refuse_is_refused_before_anything_is_consu
     booking = stack.booking(account)
     good = manifest()
     ref = confirm(stack, env, booking, good)  # a confirmation the bad manifests must not be able to burn
-    for bad, where in ((manifest(post_training={"recipe": ["sftt"]}), "post_training.recipe"),
-                       (manifest(stages={"midtrain": {"tokens": 10**9}}), "target.tokens")):
+    for bad, where in (
+        (manifest(post_training={"recipe": ["sftt"]}), "post_training.recipe"),
+        (manifest(stages={"midtrain": {"tokens": 10**9}}), "target.tokens"),
+    ):
         for verb in (["plan"], ["confirm", "--action", "train"]):
             rc, out = stack.ecc(*verb, "--booking", booking, "--manifest", str(bad), env=env)
             assert code(out) == "manifest_invalid" and where in out["error"]["message"], out
@@ -136,12 +165,15 @@ def test_a_manifest_the_trainer_would_refuse_is_refused_before_anything_is_consu
     assert rc == 0, out  # the confirmation was not consumed by the refused requests
 
 
-@pytest.mark.parametrize("payload, why", [
-    (b'{"credential": {"account": "a", "api_key": "k"}, "surprise": 1}', "unknown field"),
-    (b'{"credential": {"account": "a", "api_key": 5}}', "wrong type"),
-    (b"not json", "not JSON"),
-    (b'{"credential": {"account": "a", "api_key": "' + b"k" * (3 * 1024 * 1024) + b'"}}', "oversized"),
-])
+@pytest.mark.parametrize(
+    "payload, why",
+    [
+        (b'{"credential": {"account": "a", "api_key": "k"}, "surprise": 1}', "unknown field"),
+        (b'{"credential": {"account": "a", "api_key": 5}}', "wrong type"),
+        (b"not json", "not JSON"),
+        (b'{"credential": {"account": "a", "api_key": "' + b"k" * (3 * 1024 * 1024) + b'"}}', "oversized"),
+    ],
+)
 def test_bad_requests_get_request_invalid(stack, payload, why):
     account, key, _ = stack.account()
 
@@ -166,7 +198,7 @@ def test_unsafe_manifest_files(stack, manifest, tmp_path):
     booking = stack.booking(account)
 
     def plan_code(path):
-        rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(path), env=env, timeout=30)
+        _rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(path), env=env, timeout=30)
         return code(out)
 
     fifo = tmp_path / "fifo.json"
@@ -188,7 +220,7 @@ def test_unsafe_manifest_files(stack, manifest, tmp_path):
     big.chmod(0o644)
     assert plan_code(big) == "manifest_too_large"
     pem = manifest(name="-----BEGIN RSA PRIVATE KEY-----\nMIIEow\n-----END RSA PRIVATE KEY-----")
-    rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(pem), env=env)
+    _rc, out = stack.ecc("plan", "--booking", booking, "--manifest", str(pem), env=env)
     assert code(out) == "manifest_contains_secret" and "MIIEow" not in json.dumps(out)
 
 
@@ -199,5 +231,5 @@ def test_expired_confirmation(make_stack, manifest):
     m = manifest()
     ref = confirm(stack, env, booking, m)
     time.sleep(1.5)
-    rc, out = train(stack, env, booking, m, ref)
+    _rc, out = train(stack, env, booking, m, ref)
     assert code(out) == "confirmation_expired"

@@ -3,8 +3,8 @@ a tenant's own credential, and with another identity's where it matters. Each as
 (auth error, permissions violation, typed refusal) and that nothing changed."""
 
 import asyncio
-import pathlib
 import json
+import pathlib
 import time
 import uuid
 
@@ -24,8 +24,9 @@ pytestmark = pytest.mark.e2e
 
 def test_no_credential_no_connection(stack):
     async def anonymous():
-        await nats.connect(stack.env["ITO_NATS_URL"], connect_timeout=2, allow_reconnect=False,
-                           max_reconnect_attempts=0)
+        await nats.connect(
+            stack.env["ITO_NATS_URL"], connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0
+        )
 
     with pytest.raises(Exception) as refused:
         asyncio.run(anonymous())
@@ -41,8 +42,13 @@ def test_an_unknown_nkey_is_refused(stack):
     from services.runtime.secrets import new_nkey_seed
 
     async def stranger():
-        await nats.connect(stack.env["ITO_NATS_URL"], connect_timeout=2, allow_reconnect=False,
-                           max_reconnect_attempts=0, nkeys_seed_str=new_nkey_seed().decode())
+        await nats.connect(
+            stack.env["ITO_NATS_URL"],
+            connect_timeout=2,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            nkeys_seed_str=new_nkey_seed().decode(),
+        )
 
     with pytest.raises(Exception) as refused:
         asyncio.run(stranger())
@@ -53,15 +59,32 @@ def test_a_tenant_cannot_call_the_ledger_or_the_confirmation_service(stack, as_t
     """The attack: confirmation.create then ledger.accept, called directly, created a run with no gate."""
     account, key, _ = stack.account()
     ns = stack.env["ITO_NAMESPACE"]
-    create = msgspec.json.encode(ConfirmationCreate(account=account, action=Action.train, target="bk-none",
-                                                    manifest_digest="d" * 64, max_cost_usd=0.0))
-    accept = msgspec.json.encode(LedgerAccept(
-        account=account, idempotency_key="evil", fingerprint="f", run_id="run_evil", action=Action.train,
-        confirmation_ref="cf_x", target="bk-none", manifest_digest="d" * 64, cost_usd=0.0, work=b"{}"))
+    create = msgspec.json.encode(
+        ConfirmationCreate(
+            account=account, action=Action.train, target="bk-none", manifest_digest="d" * 64, max_cost_usd=0.0
+        )
+    )
+    accept = msgspec.json.encode(
+        LedgerAccept(
+            account=account,
+            idempotency_key="evil",
+            fingerprint="f",
+            run_id="run_evil",
+            action=Action.train,
+            confirmation_ref="cf_x",
+            target="bk-none",
+            manifest_digest="d" * 64,
+            cost_usd=0.0,
+            work=b"{}",
+        )
+    )
 
     async def attack():
         w = await as_tenant(stack, account, key)
-        for subject, body in ((f"{ns}.{subjects.CONFIRMATION_CREATE}", create), (f"{ns}.{subjects.LEDGER_ACCEPT}", accept)):
+        for subject, body in (
+            (f"{ns}.{subjects.CONFIRMATION_CREATE}", create),
+            (f"{ns}.{subjects.LEDGER_ACCEPT}", accept),
+        ):
             with pytest.raises(Exception):  # dropped by the server: no answer ever comes
                 await w.nc.request(subject, body, timeout=1)
         await settle(w)
@@ -80,17 +103,34 @@ def test_internal_services_refuse_what_the_scheduler_did_not_sign(stack, as_iden
     `forbidden` from the ledger and the confirmation service without the scheduler's signature."""
     ns = stack.env["ITO_NAMESPACE"]
     account = "acct-" + uuid.uuid4().hex[:6]
-    accept = msgspec.json.encode(LedgerAccept(
-        account=account, idempotency_key="evil", fingerprint="f", run_id="run_evil2", action=Action.train,
-        confirmation_ref="cf_x", target="bk", manifest_digest="d" * 64, cost_usd=0.0, work=b"{}"))
-    create = msgspec.json.encode(ConfirmationCreate(account=account, action=Action.train, target="bk",
-                                                    manifest_digest="d" * 64, max_cost_usd=0.0))
+    accept = msgspec.json.encode(
+        LedgerAccept(
+            account=account,
+            idempotency_key="evil",
+            fingerprint="f",
+            run_id="run_evil2",
+            action=Action.train,
+            confirmation_ref="cf_x",
+            target="bk",
+            manifest_digest="d" * 64,
+            cost_usd=0.0,
+            work=b"{}",
+        )
+    )
+    create = msgspec.json.encode(
+        ConfirmationCreate(
+            account=account, action=Action.train, target="bk", manifest_digest="d" * 64, max_cost_usd=0.0
+        )
+    )
 
     async def attack():
         w = await as_identity(stack, "operator")
         answers = []
-        for subject, body in ((subjects.LEDGER_ACCEPT, accept), (subjects.CONFIRMATION_CREATE, create),
-                              (subjects.TRAINER_CLEANUP, b'{"account": "a", "run_id": "r", "checkpoint_dir": "/"}')):
+        for subject, body in (
+            (subjects.LEDGER_ACCEPT, accept),
+            (subjects.CONFIRMATION_CREATE, create),
+            (subjects.TRAINER_CLEANUP, b'{"account": "a", "run_id": "r", "checkpoint_dir": "/"}'),
+        ):
             reply = await w.nc.request(f"{ns}.{subject}", body, timeout=5)
             answers.append(json.loads(reply.data))
         await w.close()
@@ -114,8 +154,13 @@ def test_no_one_reads_another_tenants_traffic_and_no_key_travels(stack, as_tenan
         wire = await tap.nc.subscribe(f"{ns}.v1.api.>")
         await settle(w)
         proc = await asyncio.create_subprocess_exec(
-            str(stack.env["PATH"].split(":")[0] + "/ecc"), "ito", "find", "--json", env={**stack.env, **victim_env},
-            stdout=asyncio.subprocess.PIPE)
+            str(stack.env["PATH"].split(":")[0] + "/ecc"),
+            "ito",
+            "find",
+            "--json",
+            env={**stack.env, **victim_env},
+            stdout=asyncio.subprocess.PIPE,
+        )
         out, _ = await proc.communicate()
         await asyncio.sleep(0.5)
         seen = [m async for m in _drain(subs)]
@@ -126,7 +171,12 @@ def test_no_one_reads_another_tenants_traffic_and_no_key_travels(stack, as_tenan
 
     w, out, seen, sniffed = asyncio.run(attack())
     assert out["ok"], out
-    assert w.denied(f'"{ns}.>"') and w.denied('">"') and w.denied(f"_inbox_t_{victim}") and w.denied('"_inbox.>"')
+    assert (
+        w.denied(f'"{ns}.>"')
+        and w.denied('">"')
+        and w.denied(f"_inbox_t_{victim}")
+        and w.denied('"_inbox.>"')
+    )
     assert seen == []
     assert sniffed and all(m.subject.endswith(f".{victim}") for m in sniffed)
     leaked = any(victim_key.encode() in m.data or b"api_key" in m.data for m in sniffed)
@@ -170,11 +220,31 @@ def test_forged_booking_events_are_refused(stack, as_tenant):
     attacker, key, env = stack.account()
     victim, _, victim_env = stack.account()
     victim_booking = stack.booking(victim)
-    forged = [booking_sim.event(account=attacker, booking="bk-forged", kind="completed", nodes=64, gpus_per_node=8,
-                                gpu_model="H200", region="eu-central-1", fabric="infiniband", hours=24),
-              booking_sim.event(account=victim, booking=victim_booking, kind="revoked", nodes=1, gpus_per_node=8,
-                                gpu_model="H200", region="eu-central-1", fabric="infiniband", hours=24,
-                                version=2**62)]
+    forged = [
+        booking_sim.event(
+            account=attacker,
+            booking="bk-forged",
+            kind="completed",
+            nodes=64,
+            gpus_per_node=8,
+            gpu_model="H200",
+            region="eu-central-1",
+            fabric="infiniband",
+            hours=24,
+        ),
+        booking_sim.event(
+            account=victim,
+            booking=victim_booking,
+            kind="revoked",
+            nodes=1,
+            gpus_per_node=8,
+            gpu_model="H200",
+            region="eu-central-1",
+            fabric="infiniband",
+            hours=24,
+            version=2**62,
+        ),
+    ]
 
     async def attack():
         w = await as_tenant(stack, attacker, key)
@@ -188,20 +258,34 @@ def test_forged_booking_events_are_refused(stack, as_tenant):
         return w
 
     w = asyncio.run(attack())
-    assert w.denied(f"{ns}.{subjects.BOOKING_EVENTS}.completed") and w.denied(f"{ns}.{subjects.BOOKING_EVENTS}.revoked")
+    assert w.denied(f"{ns}.{subjects.BOOKING_EVENTS}.completed") and w.denied(
+        f"{ns}.{subjects.BOOKING_EVENTS}.revoked"
+    )
     rc, out = stack.ecc("find", env=env)
     assert rc == 0 and out["data"] == []
     rc, out = stack.ecc("find", env=victim_env)
     assert [b["booking"]["state"] for b in out["data"]] == ["completed"]
 
 
-def test_the_audit_trail_is_append_only_and_the_scheduler_alone_appends(stack, manifest, as_tenant, as_identity):
+def test_the_audit_trail_is_append_only_and_the_scheduler_alone_appends(
+    stack, manifest, as_tenant, as_identity
+):
     """The attack: the JetStream API let anyone append to and purge the AUDIT stream."""
     ns = stack.env["ITO_NAMESPACE"]
     stream = f"{ns.upper()}_AUDIT"
     account, key, env = stack.account()
-    rc, out = stack.ecc("train", "--booking", "bk-none", "--manifest", str(manifest()), "--confirmation-ref",
-                        "cf_x", "--idempotency-key", "k", env=env)  # refused, and so a trail is written
+    _rc, out = stack.ecc(
+        "train",
+        "--booking",
+        "bk-none",
+        "--manifest",
+        str(manifest()),
+        "--confirmation-ref",
+        "cf_x",
+        "--idempotency-key",
+        "k",
+        env=env,
+    )  # refused, and so a trail is written
     assert out["error"]["code"] == "booking_not_found", out
 
     async def count():
@@ -213,9 +297,11 @@ def test_the_audit_trail_is_append_only_and_the_scheduler_alone_appends(stack, m
     async def attack():
         results = {}
         t = await as_tenant(stack, account, key)
-        for what, call in (("purge", lambda js: js.purge_stream(stream)),
-                           ("delete", lambda js: js.delete_stream(stream)),
-                           ("append", lambda js: js.publish(f"{ns}.{subjects.AUDIT}.run_x", b"{}"))):
+        for what, call in (
+            ("purge", lambda js: js.purge_stream(stream)),
+            ("delete", lambda js: js.delete_stream(stream)),
+            ("append", lambda js: js.publish(f"{ns}.{subjects.AUDIT}.run_x", b"{}")),
+        ):
             try:
                 await call(t.nc.jetstream(timeout=1))
                 results[("tenant", what)] = "done"
@@ -224,8 +310,10 @@ def test_the_audit_trail_is_append_only_and_the_scheduler_alone_appends(stack, m
         await t.close()
         for identity in ("scheduler", "operator"):
             w = await as_identity(stack, identity)
-            for what, call in (("purge", lambda js: js.purge_stream(stream)),
-                               ("delete_msg", lambda js: js.delete_msg(stream, 1))):
+            for what, call in (
+                ("purge", lambda js: js.purge_stream(stream)),
+                ("delete_msg", lambda js: js.delete_msg(stream, 1)),
+            ):
                 try:
                     await call(w.nc.jetstream(timeout=1))
                     results[(identity, what)] = "done"
@@ -245,7 +333,10 @@ def test_each_redis_identity_is_confined_to_its_keys_and_commands(stack):
     ns = stack.env["ITO_NAMESPACE"]
     attempts = [
         ("ledger", lambda r: r.hset(f"{ns}:apikeys:acme", "UEVIL", b"{}")),  # impersonate a tenant
-        ("entitlement", lambda r: r.hset(f"{ns}:{{acme}}:conf:cf_evil", "account", "acme")),  # forge a confirmation
+        (
+            "entitlement",
+            lambda r: r.hset(f"{ns}:{{acme}}:conf:cf_evil", "account", "acme"),
+        ),  # forge a confirmation
         ("telemetry", lambda r: r.hset(f"{ns}:{{acme}}:run:r1", "view", b"{}")),  # forge a run state
         ("confirmation", lambda r: r.hgetall(f"{ns}:apikeys:acme")),
         ("confirmation", lambda r: r.get(f"{ns}:{{acme}}:idem:k")),
@@ -309,12 +400,21 @@ def test_clients_refuse_a_server_without_authentication(tmp_path):
     config.write_text(f'listen: "127.0.0.1:{port}"\n')
     server = infra.start_nats(config, port, tmp_path / "open.log")
     try:
-        env = {**os.environ, "ITO_NATS_URL": f"nats://127.0.0.1:{port}", "ECC_CONFIG_DIR": str(tmp_path / "ecc")}
+        env = {
+            **os.environ,
+            "ITO_NATS_URL": f"nats://127.0.0.1:{port}",
+            "ECC_CONFIG_DIR": str(tmp_path / "ecc"),
+        }
         from services.runtime.secrets import new_nkey_seed
 
-        login = subprocess.run([str(pathlib.Path(sys.executable).parent / "ecc"), "ito", "login", "--account", "a",
-                                "--json"], input="ito_sk_" + new_nkey_seed().decode() + "\n", capture_output=True,
-                               text=True, env=env, timeout=60)
+        login = subprocess.run(
+            [str(pathlib.Path(sys.executable).parent / "ecc"), "ito", "login", "--account", "a", "--json"],
+            input="ito_sk_" + new_nkey_seed().decode() + "\n",
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         out = json.loads(login.stdout.strip().splitlines()[-1])
         assert login.returncode == 1 and out["error"]["code"] == "backend_unavailable", out
         assert "does not require authentication" in out["error"]["message"]

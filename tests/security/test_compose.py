@@ -28,7 +28,9 @@ def test_each_service_mounts_only_its_own_credentials():
         mine = targets(name)
         assert f"nats/{name}.nk" in mine
         assert {t for t in mine if t.startswith("nats/")} == {f"nats/{name}.nk"}
-        assert {t for t in mine if t.startswith("redis/")} == ({f"redis/{name}.pw"} if name in REDIS_SERVICES else set())
+        assert {t for t in mine if t.startswith("redis/")} == (
+            {f"redis/{name}.pw"} if name in REDIS_SERVICES else set()
+        )
         assert ("signing/scheduler.ed25519" in mine) == (name == "scheduler")
         assert COMPOSE["services"][name]["environment"]["ITO_SECRETS_DIR"] == "/run/secrets"
 

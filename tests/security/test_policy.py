@@ -42,44 +42,53 @@ def sub(identity: str, subject: str) -> bool:
 SERVICES_AND_UPSTREAM = [i for i in ids.NATS_IDENTITIES if i != ids.OPERATOR]
 
 
-@pytest.mark.parametrize("subject, only", [
-    ("ito.v1.ledger.accept", {"scheduler"}),
-    ("ito.v1.confirmation.create", {"scheduler"}),
-    ("ito.v1.entitlement.eligibility", {"scheduler"}),
-    ("ito.v1.trainer.cleanup", {"scheduler"}),
-    ("ito.v1.control.cancel.run_1", {"scheduler"}),
-    ("ito.v1.work.train.run_1", {"scheduler"}),
-    ("ito.v1.audit.run_1", {"scheduler"}),
-    ("ito.compute.v1.requests.release", {"scheduler"}),
-    ("ito.v1.run.run_1.created", {"scheduler"}),
-    ("ito.v1.run.run_1.state", {"trainer"}),
-    ("ito.v1.run.run_1.log", {"trainer"}),
-    ("ito.v1.scheduler.lease", {"trainer"}),
-    ("ito.compute.v1.booking.completed", {"compute"}),
-    ("desk.telemetry.rollup.region.x", {"telemetry"}),
-    ("$JS.API.STREAM.PURGE.ITO_AUDIT", set()),
-    ("$JS.API.STREAM.DELETE.ITO_AUDIT", set()),
-    ("$JS.API.STREAM.CREATE.ITO_EVIL", set()),
-    ("$JS.API.STREAM.UPDATE.ITO_AUDIT", set()),
-    ("$JS.API.STREAM.MSG.DELETE.ITO_AUDIT", set()),
-    ("$JS.API.CONSUMER.CREATE.ITO_WORK.ito-trainer", {"trainer"}),
-    ("$JS.API.CONSUMER.MSG.NEXT.ITO_WORK.ito-trainer", {"trainer"}),
-    ("_INBOX_t_acme.abc", set()),
-])
+@pytest.mark.parametrize(
+    "subject, only",
+    [
+        ("ito.v1.ledger.accept", {"scheduler"}),
+        ("ito.v1.confirmation.create", {"scheduler"}),
+        ("ito.v1.entitlement.eligibility", {"scheduler"}),
+        ("ito.v1.trainer.cleanup", {"scheduler"}),
+        ("ito.v1.control.cancel.run_1", {"scheduler"}),
+        ("ito.v1.work.train.run_1", {"scheduler"}),
+        ("ito.v1.audit.run_1", {"scheduler"}),
+        ("ito.compute.v1.requests.release", {"scheduler"}),
+        ("ito.v1.run.run_1.created", {"scheduler"}),
+        ("ito.v1.run.run_1.state", {"trainer"}),
+        ("ito.v1.run.run_1.log", {"trainer"}),
+        ("ito.v1.scheduler.lease", {"trainer"}),
+        ("ito.compute.v1.booking.completed", {"compute"}),
+        ("desk.telemetry.rollup.region.x", {"telemetry"}),
+        ("$JS.API.STREAM.PURGE.ITO_AUDIT", set()),
+        ("$JS.API.STREAM.DELETE.ITO_AUDIT", set()),
+        ("$JS.API.STREAM.CREATE.ITO_EVIL", set()),
+        ("$JS.API.STREAM.UPDATE.ITO_AUDIT", set()),
+        ("$JS.API.STREAM.MSG.DELETE.ITO_AUDIT", set()),
+        ("$JS.API.CONSUMER.CREATE.ITO_WORK.ito-trainer", {"trainer"}),
+        ("$JS.API.CONSUMER.MSG.NEXT.ITO_WORK.ito-trainer", {"trainer"}),
+        ("_INBOX_t_acme.abc", set()),
+    ],
+)
 def test_only_the_owner_may_publish(subject, only):
     assert {i for i in SERVICES_AND_UPSTREAM if pub(i, subject)} == only
 
 
-@pytest.mark.parametrize("subject, only", [
-    ("ito.v1.api.train.acme", {"scheduler"}),
-    ("ito.v1.ledger.accept", {"ledger"}),
-    ("ito.v1.work.train.run_1", set()),  # delivered through the trainer's own consumer, not a raw subscription
-    ("ito.v1.control.cancel.run_1", {"trainer"}),
-    ("ito.compute.v1.requests.release", {"compute"}),
-    ("desk.telemetry.run.x", {"desk"}),
-    ("_INBOX_t_acme.abc", set()),
-    ("ito.v1.run.run_1.state", set()),
-])
+@pytest.mark.parametrize(
+    "subject, only",
+    [
+        ("ito.v1.api.train.acme", {"scheduler"}),
+        ("ito.v1.ledger.accept", {"ledger"}),
+        (
+            "ito.v1.work.train.run_1",
+            set(),
+        ),  # delivered through the trainer's own consumer, not a raw subscription
+        ("ito.v1.control.cancel.run_1", {"trainer"}),
+        ("ito.compute.v1.requests.release", {"compute"}),
+        ("desk.telemetry.run.x", {"desk"}),
+        ("_INBOX_t_acme.abc", set()),
+        ("ito.v1.run.run_1.state", set()),
+    ],
+)
 def test_only_the_owner_may_subscribe(subject, only):
     assert {i for i in SERVICES_AND_UPSTREAM if sub(i, subject)} == only
 
@@ -87,9 +96,18 @@ def test_only_the_owner_may_subscribe(subject, only):
 def test_a_tenant_publishes_its_own_requests_and_reads_its_own_inbox_only():
     p = ids.tenant_permissions("acme", S)
     assert allows(p.publish, "ito.v1.api.train.acme") and allows(p.publish, "ito.v1.api.status.acme")
-    for subject in ("ito.v1.api.train.victim", "ito.v1.ledger.accept", "ito.v1.confirmation.create",
-                    "ito.compute.v1.booking.completed", "ito.v1.run.r.state", "ito.v1.control.cancel.r",
-                    "ito.v1.trainer.cleanup", "ito.v1.audit.r", "$JS.API.STREAM.PURGE.ITO_AUDIT", "ito.v1.api.train.acme.x"):
+    for subject in (
+        "ito.v1.api.train.victim",
+        "ito.v1.ledger.accept",
+        "ito.v1.confirmation.create",
+        "ito.compute.v1.booking.completed",
+        "ito.v1.run.r.state",
+        "ito.v1.control.cancel.r",
+        "ito.v1.trainer.cleanup",
+        "ito.v1.audit.r",
+        "$JS.API.STREAM.PURGE.ITO_AUDIT",
+        "ito.v1.api.train.acme.x",
+    ):
         assert not allows(p.publish, subject), subject
     assert allows(p.subscribe, "_INBOX_t_acme.x")
     for subject in ("ito.>", ">", "_INBOX_t_victim.x", "_INBOX_svc_scheduler.x", "ito.v1.api.train.victim"):
@@ -99,7 +117,9 @@ def test_a_tenant_publishes_its_own_requests_and_reads_its_own_inbox_only():
 
 def test_the_config_has_no_anonymous_user_and_every_user_a_permission_set():
     services = {i: f"U{i.upper():A<55}"[:56] for i in ids.NATS_IDENTITIES}
-    config = json.loads(ids.nats_config(S, port=4222, store_dir="/x", services=services, tenants=[("acme", "UACME")]))
+    config = json.loads(
+        ids.nats_config(S, port=4222, store_dir="/x", services=services, tenants=[("acme", "UACME")])
+    )
     users = config["authorization"]["users"]
     assert "no_auth_user" not in config and "users" not in {k for k in config if k != "authorization"}
     assert len(users) == len(ids.NATS_IDENTITIES) + 1
@@ -118,7 +138,9 @@ def test_redis_acl_default_off_and_each_user_confined():
     assert "~*" not in by_user["scheduler"] and "+@all" not in by_user["scheduler"]
     for user, line in by_user.items():
         if user not in ("admin", "default"):
-            assert "-@all" in line and "+flushall" not in line and "+acl" not in line and "+config" not in line
+            assert (
+                "-@all" in line and "+flushall" not in line and "+acl" not in line and "+config" not in line
+            )
 
 
 def test_signatures_bind_subject_body_and_time():

@@ -45,13 +45,28 @@ def test_forged_run_events_change_nothing(make_stack, manifest, as_tenant, as_id
     _, run_id = start_run(stack, env, victim, manifest, "v-1")
     stream = f"{stack.env['ITO_NAMESPACE'].upper()}_RUNS"
     at = "2026-01-01T00:00:00Z"
-    forged_state = msgspec.json.encode(StateChanged(run_id=run_id, seq=now_us(), at=at, epoch=0,
-                                                    state=RunState.succeeded, message="pwned"))
-    forged_log = msgspec.json.encode(LogLine(run_id=run_id, seq=now_us() + 1, at=at, level="info", message="pwned"))
-    far_future = msgspec.json.encode(LogLine(run_id=run_id, seq=now_us() * 10, at=at, level="info", message="pwned"))
-    created_as_state = msgspec.json.encode(RunCreated(run_id=run_id, seq=now_us() + 2, at=at, account=attacker,
-                                                      booking_id="b", region="r", gpu_model="g", gpus=1,
-                                                      accepted_at=at))
+    forged_state = msgspec.json.encode(
+        StateChanged(run_id=run_id, seq=now_us(), at=at, epoch=0, state=RunState.succeeded, message="pwned")
+    )
+    forged_log = msgspec.json.encode(
+        LogLine(run_id=run_id, seq=now_us() + 1, at=at, level="info", message="pwned")
+    )
+    far_future = msgspec.json.encode(
+        LogLine(run_id=run_id, seq=now_us() * 10, at=at, level="info", message="pwned")
+    )
+    created_as_state = msgspec.json.encode(
+        RunCreated(
+            run_id=run_id,
+            seq=now_us() + 2,
+            at=at,
+            account=attacker,
+            booking_id="b",
+            region="r",
+            gpu_model="g",
+            gpus=1,
+            accepted_at=at,
+        )
+    )
 
     async def attack():
         t = await as_tenant(stack, attacker, key)
@@ -60,14 +75,20 @@ def test_forged_run_events_change_nothing(make_stack, manifest, as_tenant, as_id
         await t.close()
         trainer = await as_identity(stack, "trainer")  # the only identity allowed on these subjects
         js = trainer.nc.jetstream(timeout=2)
-        for kind, body in (("state", forged_state), ("log", forged_log), ("log", far_future),
-                           ("state", created_as_state)):
+        for kind, body in (
+            ("state", forged_state),
+            ("log", forged_log),
+            ("log", far_future),
+            ("state", created_as_state),
+        ):
             await js.publish(event_subject(stack, run_id, kind), body)
         await trainer.close()
         ops = await as_identity(stack, "operator")
         deadline = time.monotonic() + 10  # until the scheduler's consumer has seen all of them
         while time.monotonic() < deadline:
-            info = await ops.nc.jetstream(timeout=2).consumer_info(stream, f"{stack.env['ITO_NAMESPACE']}-scheduler-runs")
+            info = await ops.nc.jetstream(timeout=2).consumer_info(
+                stream, f"{stack.env['ITO_NAMESPACE']}-scheduler-runs"
+            )
             if info.num_pending == 0 and info.num_ack_pending == 0:
                 break
             await asyncio.sleep(0.2)
@@ -76,28 +97,38 @@ def test_forged_run_events_change_nothing(make_stack, manifest, as_tenant, as_id
 
     t = asyncio.run(attack())
     assert t.denied(event_subject(stack, run_id, "state"))
-    rc, status = stack.ecc("status", run_id, env=env)
+    _rc, status = stack.ecc("status", run_id, env=env)
     assert status["data"]["state"] == "queued" and status["data"]["message"] != "pwned", status
-    rc, logs = stack.ecc("logs", run_id, env=env)
+    _rc, logs = stack.ecc("logs", run_id, env=env)
     assert not any(line["message"] == "pwned" for line in logs["data"]["lines"])
 
 
-def test_cancel_notices_work_items_and_cleanup_orders_need_the_scheduler(make_stack, manifest, as_tenant, as_identity,
-                                                                          tmp_path):
+def test_cancel_notices_work_items_and_cleanup_orders_need_the_scheduler(
+    make_stack, manifest, as_tenant, as_identity, tmp_path
+):
     """The attacks: a cancel notice stopped a run with no confirmation; a forged work item with the
     victim's run id trained into an attacker-chosen directory; a cleanup order deleted any directory."""
     stack = make_stack()
     ns = stack.env["ITO_NAMESPACE"]
     victim, _, env = stack.account()
     attacker, key, _ = stack.account()
-    _, run_id = start_run(stack, env, victim, manifest, "long-v", target=LONG,
-                          checkpoint={"interval_steps": 20, "keep_last": 2, "storage": "local"})
+    _, run_id = start_run(
+        stack,
+        env,
+        victim,
+        manifest,
+        "long-v",
+        target=LONG,
+        checkpoint={"interval_steps": 20, "keep_last": 2, "storage": "local"},
+    )
     running = wait_for(stack, env, run_id, lambda v: v["state"] == "running" and v["step"] > 5)
     cancel_subject = f"{ns}.{subjects.CONTROL_CANCEL}.{run_id}"
     evil_dir = tmp_path / "evil"
     work = msgspec.json.decode(stack.redis().hget(f"{ns}:{{{victim}}}:run:{run_id}", "work"), type=TrainWork)
     redirected = msgspec.json.encode(msgspec.structs.replace(work, checkpoint_dir=str(evil_dir)))
-    rebound = msgspec.json.encode(msgspec.structs.replace(work, account=attacker, checkpoint_dir=str(evil_dir)))
+    rebound = msgspec.json.encode(
+        msgspec.structs.replace(work, account=attacker, checkpoint_dir=str(evil_dir))
+    )
     work_subject = f"{ns}.{subjects.WORK_TRAIN}.{run_id}"
     outside = tmp_path / "precious"
     outside.mkdir()
@@ -113,15 +144,26 @@ def test_cancel_notices_work_items_and_cleanup_orders_need_the_scheduler(make_st
         await t.close()
         ops = await as_identity(stack, "operator")  # may publish anywhere: the code must still refuse
         await ops.nc.publish(cancel_subject, b"{}")  # unsigned
-        await ops.nc.publish(cancel_subject, b"{}", headers=signer(stack).headers(cancel_subject, b"{}"))  # signed, but no cancel was accepted
+        await ops.nc.publish(
+            cancel_subject, b"{}", headers=signer(stack).headers(cancel_subject, b"{}")
+        )  # signed, but no cancel was accepted
         js = ops.nc.jetstream(timeout=2)
         await js.publish(work_subject, redirected, headers={"Nats-Msg-Id": "evil-1"})  # unsigned
-        await js.publish(work_subject, rebound, headers={"Nats-Msg-Id": "evil-2",
-                                                         **signer(stack).headers(work_subject, rebound)})
+        await js.publish(
+            work_subject,
+            rebound,
+            headers={"Nats-Msg-Id": "evil-2", **signer(stack).headers(work_subject, rebound)},
+        )
         answers = []
-        for order in ({"account": "..", "run_id": "precious", "checkpoint_dir": str(outside), "storage": str(tmp_path)},
-                      {"account": victim, "run_id": "../../precious", "checkpoint_dir": str(outside),
-                       "storage": str(tmp_path)}):
+        for order in (
+            {"account": "..", "run_id": "precious", "checkpoint_dir": str(outside), "storage": str(tmp_path)},
+            {
+                "account": victim,
+                "run_id": "../../precious",
+                "checkpoint_dir": str(outside),
+                "storage": str(tmp_path),
+            },
+        ):
             body = json.dumps(order).encode()
             subject = f"{ns}.{subjects.TRAINER_CLEANUP}"
             for headers in ({}, signer(stack).headers(subject, body)):
@@ -131,7 +173,9 @@ def test_cancel_notices_work_items_and_cleanup_orders_need_the_scheduler(make_st
         return t, answers
 
     t, answers = asyncio.run(attack())
-    assert t.denied(cancel_subject) and t.denied(work_subject) and t.denied(f"{ns}.{subjects.TRAINER_CLEANUP}")
+    assert (
+        t.denied(cancel_subject) and t.denied(work_subject) and t.denied(f"{ns}.{subjects.TRAINER_CLEANUP}")
+    )
     assert [a["error"]["code"] for a in answers] == ["forbidden"] * 4, answers
     assert (outside / "data").read_text() == "keep me"
 
@@ -141,7 +185,9 @@ def test_cancel_notices_work_items_and_cleanup_orders_need_the_scheduler(make_st
 
     # the real cancel, through the gates; then the forged items reach the trainer and are refused
     ref = confirm(stack, env, "cancel", "--run", run_id)
-    rc, out = stack.ecc("cancel", run_id, "--confirmation-ref", ref, "--idempotency-key", "real-cancel", env=env)
+    rc, out = stack.ecc(
+        "cancel", run_id, "--confirmation-ref", ref, "--idempotency-key", "real-cancel", env=env
+    )
     assert rc == 0, out
     wait_for(stack, env, run_id, lambda v: v["state"] == "cancelled", timeout=60)
 

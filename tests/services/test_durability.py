@@ -41,12 +41,38 @@ async def test_consumed_confirmation_and_reservation_survive_a_redis_kill(tmp_pa
         rc, rl = clients(server, s)
         confirmations, ledger = ConfirmationStore(rc, keys), LedgerStore(rl, keys, retention_s=3600)
         ref = new_ref()
-        await confirmations.create(ref, Stored(account="acme", action=Action.train, target="b1", digest="d" * 64,
-                                               max_cost=1.0, expires_at=await confirmations.now() + 600, consumed=False))
-        req = LedgerAccept(account="acme", idempotency_key="k1", fingerprint="f", run_id="run_1", action=Action.train,
-                           confirmation_ref=ref, target="b1", manifest_digest="d" * 64, cost_usd=0.5)
-        entry = LedgerEntry(account="acme", idempotency_key="k1", fingerprint="f", run_id="run_1", action=Action.train,
-                            handed_off=False, created_at=datetime.now(UTC))
+        await confirmations.create(
+            ref,
+            Stored(
+                account="acme",
+                action=Action.train,
+                target="b1",
+                digest="d" * 64,
+                max_cost=1.0,
+                expires_at=await confirmations.now() + 600,
+                consumed=False,
+            ),
+        )
+        req = LedgerAccept(
+            account="acme",
+            idempotency_key="k1",
+            fingerprint="f",
+            run_id="run_1",
+            action=Action.train,
+            confirmation_ref=ref,
+            target="b1",
+            manifest_digest="d" * 64,
+            cost_usd=0.5,
+        )
+        entry = LedgerEntry(
+            account="acme",
+            idempotency_key="k1",
+            fingerprint="f",
+            run_id="run_1",
+            action=Action.train,
+            handed_off=False,
+            created_at=datetime.now(UTC),
+        )
         _, created = await ledger.accept(req, entry)
         assert created
         await rc.aclose()
@@ -59,8 +85,13 @@ async def test_consumed_confirmation_and_reservation_survive_a_redis_kill(tmp_pa
         confirmations, ledger = ConfirmationStore(rc, keys), LedgerStore(rl, keys, retention_s=3600)
         assert (await confirmations.get("acme", ref)).consumed is True
         assert (await ledger.lookup("acme", "k1")).run_id == "run_1"
-        fresh = LedgerAccept(**{**{f: getattr(req, f) for f in req.__struct_fields__}, "idempotency_key": "k2",
-                                "run_id": "run_2"})
+        fresh = LedgerAccept(
+            **{
+                **{f: getattr(req, f) for f in req.__struct_fields__},
+                "idempotency_key": "k2",
+                "run_id": "run_2",
+            }
+        )
         with pytest.raises(Refusal) as refused:
             await ledger.accept(fresh, entry)
         assert refused.value.code is ErrorCode.confirmation_consumed

@@ -31,7 +31,9 @@ from services.runtime.service import Wiring
 from services.scheduler import app as scheduler_app
 from services.scheduler.manifests import digest_of
 
-REPO_MANIFEST = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "manifests" / "tiny.json"
+REPO_MANIFEST = (
+    __import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "manifests" / "tiny.json"
+)
 
 
 @pytest.fixture
@@ -57,16 +59,26 @@ async def call(br, w, suffix, request, account="acme"):
 def booking_event(account, booking, kind="completed", version=1, gpus=8):
     now = datetime.now(UTC)
     return BookingEvent(
-        event_id=uuid.uuid4().hex, kind=BookingEventKind(kind), booking_id=booking, account=account, version=version,
-        topology=Topology(nodes=1, gpus_per_node=gpus, gpu_model="H200", gpu_memory_gb=141), region="eu-central-1",
-        fabric=Fabric.infiniband, window_start=now - timedelta(minutes=1), window_end=now + timedelta(hours=2),
+        event_id=uuid.uuid4().hex,
+        kind=BookingEventKind(kind),
+        booking_id=booking,
+        account=account,
+        version=version,
+        topology=Topology(nodes=1, gpus_per_node=gpus, gpu_model="H200", gpu_memory_gb=141),
+        region="eu-central-1",
+        fabric=Fabric.infiniband,
+        window_start=now - timedelta(minutes=1),
+        window_end=now + timedelta(hours=2),
         emitted_at=now,
     )
 
 
 async def publish_booking(br, w, ev):
-    await br.publish(msgspec.json.encode(ev), w.settings.subject(f"{subjects.BOOKING_EVENTS}.{ev.kind.value}"),
-                     stream=w.settings.stream(subjects.STREAM_BOOKINGS))
+    await br.publish(
+        msgspec.json.encode(ev),
+        w.settings.subject(f"{subjects.BOOKING_EVENTS}.{ev.kind.value}"),
+        stream=w.settings.stream(subjects.STREAM_BOOKINGS),
+    )
 
 
 async def login(w, name="acme"):
@@ -82,7 +94,9 @@ async def test_auth(bus):
     out = await call(br, w, subjects.API_AUTH, AuthRequest(), account="nobody")
     assert not out.ok and out.error.code == "unauthenticated"
     # a key on the wire is refused, and a credential block naming another account too
-    out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=Credential(account="acme", api_key="nope")))
+    out = await call(
+        br, w, subjects.API_AUTH, AuthRequest(credential=Credential(account="acme", api_key="nope"))
+    )
     assert out.error.code == "request_invalid"
     out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=Credential(account="other")))
     assert out.error.code == "unauthenticated"
@@ -93,8 +107,11 @@ async def test_auth(bus):
 
 async def test_unknown_field_is_request_invalid(bus):
     br, w = bus
-    reply = await br.request(b'{"credential": {"account": "a", "api_key": "k"}, "x": 1}',
-                             w.settings.subject(subjects.API_AUTH) + ".a", timeout=5)
+    reply = await br.request(
+        b'{"credential": {"account": "a", "api_key": "k"}, "x": 1}',
+        w.settings.subject(subjects.API_AUTH) + ".a",
+        timeout=5,
+    )
     out = codec.decode_envelope(reply.body)
     assert not out.ok and out.error.code == "request_invalid" and "x" in out.error.message
 
@@ -104,7 +121,9 @@ async def test_booking_projection_is_versioned_and_parks_early_events(bus):
     cred = await login(w)
     await publish_booking(br, w, booking_event("acme", "b1", "modified", version=2, gpus=4))
     text = REPO_MANIFEST.read_text()
-    plan = PlanRequest(credential=cred, booking_id="b1", manifest_text=text, manifest_digest=digest_of(text.encode()))
+    plan = PlanRequest(
+        credential=cred, booking_id="b1", manifest_text=text, manifest_digest=digest_of(text.encode())
+    )
     out = await call(br, w, subjects.API_PLAN, plan)
     assert out.error.code == "booking_incomplete"  # `modified` arrived before `completed`: parked
 
@@ -125,12 +144,24 @@ async def test_plan_confirm_train_status(bus):
     await publish_booking(br, w, booking_event("acme", "b2"))
     text = REPO_MANIFEST.read_text()
     digest = digest_of(text.encode())
-    out = await call(br, w, subjects.API_CONFIRM, ConfirmRequest(
-        credential=cred, action=Action.train, booking_id="b2", manifest_text=text, manifest_digest=digest))
+    out = await call(
+        br,
+        w,
+        subjects.API_CONFIRM,
+        ConfirmRequest(
+            credential=cred, action=Action.train, booking_id="b2", manifest_text=text, manifest_digest=digest
+        ),
+    )
     assert out.ok, out
     ref = out.data["confirmation_ref"]
-    train = TrainRequest(credential=cred, booking_id="b2", manifest_text=text, manifest_digest=digest,
-                         confirmation_ref=ref, idempotency_key="k1")
+    train = TrainRequest(
+        credential=cred,
+        booking_id="b2",
+        manifest_text=text,
+        manifest_digest=digest,
+        confirmation_ref=ref,
+        idempotency_key="k1",
+    )
     out = await call(br, w, subjects.API_TRAIN, train)
     assert out.ok and out.data["state"] == "queued", out
     run_id = out.data["run_id"]

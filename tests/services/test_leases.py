@@ -26,8 +26,18 @@ async def runs(own_redis):
 
 async def new_run(runs: RunStore, state=RunState.queued) -> str:
     run_id = "run_" + uuid.uuid4().hex[:8]
-    await runs.create(RunView(run_id=run_id, account="acme", booking_id="b", manifest_digest="d", idempotency_key="k",
-                              state=state, created_at=NOW, updated_at=NOW))
+    await runs.create(
+        RunView(
+            run_id=run_id,
+            account="acme",
+            booking_id="b",
+            manifest_digest="d",
+            idempotency_key="k",
+            state=state,
+            created_at=NOW,
+            updated_at=NOW,
+        )
+    )
     return run_id
 
 
@@ -37,8 +47,9 @@ def leasable(view):
 
 async def test_two_trainers_racing_for_one_run_one_wins(runs):
     run_id = await new_run(runs, RunState.interrupted)
-    answers = await asyncio.gather(*(runs.lease("acme", run_id, f"trainer-{i}", 0, 1000.0, 5.0, leasable)
-                                     for i in range(8)))
+    answers = await asyncio.gather(
+        *(runs.lease("acme", run_id, f"trainer-{i}", 0, 1000.0, 5.0, leasable) for i in range(8))
+    )
     assert [granted for granted, _, _ in answers].count(True) == 1
     assert {epoch for granted, _, epoch in answers if granted} == {1}
 
@@ -48,7 +59,9 @@ async def test_a_new_holder_fences_the_old_one(runs):
     granted, _, epoch = await runs.lease("acme", run_id, "old", 0, 1000.0, 5.0, leasable)
     assert granted and epoch == 1
     assert (await runs.lease("acme", run_id, "new", 0, 1002.0, 5.0, leasable))[0] is False  # old one is alive
-    granted, _, epoch = await runs.lease("acme", run_id, "new", 0, 1010.0, 5.0, leasable)  # old one went silent
+    granted, _, epoch = await runs.lease(
+        "acme", run_id, "new", 0, 1010.0, 5.0, leasable
+    )  # old one went silent
     assert granted and epoch == 2
     assert (await runs.lease("acme", run_id, "old", 1, 1011.0, 5.0, leasable))[0] is False  # fenced renewal
     assert (await runs.lease("acme", run_id, "new", 2, 1011.0, 5.0, leasable))[0] is True
@@ -66,13 +79,19 @@ async def test_no_trainer_event_applies_before_any_lease(runs):
     assert applied is False
 
 
-@pytest.mark.parametrize("epoch, seq, last_epoch, last_seq, ok", [
-    (1, 1, 0, 0, True),  # the first event of the first lease
-    (1, 5, 1, 4, True), (1, 4, 1, 4, False), (1, 3, 1, 4, False),  # in order; duplicate; redelivered
-    (2, 1, 1, 900, True),  # a new lease starts its own count
-    (1, 950, 2, 3, False),  # a fenced epoch, whatever its count
-    (1, 4 + 100_001, 1, 4, False), (3, 100_001, 2, 7, False),  # an implausible jump (forged)
-])
+@pytest.mark.parametrize(
+    "epoch, seq, last_epoch, last_seq, ok",
+    [
+        (1, 1, 0, 0, True),  # the first event of the first lease
+        (1, 5, 1, 4, True),
+        (1, 4, 1, 4, False),
+        (1, 3, 1, 4, False),  # in order; duplicate; redelivered
+        (2, 1, 1, 900, True),  # a new lease starts its own count
+        (1, 950, 2, 3, False),  # a fenced epoch, whatever its count
+        (1, 4 + 100_001, 1, 4, False),
+        (3, 100_001, 2, 7, False),  # an implausible jump (forged)
+    ],
+)
 def test_event_order_is_epoch_then_counter(epoch, seq, last_epoch, last_seq, ok):
     from services.scheduler.store import in_order
 
@@ -94,13 +113,25 @@ async def test_a_trainer_clock_ten_minutes_off_still_has_every_event_applied(run
         assert granted
         at = datetime.fromtimestamp(NOW.timestamp() + skew, UTC)
         subject = f"ns.v1.run.{run_id}"
-        created = RunCreated(run_id=run_id, seq=seq_now(), at=NOW, account="acme", booking_id="b", region="r",
-                             gpu_model="g", gpus=1, accepted_at=NOW)  # the scheduler's own event, its own clock
-        events = [created, StateChanged(run_id=run_id, seq=1, at=at, epoch=epoch, state=RunState.running),
-                  LogLine(run_id=run_id, seq=2, at=at, epoch=epoch, level="info", message="step 1"),
-                  LogLine(run_id=run_id, seq=2, at=at, epoch=epoch, level="info", message="step 1"),  # duplicate
-                  LogLine(run_id=run_id, seq=3, at=at, epoch=epoch, level="info", message="step 2"),
-                  StateChanged(run_id=run_id, seq=4, at=at, epoch=epoch, state=RunState.succeeded)]
+        created = RunCreated(
+            run_id=run_id,
+            seq=seq_now(),
+            at=NOW,
+            account="acme",
+            booking_id="b",
+            region="r",
+            gpu_model="g",
+            gpus=1,
+            accepted_at=NOW,
+        )  # the scheduler's own event, its own clock
+        events = [
+            created,
+            StateChanged(run_id=run_id, seq=1, at=at, epoch=epoch, state=RunState.running),
+            LogLine(run_id=run_id, seq=2, at=at, epoch=epoch, level="info", message="step 1"),
+            LogLine(run_id=run_id, seq=2, at=at, epoch=epoch, level="info", message="step 1"),  # duplicate
+            LogLine(run_id=run_id, seq=3, at=at, epoch=epoch, level="info", message="step 2"),
+            StateChanged(run_id=run_id, seq=4, at=at, epoch=epoch, state=RunState.succeeded),
+        ]
         consumer = RunEvents(runs)
         for e in events:
             await consumer.on_event(msgspec.json.encode(e), f"{subject}.{type(e).__struct_config__.tag}")
@@ -116,7 +147,9 @@ async def test_a_cancelled_run_cannot_be_leased(runs):
 async def test_watcher_marks_a_silent_run_interrupted_once(runs):
     run_id = await new_run(runs)
     await runs.lease("acme", run_id, "t", 0, 1000.0, 5.0, leasable)
-    await runs.update("acme", run_id, None, lambda v: __import__("msgspec").structs.replace(v, state=RunState.running))
+    await runs.update(
+        "acme", run_id, None, lambda v: __import__("msgspec").structs.replace(v, state=RunState.running)
+    )
     assert await liveness.watch_once(runs, 1004.0) == []  # within the silence allowance
     assert await liveness.watch_once(runs, 1006.0) == [run_id]
     assert await liveness.watch_once(runs, 1007.0) == []

@@ -22,15 +22,24 @@ NOW = datetime.now(UTC)
 
 def event(booking: str, kind: BookingEventKind, version: int, account: str = "acme") -> BookingEvent:
     return BookingEvent(
-        event_id=uuid.uuid4().hex, kind=kind, booking_id=booking, account=account, version=version,
+        event_id=uuid.uuid4().hex,
+        kind=kind,
+        booking_id=booking,
+        account=account,
+        version=version,
         topology=Topology(nodes=1, gpus_per_node=version % 8 + 1, gpu_model="H200", gpu_memory_gb=141),
-        region="r", fabric=Fabric.roce, window_start=NOW, window_end=NOW + timedelta(hours=1), emitted_at=NOW,
+        region="r",
+        fabric=Fabric.roce,
+        window_start=NOW,
+        window_end=NOW + timedelta(hours=1),
+        emitted_at=NOW,
     )
 
 
 # a history: distinct versions each with a kind; delivered in any order, some twice
-histories = st.lists(st.tuples(st.integers(1, 50), st.sampled_from(KINDS)), min_size=1, max_size=12,
-                     unique_by=lambda t: t[0])
+histories = st.lists(
+    st.tuples(st.integers(1, 50), st.sampled_from(KINDS)), min_size=1, max_size=12, unique_by=lambda t: t[0]
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +49,14 @@ def projection_redis(tmp_path_factory):
     i.stop()
 
 
-@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(history=histories, data=st.data())
 def test_projection_is_the_last_event_by_version(projection_redis, history, data):
-    deliveries = data.draw(st.permutations(history + data.draw(st.lists(st.sampled_from(history), max_size=4))))
+    deliveries = data.draw(
+        st.permutations(history + data.draw(st.lists(st.sampled_from(history), max_size=4)))
+    )
     booking = "b-" + uuid.uuid4().hex[:6]
 
     async def run():
@@ -54,7 +67,9 @@ def test_projection_is_the_last_event_by_version(projection_redis, history, data
             h = EntitlementHandlers(BookingStore(r, keys), b"k", 60)
             for version, kind in deliveries:
                 await h.on_event(event(booking, kind, version))
-            await h.on_event(event(booking, BookingEventKind.completed, 1, account="intruder"))  # foreign: rejected
+            await h.on_event(
+                event(booking, BookingEventKind.completed, 1, account="intruder")
+            )  # foreign: rejected
             return await BookingStore(r, keys).get("acme", booking)
         finally:
             await admin.delete(*[k async for k in admin.scan_iter(match="prop:*")] or ["-"])

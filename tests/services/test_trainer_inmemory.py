@@ -8,15 +8,15 @@ from faststream.nats import NatsMessage, TestNatsBroker
 
 from contracts import subjects
 from contracts.api import CostEstimate, LeaseAnswer, Plan
-from contracts.states import RunState
 from contracts.runs import RunEvent, StateChanged, TrainWork
+from contracts.states import RunState
 from services.runtime import codec, connections, streams
 from services.runtime import settings as settings_mod
 from services.runtime.identities import NATS_IDENTITIES
 from services.runtime.keys import Keys
 from services.runtime.secrets import Secrets
-from services.runtime.signing import Signer
 from services.runtime.service import Wiring
+from services.runtime.signing import Signer
 from services.trainer import app as trainer_app
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -29,11 +29,31 @@ def small_manifest_text() -> str:
 
 
 def plan() -> Plan:
-    cost = CostEstimate(flops=1.0, tokens=1, parameters=1, assumed_mfu=0.4, peak_tflops_per_gpu=1.0, gpus=1,
-                        gpu_hours=0.0, price_per_gpu_hour_usd=1.0, compute_usd=0.0, checkpoint_storage_usd=0.0,
-                        total_usd=0.0, booked_gpu_hours=1.0, incremental_usd=0.0)
-    return Plan(booking_id="b", manifest_digest="d", strategy="single", degrees={"dp_replicate": 1}, precision="bf16",
-                cost=cost, checks=[], ok=True)
+    cost = CostEstimate(
+        flops=1.0,
+        tokens=1,
+        parameters=1,
+        assumed_mfu=0.4,
+        peak_tflops_per_gpu=1.0,
+        gpus=1,
+        gpu_hours=0.0,
+        price_per_gpu_hour_usd=1.0,
+        compute_usd=0.0,
+        checkpoint_storage_usd=0.0,
+        total_usd=0.0,
+        booked_gpu_hours=1.0,
+        incremental_usd=0.0,
+    )
+    return Plan(
+        booking_id="b",
+        manifest_digest="d",
+        strategy="single",
+        degrees={"dp_replicate": 1},
+        precision="bf16",
+        cost=cost,
+        checks=[],
+        ok=True,
+    )
 
 
 @pytest.mark.parametrize("body, final", [("valid", "succeeded"), ("garbage", None), ("unsigned", None)])
@@ -51,8 +71,14 @@ async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
 
     @broker.subscriber(s.subject(subjects.RUN_LEASE))  # the scheduler's part: this run may train
     async def lease(msg: NatsMessage) -> bytes:
-        return codec.ok(LeaseAnswer(run_id="run_t", proceed=current[0] in (RunState.queued, RunState.running),
-                                    state=current[0], epoch=1))
+        return codec.ok(
+            LeaseAnswer(
+                run_id="run_t",
+                proceed=current[0] in (RunState.queued, RunState.running),
+                state=current[0],
+                epoch=1,
+            )
+        )
 
     @broker.subscriber(s.subject(subjects.RUN_EVENTS) + ".>", stream=streams.ref(s, subjects.STREAM_RUNS))
     async def collect(msg: NatsMessage) -> None:
@@ -61,11 +87,20 @@ async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
         if isinstance(event, StateChanged):
             current[0] = event.state
 
-    work = TrainWork(run_id="run_t", account="acme", booking_id="b", manifest_text=small_manifest_text(),
-                     manifest_digest="d", plan=plan(), checkpoint_dir=str(tmp_path / "ckpt"))
+    work = TrainWork(
+        run_id="run_t",
+        account="acme",
+        booking_id="b",
+        manifest_text=small_manifest_text(),
+        manifest_digest="d",
+        plan=plan(),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
     payload = b"{not a work item" if body == "garbage" else msgspec.json.encode(work)
     subject = s.subject(f"{subjects.WORK_TRAIN}.run_t")
-    signed = {} if body == "unsigned" else Signer(Secrets(s.secrets_dir).signing_key()).headers(subject, payload)
+    signed = (
+        {} if body == "unsigned" else Signer(Secrets(s.secrets_dir).signing_key()).headers(subject, payload)
+    )
     async with TestNatsBroker(broker) as br:
         # in memory, publish runs the trainer's handler to its end (the whole run) before returning
         await br.publish(payload, subject, stream=s.stream(subjects.STREAM_WORK), headers=signed)
@@ -117,13 +152,24 @@ async def test_a_refused_final_transition_is_never_acknowledged(namespace, tmp_p
     async def ignore(msg: NatsMessage) -> None:
         pass
 
-    work = TrainWork(run_id="run_r", account="acme", booking_id="b", manifest_text=small_manifest_text(),
-                     manifest_digest="d", plan=plan(), checkpoint_dir="/ignored")
+    work = TrainWork(
+        run_id="run_r",
+        account="acme",
+        booking_id="b",
+        manifest_text=small_manifest_text(),
+        manifest_digest="d",
+        plan=plan(),
+        checkpoint_dir="/ignored",
+    )
     payload = msgspec.json.encode(work)
     subject = s.subject(f"{subjects.WORK_TRAIN}.run_r")
     async with TestNatsBroker(broker) as br:
-        await br.publish(payload, subject, stream=s.stream(subjects.STREAM_WORK),
-                         headers=Signer(Secrets(s.secrets_dir).signing_key()).headers(subject, payload))
+        await br.publish(
+            payload,
+            subject,
+            stream=s.stream(subjects.STREAM_WORK),
+            headers=Signer(Secrets(s.secrets_dir).signing_key()).headers(subject, payload),
+        )
     assert outcome == ["nak"]
     # the checkpoint directory came from the trainer's own root, not from the message
     assert (tmp_path / "checkpoints" / "acme" / "run_r").is_dir() and not pathlib.Path("/ignored").exists()

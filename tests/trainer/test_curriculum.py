@@ -19,9 +19,14 @@ DATA = [
 
 
 def manifest(stages=None, recipe=(), data=None, post=None, tokens=100_000) -> Manifest:
-    doc = {"name": "t", "model": {"size": "tiny", "revision": "r"}, "data": data or DATA,
-           "target": {"tokens": tokens, "seq_len": 64, "batch_size": 16}, "budget_cap_usd": 1.0,
-           "post_training": {"recipe": list(recipe), **(post or {})}}
+    doc = {
+        "name": "t",
+        "model": {"size": "tiny", "revision": "r"},
+        "data": data or DATA,
+        "target": {"tokens": tokens, "seq_len": 64, "batch_size": 16},
+        "budget_cap_usd": 1.0,
+        "post_training": {"recipe": list(recipe), **(post or {})},
+    }
     if stages is not None:
         doc["stages"] = stages
     return msgspec.convert(doc, Manifest)
@@ -32,7 +37,11 @@ def test_without_stages_a_run_preps_its_data_and_pretrains_on_every_training_ref
     assert plan.stage_names == ["data_prep", "pretrain"]  # there are eval refs to keep out of training
     [pre] = plan.stages
     assert pre.steps == 100_000 // (64 * 16) and pre.data == ("docs", "arith", "needle")
-    assert pre.decay == "cosine" and pre.rope_base is None and plan.eval_refs == {"arith-eval": "generated:arithmetic"}
+    assert (
+        pre.decay == "cosine"
+        and pre.rope_base is None
+        and plan.eval_refs == {"arith-eval": "generated:arithmetic"}
+    )
 
 
 def test_tiny_example_does_the_data_prep_it_declares():
@@ -48,11 +57,14 @@ def test_no_declaration_and_no_eval_data_means_no_data_prep():
     assert plan.stage_names == ["pretrain"]
 
 
-@pytest.mark.parametrize("deco, why", [
-    ({"method": "embedding-similarity", "provenance": "p"}, "cannot honour"),
-    ({"method": "13-gram", "against": ["gsm8k"], "provenance": "p"}, "not eval refs"),
-    ({"method": "8-gram", "provenance": "p"}, "cannot honour"),
-])
+@pytest.mark.parametrize(
+    "deco, why",
+    [
+        ({"method": "embedding-similarity", "provenance": "p"}, "cannot honour"),
+        ({"method": "13-gram", "against": ["gsm8k"], "provenance": "p"}, "not eval refs"),
+        ({"method": "8-gram", "provenance": "p"}, "cannot honour"),
+    ],
+)
 def test_a_declaration_the_backend_cannot_honour_is_refused(deco, why):
     data = [{**DATA[0], "decontamination": deco}, *DATA[1:]]
     with pytest.raises(ValueError, match=why):
@@ -62,7 +74,16 @@ def test_a_declaration_the_backend_cannot_honour_is_refused(deco, why):
 def test_full_example_runs_every_stage_in_curriculum_order():
     full = msgspec.json.decode((EXAMPLES / "full.json").read_bytes(), type=Manifest)
     plan = plan_run(full)
-    assert plan.stage_names == ["data_prep", "ladder", "pretrain", "midtrain", "long_context", "sft", "dpo", "rlvr"]
+    assert plan.stage_names == [
+        "data_prep",
+        "ladder",
+        "pretrain",
+        "midtrain",
+        "long_context",
+        "sft",
+        "dpo",
+        "rlvr",
+    ]
     pre, mid, lc = plan.stages[:3]
     # target.tokens is the whole pre-training budget: midtrain and long_context are carved out of it
     assert pre.steps * 64 * 16 + mid.steps * 64 * 16 + lc.steps * 256 * 8 == full.target.tokens
@@ -78,8 +99,11 @@ def test_stage_data_defaults_and_selection():
 
 def test_post_training_defaults_to_the_task_refs():
     plan = plan_run(manifest(recipe=["sft", "rlvr"]))
-    assert [(p.name, p.data) for p in plan.stages] == [("pretrain", ("docs", "arith", "needle")),
-                                                       ("sft", ("arith",)), ("rlvr", ("arith",))]
+    assert [(p.name, p.data) for p in plan.stages] == [
+        ("pretrain", ("docs", "arith", "needle")),
+        ("sft", ("arith",)),
+        ("rlvr", ("arith",)),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -93,15 +117,32 @@ def test_post_training_defaults_to_the_task_refs():
         ({"recipe": ["sft", "sft"]}, "at most once"),
         ({"recipe": ["ppo"]}, "at most once"),
         ({"recipe": ["sft"], "post": {"sft": {"data": ["docs"]}}}, "verifiable tasks"),
-        ({"stages": {"pretrain": {"gate": {"min_task_accuracy": 0.5}}},
-          "data": [{"name": "docs", "source": "builtin:pydoc_topics"}]}, "no eval ref is a verifiable task"),
-        ({"recipe": ["dpo"], "post": {"dpo": {"gate": {"max_held_out_loss": 2.0}}},
-          "data": [{"name": "arith", "source": "generated:arithmetic"}]}, "no eval ref"),
-        ({"stages": {"ladder": {"max_budget_fraction": 0.001}, "pretrain": {}},
-          "data": DATA + [{"name": "mine", "source": "file:/tmp/mine.txt"}], "tokens": 20_000}, "allows no proxy step"),
+        (
+            {
+                "stages": {"pretrain": {"gate": {"min_task_accuracy": 0.5}}},
+                "data": [{"name": "docs", "source": "builtin:pydoc_topics"}],
+            },
+            "no eval ref is a verifiable task",
+        ),
+        (
+            {
+                "recipe": ["dpo"],
+                "post": {"dpo": {"gate": {"max_held_out_loss": 2.0}}},
+                "data": [{"name": "arith", "source": "generated:arithmetic"}],
+            },
+            "no eval ref",
+        ),
+        (
+            {
+                "stages": {"ladder": {"max_budget_fraction": 0.001}, "pretrain": {}},
+                "data": [*DATA, {"name": "mine", "source": "file:/tmp/mine.txt"}],
+                "tokens": 20_000,
+            },
+            "allows no proxy step",
+        ),
         ({"stages": {"data_prep": {"minhash_bands": 15}}}, "equal bands"),
         ({"stages": {"pretrain": None}}, "trains nothing"),
-        ({"data": DATA + [{"name": "docs", "source": "generated:reverse"}]}, "unique"),
+        ({"data": [*DATA, {"name": "docs", "source": "generated:reverse"}]}, "unique"),
     ],
 )
 def test_manifests_that_cannot_run_are_refused_before_training(kwargs, words):
@@ -110,8 +151,12 @@ def test_manifests_that_cannot_run_are_refused_before_training(kwargs, words):
 
 
 def test_ladder_is_bounded_by_its_budget_fraction():
-    data = DATA + [{"name": "mine", "source": "file:/tmp/mine.txt"}]
-    plan = plan_run(manifest(stages={"ladder": {"proxy_steps": 500, "max_budget_fraction": 0.1}, "pretrain": {}}, data=data))
+    data = [*DATA, {"name": "mine", "source": "file:/tmp/mine.txt"}]
+    plan = plan_run(
+        manifest(
+            stages={"ladder": {"proxy_steps": 500, "max_budget_fraction": 0.1}, "pretrain": {}}, data=data
+        )
+    )
     pretrain_steps = plan.stages[0].steps  # 97
     assert plan.ladder.proxy_steps == int(0.1 * pretrain_steps) // 2 == 4
     assert plan.ladder.custom == ("mine",) and plan.ladder.reference == ("docs", "arith", "needle")
@@ -126,8 +171,14 @@ def test_ladder_is_bounded_by_its_budget_fraction():
         ([Check(name="held_out_loss", value=2.5, threshold=2.0, op="<=")], False),
         ([Check(name="task_accuracy", value=0.5, threshold=0.5, op=">=")], True),  # the bound itself passes
         ([Check(name="task_accuracy", value=0.49, threshold=0.5, op=">=")], False),
-        ([Check(name="held_out_loss", value=9.0), Check(name="task_accuracy", value=None)], True),  # report only
-        ([Check(name="a", value=1.0, threshold=2.0, op="<="), Check(name="b", value=0.1, threshold=0.2)], False),
+        (
+            [Check(name="held_out_loss", value=9.0), Check(name="task_accuracy", value=None)],
+            True,
+        ),  # report only
+        (
+            [Check(name="a", value=1.0, threshold=2.0, op="<="), Check(name="b", value=0.1, threshold=0.2)],
+            False,
+        ),
     ],
 )
 def test_judge(checks, passed):
@@ -142,8 +193,12 @@ def test_a_gated_check_that_cannot_be_measured_is_an_error_not_a_pass():
 
 
 def test_describe_states_the_numbers():
-    metrics, _ = judge([Check(name="held_out_loss", value=2.3125, threshold=1.0, op="<="),
-                        Check(name="task_accuracy", value=0.25)])
+    metrics, _ = judge(
+        [
+            Check(name="held_out_loss", value=2.3125, threshold=1.0, op="<="),
+            Check(name="task_accuracy", value=0.25),
+        ]
+    )
     assert describe("pretrain", metrics) == "pretrain gate failed: held_out_loss 2.3125 > 1.0000"
     metrics, _ = judge([Check(name="held_out_loss", value=0.5, threshold=1.0, op="<=")])
     assert describe("sft", metrics) == "sft gate passed: held_out_loss 0.5000 <= 1.0000"

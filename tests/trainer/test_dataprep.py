@@ -15,8 +15,10 @@ from services.trainer.dataprep import (
     words,
 )
 
-VOCAB = ("river stone light green slow cloud over under small bird wind north old road blue sand quiet field "
-         "harbor lantern copper meadow thunder violet orchard canyon glacier ember falcon willow").split()
+VOCAB = (
+    "river stone light green slow cloud over under small bird wind north old road blue sand quiet field "
+    "harbor lantern copper meadow thunder violet orchard canyon glacier ember falcon willow"
+).split()
 
 
 def essay(seed: int, n_words: int = 120) -> str:

@@ -91,12 +91,24 @@ def test_results_are_a_function_of_the_seed(topics):
 
 def test_signatures_do_not_depend_on_the_process():
     """Python's str hash is salted per process; nothing the signature depends on may use it."""
-    code = ("from services.trainer.dataprep import minhash, shingles; "
-            "print(minhash(shingles('the quick brown fox jumps over the lazy dog ' * 5, 5), seed=3)"
-            ".hashvalues.tolist())")
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": salt}).stdout for salt in ("1", "2")]
-    here = minhash(shingles("the quick brown fox jumps over the lazy dog " * 5, 5), seed=3).hashvalues.tolist()
+    code = (
+        "from services.trainer.dataprep import minhash, shingles; "
+        "print(minhash(shingles('the quick brown fox jumps over the lazy dog ' * 5, 5), seed=3)"
+        ".hashvalues.tolist())"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": salt},
+        ).stdout
+        for salt in ("1", "2")
+    ]
+    here = minhash(
+        shingles("the quick brown fox jumps over the lazy dog " * 5, 5), seed=3
+    ).hashvalues.tolist()
     assert runs[0] == runs[1] == f"{here}\n"
 
 

@@ -83,6 +83,14 @@ def test_generate_appends_tokens():
     ],
 )
 def test_bad_shapes_are_refused_in_a_sentence(fields, words):
-    base = {"n_layer": 1, "d_model": 128, "n_head": 4, "n_kv_head": 4, "d_ff": 64, "vocab_size": 256, "max_seq_len": 8}
+    base = {
+        "n_layer": 1,
+        "d_model": 128,
+        "n_head": 4,
+        "n_kv_head": 4,
+        "d_ff": 64,
+        "vocab_size": 256,
+        "max_seq_len": 8,
+    }
     with pytest.raises(ValueError, match=words):
         check_shape(ModelShape(**(base | fields)))

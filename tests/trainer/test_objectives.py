@@ -23,10 +23,15 @@ def test_dpo_loss_is_the_sigmoid_formula():
     # Pair 1: chosen margin (-1.0 - -1.5) = 0.5, rejected margin (-3.0 - -2.0) = -1.0 -> z = 0.1 * 1.5 = 0.15
     # Pair 2: chosen margin (-2.0 - -2.0) = 0.0, rejected margin (-1.0 - -2.0) = 1.0  -> z = 0.1 * -1.0 = -0.1
     loss, chosen, rejected = dpo_loss(
-        torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0]), torch.tensor([-1.5, -2.0]), torch.tensor([-2.0, -2.0]),
+        torch.tensor([-1.0, -2.0]),
+        torch.tensor([-3.0, -1.0]),
+        torch.tensor([-1.5, -2.0]),
+        torch.tensor([-2.0, -2.0]),
         beta=0.1,
     )
-    expected = (math.log(1 + math.exp(-0.15)) + math.log(1 + math.exp(0.1))) / 2  # -log sigmoid(z) = log(1 + e^-z)
+    expected = (
+        math.log(1 + math.exp(-0.15)) + math.log(1 + math.exp(0.1))
+    ) / 2  # -log sigmoid(z) = log(1 + e^-z)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert chosen.tolist() == pytest.approx([0.05, 0.0])
     assert rejected.tolist() == pytest.approx([-0.1, 0.1])
@@ -73,9 +78,13 @@ def test_dynamic_sampling_keeps_groups_with_both_right_and_wrong_answers(correct
 @pytest.mark.parametrize(
     "length, expected",
     [
-        (1, 0.0), (12, 0.0),  # up to L_max - L_cache = 12: no penalty
-        (13, -0.25), (14, -0.5), (16, -1.0),  # (12 - L) / 4 inside the buffer
-        (17, -1.0), (100, -1.0),  # beyond L_max
+        (1, 0.0),
+        (12, 0.0),  # up to L_max - L_cache = 12: no penalty
+        (13, -0.25),
+        (14, -0.5),
+        (16, -1.0),  # (12 - L) / 4 inside the buffer
+        (17, -1.0),
+        (100, -1.0),  # beyond L_max
     ],
 )
 def test_overlong_penalty(length, expected):
@@ -119,7 +128,9 @@ def test_dual_clip_bounds_a_negative_advantage_with_a_huge_ratio():
     # A = -2, ratio e^6 ~ 403: without the dual clip the token's loss is 2 * 403 = 807 and its
     # gradient as large; with it, 3 * |A| = 6 and no gradient at all (the bound is a constant).
     new = torch.tensor([[6.0]], requires_grad=True)
-    loss, fraction = clipped_policy_loss(new, torch.zeros(1, 1), torch.tensor([-2.0]), torch.ones(1, 1), 0.2, 0.28)
+    loss, fraction = clipped_policy_loss(
+        new, torch.zeros(1, 1), torch.tensor([-2.0]), torch.ones(1, 1), 0.2, 0.28
+    )
     loss.backward()
     assert loss.item() == pytest.approx(DUAL_CLIP_C * 2.0) and fraction.item() == 1.0
     assert new.grad.item() == 0.0
@@ -130,7 +141,9 @@ def test_an_absurd_log_ratio_gives_a_finite_loss_and_gradient():
     # gradient to NaN); the log-ratio is clamped at +-20 first, as verl does.
     new = torch.tensor([[200.0, -200.0, 0.1]], requires_grad=True)
     for advantage in (1.0, -1.0):
-        loss, _ = clipped_policy_loss(new, torch.zeros(1, 3), torch.tensor([advantage]), torch.ones(1, 3), 0.2, 0.28)
+        loss, _ = clipped_policy_loss(
+            new, torch.zeros(1, 3), torch.tensor([advantage]), torch.ones(1, 3), 0.2, 0.28
+        )
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(new.grad).all()
         new.grad = None
@@ -138,8 +151,15 @@ def test_an_absurd_log_ratio_gives_a_finite_loss_and_gradient():
 
 def test_dual_clip_constant_must_exceed_1():
     with pytest.raises(ValueError, match="above 1"):
-        clipped_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.28,
-                            clip_ratio_c=1.0)
+        clipped_policy_loss(
+            torch.zeros(1, 1),
+            torch.zeros(1, 1),
+            torch.tensor([1.0]),
+            torch.ones(1, 1),
+            0.2,
+            0.28,
+            clip_ratio_c=1.0,
+        )
 
 
 def test_clipped_tokens_pass_no_gradient():

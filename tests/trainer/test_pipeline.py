@@ -25,8 +25,9 @@ class Recorder:
         self.events: list[tuple[str, dict]] = []
 
     def __call__(self, kind: str, fields: dict) -> None:
-        msgspec.convert({"run_id": "r", "seq": len(self.events) + 1, "at": datetime.now(UTC), **fields},
-                        EVENT_KINDS[kind])
+        msgspec.convert(
+            {"run_id": "r", "seq": len(self.events) + 1, "at": datetime.now(UTC), **fields}, EVENT_KINDS[kind]
+        )
         self.events.append((kind, fields))
 
     def of(self, kind: str) -> list[dict]:
@@ -49,11 +50,22 @@ def full_manifest(tmp_path: pathlib.Path, **changes) -> Manifest:
     """examples/manifests/full.json, plus a custom file: ref for the ladder, made smaller."""
     raw = msgspec.json.decode((EXAMPLES / "full.json").read_bytes())
     custom = tmp_path / "custom.txt"
-    custom.write_text("\n\n".join(f"Paragraph {i}: the river runs under the old stone bridge near the mill."
-                                  for i in range(400)))
-    raw["data"].append({"name": "custom", "source": f"file:{custom}", "role": "train",
-                        "decontamination": {"method": "13-gram", "against": [], "provenance": "test"}})
-    raw["target"]["tokens"] = 60 * 1024 + 20 * 1024 + 10 * 2048  # pretrain 60, midtrain 20, long-context 10 steps
+    custom.write_text(
+        "\n\n".join(
+            f"Paragraph {i}: the river runs under the old stone bridge near the mill." for i in range(400)
+        )
+    )
+    raw["data"].append(
+        {
+            "name": "custom",
+            "source": f"file:{custom}",
+            "role": "train",
+            "decontamination": {"method": "13-gram", "against": [], "provenance": "test"},
+        }
+    )
+    raw["target"]["tokens"] = (
+        60 * 1024 + 20 * 1024 + 10 * 2048
+    )  # pretrain 60, midtrain 20, long-context 10 steps
     raw["stages"]["pretrain"]["data"].append("custom")
     raw["stages"]["midtrain"]["tokens"] = 20 * 1024
     raw["stages"]["long_context"]["tokens"] = 10 * 2048
@@ -66,16 +78,24 @@ def full_manifest(tmp_path: pathlib.Path, **changes) -> Manifest:
 
 
 def small_manifest(stages: dict, recipe=(), **post) -> Manifest:
-    return msgspec.convert({
-        "name": "t", "model": {"size": "tiny", "revision": "r"},
-        "data": [{"name": "docs", "source": "builtin:pydoc_topics"},
-                 {"name": "arith", "source": "generated:small_arithmetic"},
-                 {"name": "arith-eval", "source": "generated:small_arithmetic", "role": "eval"}],
-        # 80 steps: enough for held-out loss to beat the fresh model's, which the pretrain gate demands
-        "target": {"tokens": 80 * 16 * 32, "seq_len": 32, "batch_size": 16},
-        "stages": stages, "post_training": {"recipe": list(recipe), **post},
-        "checkpoint": {"interval_steps": 8, "keep_last": 2}, "budget_cap_usd": 1.0,
-    }, Manifest)
+    return msgspec.convert(
+        {
+            "name": "t",
+            "model": {"size": "tiny", "revision": "r"},
+            "data": [
+                {"name": "docs", "source": "builtin:pydoc_topics"},
+                {"name": "arith", "source": "generated:small_arithmetic"},
+                {"name": "arith-eval", "source": "generated:small_arithmetic", "role": "eval"},
+            ],
+            # 80 steps: enough for held-out loss to beat the fresh model's, which the pretrain gate demands
+            "target": {"tokens": 80 * 16 * 32, "seq_len": 32, "batch_size": 16},
+            "stages": stages,
+            "post_training": {"recipe": list(recipe), **post},
+            "checkpoint": {"interval_steps": 8, "keep_last": 2},
+            "budget_cap_usd": 1.0,
+        },
+        Manifest,
+    )
 
 
 def test_every_stage_runs_end_to_end_to_succeeded(tmp_path):
@@ -89,7 +109,11 @@ def test_every_stage_runs_end_to_end_to_succeeded(tmp_path):
     assert list(evals) == ALL_STAGES[1:]  # every training stage, and the ladder's decision
     assert all(evals[s]["passed"] for s in ALL_STAGES[2:])
     assert {m["name"] for m in evals["long_context"]["metrics"]} == {
-        "held_out_loss", "task_accuracy", "short_context_loss", "needle_accuracy"}
+        "held_out_loss",
+        "task_accuracy",
+        "short_context_loss",
+        "needle_accuracy",
+    }
     assert {m["name"] for m in evals["pretrain"]["metrics"]} == {"held_out_loss", "task_accuracy"}
 
     [provenance] = emit.of("provenance")
@@ -101,12 +125,27 @@ def test_every_stage_runs_end_to_end_to_succeeded(tmp_path):
     assert provenance["input_digest"] != provenance["output_digest"]
 
     ladder = evals["ladder"]
-    assert [m["name"] for m in ladder["metrics"]] == ["held_out_loss_reference", "held_out_loss_with_custom", "eval_delta"]
+    assert [m["name"] for m in ladder["metrics"]] == [
+        "held_out_loss_reference",
+        "held_out_loss_with_custom",
+        "eval_delta",
+    ]
     assert ladder["passed"] == ladder["metrics"][1]["passed"]
-    assert any("ladder: custom data ['custom']" in e["message"] and "decision:" in e["message"] for e in emit.of("log"))
+    assert any(
+        "ladder: custom data ['custom']" in e["message"] and "decision:" in e["message"]
+        for e in emit.of("log")
+    )
 
     # ladder: min(20 proxy steps, 0.2 x 90 pre-training steps / 2 runs = 9), for each of the two runs
-    expected_steps = {"ladder": 2 * 9, "pretrain": 60, "midtrain": 20, "long_context": 10, "sft": 20, "dpo": 6, "rlvr": 3}
+    expected_steps = {
+        "ladder": 2 * 9,
+        "pretrain": 60,
+        "midtrain": 20,
+        "long_context": 10,
+        "sft": 20,
+        "dpo": 6,
+        "rlvr": 3,
+    }
     for stage, steps in expected_steps.items():
         assert [m["step"] for m in emit.metrics(stage)] == list(range(1, steps + 1)), stage
     for stage in ALL_STAGES[2:]:
@@ -116,14 +155,22 @@ def test_every_stage_runs_end_to_end_to_succeeded(tmp_path):
 
 
 def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
-    manifest = small_manifest({"pretrain": {"gate": {"max_held_out_loss": 0.01}}, "midtrain": {"tokens": 4 * 16 * 32}})
+    manifest = small_manifest(
+        {"pretrain": {"gate": {"max_held_out_loss": 0.01}}, "midtrain": {"tokens": 4 * 16 * 32}}
+    )
     emit = Recorder()
     result = run_pipeline(manifest, tmp_path, emit, never, threads=2)
     assert result.outcome == "gate_failed" and result.last_stage == "pretrain"
     [gate] = emit.of("eval")
     assert gate["stage"] == "pretrain" and gate["passed"] is False
     held = next(m for m in gate["metrics"] if m["name"] == "held_out_loss")
-    assert held == {"name": "held_out_loss", "value": held["value"], "threshold": 0.01, "op": "<=", "passed": False}
+    assert held == {
+        "name": "held_out_loss",
+        "value": held["value"],
+        "threshold": 0.01,
+        "op": "<=",
+        "passed": False,
+    }
     assert result.summary == f"pretrain gate failed: held_out_loss {held['value']:.4f} > 0.0100"
     assert [s["stage"] for s in emit.of("stage")] == ["data_prep", "pretrain"]  # midtrain never starts
 
@@ -135,8 +182,11 @@ def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
 
 
 def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):
-    manifest = small_manifest({"pretrain": {}, "midtrain": {"tokens": 12 * 16 * 32}}, recipe=["sft"],
-                              sft={"steps": 6, "batch_size": 8})
+    manifest = small_manifest(
+        {"pretrain": {}, "midtrain": {"tokens": 12 * 16 * 32}},
+        recipe=["sft"],
+        sft={"steps": 6, "batch_size": 8},
+    )
     straight = Recorder()
     assert run_pipeline(manifest, tmp_path / "straight", straight, never, threads=2).outcome == "succeeded"
 
@@ -156,7 +206,8 @@ def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):
     assert tail(second, "midtrain") == tail(straight, "midtrain")[5:]  # exact, step by step
     assert tail(second, "sft") == tail(straight, "sft")
     assert finished.held_out_loss == pytest.approx(
-        next(m["value"] for m in straight.of("eval")[-1]["metrics"] if m["name"] == "held_out_loss"))
+        next(m["value"] for m in straight.of("eval")[-1]["metrics"] if m["name"] == "held_out_loss")
+    )
 
 
 def test_the_default_manifest_is_pretrain_only_and_reports_its_battery(tmp_path):

@@ -175,7 +175,9 @@ def test_load_latest_into_fresh_objects_continues_exactly(tmp_path):
     fresh_optimizer = build_optimizer(fresh_model, cfg)
     resumed = load_latest(tmp_path, fresh_model, fresh_optimizer)
     assert (resumed.step, resumed.data_position) == (3, 3)
-    fresh_batches = BatchIterator(tokens, seq_len=SEQ, batch_size=BATCH, seed=0, position=resumed.data_position)
+    fresh_batches = BatchIterator(
+        tokens, seq_len=SEQ, batch_size=BATCH, seed=0, position=resumed.data_position
+    )
     assert train_steps(fresh_model, fresh_optimizer, fresh_batches, 2) == expected
     for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(a, b)

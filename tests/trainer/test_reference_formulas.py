@@ -54,8 +54,9 @@ def test_dpo_loss_is_trls_sigmoid_loss(seed, beta):
 # --- the policy loss: verl's core_algos.compute_policy_loss, loss_agg_mode="token-mean" ----------
 
 
-def verl_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high,
-                     clip_ratio_c=3.0):
+def verl_policy_loss(
+    old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high, clip_ratio_c=3.0
+):
     """verl, step by step under its own names; returns (pg_loss, pg_clipfrac, pg_clipfrac_lower)."""
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
@@ -100,8 +101,9 @@ def test_policy_loss_is_verls_with_clip_higher_and_dual_clip(seed, eps_low, eps_
     # ours reports the tokens where either clip binds; the two are disjoint in verl's definition
     torch.testing.assert_close(fraction, clipfrac + clipfrac_lower)
     reference_input = new.clone().requires_grad_(True)
-    ref_grad, = torch.autograd.grad(verl_policy_loss(old, reference_input, per_token, mask, eps_low, eps_high)[0],
-                                    reference_input)
+    (ref_grad,) = torch.autograd.grad(
+        verl_policy_loss(old, reference_input, per_token, mask, eps_low, eps_high)[0], reference_input
+    )
     torch.testing.assert_close(torch.autograd.grad(loss, logprobs)[0], ref_grad)
 
 
@@ -110,7 +112,9 @@ def test_policy_loss_takes_per_token_advantages_and_extreme_ratios_like_verl(see
     new, old, _, mask = random_rollouts(seed)
     g = generator(seed + 100)
     advantages = 3.0 * torch.randn(new.shape, generator=g)
-    new = (new + 60.0 * (torch.rand(new.shape, generator=g) > 0.9)).requires_grad_(True)  # past verl's +-20 clamp
+    new = (new + 60.0 * (torch.rand(new.shape, generator=g) > 0.9)).requires_grad_(
+        True
+    )  # past verl's +-20 clamp
     loss, _ = clipped_policy_loss(new, old, advantages, mask, 0.2, 0.28)
     torch.testing.assert_close(loss, verl_policy_loss(old, new, advantages, mask, 0.2, 0.28)[0])
     assert torch.isfinite(torch.autograd.grad(loss, new)[0]).all()
@@ -135,7 +139,9 @@ def grpo_advantages(rewards: list[list[float]], eps: float) -> list[list[float]]
 def test_group_advantages_are_grpos(seed, group_size):
     g = generator(seed)
     correct = (torch.rand(32, group_size, generator=g) > 0.5).double()
-    shaped = correct - torch.rand(32, group_size, generator=g).double() * (torch.rand(32, group_size, generator=g) > 0.7)
+    shaped = correct - torch.rand(32, group_size, generator=g).double() * (
+        torch.rand(32, group_size, generator=g) > 0.7
+    )
     for rewards in (correct, shaped):
         expected = torch.tensor(grpo_advantages(rewards.tolist(), ADVANTAGE_EPS), dtype=torch.float64)
         torch.testing.assert_close(group_advantages(rewards), expected)
@@ -156,7 +162,11 @@ def dapo_overlong(length: int, l_max: int, l_cache: int) -> float:
 
 @pytest.mark.parametrize("l_max, l_cache", [(16, 4), (8, 3), (20, 20), (4096, 512), (5, 1), (7, 0)])
 def test_overlong_penalty_is_dapos(l_max, l_cache):
-    lengths = sorted({0, 1, l_max - l_cache, l_max - l_cache + 1, l_max - 1, l_max, l_max + 1, 2 * l_max}
-                     | set(range(max(0, l_max - l_cache - 2), min(l_max + 3, l_max - l_cache + 600))))
+    lengths = sorted(
+        {0, 1, l_max - l_cache, l_max - l_cache + 1, l_max - 1, l_max, l_max + 1, 2 * l_max}
+        | set(range(max(0, l_max - l_cache - 2), min(l_max + 3, l_max - l_cache + 600)))
+    )
     for length in lengths:
-        assert overlong_penalty(length, l_max, l_cache) == pytest.approx(dapo_overlong(length, l_max, l_cache), abs=1e-12), length
+        assert overlong_penalty(length, l_max, l_cache) == pytest.approx(
+            dapo_overlong(length, l_max, l_cache), abs=1e-12
+        ), length

@@ -22,15 +22,25 @@ def manifest(*, steps: int = 1, z_loss: float | None = None) -> Manifest:
     target = {"tokens": 3 * steps * SEQ * BATCH, "seq_len": SEQ, "batch_size": BATCH}
     if z_loss is not None:
         target["z_loss"] = z_loss
-    return msgspec.convert({
-        "name": "z-loss",
-        "model": {"size": "tiny", "revision": "test"},
-        "data": [{"name": "docs", "source": "builtin:pydoc_topics"}],
-        "target": target,
-        "stages": {"pretrain": {}, "midtrain": {"tokens": steps * SEQ * BATCH},
-                   "long_context": {"tokens": steps * 2 * SEQ * BATCH // 2, "seq_len": 2 * SEQ, "batch_size": BATCH // 2}},
-        "budget_cap_usd": 1.0,
-    }, Manifest)
+    return msgspec.convert(
+        {
+            "name": "z-loss",
+            "model": {"size": "tiny", "revision": "test"},
+            "data": [{"name": "docs", "source": "builtin:pydoc_topics"}],
+            "target": target,
+            "stages": {
+                "pretrain": {},
+                "midtrain": {"tokens": steps * SEQ * BATCH},
+                "long_context": {
+                    "tokens": steps * 2 * SEQ * BATCH // 2,
+                    "seq_len": 2 * SEQ,
+                    "batch_size": BATCH // 2,
+                },
+            },
+            "budget_cap_usd": 1.0,
+        },
+        Manifest,
+    )
 
 
 def palm_z_loss(logits: torch.Tensor, targets: torch.Tensor, z: float) -> torch.Tensor:

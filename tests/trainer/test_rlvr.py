@@ -10,9 +10,9 @@ import torch
 from contracts.models import MODEL_SHAPES
 from services.trainer.data import load_text, task_problems
 from services.trainer.generation import Completion
+from services.trainer.objectives import group_advantages
 from services.trainer.posttrain import PostConfig, train_sft
 from services.trainer.pretrain import StageConfig, train_stage
-from services.trainer.objectives import group_advantages
 from services.trainer.rlvr import RlvrConfig, policy_batch, score, score_group, train_rlvr
 from services.trainer.rollout import RolloutBatch
 
@@ -42,23 +42,58 @@ def sft_checkpoint(tmp_path_factory) -> str:
     mostly right, sampled ones (temperature 1) about half the time, which leaves RL room to act."""
     root = tmp_path_factory.mktemp("warm")
     torch.set_num_threads(2)
-    pre = StageConfig(stage="pretrain", shape=TINY, train_sources=[SMALL], seq_len=32, batch_size=32,
-                      learning_rate=3e-3, steps=150, warmup_steps=8, seed=0, checkpoint_dir=str(root / "pretrain"),
-                      checkpoint_interval=1000)
+    pre = StageConfig(
+        stage="pretrain",
+        shape=TINY,
+        train_sources=[SMALL],
+        seq_len=32,
+        batch_size=32,
+        learning_rate=3e-3,
+        steps=150,
+        warmup_steps=8,
+        seed=0,
+        checkpoint_dir=str(root / "pretrain"),
+        checkpoint_interval=1000,
+    )
     train_stage(pre, Recorder(), never)
     problems = task_problems(load_text(SMALL))
-    sft = PostConfig(stage="sft", shape=TINY, rope_base=None, problems=problems, steps=60, batch_size=32,
-                     learning_rate=1e-3, seed=0, checkpoint_dir=str(root / "sft"), checkpoint_interval=1000,
-                     init_from=str(root / "pretrain"))
+    sft = PostConfig(
+        stage="sft",
+        shape=TINY,
+        rope_base=None,
+        problems=problems,
+        steps=60,
+        batch_size=32,
+        learning_rate=1e-3,
+        seed=0,
+        checkpoint_dir=str(root / "sft"),
+        checkpoint_interval=1000,
+        init_from=str(root / "pretrain"),
+    )
     train_sft(sft, Recorder(), never)
     return str(root / "sft")
 
 
 def rl_config(tmp_path: pathlib.Path, init_from: str | None, problems, **overrides) -> RlvrConfig:
-    fields = dict(stage="rlvr", shape=TINY, rope_base=None, problems=problems, steps=25, batch_size=64,
-                  learning_rate=3e-4, seed=0, checkpoint_dir=str(tmp_path / "rlvr"), checkpoint_interval=1000,
-                  init_from=init_from, prompts_per_step=8, group_size=8, max_response_tokens=8,
-                  overlong_buffer_tokens=3, max_staleness=1, threads=1)
+    fields = dict(
+        stage="rlvr",
+        shape=TINY,
+        rope_base=None,
+        problems=problems,
+        steps=25,
+        batch_size=64,
+        learning_rate=3e-4,
+        seed=0,
+        checkpoint_dir=str(tmp_path / "rlvr"),
+        checkpoint_interval=1000,
+        init_from=init_from,
+        prompts_per_step=8,
+        group_size=8,
+        max_response_tokens=8,
+        overlong_buffer_tokens=3,
+        max_staleness=1,
+        threads=1,
+    )
     return RlvrConfig(**(fields | overrides))
 
 
@@ -131,7 +166,10 @@ class FakeWorker:
     def collect(self, request_id):
         request = self.pending.pop(request_id)
         version = self.version - self.lag if request_id.endswith(":0") else self.version
-        groups = [[completion("3\n" if i % 2 else "x\n") for i in range(request.group_size)] for _ in request.prompts]
+        groups = [
+            [completion("3\n" if i % 2 else "x\n") for i in range(request.group_size)]
+            for _ in request.prompts
+        ]
         return RolloutBatch(request_id=request_id, version=version, prompts=request.prompts, groups=groups)
 
 
@@ -142,12 +180,18 @@ def test_rollouts_older_than_the_bound_are_dropped_and_counted(tmp_path):
     # Every step's first batch (2 prompts x 4) is 2 versions old at k = 1: dropped, then refilled.
     assert [s.stale_dropped for s in result.stats] == [8, 8, 8]
     assert result.stale_dropped == 24
-    assert [s.groups_kept for s in result.stats] == [2, 2, 2] and [s.rounds for s in result.stats] == [2, 2, 2]
+    assert [s.groups_kept for s in result.stats] == [2, 2, 2] and [s.rounds for s in result.stats] == [
+        2,
+        2,
+        2,
+    ]
     assert any("dropped 24 stale rollouts" in e["message"] for e in emit.of("log"))
 
 
 def test_within_the_bound_nothing_is_dropped(tmp_path):
-    cfg = rl_config(tmp_path, None, [("1+2=", "3")], steps=2, prompts_per_step=2, group_size=4, max_staleness=2)
+    cfg = rl_config(
+        tmp_path, None, [("1+2=", "3")], steps=2, prompts_per_step=2, group_size=4, max_staleness=2
+    )
     result = train_rlvr(cfg, Recorder(), never, worker_factory=FakeWorker)
     assert result.stale_dropped == 0 and [s.rounds for s in result.stats] == [1, 1]
 
@@ -158,13 +202,19 @@ class UniformWorker(FakeWorker):
     def collect(self, request_id):
         request = self.pending.pop(request_id)
         mixed = not request_id.endswith(":0")
-        groups = [[completion("3\n" if (i % 2 or not mixed) else "x\n") for i in range(request.group_size)]
-                  for _ in request.prompts]
-        return RolloutBatch(request_id=request_id, version=self.version, prompts=request.prompts, groups=groups)
+        groups = [
+            [completion("3\n" if (i % 2 or not mixed) else "x\n") for i in range(request.group_size)]
+            for _ in request.prompts
+        ]
+        return RolloutBatch(
+            request_id=request_id, version=self.version, prompts=request.prompts, groups=groups
+        )
 
 
 def test_dynamic_sampling_drops_uniform_groups_and_refills(tmp_path):
-    cfg = rl_config(tmp_path, None, [("1+2=", "3")], steps=2, prompts_per_step=3, group_size=4, max_staleness=0)
+    cfg = rl_config(
+        tmp_path, None, [("1+2=", "3")], steps=2, prompts_per_step=3, group_size=4, max_staleness=0
+    )
     result = train_rlvr(cfg, Recorder(), never, worker_factory=UniformWorker)
     assert [(s.groups_uniform, s.groups_kept, s.rounds) for s in result.stats] == [(3, 3, 2), (3, 3, 2)]
 
@@ -180,7 +230,9 @@ class AllWrongWorker(FakeWorker):
     def collect(self, request_id):
         request = self.pending.pop(request_id)
         groups = [all_wrong_one_long(request.group_size) for _ in request.prompts]
-        return RolloutBatch(request_id=request_id, version=self.version, prompts=request.prompts, groups=groups)
+        return RolloutBatch(
+            request_id=request_id, version=self.version, prompts=request.prompts, groups=groups
+        )
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # no group kept: no optimizer step
@@ -192,8 +244,16 @@ def test_dynamic_sampling_judges_correctness_not_the_shaped_reward(tmp_path):
     one_right = torch.tensor([[0.0] * 7 + [1.0]])
     assert torch.allclose(group_advantages(shaped), -group_advantages(one_right))
     emit = Recorder()
-    cfg = rl_config(tmp_path, None, [("1+2=", "3")], steps=1, prompts_per_step=2, group_size=8, max_staleness=0,
-                    max_sampling_rounds=2)
+    cfg = rl_config(
+        tmp_path,
+        None,
+        [("1+2=", "3")],
+        steps=1,
+        prompts_per_step=2,
+        group_size=8,
+        max_staleness=0,
+        max_sampling_rounds=2,
+    )
     result = train_rlvr(cfg, emit, never, worker_factory=AllWrongWorker)
     assert [(s.groups_uniform, s.groups_kept, s.rounds) for s in result.stats] == [(4, 0, 2)]
     assert result.stats[0].accuracy == 0.0 and result.stats[0].reward == pytest.approx(-1 / 24)

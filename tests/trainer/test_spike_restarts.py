@@ -99,27 +99,36 @@ def test_rewind_sets_later_checkpoints_aside_unpins_and_marks_the_positions_to_s
     assert committed_positions(tmp_path) == {5: 5, 10: 25, 15: 30}
     assert rewind(tmp_path, 10, 25, 39) == [15]
     assert steps(tmp_path) == [5, 10] and (tmp_path / "discarded" / "step-00000015").is_dir()
-    assert pinned_steps(tmp_path) == [] and json.loads((tmp_path / SKIP_FILE).read_text()) == {"from": 25, "to": 39}
+    assert pinned_steps(tmp_path) == [] and json.loads((tmp_path / SKIP_FILE).read_text()) == {
+        "from": 25,
+        "to": 39,
+    }
 
 
-@pytest.mark.parametrize(("position", "expected"), [
-    (25, 39),  # the restart's checkpoint recorded position 25: the data continues at 39
-    (10, None),  # its step number is not its position
-    (5, None),
-    (39, None),
-])
+@pytest.mark.parametrize(
+    ("position", "expected"),
+    [
+        (25, 39),  # the restart's checkpoint recorded position 25: the data continues at 39
+        (10, None),  # its step number is not its position
+        (5, None),
+        (39, None),
+    ],
+)
 def test_batches_to_skip_compares_positions_with_positions(tmp_path, position, expected):
     save_all(tmp_path, [(5, 5), (10, 25)], keep_last=2)
     rewind(tmp_path, 10, 25, 39)
     assert batches_to_skip(tmp_path, position) == expected
 
 
-@pytest.mark.parametrize(("step", "skip_from", "skip_to"), [
-    (10, 10, 39),  # the window in steps: the resume lands at position 25 and would skip nothing
-    (10, 25, 25),  # an empty window
-    (7, 7, 20),  # no committed checkpoint at step 7
-    (0, 3, 20),  # a restart from the start begins at position 0
-])
+@pytest.mark.parametrize(
+    ("step", "skip_from", "skip_to"),
+    [
+        (10, 10, 39),  # the window in steps: the resume lands at position 25 and would skip nothing
+        (10, 25, 25),  # an empty window
+        (7, 7, 20),  # no committed checkpoint at step 7
+        (0, 3, 20),  # a restart from the start begins at position 0
+    ],
+)
 def test_rewind_refuses_a_restart_that_would_skip_nothing(tmp_path, step, skip_from, skip_to):
     save_all(tmp_path, [(5, 5), (10, 25)], keep_last=2)
     with pytest.raises(ValueError):
@@ -133,13 +142,18 @@ STEPS, INTERVAL, KEEP_LAST = 80, 5, 2  # 80 steps: a restart goes back >= 4 step
 
 
 def manifest() -> Manifest:
-    return msgspec.convert({
-        "name": "spikes", "model": {"size": "tiny", "revision": "test"},
-        "data": [{"name": "docs", "source": "builtin:pydoc_topics"}],
-        "target": {"tokens": STEPS * 32 * 8, "seq_len": 32, "batch_size": 8},
-        "checkpoint": {"interval_steps": INTERVAL, "keep_last": KEEP_LAST},
-        "budget_cap_usd": 1.0, "seed": 0,
-    }, Manifest)
+    return msgspec.convert(
+        {
+            "name": "spikes",
+            "model": {"size": "tiny", "revision": "test"},
+            "data": [{"name": "docs", "source": "builtin:pydoc_topics"}],
+            "target": {"tokens": STEPS * 32 * 8, "seq_len": 32, "batch_size": 8},
+            "checkpoint": {"interval_steps": INTERVAL, "keep_last": KEEP_LAST},
+            "budget_cap_usd": 1.0,
+            "seed": 0,
+        },
+        Manifest,
+    )
 
 
 class Attempt:
@@ -191,7 +205,9 @@ def quick_detector(monkeypatch):
     monkeypatch.setattr(spikes, "SpikeDetector", functools.partial(spikes.SpikeDetector, min_history=5))
 
 
-def test_the_save_on_stop_keeps_the_checkpoint_the_proposal_goes_back_to(tmp_path, monkeypatch, quick_detector):
+def test_the_save_on_stop_keeps_the_checkpoint_the_proposal_goes_back_to(
+    tmp_path, monkeypatch, quick_detector
+):
     first = Attempt(tmp_path, monkeypatch, spike_from=12)
     assert first.stop.reason == "loss_spike" and first.result.final_step == 14  # 12, 13, 14 spiked
     # keep_last=2 kept 10 and the stop's 14; 5 is 4+ steps before the spike, so it stays, pinned.

@@ -20,12 +20,12 @@ import torch
 
 pytest.importorskip("torchft", reason="torchft is not installed: `pip install torchft==0.2.0`")
 
-import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.distributed.checkpoint as dcp
 
-from contracts.models import MODEL_SHAPES  # noqa: E402
-from services.trainer.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights  # noqa: E402
-from services.trainer.model import Transformer  # noqa: E402
-from services.trainer.replicas import CheckpointView, ManagerProgress, start_lighthouse, weights_checksum  # noqa: E402
+from contracts.models import MODEL_SHAPES
+from services.trainer.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights
+from services.trainer.model import Transformer
+from services.trainer.replicas import CheckpointView, ManagerProgress, start_lighthouse, weights_checksum
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 1_000_000  # never reached: the test stops the replicas itself
@@ -44,10 +44,21 @@ class Replica:
         self.log_path = tmp / f"{tag}.log"
         self.launched = time.time()
         command = [
-            sys.executable, "-m", "services.trainer.replicas",
-            "--replica-id", str(replica_id), "--lighthouse", lighthouse, "--steps", str(STEPS),
-            "--checkpoint-dir", str(tmp / "checkpoints"), "--checkpoint-every", str(CHECKPOINT_EVERY),
-            "--progress", str(self.progress),
+            sys.executable,
+            "-m",
+            "services.trainer.replicas",
+            "--replica-id",
+            str(replica_id),
+            "--lighthouse",
+            lighthouse,
+            "--steps",
+            str(STEPS),
+            "--checkpoint-dir",
+            str(tmp / "checkpoints"),
+            "--checkpoint-every",
+            str(CHECKPOINT_EVERY),
+            "--progress",
+            str(self.progress),
         ]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -66,13 +77,18 @@ class Replica:
         return found
 
     def committed(self, participants: int | None = None) -> list[dict]:
-        return [e for e in self.events("step")
-                if e["committed"] and (participants is None or e["participants"] == participants)]
+        return [
+            e
+            for e in self.events("step")
+            if e["committed"] and (participants is None or e["participants"] == participants)
+        ]
 
     def log_tail(self) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         events = "\n".join(json.dumps(e) for e in self.events()[-5:])
-        return f"--- {self.tag} (exit {self.proc.poll()}) ---\n{text[-3000:]}\n--- its last events ---\n{events}"
+        return (
+            f"--- {self.tag} (exit {self.proc.poll()}) ---\n{text[-3000:]}\n--- its last events ---\n{events}"
+        )
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -85,7 +101,7 @@ def wait_for(what: str, predicate, *, deadline_s: float, alive: list[Replica], b
     after `deadline_s` or at the end of the test's budget, whichever comes first."""
     deadline = min(time.monotonic() + deadline_s, budget_end)
     while time.monotonic() < deadline:
-        if (result := predicate()):
+        if result := predicate():
             return result
         for replica in alive:
             if replica.proc.poll() is not None:
@@ -112,8 +128,12 @@ def test_killed_replica_survivor_continues_and_replacement_heals_from_peer(tmp_p
         r0 = Replica(0, "replica0", lighthouse.address(), tmp_path)
         r1 = Replica(1, "replica1", lighthouse.address(), tmp_path)
         replicas += [r0, r1]
-        both = wait("step committed by both replicas together",
-                    lambda: matching_step(r0, r1, after=0), deadline_s=40, alive=[r0, r1])
+        both = wait(
+            "step committed by both replicas together",
+            lambda: matching_step(r0, r1, after=0),
+            deadline_s=40,
+            alive=[r0, r1],
+        )
         # Let replica 1 commit a checkpoint, so that its replacement resumes from it before healing.
         wait("checkpoint of replica 1", lambda: r1.events("checkpoint"), deadline_s=20, alive=[r0, r1])
 
@@ -126,18 +146,33 @@ def test_killed_replica_survivor_continues_and_replacement_heals_from_peer(tmp_p
         def alone_after_kill() -> list[dict]:
             return [e for e in r0.committed(participants=1) if e["step"] > r0_step_at_kill]
 
-        first_alone = wait("step of replica 0 alone after the kill", alone_after_kill, deadline_s=30, alive=[r0])[0]
+        first_alone = wait(
+            "step of replica 0 alone after the kill", alone_after_kill, deadline_s=30, alive=[r0]
+        )[0]
         # It keeps stepping, in the same process: the job was never restarted.
-        wait("further steps of replica 0 alone", lambda: len(alone_after_kill()) >= 3, deadline_s=20, alive=[r0])
+        wait(
+            "further steps of replica 0 alone",
+            lambda: len(alone_after_kill()) >= 3,
+            deadline_s=20,
+            alive=[r0],
+        )
         assert not r0.events("resumed")
         assert len(r0.events("started")) == 1
 
         r1b = Replica(1, "replica1-replacement", lighthouse.address(), tmp_path)
         replicas.append(r1b)
-        healed = wait("heal of the replacement", lambda: [e for e in r1b.events("healed") if e["step"] > 0],
-                      deadline_s=40, alive=[r0, r1b])[0]
-        together = wait("step committed by replica 0 and the replacement with the same weights",
-                        lambda: matching_step(r0, r1b, after=healed["step"]), deadline_s=30, alive=[r0, r1b])
+        healed = wait(
+            "heal of the replacement",
+            lambda: [e for e in r1b.events("healed") if e["step"] > 0],
+            deadline_s=40,
+            alive=[r0, r1b],
+        )[0]
+        together = wait(
+            "step committed by replica 0 and the replacement with the same weights",
+            lambda: matching_step(r0, r1b, after=healed["step"]),
+            deadline_s=30,
+            alive=[r0, r1b],
+        )
 
         # The replacement resumed from its own older checkpoint, then took its peer's newer state:
         # the step replica 0 had reached alone, not the one replica 1 died at.
@@ -150,11 +185,13 @@ def test_killed_replica_survivor_continues_and_replacement_heals_from_peer(tmp_p
         assert first["checksum"] == peer["checksum"]
         assert together["step"] > healed["step"]
 
-        print(f"\nboth stepping at {both['step']}; SIGKILL of replica 1 at its step {r1_last_step} "
-              f"(replica 0 at {r0_step_at_kill}); replica 0 alone from step {first_alone['step']}, "
-              f"{first_alone['t'] - killed_at:.1f} s after the kill; replacement resumed at {resumed[0]['step']}, "
-              f"healed to {healed['step']} {healed['t'] - r1b.launched:.1f} s after its launch; "
-              f"both at step {together['step']} with checksum {together['checksum']}")
+        print(
+            f"\nboth stepping at {both['step']}; SIGKILL of replica 1 at its step {r1_last_step} "
+            f"(replica 0 at {r0_step_at_kill}); replica 0 alone from step {first_alone['step']}, "
+            f"{first_alone['t'] - killed_at:.1f} s after the kill; replacement resumed at {resumed[0]['step']}, "
+            f"healed to {healed['step']} {healed['t'] - r1b.launched:.1f} s after its launch; "
+            f"both at step {together['step']} with checksum {together['checksum']}"
+        )
 
         # SIGTERM stops replica 0 cleanly: it finishes its step and the checkpoint in flight.
         r0.proc.send_signal(signal.SIGTERM)
@@ -170,8 +207,12 @@ def test_killed_replica_survivor_continues_and_replacement_heals_from_peer(tmp_p
     saved = list_checkpoints(tmp_path / "checkpoints" / "replica-0")
     assert saved
     for info in saved:
-        state = {"model": {"torchft.step": torch.zeros((), dtype=torch.int64),
-                           "torchft.batches_committed": torch.zeros((), dtype=torch.int64)}}
+        state = {
+            "model": {
+                "torchft.step": torch.zeros((), dtype=torch.int64),
+                "torchft.batches_committed": torch.zeros((), dtype=torch.int64),
+            }
+        }
         dcp.load(state, checkpoint_id=info.path, no_dist=True)
         assert int(state["model"]["torchft.step"]) == info.step
         assert int(state["model"]["torchft.batches_committed"]) >= info.step

@@ -11,23 +11,37 @@ from services.trainer.model import Transformer
 from services.trainer.pretrain import StageConfig, train_stage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-GQA = ModelShape(n_layer=3, d_model=64, n_head=4, n_kv_head=2, d_ff=128, vocab_size=256, max_seq_len=48,
-                 rope_base=10000.0)
+GQA = ModelShape(
+    n_layer=3, d_model=64, n_head=4, n_kv_head=2, d_ff=128, vocab_size=256, max_seq_len=48, rope_base=10000.0
+)
 
 
 @pytest.fixture(scope="module")
 def arithmetic_model(tmp_path_factory) -> Transformer:
     """A tiny model that has seen single-digit sums: its completions end in a newline, at different lengths."""
-    cfg = StageConfig(stage="pretrain", shape=MODEL_SHAPES["tiny"], train_sources=["generated:small_arithmetic"],
-                      seq_len=32, batch_size=16, learning_rate=3e-3, steps=80, warmup_steps=4, seed=0,
-                      checkpoint_dir=str(tmp_path_factory.mktemp("gen")), checkpoint_interval=1000, eval_max_batches=1)
+    cfg = StageConfig(
+        stage="pretrain",
+        shape=MODEL_SHAPES["tiny"],
+        train_sources=["generated:small_arithmetic"],
+        seq_len=32,
+        batch_size=16,
+        learning_rate=3e-3,
+        steps=80,
+        warmup_steps=4,
+        seed=0,
+        checkpoint_dir=str(tmp_path_factory.mktemp("gen")),
+        checkpoint_interval=1000,
+        eval_max_batches=1,
+    )
     return train_stage(cfg, lambda *_: None, lambda: False).model
 
 
 def random_prompts(n: int, seed: int = 7) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (int(length),), generator=g).tolist()
-            for length in torch.randint(1, 12, (n,), generator=g)]
+    return [
+        torch.randint(0, 256, (int(length),), generator=g).tolist()
+        for length in torch.randint(1, 12, (n,), generator=g)
+    ]
 
 
 def fields(completions) -> list[tuple[list[int], bool]]:
@@ -60,7 +74,9 @@ def test_greedy_answers_end_where_they_did_without_the_cache(arithmetic_model):
     assert fields(cached) == fields(complete(arithmetic_model, prompts, max_new_tokens=6, kv_cache=False))
     assert_logprobs_close(cached, complete(arithmetic_model, prompts, max_new_tokens=6, kv_cache=False))
     ended = [c for c in cached if c.finished]
-    assert len(ended) > len(cached) // 2 and len({len(c.tokens) for c in ended}) > 1  # rows end at different steps
+    assert (
+        len(ended) > len(cached) // 2 and len({len(c.tokens) for c in ended}) > 1
+    )  # rows end at different steps
     assert all(c.tokens[-1] == END_TOKEN and END_TOKEN not in c.tokens[:-1] for c in ended)
     assert all(len(c.tokens) == len(c.logprobs) for c in cached)
 
@@ -69,11 +85,19 @@ def test_sampling_is_fixed_by_the_seed(arithmetic_model):
     prompts = [ByteTokenizer().encode(p) for p in ("3+4=", "9+9=", "1+0=")] * 8
 
     def sample(seed: int, **kw):
-        return complete(arithmetic_model, prompts, max_new_tokens=8, temperature=1.0,
-                        generator=torch.Generator().manual_seed(seed), **kw)
+        return complete(
+            arithmetic_model,
+            prompts,
+            max_new_tokens=8,
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(seed),
+            **kw,
+        )
 
     first = sample(5)
-    assert fields(sample(5)) == fields(first) and [c.logprobs for c in sample(5)] == [c.logprobs for c in first]
+    assert fields(sample(5)) == fields(first) and [c.logprobs for c in sample(5)] == [
+        c.logprobs for c in first
+    ]
     assert fields(sample(6)) != fields(first)
     # On CPU the cache changes no sample: the same generator draws from (nearly) the same logits.
     assert fields(sample(5, kv_cache=False)) == fields(first)

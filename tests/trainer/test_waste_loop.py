@@ -47,14 +47,26 @@ def lm_step(model, data, *, nan_at: int | None = None):
         _, loss = model(batch[:, :-1], batch[:, 1:])
         if step == nan_at:
             loss = loss * float("nan")
-        return StepOutput(loss=loss, tokens=batch[:, :-1].numel(), scalars={"step": torch.tensor(float(step))},
-                          on_scalars=lambda values: None)
+        return StepOutput(
+            loss=loss,
+            tokens=batch[:, :-1].numel(),
+            scalars={"step": torch.tensor(float(step))},
+            on_scalars=lambda values: None,
+        )
 
     return step_fn
 
 
-def train(tmp_path, read_lag: int, *, steps: int = 9, interval: int = 4, stop_after: int | None = None,
-          nan_at: int | None = None, spy: list | None = None) -> tuple[Recorder, object]:
+def train(
+    tmp_path,
+    read_lag: int,
+    *,
+    steps: int = 9,
+    interval: int = 4,
+    stop_after: int | None = None,
+    nan_at: int | None = None,
+    spy: list | None = None,
+) -> tuple[Recorder, object]:
     model, optimizer, scheduler, data = setup(spy=spy)
     emit = Recorder(spy)
     calls = []
@@ -63,9 +75,16 @@ def train(tmp_path, read_lag: int, *, steps: int = 9, interval: int = 4, stop_af
         calls.append(None)
         return stop_after is not None and len(calls) > stop_after
 
-    settings = LoopSettings(stage="t", steps=steps, checkpoint_dir=str(tmp_path / f"lag{read_lag}"),
-                            checkpoint_interval=interval, read_lag=read_lag)
-    result = run_loop(settings, model, optimizer, scheduler, lm_step(model, data, nan_at=nan_at), emit, should_stop)
+    settings = LoopSettings(
+        stage="t",
+        steps=steps,
+        checkpoint_dir=str(tmp_path / f"lag{read_lag}"),
+        checkpoint_interval=interval,
+        read_lag=read_lag,
+    )
+    result = run_loop(
+        settings, model, optimizer, scheduler, lm_step(model, data, nan_at=nan_at), emit, should_stop
+    )
     return emit, result
 
 
@@ -78,7 +97,10 @@ def test_a_late_read_reports_every_step_in_order_with_the_same_values(tmp_path):
     late, result = train(tmp_path, read_lag=1)
     assert [m["step"] for m in late.of("metrics")] == list(range(1, 10))
     assert values(late) == values(now)  # exact: the same steps, read later
-    assert result.first_loss == now.of("metrics")[0]["loss"] and result.final_loss == now.of("metrics")[-1]["loss"]
+    assert (
+        result.first_loss == now.of("metrics")[0]["loss"]
+        and result.final_loss == now.of("metrics")[-1]["loss"]
+    )
     assert all(m["tokens_per_s"] > 0 and math.isfinite(m["grad_norm"]) for m in late.of("metrics"))
     # A checkpoint is reported after the metrics of its step, whatever the lag.
     for emit in (now, late):
@@ -93,11 +115,28 @@ def test_a_late_read_reports_every_step_in_order_with_the_same_values(tmp_path):
 def test_with_a_lag_a_step_is_read_after_the_next_one_was_queued(tmp_path):
     spy: list[str] = []
     train(tmp_path, read_lag=1, steps=5, interval=100, spy=spy)
-    assert spy == ["optimizer.step", "optimizer.step", "metrics 1", "optimizer.step", "metrics 2",
-                   "optimizer.step", "metrics 3", "optimizer.step", "metrics 4", "metrics 5"]
+    assert spy == [
+        "optimizer.step",
+        "optimizer.step",
+        "metrics 1",
+        "optimizer.step",
+        "metrics 2",
+        "optimizer.step",
+        "metrics 3",
+        "optimizer.step",
+        "metrics 4",
+        "metrics 5",
+    ]
     spy.clear()
     train(tmp_path, read_lag=0, steps=3, interval=100, spy=spy)
-    assert spy == ["optimizer.step", "metrics 1", "optimizer.step", "metrics 2", "optimizer.step", "metrics 3"]
+    assert spy == [
+        "optimizer.step",
+        "metrics 1",
+        "optimizer.step",
+        "metrics 2",
+        "optimizer.step",
+        "metrics 3",
+    ]
 
 
 def test_scalars_come_with_their_step_before_its_metrics(tmp_path):
@@ -111,14 +150,25 @@ def test_scalars_come_with_their_step_before_its_metrics(tmp_path):
         out.on_scalars = lambda got: emit("log", {"level": "info", "message": f"{step}: {got}"})
         return out
 
-    settings = LoopSettings(stage="t", steps=4, checkpoint_dir=str(tmp_path), checkpoint_interval=100, read_lag=1)
+    settings = LoopSettings(
+        stage="t", steps=4, checkpoint_dir=str(tmp_path), checkpoint_interval=100, read_lag=1
+    )
     run_loop(settings, model, optimizer, scheduler, step_fn, emit, lambda: False)
-    seen = [(k, f.get("step", f.get("message"))) for k, f in emit.events
-            if k == "metrics" or (k == "log" and "{" in f["message"])]
-    assert seen[:8] == [("log", "0: {'twice': 0.0, 'half': 0.0}"), ("metrics", 1),
-                        ("log", "1: {'twice': 2.0, 'half': 0.5}"), ("metrics", 2),
-                        ("log", "2: {'twice': 4.0, 'half': 1.0}"), ("metrics", 3),
-                        ("log", "3: {'twice': 6.0, 'half': 1.5}"), ("metrics", 4)]
+    seen = [
+        (k, f.get("step", f.get("message")))
+        for k, f in emit.events
+        if k == "metrics" or (k == "log" and "{" in f["message"])
+    ]
+    assert seen[:8] == [
+        ("log", "0: {'twice': 0.0, 'half': 0.0}"),
+        ("metrics", 1),
+        ("log", "1: {'twice': 2.0, 'half': 0.5}"),
+        ("metrics", 2),
+        ("log", "2: {'twice': 4.0, 'half': 1.0}"),
+        ("metrics", 3),
+        ("log", "3: {'twice': 6.0, 'half': 1.5}"),
+        ("metrics", 4),
+    ]
 
 
 def test_a_diverged_step_read_late_never_reaches_a_checkpoint(tmp_path):
@@ -132,7 +182,9 @@ def test_a_diverged_step_read_late_never_reaches_a_checkpoint(tmp_path):
 def test_a_diverged_step_is_reported_a_step_late_at_most(tmp_path):
     emit = Recorder()
     model, optimizer, scheduler, data = setup()
-    settings = LoopSettings(stage="t", steps=9, checkpoint_dir=str(tmp_path), checkpoint_interval=100, read_lag=1)
+    settings = LoopSettings(
+        stage="t", steps=9, checkpoint_dir=str(tmp_path), checkpoint_interval=100, read_lag=1
+    )
     with pytest.raises(TrainingError, match="diverged at step 2"):
         run_loop(settings, model, optimizer, scheduler, lm_step(model, data, nan_at=1), emit, lambda: False)
     assert [m["step"] for m in emit.of("metrics")] == [1]

@@ -55,37 +55,79 @@ def defined_structs() -> list[type[msgspec.Struct]]:
 
 TOPOLOGY = booking.Topology(nodes=2, gpus_per_node=8, gpu_model="H200", gpu_memory_gb=141)
 BOOKING = booking.Booking(
-    booking_id="bk_1", account="acct_a", state=BookingState.completed, version=3, topology=TOPOLOGY,
-    region="eu-west", fabric=Fabric.infiniband, window_start=T0, window_end=T1, updated_at=T0,
+    booking_id="bk_1",
+    account="acct_a",
+    state=BookingState.completed,
+    version=3,
+    topology=TOPOLOGY,
+    region="eu-west",
+    fabric=Fabric.infiniband,
+    window_start=T0,
+    window_end=T1,
+    updated_at=T0,
 )
 CREDENTIAL = api.Credential(account="acct_a", api_key="ito_sk_sample_not_a_real_key")
 COST = api.CostEstimate(
-    flops=1.5e18, tokens=1_000_000, parameters=467_712, assumed_mfu=0.4, peak_tflops_per_gpu=989.0, gpus=16,
-    gpu_hours=0.25, price_per_gpu_hour_usd=3.5, compute_usd=0.875, checkpoint_storage_usd=0.01,
-    total_usd=0.885, booked_gpu_hours=96.0, incremental_usd=0.0,
+    flops=1.5e18,
+    tokens=1_000_000,
+    parameters=467_712,
+    assumed_mfu=0.4,
+    peak_tflops_per_gpu=989.0,
+    gpus=16,
+    gpu_hours=0.25,
+    price_per_gpu_hour_usd=3.5,
+    compute_usd=0.875,
+    checkpoint_storage_usd=0.01,
+    total_usd=0.885,
+    booked_gpu_hours=96.0,
+    incremental_usd=0.0,
 )
 CHECK_OK = api.PlanCheck(name="fabric", ok=True, reason="infiniband is fine")
 CHECK_FAIL = api.PlanCheck(name="budget_cap", ok=False, code="budget_exceeded", reason="over the cap")
 PLAN = api.Plan(
-    booking_id="bk_1", manifest_digest="ab" * 32, strategy="hsdp", degrees={"dp_replicate": 2, "dp_shard": 8},
-    precision="fp8", cost=COST, checks=[CHECK_OK, CHECK_FAIL], ok=False,
+    booking_id="bk_1",
+    manifest_digest="ab" * 32,
+    strategy="hsdp",
+    degrees={"dp_replicate": 2, "dp_shard": 8},
+    precision="fp8",
+    cost=COST,
+    checks=[CHECK_OK, CHECK_FAIL],
+    ok=False,
     gates=[api.StageGatePlan(stage="pretrain", rules=["held_out_loss <= 0.99 x the incoming model's"])],
 )
 BODY = internal.EligibilityBody(
-    account="acct_a", booking_id="bk_1", booking_version=3, topology=TOPOLOGY, region="eu-west",
-    fabric=Fabric.roce, window_start=T0, window_end=T1, issued_at=T0, expires_at=T0 + timedelta(seconds=60),
+    account="acct_a",
+    booking_id="bk_1",
+    booking_version=3,
+    topology=TOPOLOGY,
+    region="eu-west",
+    fabric=Fabric.roce,
+    window_start=T0,
+    window_end=T1,
+    issued_at=T0,
+    expires_at=T0 + timedelta(seconds=60),
 )
 LEDGER_ENTRY = internal.LedgerEntry(
-    account="acct_a", idempotency_key="key-1", fingerprint="f" * 64, run_id="run_1", action=Action.train,
-    handed_off=True, created_at=T0, work=b"\x00\x01binary\xff",
+    account="acct_a",
+    idempotency_key="key-1",
+    fingerprint="f" * 64,
+    run_id="run_1",
+    action=Action.train,
+    handed_off=True,
+    created_at=T0,
+    work=b"\x00\x01binary\xff",
 )
-DECONTAMINATION = manifest.Decontamination(method="13-gram", against=["gsm8k"], provenance="ito-training data-prep")
+DECONTAMINATION = manifest.Decontamination(
+    method="13-gram", against=["gsm8k"], provenance="ito-training data-prep"
+)
 MANIFEST = manifest.Manifest(
     schema_version=1,
     name="demo",
     model=manifest.ModelSpec(size=ModelSize.b1, revision="r1"),
     data=[
-        manifest.DataRef(name="topics", source="builtin:pydoc_topics", role=DataRole.train, decontamination=DECONTAMINATION),
+        manifest.DataRef(
+            name="topics", source="builtin:pydoc_topics", role=DataRole.train, decontamination=DECONTAMINATION
+        ),
         manifest.DataRef(name="heldout", source="generated:arithmetic", role=DataRole.eval),
     ],
     target=manifest.Target(tokens=10_000, seq_len=128, batch_size=8, learning_rate=1e-3),
@@ -98,22 +140,50 @@ MANIFEST = manifest.Manifest(
 )
 
 GATE_DECISION = audit.GateDecision(
-    request_id="run_1", at=datetime(2026, 11, 29, 12, 0, tzinfo=UTC), account="acme", action=Action.train,
-    gate="ledger_accept", ok=False, code="confirmation_consumed", booking_id="bk_1", manifest_digest="ab" * 32,
+    request_id="run_1",
+    at=datetime(2026, 11, 29, 12, 0, tzinfo=UTC),
+    account="acme",
+    action=Action.train,
+    gate="ledger_accept",
+    ok=False,
+    code="confirmation_consumed",
+    booking_id="bk_1",
+    manifest_digest="ab" * 32,
 )
 
 EVAL_METRIC = evals.EvalMetric(name="held_out_loss", value=2.5, threshold=3.0, op="<=", passed=True)
 STAGE_GATE = evals.StageGate(stage="pretrain", passed=True, metrics=[EVAL_METRIC])
 PROVENANCE_STEP = evals.ProvenanceStep(name="exact_dedup", before=10, after=8, detail="2 duplicates")
 
-RESTART = api.RestartProposal(stage="pretrain", checkpoint_step=300, skip_from=300, skip_to=500, spike_step=400,
-                              reason="loss above 4 sigma for 3 steps")
+RESTART = api.RestartProposal(
+    stage="pretrain",
+    checkpoint_step=300,
+    skip_from=300,
+    skip_to=500,
+    spike_step=400,
+    reason="loss above 4 sigma for 3 steps",
+)
 
 RUN_TELEMETRY = telemetry.RunTelemetry(
-    run_id="run_1", account="acme", booking_id="bk_1", region="eu", gpu_model="H200", gpus=8, state="succeeded",
-    accepted_at=T0, ended_at=T1, wall_s=100.0, goodput_s=80.0, badput_s={"queued": 20.0}, goodput=0.8,
-    gpu_hours=0.2, interruptions=1, interruption_causes={"trainer_lost": 1}, checkpoint_saves=2,
-    checkpoint_bytes_per_s_p50=1e9, checkpoint_bytes_per_s_min=5e8,
+    run_id="run_1",
+    account="acme",
+    booking_id="bk_1",
+    region="eu",
+    gpu_model="H200",
+    gpus=8,
+    state="succeeded",
+    accepted_at=T0,
+    ended_at=T1,
+    wall_s=100.0,
+    goodput_s=80.0,
+    badput_s={"queued": 20.0},
+    goodput=0.8,
+    gpu_hours=0.2,
+    interruptions=1,
+    interruption_causes={"trainer_lost": 1},
+    checkpoint_saves=2,
+    checkpoint_bytes_per_s_p50=1e9,
+    checkpoint_bytes_per_s_min=5e8,
 )
 
 SAMPLES: dict[type, msgspec.Struct] = {
@@ -128,14 +198,25 @@ SAMPLES: dict[type, msgspec.Struct] = {
     api.Credential: CREDENTIAL,
     api.AuthRequest: api.AuthRequest(credential=CREDENTIAL),
     api.FindRequest: api.FindRequest(credential=CREDENTIAL),
-    api.PlanRequest: api.PlanRequest(credential=CREDENTIAL, booking_id="bk_1", manifest_text="{}", manifest_digest="ab" * 32),
+    api.PlanRequest: api.PlanRequest(
+        credential=CREDENTIAL, booking_id="bk_1", manifest_text="{}", manifest_digest="ab" * 32
+    ),
     api.ConfirmRequest: api.ConfirmRequest(
-        credential=CREDENTIAL, action=Action.train, booking_id="bk_1", run_id="run_1", manifest_text="{}",
-        manifest_digest="ab" * 32, max_cost_usd=9.5,
+        credential=CREDENTIAL,
+        action=Action.train,
+        booking_id="bk_1",
+        run_id="run_1",
+        manifest_text="{}",
+        manifest_digest="ab" * 32,
+        max_cost_usd=9.5,
     ),
     api.TrainRequest: api.TrainRequest(
-        credential=CREDENTIAL, booking_id="bk_1", manifest_text="{}", manifest_digest="ab" * 32,
-        idempotency_key="key-1", confirmation_ref="cf_1",
+        credential=CREDENTIAL,
+        booking_id="bk_1",
+        manifest_text="{}",
+        manifest_digest="ab" * 32,
+        idempotency_key="key-1",
+        confirmation_ref="cf_1",
     ),
     api.StatusRequest: api.StatusRequest(credential=CREDENTIAL, run_id="run_1", idempotency_key="key-1"),
     api.LogsRequest: api.LogsRequest(credential=CREDENTIAL, run_id="run_1", since=5, limit=50),
@@ -146,47 +227,96 @@ SAMPLES: dict[type, msgspec.Struct] = {
     api.Plan: PLAN,
     api.StageGatePlan: PLAN.gates[0],
     api.ConfirmationIssued: api.ConfirmationIssued(
-        confirmation_ref="cf_1", action=Action.cancel, target="run_1", manifest_digest=None, max_cost_usd=3.25,
+        confirmation_ref="cf_1",
+        action=Action.cancel,
+        target="run_1",
+        manifest_digest=None,
+        max_cost_usd=3.25,
         expires_at=T1,
     ),
     api.RunAccepted: api.RunAccepted(run_id="run_1", state=RunState.queued, replay=True),
     api.RunView: api.RunView(
-        run_id="run_1", account="acct_a", booking_id="bk_1", manifest_digest="ab" * 32, idempotency_key="key-1",
-        state=RunState.running, stage="pretrain", step=10, total_steps=100, loss=2.5, created_at=T0,
-        updated_at=T1, plan=PLAN, message="training",
+        run_id="run_1",
+        account="acct_a",
+        booking_id="bk_1",
+        manifest_digest="ab" * 32,
+        idempotency_key="key-1",
+        state=RunState.running,
+        stage="pretrain",
+        step=10,
+        total_steps=100,
+        loss=2.5,
+        created_at=T0,
+        updated_at=T1,
+        plan=PLAN,
+        message="training",
     ),
     api.LogLineView: api.LogLineView(index=3, at=T0, level="warning", message="slow step"),
-    api.LogPage: api.LogPage(run_id="run_1", lines=[api.LogLineView(index=0, at=T0, level="info", message="hi")], next=1),
+    api.LogPage: api.LogPage(
+        run_id="run_1", lines=[api.LogLineView(index=0, at=T0, level="info", message="hi")], next=1
+    ),
     # booking
     booking.Topology: TOPOLOGY,
     booking.BookingEvent: booking.BookingEvent(
-        event_id="ev_1", kind=BookingEventKind.modified, booking_id="bk_1", account="acct_a", version=4,
-        topology=TOPOLOGY, region="eu-west", fabric=Fabric.ethernet, window_start=T0, window_end=T1, emitted_at=T0,
+        event_id="ev_1",
+        kind=BookingEventKind.modified,
+        booking_id="bk_1",
+        account="acct_a",
+        version=4,
+        topology=TOPOLOGY,
+        region="eu-west",
+        fabric=Fabric.ethernet,
+        window_start=T0,
+        window_end=T1,
+        emitted_at=T0,
     ),
     booking.Booking: BOOKING,
     # envelope and errors
-    envelope.Envelope: envelope.Envelope(ok=True, live_api_contacted=True, notice="replay", data={"run_id": "run_1", "n": [1, 2.5, None]}),
+    envelope.Envelope: envelope.Envelope(
+        ok=True, live_api_contacted=True, notice="replay", data={"run_id": "run_1", "n": [1, 2.5, None]}
+    ),
     errors.ApiError: errors.ApiError(code=ErrorCode.booking_expired, message="the booking's window is over"),
     # internal
     internal.EligibilityQuery: internal.EligibilityQuery(
-        account="acct_a", booking_id="bk_1", nodes=2, gpus_per_node=8, region="eu-west", fabric=Fabric.infiniband,
+        account="acct_a",
+        booking_id="bk_1",
+        nodes=2,
+        gpus_per_node=8,
+        region="eu-west",
+        fabric=Fabric.infiniband,
     ),
     internal.EligibilityBody: BODY,
     internal.EligibilityStatement: internal.EligibilityStatement(body=BODY, signature="0f" * 32),
     internal.BookingsQuery: internal.BookingsQuery(account="acct_a"),
     internal.BookingsAnswer: internal.BookingsAnswer(bookings=[BOOKING]),
     internal.ConfirmationCreate: internal.ConfirmationCreate(
-        account="acct_a", action=Action.train, target="bk_1", manifest_digest="ab" * 32, max_cost_usd=9.5,
+        account="acct_a",
+        action=Action.train,
+        target="bk_1",
+        manifest_digest="ab" * 32,
+        max_cost_usd=9.5,
     ),
     internal.ConfirmationResolve: internal.ConfirmationResolve(
-        account="acct_a", confirmation_ref="cf_1", action=Action.train, target="bk_1", manifest_digest="ab" * 32,
+        account="acct_a",
+        confirmation_ref="cf_1",
+        action=Action.train,
+        target="bk_1",
+        manifest_digest="ab" * 32,
         cost_usd=1.5,
     ),
     internal.LedgerLookup: internal.LedgerLookup(account="acct_a", idempotency_key="key-1"),
     internal.LedgerEntry: LEDGER_ENTRY,
     internal.LedgerAccept: internal.LedgerAccept(
-        account="acct_a", idempotency_key="key-1", fingerprint="f" * 64, run_id="run_1", action=Action.train,
-        confirmation_ref="cf_1", target="bk_1", manifest_digest="ab" * 32, cost_usd=1.5, work=b'{"x":1}',
+        account="acct_a",
+        idempotency_key="key-1",
+        fingerprint="f" * 64,
+        run_id="run_1",
+        action=Action.train,
+        confirmation_ref="cf_1",
+        target="bk_1",
+        manifest_digest="ab" * 32,
+        cost_usd=1.5,
+        work=b'{"x":1}',
     ),
     internal.LedgerHandedOff: internal.LedgerHandedOff(account="acct_a", idempotency_key="key-1"),
     internal.LedgerPending: internal.LedgerPending(older_than_s=30.5),
@@ -195,7 +325,9 @@ SAMPLES: dict[type, msgspec.Struct] = {
     # manifest
     manifest.ModelSpec: manifest.ModelSpec(size=ModelSize.m150, revision="main"),
     manifest.Decontamination: DECONTAMINATION,
-    manifest.DataRef: manifest.DataRef(name="topics", source="file:/data/x.txt", role=DataRole.eval, decontamination=DECONTAMINATION),
+    manifest.DataRef: manifest.DataRef(
+        name="topics", source="file:/data/x.txt", role=DataRole.eval, decontamination=DECONTAMINATION
+    ),
     manifest.Target: manifest.Target(tokens=5000, seq_len=32, batch_size=4, learning_rate=5e-4),
     manifest.PostTraining: manifest.PostTraining(recipe=["sft", "rlvr"]),
     manifest.CheckpointPolicy: manifest.CheckpointPolicy(interval_steps=5, keep_last=1, storage="local"),
@@ -205,36 +337,77 @@ SAMPLES: dict[type, msgspec.Struct] = {
     models.ModelShape: models.MODEL_SHAPES["8B"],
     # runs
     runs.TrainWork: runs.TrainWork(
-        run_id="run_1", account="acct_a", booking_id="bk_1", manifest_text="{}", manifest_digest="ab" * 32,
-        plan=PLAN, checkpoint_dir="/srv/ckpt/acct_a/run_1",
+        run_id="run_1",
+        account="acct_a",
+        booking_id="bk_1",
+        manifest_text="{}",
+        manifest_digest="ab" * 32,
+        plan=PLAN,
+        checkpoint_dir="/srv/ckpt/acct_a/run_1",
     ),
     runs.RunEventBase: runs.RunEventBase(run_id="run_1", seq=1, at=T0),
-    runs.StateChanged: runs.StateChanged(run_id="run_1", seq=2, at=T0, state=RunState.running, stage="pretrain", message="go", total_steps=40),
+    runs.StateChanged: runs.StateChanged(
+        run_id="run_1", seq=2, at=T0, state=RunState.running, stage="pretrain", message="go", total_steps=40
+    ),
     runs.LogLine: runs.LogLine(run_id="run_1", seq=3, at=T0, level="error", message="oops"),
     runs.Metrics: runs.Metrics(
-        run_id="run_1", seq=4, at=T0, stage="pretrain", step=3, total_steps=40, loss=3.25, learning_rate=3e-3,
-        tokens_per_s=1234.5, grad_norm=0.75,
+        run_id="run_1",
+        seq=4,
+        at=T0,
+        stage="pretrain",
+        step=3,
+        total_steps=40,
+        loss=3.25,
+        learning_rate=3e-3,
+        tokens_per_s=1234.5,
+        grad_norm=0.75,
     ),
-    runs.CheckpointSaved: runs.CheckpointSaved(run_id="run_1", seq=5, at=T0, step=10, path="/srv/ckpt/step_10", bytes=4096, stall_s=0.5, save_s=1.25),
-    runs.RunCreated: runs.RunCreated(run_id="run_1", seq=9, at=T0, account="acme", booking_id="bk_1", region="eu",
-                                     gpu_model="H200", gpus=8, accepted_at=T0),
+    runs.CheckpointSaved: runs.CheckpointSaved(
+        run_id="run_1", seq=5, at=T0, step=10, path="/srv/ckpt/step_10", bytes=4096, stall_s=0.5, save_s=1.25
+    ),
+    runs.RunCreated: runs.RunCreated(
+        run_id="run_1",
+        seq=9,
+        at=T0,
+        account="acme",
+        booking_id="bk_1",
+        region="eu",
+        gpu_model="H200",
+        gpus=8,
+        accepted_at=T0,
+    ),
     api.RestartProposal: RESTART,
     runs.ProposalMade: runs.ProposalMade(run_id="run_1", seq=11, at=T1, proposal=RESTART),
-    api.ApproveRequest: api.ApproveRequest(credential=CREDENTIAL, run_id="run_1", idempotency_key="k",
-                                           confirmation_ref="cf_1", reject=False),
-    runs.Interruption: runs.Interruption(run_id="run_1", seq=10, at=T1, cause="trainer_lost", silent_s=5.5, step=40),
+    api.ApproveRequest: api.ApproveRequest(
+        credential=CREDENTIAL, run_id="run_1", idempotency_key="k", confirmation_ref="cf_1", reject=False
+    ),
+    runs.Interruption: runs.Interruption(
+        run_id="run_1", seq=10, at=T1, cause="trainer_lost", silent_s=5.5, step=40
+    ),
     # telemetry
     telemetry.RunTelemetry: RUN_TELEMETRY,
     telemetry.Rollup: telemetry.Rollup(
-        by="booking", key="bk_1", runs=1, wall_gpu_hours=1.0, goodput_gpu_hours=0.8, goodput=0.8,
-        badput_gpu_hours={"queued": 0.2}, interruptions=1, interruptions_per_1000_gpu_hours=1000.0,
-        interruption_causes={"trainer_lost": 1}, checkpoint_bytes_per_s_p50=1e9, checkpoint_bytes_per_s_min=5e8,
+        by="booking",
+        key="bk_1",
+        runs=1,
+        wall_gpu_hours=1.0,
+        goodput_gpu_hours=0.8,
+        goodput=0.8,
+        badput_gpu_hours={"queued": 0.2},
+        interruptions=1,
+        interruptions_per_1000_gpu_hours=1000.0,
+        interruption_causes={"trainer_lost": 1},
+        checkpoint_bytes_per_s_p50=1e9,
+        checkpoint_bytes_per_s_min=5e8,
         updated_at=T1,
     ),
     runs.StageStarted: runs.StageStarted(run_id="run_1", seq=6, at=T0, stage="midtrain", total_steps=20),
-    runs.EvalResult: runs.EvalResult(run_id="run_1", seq=7, at=T0, stage="pretrain", metrics=[EVAL_METRIC], passed=False),
-    runs.DataProvenance: runs.DataProvenance(run_id="run_1", seq=8, at=T0, steps=[PROVENANCE_STEP],
-                                             input_digest="ab" * 32, output_digest="cd" * 32),
+    runs.EvalResult: runs.EvalResult(
+        run_id="run_1", seq=7, at=T0, stage="pretrain", metrics=[EVAL_METRIC], passed=False
+    ),
+    runs.DataProvenance: runs.DataProvenance(
+        run_id="run_1", seq=8, at=T0, steps=[PROVENANCE_STEP], input_digest="ab" * 32, output_digest="cd" * 32
+    ),
     runs.MetricsPage: runs.MetricsPage(run_id="run_1", points=[], next=0),
     runs.CheckpointList: runs.CheckpointList(run_id="run_1", checkpoints=[], cleaned_up=True),
     runs.EvalList: runs.EvalList(run_id="run_1", gates=[STAGE_GATE]),
@@ -242,51 +415,116 @@ SAMPLES: dict[type, msgspec.Struct] = {
     evals.EvalMetric: EVAL_METRIC,
     evals.StageGate: STAGE_GATE,
     evals.ProvenanceStep: PROVENANCE_STEP,
-    evals.Provenance: evals.Provenance(steps=[PROVENANCE_STEP], input_digest="ab" * 32, output_digest="cd" * 32),
+    evals.Provenance: evals.Provenance(
+        steps=[PROVENANCE_STEP], input_digest="ab" * 32, output_digest="cd" * 32
+    ),
     # lifecycle
     api.MetricsRequest: api.MetricsRequest(credential=CREDENTIAL, run_id="run_1", since=3, limit=10),
     api.RunItemsRequest: api.RunItemsRequest(credential=CREDENTIAL, run_id="run_1"),
-    api.CancelRequest: api.CancelRequest(credential=CREDENTIAL, run_id="run_1", idempotency_key="k", confirmation_ref="cf_1"),
-    api.CleanupRequest: api.CleanupRequest(credential=CREDENTIAL, run_id="run_1", idempotency_key="k", confirmation_ref="cf_1",
-                                           release_booking=True, release_confirmation_ref="cf_2"),
-    api.MutationResult: api.MutationResult(run_id="run_1", action=Action.cancel, state=RunState.cancelling, replay=True),
+    api.CancelRequest: api.CancelRequest(
+        credential=CREDENTIAL, run_id="run_1", idempotency_key="k", confirmation_ref="cf_1"
+    ),
+    api.CleanupRequest: api.CleanupRequest(
+        credential=CREDENTIAL,
+        run_id="run_1",
+        idempotency_key="k",
+        confirmation_ref="cf_1",
+        release_booking=True,
+        release_confirmation_ref="cf_2",
+    ),
+    api.MutationResult: api.MutationResult(
+        run_id="run_1", action=Action.cancel, state=RunState.cancelling, replay=True
+    ),
     api.RemovedArtifact: api.RemovedArtifact(path="/ckpt/a", bytes=3),
-    api.CleanupResult: api.CleanupResult(run_id="run_1", removed=[api.RemovedArtifact(path="/ckpt/a", bytes=3)],
-                                         booking_release_requested=True),
+    api.CleanupResult: api.CleanupResult(
+        run_id="run_1", removed=[api.RemovedArtifact(path="/ckpt/a", bytes=3)], booking_release_requested=True
+    ),
     api.CleanupOrder: api.CleanupOrder(account="acme", run_id="run_1", checkpoint_dir="/ckpt/acme/run_1"),
     api.LeaseQuery: api.LeaseQuery(run_id="run_1"),
     api.LeaseAnswer: api.LeaseAnswer(run_id="run_1", proceed=False, state=RunState.cancelled),
 }
 
 GATE = manifest.Gate(max_held_out_loss=2.5, min_task_accuracy=0.1, task_samples=32)
-LC_GATE = manifest.LongContextGate(max_held_out_loss=3.0, min_task_accuracy=0.1, task_samples=16,
-                                   max_short_loss_increase=0.2, min_needle_accuracy=0.5, needle_trials=8)
+LC_GATE = manifest.LongContextGate(
+    max_held_out_loss=3.0,
+    min_task_accuracy=0.1,
+    task_samples=16,
+    max_short_loss_increase=0.2,
+    min_needle_accuracy=0.5,
+    needle_trials=8,
+)
 MANIFEST_STAGE_SAMPLES = {
     manifest.Gate: GATE,
     manifest.LongContextGate: LC_GATE,
-    manifest.DataPrepStage: manifest.DataPrepStage(exact_dedup=False, near_dedup=True, near_dup_jaccard=0.7,
-                                                   minhash_permutations=128, minhash_bands=16, shingle_words=4,
-                                                   decontamination_ngram=8),
-    manifest.LadderStage: manifest.LadderStage(proxy_steps=20, max_budget_fraction=0.1, max_loss_regression=0.05),
+    manifest.DataPrepStage: manifest.DataPrepStage(
+        exact_dedup=False,
+        near_dedup=True,
+        near_dup_jaccard=0.7,
+        minhash_permutations=128,
+        minhash_bands=16,
+        shingle_words=4,
+        decontamination_ngram=8,
+    ),
+    manifest.LadderStage: manifest.LadderStage(
+        proxy_steps=20, max_budget_fraction=0.1, max_loss_regression=0.05
+    ),
     manifest.PretrainStage: manifest.PretrainStage(data=["topics"], gate=GATE),
-    manifest.MidtrainStage: manifest.MidtrainStage(tokens=4096, data=["topics"], learning_rate=1e-4, seq_len=64, gate=GATE),
-    manifest.LongContextStage: manifest.LongContextStage(tokens=8192, seq_len=512, rope_base=1e6, batch_size=4,
-                                                         learning_rate=1e-4, data=["topics"], gate=LC_GATE),
-    manifest.Stages: manifest.Stages(data_prep=manifest.DataPrepStage(), ladder=manifest.LadderStage(),
-                                     pretrain=manifest.PretrainStage(), midtrain=manifest.MidtrainStage(tokens=4096),
-                                     long_context=manifest.LongContextStage(tokens=8192, seq_len=512)),
-    manifest.SftStage: manifest.SftStage(steps=10, batch_size=8, learning_rate=1e-4, data=["arith"], gate=GATE),
-    manifest.DpoStage: manifest.DpoStage(steps=10, batch_size=8, learning_rate=1e-5, beta=0.2, data=["arith"], gate=GATE),
-    manifest.RlvrStage: manifest.RlvrStage(steps=10, prompts_per_step=4, group_size=4, learning_rate=1e-5, eps_low=0.1,
-                                           eps_high=0.3, max_response_tokens=32, overlong_buffer_tokens=8,
-                                           max_staleness=2, temperature=0.8, max_sampling_rounds=2, data=["arith"],
-                                           gate=GATE),
+    manifest.MidtrainStage: manifest.MidtrainStage(
+        tokens=4096, data=["topics"], learning_rate=1e-4, seq_len=64, gate=GATE
+    ),
+    manifest.LongContextStage: manifest.LongContextStage(
+        tokens=8192,
+        seq_len=512,
+        rope_base=1e6,
+        batch_size=4,
+        learning_rate=1e-4,
+        data=["topics"],
+        gate=LC_GATE,
+    ),
+    manifest.Stages: manifest.Stages(
+        data_prep=manifest.DataPrepStage(),
+        ladder=manifest.LadderStage(),
+        pretrain=manifest.PretrainStage(),
+        midtrain=manifest.MidtrainStage(tokens=4096),
+        long_context=manifest.LongContextStage(tokens=8192, seq_len=512),
+    ),
+    manifest.SftStage: manifest.SftStage(
+        steps=10, batch_size=8, learning_rate=1e-4, data=["arith"], gate=GATE
+    ),
+    manifest.DpoStage: manifest.DpoStage(
+        steps=10, batch_size=8, learning_rate=1e-5, beta=0.2, data=["arith"], gate=GATE
+    ),
+    manifest.RlvrStage: manifest.RlvrStage(
+        steps=10,
+        prompts_per_step=4,
+        group_size=4,
+        learning_rate=1e-5,
+        eps_low=0.1,
+        eps_high=0.3,
+        max_response_tokens=32,
+        overlong_buffer_tokens=8,
+        max_staleness=2,
+        temperature=0.8,
+        max_sampling_rounds=2,
+        data=["arith"],
+        gate=GATE,
+    ),
 }
 SAMPLES.update(MANIFEST_STAGE_SAMPLES)
 
 STRUCTS = defined_structs()
-RUN_EVENT_CLASSES = [runs.StateChanged, runs.LogLine, runs.Metrics, runs.CheckpointSaved, runs.StageStarted,
-                     runs.EvalResult, runs.DataProvenance, runs.RunCreated, runs.Interruption, runs.ProposalMade]
+RUN_EVENT_CLASSES = [
+    runs.StateChanged,
+    runs.LogLine,
+    runs.Metrics,
+    runs.CheckpointSaved,
+    runs.StageStarted,
+    runs.EvalResult,
+    runs.DataProvenance,
+    runs.RunCreated,
+    runs.Interruption,
+    runs.ProposalMade,
+]
 
 
 def name_of(cls: type) -> str:
@@ -298,8 +536,21 @@ def name_of(cls: type) -> str:
 
 def test_every_listed_module_is_discovered():
     names = {m.__name__ for m in MODULES}
-    for module in (api, audit, base, booking, envelope, errors, evals, internal, manifest, models, runs, states,
-                   telemetry):
+    for module in (
+        api,
+        audit,
+        base,
+        booking,
+        envelope,
+        errors,
+        evals,
+        internal,
+        manifest,
+        models,
+        runs,
+        states,
+        telemetry,
+    ):
         assert module.__name__ in names
 
 
@@ -338,7 +589,13 @@ def test_run_event_union_decodes_to_the_right_type(cls):
 
 
 @pytest.mark.parametrize(
-    "cls, tag", [(runs.StateChanged, "state"), (runs.LogLine, "log"), (runs.Metrics, "metrics"), (runs.CheckpointSaved, "checkpoint")],
+    "cls, tag",
+    [
+        (runs.StateChanged, "state"),
+        (runs.LogLine, "log"),
+        (runs.Metrics, "metrics"),
+        (runs.CheckpointSaved, "checkpoint"),
+    ],
     ids=lambda v: v if isinstance(v, str) else v.__name__,
 )
 def test_run_events_carry_their_kind_tag(cls, tag):
@@ -362,8 +619,12 @@ def test_credential_repr_hides_the_key():
 
 def from_outside(cls: type) -> bool:
     """Input that outsiders write: API requests, the manifest, upstream booking events."""
-    return (cls.__name__.endswith("Request") or cls in (api.Credential, base.Contract) or cls.__module__ == "contracts.manifest"
-            or cls in (booking.BookingEvent, booking.Topology))
+    return (
+        cls.__name__.endswith("Request")
+        or cls in (api.Credential, base.Contract)
+        or cls.__module__ == "contracts.manifest"
+        or cls in (booking.BookingEvent, booking.Topology)
+    )
 
 
 OUTSIDE = [c for c in STRUCTS if from_outside(c)]
@@ -386,7 +647,9 @@ def test_unknown_field_is_rejected(cls):
 @pytest.mark.parametrize("cls", INSIDE, ids=name_of)
 def test_an_older_reader_survives_a_newer_writer(cls):
     """Rolling upgrade: a newer service added a field; this (older) decoder skips it."""
-    raw = msgspec.json.encode({**msgspec.to_builtins(SAMPLES[cls]), "zz_added_in_a_later_version": {"x": [1]}})
+    raw = msgspec.json.encode(
+        {**msgspec.to_builtins(SAMPLES[cls]), "zz_added_in_a_later_version": {"x": [1]}}
+    )
     assert msgspec.json.decode(raw, type=cls) == SAMPLES[cls]
 
 
@@ -446,7 +709,9 @@ def test_specific_wrong_types_are_rejected(cls, field, value):
         msgspec.json.decode(raw, type=cls)
 
 
-@pytest.mark.parametrize("cls", [c for c in STRUCTS if any(f.required for f in msgspec.structs.fields(c))], ids=name_of)
+@pytest.mark.parametrize(
+    "cls", [c for c in STRUCTS if any(f.required for f in msgspec.structs.fields(c))], ids=name_of
+)
 def test_a_missing_required_field_is_rejected(cls):
     first_required = next(f.encode_name for f in msgspec.structs.fields(cls) if f.required)
     as_dict = msgspec.to_builtins(SAMPLES[cls])
@@ -479,12 +744,23 @@ def test_envelope_decoded_with_ok_and_error_is_refused():
 @pytest.mark.parametrize(
     "env, expected",
     [
-        (envelope.Envelope(ok=True, live_api_contacted=True, notice=None),
-         {"ok": True, "live_api_contacted": True, "notice": None}),
-        (envelope.Envelope(ok=True, live_api_contacted=False, notice="cached", data={"a": 1}),
-         {"ok": True, "live_api_contacted": False, "notice": "cached", "data": {"a": 1}}),
-        (envelope.Envelope(ok=False, live_api_contacted=True, notice=None, error=ERR),
-         {"ok": False, "live_api_contacted": True, "notice": None, "error": {"code": "internal", "message": "boom"}}),
+        (
+            envelope.Envelope(ok=True, live_api_contacted=True, notice=None),
+            {"ok": True, "live_api_contacted": True, "notice": None},
+        ),
+        (
+            envelope.Envelope(ok=True, live_api_contacted=False, notice="cached", data={"a": 1}),
+            {"ok": True, "live_api_contacted": False, "notice": "cached", "data": {"a": 1}},
+        ),
+        (
+            envelope.Envelope(ok=False, live_api_contacted=True, notice=None, error=ERR),
+            {
+                "ok": False,
+                "live_api_contacted": True,
+                "notice": None,
+                "error": {"code": "internal", "message": "boom"},
+            },
+        ),
     ],
     ids=["ok-no-data", "ok-with-data", "failed"],
 )
@@ -501,15 +777,45 @@ def test_envelope_requires_notice_on_decode():
 # --- error codes ---
 
 STABLE_CODES = [
-    "unauthenticated", "credential_revoked", "forbidden", "booking_not_found", "booking_incomplete",
-    "booking_expired", "booking_revoked", "booking_released", "booking_mismatch", "eligibility_stale",
-    "manifest_invalid", "manifest_not_absolute", "manifest_symlink", "manifest_not_regular",
-    "manifest_unsafe_permissions", "manifest_too_large", "manifest_changed", "manifest_digest_mismatch",
-    "manifest_contains_secret", "confirmation_required", "confirmation_not_found", "confirmation_expired",
-    "confirmation_consumed", "confirmation_mismatch", "idempotency_key_invalid", "idempotency_key_conflict",
-    "idempotency_in_progress", "fabric_unsupported", "capacity_insufficient", "data_policy_violation",
-    "checkpoint_storage_unavailable", "budget_exceeded", "plan_wasteful", "run_not_found",
-    "run_not_cancellable", "timeout", "transport_ambiguous", "backend_unavailable", "internal",
+    "unauthenticated",
+    "credential_revoked",
+    "forbidden",
+    "booking_not_found",
+    "booking_incomplete",
+    "booking_expired",
+    "booking_revoked",
+    "booking_released",
+    "booking_mismatch",
+    "eligibility_stale",
+    "manifest_invalid",
+    "manifest_not_absolute",
+    "manifest_symlink",
+    "manifest_not_regular",
+    "manifest_unsafe_permissions",
+    "manifest_too_large",
+    "manifest_changed",
+    "manifest_digest_mismatch",
+    "manifest_contains_secret",
+    "confirmation_required",
+    "confirmation_not_found",
+    "confirmation_expired",
+    "confirmation_consumed",
+    "confirmation_mismatch",
+    "idempotency_key_invalid",
+    "idempotency_key_conflict",
+    "idempotency_in_progress",
+    "fabric_unsupported",
+    "capacity_insufficient",
+    "data_policy_violation",
+    "checkpoint_storage_unavailable",
+    "budget_exceeded",
+    "plan_wasteful",
+    "run_not_found",
+    "run_not_cancellable",
+    "timeout",
+    "transport_ambiguous",
+    "backend_unavailable",
+    "internal",
 ]
 
 
@@ -550,8 +856,13 @@ def test_contracts_import_only_msgspec_stdlib_and_contracts(path):
 
 @pytest.mark.parametrize(
     "source, bad",
-    [("import redis", {"redis"}), ("from services.runtime import codec", {"services"}), ("import json, msgspec", set()),
-     ("from .base import Contract", set()), ("def f():\n    import numpy", {"numpy"})],
+    [
+        ("import redis", {"redis"}),
+        ("from services.runtime import codec", {"services"}),
+        ("import json, msgspec", set()),
+        ("from .base import Contract", set()),
+        ("def f():\n    import numpy", {"numpy"}),
+    ],
     ids=["import", "from-import", "stdlib-and-msgspec", "relative", "nested-import"],
 )
 def test_import_check_catches_foreign_imports(source, bad):
@@ -561,5 +872,13 @@ def test_import_check_catches_foreign_imports(source, bad):
 
 def test_contract_files_found():
     assert {p.name for p in CONTRACT_FILES} >= {
-        "api.py", "booking.py", "envelope.py", "errors.py", "internal.py", "manifest.py", "models.py", "runs.py", "states.py",
+        "api.py",
+        "booking.py",
+        "envelope.py",
+        "errors.py",
+        "internal.py",
+        "manifest.py",
+        "models.py",
+        "runs.py",
+        "states.py",
     }

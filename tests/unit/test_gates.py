@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import msgspec
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contracts.api import Action
 from contracts.booking import Booking, BookingEvent, BookingEventKind, BookingState, Fabric, Topology
@@ -24,8 +25,15 @@ NOW = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 
 # --- confirmation binding ---
 
-STORED = Stored(account="acct_a", action=Action.train, target="bk_1", digest="d" * 64, max_cost=10.0,
-                expires_at=1000.0, consumed=False)
+STORED = Stored(
+    account="acct_a",
+    action=Action.train,
+    target="bk_1",
+    digest="d" * 64,
+    max_cost=10.0,
+    expires_at=1000.0,
+    consumed=False,
+)
 REQUEST = dict(account="acct_a", action=Action.train, target="bk_1", digest="d" * 64, cost=9.0, now=999.0)
 
 BINDING_TABLE = [
@@ -50,13 +58,19 @@ BINDING_TABLE = [
     ("order-account-before-expired", {}, {"account": "acct_b", "now": 5000.0}, "confirmation_mismatch"),
     ("order-consumed-before-expired", {"consumed": True}, {"now": 5000.0}, "confirmation_consumed"),
     ("order-expired-before-action", {}, {"now": 5000.0, "action": Action.cancel}, "confirmation_expired"),
-    ("order-action-before-digest", {}, {"action": Action.cancel, "digest": "e" * 64}, "confirmation_mismatch"),
+    (
+        "order-action-before-digest",
+        {},
+        {"action": Action.cancel, "digest": "e" * 64},
+        "confirmation_mismatch",
+    ),
     ("order-digest-before-cost", {}, {"digest": "e" * 64, "cost": 99.0}, "manifest_digest_mismatch"),
 ]
 
 
-@pytest.mark.parametrize("stored_changes, request_changes, code", [r[1:] for r in BINDING_TABLE],
-                         ids=[r[0] for r in BINDING_TABLE])
+@pytest.mark.parametrize(
+    "stored_changes, request_changes, code", [r[1:] for r in BINDING_TABLE], ids=[r[0] for r in BINDING_TABLE]
+)
 def test_confirmation_binding(stored_changes, request_changes, code):
     refusal = check(_stored(**stored_changes), **(REQUEST | request_changes))
     assert (None if refusal is None else refusal[0].value) == code
@@ -85,9 +99,18 @@ WINDOW_END = NOW + timedelta(hours=4)
 
 
 def booking(**changes) -> Booking:
-    base = dict(booking_id="bk_1", account="acct_a", state=BookingState.completed, version=2, topology=TOPO,
-                region="eu-west", fabric=Fabric.infiniband, window_start=NOW - timedelta(hours=1),
-                window_end=WINDOW_END, updated_at=NOW - timedelta(hours=1))
+    base = dict(
+        booking_id="bk_1",
+        account="acct_a",
+        state=BookingState.completed,
+        version=2,
+        topology=TOPO,
+        region="eu-west",
+        fabric=Fabric.infiniband,
+        window_start=NOW - timedelta(hours=1),
+        window_end=WINDOW_END,
+        updated_at=NOW - timedelta(hours=1),
+    )
     return Booking(**(base | changes))
 
 
@@ -100,29 +123,60 @@ ELIGIBILITY_TABLE = [
     # id, booking (None: unknown), query changes, now, parked, expected code
     ("ok", booking(), {}, NOW, False, None),
     ("ok-smaller-than-booked", booking(), {"nodes": 1, "gpus_per_node": 4}, NOW, False, None),
-    ("ok-region-and-fabric-match", booking(), {"region": "eu-west", "fabric": Fabric.infiniband}, NOW, False, None),
+    (
+        "ok-region-and-fabric-match",
+        booking(),
+        {"region": "eu-west", "fabric": Fabric.infiniband},
+        NOW,
+        False,
+        None,
+    ),
     ("ok-just-before-window-end", booking(), {}, WINDOW_END - timedelta(microseconds=1), False, None),
     ("unknown", None, {}, NOW, False, "booking_not_found"),
     ("foreign-account", booking(account="acct_b"), {}, NOW, False, "booking_not_found"),
     ("foreign-account-even-if-parked", booking(account="acct_b"), {}, NOW, True, "booking_not_found"),
-    ("foreign-account-revoked", booking(account="acct_b", state=BookingState.revoked), {}, NOW, False, "booking_not_found"),
+    (
+        "foreign-account-revoked",
+        booking(account="acct_b", state=BookingState.revoked),
+        {},
+        NOW,
+        False,
+        "booking_not_found",
+    ),
     ("parked", None, {}, NOW, True, "booking_incomplete"),
     ("revoked", booking(state=BookingState.revoked), {}, NOW, False, "booking_revoked"),
     ("released", booking(state=BookingState.released), {}, NOW, False, "booking_released"),
     ("expired-state", booking(state=BookingState.expired), {}, NOW, False, "booking_expired"),
     ("window-over-at-the-instant", booking(), {}, WINDOW_END, False, "booking_expired"),
     ("window-over", booking(), {}, WINDOW_END + timedelta(days=1), False, "booking_expired"),
-    ("revoked-before-window-over", booking(state=BookingState.revoked), {}, WINDOW_END + timedelta(days=1), False, "booking_revoked"),
+    (
+        "revoked-before-window-over",
+        booking(state=BookingState.revoked),
+        {},
+        WINDOW_END + timedelta(days=1),
+        False,
+        "booking_revoked",
+    ),
     ("too-many-nodes", booking(), {"nodes": 3}, NOW, False, "booking_mismatch"),
     ("too-many-gpus", booking(), {"gpus_per_node": 9}, NOW, False, "booking_mismatch"),
     ("other-region", booking(), {"region": "us-east"}, NOW, False, "booking_mismatch"),
     ("other-fabric", booking(), {"fabric": Fabric.ethernet}, NOW, False, "booking_mismatch"),
-    ("expired-before-size", booking(state=BookingState.expired), {"nodes": 99}, NOW, False, "booking_expired"),
+    (
+        "expired-before-size",
+        booking(state=BookingState.expired),
+        {"nodes": 99},
+        NOW,
+        False,
+        "booking_expired",
+    ),
 ]
 
 
-@pytest.mark.parametrize("b, query_changes, now, parked, code", [r[1:] for r in ELIGIBILITY_TABLE],
-                         ids=[r[0] for r in ELIGIBILITY_TABLE])
+@pytest.mark.parametrize(
+    "b, query_changes, now, parked, code",
+    [r[1:] for r in ELIGIBILITY_TABLE],
+    ids=[r[0] for r in ELIGIBILITY_TABLE],
+)
 def test_eligibility(b, query_changes, now, parked, code):
     refusal = eligibility(b, query(**query_changes), now, parked=parked)
     assert (None if refusal is None else refusal[0].value) == code
@@ -152,12 +206,30 @@ def test_every_event_kind_maps_to_a_state(kind):
     ids=lambda v: v.value,
 )
 def test_project_maps_event_kind_to_state_and_copies_the_rest(kind, state):
-    event = BookingEvent(event_id="ev_9", kind=kind, booking_id="bk_1", account="acct_a", version=7, topology=TOPO,
-                         region="eu-west", fabric=Fabric.roce, window_start=NOW, window_end=WINDOW_END,
-                         emitted_at=NOW + timedelta(seconds=3))
+    event = BookingEvent(
+        event_id="ev_9",
+        kind=kind,
+        booking_id="bk_1",
+        account="acct_a",
+        version=7,
+        topology=TOPO,
+        region="eu-west",
+        fabric=Fabric.roce,
+        window_start=NOW,
+        window_end=WINDOW_END,
+        emitted_at=NOW + timedelta(seconds=3),
+    )
     assert project(event) == Booking(
-        booking_id="bk_1", account="acct_a", state=state, version=7, topology=TOPO, region="eu-west",
-        fabric=Fabric.roce, window_start=NOW, window_end=WINDOW_END, updated_at=NOW + timedelta(seconds=3),
+        booking_id="bk_1",
+        account="acct_a",
+        state=state,
+        version=7,
+        topology=TOPO,
+        region="eu-west",
+        fabric=Fabric.roce,
+        window_start=NOW,
+        window_end=WINDOW_END,
+        updated_at=NOW + timedelta(seconds=3),
     )
 
 
@@ -165,8 +237,16 @@ def test_project_maps_event_kind_to_state_and_copies_the_rest(kind, state):
 
 KEY = b"k" * 32
 BODY = EligibilityBody(
-    account="acct_a", booking_id="bk_1", booking_version=2, topology=TOPO, region="eu-west", fabric=Fabric.infiniband,
-    window_start=NOW - timedelta(hours=1), window_end=WINDOW_END, issued_at=NOW, expires_at=NOW + timedelta(seconds=30),
+    account="acct_a",
+    booking_id="bk_1",
+    booking_version=2,
+    topology=TOPO,
+    region="eu-west",
+    fabric=Fabric.infiniband,
+    window_start=NOW - timedelta(hours=1),
+    window_end=WINDOW_END,
+    issued_at=NOW,
+    expires_at=NOW + timedelta(seconds=30),
 )
 GOOD = sign(BODY, KEY)
 
@@ -189,22 +269,53 @@ STATEMENT_TABLE = [
     # id, statement, account, booking, now, ok
     ("good", GOOD, "acct_a", "bk_1", NOW, True),
     ("good-within-clock-skew-before-issue", GOOD, "acct_a", "bk_1", NOW - CLOCK_SKEW, True),
-    ("good-just-before-expiry", GOOD, "acct_a", "bk_1", NOW + timedelta(seconds=30) - timedelta(microseconds=1), True),
+    (
+        "good-just-before-expiry",
+        GOOD,
+        "acct_a",
+        "bk_1",
+        NOW + timedelta(seconds=30) - timedelta(microseconds=1),
+        True,
+    ),
     ("forged-signature-other-key", forged_signature(), "acct_a", "bk_1", NOW, False),
     ("tampered-signature", flipped_signature(), "acct_a", "bk_1", NOW, False),
     ("empty-signature", msgspec.structs.replace(GOOD, signature=""), "acct_a", "bk_1", NOW, False),
-    ("altered-body-more-gpus", altered(topology=Topology(nodes=64, gpus_per_node=8, gpu_model="H200", gpu_memory_gb=141)), "acct_a", "bk_1", NOW, False),
-    ("altered-body-later-expiry", altered(expires_at=NOW + timedelta(days=365)), "acct_a", "bk_1", NOW + timedelta(hours=1), False),
+    (
+        "altered-body-more-gpus",
+        altered(topology=Topology(nodes=64, gpus_per_node=8, gpu_model="H200", gpu_memory_gb=141)),
+        "acct_a",
+        "bk_1",
+        NOW,
+        False,
+    ),
+    (
+        "altered-body-later-expiry",
+        altered(expires_at=NOW + timedelta(days=365)),
+        "acct_a",
+        "bk_1",
+        NOW + timedelta(hours=1),
+        False,
+    ),
     ("other-account", GOOD, "acct_b", "bk_1", NOW, False),
     ("other-booking", GOOD, "acct_a", "bk_2", NOW, False),
     ("expired-at-the-instant", GOOD, "acct_a", "bk_1", NOW + timedelta(seconds=30), False),
     ("expired", GOOD, "acct_a", "bk_1", NOW + timedelta(hours=1), False),
-    ("issued-in-the-future-beyond-skew", GOOD, "acct_a", "bk_1", NOW - CLOCK_SKEW - timedelta(microseconds=1), False),
+    (
+        "issued-in-the-future-beyond-skew",
+        GOOD,
+        "acct_a",
+        "bk_1",
+        NOW - CLOCK_SKEW - timedelta(microseconds=1),
+        False,
+    ),
 ]
 
 
-@pytest.mark.parametrize("stmt, account, booking_id, now, ok", [r[1:] for r in STATEMENT_TABLE],
-                         ids=[r[0] for r in STATEMENT_TABLE])
+@pytest.mark.parametrize(
+    "stmt, account, booking_id, now, ok",
+    [r[1:] for r in STATEMENT_TABLE],
+    ids=[r[0] for r in STATEMENT_TABLE],
+)
 def test_verify_statement(stmt, account, booking_id, now, ok):
     if ok:
         assert verify_statement(stmt, KEY, account, booking_id, now) == BODY

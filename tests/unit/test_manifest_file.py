@@ -71,7 +71,9 @@ def test_empty_file_is_read(base):
     assert read_manifest(str(write(base / "m.json", b""))) == (b"", hashlib.sha256(b"").hexdigest())
 
 
-@pytest.mark.parametrize("path", ["m.json", "./m.json", "private/m.json", ""], ids=["bare", "dot", "nested", "empty"])
+@pytest.mark.parametrize(
+    "path", ["m.json", "./m.json", "private/m.json", ""], ids=["bare", "dot", "nested", "empty"]
+)
 def test_relative_path_is_refused(base, monkeypatch, path):
     write(base / "m.json")
     monkeypatch.chdir(base.parent)
@@ -91,7 +93,9 @@ def test_dangling_symlink_is_refused_as_symlink(base):
     assert code_of(link) is ErrorCode.manifest_symlink
 
 
-@pytest.mark.timeout(10)  # a liveness bound: opening a FIFO without O_NONBLOCK would wait for a writer forever
+@pytest.mark.timeout(
+    10
+)  # a liveness bound: opening a FIFO without O_NONBLOCK would wait for a writer forever
 def test_fifo_is_refused_without_hanging(base):
     fifo = base / "m.json"
     os.mkfifo(fifo, 0o600)
@@ -156,7 +160,12 @@ def test_directory_owned_by_another_user_is_refused(base):
 
 @pytest.mark.parametrize(
     "size, ok",
-    [(DEFAULT_MAX_BYTES - 1, True), (DEFAULT_MAX_BYTES, True), (DEFAULT_MAX_BYTES + 1, False), (3 * DEFAULT_MAX_BYTES, False)],
+    [
+        (DEFAULT_MAX_BYTES - 1, True),
+        (DEFAULT_MAX_BYTES, True),
+        (DEFAULT_MAX_BYTES + 1, False),
+        (3 * DEFAULT_MAX_BYTES, False),
+    ],
     ids=["1MiB-1", "exactly-1MiB", "1MiB+1", "3MiB"],
 )
 def test_size_cap(base, size, ok):

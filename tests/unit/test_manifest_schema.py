@@ -14,7 +14,9 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests
 
 def test_shipped_schema_is_current():
     shipped = (EXAMPLES / "manifest.schema.json").read_text()
-    assert shipped == manifest_schema(), "regenerate: ito-training manifest-schema > examples/manifests/manifest.schema.json"
+    assert shipped == manifest_schema(), (
+        "regenerate: ito-training manifest-schema > examples/manifests/manifest.schema.json"
+    )
 
 
 def test_schema_names_every_manifest_field_and_forbids_others():

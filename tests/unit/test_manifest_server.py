@@ -9,7 +9,8 @@ import json
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
@@ -21,11 +22,23 @@ VALID = {
     "name": "demo-run",
     "model": {"size": "tiny", "revision": "0123456789abcdef0123456789abcdef01234567"},
     "data": [
-        {"name": "topics", "source": "builtin:pydoc_topics", "role": "train",
-         "decontamination": {"method": "13-gram", "against": ["arith"], "provenance": "sha256:" + "ab" * 32}},
+        {
+            "name": "topics",
+            "source": "builtin:pydoc_topics",
+            "role": "train",
+            "decontamination": {
+                "method": "13-gram",
+                "against": ["arith"],
+                "provenance": "sha256:" + "ab" * 32,
+            },
+        },
         {"name": "arith", "source": "generated:arithmetic", "role": "eval"},
         {"name": "local", "source": "file:/srv/data/corpus.txt", "role": "eval"},
-        {"name": "tasks", "source": "generated:arithmetic", "role": "train"},  # SFT trains on verifiable tasks
+        {
+            "name": "tasks",
+            "source": "generated:arithmetic",
+            "role": "train",
+        },  # SFT trains on verifiable tasks
     ],
     "target": {"tokens": 100000, "seq_len": 64, "batch_size": 16, "learning_rate": 0.003},
     "post_training": {"recipe": ["sft"]},
@@ -93,7 +106,9 @@ def padded(total_bytes: int) -> str:
 
 def test_exactly_one_mib_is_accepted():
     manifest, digest = verified(padded(MAX_MANIFEST_BYTES))
-    assert manifest == msgspec.convert(VALID, Manifest) and digest == digest_of(padded(MAX_MANIFEST_BYTES).encode())
+    assert manifest == msgspec.convert(VALID, Manifest) and digest == digest_of(
+        padded(MAX_MANIFEST_BYTES).encode()
+    )
 
 
 def test_one_byte_over_one_mib_is_too_large():
@@ -161,7 +176,9 @@ def test_not_json_is_invalid(text):
     assert refusal.code is ErrorCode.manifest_invalid and "not valid JSON" in refusal.message
 
 
-@pytest.mark.parametrize("text", ["null", "0", '"text"', "[]", "{}"], ids=["null", "number", "string", "array", "empty-object"])
+@pytest.mark.parametrize(
+    "text", ["null", "0", '"text"', "[]", "{}"], ids=["null", "number", "string", "array", "empty-object"]
+)
 def test_json_that_is_not_a_manifest_is_invalid(text):
     assert refusal_of(text).code is ErrorCode.manifest_invalid
 
@@ -221,7 +238,11 @@ SECRET_SAMPLES = [
 @pytest.mark.parametrize("secret, kind", [r[1:] for r in SECRET_SAMPLES], ids=[r[0] for r in SECRET_SAMPLES])
 @pytest.mark.parametrize(
     "where, path",
-    [(["name"], "name"), (["data", 0, "source"], "data[0].source"), (["model", "revision"], "model.revision")],
+    [
+        (["name"], "name"),
+        (["data", 0, "source"], "data[0].source"),
+        (["model", "revision"], "model.revision"),
+    ],
     ids=["name", "data-source", "revision"],
 )
 def test_planted_secret_is_refused_without_echoing_it(secret, kind, where, path):
@@ -239,7 +260,9 @@ def test_secret_is_found_before_schema_validation():
     assert refusal.code is ErrorCode.manifest_contains_secret and "notes" in refusal.message
 
 
-@pytest.mark.parametrize("field", ["password", "api_key", "Secret", "access-key", "private_key", "token", "credentials"])
+@pytest.mark.parametrize(
+    "field", ["password", "api_key", "Secret", "access-key", "private_key", "token", "credentials"]
+)
 def test_credential_named_field_is_refused(field):
     refusal = refusal_of(text_of(with_change(["resources", field], "whatever")))
     assert refusal.code is ErrorCode.manifest_contains_secret
@@ -272,8 +295,17 @@ def test_every_pattern_has_a_sample():
         (aws_key_id(), "the manifest looks like an AWS access key id"),
         ([HERE, password_url()], "[1] looks like a password in a URL"),
     ],
-    ids=["valid-manifest", "benign-scalars", "tokens-is-not-token", "digest", "public-key-mention", "field-name",
-         "nested-field-name", "bare-string", "list-index-path"],
+    ids=[
+        "valid-manifest",
+        "benign-scalars",
+        "tokens-is-not-token",
+        "digest",
+        "public-key-mention",
+        "field-name",
+        "nested-field-name",
+        "bare-string",
+        "list-index-path",
+    ],
 )
 def test_find_secret_table(document, finding):
     assert find_secret(document) == finding
@@ -284,7 +316,11 @@ def test_secret_used_as_a_key_is_found():
     assert finding == "a key under resources looks like an AWS access key id"
 
 
-@pytest.mark.parametrize("secret", [aws_key_id(), github_token(), password_url()], ids=["aws-key-id", "github-token", "password-url"])
+@pytest.mark.parametrize(
+    "secret",
+    [aws_key_id(), github_token(), password_url()],
+    ids=["aws-key-id", "github-token", "password-url"],
+)
 def test_secret_used_as_a_key_is_not_echoed(secret):
     refusal = refusal_of(text_of(with_change(["resources", secret], 1)))
     assert refusal.code is ErrorCode.manifest_contains_secret
@@ -333,8 +369,14 @@ def test_a_wrong_digest_is_always_refused(text, digest):
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=30),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -347,8 +389,14 @@ def test_arbitrary_json_is_a_manifest_or_a_refusal(value):
 
 def mutations():
     """The valid manifest with one field replaced by arbitrary JSON, removed, or one field added."""
-    paths = [[k] for k in VALID] + [["model", "size"], ["target", "tokens"], ["data", 0, "role"],
-                                    ["data", 0, "decontamination"], ["resources", "nodes"], ["checkpoint", "storage"]]
+    paths = [[k] for k in VALID] + [
+        ["model", "size"],
+        ["target", "tokens"],
+        ["data", 0, "role"],
+        ["data", 0, "decontamination"],
+        ["resources", "nodes"],
+        ["checkpoint", "storage"],
+    ]
     replace = st.tuples(st.just("replace"), st.sampled_from(paths), JSON_VALUES)
     drop = st.tuples(st.just("drop"), st.sampled_from(paths), st.none())
     add = st.tuples(st.just("add"), st.text(max_size=12).map(lambda k: [k]), JSON_VALUES)

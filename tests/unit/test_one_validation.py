@@ -7,14 +7,17 @@ import json
 import pathlib
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from contracts.errors import ErrorCode
 from services.domain.curriculum import plan_run
 from services.runtime.codec import Refusal
 from services.scheduler.manifests import digest_of, verify
 
-TINY = json.loads((pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests" / "tiny.json").read_text())
+TINY = json.loads(
+    (pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests" / "tiny.json").read_text()
+)
 
 
 def checked(doc: dict):
@@ -22,12 +25,18 @@ def checked(doc: dict):
     return verify(text, digest_of(text.encode()))
 
 
-@pytest.mark.parametrize("change, where", [
-    (lambda d: d["post_training"].update(recipe=["sftt"]), "post_training.recipe"),
-    (lambda d: d.setdefault("stages", {}).update(midtrain={"tokens": 10**9}), "target.tokens"),
-    (lambda d: d["post_training"].update(recipe=["sft", "sft"]), "post_training.recipe"),
-    (lambda d: d.setdefault("stages", {}).update(long_context={"tokens": 4096, "seq_len": 32}), "long_context seq_len"),
-])
+@pytest.mark.parametrize(
+    "change, where",
+    [
+        (lambda d: d["post_training"].update(recipe=["sftt"]), "post_training.recipe"),
+        (lambda d: d.setdefault("stages", {}).update(midtrain={"tokens": 10**9}), "target.tokens"),
+        (lambda d: d["post_training"].update(recipe=["sft", "sft"]), "post_training.recipe"),
+        (
+            lambda d: d.setdefault("stages", {}).update(long_context={"tokens": 4096, "seq_len": 32}),
+            "long_context seq_len",
+        ),
+    ],
+)
 def test_a_manifest_the_trainer_would_refuse_is_manifest_invalid_at_plan_time(change, where):
     doc = copy.deepcopy(TINY)
     change(doc)
@@ -41,8 +50,12 @@ RECIPES = st.lists(st.sampled_from(["sft", "dpo", "rlvr", "sftt", "ppo"]), max_s
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(recipe=RECIPES, target=st.integers(1, 10**6), mid=st.one_of(st.none(), st.integers(1, 10**6)),
-       lc=st.one_of(st.none(), st.tuples(st.integers(1, 10**5), st.sampled_from([32, 64, 128, 256]))))
+@given(
+    recipe=RECIPES,
+    target=st.integers(1, 10**6),
+    mid=st.one_of(st.none(), st.integers(1, 10**6)),
+    lc=st.one_of(st.none(), st.tuples(st.integers(1, 10**5), st.sampled_from([32, 64, 128, 256]))),
+)
 def test_whatever_the_plan_accepts_the_trainers_guard_accepts(recipe, target, mid, lc):
     doc = copy.deepcopy(TINY)
     doc["post_training"]["recipe"] = recipe

@@ -32,32 +32,60 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 IB, ROCE, ETH = Fabric.infiniband, Fabric.roce, Fabric.ethernet
 MEMORY_GB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "MI300X": 192}
 
-GOOD_DATA = [{
-    "name": "topics", "source": "builtin:pydoc_topics", "role": "train",
-    "decontamination": {"method": "13-gram", "against": ["gsm8k"], "provenance": "ito-training data-prep"},
-}]
+GOOD_DATA = [
+    {
+        "name": "topics",
+        "source": "builtin:pydoc_topics",
+        "role": "train",
+        "decontamination": {
+            "method": "13-gram",
+            "against": ["gsm8k"],
+            "provenance": "ito-training data-prep",
+        },
+    }
+]
 
 
-def manifest(size="tiny", nodes=1, gpn=1, *, seq_len=64, tokens=1000, budget=1e12, incremental=1e12,
-             data=None, recipe=(), keep_last=2, fabric=None) -> Manifest:
+def manifest(
+    size="tiny",
+    nodes=1,
+    gpn=1,
+    *,
+    seq_len=64,
+    tokens=1000,
+    budget=1e12,
+    incremental=1e12,
+    data=None,
+    recipe=(),
+    keep_last=2,
+    fabric=None,
+) -> Manifest:
     doc = {
-        "name": "t", "model": {"size": size, "revision": "r"},
+        "name": "t",
+        "model": {"size": size, "revision": "r"},
         "data": GOOD_DATA if data is None else data,
         "target": {"tokens": tokens, "seq_len": seq_len},
         "post_training": {"recipe": list(recipe)},
         "checkpoint": {"keep_last": keep_last},
         "resources": {"nodes": nodes, "gpus_per_node": gpn, "fabric": fabric},
-        "budget_cap_usd": budget, "max_incremental_cost_usd": incremental,
+        "budget_cap_usd": budget,
+        "max_incremental_cost_usd": incremental,
     }
     return msgspec.convert(doc, Manifest)
 
 
 def body(nodes=1, gpn=1, gpu="H200", fabric=IB, window_hours=24.0) -> EligibilityBody:
     return EligibilityBody(
-        account="acct_a", booking_id="bk_1", booking_version=1,
+        account="acct_a",
+        booking_id="bk_1",
+        booking_version=1,
         topology=Topology(nodes=nodes, gpus_per_node=gpn, gpu_model=gpu, gpu_memory_gb=MEMORY_GB[gpu]),
-        region="eu", fabric=fabric, window_start=T0, window_end=T0 + timedelta(hours=window_hours),
-        issued_at=T0, expires_at=T0 + timedelta(minutes=1),
+        region="eu",
+        fabric=fabric,
+        window_start=T0,
+        window_end=T0 + timedelta(hours=window_hours),
+        issued_at=T0,
+        expires_at=T0 + timedelta(minutes=1),
     )
 
 
@@ -94,10 +122,17 @@ def test_parameter_counts_are_the_sizes_the_table_assumes(size, approx):
 
 def test_prices_table_is_what_the_arithmetic_assumes():
     assert {g: (v.memory_gb, v.fp8) for g, v in PRICES.gpus.items()} == {
-        "H200": (141, True), "H100": (80, True), "A100": (80, False), "L40S": (48, True),
+        "H200": (141, True),
+        "H100": (80, True),
+        "A100": (80, False),
+        "L40S": (48, True),
     }
     assert (planning.USABLE_MEMORY_FRACTION, planning.BYTES_PER_PARAM_TRAINING) == (0.9, 16)
-    assert (planning.SMALL_MODEL_PARAMS, planning.MULTI_NODE_MIN_PARAMS, planning.FP8_MIN_PARAMS) == (50e6, 1e9, 8e9)
+    assert (planning.SMALL_MODEL_PARAMS, planning.MULTI_NODE_MIN_PARAMS, planning.FP8_MIN_PARAMS) == (
+        50e6,
+        1e9,
+        8e9,
+    )
 
 
 # --- strategy table: (size, nodes, gpus/node, fabric, gpu, seq_len) -> (strategy, degrees, precision, code) ---
@@ -106,42 +141,231 @@ NONE = ("none", {})
 STRATEGY_TABLE = [
     # tiny: 0.47M params
     ("tiny-1x1-ib-H200-single", "tiny", 1, 1, IB, "H200", 64, "single", {"dp_replicate": 1}, "bf16", None),
-    ("tiny-1x1-eth-L40S-single node ethernet is fine", "tiny", 1, 1, ETH, "L40S", 64, "single", {"dp_replicate": 1}, "bf16", None),
+    (
+        "tiny-1x1-eth-L40S-single node ethernet is fine",
+        "tiny",
+        1,
+        1,
+        ETH,
+        "L40S",
+        64,
+        "single",
+        {"dp_replicate": 1},
+        "bf16",
+        None,
+    ),
     ("tiny-1x2-wasteful 0.47M<50M", "tiny", 1, 2, IB, "H200", 64, *NONE, "bf16", "plan_wasteful"),
     ("tiny-1x8-wasteful", "tiny", 1, 8, IB, "H100", 64, *NONE, "bf16", "plan_wasteful"),
     ("tiny-2x1-eth-fabric before waste", "tiny", 2, 1, ETH, "H200", 64, *NONE, "bf16", "fabric_unsupported"),
     ("tiny-2x8-ib-wasteful", "tiny", 2, 8, IB, "H200", 64, *NONE, "bf16", "plan_wasteful"),
     ("tiny-8x8-roce-wasteful", "tiny", 8, 8, ROCE, "H200", 64, *NONE, "bf16", "plan_wasteful"),
     # 150M: 134M params, 2.15 GB state
-    ("150M-1x1-H100-single 2.15GB", "150M", 1, 1, IB, "H100", 64, "single", {"dp_replicate": 1}, "bf16", None),
+    (
+        "150M-1x1-H100-single 2.15GB",
+        "150M",
+        1,
+        1,
+        IB,
+        "H100",
+        64,
+        "single",
+        {"dp_replicate": 1},
+        "bf16",
+        None,
+    ),
     ("150M-1x8-H100-ddp 134M>=50M", "150M", 1, 8, IB, "H100", 64, "ddp", {"dp_replicate": 8}, "bf16", None),
     ("150M-2x8-ib-wasteful 134M<1B multi-node", "150M", 2, 8, IB, "H100", 64, *NONE, "bf16", "plan_wasteful"),
     ("150M-8x8-roce-wasteful", "150M", 8, 8, ROCE, "H100", 64, *NONE, "bf16", "plan_wasteful"),
     ("150M-2x8-eth-fabric", "150M", 2, 8, ETH, "H100", 64, *NONE, "bf16", "fabric_unsupported"),
     # 1B: 1.498B params, 23.98 GB state + 0.07 GB activations
-    ("1B-1x1-L40S-single 24.05<=43.2", "1B", 1, 1, IB, "L40S", 64, "single", {"dp_replicate": 1}, "bf16", None),
+    (
+        "1B-1x1-L40S-single 24.05<=43.2",
+        "1B",
+        1,
+        1,
+        IB,
+        "L40S",
+        64,
+        "single",
+        {"dp_replicate": 1},
+        "bf16",
+        None,
+    ),
     ("1B-1x8-H200-ddp", "1B", 1, 8, IB, "H200", 64, "ddp", {"dp_replicate": 8}, "bf16", None),
     ("1B-2x8-ib-H100-ddp 1.498B>=1B", "1B", 2, 8, IB, "H100", 64, "ddp", {"dp_replicate": 16}, "bf16", None),
     ("1B-8x8-roce-A100-ddp", "1B", 8, 8, ROCE, "A100", 64, "ddp", {"dp_replicate": 64}, "bf16", None),
     ("1B-2x8-eth-fabric", "1B", 2, 8, ETH, "H200", 64, *NONE, "bf16", "fabric_unsupported"),
     # 8B: 8.03B params, 128.48 GB state + 0.29 GB activations
     ("8B-1x1-H200-capacity 128.77>126.9", "8B", 1, 1, IB, "H200", 64, *NONE, "fp8", "capacity_insufficient"),
-    ("8B-1x2-H100-fsdp2 64.53<=72", "8B", 1, 2, IB, "H100", 64, "fsdp2", {"dp_replicate": 1, "dp_shard": 2}, "fp8", None),
-    ("8B-1x8-A100-fsdp2 bf16 no fp8", "8B", 1, 8, IB, "A100", 64, "fsdp2", {"dp_replicate": 1, "dp_shard": 8}, "bf16", None),
-    ("8B-1x8-L40S-fsdp2 16.35<=43.2", "8B", 1, 8, ETH, "L40S", 64, "fsdp2", {"dp_replicate": 1, "dp_shard": 8}, "fp8", None),
-    ("8B-2x8-ib-H200-hsdp ddp 128.77>126.9", "8B", 2, 8, IB, "H200", 64, "hsdp", {"dp_replicate": 2, "dp_shard": 8}, "fp8", None),
-    ("8B-8x8-roce-H100-hsdp", "8B", 8, 8, ROCE, "H100", 64, "hsdp", {"dp_replicate": 8, "dp_shard": 8}, "fp8", None),
+    (
+        "8B-1x2-H100-fsdp2 64.53<=72",
+        "8B",
+        1,
+        2,
+        IB,
+        "H100",
+        64,
+        "fsdp2",
+        {"dp_replicate": 1, "dp_shard": 2},
+        "fp8",
+        None,
+    ),
+    (
+        "8B-1x8-A100-fsdp2 bf16 no fp8",
+        "8B",
+        1,
+        8,
+        IB,
+        "A100",
+        64,
+        "fsdp2",
+        {"dp_replicate": 1, "dp_shard": 8},
+        "bf16",
+        None,
+    ),
+    (
+        "8B-1x8-L40S-fsdp2 16.35<=43.2",
+        "8B",
+        1,
+        8,
+        ETH,
+        "L40S",
+        64,
+        "fsdp2",
+        {"dp_replicate": 1, "dp_shard": 8},
+        "fp8",
+        None,
+    ),
+    (
+        "8B-2x8-ib-H200-hsdp ddp 128.77>126.9",
+        "8B",
+        2,
+        8,
+        IB,
+        "H200",
+        64,
+        "hsdp",
+        {"dp_replicate": 2, "dp_shard": 8},
+        "fp8",
+        None,
+    ),
+    (
+        "8B-8x8-roce-H100-hsdp",
+        "8B",
+        8,
+        8,
+        ROCE,
+        "H100",
+        64,
+        "hsdp",
+        {"dp_replicate": 8, "dp_shard": 8},
+        "fp8",
+        None,
+    ),
     ("8B-8x8-eth-fabric", "8B", 8, 8, ETH, "H100", 64, *NONE, "fp8", "fabric_unsupported"),
     # 70B: 70.55B params, 1128.86 GB state; no candidate divides it by more than the GPU count
-    ("70B-1x8-H200-capacity 1128.86/8=141.1>126.9", "70B", 1, 8, IB, "H200", 64, *NONE, "fp8", "capacity_insufficient"),
-    ("70B-2x8-H200-fsdp2 hsdp 142.5 no, 16-way 71.98 yes", "70B", 2, 8, IB, "H200", 64, "fsdp2", {"dp_shard": 16}, "fp8", None),
-    ("70B-2x8-H100-fsdp2 71.98<=72.0 just fits", "70B", 2, 8, IB, "H100", 64, "fsdp2", {"dp_shard": 16}, "fp8", None),
+    (
+        "70B-1x8-H200-capacity 1128.86/8=141.1>126.9",
+        "70B",
+        1,
+        8,
+        IB,
+        "H200",
+        64,
+        *NONE,
+        "fp8",
+        "capacity_insufficient",
+    ),
+    (
+        "70B-2x8-H200-fsdp2 hsdp 142.5 no, 16-way 71.98 yes",
+        "70B",
+        2,
+        8,
+        IB,
+        "H200",
+        64,
+        "fsdp2",
+        {"dp_shard": 16},
+        "fp8",
+        None,
+    ),
+    (
+        "70B-2x8-H100-fsdp2 71.98<=72.0 just fits",
+        "70B",
+        2,
+        8,
+        IB,
+        "H100",
+        64,
+        "fsdp2",
+        {"dp_shard": 16},
+        "fp8",
+        None,
+    ),
     ("70B-2x8-A100-fsdp2 bf16", "70B", 2, 8, ROCE, "A100", 64, "fsdp2", {"dp_shard": 16}, "bf16", None),
-    ("70B-2x8-L40S-capacity tp8 70.73>43.2", "70B", 2, 8, IB, "L40S", 64, *NONE, "fp8", "capacity_insufficient"),
-    ("70B-8x8-L40S-fsdp2 17.64+1.43<=43.2", "70B", 8, 8, IB, "L40S", 64, "fsdp2", {"dp_shard": 64}, "fp8", None),
-    ("70B-2x8-H200-seq2048-fsdp2 70.55+45.63<=126.9", "70B", 2, 8, IB, "H200", 2048, "fsdp2", {"dp_shard": 16}, "fp8", None),
-    ("70B-2x8-H100-seq2048-capacity tp8 70.55+5.70>72", "70B", 2, 8, IB, "H100", 2048, *NONE, "fp8", "capacity_insufficient"),
-    ("70B-2x8-H200-seq8192-tp4 tp2 161.8 no, tp4 116.2 yes", "70B", 2, 8, IB, "H200", 8192, "fsdp2+tp", {"dp_shard": 4, "tp": 4}, "fp8", None),
+    (
+        "70B-2x8-L40S-capacity tp8 70.73>43.2",
+        "70B",
+        2,
+        8,
+        IB,
+        "L40S",
+        64,
+        *NONE,
+        "fp8",
+        "capacity_insufficient",
+    ),
+    (
+        "70B-8x8-L40S-fsdp2 17.64+1.43<=43.2",
+        "70B",
+        8,
+        8,
+        IB,
+        "L40S",
+        64,
+        "fsdp2",
+        {"dp_shard": 64},
+        "fp8",
+        None,
+    ),
+    (
+        "70B-2x8-H200-seq2048-fsdp2 70.55+45.63<=126.9",
+        "70B",
+        2,
+        8,
+        IB,
+        "H200",
+        2048,
+        "fsdp2",
+        {"dp_shard": 16},
+        "fp8",
+        None,
+    ),
+    (
+        "70B-2x8-H100-seq2048-capacity tp8 70.55+5.70>72",
+        "70B",
+        2,
+        8,
+        IB,
+        "H100",
+        2048,
+        *NONE,
+        "fp8",
+        "capacity_insufficient",
+    ),
+    (
+        "70B-2x8-H200-seq8192-tp4 tp2 161.8 no, tp4 116.2 yes",
+        "70B",
+        2,
+        8,
+        IB,
+        "H200",
+        8192,
+        "fsdp2+tp",
+        {"dp_shard": 4, "tp": 4},
+        "fp8",
+        None,
+    ),
     ("70B-2x8-eth-fabric", "70B", 2, 8, ETH, "H200", 64, *NONE, "fp8", "fabric_unsupported"),
 ]
 
@@ -209,7 +433,9 @@ def expected_total(params, tokens, gpu="H200", keep_last=2, window_hours=24.0, p
 def test_cost_includes_post_training(recipe, post_factor):
     p = run_plan(manifest("1B", tokens=10**9, recipe=recipe), body())
     assert p.cost.flops == pytest.approx((6.0 + post_factor) * P_1B * 1e9, rel=1e-12)
-    assert p.cost.total_usd == pytest.approx(expected_total(P_1B, 10**9, post_factor=post_factor)[1], abs=1e-5)
+    assert p.cost.total_usd == pytest.approx(
+        expected_total(P_1B, 10**9, post_factor=post_factor)[1], abs=1e-5
+    )
 
 
 @pytest.mark.parametrize(
@@ -254,7 +480,13 @@ def test_budget_fixture_has_a_real_incremental_cost():
         (TOTAL - 0.01, "budget_exceeded"),
         (0.0, "budget_exceeded"),
     ],
-    ids=["estimate-just-under-cap", "estimate-exactly-at-cap", "estimate-just-over-cap", "a-cent-over", "zero-cap"],
+    ids=[
+        "estimate-just-under-cap",
+        "estimate-exactly-at-cap",
+        "estimate-just-over-cap",
+        "a-cent-over",
+        "zero-cap",
+    ],
 )
 def test_budget_cap_boundary(cap, code):
     p = run_plan(manifest("1B", tokens=10**9, budget=cap), body(window_hours=2.0))
@@ -279,7 +511,9 @@ def test_incremental_cap_boundary(allowed, code):
 
 
 def test_a_run_inside_the_booking_has_no_incremental_cost():
-    p = run_plan(manifest("1B", tokens=10**9, incremental=0.0), body(window_hours=24.0))  # 24 >= 6.31 GPU-hours
+    p = run_plan(
+        manifest("1B", tokens=10**9, incremental=0.0), body(window_hours=24.0)
+    )  # 24 >= 6.31 GPU-hours
     assert p.cost.incremental_usd == 0.0 and p.ok
 
 
@@ -288,11 +522,24 @@ def test_a_run_inside_the_booking_has_no_incremental_cost():
 
 def test_first_refusal_follows_check_order():
     # ethernet multi-node, remote data, storage refusal and a zero budget all at once: fabric wins
-    m = manifest("1B", 2, 8, tokens=10**12, budget=0.0, incremental=0.0,
-                 data=[{"name": "x", "source": "https://example.com/d"}])
+    m = manifest(
+        "1B",
+        2,
+        8,
+        tokens=10**12,
+        budget=0.0,
+        incremental=0.0,
+        data=[{"name": "x", "source": "https://example.com/d"}],
+    )
     storage = (ErrorCode.checkpoint_storage_unavailable, "no room")
     p = run_plan(m, body(2, 8, fabric=ETH, window_hours=2.0), storage)  # 32 GPU-hours booked, ~6300 needed
-    assert [c.name for c in p.checks if not c.ok] == ["fabric", "data_policy", "checkpoint_storage", "budget_cap", "incremental_cost"]
+    assert [c.name for c in p.checks if not c.ok] == [
+        "fabric",
+        "data_policy",
+        "checkpoint_storage",
+        "budget_cap",
+        "incremental_cost",
+    ]
     assert code_of(p) == "fabric_unsupported"
 
 
@@ -310,18 +557,58 @@ def test_a_good_plan_is_ok():
 
 DECON = {"method": "13-gram", "against": [], "provenance": "report sha256:abc"}
 DATA_TABLE = [
-    ("builtin-train-decontaminated", [{"name": "a", "source": "builtin:pydoc_topics", "decontamination": DECON}], None),
-    ("generated-train-decontaminated", [{"name": "a", "source": "generated:arithmetic", "decontamination": DECON}], None),
+    (
+        "builtin-train-decontaminated",
+        [{"name": "a", "source": "builtin:pydoc_topics", "decontamination": DECON}],
+        None,
+    ),
+    (
+        "generated-train-decontaminated",
+        [{"name": "a", "source": "generated:arithmetic", "decontamination": DECON}],
+        None,
+    ),
     ("absolute-file-train", [{"name": "a", "source": "file:/data/a.txt", "decontamination": DECON}], None),
-    ("train-plus-undecontaminated-eval-is-fine",
-     [{"name": "a", "source": "builtin:x", "decontamination": DECON}, {"name": "e", "source": "builtin:y", "role": "eval"}], None),
-    ("train-without-decontamination", [{"name": "a", "source": "builtin:x"}], "no decontamination provenance"),
-    ("https-source", [{"name": "a", "source": "https://example.com/data.jsonl", "decontamination": DECON}], "not in the allowed list"),
-    ("https-eval-source", [{"name": "a", "source": "builtin:x", "decontamination": DECON},
-                           {"name": "e", "source": "https://example.com/eval", "role": "eval"}], "not in the allowed list"),
-    ("s3-source", [{"name": "a", "source": "s3://bucket/key", "decontamination": DECON}], "not in the allowed list"),
-    ("relative-file-source", [{"name": "a", "source": "file:data.txt", "decontamination": DECON}], "not in the allowed list"),
-    ("prefix-must-lead", [{"name": "a", "source": "https://x/builtin:y", "decontamination": DECON}], "not in the allowed list"),
+    (
+        "train-plus-undecontaminated-eval-is-fine",
+        [
+            {"name": "a", "source": "builtin:x", "decontamination": DECON},
+            {"name": "e", "source": "builtin:y", "role": "eval"},
+        ],
+        None,
+    ),
+    (
+        "train-without-decontamination",
+        [{"name": "a", "source": "builtin:x"}],
+        "no decontamination provenance",
+    ),
+    (
+        "https-source",
+        [{"name": "a", "source": "https://example.com/data.jsonl", "decontamination": DECON}],
+        "not in the allowed list",
+    ),
+    (
+        "https-eval-source",
+        [
+            {"name": "a", "source": "builtin:x", "decontamination": DECON},
+            {"name": "e", "source": "https://example.com/eval", "role": "eval"},
+        ],
+        "not in the allowed list",
+    ),
+    (
+        "s3-source",
+        [{"name": "a", "source": "s3://bucket/key", "decontamination": DECON}],
+        "not in the allowed list",
+    ),
+    (
+        "relative-file-source",
+        [{"name": "a", "source": "file:data.txt", "decontamination": DECON}],
+        "not in the allowed list",
+    ),
+    (
+        "prefix-must-lead",
+        [{"name": "a", "source": "https://x/builtin:y", "decontamination": DECON}],
+        "not in the allowed list",
+    ),
     ("eval-only", [{"name": "e", "source": "builtin:y", "role": "eval"}], "no training data"),
     ("no-data", [], "no training data"),
 ]
@@ -346,7 +633,7 @@ def test_data_policy_violation_reaches_the_plan():
 
 @pytest.mark.parametrize(
     "args, kwargs",
-    [(("tiny", 0, 1), {}), (("tiny", 1, 0), {}), (("1B",), {"tokens": -10**12, "budget": 0.0})],
+    [(("tiny", 0, 1), {}), (("tiny", 1, 0), {}), (("1B",), {"tokens": -(10**12), "budget": 0.0})],
     ids=["zero-nodes", "zero-gpus-per-node", "negative-tokens"],
 )
 def test_nonsense_sizes_are_refused_by_the_schema(args, kwargs):

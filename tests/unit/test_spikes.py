@@ -24,15 +24,15 @@ def noisy(n, level=2.0):
 
 
 def test_a_smooth_falling_curve_never_spikes():
-    assert feed([5.0 * 0.99 ** i + 0.01 * math.sin(i) for i in range(300)]) is None
+    assert feed([5.0 * 0.99**i + 0.01 * math.sin(i) for i in range(300)]) is None
 
 
 def test_one_noisy_step_is_not_a_spike():
-    assert feed(noisy(40) + [9.0] + noisy(40)) is None
+    assert feed([*noisy(40), 9.0, *noisy(40)]) is None
 
 
 def test_three_spiking_steps_in_a_row_are():
-    assert feed(noisy(40) + [9.0, 9.5, 9.2] + noisy(5)) == (43, 41)
+    assert feed([*noisy(40), 9.0, 9.5, 9.2, *noisy(5)]) == (43, 41)
 
 
 def test_a_grad_norm_spike_counts_too():
@@ -47,13 +47,21 @@ def test_no_verdict_before_enough_history():
     assert feed([1.0] * 5 + [100.0] * 3) is None
 
 
-@pytest.mark.parametrize(("spike_step", "total_steps", "committed", "expected"), [
-    (400, 1000, [100, 200, 300, 350, 390], 350),  # at least 5 % (50 steps) before the spike
-    (60, 1000, [50], 50),  # none far enough back: the newest before the spike
-    (60, 200, [20, 40, 60, 62], 40),  # the e2e run: the checkpoint at the spike and the stop's are after it
-    (10, 100, [20], None),  # none before the spike
-    (10, 100, [], None),
-])
+@pytest.mark.parametrize(
+    ("spike_step", "total_steps", "committed", "expected"),
+    [
+        (400, 1000, [100, 200, 300, 350, 390], 350),  # at least 5 % (50 steps) before the spike
+        (60, 1000, [50], 50),  # none far enough back: the newest before the spike
+        (
+            60,
+            200,
+            [20, 40, 60, 62],
+            40,
+        ),  # the e2e run: the checkpoint at the spike and the stop's are after it
+        (10, 100, [20], None),  # none before the spike
+        (10, 100, [], None),
+    ],
+)
 def test_restart_point(spike_step, total_steps, committed, expected):
     assert restart_point(spike_step, total_steps, committed) == expected
 
@@ -66,36 +74,46 @@ SECOND = {5: 5, 10: 25, 15: 30, 18: 33}  # resumed at 5, continued from 20
 THIRD = {5: 5, 10: 25, 15: 44, 20: 49, 24: 53}  # resumed at 10, continued from 39
 
 
-@pytest.mark.parametrize(("step", "positions", "skip", "expected"), [
-    (12, FIRST, None, 12),
-    (16, SECOND, (5, 20), 31),  # counted back from the stop's checkpoint at 18
-    (13, SECOND, (5, 20), 28),  # ... or from the one at 15
-    (8, {5: 5}, (5, 20), 23),  # only the resume point before it: the data went on at the skip's end
-    (13, {5: 5, 10: 25}, (5, 20), 28),  # the newest before it, after the skip: no jump
-    (22, THIRD, (25, 39), 51),
-    (22, {5: 5, 10: 25}, (25, 39), 51),  # no checkpoint after the spike (the stop's save failed)
-    (7, {}, None, 7),  # nothing committed: the stage ran from position 0
-])
+@pytest.mark.parametrize(
+    ("step", "positions", "skip", "expected"),
+    [
+        (12, FIRST, None, 12),
+        (16, SECOND, (5, 20), 31),  # counted back from the stop's checkpoint at 18
+        (13, SECOND, (5, 20), 28),  # ... or from the one at 15
+        (8, {5: 5}, (5, 20), 23),  # only the resume point before it: the data went on at the skip's end
+        (13, {5: 5, 10: 25}, (5, 20), 28),  # the newest before it, after the skip: no jump
+        (22, THIRD, (25, 39), 51),
+        (22, {5: 5, 10: 25}, (25, 39), 51),  # no checkpoint after the spike (the stop's save failed)
+        (7, {}, None, 7),  # nothing committed: the stage ran from position 0
+    ],
+)
 def test_position_after(step, positions, skip, expected):
     assert position_after(step, positions, skip) == expected
 
 
-@pytest.mark.parametrize(("spike_step", "total", "positions", "skip", "checkpoint", "window"), [
-    (400, 1000, {100: 100, 200: 200, 300: 300, 350: 350, 390: 390, 402: 402}, None, 350, (350, 500)),
-    (60, 200, {40: 40, 60: 60, 62: 62}, None, 40, (40, 80)),  # the e2e run's proposal
-    (12, 80, FIRST, None, 5, (5, 20)),
-    # the 2nd restart: from step 10, whose recorded position (25) is where its resume lands, not 10
-    (16, 80, SECOND, (5, 20), 10, (25, 39)),
-    (22, 80, THIRD, (25, 39), 15, (44, 59)),  # the 3rd
-    # back to the last restart's own checkpoint: one window from its position, over the old one too
-    (8, 80, {5: 5, 10: 25}, (5, 20), 5, (5, 31)),
-    (10, 80, {20: 20}, None, 0, (0, 18)),  # nothing before the spike: from the start
-])
+@pytest.mark.parametrize(
+    ("spike_step", "total", "positions", "skip", "checkpoint", "window"),
+    [
+        (400, 1000, {100: 100, 200: 200, 300: 300, 350: 350, 390: 390, 402: 402}, None, 350, (350, 500)),
+        (60, 200, {40: 40, 60: 60, 62: 62}, None, 40, (40, 80)),  # the e2e run's proposal
+        (12, 80, FIRST, None, 5, (5, 20)),
+        # the 2nd restart: from step 10, whose recorded position (25) is where its resume lands, not 10
+        (16, 80, SECOND, (5, 20), 10, (25, 39)),
+        (22, 80, THIRD, (25, 39), 15, (44, 59)),  # the 3rd
+        # back to the last restart's own checkpoint: one window from its position, over the old one too
+        (8, 80, {5: 5, 10: 25}, (5, 20), 5, (5, 31)),
+        (10, 80, {20: 20}, None, 0, (0, 18)),  # nothing before the spike: from the start
+    ],
+)
 def test_proposal_window_is_in_data_positions(spike_step, total, positions, skip, checkpoint, window):
-    p = propose("pretrain", spike_step=spike_step, total_steps=total, positions=positions, reason="r", skip=skip)
+    p = propose(
+        "pretrain", spike_step=spike_step, total_steps=total, positions=positions, reason="r", skip=skip
+    )
     assert (p.checkpoint_step, (p.skip_from, p.skip_to), p.spike_step) == (checkpoint, window, spike_step)
 
 
 def test_a_restart_from_the_start_says_so():
     p = propose("pretrain", spike_step=10, total_steps=100, positions={20: 20}, reason="r")
-    assert (p.checkpoint_step, p.skip_from, p.skip_to) == (0, 0, 20) and p.reason.endswith("no checkpoint before it")
+    assert (p.checkpoint_step, p.skip_from, p.skip_to) == (0, 0, 20) and p.reason.endswith(
+        "no checkpoint before it"
+    )

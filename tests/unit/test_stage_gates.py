@@ -19,19 +19,40 @@ from services.scheduler.planning import stage_gates
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
 
 
-@pytest.mark.parametrize("stage, gate, incoming, expected", [
-    ("pretrain", Gate(), {"held_out_loss": 5.5}, {"held_out_loss": 5.5 * 0.99}),
-    ("pretrain", Gate(max_held_out_loss=2.0), {"held_out_loss": 5.5}, {"held_out_loss": 2.0}),  # tighter wins
-    ("pretrain", Gate(max_held_out_loss=9.0), {"held_out_loss": 5.5}, {"held_out_loss": 5.5 * 0.99}),  # looser: default
-    ("midtrain", Gate(), {"held_out_loss": 2.0}, {"held_out_loss": 2.2}),
-    ("long_context", LongContextGate(), {"held_out_loss": 2.0, "short_context_loss": 1.5},
-     {"held_out_loss": 2.2, "short_context_loss": 1.75}),
-    ("long_context", LongContextGate(max_short_loss_increase=0.1), {"held_out_loss": 2.0, "short_context_loss": 1.5},
-     {"held_out_loss": 2.2, "short_context_loss": 1.6}),
-    ("sft", Gate(), {"task_accuracy": 0.40}, {"task_accuracy": 0.35}),
-    ("rlvr", Gate(min_task_accuracy=0.5), {"task_accuracy": 0.40}, {"task_accuracy": 0.5}),
-    ("dpo", Gate(min_task_accuracy=0.1), {"task_accuracy": 0.40}, {"task_accuracy": 0.35}),
-])
+@pytest.mark.parametrize(
+    "stage, gate, incoming, expected",
+    [
+        ("pretrain", Gate(), {"held_out_loss": 5.5}, {"held_out_loss": 5.5 * 0.99}),
+        (
+            "pretrain",
+            Gate(max_held_out_loss=2.0),
+            {"held_out_loss": 5.5},
+            {"held_out_loss": 2.0},
+        ),  # tighter wins
+        (
+            "pretrain",
+            Gate(max_held_out_loss=9.0),
+            {"held_out_loss": 5.5},
+            {"held_out_loss": 5.5 * 0.99},
+        ),  # looser: default
+        ("midtrain", Gate(), {"held_out_loss": 2.0}, {"held_out_loss": 2.2}),
+        (
+            "long_context",
+            LongContextGate(),
+            {"held_out_loss": 2.0, "short_context_loss": 1.5},
+            {"held_out_loss": 2.2, "short_context_loss": 1.75},
+        ),
+        (
+            "long_context",
+            LongContextGate(max_short_loss_increase=0.1),
+            {"held_out_loss": 2.0, "short_context_loss": 1.5},
+            {"held_out_loss": 2.2, "short_context_loss": 1.6},
+        ),
+        ("sft", Gate(), {"task_accuracy": 0.40}, {"task_accuracy": 0.35}),
+        ("rlvr", Gate(min_task_accuracy=0.5), {"task_accuracy": 0.40}, {"task_accuracy": 0.5}),
+        ("dpo", Gate(min_task_accuracy=0.1), {"task_accuracy": 0.40}, {"task_accuracy": 0.35}),
+    ],
+)
 def test_thresholds_are_relative_to_the_incoming_model_and_only_tightened(stage, gate, incoming, expected):
     rules = gates.rules(stage, gate, has_tasks=True, has_held_out=True)
     got = {r.metric: gates.threshold(r, incoming.get(r.metric)) for r in rules}
@@ -39,8 +60,14 @@ def test_thresholds_are_relative_to_the_incoming_model_and_only_tightened(stage,
 
 
 def test_every_stage_kind_has_a_gate_that_can_fail():
-    for stage, gate in (("pretrain", Gate()), ("midtrain", Gate()), ("long_context", LongContextGate()),
-                        ("sft", Gate()), ("dpo", Gate()), ("rlvr", Gate())):
+    for stage, gate in (
+        ("pretrain", Gate()),
+        ("midtrain", Gate()),
+        ("long_context", LongContextGate()),
+        ("sft", Gate()),
+        ("dpo", Gate()),
+        ("rlvr", Gate()),
+    ):
         rules = gates.rules(stage, gate, has_tasks=True, has_held_out=True)
         assert rules and all(gates.threshold(r, 1.0) is not None for r in rules), stage
 

@@ -25,8 +25,18 @@ def pair_id(pair) -> str:
 
 def view(state: RunState, **kw) -> RunView:
     base = dict(
-        run_id="run_1", account="acct_a", booking_id="bk_1", manifest_digest="ab" * 32, idempotency_key="key-1",
-        state=state, stage="pretrain", step=7, total_steps=100, loss=2.0, created_at=T0, updated_at=T0,
+        run_id="run_1",
+        account="acct_a",
+        booking_id="bk_1",
+        manifest_digest="ab" * 32,
+        idempotency_key="key-1",
+        state=state,
+        stage="pretrain",
+        step=7,
+        total_steps=100,
+        loss=2.0,
+        created_at=T0,
+        updated_at=T0,
         message="before",
     )
     return RunView(**(base | kw))
@@ -88,7 +98,13 @@ def test_pairs_are_partitioned():
 def test_allowed_transition_is_applied(pair):
     current, wanted = pair
     new = transition(view(current), wanted, T1, stage="sft", message="moved", total_steps=200)
-    assert (new.state, new.stage, new.message, new.total_steps, new.updated_at) == (wanted, "sft", "moved", 200, T1)
+    assert (new.state, new.stage, new.message, new.total_steps, new.updated_at) == (
+        wanted,
+        "sft",
+        "moved",
+        200,
+        T1,
+    )
     assert (new.run_id, new.step, new.loss, new.created_at) == ("run_1", 7, 2.0, T0)
 
 
@@ -118,8 +134,18 @@ def test_transition_keeps_stage_and_total_steps_when_not_given():
 
 
 def metrics(**kw) -> Metrics:
-    base = dict(run_id="run_1", seq=10, at=T1, stage="sft", step=42, total_steps=300, loss=1.25,
-                learning_rate=3e-4, tokens_per_s=900.0, grad_norm=0.5)
+    base = dict(
+        run_id="run_1",
+        seq=10,
+        at=T1,
+        stage="sft",
+        step=42,
+        total_steps=300,
+        loss=1.25,
+        learning_rate=3e-4,
+        tokens_per_s=900.0,
+        grad_norm=0.5,
+    )
     return Metrics(**(base | kw))
 
 
@@ -137,9 +163,17 @@ def test_metrics_do_not_change_state():
 @pytest.mark.parametrize("pair", ALLOWED, ids=pair_id)
 def test_state_changed_applies_allowed_transitions(pair):
     current, wanted = pair
-    event = StateChanged(run_id="run_1", seq=11, at=T1, state=wanted, stage="eval", message="m", total_steps=50)
+    event = StateChanged(
+        run_id="run_1", seq=11, at=T1, state=wanted, stage="eval", message="m", total_steps=50
+    )
     new = apply_event(view(current), event)
-    assert (new.state, new.stage, new.message, new.total_steps, new.updated_at) == (wanted, "eval", "m", 50, T1)
+    assert (new.state, new.stage, new.message, new.total_steps, new.updated_at) == (
+        wanted,
+        "eval",
+        "m",
+        50,
+        T1,
+    )
 
 
 @pytest.mark.parametrize("pair", DISALLOWED, ids=pair_id)
@@ -157,8 +191,12 @@ def test_logs_leave_the_view_alone():
 
 def test_a_checkpoint_records_its_step_only():
     before = view(RunState.running)
-    after = apply_event(before, CheckpointSaved(run_id="run_1", seq=13, at=T1, step=40, path="/ckpt/40", bytes=10,
-                                                stall_s=0.1, save_s=0.2))
+    after = apply_event(
+        before,
+        CheckpointSaved(
+            run_id="run_1", seq=13, at=T1, step=40, path="/ckpt/40", bytes=10, stall_s=0.1, save_s=0.2
+        ),
+    )
     assert after.last_checkpoint_step == 40
     assert msgspec.structs.replace(after, last_checkpoint_step=None, updated_at=before.updated_at) == before
 
@@ -174,7 +212,14 @@ def test_a_sequence_of_events_folds_in_order():
     v = view(RunState.accepted, stage=None, step=0, total_steps=0, loss=None, message=None)
     for e in events:
         v = apply_event(v, e)
-    assert (v.state, v.stage, v.step, v.total_steps, v.loss, v.message) == (RunState.succeeded, "pretrain", 10, 10, 2.0, "done")
+    assert (v.state, v.stage, v.step, v.total_steps, v.loss, v.message) == (
+        RunState.succeeded,
+        "pretrain",
+        10,
+        10,
+        2.0,
+        "done",
+    )
 
 
 def test_unknown_event_type_is_a_type_error():
