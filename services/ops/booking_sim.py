@@ -8,6 +8,7 @@ import msgspec
 
 from contracts import subjects
 from contracts.booking import BookingEvent, BookingEventKind, Fabric, Topology
+from services.runtime.publishing import headers_for
 from services.runtime.settings import Settings
 
 GPU_MEMORY_GB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -59,7 +60,7 @@ async def publish(settings: Settings, ev: BookingEvent) -> dict:
         ack = await js.publish(
             settings.subject(f"{subjects.BOOKING_EVENTS}.{ev.kind.value}"),
             msgspec.json.encode(ev),
-            headers={"Nats-Msg-Id": ev.event_id},
+            headers=headers_for(ev.event_id),
         )
     finally:
         await nc.close()

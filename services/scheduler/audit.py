@@ -19,6 +19,7 @@ from contracts import subjects
 from contracts.api import Action
 from contracts.audit import GateDecision
 from services.runtime.codec import Refusal
+from services.runtime.publishing import MSG_ID_HEADER, publish_once
 from services.runtime.settings import Settings
 
 T = TypeVar("T")
@@ -78,12 +79,13 @@ class Auditor:
 
         async def one(i: int, decision: GateDecision) -> None:
             try:
-                await self.broker.publish(
-                    msgspec.json.encode(decision),
-                    subject,
-                    stream=self.settings.stream(subjects.STREAM_AUDIT),
-                    headers={"Nats-Msg-Id": f"{trail.request_id}:{i}"},
-                    timeout=self.settings.request_timeout_s,
+                await publish_once(
+                    self.broker,
+                    self.settings,
+                    subject=subject,
+                    stream=subjects.STREAM_AUDIT,
+                    body=msgspec.json.encode(decision),
+                    msg_id=f"{trail.request_id}:{i}",
                 )
             except Exception:  # the request's outcome stands; the gap is logged, not hidden
                 log.error("audit: decision %s of request %s not published", decision.gate, trail.request_id)
@@ -106,7 +108,7 @@ class Auditor:
                 except TimeoutError:
                     break
                 for m in msgs:  # published together, so stored in any order: the msg id has the index
-                    index = int((m.headers or {}).get("Nats-Msg-Id", ":0").rsplit(":", 1)[1])
+                    index = int((m.headers or {}).get(MSG_ID_HEADER, ":0").rsplit(":", 1)[1])
                     indexed.append((index, _decoder.decode(m.data)))
                     await m.ack()
         finally:

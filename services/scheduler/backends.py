@@ -35,6 +35,7 @@ from contracts.internal import (
 from contracts.manifest import Manifest
 from services.runtime import codec
 from services.runtime.codec import Refusal
+from services.runtime.publishing import publish_once
 from services.runtime.settings import Settings
 from services.runtime.signing import Signer
 
@@ -176,10 +177,12 @@ class Backends:
     async def publish_work(self, run_id: str, work: bytes, msg_id: str) -> None:
         """A work item for the trainer's queue (an approved restart; hand-offs go through Handoff)."""
         subject = self.settings.subject(f"{subjects.WORK_TRAIN}.{run_id}")
-        await self.broker.publish(
-            work,
-            subject,
-            stream=self.settings.stream(subjects.STREAM_WORK),
-            headers={"Nats-Msg-Id": msg_id, **self.signer.headers(subject, work)},
-            timeout=self.settings.request_timeout_s,
+        await publish_once(
+            self.broker,
+            self.settings,
+            subject=subject,
+            stream=subjects.STREAM_WORK,
+            body=work,
+            msg_id=msg_id,
+            extra_headers=self.signer.headers(subject, work),
         )

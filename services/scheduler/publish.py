@@ -9,6 +9,7 @@ from faststream.nats import NatsBroker
 
 from contracts import subjects
 from contracts.runs import RunEvent
+from services.runtime.publishing import publish_once
 from services.runtime.settings import Settings
 
 
@@ -26,10 +27,11 @@ class RunEventPublisher:
 
     async def publish(self, event: RunEvent, msg_id: str) -> None:
         kind = type(event).__struct_config__.tag
-        await self.broker.publish(
-            msgspec.json.encode(event),
-            self.settings.subject(f"{subjects.RUN_EVENTS}.{event.run_id}.{kind}"),
-            stream=self.settings.stream(subjects.STREAM_RUNS),
-            headers={"Nats-Msg-Id": msg_id},
-            timeout=self.settings.request_timeout_s,
+        await publish_once(
+            self.broker,
+            self.settings,
+            subject=self.settings.subject(f"{subjects.RUN_EVENTS}.{event.run_id}.{kind}"),
+            stream=subjects.STREAM_RUNS,
+            body=msgspec.json.encode(event),
+            msg_id=msg_id,
         )

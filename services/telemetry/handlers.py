@@ -6,8 +6,10 @@ from datetime import UTC, datetime
 import msgspec
 from faststream.nats import NatsBroker
 
+from contracts import subjects
 from contracts.runs import RunCreated, RunEvent, StateChanged
 from contracts.states import TERMINAL_STATES
+from services.runtime.publishing import publish_once
 from services.runtime.settings import Settings
 from services.telemetry import accounting
 from services.telemetry.store import TelemetryStore
@@ -24,12 +26,13 @@ class TelemetryHandlers:
         self.settings = settings
 
     async def _publish(self, suffix: str, body, msg_id: str) -> None:
-        await self.broker.publish(
-            msgspec.json.encode(body),
-            f"{self.settings.desk_subject_root()}.{suffix}",
-            stream=self.settings.stream("DESK"),
-            headers={"Nats-Msg-Id": msg_id},
-            timeout=self.settings.request_timeout_s,
+        await publish_once(
+            self.broker,
+            self.settings,
+            subject=f"{self.settings.desk_subject_root()}.{suffix}",
+            stream=subjects.STREAM_DESK,
+            body=msgspec.json.encode(body),
+            msg_id=msg_id,
         )
 
     async def on_event(self, raw: bytes) -> None:

@@ -24,6 +24,7 @@ from contracts.runs import (
     StateChanged,
 )
 from contracts.states import RunState
+from services.runtime.publishing import publish_once
 from services.runtime.settings import Settings
 
 log = logging.getLogger("ito.trainer.emitter")
@@ -61,12 +62,13 @@ class Emitter:
         self._last += 1
         event = msgspec.structs.replace(event, seq=self._last)
         kind = type(event).__struct_config__.tag
-        await self.broker.publish(
-            msgspec.json.encode(event),
-            self.settings.subject(f"{subjects.RUN_EVENTS}.{self.run_id}.{kind}"),
-            stream=self.settings.stream(subjects.STREAM_RUNS),
-            headers={"Nats-Msg-Id": f"{self.run_id}:{self.epoch}:{event.seq}"},
-            timeout=self.settings.request_timeout_s,
+        await publish_once(
+            self.broker,
+            self.settings,
+            subject=self.settings.subject(f"{subjects.RUN_EVENTS}.{self.run_id}.{kind}"),
+            stream=subjects.STREAM_RUNS,
+            body=msgspec.json.encode(event),
+            msg_id=f"{self.run_id}:{self.epoch}:{event.seq}",
         )
 
     def base(self) -> dict:
