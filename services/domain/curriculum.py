@@ -123,8 +123,41 @@ def _check_gate(stage: str, gate: Gate | LongContextGate, *, has_tasks: bool, ha
         raise ValueError(f"Stage {stage} gates on held-out loss, but the manifest has no eval ref.")
 
 
+@dataclass(frozen=True, slots=True)
+class _Refs:
+    """The manifest's data refs by role (name -> source, in manifest order)."""
+
+    train: dict[str, str]
+    evals: dict[str, str]
+
+    @property
+    def has_tasks(self) -> bool:
+        return any(src in TASK_SOURCES for src in self.evals.values())
+
+
 def plan_run(manifest: Manifest) -> RunPlan:
-    """The stages `manifest` runs, or ValueError with what to change."""
+    """The stages `manifest` runs, or ValueError with what to change. Checks run in a fixed order
+    (refs, pre-training stages in run order, the recipe, the ladder, data prep), so a manifest with
+    several faults is always told about the same one first."""
+    refs = _refs(manifest)
+    base_shape = MODEL_SHAPES[manifest.model.size.value]
+    lm = _lm_plans(manifest, refs, base_shape)
+    last = lm[-1] if lm else None
+    shape = last.shape if last is not None and last.name == "long_context" else base_shape
+    rope_base = last.rope_base if last is not None and last.name == "long_context" else None
+    plans: list[LmPlan | PostPlan] = [*lm, *_post_plans(manifest, refs, shape, rope_base)]
+    ladder = _ladder_plan(manifest, refs, lm)
+    data_prep = _data_prep(manifest, refs.evals)
+    if not plans:
+        raise ValueError(
+            "The manifest trains nothing: no pre-training stage and an empty post-training recipe."
+        )
+    return RunPlan(
+        train_refs=refs.train, eval_refs=refs.evals, data_prep=data_prep, ladder=ladder, stages=tuple(plans)
+    )
+
+
+def _refs(manifest: Manifest) -> _Refs:
     names = [ref.name for ref in manifest.data]
     if len(set(names)) != len(names):
         raise ValueError("Data ref names must be unique: stages refer to data by name.")
@@ -132,144 +165,166 @@ def plan_run(manifest: Manifest) -> RunPlan:
     evals = {ref.name: ref.source for ref in manifest.data if ref.role is DataRole.eval}
     if not train:
         raise ValueError("The manifest names no training data.")
-    has_tasks = any(src in TASK_SOURCES for src in evals.values())
-    target, stages = manifest.target, manifest.stages
-    base_shape = MODEL_SHAPES[manifest.model.size.value]
-    plans: list[LmPlan | PostPlan] = []
+    return _Refs(train, evals)
 
+
+def _lm_plans(manifest: Manifest, refs: _Refs, base_shape: ModelShape) -> list[LmPlan]:
+    """pretrain, midtrain and long_context, each where the manifest has it, in that order."""
+    plans: list[LmPlan] = []
+    if (pre := _pretrain_plan(manifest, refs, base_shape)) is not None:
+        plans.append(pre)
+    if (mid := _midtrain_plan(manifest, refs, base_shape)) is not None:
+        plans.append(mid)
+    if (lc := _long_context_plan(manifest, refs, base_shape, plans)) is not None:
+        plans.append(lc)
+    return plans
+
+
+def _pretrain_plan(manifest: Manifest, refs: _Refs, base_shape: ModelShape) -> LmPlan | None:
+    target, stages = manifest.target, manifest.stages
+    if stages.pretrain is None:
+        return None
     carved = (stages.midtrain.tokens if stages.midtrain else 0) + (
         stages.long_context.tokens if stages.long_context else 0
     )
     pretrain_tokens = target.tokens - carved
-    if stages.pretrain is not None:
-        if pretrain_tokens < 1:
-            raise ValueError(
-                f"midtrain and long_context take {carved} tokens, all of target.tokens ({target.tokens}); "
-                "raise target.tokens, which is the whole pre-training budget."
-            )
-        steps = _steps(pretrain_tokens, target.seq_len, target.batch_size)
-        _check_gate("pretrain", stages.pretrain.gate, has_tasks=has_tasks, has_held_out=True)
-        plans.append(
-            LmPlan(
-                name="pretrain",
-                steps=steps,
-                data=_names("pretrain", stages.pretrain.data, train),
-                seq_len=target.seq_len,
-                batch_size=target.batch_size,
-                learning_rate=target.learning_rate,
-                warmup_steps=_warmup(steps),
-                decay="cosine",
-                min_lr_ratio=0.1,
-                shape=base_shape,
-                rope_base=None,
-                gate=stages.pretrain.gate,
-            )
+    if pretrain_tokens < 1:
+        raise ValueError(
+            f"midtrain and long_context take {carved} tokens, all of target.tokens ({target.tokens}); "
+            "raise target.tokens, which is the whole pre-training budget."
         )
-    if (mid := stages.midtrain) is not None:
-        seq_len = mid.seq_len or target.seq_len
-        if seq_len > base_shape.max_seq_len:
-            raise ValueError(
-                f"midtrain seq_len {seq_len} exceeds the model's {base_shape.max_seq_len}; "
-                "longer sequences are the long_context stage's."
-            )
-        steps = _steps(mid.tokens, seq_len, target.batch_size)
-        _check_gate("midtrain", mid.gate, has_tasks=has_tasks, has_held_out=True)
-        plans.append(
-            LmPlan(
-                name="midtrain",
-                steps=steps,
-                data=_names("midtrain", mid.data, train),
-                seq_len=seq_len,
-                batch_size=target.batch_size,
-                learning_rate=mid.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
-                warmup_steps=_warmup(steps),
-                decay="linear",
-                min_lr_ratio=0.0,
-                shape=base_shape,
-                rope_base=None,
-                gate=mid.gate,
-            )
-        )
-    shape, rope_base = base_shape, None
-    if (lc := stages.long_context) is not None:
-        short = max([target.seq_len] + [p.seq_len for p in plans if isinstance(p, LmPlan)])
-        if lc.seq_len <= short:
-            raise ValueError(
-                f"long_context seq_len {lc.seq_len} must be longer than the {short} tokens trained before it."
-            )
-        if lc.rope_base <= base_shape.rope_base:
-            raise ValueError(
-                f"long_context rope_base {lc.rope_base:g} must be above the model's {base_shape.rope_base:g}."
-            )
-        batch_size = lc.batch_size or target.batch_size
-        steps = _steps(lc.tokens, lc.seq_len, batch_size)
-        shape = msgspec.structs.replace(base_shape, max_seq_len=max(base_shape.max_seq_len, lc.seq_len))
-        rope_base = lc.rope_base
-        _check_gate("long_context", lc.gate, has_tasks=has_tasks, has_held_out=True)
-        plans.append(
-            LmPlan(
-                name="long_context",
-                steps=steps,
-                data=_names("long_context", lc.data, train),
-                seq_len=lc.seq_len,
-                batch_size=batch_size,
-                learning_rate=lc.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
-                warmup_steps=_warmup(steps),
-                decay="linear",
-                min_lr_ratio=0.0,
-                shape=shape,
-                rope_base=rope_base,
-                gate=lc.gate,
-                short_seq_len=short,
-            )
-        )
+    steps = _steps(pretrain_tokens, target.seq_len, target.batch_size)
+    _check_gate("pretrain", stages.pretrain.gate, has_tasks=refs.has_tasks, has_held_out=True)
+    return LmPlan(
+        name="pretrain",
+        steps=steps,
+        data=_names("pretrain", stages.pretrain.data, refs.train),
+        seq_len=target.seq_len,
+        batch_size=target.batch_size,
+        learning_rate=target.learning_rate,
+        warmup_steps=_warmup(steps),
+        decay="cosine",
+        min_lr_ratio=0.1,
+        shape=base_shape,
+        rope_base=None,
+        gate=stages.pretrain.gate,
+    )
 
+
+def _midtrain_plan(manifest: Manifest, refs: _Refs, base_shape: ModelShape) -> LmPlan | None:
+    target, mid = manifest.target, manifest.stages.midtrain
+    if mid is None:
+        return None
+    seq_len = mid.seq_len or target.seq_len
+    if seq_len > base_shape.max_seq_len:
+        raise ValueError(
+            f"midtrain seq_len {seq_len} exceeds the model's {base_shape.max_seq_len}; "
+            "longer sequences are the long_context stage's."
+        )
+    steps = _steps(mid.tokens, seq_len, target.batch_size)
+    _check_gate("midtrain", mid.gate, has_tasks=refs.has_tasks, has_held_out=True)
+    return LmPlan(
+        name="midtrain",
+        steps=steps,
+        data=_names("midtrain", mid.data, refs.train),
+        seq_len=seq_len,
+        batch_size=target.batch_size,
+        learning_rate=mid.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
+        warmup_steps=_warmup(steps),
+        decay="linear",
+        min_lr_ratio=0.0,
+        shape=base_shape,
+        rope_base=None,
+        gate=mid.gate,
+    )
+
+
+def _long_context_plan(
+    manifest: Manifest, refs: _Refs, base_shape: ModelShape, before: list[LmPlan]
+) -> LmPlan | None:
+    """Longer sequences than anything trained `before`, on a grown model with a higher RoPE base."""
+    target, lc = manifest.target, manifest.stages.long_context
+    if lc is None:
+        return None
+    short = max([target.seq_len] + [p.seq_len for p in before])
+    if lc.seq_len <= short:
+        raise ValueError(
+            f"long_context seq_len {lc.seq_len} must be longer than the {short} tokens trained before it."
+        )
+    if lc.rope_base <= base_shape.rope_base:
+        raise ValueError(
+            f"long_context rope_base {lc.rope_base:g} must be above the model's {base_shape.rope_base:g}."
+        )
+    batch_size = lc.batch_size or target.batch_size
+    steps = _steps(lc.tokens, lc.seq_len, batch_size)
+    _check_gate("long_context", lc.gate, has_tasks=refs.has_tasks, has_held_out=True)
+    return LmPlan(
+        name="long_context",
+        steps=steps,
+        data=_names("long_context", lc.data, refs.train),
+        seq_len=lc.seq_len,
+        batch_size=batch_size,
+        learning_rate=lc.learning_rate or target.learning_rate * ANNEAL_LR_FRACTION,
+        warmup_steps=_warmup(steps),
+        decay="linear",
+        min_lr_ratio=0.0,
+        shape=msgspec.structs.replace(base_shape, max_seq_len=max(base_shape.max_seq_len, lc.seq_len)),
+        rope_base=lc.rope_base,
+        gate=lc.gate,
+        short_seq_len=short,
+    )
+
+
+def _post_plans(
+    manifest: Manifest, refs: _Refs, shape: ModelShape, rope_base: float | None
+) -> list[PostPlan]:
+    """The post-training recipe in the order listed, each on verifiable task data."""
     recipe = manifest.post_training.recipe
     unknown = [r for r in recipe if r not in POST_STAGES]
     if unknown or len(set(recipe)) != len(recipe):
         raise ValueError(
             f"post_training.recipe lists {recipe}; use each of {', '.join(POST_STAGES)} at most once."
         )
-    tasks = {name: src for name, src in train.items() if src in TASK_SOURCES}
+    tasks = {name: src for name, src in refs.train.items() if src in TASK_SOURCES}
+    plans = []
     for name in recipe:
-        section = getattr(manifest.post_training, name)
-        data = _names(name, section.data, tasks if not section.data else train)
-        if not data or any(train[n] not in TASK_SOURCES for n in data):
+        section: SftStage | DpoStage | RlvrStage = getattr(manifest.post_training, name)
+        data = _names(name, section.data, tasks if not section.data else refs.train)
+        if not data or any(refs.train[n] not in TASK_SOURCES for n in data):
             raise ValueError(
                 f"{name} trains on verifiable tasks: name training refs with source "
                 f"{' or '.join(TASK_SOURCES)}."
             )
-        _check_gate(name, section.gate, has_tasks=has_tasks, has_held_out=bool(evals))
+        _check_gate(name, section.gate, has_tasks=refs.has_tasks, has_held_out=bool(refs.evals))
         plans.append(
             PostPlan(
                 name=name, data=data, shape=shape, rope_base=rope_base, section=section, gate=section.gate
             )
         )
+    return plans
 
-    ladder = None
-    if (lad := stages.ladder) is not None:
-        custom = tuple(n for n, src in train.items() if src.startswith("file:"))
-        reference = tuple(n for n in train if n not in custom)
-        budget_steps = sum(p.steps for p in plans if isinstance(p, LmPlan))
-        bound = int(lad.max_budget_fraction * budget_steps) // 2  # two proxy runs share the fraction
-        if custom and bound < 1:
-            raise ValueError(
-                f"The ladder's budget ({lad.max_budget_fraction:g} of {budget_steps} pre-training steps) "
-                "allows no proxy step; raise max_budget_fraction or target.tokens."
-            )
-        ladder = LadderPlan(
-            proxy_steps=min(lad.proxy_steps, max(1, bound)),
-            max_loss_regression=lad.max_loss_regression,
-            proxy_shape=MODEL_SHAPES[PROXY_SIZE.get(manifest.model.size.value, "150M")],
-            reference=reference,
-            custom=custom,
-        )
-    data_prep = _data_prep(manifest, evals)
-    if not plans:
+
+def _ladder_plan(manifest: Manifest, refs: _Refs, lm: list[LmPlan]) -> LadderPlan | None:
+    """Two proxy runs (reference mix vs with the custom file: refs), bounded to the budget fraction."""
+    lad = manifest.stages.ladder
+    if lad is None:
+        return None
+    custom = tuple(n for n, src in refs.train.items() if src.startswith("file:"))
+    reference = tuple(n for n in refs.train if n not in custom)
+    budget_steps = sum(p.steps for p in lm)
+    bound = int(lad.max_budget_fraction * budget_steps) // 2  # two proxy runs share the fraction
+    if custom and bound < 1:
         raise ValueError(
-            "The manifest trains nothing: no pre-training stage and an empty post-training recipe."
+            f"The ladder's budget ({lad.max_budget_fraction:g} of {budget_steps} pre-training steps) "
+            "allows no proxy step; raise max_budget_fraction or target.tokens."
         )
-    return RunPlan(train_refs=train, eval_refs=evals, data_prep=data_prep, ladder=ladder, stages=tuple(plans))
+    return LadderPlan(
+        proxy_steps=min(lad.proxy_steps, max(1, bound)),
+        max_loss_regression=lad.max_loss_regression,
+        proxy_shape=MODEL_SHAPES[PROXY_SIZE.get(manifest.model.size.value, "150M")],
+        reference=reference,
+        custom=custom,
+    )
 
 
 def _data_prep(manifest: Manifest, evals: dict[str, str]) -> DataPrepStage | None:
@@ -294,6 +349,7 @@ def _data_prep(manifest: Manifest, evals: dict[str, str]) -> DataPrepStage | Non
     method = f"{prep.decontamination_ngram}-gram"
     for i, ref in declared:
         deco = ref.decontamination
+        assert deco is not None  # `declared` holds only refs with a declaration
         if deco.method != method:
             raise ValueError(
                 f"data[{i}].decontamination.method is {deco.method!r}, which this backend cannot "
