@@ -36,6 +36,7 @@ from contracts.states import RunState
 from services.runtime import codec, faults
 from services.runtime.checkpoint_paths import inside, run_dir, storage_root
 from services.runtime.codec import Refusal
+from services.runtime.liveness import TIMERS
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
 from services.trainer import spikes
 from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
@@ -44,10 +45,11 @@ from services.trainer.pipeline import run_pipeline
 
 log = logging.getLogger("ito.trainer.worker")
 
-WORK_ACK_WAIT_S = 10  # a dead trainer's item comes back this long after its last in_progress
-IN_PROGRESS_EVERY_S = 2.0  # well inside WORK_ACK_WAIT_S
-RENEW_EVERY_S = 1.0  # the lease renewal is the heartbeat the scheduler's watcher listens for
-SELF_FENCE_S = 3.0  # no renewal for this long: stop, since the scheduler declares us lost at 5 s
+# The liveness timers and their ordering live in one checked object (services/runtime/liveness.py).
+WORK_ACK_WAIT_S = TIMERS.ack_wait_s  # a dead trainer's item comes back this long after its last in_progress
+IN_PROGRESS_EVERY_S = TIMERS.in_progress_every_s
+RENEW_EVERY_S = TIMERS.renew_every_s  # the lease renewal is the heartbeat the scheduler's watcher listens for
+SELF_FENCE_S = TIMERS.self_fence_s  # no renewal for this long: stop; the scheduler's silence_s is longer
 RETRY_LEASE_AFTER_S = 5  # the scheduler did not answer: give the item back, try again later
 FINAL_STATE_WAIT_S = 15.0  # the item is acked only once the scheduler shows the final state
 
