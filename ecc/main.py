@@ -1,46 +1,48 @@
 """`ecc` entry point: parse, dispatch, print, exit 0 only when the answer is ok.
 
 Argument parsing is all that runs for `--help`: the verbs (and NATS, msgspec) load on demand.
+The parser is built one verb group at a time, in the order `--help` lists the verbs.
 """
 
 import argparse
 import sys
 
-CONNECT_TIMEOUT_HELP = "seconds to wait for the connection (default 2)"
-TIMEOUT_HELP = "overall seconds for the call (default 15)"
+from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
+
+CONNECT_TIMEOUT_HELP = f"seconds to wait for the connection (default {DEFAULT_CONNECT_TIMEOUT_S:g})"
+TIMEOUT_HELP = f"overall seconds for the call (default {DEFAULT_TIMEOUT_S:g})"
+CONFIRM_ACTIONS = ["train", "cancel", "cleanup", "release_booking", "restart_from_checkpoint"]
+
+Verbs = argparse._SubParsersAction  # what `add_subparsers` returns; argparse names no public type
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    """The options every verb takes, listed after the verb's own."""
     p.add_argument("--json", action="store_true", help="print the JSON envelope")
-    p.add_argument("--connect-timeout", type=float, default=2.0, help=CONNECT_TIMEOUT_HELP)
-    p.add_argument("--timeout", type=float, default=15.0, help=TIMEOUT_HELP)
+    p.add_argument(
+        "--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S, help=CONNECT_TIMEOUT_HELP
+    )
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help=TIMEOUT_HELP)
 
 
-def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="ecc", description="Itô compute client.")
-    groups = top.add_subparsers(dest="group", required=True)
-    ito = groups.add_parser("ito", help="managed training on booked Itô GPU compute")
-    verbs = ito.add_subparsers(dest="verb", required=True)
-
+def _session_verbs(verbs: Verbs) -> None:
+    """Who I am and what I booked: login, logout, auth, find."""
     p = verbs.add_parser("login", help="store an API key (read from stdin or a prompt, never an argument)")
     p.add_argument("--account", required=True)
     _common(p)
-    p = verbs.add_parser("logout", help="forget the stored API key")
-    _common(p)
-    p = verbs.add_parser("auth", help="who am I")
-    _common(p)
-    p = verbs.add_parser("find", help="list your bookings and what they allow")
-    _common(p)
+    _common(verbs.add_parser("logout", help="forget the stored API key"))
+    _common(verbs.add_parser("auth", help="who am I"))
+    _common(verbs.add_parser("find", help="list your bookings and what they allow"))
+
+
+def _creation_verbs(verbs: Verbs) -> None:
+    """From a reviewed manifest to a run: plan, confirm, train."""
     p = verbs.add_parser("plan", help="plan a run on a booking; creates nothing")
     p.add_argument("--booking", required=True)
     p.add_argument("--manifest", required=True, help="absolute path of the reviewed manifest")
     _common(p)
     p = verbs.add_parser("confirm", help="confirm an action; returns an opaque confirmation_ref")
-    p.add_argument(
-        "--action",
-        required=True,
-        choices=["train", "cancel", "cleanup", "release_booking", "restart_from_checkpoint"],
-    )
+    p.add_argument("--action", required=True, choices=CONFIRM_ACTIONS)
     p.add_argument("--booking")
     p.add_argument("--run")
     p.add_argument("--manifest")
@@ -54,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--confirmation-ref", required=True)
     p.add_argument("--idempotency-key", required=True)
     _common(p)
+
+
+def _view_verbs(verbs: Verbs) -> None:
+    """Reads of one run's progress: status, metrics, checkpoints, evals."""
     p = verbs.add_parser("status", help="a run's state, by run id or by idempotency key")
     p.add_argument("run", nargs="?")
     p.add_argument("--idempotency-key")
@@ -69,6 +75,10 @@ def parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("evals", help="each stage's eval battery: every metric, its threshold, pass/fail")
     p.add_argument("run")
     _common(p)
+
+
+def _change_verbs(verbs: Verbs) -> None:
+    """Mutations of one run, each with its own confirmation and idempotency key: cancel, cleanup, approve."""
     p = verbs.add_parser("cancel", help="stop a run (needs its own cancel confirmation and idempotency key)")
     p.add_argument("run")
     p.add_argument("--confirmation-ref", required=True)
@@ -99,6 +109,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--idempotency-key", required=True)
     p.add_argument("--reject", action="store_true", help="keep the run paused; nothing restarts")
     _common(p)
+
+
+def _record_verbs(verbs: Verbs) -> None:
+    """A run's records: audit, logs."""
     p = verbs.add_parser("audit", help="a run's gate decisions (who, which gate, pass/fail and code)")
     p.add_argument("run")
     _common(p)
@@ -107,6 +121,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--since", type=int, default=0, help="index of the first line")
     p.add_argument("--follow", action="store_true")
     _common(p)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="ecc", description="Itô compute client.")
+    groups = top.add_subparsers(dest="group", required=True)
+    ito = groups.add_parser("ito", help="managed training on booked Itô GPU compute")
+    verbs = ito.add_subparsers(dest="verb", required=True)
+    for add_group in (_session_verbs, _creation_verbs, _view_verbs, _change_verbs, _record_verbs):
+        add_group(verbs)
     return top
 
 

@@ -22,10 +22,8 @@ import msgspec
 
 from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode
+from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from services.runtime.settings import DEFAULT_NAMESPACE, DEFAULT_NATS_URL, ENV_NAMESPACE, ENV_NATS_URL
-
-DEFAULT_CONNECT_TIMEOUT_S = 2.0
-DEFAULT_TIMEOUT_S = 15.0  # covers eligibility, plan, confirmation and ledger hops on a busy server
 
 _envelope_decoder = msgspec.json.Decoder(Envelope)
 _encoder = msgspec.json.Encoder()
@@ -69,8 +67,8 @@ def tenant_inbox(account: str) -> str:
 class Client:
     def __init__(
         self,
-        connect_timeout_s: float,
-        timeout_s: float,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         credential: tuple[str, str] | None = None,
         fresh: bool = False,
     ) -> None:
