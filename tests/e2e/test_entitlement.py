@@ -9,6 +9,7 @@ import time
 import pytest
 
 from services.runtime import faults
+from tests.support import eventually
 
 pytestmark = pytest.mark.e2e
 ITO_TRAINING = str(pathlib.Path(sys.executable).parent / "ito-training")
@@ -94,15 +95,11 @@ def test_entitlement_killed_between_receive_and_ack(make_stack, manifest):
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 30
-        while (code := code_of(stack, env, booking, manifest())) != "ok":
-            assert time.monotonic() < deadline, code
-            time.sleep(0.5)
+        eventually(lambda: code_of(stack, env, booking, manifest()) == "ok", timeout=30, interval=0.5)
         stack.booking(account, booking, event="revoked")
-        deadline = time.monotonic() + 10
-        while (code := code_of(stack, env, booking, manifest())) != "booking_revoked":
-            assert time.monotonic() < deadline, code
-            time.sleep(0.2)
+        eventually(
+            lambda: code_of(stack, env, booking, manifest()) == "booking_revoked", timeout=10, interval=0.2
+        )
     finally:
         healthy.terminate()
         healthy.wait(timeout=15)

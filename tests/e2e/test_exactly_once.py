@@ -16,6 +16,7 @@ import pytest
 
 from contracts import subjects
 from services.runtime import faults
+from tests.support import eventually
 
 pytestmark = pytest.mark.e2e
 CONTROL_PLANE = "entitlement,confirmation,ledger,scheduler"
@@ -134,10 +135,12 @@ def test_scheduler_killed_between_reservation_and_handoff(make_stack, manifest):
         account, key = "crash-" + uuid.uuid4().hex[:6], None
         key = stack.ito("accounts", "create", account)["api_key"]
         env = {"ECC_CONFIG_DIR": str(stack.data_dir / "ecc" / account)}
-        deadline = time.monotonic() + 30
-        while stack.ecc("login", "--account", account, input=key + "\n", env=env)[0] != 0:
-            assert time.monotonic() < deadline, "scheduler did not start"
-            time.sleep(0.2)
+        eventually(
+            lambda: stack.ecc("login", "--account", account, input=key + "\n", env=env)[0] == 0,
+            timeout=30,
+            interval=0.2,
+            what="the scheduler answers a login",
+        )
         booking = stack.booking(account)
         _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)
         rc, out = stack.ecc(
@@ -165,13 +168,12 @@ def test_scheduler_killed_between_reservation_and_handoff(make_stack, manifest):
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def handed_off():
             rc, status = stack.ecc("status", "--idempotency-key", "crash-1", env=env)
-            if rc == 0 and status["data"]["state"] == "queued":
-                break
-            assert time.monotonic() < deadline, status
-            time.sleep(0.5)
+            return status if rc == 0 and status["data"]["state"] == "queued" else None
+
+        status = eventually(handed_off, timeout=60, interval=0.5, what="the crashed accept handed off")
 
         async def queued():
             async with Bus(stack, account, key) as bus:

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.support import eventually, run_state, run_status
+
 pytestmark = pytest.mark.e2e
 ITO_TRAINING = str(pathlib.Path(sys.executable).parent / "ito-training")
 LONG = {"tokens": 600 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
@@ -20,6 +22,13 @@ def status(stack, env, run_id):
     rc, out = stack.ecc("status", run_id, env=env)
     assert rc == 0, out
     return out["data"]
+
+
+def rollup_of(stack, booking):
+    """The desk's rollup of one booking, once the telemetry service has one (else None)."""
+    proc = stack.run("ito-training", "desk", "telemetry", "--json")
+    rollups = {(r["by"], r["key"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1] or "[]")}
+    return rollups.get(("booking", booking))
 
 
 def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
@@ -41,19 +50,12 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
         env=env,
     )
     run_id = out["data"]["run_id"]
-    deadline = time.monotonic() + 120
-    while (status(stack, env, run_id).get("last_checkpoint_step") or 0) < 100:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    run_status(stack, env, run_id, lambda v: (v.get("last_checkpoint_step") or 0) >= 100, timeout=120)
     trainer_pid = json.loads((stack.data_dir / "up.json").read_text())["services"]["trainer"]
     os.kill(trainer_pid, signal.SIGKILL)
     killed_at = status(stack, env, run_id)["step"]
 
-    states, deadline = set(), time.monotonic() + 30
-    while "interrupted" not in states:  # the watcher notices the silence
-        states.add(status(stack, env, run_id)["state"])
-        assert time.monotonic() < deadline, states
-        time.sleep(0.2)
+    run_state(stack, env, run_id, {"interrupted"}, timeout=30)  # the watcher notices the silence
     replacement = subprocess.Popen(
         [ITO_TRAINING, "serve", "trainer"],
         env=stack.env,
@@ -61,10 +63,7 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 120
-        while (view := status(stack, env, run_id))["state"] not in ("succeeded", "failed"):
-            assert time.monotonic() < deadline, view
-            time.sleep(0.5)
+        view = run_state(stack, env, run_id, {"succeeded", "failed"}, timeout=120)
         assert view["state"] == "succeeded", view
         _, logs = stack.ecc("logs", run_id, env=env)
         resumed = [ln["message"] for ln in logs["data"]["lines"] if "esum" in ln["message"]]
@@ -78,17 +77,9 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
         assert steps[-1] == 600
 
         # desk telemetry counts exactly this one interruption, and the run's time adds up to 100 %
-        deadline = time.monotonic() + 30
-        while True:
-            proc = stack.run("ito-training", "desk", "telemetry", "--json")
-            rollups = {
-                (r["by"], r["key"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1] or "[]")
-            }
-            if ("booking", booking) in rollups:
-                break
-            assert time.monotonic() < deadline, proc.stderr
-            time.sleep(0.5)
-        booking_rollup = rollups[("booking", booking)]
+        booking_rollup = eventually(
+            lambda: rollup_of(stack, booking), timeout=30, interval=0.5, what="the booking's desk rollup"
+        )
         assert booking_rollup["runs"] == 1 and booking_rollup["interruptions"] == 1
         assert booking_rollup["interruption_causes"] == {"trainer_lost": 1}
         badput = booking_rollup["badput_gpu_hours"]
@@ -131,10 +122,12 @@ def test_a_planted_loss_spike_waits_for_approval_and_restarts_from_the_proposal(
         env=env,
     )
     run_id = out["data"]["run_id"]
-    deadline = time.monotonic() + 120
-    while (view := status(stack, env, run_id))["state"] != "awaiting_approval":
-        assert view["state"] in ("queued", "running") and time.monotonic() < deadline, view
-        time.sleep(0.3)
+
+    def paused(view):
+        assert view["state"] in ("queued", "running", "awaiting_approval"), view
+        return view["state"] == "awaiting_approval"
+
+    view = run_status(stack, env, run_id, paused, timeout=120)
     proposal = view["proposal"]
     assert proposal["spike_step"] == 60 and proposal["checkpoint_step"] == 40
     assert (proposal["skip_from"], proposal["skip_to"]) == (40, 80)
@@ -157,10 +150,7 @@ def test_a_planted_loss_spike_waits_for_approval_and_restarts_from_the_proposal(
         env=env,
     )
     assert rc == 0 and out["data"]["state"] == "queued", out
-    deadline = time.monotonic() + 120
-    while (view := status(stack, env, run_id))["state"] not in ("succeeded", "failed", "awaiting_approval"):
-        assert time.monotonic() < deadline, view
-        time.sleep(0.5)
+    view = run_state(stack, env, run_id, {"succeeded", "failed", "awaiting_approval"}, timeout=120)
     assert view["state"] == "succeeded", view
     _, logs = stack.ecc("logs", run_id, env=env)
     assert any("Skipping batches [40, 80)" in ln["message"] for ln in logs["data"]["lines"])

@@ -2,22 +2,12 @@
 trainer -> a tiny torch model that trains -> `succeeded`."""
 
 import json
-import time
 
 import pytest
 
+from tests.support import run_state
+
 pytestmark = pytest.mark.e2e
-
-
-def wait_for_state(stack, env, run_id, states, timeout=180):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rc, out = stack.ecc("status", run_id, env=env)
-        assert rc == 0, out
-        if out["data"]["state"] in states:
-            return out["data"]
-        time.sleep(0.5)
-    raise AssertionError(f"run {run_id} did not reach {states}; last: {out['data']}")
 
 
 def test_train_to_succeeded_and_replay(stack, manifest):
@@ -86,7 +76,7 @@ def test_train_to_succeeded_and_replay(stack, manifest):
         assert answer["data"]["state"] in ("accepted", "queued", "running", "succeeded")
     assert "replay" in again["notice"]
 
-    final = wait_for_state(stack, env, run_id, {"succeeded", "failed"})
+    final = run_state(stack, env, run_id, {"succeeded", "failed"})
     assert final["state"] == "succeeded", final
     assert final["step"] == final["total_steps"] == 30
     assert final["plan"]["manifest_digest"] == plan["data"]["manifest_digest"]

@@ -10,6 +10,8 @@ import uuid
 
 import pytest
 
+from tests.support import eventually
+
 pytestmark = pytest.mark.e2e
 CONTROL_PLANE = "entitlement,confirmation,ledger,scheduler"
 
@@ -95,18 +97,18 @@ def test_restart_during_a_burst_keeps_exactly_once(make_stack, manifest, victim)
     ), [o for _, _, o in results if not o.get("ok")][:3]
 
     # every accepted request is there, by its key, with the same run; status tells the truth for the rest
-    deadline = time.monotonic() + 60
     for k, run_id in accepted.items():
         rc, out = stack.ecc("status", "--idempotency-key", k, env=env)
         assert rc == 0 and out["data"]["run_id"] == run_id, (k, out)
     found = dict(accepted)
+
+    def settled(k):
+        """(rc, answer) once the key's status is an answer: the run, or run_not_found."""
+        rc, out = stack.ecc("status", "--idempotency-key", k, env=env)
+        return (rc, out) if rc == 0 or out["error"]["code"] == "run_not_found" else None
+
     for k in lost_answers:
-        while True:
-            rc, out = stack.ecc("status", "--idempotency-key", k, env=env)
-            if rc == 0 or out["error"]["code"] == "run_not_found":
-                break
-            assert time.monotonic() < deadline, out
-            time.sleep(0.5)
+        rc, out = eventually(lambda k=k: settled(k), timeout=60, interval=0.5, what=f"status of {k}")
         if rc == 0:
             found[k] = out["data"]["run_id"]
 
@@ -120,10 +122,12 @@ def test_restart_during_a_burst_keeps_exactly_once(make_stack, manifest, victim)
         finally:
             await nc.close()
 
-    deadline = time.monotonic() + 30
-    while (n := asyncio.run(queued())) != len(found):
-        assert n < len(found) and time.monotonic() < deadline, (n, len(found))
-        time.sleep(1)
+    def one_item_per_run():
+        n = asyncio.run(queued())
+        assert n <= len(found), (n, len(found))  # never more items than runs
+        return n == len(found)
+
+    eventually(one_item_per_run, timeout=30, interval=1, what="one work item per run")
     assert len(set(found.values())) == len(found)
 
     # a consumed confirmation stays consumed across the restart

@@ -10,20 +10,11 @@ import time
 
 import pytest
 
+from tests.support import run_status
+
 pytestmark = pytest.mark.e2e
 ECC = str(pathlib.Path(sys.executable).parent / "ecc")
 LONG = {"tokens": 4000 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
-
-
-def wait_for(stack, env, run_id, predicate, timeout=120):
-    deadline = time.monotonic() + timeout
-    while True:
-        rc, out = stack.ecc("status", run_id, env=env)
-        assert rc == 0, out
-        if predicate(out["data"]):
-            return out["data"]
-        assert time.monotonic() < deadline, out["data"]
-        time.sleep(0.3)
 
 
 def confirm(stack, env, action, *target):
@@ -63,7 +54,7 @@ def test_cancel_a_running_run_then_clean_it_up(stack, manifest):
         target=LONG,
         checkpoint={"interval_steps": 20, "keep_last": 2, "storage": "local"},
     )
-    wait_for(
+    run_status(
         stack, env, run_id, lambda v: v["state"] == "running" and (v.get("last_checkpoint_step") or 0) >= 20
     )
 
@@ -79,7 +70,7 @@ def test_cancel_a_running_run_then_clean_it_up(stack, manifest):
     assert rc == 0 and out["data"]["state"] in ("cancelling", "cancelled"), out
     assert (out["data"]["booking_id"], out["data"]["idempotency_key"]) == (booking, "c-1")
     assert len(out["data"]["manifest_digest"]) == 64
-    final = wait_for(stack, env, run_id, lambda v: v["state"] == "cancelled", timeout=30)
+    final = run_status(stack, env, run_id, lambda v: v["state"] == "cancelled", timeout=30)
     assert "last checkpoint at step" in final["message"]
     assert final["step"] < final["total_steps"]
 
@@ -116,7 +107,7 @@ def test_cancel_a_running_run_then_clean_it_up(stack, manifest):
 def test_cleanup_with_release_booking_needs_its_own_confirmation(stack, manifest):
     account, _, env = stack.account()
     booking, run_id = start_run(stack, env, account, manifest, "rel-1")
-    wait_for(stack, env, run_id, lambda v: v["state"] == "succeeded")
+    run_status(stack, env, run_id, lambda v: v["state"] == "succeeded")
     ref = confirm(stack, env, "cleanup", "--run", run_id)
     _rc, out = stack.ecc(
         "cleanup", run_id, "--confirmation-ref", ref, "--idempotency-key", "r-1", "--release-booking", env=env

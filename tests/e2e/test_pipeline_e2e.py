@@ -2,9 +2,10 @@
 
 import json
 import pathlib
-import time
 
 import pytest
+
+from tests.support import run_state
 
 pytestmark = pytest.mark.e2e
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -29,15 +30,7 @@ def run_to_end(stack, env, account, manifest_path, key):
     )
     assert rc == 0, out
     run_id = out["data"]["run_id"]
-    deadline = time.monotonic() + 300
-    while (view := stack.ecc("status", run_id, env=env)[1]["data"])["state"] not in (
-        "succeeded",
-        "failed",
-        "gate_failed",
-    ):
-        assert time.monotonic() < deadline, view
-        time.sleep(1)
-    return run_id, view
+    return run_id, run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=300)
 
 
 def test_a_manifest_with_every_stage_succeeds(stack, tmp_path):

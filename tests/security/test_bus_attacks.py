@@ -5,7 +5,6 @@ a tenant's own credential, and with another identity's where it matters. Each as
 import asyncio
 import json
 import pathlib
-import time
 import uuid
 
 import msgspec
@@ -18,6 +17,7 @@ from contracts.api import Action
 from contracts.internal import ConfirmationCreate, LedgerAccept
 from services.ops import booking_sim
 from tests.security.conftest import settle
+from tests.support import eventually_async
 
 pytestmark = pytest.mark.e2e
 
@@ -369,10 +369,13 @@ def test_a_revoked_credential_is_dropped_at_once_and_refused_after(stack, as_ten
     async def scenario():
         w = await as_tenant(stack, account, key, allow_reconnect=False)
         stack.ito("accounts", "revoke", account)  # rewrites the server config and reloads it
-        deadline = time.monotonic() + 5
-        while not w.nc.is_closed and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        dropped = w.nc.is_closed
+
+        async def closed():
+            return w.nc.is_closed
+
+        dropped = await eventually_async(
+            closed, timeout=5, interval=0.05, what="the revoked connection dropped"
+        )
         try:
             await stack.tenant(account, key, allow_reconnect=False, max_reconnect_attempts=0)
             refused = False

@@ -16,8 +16,9 @@ from contracts.runs import LogLine, RunCreated, StateChanged, TrainWork
 from contracts.states import RunState
 from services.runtime.secrets import Secrets
 from services.runtime.signing import Signer
-from tests.e2e.test_lifecycle import LONG, confirm, start_run, wait_for
+from tests.e2e.test_lifecycle import LONG, confirm, start_run
 from tests.security.conftest import settle
+from tests.support import eventually_async, run_status
 
 pytestmark = pytest.mark.e2e
 CONTROL_PLANE = "entitlement,confirmation,ledger,scheduler"
@@ -84,14 +85,15 @@ def test_forged_run_events_change_nothing(make_stack, manifest, as_tenant, as_id
             await js.publish(event_subject(stack, run_id, kind), body)
         await trainer.close()
         ops = await as_identity(stack, "operator")
-        deadline = time.monotonic() + 10  # until the scheduler's consumer has seen all of them
-        while time.monotonic() < deadline:
-            info = await ops.nc.jetstream(timeout=2).consumer_info(
-                stream, f"{stack.env['ITO_NAMESPACE']}-scheduler-runs"
-            )
-            if info.num_pending == 0 and info.num_ack_pending == 0:
-                break
-            await asyncio.sleep(0.2)
+        js = ops.nc.jetstream(timeout=2)
+        consumer = f"{stack.env['ITO_NAMESPACE']}-scheduler-runs"
+
+        async def caught_up():
+            info = await js.consumer_info(stream, consumer)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        # until the scheduler's consumer has seen all of them
+        await eventually_async(caught_up, timeout=10, what="the scheduler's run consumer caught up")
         await ops.close()
         return t
 
@@ -121,7 +123,7 @@ def test_cancel_notices_work_items_and_cleanup_orders_need_the_scheduler(
         target=LONG,
         checkpoint={"interval_steps": 20, "keep_last": 2, "storage": "local"},
     )
-    running = wait_for(stack, env, run_id, lambda v: v["state"] == "running" and v["step"] > 5)
+    running = run_status(stack, env, run_id, lambda v: v["state"] == "running" and v["step"] > 5)
     cancel_subject = f"{ns}.{subjects.CONTROL_CANCEL}.{run_id}"
     evil_dir = tmp_path / "evil"
     work = msgspec.json.decode(stack.redis().hget(f"{ns}:{{{victim}}}:run:{run_id}", "work"), type=TrainWork)
@@ -180,7 +182,7 @@ def test_cancel_notices_work_items_and_cleanup_orders_need_the_scheduler(
     assert (outside / "data").read_text() == "keep me"
 
     time.sleep(3)  # a real cancel would have stopped it within a step
-    later = wait_for(stack, env, run_id, lambda v: True)
+    later = run_status(stack, env, run_id, lambda v: True)
     assert later["state"] == "running" and later["step"] > running["step"], later
 
     # the real cancel, through the gates; then the forged items reach the trainer and are refused
@@ -189,22 +191,21 @@ def test_cancel_notices_work_items_and_cleanup_orders_need_the_scheduler(
         "cancel", run_id, "--confirmation-ref", ref, "--idempotency-key", "real-cancel", env=env
     )
     assert rc == 0, out
-    wait_for(stack, env, run_id, lambda v: v["state"] == "cancelled", timeout=60)
+    run_status(stack, env, run_id, lambda v: v["state"] == "cancelled", timeout=60)
 
     async def queue_drained():
         ops = await as_identity(stack, "operator")
-        deadline = time.monotonic() + 60
+        js = ops.nc.jetstream(timeout=2)
+
+        async def empty():
+            return (await js.stream_info(f"{ns.upper()}_WORK")).state.messages == 0
+
         try:
-            while time.monotonic() < deadline:
-                info = await ops.nc.jetstream(timeout=2).stream_info(f"{ns.upper()}_WORK")
-                if info.state.messages == 0:
-                    return True
-                await asyncio.sleep(0.5)
-            return False
+            await eventually_async(empty, timeout=60, interval=0.5, what="the work queue drained")
         finally:
             await ops.close()
 
-    assert asyncio.run(queue_drained())
+    asyncio.run(queue_drained())
     assert not evil_dir.exists()
     rc, final = stack.ecc("status", run_id, env=env)
     assert final["data"]["state"] == "cancelled"

@@ -1,0 +1,57 @@
+"""What many tests share that is not a fixture: `eventually`, the one bounded wait.
+
+A test that waits for another process (a run's state, a consumer catching up) polls a probe until
+it returns something truthy, and fails with the last value it saw when the bound passes, so that a
+hang is a failure with a reason, never a stuck suite.
+"""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def eventually(probe: Callable[[], T], *, timeout: float, interval: float = 0.3, what: str = "") -> T:
+    """`probe()` until it is truthy; returns that value. AssertionError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what or repr(probe)}; last: {value!r}")
+        time.sleep(interval)
+
+
+async def eventually_async(
+    probe: Callable[[], Awaitable[T]], *, timeout: float, interval: float = 0.1, what: str = ""
+) -> T:
+    """The coroutine form of `eventually`, for tests that run on the event loop."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what or repr(probe)}; last: {value!r}")
+        await asyncio.sleep(interval)
+
+
+def run_state(stack, env: dict, run_id: str, states, timeout: float = 180) -> dict:
+    """A run's status once its state is one of `states` (through `ecc ito status`, as a user sees it)."""
+    return run_status(stack, env, run_id, lambda v: v["state"] in states, timeout=timeout)
+
+
+def run_status(stack, env: dict, run_id: str, predicate, timeout: float = 120) -> dict:
+    """A run's status (`ecc ito status`) once `predicate(status)` holds."""
+    last: dict = {}
+
+    def probe():
+        rc, out = stack.ecc("status", run_id, env=env)
+        assert rc == 0, out
+        last.update(out["data"])
+        return out["data"] if predicate(out["data"]) else None
+
+    return eventually(probe, timeout=timeout, what=f"run {run_id} status")
