@@ -57,8 +57,27 @@ def read_manifest(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes,
     """(the exact bytes, their SHA-256 hex) or ManifestError with a stable code."""
     if not os.path.isabs(path):
         raise ManifestError(ErrorCode.manifest_not_absolute, "the manifest path must be absolute")
+    fd = _open(path)
     try:
-        fd = os.open(path, OPEN_FLAGS)
+        st = os.fstat(fd)
+        _check_file(st)
+        _check_parents(path)
+        if st.st_size > max_bytes:
+            raise ManifestError(
+                ErrorCode.manifest_too_large, f"the manifest is {st.st_size} bytes; the limit is {max_bytes}"
+            )
+        data = _read_capped(fd, max_bytes)
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    _check_unchanged(path, st, after, data)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _open(path: str) -> int:
+    """One descriptor on the file itself: never through a symlink, never a terminal, never blocking."""
+    try:
+        return os.open(path, OPEN_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ManifestError(ErrorCode.manifest_symlink, "the manifest path is a symbolic link") from None
@@ -67,41 +86,40 @@ def read_manifest(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes,
         raise ManifestError(
             ErrorCode.manifest_not_regular, f"cannot open the manifest: {exc.strerror}"
         ) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ManifestError(ErrorCode.manifest_not_regular, "the manifest is not a regular file")
-        if not _trusted_owner(st.st_uid):
-            raise ManifestError(
-                ErrorCode.manifest_unsafe_permissions, "the manifest is owned by another user"
-            )
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise ManifestError(
-                ErrorCode.manifest_unsafe_permissions, "the manifest is writable by group or others"
-            )
-        _check_parents(path)
-        if st.st_size > max_bytes:
-            raise ManifestError(
-                ErrorCode.manifest_too_large, f"the manifest is {st.st_size} bytes; the limit is {max_bytes}"
-            )
-        chunks, total = [], 0
-        while total <= max_bytes:
-            try:
-                chunk = os.read(fd, max_bytes + 1 - total)
-            except BlockingIOError:
-                raise ManifestError(
-                    ErrorCode.manifest_not_regular, "the manifest would block on read"
-                ) from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        data = b"".join(chunks)
-        if len(data) > max_bytes:
-            raise ManifestError(ErrorCode.manifest_too_large, f"the manifest is over {max_bytes} bytes")
-        after = os.fstat(fd)
-    finally:
-        os.close(fd)
+
+
+def _check_file(st: os.stat_result) -> None:
+    """A regular file, owned by the caller or root, not writable by group or others."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ManifestError(ErrorCode.manifest_not_regular, "the manifest is not a regular file")
+    if not _trusted_owner(st.st_uid):
+        raise ManifestError(ErrorCode.manifest_unsafe_permissions, "the manifest is owned by another user")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ManifestError(
+            ErrorCode.manifest_unsafe_permissions, "the manifest is writable by group or others"
+        )
+
+
+def _read_capped(fd: int, max_bytes: int) -> bytes:
+    """At most max_bytes + 1 bytes: one more than allowed is enough to know the file grew too large."""
+    chunks, total = [], 0
+    while total <= max_bytes:
+        try:
+            chunk = os.read(fd, max_bytes + 1 - total)
+        except BlockingIOError:
+            raise ManifestError(ErrorCode.manifest_not_regular, "the manifest would block on read") from None
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise ManifestError(ErrorCode.manifest_too_large, f"the manifest is over {max_bytes} bytes")
+    return data
+
+
+def _check_unchanged(path: str, st: os.stat_result, after: os.stat_result, data: bytes) -> None:
+    """The path still names the file that was read, and the file did not change while it was read."""
     try:
         now = os.stat(path, follow_symlinks=False)
     except OSError:
@@ -115,4 +133,3 @@ def read_manifest(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes,
         raise ManifestError(ErrorCode.manifest_changed, "the manifest changed while it was read")
     if len(data) != after.st_size:
         raise ManifestError(ErrorCode.manifest_changed, "the manifest changed while it was read")
-    return data, hashlib.sha256(data).hexdigest()

@@ -17,6 +17,7 @@ Every call has a connect timeout and an overall timeout. Failures are values:
 import asyncio
 import os
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -24,6 +25,9 @@ from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode
 from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from services.runtime.settings import DEFAULT_NAMESPACE, DEFAULT_NATS_URL, ENV_NAMESPACE, ENV_NATS_URL
+
+if TYPE_CHECKING:  # nats loads on demand: `--help` must not import it
+    from nats.aio.client import Client as NatsClient
 
 _envelope_decoder = msgspec.json.Decoder(Envelope)
 _encoder = msgspec.json.Encoder()
@@ -48,7 +52,7 @@ KEY_PREFIX = "ito_sk_"  # an API key is `ito_sk_` + the tenant's NKey seed
 
 def seed_of(api_key: str) -> bytes | None:
     """The NKey seed inside an API key, or None when it is not one."""
-    import nkeys
+    import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
 
     if not api_key.startswith(KEY_PREFIX):
         return None
@@ -83,7 +87,7 @@ class Client:
         self.credential = credential or credentials.load()
         self.fresh = fresh
         self.violations: list[str] = []
-        self._nc = None
+        self._nc: NatsClient | None = None
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -91,14 +95,14 @@ class Client:
     async def __aenter__(self) -> "Client":
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         if self._nc is not None:
             try:
                 await asyncio.wait_for(self._nc.close(), timeout=1.0)
             except Exception:  # closing is best effort; the process is about to exit
                 pass
 
-    async def _connect(self, account: str, seed: bytes):
+    async def _connect(self, account: str, seed: bytes) -> "NatsClient":
         import nats
 
         async def on_error(exc: Exception) -> None:  # a denied publish is dropped and reported here only
@@ -135,9 +139,6 @@ class Client:
 
     async def call(self, suffix: str, request: msgspec.Struct) -> Envelope:
         """The scheduler's Envelope, a local refusal, or SentButUnanswered."""
-        from nats.errors import NoRespondersError
-        from nats.errors import TimeoutError as NatsTimeout
-
         if self.credential is None:
             return local_error(
                 ErrorCode.unauthenticated, "not logged in; run `ecc ito login --account ACCOUNT`"
@@ -150,8 +151,24 @@ class Client:
                 "the stored credential is not an ito-training API key; run `ecc ito login` again",
             )
         payload = _encoder.encode(request)
+        nc = await self._connected(account, seed)
+        if isinstance(nc, Envelope):
+            return nc
+        remaining = self.remaining()
+        if remaining <= 0:
+            return local_error(ErrorCode.timeout, "the overall timeout passed before the request was sent")
+        reply = await self._request(nc, suffix, account, payload, remaining)
+        if isinstance(reply, Envelope):
+            return reply
         try:
-            nc = await asyncio.wait_for(self._connect(account, seed), timeout=max(self.remaining(), 0.1))
+            return _envelope_decoder.decode(reply)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return local_error(ErrorCode.internal, "the server's answer could not be read", contacted=True)
+
+    async def _connected(self, account: str, seed: bytes) -> "NatsClient | Envelope":
+        """The connection, or why there is none (nothing was sent)."""
+        try:
+            return await asyncio.wait_for(self._connect(account, seed), timeout=max(self.remaining(), 0.1))
         except Unauthenticated:
             return local_error(
                 ErrorCode.backend_unavailable,
@@ -164,11 +181,16 @@ class Client:
             return local_error(
                 ErrorCode.backend_unavailable, f"cannot reach the ito-training API at {self.url}"
             )
-        remaining = self.remaining()
-        if remaining <= 0:
-            return local_error(ErrorCode.timeout, "the overall timeout passed before the request was sent")
+
+    async def _request(
+        self, nc: "NatsClient", suffix: str, account: str, payload: bytes, timeout: float
+    ) -> bytes | Envelope:
+        """The reply's bytes, a refusal the server made known, or SentButUnanswered."""
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
+
         try:
-            reply = await nc.request(f"{self.namespace}.{suffix}.{account}", payload, timeout=remaining)
+            reply = await nc.request(f"{self.namespace}.{suffix}.{account}", payload, timeout=timeout)
         except NoRespondersError:
             return local_error(ErrorCode.backend_unavailable, "the ito-training API is not running")
         except (TimeoutError, NatsTimeout):
@@ -187,7 +209,4 @@ class Client:
             if any("authorization" in v for v in self.violations) or "authorization" in str(exc).lower():
                 return self._refused()
             raise SentButUnanswered() from None
-        try:
-            return _envelope_decoder.decode(reply.data)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return local_error(ErrorCode.internal, "the server's answer could not be read", contacted=True)
+        return reply.data

@@ -4,6 +4,9 @@ import argparse
 import asyncio
 import getpass
 import sys
+from collections.abc import Callable
+
+import msgspec
 
 from contracts import subjects
 from contracts.api import (
@@ -45,7 +48,7 @@ def _manifest(path: str) -> tuple[str, str] | Envelope:
         return local_error(ErrorCode.manifest_invalid, "the manifest is not UTF-8 text")
 
 
-async def _read(args, suffix: str, request) -> Envelope:
+async def _read(args: argparse.Namespace, suffix: str, request: msgspec.Struct) -> Envelope:
     async with Client(args.connect_timeout, args.timeout) as client:
         try:
             return await client.call(suffix, request)
@@ -55,7 +58,7 @@ async def _read(args, suffix: str, request) -> Envelope:
             )
 
 
-async def _train(args, request: TrainRequest) -> Envelope:
+async def _call_train(args: argparse.Namespace, request: TrainRequest) -> Envelope:
     """A train whose answer is lost is resolved by asking status by its idempotency key first."""
     async with Client(args.connect_timeout, args.timeout) as client:
         try:
@@ -92,7 +95,7 @@ async def _train(args, request: TrainRequest) -> Envelope:
     )
 
 
-async def _mutate(args, suffix: str, request) -> Envelope:
+async def _mutate(args: argparse.Namespace, suffix: str, request: msgspec.Struct) -> Envelope:
     """A lost answer to a mutation is not retried blindly: its key makes a retry safe, so say so."""
     async with Client(args.connect_timeout, args.timeout) as client:
         try:
@@ -106,7 +109,7 @@ async def _mutate(args, suffix: str, request) -> Envelope:
             )
 
 
-def _login(args) -> Envelope:
+def _login(args: argparse.Namespace) -> Envelope:
     if sys.stdin.isatty():
         api_key = getpass.getpass("API key: ").strip()
     else:
@@ -134,101 +137,159 @@ def _login(args) -> Envelope:
     return env
 
 
-def run_verb(args) -> Envelope:
-    if args.verb == "login":
-        return _login(args)
-    if args.verb == "logout":
-        removed = credentials.remove()
-        return Envelope(ok=True, live_api_contacted=False, notice=None, data={"logged_out": removed})
+def _logout(args: argparse.Namespace) -> Envelope:
+    removed = credentials.remove()
+    return Envelope(ok=True, live_api_contacted=False, notice=None, data={"logged_out": removed})
+
+
+def _auth(args: argparse.Namespace) -> Envelope:
+    return asyncio.run(_read(args, subjects.API_AUTH, AuthRequest()))
+
+
+def _find(args: argparse.Namespace) -> Envelope:
+    return asyncio.run(_read(args, subjects.API_FIND, FindRequest()))
+
+
+def _plan(args: argparse.Namespace) -> Envelope:
+    m = _manifest(args.manifest)
+    if isinstance(m, Envelope):
+        return m
+    text, digest = m
+    req = PlanRequest(booking_id=args.booking, manifest_text=text, manifest_digest=digest)
+    return asyncio.run(_read(args, subjects.API_PLAN, req))
+
+
+def _train(args: argparse.Namespace) -> Envelope:
+    """The manifest read here, then a call whose lost answer `_call_train` resolves."""
+    m = _manifest(args.manifest)
+    if isinstance(m, Envelope):
+        return m
+    text, digest = m
+    req = TrainRequest(
+        booking_id=args.booking,
+        manifest_text=text,
+        manifest_digest=digest,
+        confirmation_ref=args.confirmation_ref,
+        idempotency_key=args.idempotency_key,
+    )
+    return asyncio.run(_call_train(args, req))
+
+
+def _confirm(args: argparse.Namespace) -> Envelope:
+    text: str | None = None
+    digest: str | None = None
+    if args.manifest:
+        m = _manifest(args.manifest)
+        if isinstance(m, Envelope):
+            return m
+        text, digest = m
+    req = ConfirmRequest(
+        action=Action(args.action),
+        booking_id=args.booking,
+        run_id=args.run,
+        manifest_text=text,
+        manifest_digest=digest,
+        max_cost_usd=args.max_cost,
+    )
+    return asyncio.run(_read(args, subjects.API_CONFIRM, req))
+
+
+def _status(args: argparse.Namespace) -> Envelope:
+    if not args.run and not args.idempotency_key:
+        return local_error(ErrorCode.request_invalid, "give a run id or --idempotency-key")
+    req = StatusRequest(run_id=args.run, idempotency_key=args.idempotency_key)
+    if args.follow:
+        return asyncio.run(render.follow(args, req))
+    return asyncio.run(_read(args, subjects.API_STATUS, req))
+
+
+def _metrics(args: argparse.Namespace) -> Envelope:
+    req = MetricsRequest(run_id=args.run, since=args.since)
+    return asyncio.run(_read(args, subjects.API_METRICS, req))
+
+
+def _checkpoints(args: argparse.Namespace) -> Envelope:
+    return asyncio.run(_read(args, subjects.API_CHECKPOINTS, RunItemsRequest(run_id=args.run)))
+
+
+def _evals(args: argparse.Namespace) -> Envelope:
+    return asyncio.run(_read(args, subjects.API_EVALS, RunItemsRequest(run_id=args.run)))
+
+
+def _cancel(args: argparse.Namespace) -> Envelope:
+    req = CancelRequest(
+        run_id=args.run, confirmation_ref=args.confirmation_ref, idempotency_key=args.idempotency_key
+    )
+    return asyncio.run(_mutate(args, subjects.API_CANCEL, req))
+
+
+def _cleanup(args: argparse.Namespace) -> Envelope:
+    req = CleanupRequest(
+        run_id=args.run,
+        confirmation_ref=args.confirmation_ref,
+        idempotency_key=args.idempotency_key,
+        release_booking=args.release_booking,
+        release_confirmation_ref=args.release_confirmation_ref,
+    )
+    return asyncio.run(_mutate(args, subjects.API_CLEANUP, req))
+
+
+def _approve(args: argparse.Namespace) -> Envelope:
+    req = ApproveRequest(
+        run_id=args.run,
+        confirmation_ref=args.confirmation_ref,
+        idempotency_key=args.idempotency_key,
+        reject=args.reject,
+    )
+    return asyncio.run(_mutate(args, subjects.API_APPROVE, req))
+
+
+def _audit(args: argparse.Namespace) -> Envelope:
+    from contracts.audit import AuditRequest
+
+    return asyncio.run(_read(args, subjects.API_AUDIT, AuditRequest(run_id=args.run)))
+
+
+def _logs(args: argparse.Namespace) -> Envelope:
+    req = LogsRequest(run_id=args.run, since=args.since)
+    if args.follow:
+        return asyncio.run(render.follow_logs(args, req))
+    return asyncio.run(_read(args, subjects.API_LOGS, req))
+
+
+Verb = Callable[[argparse.Namespace], Envelope]
+
+WITHOUT_LOGIN: dict[str, Verb] = {"login": _login, "logout": _logout}
+"""Verbs that run without a stored credential."""
+LOGGED_IN: dict[str, Verb] = {
+    "auth": _auth,
+    "find": _find,
+    "plan": _plan,
+    "train": _train,
+    "confirm": _confirm,
+    "status": _status,
+    "metrics": _metrics,
+    "checkpoints": _checkpoints,
+    "evals": _evals,
+    "cancel": _cancel,
+    "cleanup": _cleanup,
+    "approve": _approve,
+    "audit": _audit,
+    "logs": _logs,
+}
+"""Verbs that need a stored credential: without one they answer `unauthenticated` and call nothing."""
+
+
+def run_verb(args: argparse.Namespace) -> Envelope:
+    if args.verb in WITHOUT_LOGIN:
+        return WITHOUT_LOGIN[args.verb](args)
     missing = _logged_in()
     if missing is not None:
         return missing
-    match args.verb:
-        case "auth":
-            return asyncio.run(_read(args, subjects.API_AUTH, AuthRequest()))
-        case "find":
-            return asyncio.run(_read(args, subjects.API_FIND, FindRequest()))
-        case "plan" | "train":
-            m = _manifest(args.manifest)
-            if isinstance(m, Envelope):
-                return m
-            text, digest = m
-            if args.verb == "plan":
-                req = PlanRequest(booking_id=args.booking, manifest_text=text, manifest_digest=digest)
-                return asyncio.run(_read(args, subjects.API_PLAN, req))
-            return asyncio.run(
-                _train(
-                    args,
-                    TrainRequest(
-                        booking_id=args.booking,
-                        manifest_text=text,
-                        manifest_digest=digest,
-                        confirmation_ref=args.confirmation_ref,
-                        idempotency_key=args.idempotency_key,
-                    ),
-                )
-            )
-        case "confirm":
-            text = digest = None
-            if args.manifest:
-                m = _manifest(args.manifest)
-                if isinstance(m, Envelope):
-                    return m
-                text, digest = m
-            req = ConfirmRequest(
-                action=Action(args.action),
-                booking_id=args.booking,
-                run_id=args.run,
-                manifest_text=text,
-                manifest_digest=digest,
-                max_cost_usd=args.max_cost,
-            )
-            return asyncio.run(_read(args, subjects.API_CONFIRM, req))
-        case "status":
-            if not args.run and not args.idempotency_key:
-                return local_error(ErrorCode.request_invalid, "give a run id or --idempotency-key")
-            req = StatusRequest(run_id=args.run, idempotency_key=args.idempotency_key)
-            if args.follow:
-                return asyncio.run(render.follow(args, req))
-            return asyncio.run(_read(args, subjects.API_STATUS, req))
-        case "metrics":
-            req = MetricsRequest(run_id=args.run, since=args.since)
-            return asyncio.run(_read(args, subjects.API_METRICS, req))
-        case "checkpoints" | "evals":
-            suffix = subjects.API_CHECKPOINTS if args.verb == "checkpoints" else subjects.API_EVALS
-            return asyncio.run(_read(args, suffix, RunItemsRequest(run_id=args.run)))
-        case "cancel":
-            req = CancelRequest(
-                run_id=args.run, confirmation_ref=args.confirmation_ref, idempotency_key=args.idempotency_key
-            )
-            return asyncio.run(_mutate(args, subjects.API_CANCEL, req))
-        case "cleanup":
-            req = CleanupRequest(
-                run_id=args.run,
-                confirmation_ref=args.confirmation_ref,
-                idempotency_key=args.idempotency_key,
-                release_booking=args.release_booking,
-                release_confirmation_ref=args.release_confirmation_ref,
-            )
-            return asyncio.run(_mutate(args, subjects.API_CLEANUP, req))
-        case "approve":
-            req = ApproveRequest(
-                run_id=args.run,
-                confirmation_ref=args.confirmation_ref,
-                idempotency_key=args.idempotency_key,
-                reject=args.reject,
-            )
-            return asyncio.run(_mutate(args, subjects.API_APPROVE, req))
-        case "audit":
-            from contracts.audit import AuditRequest
-
-            return asyncio.run(_read(args, subjects.API_AUDIT, AuditRequest(run_id=args.run)))
-        case "logs":
-            req = LogsRequest(run_id=args.run, since=args.since)
-            if args.follow:
-                return asyncio.run(render.follow_logs(args, req))
-            return asyncio.run(_read(args, subjects.API_LOGS, req))
-    return local_error(ErrorCode.request_invalid, f"unknown verb {args.verb}")
+    verb = LOGGED_IN.get(args.verb)
+    if verb is None:
+        return local_error(ErrorCode.request_invalid, f"unknown verb {args.verb}")
+    return verb(args)
 
 
 def dispatch(args: argparse.Namespace) -> int:
