@@ -1,6 +1,7 @@
-"""Run states and the one table of transitions between them.
+"""Run states, the one table of transitions between them, and the sets the scheduler moves runs by.
 
-The table is data; the scheduler's lifecycle module is the single place that enforces it.
+The table is data; the scheduler's `lifecycle.move` is the single place that applies it (its run
+store exposes no other way to change a run's state).
 """
 
 import enum
@@ -48,3 +49,20 @@ ALLOWED_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.gate_failed: frozenset(),
     RunState.cancelled: frozenset(),
 }
+
+LEASABLE: frozenset[RunState] = frozenset(
+    {RunState.accepted, RunState.queued, RunState.running, RunState.interrupted}
+)
+"""A trainer may (keep) training a run in these states; in any other it stops or skips the item."""
+
+CANCEL_TO: dict[RunState, RunState] = {
+    RunState.accepted: RunState.cancelled,  # no trainer works on these: cancelled at once
+    RunState.queued: RunState.cancelled,
+    RunState.interrupted: RunState.cancelled,
+    RunState.awaiting_approval: RunState.cancelled,
+    RunState.running: RunState.cancelling,  # the trainer stops after its step and reports `cancelled`
+}
+"""Where a cancel moves a run, by its current state; a run in no other state can be cancelled."""
+
+CANCELLABLE: frozenset[RunState] = frozenset(CANCEL_TO)
+CANCEL_AT_ONCE: frozenset[RunState] = frozenset(s for s, to in CANCEL_TO.items() if to is RunState.cancelled)

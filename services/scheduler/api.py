@@ -7,13 +7,13 @@ atomic step) -> hand-off to the trainer. Nothing is written before the accept; e
 decision goes to the audit stream.
 """
 
-import hashlib
 import logging
 import os
 import pathlib
 import secrets
 import shutil
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -44,11 +44,14 @@ from contracts.internal import ConfirmationCreate, LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
-from services.runtime import accounts, faults
+from services.runtime import faults
 from services.runtime.checkpoint_paths import run_dir
 from services.runtime.codec import Refusal
 from services.runtime.keys import Keys
 from services.scheduler import planning
+from services.scheduler.admission import MAX_IDEMPOTENCY_KEY as MAX_IDEMPOTENCY_KEY  # re-exported
+from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
+from services.scheduler.admission import valid_idempotency_key as valid_idempotency_key  # re-exported
 from services.scheduler.audit import Auditor, Trail
 from services.scheduler.backends import Backends
 from services.scheduler.handoff import Handoff
@@ -56,17 +59,6 @@ from services.scheduler.manifests import verify
 from services.scheduler.store import RunStore
 
 log = logging.getLogger("ito.scheduler.api")
-
-MAX_IDEMPOTENCY_KEY = 255
-
-
-def valid_idempotency_key(key: str) -> bool:
-    """1-255 printable ASCII characters (space through tilde)."""
-    return 1 <= len(key) <= MAX_IDEMPOTENCY_KEY and all(" " <= c <= "~" for c in key)
-
-
-def fingerprint(action: Action, account: str, target: str, digest: str) -> str:
-    return hashlib.sha256("\0".join((action.value, account, target, digest)).encode()).hexdigest()
 
 
 def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, str] | None:
@@ -95,21 +87,6 @@ def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, 
             f"checkpoints need ~{needed / 1e9:.1f} GB; the storage has {free / 1e9:.1f} GB free"
         )
     return None
-
-
-async def authenticate(r: aioredis.Redis, keys: Keys, caller: str, req) -> AuthInfo:
-    """The caller is the account whose credential the NATS server authenticated (the request's
-    subject says which; only that credential may publish there). An API key is never accepted on
-    the wire, and a credential block, when a client still sends one, must name the same account."""
-    credential = getattr(req, "credential", None)
-    if credential is not None:
-        if credential.api_key:
-            raise Refusal(
-                ErrorCode.request_invalid, "API keys never travel in requests; upgrade ecc and log in again"
-            )
-        if credential.account != caller:
-            raise Refusal(ErrorCode.unauthenticated, "the request names another account than its credential")
-    return await accounts.authenticate(r, keys, caller)
 
 
 def accepted(view: RunView, replay: bool = False) -> RunAccepted:
@@ -238,9 +215,7 @@ class Api:
 
     async def _replay(self, entry: LedgerEntry, fp: str) -> tuple[RunAccepted, str]:
         if entry.fingerprint != fp:
-            raise Refusal(
-                ErrorCode.idempotency_key_conflict, "this idempotency key was used for another request"
-            )
+            raise key_conflict()
         view = await self.runs.get(entry.account, entry.run_id)
         view = view if view is not None else self.handoff.view_from(entry)
         return accepted(view, replay=True), "replay: this idempotency key already created this run"
@@ -254,36 +229,63 @@ class Api:
             await self.auditor.publish(trail)
 
     async def _train(self, req: TrainRequest, account: str, trail: Trail) -> tuple[RunAccepted, str | None]:
-        run_id = trail.request_id
+        """The gates in their fixed order; each step below records its own decisions."""
         trail.record("authenticate", True)
-        trail.check(
-            "idempotency_key_format",
-            None
-            if valid_idempotency_key(req.idempotency_key)
-            else Refusal(
-                ErrorCode.idempotency_key_invalid, "idempotency keys are 1-255 printable ASCII characters"
-            ),
-        )
-        try:
-            manifest, digest = verify(req.manifest_text, req.manifest_digest)
-        except Refusal as refusal:
-            trail.check("manifest", refusal)
-        trail.digest = digest
-        trail.record("manifest", True)
+        trail.check("idempotency_key_format", key_refusal(req.idempotency_key))
+        manifest, digest = self._manifest(req, trail)
         fp = fingerprint(Action.train, account, req.booking_id, digest)
         existing = await trail.gate(
             "ledger_lookup", self.backends.ledger_lookup(account, req.idempotency_key)
         )
         if existing is not None:
             return await trail.gate("replay", self._replay(existing, fp))
-        p, body = await trail.gate("eligibility", self._plan(account, req.booking_id, manifest, digest))
+        p, body = await self._planned(account, req.booking_id, manifest, digest, trail)
+        winner = await self._confirmed(account, req, digest, p.cost.total_usd, trail)
+        if winner is not None:
+            return await trail.gate("replay", self._replay(winner, fp))
+        if not self.backends.still_fresh(body, datetime.now(UTC)):
+            # re-fetched, never stretched: the gate is checked again at the moment of creation
+            body = await trail.gate(
+                "eligibility_refresh", self.backends.verified_eligibility(account, req.booking_id, manifest)
+            )
+        work = self._work(trail.request_id, account, req, manifest, digest, p)
+        entry = await trail.gate("ledger_accept", self._reserve(account, req, fp, work))
+        if entry.run_id != work.run_id:  # a concurrent request with the same key won the reservation
+            return await trail.gate("replay", self._replay(entry, fp))
+        faults.crash_here(faults.SCHEDULER_AFTER_ACCEPT)
+        view = await trail.gate("hand_off", self.handoff.hand_off(entry))
+        log.info("run %s accepted for account %s on booking %s", work.run_id, account, req.booking_id)
+        return accepted(view), None
+
+    @staticmethod
+    def _manifest(req: TrainRequest, trail: Trail) -> tuple[Manifest, str]:
+        try:
+            manifest, digest = verify(req.manifest_text, req.manifest_digest)
+        except Refusal as refusal:
+            trail.refuse("manifest", refusal)
+        trail.digest = digest
+        trail.record("manifest", True)
+        return manifest, digest
+
+    async def _planned(
+        self, account: str, booking_id: str, manifest: Manifest, digest: str, trail: Trail
+    ) -> tuple[Plan, Any]:
+        p, body = await trail.gate("eligibility", self._plan(account, booking_id, manifest, digest))
         for check in p.checks:
             trail.record(f"plan.{check.name}", check.ok, check.code)
-        refusal = planning.first_refusal(p)
-        if refusal is not None:
-            raise Refusal(refusal[0], plan_refusal_message(p))
-        if not req.confirmation_ref:
-            trail.check(
+        first = planning.first_refusal(p)
+        if first is not None:
+            raise Refusal(first[0], plan_refusal_message(p))
+        return p, body
+
+    async def _confirmed(
+        self, account: str, req: TrainRequest, digest: str, cost: float, trail: Trail
+    ) -> LedgerEntry | None:
+        """Resolve the confirmation; the winning entry when a concurrent request with the same key
+        consumed it a moment ago (that is a replay), else None."""
+        ref = req.confirmation_ref
+        if not ref:
+            trail.refuse(
                 "confirmation",
                 Refusal(
                     ErrorCode.confirmation_required,
@@ -293,23 +295,20 @@ class Api:
         try:
             await trail.gate(
                 "confirmation",
-                self.backends.resolve_confirmation(
-                    account, req.confirmation_ref, Action.train, req.booking_id, digest, p.cost.total_usd
-                ),
+                self.backends.resolve_confirmation(account, ref, Action.train, req.booking_id, digest, cost),
             )
         except Refusal as refusal:
-            # A concurrent request with the same key may have consumed it a moment ago: that is a replay.
             if refusal.code is ErrorCode.confirmation_consumed:
                 winner = await self.backends.ledger_lookup(account, req.idempotency_key)
                 if winner is not None:
-                    return await trail.gate("replay", self._replay(winner, fp))
+                    return winner
             raise
-        if not self.backends.still_fresh(body, datetime.now(UTC)):
-            # re-fetched, never stretched: the gate is checked again at the moment of creation
-            body = await trail.gate(
-                "eligibility_refresh", self.backends.verified_eligibility(account, req.booking_id, manifest)
-            )
-        work = TrainWork(
+        return None
+
+    def _work(
+        self, run_id: str, account: str, req: TrainRequest, manifest: Manifest, digest: str, p: Plan
+    ) -> TrainWork:
+        return TrainWork(
             run_id=run_id,
             account=account,
             booking_id=req.booking_id,
@@ -318,29 +317,23 @@ class Api:
             plan=p,
             checkpoint_dir=str(run_dir(self.checkpoint_root, manifest.checkpoint.storage, account, run_id)),
         )
-        entry = await trail.gate(
-            "ledger_accept",
-            self.backends.ledger_accept(
-                LedgerAccept(
-                    account=account,
-                    idempotency_key=req.idempotency_key,
-                    fingerprint=fp,
-                    run_id=run_id,
-                    action=Action.train,
-                    confirmation_ref=req.confirmation_ref,
-                    target=req.booking_id,
-                    manifest_digest=digest,
-                    cost_usd=p.cost.total_usd,
-                    work=msgspec.json.encode(work),
-                )
-            ),
+
+    async def _reserve(self, account: str, req: TrainRequest, fp: str, work: TrainWork) -> LedgerEntry:
+        """Consume the confirmation and reserve the key, one atomic step in the ledger."""
+        return await self.backends.ledger_accept(
+            LedgerAccept(
+                account=account,
+                idempotency_key=req.idempotency_key,
+                fingerprint=fp,
+                run_id=work.run_id,
+                action=Action.train,
+                confirmation_ref=req.confirmation_ref or "",
+                target=req.booking_id,
+                manifest_digest=work.manifest_digest,
+                cost_usd=work.plan.cost.total_usd,
+                work=msgspec.json.encode(work),
+            )
         )
-        if entry.run_id != run_id:  # a concurrent request with the same key won the reservation
-            return await trail.gate("replay", self._replay(entry, fp))
-        faults.crash_here(faults.SCHEDULER_AFTER_ACCEPT)
-        view = await trail.gate("hand_off", self.handoff.hand_off(entry))
-        log.info("run %s accepted for account %s on booking %s", run_id, account, req.booking_id)
-        return accepted(view), None
 
     async def status(self, caller: str, req: StatusRequest) -> RunView:
         account = await self._account(caller, req)

@@ -87,7 +87,7 @@ def register(w: Wiring) -> None:
         ],
     )
     # Only trainers may publish lease queries (NATS permissions); the answer is checked against the run.
-    serve_requests(w, [(subjects.RUN_LEASE, LeaseQuery, mutations.lease)], signed=False)
+    serve_requests(w, [(subjects.RUN_LEASE, LeaseQuery, liveness.Heartbeats(runs).heartbeat)], signed=False)
 
     consume_in_order(
         w,

@@ -9,7 +9,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import msgspec
 from faststream.nats import NatsBroker
@@ -60,6 +60,11 @@ class Trail:
             raise
         self.record(name, True)
         return result
+
+    def refuse(self, name: str, refusal: Refusal) -> NoReturn:
+        """Record a failed synchronous gate and raise its refusal."""
+        self.record(name, False, refusal.code.value)
+        raise refusal
 
     def check(self, name: str, refusal: Refusal | None) -> None:
         """Record a synchronous gate; raise its refusal if it has one."""

@@ -12,7 +12,15 @@ import logging
 import msgspec
 
 from contracts.api import LogLineView
-from contracts.runs import CheckpointSaved, Interruption, LogLine, Metrics, RunCreated, RunEvent
+from contracts.runs import (
+    CheckpointSaved,
+    Interruption,
+    LogLine,
+    Metrics,
+    RunCreated,
+    RunEvent,
+    StateChanged,
+)
 from contracts.states import TERMINAL_STATES
 from services.scheduler import lifecycle
 from services.scheduler.store import RunStore
@@ -53,15 +61,25 @@ class RunEvents:
         if account is None:
             log.error("event for unknown run %s ignored", event.run_id)
             return
+        trainer = from_trainer(event)
+        seq, epoch = (event.seq, event.epoch) if trainer else (None, None)
         try:
-            trainer = from_trainer(event)
-            view, applied = await self.runs.update(
-                account,
-                event.run_id,
-                event.seq if trainer else None,
-                lambda view: lifecycle.apply_event(view, event),
-                holder_epoch=event.epoch if trainer else None,
-            )
+            if isinstance(event, StateChanged):  # the state moves only through lifecycle.move
+                view, applied = await self.runs.move(
+                    account,
+                    event.run_id,
+                    event.state,
+                    at=event.at,
+                    seq=seq,
+                    holder_epoch=epoch,
+                    stage=event.stage,
+                    message=event.message,
+                    total_steps=event.total_steps,
+                )
+            else:
+                view, applied = await self.runs.update(
+                    account, event.run_id, seq, lambda view: lifecycle.apply_event(view, event), epoch
+                )
         except lifecycle.IllegalTransition as exc:
             log.warning("run %s: %s refused, not applied", event.run_id, exc)
             return

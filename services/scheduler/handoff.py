@@ -9,7 +9,6 @@ steps; each is idempotent, so no run is lost and none is duplicated.
 
 import asyncio
 import logging
-from datetime import UTC, datetime
 
 import msgspec
 from faststream.nats import NatsBroker
@@ -19,7 +18,6 @@ from contracts.internal import LedgerEntry
 from contracts.runs import RunCreated, TrainWork
 from contracts.states import RunState
 from services.runtime.settings import Settings
-from services.scheduler import lifecycle
 from services.scheduler.backends import Backends
 from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import RunStore
@@ -74,12 +72,9 @@ class Handoff:
         await self.runs.remember(view.account, view.run_id, "work", entry.work)  # for an approved restart
         await self.backends.publish_work(entry.run_id, entry.work, entry.run_id)
 
-        def to_queued(v: RunView) -> RunView:
-            if v.state is not RunState.accepted:
-                return v  # the trainer already moved it on
-            return lifecycle.transition(v, RunState.queued, datetime.now(UTC))
-
-        updated, _ = await self.runs.update(entry.account, entry.run_id, None, to_queued)
+        updated, _ = await self.runs.move(  # unless the trainer already moved it on
+            entry.account, entry.run_id, RunState.queued, allowed_from=frozenset({RunState.accepted})
+        )
         await self.backends.ledger_handed_off(entry.account, entry.idempotency_key)
         return updated or view
 

@@ -1,6 +1,13 @@
-"""The run state machine, enforced here and only here, and how run events change a run view."""
+"""The run state machine, enforced here and only here, and how run events change a run view.
 
+`move` is the one writer of a run's state: the run store applies it inside its transaction
+(`RunStore.move`), and its `update` refuses any other change of state (`NotAMove`). Every
+transition (hand-off, cancel, approval, a silent trainer, a trainer's own report) goes through it.
+"""
+
+from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 import msgspec
 
@@ -20,6 +27,13 @@ from contracts.runs import (
     StateChanged,
 )
 from contracts.states import ALLOWED_TRANSITIONS, RunState
+
+
+class NotAMove(Exception):
+    """A change of a run's state outside `move` (a programming error, never applied)."""
+
+    def __init__(self, current: RunState, wanted: RunState) -> None:
+        super().__init__(f"{current.value} -> {wanted.value} outside lifecycle.move")
 
 
 class IllegalTransition(Exception):
@@ -53,11 +67,38 @@ def transition(
     )
 
 
+def move(
+    view: RunView,
+    to: RunState | Mapping[RunState, RunState],
+    at: datetime,
+    *,
+    allowed_from: frozenset[RunState] | None = None,
+    stage: str | None = None,
+    message: str | None = None,
+    total_steps: int = 0,
+    **fields: Any,
+) -> RunView:
+    """The run moved to `to` (or, given a mapping, to where it routes the current state).
+
+    A run outside `allowed_from` (or the mapping's keys) is returned unchanged: someone moved it
+    first, so this move no longer applies. Otherwise the table decides (IllegalTransition).
+    `fields` are other view fields set in the same write (e.g. `proposal=None`)."""
+    if isinstance(to, Mapping):
+        allowed_from = frozenset(to) if allowed_from is None else allowed_from & frozenset(to)
+        target = to.get(view.state)
+    else:
+        target = to
+    if target is None or (allowed_from is not None and view.state not in allowed_from):
+        return view
+    moved = transition(view, target, at, stage=stage, message=message, total_steps=total_steps)
+    return msgspec.structs.replace(moved, **fields) if fields and moved is not view else moved
+
+
 def apply_event(view: RunView, event: RunEvent) -> RunView:
     """Fold one trainer event into the run's view (logs and checkpoints are stored beside it)."""
     match event:
         case StateChanged():
-            return transition(
+            return move(
                 view,
                 event.state,
                 event.at,

@@ -1,78 +1,124 @@
-"""Detect a lost trainer in seconds: a run whose lease holder stopped renewing is `interrupted`.
+"""The trainer's lease and heartbeat, and the watcher that marks a run with a lost trainer `interrupted`.
 
-A trainer renews its lease every RENEW_EVERY_S (services/trainer/worker.py); the renewal is its
-heartbeat. The watcher marks a run silent for SILENCE_S as interrupted and records the
-interruption (for desk telemetry). The work item itself comes back from JetStream when its ack
+A trainer leases a run before it trains it (epoch 0 asks for the next epoch, with its work item's
+binding) and renews the lease every `renew_every_s`; each renewal is its heartbeat (`heartbeat`,
+on the RUN_LEASE subject). The watcher marks a run silent for `silence_s` as interrupted and records
+the interruption (for desk telemetry). The work item itself comes back from JetStream when its ack
 deadline passes, and the next trainer leases the run with a higher epoch: the old holder, if it was
-only cut off, is fenced (its renewals and its events are refused) and stops by itself before the
-new one can start, because it gives up after SELF_FENCE_S < SILENCE_S without a renewal.
+only cut off, is fenced (its renewals and its events are refused) and has stopped by itself before
+the new one can start. The timers and their ordering: services/runtime/liveness.py.
 """
 
 import asyncio
 import logging
 import time
-from datetime import UTC, datetime
+from typing import Any
 
-from contracts.api import RunView
+from contracts.api import LeaseAnswer, LeaseQuery, RunView
 from contracts.runs import Interruption
-from contracts.states import TERMINAL_STATES, RunState
-from services.scheduler import lifecycle
+from contracts.states import LEASABLE, TERMINAL_STATES, RunState
+from services.runtime import codec
+from services.runtime.liveness import TIMERS
 from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import RunStore
 
 log = logging.getLogger("ito.scheduler.liveness")
 
-SILENCE_S = 5.0  # no renewal for this long: the trainer is lost (the issue's target: detect within 10 s)
-WATCH_EVERY_S = 1.0
+SILENCE_S = TIMERS.silence_s  # no renewal for this long: the trainer is lost
+WATCH_EVERY_S = TIMERS.watch_every_s
+_RUNNING = frozenset({RunState.running})
+
+
+def binding_matches(view: RunView, req: LeaseQuery) -> bool:
+    """Is the work item in the trainer's hands this run's (account, booking, manifest, plan)?"""
+    return (req.account, req.booking_id, req.manifest_digest, req.plan_sha256) == (
+        view.account,
+        view.booking_id,
+        view.manifest_digest,
+        codec.digest(view.plan),
+    )
+
+
+class Heartbeats:
+    """Answers a trainer's lease queries (RUN_LEASE): a new lease, or a renewal, its heartbeat."""
+
+    def __init__(self, runs: RunStore) -> None:
+        self.runs = runs
+
+    async def heartbeat(self, req: LeaseQuery) -> LeaseAnswer:
+        account = await self.runs.owner(req.run_id)
+        if account is None:
+            return LeaseAnswer(run_id=req.run_id, proceed=False)
+        if req.epoch == 0:  # a new lease: the work item in the trainer's hands must be this run's
+            view = await self.runs.get(account, req.run_id)
+            if view is None or not binding_matches(view, req):
+                log.warning("run %s: lease refused, the work item does not match the run record", req.run_id)
+                return LeaseAnswer(run_id=req.run_id, proceed=False)
+        granted, current, epoch = await self.runs.lease(
+            account,
+            req.run_id,
+            req.trainer_id,
+            req.epoch,
+            time.time(),
+            SILENCE_S,
+            lambda v: v.state in LEASABLE,
+        )
+        return LeaseAnswer(
+            run_id=req.run_id, proceed=granted, state=current.state if current else None, epoch=epoch
+        )
+
+
+async def silent_for(runs: RunStore, run_id: str, account: str, now: float) -> float | None:
+    """How long a running run's trainer has been silent past SILENCE_S, or None (a finished run
+    leaves the lease index here)."""
+    view = await runs.get(account, run_id)
+    if view is None or view.state in TERMINAL_STATES:
+        await runs.release_lease(run_id)
+        return None
+    seen = await runs.lease_seen(account, run_id)
+    if view.state is not RunState.running or seen is None or now - seen <= SILENCE_S:
+        return None
+    return now - seen
+
+
+async def interrupt(
+    runs: RunStore, run_id: str, account: str, silent: float, now: float, events: RunEventPublisher | None
+) -> bool:
+    """Move a silent run to `interrupted` and record why; False when it moved on meanwhile."""
+    updated, applied = await runs.move(
+        account,
+        run_id,
+        RunState.interrupted,
+        allowed_from=_RUNNING,
+        message=f"trainer silent for {silent:.1f}s; resuming from the last checkpoint",
+    )
+    if not applied or updated is None or updated.state is not RunState.interrupted:
+        return False
+    record: dict[str, Any] = {
+        "detected_at": now,
+        "silent_s": round(silent, 3),
+        "cause": "trainer_lost",
+        "step": updated.step,
+        "stage": updated.stage,
+    }
+    await runs.record_interruption(account, run_id, record)
+    if events is not None:
+        await events.publish(
+            Interruption(
+                **events.base(run_id), cause="trainer_lost", silent_s=round(silent, 3), step=updated.step
+            ),
+            f"{run_id}:interruption:{int(now)}",
+        )
+    log.warning("run %s: trainer silent for %.1fs; marked interrupted", run_id, silent)
+    return True
 
 
 async def watch_once(runs: RunStore, now: float, events: RunEventPublisher | None = None) -> list[str]:
     """Mark silent running runs interrupted; returns their ids."""
     interrupted = []
     for run_id, account in (await runs.leased()).items():
-        view = await runs.get(account, run_id)
-        if view is None or view.state in TERMINAL_STATES:
-            await runs.release_lease(run_id)
-            continue
-        seen = await runs.lease_seen(account, run_id)
-        if view.state is not RunState.running or seen is None or now - seen <= SILENCE_S:
-            continue
-        silent = now - seen
-
-        def to_interrupted(v: RunView, silent: float = silent) -> RunView:
-            if v.state is not RunState.running:
-                return v
-            return lifecycle.transition(
-                v,
-                RunState.interrupted,
-                datetime.now(UTC),
-                message=f"trainer silent for {silent:.1f}s; resuming from the last checkpoint",
-            )
-
-        updated, applied = await runs.update(account, run_id, None, to_interrupted)
-        if applied and updated is not None and updated.state is RunState.interrupted:
-            await runs.record_interruption(
-                account,
-                run_id,
-                {
-                    "detected_at": now,
-                    "silent_s": round(silent, 3),
-                    "cause": "trainer_lost",
-                    "step": updated.step,
-                    "stage": updated.stage,
-                },
-            )
-            if events is not None:
-                await events.publish(
-                    Interruption(
-                        **events.base(run_id),
-                        cause="trainer_lost",
-                        silent_s=round(silent, 3),
-                        step=updated.step,
-                    ),
-                    f"{run_id}:interruption:{int(now)}",
-                )
-            log.warning("run %s: trainer silent for %.1fs; marked interrupted", run_id, silent)
+        silent = await silent_for(runs, run_id, account, now)
+        if silent is not None and await interrupt(runs, run_id, account, silent, now, events):
             interrupted.append(run_id)
     return interrupted
 

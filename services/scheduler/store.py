@@ -1,11 +1,16 @@
 """Redis access for runs: the run view, its logs, metrics and checkpoints, and the owner index.
 
-A run view changes only through `update()`, an optimistic WATCH/MULTI transaction around a pure
-function, so concurrent writers (the event consumer, cancel) never lose each other's changes.
+A run view changes only through `move()` (its state, by `lifecycle.move`: the one writer of that
+fact) and `update()` (anything but its state: `lifecycle.NotAMove` otherwise), both an optimistic
+WATCH/MULTI transaction around a pure function, so concurrent writers (the event consumer, cancel,
+the watcher) never lose each other's changes.
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -13,7 +18,9 @@ from redis.exceptions import WatchError
 
 from contracts.api import LogLineView, RunView
 from contracts.runs import CheckpointSaved, Metrics
+from contracts.states import RunState
 from services.runtime.keys import Keys
+from services.scheduler import lifecycle
 
 MAX_LOG_LINES = 10_000  # per run; older lines are trimmed
 MAX_METRIC_POINTS = 10_000
@@ -36,6 +43,36 @@ def in_order(epoch: int, seq: int, last_epoch: int, last_seq: int) -> bool:
     return last_seq < seq <= last_seq + MAX_SEQ_GAP
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseHeld:
+    epoch: int  # 0: never leased
+    holder: str  # "" when none
+    seen: float  # the holder's last heartbeat (epoch seconds)
+
+
+def lease_decision(
+    view: RunView,
+    held: LeaseHeld,
+    trainer_id: str,
+    epoch: int,
+    now: float,
+    silence_s: float,
+    leasable: Callable[[RunView], bool],
+) -> int | None:
+    """The epoch granted (a renewal keeps the held one, a new lease gets the next), or None."""
+    if not leasable(view):
+        return None
+    if epoch:  # a renewal: only the current holder's epoch
+        return epoch if epoch == held.epoch else None
+    if held.holder and held.holder != trainer_id and now - held.seen < silence_s:
+        return None  # another live trainer holds it
+    return held.epoch + 1
+
+
+def _text(raw: bytes | str | None) -> str:
+    return "" if raw is None else raw.decode() if isinstance(raw, bytes) else raw
+
+
 class RunStore:
     def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
         self.r = r
@@ -55,13 +92,53 @@ class RunStore:
 
     async def owner(self, run_id: str) -> str | None:
         raw = await self.r.get(self.keys.run_owner(run_id))
-        return None if raw is None else raw.decode()
+        return None if raw is None else _text(raw)
 
     async def get(self, account: str, run_id: str) -> RunView | None:
         raw = await self.r.hget(self.keys.run(account, run_id), "view")
         return None if raw is None else _view_decoder.decode(raw)
 
     async def update(
+        self,
+        account: str,
+        run_id: str,
+        seq: int | None,
+        change: Callable[[RunView], RunView],
+        holder_epoch: int | None = None,
+    ) -> tuple[RunView | None, bool]:
+        """Apply `change`, which must leave the state alone (`move` changes it), as `_write` does."""
+
+        def same_state(view: RunView) -> RunView:
+            new = change(view)
+            if new.state != view.state:
+                raise lifecycle.NotAMove(view.state, new.state)
+            return new
+
+        return await self._write(account, run_id, seq, same_state, holder_epoch)
+
+    async def move(
+        self,
+        account: str,
+        run_id: str,
+        to: RunState | Mapping[RunState, RunState],
+        *,
+        allowed_from: frozenset[RunState] | None = None,
+        at: datetime | None = None,
+        seq: int | None = None,
+        holder_epoch: int | None = None,
+        **details: Any,
+    ) -> tuple[RunView | None, bool]:
+        """Move the run with `lifecycle.move` (see there) atomically; (view, applied) as `_write`."""
+        when = at or datetime.now(UTC)
+        return await self._write(
+            account,
+            run_id,
+            seq,
+            lambda view: lifecycle.move(view, to, when, allowed_from=allowed_from, **details),
+            holder_epoch,
+        )
+
+    async def _write(
         self,
         account: str,
         run_id: str,
@@ -145,10 +222,11 @@ class RunStore:
         await self.r.hset(self.keys.run(account, run_id), field, value)
 
     async def recall(self, account: str, run_id: str, field: str) -> bytes | None:
-        return await self.r.hget(self.keys.run(account, run_id), field)
+        raw = await self.r.hget(self.keys.run(account, run_id), field)
+        return raw.encode() if isinstance(raw, str) else raw
 
     async def accounts(self) -> list[str]:
-        return sorted(a.decode() for a in await self.r.smembers(self.keys.accounts()))
+        return sorted(_text(a) for a in await self.r.smembers(self.keys.accounts()))
 
     # --- leases: which trainer may train a run, fenced by a growing epoch ---
 
@@ -162,7 +240,8 @@ class RunStore:
         silence_s: float,
         leasable: Callable[[RunView], bool],
     ) -> tuple[bool, RunView | None, int]:
-        """Grant (epoch 0) or renew (the held epoch) a run's lease: (granted, view, epoch)."""
+        """Grant (epoch 0) or renew (the held epoch) a run's lease: (granted, view, epoch); the
+        decision is `lease_decision`'s, applied in one WATCH/MULTI transaction."""
         key = self.keys.run(account, run_id)
         for _ in range(UPDATE_RETRIES):
             async with self.r.pipeline(transaction=True) as pipe:
@@ -173,32 +252,27 @@ class RunStore:
                     )
                     if raw is None:
                         return False, None, 0
-                    view, cur = _view_decoder.decode(raw), int(cur or 0)
-                    if not leasable(view):
-                        return False, view, cur
-                    if epoch:  # renewal: only the current holder's epoch
-                        if epoch != cur:
-                            return False, view, cur
-                        pipe.multi()
-                        pipe.hset(key, "lease_seen", now)
-                        await pipe.execute()
-                        return True, view, cur
-                    holder = holder.decode() if holder else ""
-                    if holder and holder != trainer_id and now - float(seen or 0) < silence_s:
-                        return False, view, cur  # another live trainer holds it
+                    view = _view_decoder.decode(raw)
+                    held = LeaseHeld(int(cur or 0), _text(holder), float(seen or 0))
+                    grant = lease_decision(view, held, trainer_id, epoch, now, silence_s, leasable)
+                    if grant is None:
+                        return False, view, held.epoch
                     pipe.multi()
-                    pipe.hset(
-                        key, mapping={"lease_epoch": cur + 1, "lease_holder": trainer_id, "lease_seen": now}
-                    )
-                    pipe.hset(self.keys.leased(), run_id, account)
+                    if grant == held.epoch:  # a renewal: only the heartbeat moves
+                        pipe.hset(key, "lease_seen", now)
+                    else:
+                        pipe.hset(
+                            key, mapping={"lease_epoch": grant, "lease_holder": trainer_id, "lease_seen": now}
+                        )
+                        pipe.hset(self.keys.leased(), run_id, account)
                     await pipe.execute()
-                    return True, view, cur + 1
+                    return True, view, grant
                 except WatchError:
                     continue
         raise RuntimeError(f"run {run_id}: too much contention on its lease")
 
     async def leased(self) -> dict[str, str]:
-        return {k.decode(): v.decode() for k, v in (await self.r.hgetall(self.keys.leased())).items()}
+        return {_text(k): _text(v) for k, v in (await self.r.hgetall(self.keys.leased())).items()}
 
     async def lease_seen(self, account: str, run_id: str) -> float | None:
         raw = await self.r.hget(self.keys.run(account, run_id), "lease_seen")

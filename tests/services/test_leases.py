@@ -8,10 +8,9 @@ from datetime import UTC, datetime
 import pytest
 
 from contracts.api import RunView
-from contracts.states import RunState
+from contracts.states import LEASABLE, RunState
 from services.runtime.keys import Keys
 from services.scheduler import liveness
-from services.scheduler.mutations import LEASABLE
 from services.scheduler.store import RunStore
 
 NOW = datetime.now(UTC)
@@ -147,12 +146,26 @@ async def test_a_cancelled_run_cannot_be_leased(runs):
 async def test_watcher_marks_a_silent_run_interrupted_once(runs):
     run_id = await new_run(runs)
     await runs.lease("acme", run_id, "t", 0, 1000.0, 5.0, leasable)
-    await runs.update(
-        "acme", run_id, None, lambda v: __import__("msgspec").structs.replace(v, state=RunState.running)
-    )
+    await runs.move("acme", run_id, RunState.running)
     assert await liveness.watch_once(runs, 1004.0) == []  # within the silence allowance
     assert await liveness.watch_once(runs, 1006.0) == [run_id]
     assert await liveness.watch_once(runs, 1007.0) == []
     assert (await runs.get("acme", run_id)).state is RunState.interrupted
     (record,) = await runs.interruptions("acme", run_id)
     assert record["cause"] == "trainer_lost" and record["silent_s"] == 6.0
+
+
+async def test_the_store_has_no_writer_of_state_but_move(runs):
+    """`update` refuses a change of state: a transition outside lifecycle.move cannot be written."""
+    import msgspec
+
+    from services.scheduler.lifecycle import NotAMove
+
+    run_id = await new_run(runs)
+    with pytest.raises(NotAMove):
+        await runs.update("acme", run_id, None, lambda v: msgspec.structs.replace(v, state=RunState.running))
+    assert (await runs.get("acme", run_id)).state is RunState.queued
+    view, applied = await runs.move(
+        "acme", run_id, RunState.cancelled, allowed_from=frozenset({RunState.running})
+    )
+    assert applied and view.state is RunState.queued  # not in allowed_from: unchanged
