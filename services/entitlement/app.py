@@ -21,7 +21,7 @@ BOOKING_ACK_WAIT_S = 5  # applying an event takes milliseconds; a lost service's
 def register(w: Wiring) -> None:
     s = w.settings
     h = EntitlementHandlers(
-        BookingStore(w.redis, w.keys), settings_mod.entitlement_key(s), s.eligibility_ttl_s
+        BookingStore(w.require_redis(), w.keys), settings_mod.entitlement_key(s), s.eligibility_ttl_s
     )
 
     # Acked only after the Redis write returned (the apply is idempotent by version).
@@ -31,7 +31,7 @@ def register(w: Wiring) -> None:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             # A malformed event would be redelivered forever: acknowledge it, count it, say why.
             log.error("booking event rejected (acked, not applied): %s", exc)
-            await w.redis.hincrby(w.keys.booking_stats(), "rejected_malformed", 1)
+            await w.require_redis().hincrby(w.keys.booking_stats(), "rejected_malformed", 1)
             return
         faults.crash_here(faults.ENTITLEMENT_BEFORE_APPLY)
         await h.on_event(event)

@@ -7,7 +7,7 @@ have no right to create, change, purge or delete a stream."""
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,9 +46,17 @@ class Wiring:
     def inbox_prefix(self) -> bytes:
         return (service_inbox(self.service) + ".").encode()
 
+    def require_redis(self) -> aioredis.Redis:
+        """The Redis connection of a service that keeps state (every one but the trainer)."""
+        if self.redis is None:
+            raise RuntimeError(f"the {self.service} service holds no Redis credential")
+        return self.redis
+
 
 Route = tuple[str, type, Callable[[Any], Coroutine[Any, Any, Any]]]
 """(subject suffix, request contract, async handler): one core request/reply endpoint."""
+TenantRoute = tuple[str, type, Callable[[str, Any], Coroutine[Any, Any, Any]]]
+"""(subject suffix, request contract, async handler(account, request)): one API endpoint."""
 
 
 def replier(
@@ -57,7 +65,7 @@ def replier(
     """A subscriber that decodes the request at the edge and answers with an Envelope. With a
     verifier, a request the scheduler did not sign (recently) is refused before it is decoded.
     A factory, so that FastStream sees only the message argument."""
-    decoder = msgspec.json.Decoder(request_type)
+    decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(request_type)
 
     async def reply(msg: NatsMessage) -> bytes:
         if verifier is not None and not verifier.valid(msg.raw_message.subject, msg.body, msg.headers):
@@ -77,7 +85,7 @@ def tenant_replier(handler: Callable[[str, Any], Coroutine[Any, Any, Any]], requ
     """An API endpoint: the caller's account is the last subject token, which only that account's
     credential may publish on; the reply must go to that account's own inbox (the server does not
     check reply subjects, so another tenant could otherwise aim our answer at a victim)."""
-    decoder = msgspec.json.Decoder(request_type)
+    decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(request_type)
 
     async def reply(msg: NatsMessage) -> bytes:
         account = msg.raw_message.subject.rsplit(".", 1)[-1]
@@ -98,7 +106,7 @@ def scheduler_verifier(settings: Settings) -> Verifier:
     return Verifier(Secrets(settings.secrets_dir).verify_key())
 
 
-def serve_requests(w: "Wiring", routes: list[Route], signed: bool = True) -> None:
+def serve_requests(w: "Wiring", routes: Sequence[Route], signed: bool = True) -> None:
     """Internal endpoints. `signed`: only requests the scheduler signed are answered."""
     verifier = scheduler_verifier(w.settings) if signed else None
     for suffix, request_type, handler in routes:
@@ -107,7 +115,7 @@ def serve_requests(w: "Wiring", routes: list[Route], signed: bool = True) -> Non
         )
 
 
-def serve_tenant_requests(w: "Wiring", routes: list[Route]) -> None:
+def serve_tenant_requests(w: "Wiring", routes: Sequence[TenantRoute]) -> None:
     """API endpoints on `<ns>.<verb>.<account>`; the handler is called as handler(account, request)."""
     for suffix, request_type, handler in routes:
         w.broker.subscriber(w.settings.subject(suffix) + ".*", max_workers=REQUEST_CONCURRENCY)(

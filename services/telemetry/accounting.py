@@ -13,6 +13,7 @@ each interval goes to exactly one category, so goodput plus badput is 100 % by c
 
 import statistics
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from contracts.runs import (
@@ -30,65 +31,89 @@ from contracts.states import RunState
 from contracts.telemetry import BADPUT, Rollup, RunTelemetry
 
 
-def account(created: RunCreated, events: list[RunEvent], ended_at: datetime, state: str) -> RunTelemetry:
-    badput = dict.fromkeys(BADPUT, 0.0)
-    steps: dict[tuple[str, int], list[float]] = defaultdict(list)  # compute time per occurrence
-    t_prev = created.accepted_at
-    running_seen = interrupted = False
-    first_step_pending = True
-    stall_pending = 0.0
-    causes: Counter[str] = Counter()
-    bandwidths: list[float] = []
+@dataclass(slots=True)
+class _Timeline:
+    """What the walk along one run's events carries from one interval to the next."""
 
+    badput: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BADPUT, 0.0))
+    steps: defaultdict[tuple[str, int], list[float]] = field(default_factory=lambda: defaultdict(list))
+    """Compute time of each occurrence of a (stage, step): a step redone after an interruption
+    occurs more than once, and only its last occurrence is goodput."""
+    running_seen: bool = False
+    interrupted: bool = False
+    first_step_pending: bool = True
+    stall_pending: float = 0.0
+    causes: Counter[str] = field(default_factory=Counter)
+    bandwidths: list[float] = field(default_factory=list)
+
+    def close(self, e: RunEvent, span: float) -> bool:
+        """Give the interval that `e` ends (`span` seconds) to its category. False when `e` is not
+        a boundary: the interval stays open."""
+        match e:
+            case StateChanged(state=RunState.running):
+                after = "recovery" if self.interrupted else "other" if self.running_seen else "queued"
+                self.badput[after] += span
+                self.running_seen, self.interrupted = True, False
+                self.first_step_pending, self.stall_pending = True, 0.0
+            case StateChanged(state=RunState.interrupted) | Interruption():
+                self.badput["recovery"] += span
+                self.interrupted = True
+                if isinstance(e, Interruption):
+                    self.causes[e.cause] += 1
+            case StageStarted():
+                self.badput["startup" if self.running_seen else "queued"] += span
+                self.first_step_pending = True
+            case DataProvenance():
+                self.badput["startup"] += span
+            case Metrics():
+                self._step(e, span)
+            case CheckpointSaved():
+                self.stall_pending += e.stall_s
+                if e.save_s > 0:
+                    self.bandwidths.append(e.bytes / e.save_s)
+                return False  # its stall is taken out of the step it happened in
+            case EvalResult():
+                self.badput["eval"] += span
+            case _:
+                return False  # logs and other notes do not cut the timeline
+        return True
+
+    def _step(self, e: Metrics, span: float) -> None:
+        if self.first_step_pending:
+            # The attempt's first step carries its set-up (or the restore) with it; it still
+            # counts as an occurrence, so an earlier run of the same step becomes lost work.
+            self.badput["checkpoint_restore" if e.step > 1 else "startup"] += span
+            self.steps[(e.stage, e.step)].append(0.0)
+            self.first_step_pending = False
+        else:
+            stall = min(self.stall_pending, span)
+            data = min(e.data_wait_s, span - stall)
+            self.badput["checkpoint_stall"] += stall
+            self.badput["data_loading"] += data
+            self.steps[(e.stage, e.step)].append(span - stall - data)
+        self.stall_pending = 0.0
+
+    def goodput_s(self) -> float:
+        """The last occurrence of each step; every earlier one goes to lost_to_interruptions."""
+        goodput_s = 0.0
+        for occurrences in self.steps.values():
+            goodput_s += occurrences[-1]
+            self.badput["lost_to_interruptions"] += sum(occurrences[:-1])
+        return goodput_s
+
+
+def account(created: RunCreated, events: list[RunEvent], ended_at: datetime, state: str) -> RunTelemetry:
+    timeline = _Timeline()
+    t_prev = created.accepted_at
     for e in sorted(events, key=lambda e: (e.at, e.seq)):
         if e.at < t_prev:  # a clock step backwards: fold it into the interval that is open
             continue
-        span = (e.at - t_prev).total_seconds()
-        match e:
-            case StateChanged(state=RunState.running):
-                badput["recovery" if interrupted else "queued" if not running_seen else "other"] += span
-                running_seen, interrupted, first_step_pending, stall_pending = True, False, True, 0.0
-            case StateChanged(state=RunState.interrupted) | Interruption():
-                badput["recovery"] += span
-                interrupted = True
-                if isinstance(e, Interruption):
-                    causes[e.cause] += 1
-            case StageStarted():
-                badput["startup" if running_seen else "queued"] += span
-                first_step_pending = True
-            case DataProvenance():
-                badput["startup"] += span
-            case Metrics():
-                if first_step_pending:
-                    # The attempt's first step carries its set-up (or the restore) with it; it still
-                    # counts as an occurrence, so an earlier run of the same step becomes lost work.
-                    badput["checkpoint_restore" if e.step > 1 else "startup"] += span
-                    steps[(e.stage, e.step)].append(0.0)
-                    first_step_pending = False
-                else:
-                    stall = min(stall_pending, span)
-                    data = min(e.data_wait_s, span - stall)
-                    badput["checkpoint_stall"] += stall
-                    badput["data_loading"] += data
-                    steps[(e.stage, e.step)].append(span - stall - data)
-                stall_pending = 0.0
-            case CheckpointSaved():
-                stall_pending += e.stall_s
-                if e.save_s > 0:
-                    bandwidths.append(e.bytes / e.save_s)
-                continue  # not a boundary: its stall is taken out of the step it happened in
-            case EvalResult():
-                badput["eval"] += span
-            case _:
-                continue  # logs and other notes do not cut the timeline
-        t_prev = e.at
-
-    badput["other"] += max(0.0, (ended_at - t_prev).total_seconds())
-    goodput_s = 0.0
-    for occurrences in steps.values():
-        goodput_s += occurrences[-1]
-        badput["lost_to_interruptions"] += sum(occurrences[:-1])
+        if timeline.close(e, (e.at - t_prev).total_seconds()):
+            t_prev = e.at
+    timeline.badput["other"] += max(0.0, (ended_at - t_prev).total_seconds())
+    goodput_s = timeline.goodput_s()
     wall = max((ended_at - created.accepted_at).total_seconds(), 0.0)
+    bandwidths = timeline.bandwidths
     return RunTelemetry(
         run_id=created.run_id,
         account=created.account,
@@ -101,11 +126,11 @@ def account(created: RunCreated, events: list[RunEvent], ended_at: datetime, sta
         ended_at=ended_at,
         wall_s=wall,
         goodput_s=goodput_s,
-        badput_s=badput,
+        badput_s=timeline.badput,
         goodput=goodput_s / wall if wall > 0 else 0.0,
         gpu_hours=wall * created.gpus / 3600.0,
-        interruptions=sum(causes.values()),
-        interruption_causes=dict(causes),
+        interruptions=sum(timeline.causes.values()),
+        interruption_causes=dict(timeline.causes),
         checkpoint_saves=len(bandwidths),
         checkpoint_bytes_per_s_p50=statistics.median(bandwidths) if bandwidths else None,
         checkpoint_bytes_per_s_min=min(bandwidths) if bandwidths else None,

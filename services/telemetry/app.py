@@ -13,7 +13,7 @@ from services.telemetry.store import TelemetryStore
 
 def register(w: Wiring) -> None:
     s = w.settings
-    h = TelemetryHandlers(TelemetryStore(w.redis, w.keys), w.broker, s)
+    h = TelemetryHandlers(TelemetryStore(w.require_redis(), w.keys), w.broker, s)
 
     consume_in_order(
         w, subjects.RUN_EVENTS, subjects.STREAM_RUNS, subjects.CONSUMER_TELEMETRY, h.on_event, ack_wait_s=30
