@@ -8,6 +8,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from contracts.booking import Booking, BookingEvent
+from services.runtime.codec import redis_text
 from services.runtime.keys import Keys
 
 APPLY_LUA = """
@@ -33,7 +34,7 @@ class BookingStore:
 
     async def owner(self, booking_id: str) -> str | None:
         raw = await self.r.get(self.keys.booking_owner(booking_id))
-        return None if raw is None else raw.decode()
+        return None if raw is None else redis_text(raw)
 
     async def claim_owner(self, booking_id: str, account: str) -> str:
         """The first account seen for a booking owns it; returns the owner."""
@@ -55,7 +56,7 @@ class BookingStore:
         return None if raw is None else _booking_decoder.decode(raw)
 
     async def of_account(self, account: str) -> list[Booking]:
-        ids = sorted(i.decode() for i in await self.r.smembers(self.keys.bookings(account)))
+        ids = sorted(redis_text(i) for i in await self.r.smembers(self.keys.bookings(account)))
         found = [await self.get(account, i) for i in ids]
         return [b for b in found if b is not None]
 

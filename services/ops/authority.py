@@ -161,7 +161,8 @@ def start_infra(s: Settings, log_dir: pathlib.Path) -> tuple[infra.Started, infr
         nats = start_nats(s, log_dir, redis.url)
         asyncio.run(declare_streams(s, nats.url))
     except Exception:
-        infra.stop_pid(redis.pid)
+        if redis.pid is not None:  # None: not ours to stop
+            infra.stop_pid(redis.pid)
         raise
     return nats, redis
 

@@ -7,10 +7,14 @@ import importlib
 import json
 import pathlib
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from contracts.subjects import SERVICES
 from services.runtime import settings as settings_mod
 from services.runtime.settings import ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
+
+Log = Callable[[str], None]
 
 
 def resolve_settings() -> settings_mod.Settings:
@@ -43,9 +47,11 @@ def manifest_schema() -> str:
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
 
 
-def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="ito-training", description="ito-training services and operations")
-    cmds = top.add_subparsers(dest="cmd", required=True)
+Commands = argparse._SubParsersAction  # what `add_subparsers` returns; argparse names no public type
+
+
+def _stack_commands(cmds: Commands) -> None:
+    """Run the services: serve, up, down."""
     p = cmds.add_parser("serve", help="run one service in the foreground")
     p.add_argument("service", choices=SERVICES)
     p = cmds.add_parser("up", help="infra (reused or embedded) and all services")
@@ -56,6 +62,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = cmds.add_parser("down", help="stop what `up` started")
     p.add_argument("--json", action="store_true")
+
+
+def _desk_commands(cmds: Commands) -> None:
+    """The desk's tools: accounts, desk views, the manifest's schema, secrets."""
     p = cmds.add_parser("accounts", help="create accounts and revoke their keys")
     acc = p.add_subparsers(dest="action", required=True)
     q = acc.add_parser(
@@ -85,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
         help="issue a new credential for this service identity (repeatable)",
     )
     p.add_argument("--json", action="store_true")
+
+
+def _simulation_commands(cmds: Commands) -> None:
+    """Stand-ins for ito-compute: simulate-booking."""
     p = cmds.add_parser("simulate-booking", help="publish an ito-compute booking event")
     p.add_argument("--account", required=True)
     p.add_argument("--booking", required=True)
@@ -99,14 +113,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hours", type=float, default=24.0)
     p.add_argument("--version", type=int, help="upstream version (default: grows with time)")
     p.add_argument("--json", action="store_true")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="ito-training", description="ito-training services and operations")
+    cmds = top.add_subparsers(dest="cmd", required=True)
+    for add_group in (_stack_commands, _desk_commands, _simulation_commands):
+        add_group(cmds)
     return top
 
 
-def _print(args, data: dict, human: str) -> None:
+def _print(args: argparse.Namespace, data: dict[str, Any], human: str) -> None:
     print(json.dumps(data) if getattr(args, "json", False) else human, flush=True)
 
 
-async def _accounts(s: settings_mod.Settings, action: str, account: str) -> dict:
+async def _accounts(s: settings_mod.Settings, action: str, account: str) -> dict[str, Any]:
     from services.runtime import accounts, connections
     from services.runtime.identities import ACCOUNTS
     from services.runtime.keys import Keys
@@ -121,7 +142,7 @@ async def _accounts(s: settings_mod.Settings, action: str, account: str) -> dict
         await r.aclose()
 
 
-def _secrets(s: settings_mod.Settings, args) -> int:
+def _secrets(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     """Write the secrets dir for containers; with --rotate, replace identities' credentials first.
     A running stack (`up`) gets its config rewritten and reloaded too."""
     from services.ops import authority, stack
@@ -142,6 +163,8 @@ def _secrets(s: settings_mod.Settings, args) -> int:
     state = stack.read_state(s)
     running = state is not None and stack.apply_tenants(s)
     if running and args.rotate:
+        if admin is None:  # a running stack was started with an admin password: it is missing now
+            raise RuntimeError(f"no admin password in {s.secrets_dir} to reload the running Redis with")
         stack.reload_redis_acl(s, admin)
     written = [] if running else authority.write_for_containers(s, [])
     _print(
@@ -157,6 +180,88 @@ def _secrets(s: settings_mod.Settings, args) -> int:
     return 0
 
 
+def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
+    from services.ops import stack
+
+    chosen = tuple(n.strip() for n in args.services.split(",") if n.strip())
+    unknown = set(chosen) - set(SERVICES)
+    if unknown or not chosen:
+        raise ValueError(f"--services takes names from {', '.join(SERVICES)}")
+    state = stack.up(s, log, chosen)
+    _print(
+        args,
+        {
+            "nats_url": state["nats_url"],
+            "redis_url": state["redis_url"],
+            "namespace": state["namespace"],
+            "data_dir": str(s.data_dir),
+        },
+        f"NATS {state['nats_url']}\nRedis {state['redis_url']}",
+    )
+    if not args.detach:
+        stack.wait_for_signal()
+        stack.down(s, log)
+    return 0
+
+
+def _down(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
+    from services.ops import stack
+
+    _print(args, stack.down(s, log), "")
+    return 0
+
+
+def _desk(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
+    from services.ops import desk
+
+    return desk.main(s, args.follow, args.json)
+
+
+def _accounts_command(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
+    from services.ops import stack
+
+    data = asyncio.run(_accounts(s, args.action, args.account))
+    data["server_reloaded"] = stack.apply_tenants(s)
+    human = (
+        f"account {data['account']}: API key (shown once) {data['api_key']}"
+        if args.action == "create"
+        else f"account {data['account']}: {data['revoked_keys']} key(s) revoked"
+    )
+    _print(args, data, human)
+    return 0
+
+
+def _simulate_booking(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
+    from services.ops import booking_sim
+
+    ev = booking_sim.event(
+        account=args.account,
+        booking=args.booking,
+        kind=args.event,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_model=args.gpu_model,
+        region=args.region,
+        fabric=args.fabric,
+        hours=args.hours,
+        version=args.version,
+    )
+    data = asyncio.run(booking_sim.publish(s, ev))
+    _print(args, data, f"published {data['kind']} for booking {data['booking_id']} (v{data['version']})")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[settings_mod.Settings, argparse.Namespace, Log], int]] = {
+    "up": _up,
+    "down": _down,
+    "secrets": _secrets,
+    "desk": _desk,
+    "accounts": _accounts_command,
+    "simulate-booking": _simulate_booking,
+}
+"""The commands that act on the resolved settings: (settings, arguments, progress log) -> exit code."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "serve":
@@ -166,76 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "manifest-schema":
         print(manifest_schema(), end="")
         return 0
+    command = COMMANDS.get(args.cmd)
+    if command is None:
+        return 2
     s = resolve_settings()
-    log = (lambda m: print(m, file=sys.stderr, flush=True)) if getattr(args, "json", False) else print
+    log: Log = (lambda m: print(m, file=sys.stderr, flush=True)) if getattr(args, "json", False) else print
     try:
-        if args.cmd in ("up", "down"):
-            from services.ops import stack
-
-            if args.cmd == "down":
-                _print(args, stack.down(s, log), "")
-                return 0
-            chosen = tuple(n.strip() for n in args.services.split(",") if n.strip())
-            unknown = set(chosen) - set(SERVICES)
-            if unknown or not chosen:
-                raise ValueError(f"--services takes names from {', '.join(SERVICES)}")
-            state = stack.up(s, log, chosen)
-            _print(
-                args,
-                {
-                    "nats_url": state["nats_url"],
-                    "redis_url": state["redis_url"],
-                    "namespace": state["namespace"],
-                    "data_dir": str(s.data_dir),
-                },
-                f"NATS {state['nats_url']}\nRedis {state['redis_url']}",
-            )
-            if not args.detach:
-                stack.wait_for_signal()
-                stack.down(s, log)
-            return 0
-        if args.cmd == "secrets":
-            return _secrets(s, args)
-        if args.cmd == "desk":
-            from services.ops import desk
-
-            return desk.main(s, args.follow, args.json)
-        if args.cmd == "accounts":
-            from services.ops import stack
-
-            data = asyncio.run(_accounts(s, args.action, args.account))
-            data["server_reloaded"] = stack.apply_tenants(s)
-            human = (
-                f"account {data['account']}: API key (shown once) {data['api_key']}"
-                if args.action == "create"
-                else f"account {data['account']}: {data['revoked_keys']} key(s) revoked"
-            )
-            _print(args, data, human)
-            return 0
-        if args.cmd == "simulate-booking":
-            from services.ops import booking_sim
-
-            ev = booking_sim.event(
-                account=args.account,
-                booking=args.booking,
-                kind=args.event,
-                nodes=args.nodes,
-                gpus_per_node=args.gpus_per_node,
-                gpu_model=args.gpu_model,
-                region=args.region,
-                fabric=args.fabric,
-                hours=args.hours,
-                version=args.version,
-            )
-            data = asyncio.run(booking_sim.publish(s, ev))
-            _print(
-                args, data, f"published {data['kind']} for booking {data['booking_id']} (v{data['version']})"
-            )
-            return 0
+        return command(s, args, log)
     except Exception as exc:  # operator tooling: one readable line, non-zero exit
         print(f"ito-training {args.cmd}: {exc}", file=sys.stderr)
         return 1
-    return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from contracts.subjects import HEALTH, SERVICES
 from services.ops import authority
@@ -27,12 +29,15 @@ from services.runtime.settings import (
 
 SERVICES_READY_TIMEOUT_S = 90.0  # the trainer imports torch; a cold 2-core machine is slow
 
+Log = Callable[[str], None]
+"""Where progress lines go: stdout for a person, stderr under --json."""
+
 
 def state_path(settings: Settings) -> pathlib.Path:
     return settings.data_dir / "up.json"
 
 
-def read_state(settings: Settings) -> dict | None:
+def read_state(settings: Settings) -> dict[str, Any] | None:
     try:
         return json.loads(state_path(settings).read_text())
     except (OSError, ValueError):
@@ -47,7 +52,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def write_state(settings: Settings, state: dict) -> None:
+def write_state(settings: Settings, state: dict[str, Any]) -> None:
     path = state_path(settings)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
@@ -70,7 +75,9 @@ async def _healthy(settings: Settings, nats_url: str, names: list[str]) -> set[s
     return ok
 
 
-def up(settings: Settings, log, services: tuple[str, ...] = SERVICES) -> dict:
+def up(settings: Settings, log: Log, services: tuple[str, ...] = SERVICES) -> dict[str, Any]:
+    """Infra of our own, then each service as a process; returns the recorded state once every
+    service answers its health check (or stops everything and raises)."""
     existing = read_state(settings)
     if existing and any(_alive(p) for p in existing.get("services", {}).values()):
         raise RuntimeError(f"already up (see {state_path(settings)}); run `ito-training down` first")
@@ -79,45 +86,64 @@ def up(settings: Settings, log, services: tuple[str, ...] = SERVICES) -> dict:
     for started in (nats, redis):
         log(f"{started.name}: {started.url} (started with authentication, pid {started.pid})")
     entitlement_key(settings)  # created once, before any service reads it
-    env = dict(
-        os.environ,
-        **{
-            ENV_NATS_URL: nats.url,
-            ENV_REDIS_URL: redis.url,
-            ENV_NAMESPACE: settings.namespace,
-            ENV_DATA_DIR: str(settings.data_dir),
-            ENV_SECRETS_DIR: str(settings.secrets_dir),
-        },
-    )
-    state = {
+    env = _service_env(settings, nats.url, redis.url)
+    pids = {name: _spawn(name, env, logs) for name in services}
+    state: dict[str, Any] = {
         "nats_url": nats.url,
         "redis_url": redis.url,
         "namespace": settings.namespace,
         "secrets_dir": str(settings.secrets_dir),
         "logs": str(logs),
         "infra": {s.name: s.pid for s in (nats, redis) if s.pid},
-        "services": {},
+        "services": pids,
     }
-    for name in services:
-        out = open(logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.ops.main", "serve", name],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        state["services"][name] = proc.pid
     write_state(settings, state)
+    _wait_ready(settings, log, nats.url, pids, logs)
+    return state
+
+
+def _service_env(settings: Settings, nats_url: str, redis_url: str) -> dict[str, str]:
+    """The environment every service starts with: where the infra is, its namespace and dirs."""
+    return dict(
+        os.environ,
+        **{
+            ENV_NATS_URL: nats_url,
+            ENV_REDIS_URL: redis_url,
+            ENV_NAMESPACE: settings.namespace,
+            ENV_DATA_DIR: str(settings.data_dir),
+            ENV_SECRETS_DIR: str(settings.secrets_dir),
+        },
+    )
+
+
+def _spawn(name: str, env: dict[str, str], logs: pathlib.Path) -> int:
+    """`ito-training serve <name>` in a session of its own, logging to `<logs>/<name>.log`."""
+    out = open(logs / f"{name}.log", "ab")  # the child keeps it open; ours closes when `up` exits
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.ops.main", "serve", name],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return proc.pid
+
+
+def _wait_ready(
+    settings: Settings, log: Log, nats_url: str, pids: dict[str, int], logs: pathlib.Path
+) -> None:
+    """Until every service answers its health check; a service that exits, or the deadline, stops
+    everything and raises."""
+    services = list(pids)
     deadline = time.monotonic() + SERVICES_READY_TIMEOUT_S
     ready: set[str] = set()
     while time.monotonic() < deadline:
-        ready = asyncio.run(_healthy(settings, nats.url, [n for n in services if n not in ready])) | ready
+        ready = asyncio.run(_healthy(settings, nats_url, [n for n in services if n not in ready])) | ready
         if ready == set(services):
             log(f"services ready: {', '.join(services)} (logs in {logs})")
-            return state
-        dead = [n for n, pid in state["services"].items() if not _alive(pid) or _reaped(pid)]
+            return
+        dead = [n for n, pid in pids.items() if not _alive(pid) or _reaped(pid)]
         if dead:
             down(settings, log)
             raise RuntimeError(f"service(s) {', '.join(dead)} exited at start; see {logs}")
@@ -136,7 +162,7 @@ def _reaped(pid: int) -> bool:
         return False
 
 
-def down(settings: Settings, log) -> dict:
+def down(settings: Settings, log: Log) -> dict[str, list[str]]:
     state = read_state(settings)
     if state is None:
         log("nothing to stop")
@@ -204,6 +230,8 @@ def reload_redis_acl(settings: Settings, admin_password: str) -> None:
     import redis
 
     state = read_state(settings)
+    if state is None:
+        raise RuntimeError("not up")
     authority.write_redis_acl(settings)
     r = redis.Redis.from_url(state["redis_url"], username="admin", password=admin_password, socket_timeout=5)
     try:

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from contracts.api import AuthInfo
 from contracts.errors import ErrorCode
-from services.runtime.codec import Refusal
+from services.runtime.codec import Refusal, redis_text
 from services.runtime.keys import Keys
 from services.runtime.secrets import new_nkey_seed, nkey_public
 
@@ -79,7 +79,7 @@ async def records(r: aioredis.Redis, keys: Keys, account: str) -> list[KeyRecord
 async def active_tenants(r: aioredis.Redis, keys: Keys) -> list[tuple[str, str]]:
     """(account, public nkey) of every credential the NATS server should accept."""
     active = []
-    for account in sorted(a.decode() for a in await r.smembers(keys.accounts())):
+    for account in sorted(redis_text(a) for a in await r.smembers(keys.accounts())):
         active += [(k.account, k.nkey) for k in await records(r, keys, account) if not k.revoked and k.nkey]
     return sorted(active)
 

@@ -25,6 +25,12 @@ class Refusal(Exception):
         self.message = message
 
 
+def redis_text(raw: bytes | str) -> str:
+    """A Redis reply as text. Our clients read bytes (decode_responses=False); redis-py's types
+    cannot know that and say `bytes | str`."""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def encode(value: Any) -> bytes:
     return _encoder.encode(value)
 

@@ -60,6 +60,7 @@ async def declare(js: JetStreamContext, settings: Settings) -> None:
 async def delete(js: JetStreamContext, settings: Settings) -> None:
     """Remove this namespace's streams (tests clean up after themselves on a shared server)."""
     for config in configs(settings):
+        assert config.name is not None, "configs() names every stream"
         try:
             await js.delete_stream(config.name)
         except Exception:  # already gone
