@@ -306,24 +306,55 @@ def restarted_during_burst(root, name: str) -> dict:
 
 
 async def _burst_with_restart(stack, booking, text, digest, name):
+    """([(idempotency key, answer)], seconds from the kill until the server was back): a burst
+    of confirm + train requests while `name` is SIGKILLed and restarted."""
+    nc = await _tenant_connection(stack)
+    restarter = asyncio.create_task(_kill_and_restart(stack, name))
+    try:
+        results = await _burst(nc, stack, booking, text, digest)
+        t = await restarter
+    finally:
+        await nc.close()
+    return results, t
+
+
+async def _tenant_connection(stack):
+    """A tenant connection exactly as `ecc` makes one, but kept across the outage (reconnecting)."""
     import nats
 
     from ecc.transport import seed_of, tenant_inbox
-    from services.ops.stack import restart_infra
 
     async def outage(exc: Exception) -> None:
         pass  # refused reconnects while the server is down are the scenario, not news (nats-py prints each)
 
-    # A tenant connection exactly as `ecc` makes one, but kept across the outage (reconnecting).
-    nc = await nats.connect(
+    seed = seed_of(stack.key)
+    assert seed is not None, "the stack's tenant key is an ito-training API key"
+    return await nats.connect(
         stack.env[ENV_NATS_URL],
         connect_timeout=2,
-        nkeys_seed_str=seed_of(stack.key).decode(),
+        nkeys_seed_str=seed.decode(),
         inbox_prefix=tenant_inbox(stack.account),
         max_reconnect_attempts=BURST_MAX_RECONNECTS,
         reconnect_time_wait=BURST_RECONNECT_WAIT_S,
         error_cb=outage,
     )
+
+
+async def _kill_and_restart(stack, name) -> float:
+    """SIGKILL the server a second into the burst; the seconds until it answers again."""
+    from services.ops.stack import restart_infra
+
+    await asyncio.sleep(1.0)
+    os.kill(stack.infra_pid(name), signal.SIGKILL)
+    t0 = time.monotonic()
+    await asyncio.sleep(1.0)
+    # Same port, config and secrets; in a thread: it blocks until the server answers.
+    await asyncio.to_thread(restart_infra, stack.settings(), name)
+    return time.monotonic() - t0
+
+
+async def _burst(nc, stack, booking, text, digest):
+    """60 confirm + train pairs, each train under its own idempotency key."""
 
     async def call(suffix, **body):
         # On the account's own subject, with no credential in the body: the server authenticated us.
@@ -337,43 +368,25 @@ async def _burst_with_restart(stack, booking, text, digest, name):
         except Exception as exc:  # the answer was lost in the outage
             return {"ok": False, "transport": type(exc).__name__}
 
-    async def restart():
-        await asyncio.sleep(1.0)
-        os.kill(stack.infra_pid(name), signal.SIGKILL)
-        t0 = time.monotonic()
-        await asyncio.sleep(1.0)
-        # Same port, config and secrets; in a thread: it blocks until the server answers.
-        await asyncio.to_thread(restart_infra, stack.settings(), name)
-        return time.monotonic() - t0
-
-    restarter = asyncio.create_task(restart())
     results = []
-    try:
-        for i in range(60):
-            conf = await call(
-                "v1.api.confirm",
-                action="train",
+    for i in range(60):
+        conf = await call(
+            "v1.api.confirm", action="train", booking_id=booking, manifest_text=text, manifest_digest=digest
+        )
+        if conf.get("ok"):
+            out = await call(
+                "v1.api.train",
                 booking_id=booking,
                 manifest_text=text,
                 manifest_digest=digest,
+                confirmation_ref=conf["data"]["confirmation_ref"],
+                idempotency_key=f"b{i}",
             )
-            if conf.get("ok"):
-                out = await call(
-                    "v1.api.train",
-                    booking_id=booking,
-                    manifest_text=text,
-                    manifest_digest=digest,
-                    confirmation_ref=conf["data"]["confirmation_ref"],
-                    idempotency_key=f"b{i}",
-                )
-            else:
-                out = conf
-            results.append((f"b{i}", out))
-            await asyncio.sleep(0.05)
-        t = await restarter
-    finally:
-        await nc.close()
-    return results, t
+        else:
+            out = conf
+        results.append((f"b{i}", out))
+        await asyncio.sleep(0.05)
+    return results
 
 
 def fmt(value) -> str:

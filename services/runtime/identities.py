@@ -82,6 +82,11 @@ def _reader(stream: str) -> tuple[str, ...]:
 
 
 def nats_permissions(identity: str, s: Settings) -> Permissions:
+    """What `identity` may publish and subscribe to on the bus.
+
+    A table with one case per identity, kept whole on purpose (it is longer than our functions
+    usually are): the policy is reviewed by reading every identity's rights side by side, and
+    tests/security/test_policy.py checks it as a table."""
     ns, st = s.subject, s.stream
     health = ns(f"{subjects.HEALTH}.{identity}")
     inbox = service_inbox(identity) + ".>"
@@ -192,7 +197,10 @@ _REDIS_CONNECT = "+ping +hello +auth"  # redis-py ignores a refused CLIENT SETIN
 
 def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
     """(key patterns, commands) of one Redis user. Lua scripts run with the caller's rights, so the
-    commands a script calls are listed too."""
+    commands a script calls are listed too.
+
+    A table with one case per identity, kept whole on purpose, as `nats_permissions` is: every
+    user's keys and commands read side by side."""
     ns = s.namespace
     acct = f"{ns}:{{*}}"
     scripts = "+evalsha +eval +script|load"
