@@ -13,7 +13,7 @@ from services.runtime.service import Wiring, build_app, configure_logging, serve
 
 
 def register(w: Wiring) -> None:
-    h = ConfirmationHandlers(ConfirmationStore(w.redis, w.keys), w.settings.confirmation_ttl_s)
+    h = ConfirmationHandlers(ConfirmationStore(w.require_redis(), w.keys), w.settings.confirmation_ttl_s)
     serve_requests(
         w,
         [

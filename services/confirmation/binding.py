@@ -1,20 +1,11 @@
-"""The pure decision: does a stored confirmation authorize this exact request?"""
-
-from dataclasses import dataclass
+"""The confirmation service's view of a binding: the one definition lives in
+services/domain/binding.py (shared with the ledger's accept script); this names its check here."""
 
 from contracts.api import Action
 from contracts.errors import ErrorCode
+from services.domain.binding import Stored, Wanted, refusal, refused
 
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    account: str
-    action: Action
-    target: str
-    digest: str  # "" when the action binds no manifest
-    max_cost: float | None
-    expires_at: float
-    consumed: bool
+__all__ = ["Stored", "check"]
 
 
 def check(
@@ -27,24 +18,7 @@ def check(
     cost: float | None,
     now: float,
 ) -> tuple[ErrorCode, str] | None:
-    """None when the confirmation authorizes the request; else the refusal, in a fixed order."""
-    if stored.account != account:
-        return ErrorCode.confirmation_mismatch, "this confirmation belongs to another account"
-    if stored.consumed:
-        return ErrorCode.confirmation_consumed, "this confirmation was already used; confirm again"
-    if now >= stored.expires_at:
-        return ErrorCode.confirmation_expired, "this confirmation expired; confirm again"
-    if stored.action != action:
-        return ErrorCode.confirmation_mismatch, f"this confirmation is for action {stored.action.value}"
-    if stored.target != target:
-        return ErrorCode.confirmation_mismatch, "this confirmation is for another target"
-    if stored.digest and stored.digest != (digest or ""):
-        return (
-            ErrorCode.manifest_digest_mismatch,
-            "the manifest changed since it was confirmed; review and confirm again",
-        )
-    if stored.max_cost is not None and cost is not None and cost > stored.max_cost:
-        return ErrorCode.confirmation_mismatch, (
-            f"the estimated cost {cost:.2f} USD is above the confirmed {stored.max_cost:.2f} USD"
-        )
-    return None
+    """None when the confirmation authorizes the request; else the refusal, in RULES' order."""
+    wanted = Wanted(account=account, action=action, target=target, digest=digest, cost=cost)
+    reason = refused(stored, wanted, now)
+    return None if reason is None else refusal(reason, stored, wanted)

@@ -1,12 +1,14 @@
-"""Confirmation handlers: create a capability; resolve a reference against a request."""
+"""Confirmation handlers: create a capability; resolve a reference against a request.
+
+The handlers take their records through the `Confirmations` port (Redis in the service, a dict in
+table tests); the binding's rules are services/domain/binding.py's."""
 
 from datetime import UTC, datetime
 
 from contracts.api import ConfirmationIssued
-from contracts.errors import ErrorCode
 from contracts.internal import ConfirmationCreate, ConfirmationResolve
-from services.confirmation import binding
-from services.confirmation.store import ConfirmationStore, new_ref
+from services.confirmation.store import Confirmations, new_ref
+from services.domain import binding
 from services.runtime.codec import Refusal
 
 
@@ -22,7 +24,7 @@ def _issued(ref: str, s: binding.Stored) -> ConfirmationIssued:
 
 
 class ConfirmationHandlers:
-    def __init__(self, store: ConfirmationStore, ttl_s: float) -> None:
+    def __init__(self, store: Confirmations, ttl_s: float) -> None:
         self.store = store
         self.ttl_s = ttl_s
 
@@ -41,21 +43,19 @@ class ConfirmationHandlers:
         return _issued(ref, stored)
 
     async def resolve(self, req: ConfirmationResolve) -> ConfirmationIssued:
-        stored = await self.store.get(req.account, req.confirmation_ref)
-        if stored is None:
-            owner = await self.store.owner(req.confirmation_ref)
-            if owner is not None and owner != req.account:
-                raise Refusal(ErrorCode.confirmation_mismatch, "this confirmation belongs to another account")
-            raise Refusal(ErrorCode.confirmation_not_found, "no such confirmation for this account")
-        refusal = binding.check(
-            stored,
+        wanted = binding.Wanted(
             account=req.account,
             action=req.action,
             target=req.target,
             digest=req.manifest_digest,
             cost=req.cost_usd,
-            now=await self.store.now(),
         )
-        if refusal is not None:
-            raise Refusal(*refusal)
+        stored = await self.store.get(req.account, req.confirmation_ref)
+        if stored is None:
+            owner = await self.store.owner(req.confirmation_ref)
+            missing = binding.Reason.account if owner not in (None, req.account) else binding.Reason.not_found
+            raise Refusal(*binding.refusal(missing, None, wanted))
+        reason = binding.refused(stored, wanted, await self.store.now())
+        if reason is not None:
+            raise Refusal(*binding.refusal(reason, stored, wanted))
         return _issued(req.confirmation_ref, stored)

@@ -1,12 +1,17 @@
-"""Redis access for confirmations. Records outlive their TTL by a day so that an expired
-confirmation is told apart from an unknown one; the ledger's accept script consumes them."""
+"""Confirmation records: the port the handlers use, its Redis adapter and an in-memory one.
+
+This service owns the records (it alone creates them); the ledger's accept script only reads and
+consumes them (services/domain/binding.py defines their fields and checks for both). Records
+outlive their TTL by a day so that an expired confirmation is told apart from an unknown one.
+"""
 
 import secrets
+import time
+from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from contracts.api import Action
-from services.confirmation.binding import Stored
+from services.domain.binding import FIELDS, Stored
 from services.runtime.keys import Keys
 
 RETAIN_AFTER_EXPIRY_S = 24 * 3600
@@ -16,50 +21,69 @@ def new_ref() -> str:
     return "cf_" + secrets.token_urlsafe(24)
 
 
+class Confirmations(Protocol):
+    async def now(self) -> float:
+        """The clock expiry is measured on (the one the ledger's script reads too)."""
+        ...
+
+    async def create(self, ref: str, stored: Stored) -> None: ...
+
+    async def get(self, account: str, ref: str) -> Stored | None: ...
+
+    async def owner(self, ref: str) -> str | None:
+        """The account a reference was issued to, whoever asks (to tell mismatch from unknown)."""
+        ...
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 class ConfirmationStore:
+    """Confirmations in Redis: one hash per record (FIELDS), plus a ref -> account index."""
+
     def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
         self.r = r
         self.keys = keys
 
     async def now(self) -> float:
         seconds, micros = await self.r.time()  # the server's clock: the same one the script uses
-        return seconds + micros / 1e6
+        return float(seconds) + float(micros) / 1e6
 
     async def create(self, ref: str, stored: Stored) -> None:
         key = self.keys.confirmation(stored.account, ref)
         ttl = int(stored.expires_at - await self.now()) + RETAIN_AFTER_EXPIRY_S
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                key,
-                mapping={
-                    "account": stored.account,
-                    "action": stored.action.value,
-                    "target": stored.target,
-                    "digest": stored.digest,
-                    "max_cost": "" if stored.max_cost is None else repr(float(stored.max_cost)),
-                    "expires_at": repr(stored.expires_at),
-                    "consumed": "0",
-                },
-            )
+            pipe.hset(key, items=[x for pair in stored.fields().items() for x in pair])
             pipe.expire(key, ttl)
             pipe.set(self.keys.confirmation_owner(ref), stored.account, ex=ttl)
             await pipe.execute()
 
     async def get(self, account: str, ref: str) -> Stored | None:
-        raw = await self.r.hgetall(self.keys.confirmation(account, ref))
-        if not raw:
-            return None
-        f = {k.decode(): v.decode() for k, v in raw.items()}
-        return Stored(
-            account=f["account"],
-            action=Action(f["action"]),
-            target=f["target"],
-            digest=f["digest"],
-            max_cost=float(f["max_cost"]) if f["max_cost"] else None,
-            expires_at=float(f["expires_at"]),
-            consumed=f["consumed"] == "1",
-        )
+        raw = await self.r.hgetall(self.keys.confirmation(account, ref))  # (its ACL user's command)
+        record = {_text(k): _text(v) for k, v in raw.items()}
+        return Stored.from_fields([record[f] for f in FIELDS]) if record else None
 
     async def owner(self, ref: str) -> str | None:
         raw = await self.r.get(self.keys.confirmation_owner(ref))
-        return None if raw is None else raw.decode()
+        return None if raw is None else _text(raw)
+
+
+class InMemoryConfirmations:
+    """The same port in a dict, for table tests; `records` is what the in-memory ledger consumes."""
+
+    def __init__(self, clock: float | None = None) -> None:
+        self.clock = time.time() if clock is None else clock
+        self.records: dict[tuple[str, str], Stored] = {}
+
+    async def now(self) -> float:
+        return self.clock
+
+    async def create(self, ref: str, stored: Stored) -> None:
+        self.records[(stored.account, ref)] = stored
+
+    async def get(self, account: str, ref: str) -> Stored | None:
+        return self.records.get((account, ref))
+
+    async def owner(self, ref: str) -> str | None:
+        return next((account for account, r in self.records if r == ref), None)

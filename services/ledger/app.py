@@ -13,7 +13,7 @@ from services.runtime.service import Wiring, build_app, configure_logging, serve
 
 
 def register(w: Wiring) -> None:
-    h = LedgerHandlers(LedgerStore(w.redis, w.keys, w.settings.idempotency_retention_s))
+    h = LedgerHandlers(LedgerStore(w.require_redis(), w.keys, w.settings.idempotency_retention_s))
     serve_requests(
         w,
         [

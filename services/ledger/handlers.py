@@ -1,4 +1,5 @@
-"""Ledger handlers: decode, call the store, answer. No policy beyond the store's script."""
+"""Ledger handlers: decode, call the store (the `Ledger` port: Redis in the service, dicts in
+table tests), answer. No policy beyond the binding rules the store applies."""
 
 from datetime import UTC, datetime, timedelta
 
@@ -11,12 +12,12 @@ from contracts.internal import (
     LedgerPending,
     LedgerPendingAnswer,
 )
-from services.ledger.store import LedgerStore
+from services.ledger.store import Ledger
 from services.runtime.codec import Refusal
 
 
 class LedgerHandlers:
-    def __init__(self, store: LedgerStore) -> None:
+    def __init__(self, store: Ledger) -> None:
         self.store = store
 
     async def lookup(self, req: LedgerLookup) -> LedgerEntry | None:

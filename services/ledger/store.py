@@ -1,49 +1,80 @@
-"""Redis access for the ledger: one Lua script consumes the confirmation and reserves the key.
+"""The ledger's store: the port its handlers use (`Ledger`), its Redis adapter (one Lua script
+consumes the confirmation and reserves the key) and an in-memory adapter for table tests.
 
 Consumption and reservation are one atomic step, so a lost response can never create a second run
 nor burn a second confirmation. Every key the script touches carries the `{account}` hash tag,
 so it runs unchanged on Redis Cluster.
 
-The confirmation record is a hash written by the confirmation service with the fields
-account, action, target, digest, max_cost, expires_at (epoch seconds), consumed ("0"/"1").
-This script is the only place that sets `consumed`.
+The confirmation record is the confirmation service's (it alone writes it); the ledger only reads
+it and consumes it: this script is the only place that sets `consumed`. The record's fields and
+the checks of a binding are defined once, in services/domain/binding.py, for both services.
 """
+
+import dataclasses
+import time
+from typing import Protocol
 
 import msgspec
 import redis.asyncio as aioredis
 
-from contracts.errors import ErrorCode
 from contracts.internal import LedgerAccept, LedgerEntry
+from services.domain import binding
 from services.runtime.codec import Refusal
 from services.runtime.keys import Keys
 
-ACCEPT_LUA = """
+ACCEPT_LUA = (
+    """
 local existing = redis.call('GET', KEYS[1])
 if existing then return {'exists', existing} end
-local conf = redis.call('HMGET', KEYS[2], 'account', 'action', 'target', 'digest', 'max_cost', 'expires_at', 'consumed')
-if not conf[1] then return {'refused', 'confirmation_not_found'} end
-if conf[7] == '1' then return {'refused', 'confirmation_consumed'} end
+local conf = redis.call('HMGET', KEYS[2], """
+    + ", ".join(f"'{f}'" for f in binding.FIELDS)
+    + """)
+local want = {account = ARGV[1], action = ARGV[2], target = ARGV[3], digest = ARGV[4], cost = ARGV[5]}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-if now >= tonumber(conf[6]) then return {'refused', 'confirmation_expired'} end
-if conf[1] ~= ARGV[1] or conf[2] ~= ARGV[2] or conf[3] ~= ARGV[3] then
-  return {'refused', 'confirmation_mismatch'}
-end
-if conf[4] ~= '' and conf[4] ~= ARGV[4] then return {'refused', 'manifest_digest_mismatch'} end
-if conf[5] ~= '' and ARGV[5] ~= '' and tonumber(ARGV[5]) > tonumber(conf[5]) then
-  return {'refused', 'confirmation_mismatch'}
-end
+"""
+    + binding.lua_checks()
+    + """
 redis.call('HSET', KEYS[2], 'consumed', '1', 'consumed_by', ARGV[6])
 redis.call('SET', KEYS[1], ARGV[7], 'PX', ARGV[8])
 if ARGV[10] == '1' then redis.call('SADD', KEYS[3], ARGV[9]) end
 return {'accepted', ARGV[7]}
 """
+)
+"""Answer the existing entry; or refuse with the failed binding rule's name and the record; or
+consume the confirmation and reserve the key (and queue a run for hand-off)."""
 
 _entry_decoder = msgspec.json.Decoder(LedgerEntry)
 
 
-def _cost(value: float | None) -> str:
-    return "" if value is None else repr(float(value))
+class Ledger(Protocol):
+    async def lookup(self, account: str, key: str) -> LedgerEntry | None: ...
+
+    async def accept(self, req: LedgerAccept, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:
+        """(entry, created): consume the confirmation and reserve the key in one step, or the
+        existing entry unchanged (created=False); a Refusal with the binding's code when the
+        confirmation does not authorize the request."""
+        ...
+
+    async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None: ...
+
+    async def pending(self) -> list[LedgerEntry]:
+        """Every entry not yet handed off, across accounts (the reconciler's work list)."""
+        ...
+
+
+def _wanted(req: LedgerAccept) -> binding.Wanted:
+    return binding.Wanted(
+        account=req.account,
+        action=req.action,
+        target=req.target,
+        digest=req.manifest_digest,
+        cost=req.cost_usd,
+    )
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 class LedgerStore:
@@ -62,8 +93,7 @@ class LedgerStore:
         return None if raw is None else await self._with_handoff(_entry_decoder.decode(raw))
 
     async def accept(self, req: LedgerAccept, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:
-        """Returns (entry, created). An existing entry comes back unchanged (created=False)."""
-        outcome, value = await self._accept(
+        outcome, *value = await self._accept(
             keys=[
                 self.keys.idempotency(req.account, req.idempotency_key),
                 self.keys.confirmation(req.account, req.confirmation_ref),
@@ -74,7 +104,7 @@ class LedgerStore:
                 req.action.value,
                 req.target,
                 req.manifest_digest or "",
-                _cost(req.cost_usd),
+                binding.encode_cost(req.cost_usd),
                 req.run_id,
                 msgspec.json.encode(entry),
                 self.retention_ms,
@@ -82,22 +112,21 @@ class LedgerStore:
                 "1" if req.work else "0",  # only a run to hand off waits in the pending set
             ],
         )
-        outcome = outcome.decode()
-        if outcome == "refused":
-            code = ErrorCode(value.decode())
-            raise Refusal(code, _REFUSALS[code])
-        decoded = await self._with_handoff(_entry_decoder.decode(value))
-        return decoded, outcome == "accepted"
+        if _text(outcome) == "refused":
+            fields = [_text(v) for v in value[1:]]
+            stored = binding.Stored.from_fields(fields) if fields else None
+            raise Refusal(*binding.refusal(binding.Reason(_text(value[0])), stored, _wanted(req)))
+        decoded = await self._with_handoff(_entry_decoder.decode(value[0]))
+        return decoded, _text(outcome) == "accepted"
 
     async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None:
         await self.r.srem(self.keys.pending_handoff(account), key)
         return await self.lookup(account, key)
 
     async def pending(self) -> list[LedgerEntry]:
-        """Every entry not yet handed off, across accounts (the reconciler's work list)."""
         entries = []
-        for account in sorted(a.decode() for a in await self.r.smembers(self.keys.accounts())):
-            for key in sorted(k.decode() for k in await self.r.smembers(self.keys.pending_handoff(account))):
+        for account in sorted(_text(a) for a in await self.r.smembers(self.keys.accounts())):
+            for key in sorted(_text(k) for k in await self.r.smembers(self.keys.pending_handoff(account))):
                 entry = await self.lookup(account, key)
                 if entry is None:  # retention ran out: nothing left to hand off
                     await self.r.srem(self.keys.pending_handoff(account), key)
@@ -106,10 +135,43 @@ class LedgerStore:
         return entries
 
 
-_REFUSALS = {
-    ErrorCode.confirmation_not_found: "no such confirmation for this account",
-    ErrorCode.confirmation_consumed: "this confirmation was already used; confirm again",
-    ErrorCode.confirmation_expired: "this confirmation expired; confirm again",
-    ErrorCode.confirmation_mismatch: "this confirmation was made for another account, action, target or a lower cost",
-    ErrorCode.manifest_digest_mismatch: "the manifest changed since it was confirmed; review and confirm again",
-}
+class InMemoryLedger:
+    """The same port in dicts, for table tests: it consumes the records of an in-memory
+    confirmation store (`records`, keyed (account, ref)) by the same binding rules."""
+
+    def __init__(self, records: dict[tuple[str, str], binding.Stored], clock: float | None = None) -> None:
+        self.records = records
+        self.clock = time.time() if clock is None else clock
+        self.entries: dict[tuple[str, str], LedgerEntry] = {}
+        self.waiting: set[tuple[str, str]] = set()
+
+    def _with_handoff(self, entry: LedgerEntry) -> LedgerEntry:
+        pending = (entry.account, entry.idempotency_key) in self.waiting
+        return msgspec.structs.replace(entry, handed_off=not pending)
+
+    async def lookup(self, account: str, key: str) -> LedgerEntry | None:
+        entry = self.entries.get((account, key))
+        return None if entry is None else self._with_handoff(entry)
+
+    async def accept(self, req: LedgerAccept, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:
+        existing = await self.lookup(req.account, req.idempotency_key)
+        if existing is not None:
+            return existing, False
+        wanted, stored = _wanted(req), self.records.get((req.account, req.confirmation_ref))
+        if stored is None:
+            raise Refusal(*binding.refusal(binding.Reason.not_found, None, wanted))
+        reason = binding.refused(stored, wanted, self.clock)
+        if reason is not None:
+            raise Refusal(*binding.refusal(reason, stored, wanted))
+        self.records[(req.account, req.confirmation_ref)] = dataclasses.replace(stored, consumed=True)
+        self.entries[(req.account, req.idempotency_key)] = entry
+        if req.work:
+            self.waiting.add((req.account, req.idempotency_key))
+        return self._with_handoff(entry), True
+
+    async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None:
+        self.waiting.discard((account, key))
+        return await self.lookup(account, key)
+
+    async def pending(self) -> list[LedgerEntry]:
+        return [self._with_handoff(self.entries[k]) for k in sorted(self.waiting)]

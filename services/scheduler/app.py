@@ -62,10 +62,10 @@ def register(w: Wiring) -> None:
     backends = Backends(
         w.broker, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key())
     )
-    runs = RunStore(w.redis, w.keys)
+    runs = RunStore(w.require_redis(), w.keys)
     handoff = Handoff(w.broker, s, runs, backends)
     api = Api(
-        w.redis,
+        w.require_redis(),
         w.keys,
         backends,
         runs,
@@ -76,7 +76,7 @@ def register(w: Wiring) -> None:
     )
     run_events = RunEvents(runs)
 
-    mutations = Mutations(w.redis, w.keys, backends, runs)
+    mutations = Mutations(w.require_redis(), w.keys, backends, runs)
     serve_tenant_requests(
         w,
         [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES]

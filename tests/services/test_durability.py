@@ -12,8 +12,8 @@ import pytest
 from contracts.api import Action
 from contracts.errors import ErrorCode
 from contracts.internal import LedgerAccept, LedgerEntry
-from services.confirmation.binding import Stored
 from services.confirmation.store import ConfirmationStore, new_ref
+from services.domain.binding import Stored
 from services.ledger.store import LedgerStore
 from services.ops import authority
 from services.runtime import connections, infra
