@@ -78,6 +78,12 @@ class Backends:
         service: str,
         timeout: float | None = None,
     ) -> T:
+        return codec.unwrap(await self._request(suffix, request, service, timeout), data_type)
+
+    async def _request(
+        self, suffix: str, request: msgspec.Struct, service: str, timeout: float | None = None
+    ) -> bytes:
+        """The signed request's raw reply; `backend_unavailable` when nobody answers in time."""
         body, subject = codec.encode(request), self.settings.subject(suffix)
         try:
             reply = await self.broker.request(
@@ -90,7 +96,7 @@ class Backends:
             raise Refusal(
                 ErrorCode.backend_unavailable, f"the {service} service did not answer in time"
             ) from None
-        return codec.unwrap(reply.body, data_type)
+        return bytes(reply.body)
 
     async def eligibility(self, account: str, booking_id: str, manifest: Manifest) -> EligibilityStatement:
         r = manifest.resources
@@ -135,12 +141,11 @@ class Backends:
         return await self._call(subjects.CONFIRMATION_RESOLVE, req, ConfirmationIssued, "confirmation")
 
     async def ledger_lookup(self, account: str, key: str) -> LedgerEntry | None:
-        return await self._call(
-            subjects.LEDGER_LOOKUP,
-            LedgerLookup(account=account, idempotency_key=key),
-            LedgerEntry | None,
-            "ledger",
+        raw = await self._request(
+            subjects.LEDGER_LOOKUP, LedgerLookup(account=account, idempotency_key=key), "ledger"
         )
+        data = codec.unwrap(raw, object)  # the entry, or None when the key is unknown
+        return None if data is None else msgspec.convert(data, LedgerEntry)
 
     async def ledger_accept(self, req: LedgerAccept) -> LedgerEntry:
         return await self._call(subjects.LEDGER_ACCEPT, req, LedgerEntry, "ledger")

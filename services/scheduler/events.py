@@ -11,7 +11,7 @@ import logging
 
 import msgspec
 
-from contracts.api import LogLineView
+from contracts.api import LogLineView, RunView
 from contracts.runs import (
     CheckpointSaved,
     Interruption,
@@ -61,25 +61,8 @@ class RunEvents:
         if account is None:
             log.error("event for unknown run %s ignored", event.run_id)
             return
-        trainer = from_trainer(event)
-        seq, epoch = (event.seq, event.epoch) if trainer else (None, None)
         try:
-            if isinstance(event, StateChanged):  # the state moves only through lifecycle.move
-                view, applied = await self.runs.move(
-                    account,
-                    event.run_id,
-                    event.state,
-                    at=event.at,
-                    seq=seq,
-                    holder_epoch=epoch,
-                    stage=event.stage,
-                    message=event.message,
-                    total_steps=event.total_steps,
-                )
-            else:
-                view, applied = await self.runs.update(
-                    account, event.run_id, seq, lambda view: lifecycle.apply_event(view, event), epoch
-                )
+            view, applied = await self._apply(account, event)
         except lifecycle.IllegalTransition as exc:
             log.warning("run %s: %s refused, not applied", event.run_id, exc)
             return
@@ -99,3 +82,23 @@ class RunEvents:
                 await self.runs.append_metrics(account, event.run_id, event)
             case CheckpointSaved():
                 await self.runs.append_checkpoint(account, event.run_id, event)
+
+    async def _apply(self, account: str, event: RunEvent) -> tuple[RunView | None, bool]:
+        """A state change through the store's `move` (lifecycle.move), anything else through
+        `update`; a trainer's event only in its lease epoch's order (the store decides)."""
+        seq, epoch = (event.seq, event.epoch) if from_trainer(event) else (None, None)
+        if isinstance(event, StateChanged):
+            return await self.runs.move(
+                account,
+                event.run_id,
+                event.state,
+                at=event.at,
+                seq=seq,
+                holder_epoch=epoch,
+                stage=event.stage,
+                message=event.message,
+                total_steps=event.total_steps,
+            )
+        return await self.runs.update(
+            account, event.run_id, seq, lambda view: lifecycle.apply_event(view, event), epoch
+        )

@@ -8,6 +8,7 @@ table) is done by the caller and passed in.
 import json
 import pathlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from contracts.api import CostEstimate, Plan, PlanCheck, StageGatePlan
 from contracts.booking import Fabric
@@ -69,7 +70,50 @@ def _check(name: str, refusal: tuple[ErrorCode, str] | None, passed: str) -> Pla
     return PlanCheck(name=name, ok=False, code=refusal[0].value, reason=refusal[1])
 
 
-def strategy(params: int, shape: ModelShape, manifest: Manifest, gpu: GpuPrice, fabric: Fabric):
+Refusal = tuple[ErrorCode, str]
+
+
+class Strategy(NamedTuple):
+    name: str  # "none" when refused
+    degrees: dict[str, int]
+    precision: str
+    per_gpu_bytes: float
+    refusal: Refusal | None
+
+
+def topology_refusal(params: int, nodes: int, gpus: int, fabric: Fabric) -> Refusal | None:
+    """A fabric that cannot carry the run, or more GPUs or nodes than the model can use."""
+    if nodes > 1 and fabric is Fabric.ethernet:
+        return (
+            ErrorCode.fabric_unsupported,
+            "a multi-node run needs InfiniBand or RoCE; the booking has ethernet",
+        )
+    if gpus > 1 and params < SMALL_MODEL_PARAMS:
+        return ErrorCode.plan_wasteful, f"{gpus} GPUs for a {params / 1e6:.1f}M-parameter model: use one GPU"
+    if nodes > 1 and params < MULTI_NODE_MIN_PARAMS:
+        return (
+            ErrorCode.plan_wasteful,
+            f"{nodes} nodes for a {params / 1e6:.0f}M-parameter model: use one node",
+        )
+    return None
+
+
+def layouts(nodes: int, gpn: int) -> list[tuple[str, dict[str, int], int, int]]:
+    """(name, degrees, shard factor, tensor-parallel degree), cheapest communication first:
+    replicate, shard in a node, shard everywhere, then add TP."""
+    gpus = nodes * gpn
+    candidates = [
+        ("single" if gpus == 1 else "ddp", {"dp_replicate": gpus}, 1, 1),
+        ("fsdp2" if nodes == 1 else "hsdp", {"dp_replicate": nodes, "dp_shard": gpn}, gpn, 1),
+        ("fsdp2", {"dp_shard": gpus}, gpus, 1),
+    ]
+    for tp in (2, 4, 8):
+        if tp <= gpn and gpus // tp >= 1:
+            candidates.append(("fsdp2+tp", {"dp_shard": gpus // tp, "tp": tp}, gpus // tp, tp))
+    return candidates
+
+
+def strategy(params: int, shape: ModelShape, manifest: Manifest, gpu: GpuPrice, fabric: Fabric) -> Strategy:
     """(strategy, degrees, precision, per-GPU bytes, refusal) for the GPUs the manifest asks for."""
     nodes, gpn = manifest.resources.nodes, manifest.resources.gpus_per_node
     gpus = nodes * gpn
@@ -79,59 +123,22 @@ def strategy(params: int, shape: ModelShape, manifest: Manifest, gpu: GpuPrice, 
         shape.n_layer * manifest.target.seq_len * shape.d_model * ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM
     )
     precision = "fp8" if gpu.fp8 and params >= FP8_MIN_PARAMS else "bf16"
-
-    if nodes > 1 and fabric is Fabric.ethernet:
-        return (
-            "none",
-            {},
-            precision,
-            0.0,
-            (
-                ErrorCode.fabric_unsupported,
-                "a multi-node run needs InfiniBand or RoCE; the booking has ethernet",
-            ),
-        )
-    if gpus > 1 and params < SMALL_MODEL_PARAMS:
-        return (
-            "none",
-            {},
-            precision,
-            0.0,
-            (ErrorCode.plan_wasteful, f"{gpus} GPUs for a {params / 1e6:.1f}M-parameter model: use one GPU"),
-        )
-    if nodes > 1 and params < MULTI_NODE_MIN_PARAMS:
-        return (
-            "none",
-            {},
-            precision,
-            0.0,
-            (
-                ErrorCode.plan_wasteful,
-                f"{nodes} nodes for a {params / 1e6:.0f}M-parameter model: use one node",
-            ),
-        )
-
-    # Cheapest communication first: replicate, shard in a node, shard everywhere, then add TP.
-    candidates = [
-        ("single" if gpus == 1 else "ddp", {"dp_replicate": gpus}, 1, 1),
-        ("fsdp2" if nodes == 1 else "hsdp", {"dp_replicate": nodes, "dp_shard": gpn}, gpn, 1),
-        ("fsdp2", {"dp_shard": gpus}, gpus, 1),
-    ]
-    for tp in (2, 4, 8):
-        if tp <= gpn and gpus // tp >= 1:
-            candidates.append(("fsdp2+tp", {"dp_shard": gpus // tp, "tp": tp}, gpus // tp, tp))
-    for name, degrees, shard, tp in candidates:
+    refused = topology_refusal(params, nodes, gpus, fabric)
+    if refused is not None:
+        return Strategy("none", {}, precision, 0.0, refused)
+    for name, degrees, shard, tp in layouts(nodes, gpn):
         per_gpu = state / (shard * tp) + activations / tp
         if per_gpu <= usable:
-            return name, degrees, precision, per_gpu, None
-    return (
+            return Strategy(name, degrees, precision, per_gpu, None)
+    return Strategy(
         "none",
         {},
         precision,
         state / gpus,
         (
             ErrorCode.capacity_insufficient,
-            f"{params / 1e9:.1f}B parameters need ~{state / 1e9:.0f} GB of training state; {gpus} x {gpu.memory_gb:.0f} GB cannot hold it",
+            f"{params / 1e9:.1f}B parameters need ~{state / 1e9:.0f} GB of training state; "
+            f"{gpus} x {gpu.memory_gb:.0f} GB cannot hold it",
         ),
     )
 
@@ -197,6 +204,65 @@ def stage_gates(manifest: Manifest) -> list[StageGatePlan]:
     ]
 
 
+def desk_gpu(prices: PriceTable, statement: EligibilityBody) -> tuple[GpuPrice, PlanCheck | None]:
+    """The booked GPU's desk price, or a stand-in and a failed `price` check when it has none."""
+    topo = statement.topology
+    gpu = prices.gpus.get(topo.gpu_model)
+    if gpu is not None:
+        return gpu, None
+    stand_in = GpuPrice(
+        price_per_gpu_hour_usd=0.0,
+        peak_bf16_tflops=1.0,
+        assumed_mfu=1.0,
+        memory_gb=topo.gpu_memory_gb,
+        fp8=False,
+    )
+    refusal = (ErrorCode.capacity_insufficient, f"no desk price for GPU model {topo.gpu_model}")
+    return stand_in, _check("price", refusal, "")
+
+
+def layout_checks(s: Strategy, manifest: Manifest, fabric: Fabric) -> list[PlanCheck]:
+    """`fabric`, then `parallelism` unless the fabric already refused."""
+    fabric_refusal = s.refusal if s.refusal and s.refusal[0] is ErrorCode.fabric_unsupported else None
+    checks = [
+        _check("fabric", fabric_refusal, f"{fabric.value} is fine for {manifest.resources.nodes} node(s)")
+    ]
+    if fabric_refusal is None:
+        checks.append(
+            _check(
+                "parallelism",
+                s.refusal,
+                f"{s.name} {s.degrees}, {s.precision}, ~{s.per_gpu_bytes / 1e9:.2f} GB per GPU",
+            )
+        )
+    return checks
+
+
+def budget_checks(estimate: CostEstimate, manifest: Manifest) -> list[PlanCheck]:
+    """`budget_cap` (the whole estimate) and `incremental_cost` (what goes beyond the booking)."""
+    cap, allowed = manifest.budget_cap_usd, manifest.max_incremental_cost_usd
+    over_cap = (
+        ErrorCode.budget_exceeded,
+        f"estimate {estimate.total_usd:.2f} USD is above the cap {cap:.2f} USD",
+    )
+    over_incr = (
+        ErrorCode.budget_exceeded,
+        f"{estimate.incremental_usd:.2f} USD beyond the booking is above the allowed {allowed:.2f} USD",
+    )
+    return [
+        _check(
+            "budget_cap",
+            over_cap if estimate.total_usd > cap else None,
+            f"estimate {estimate.total_usd:.4f} USD within the cap {cap:.2f} USD",
+        ),
+        _check(
+            "incremental_cost",
+            over_incr if estimate.incremental_usd > allowed else None,
+            f"{estimate.incremental_usd:.2f} USD beyond the booking",
+        ),
+    ]
+
+
 def plan(
     manifest: Manifest,
     digest: str,
@@ -204,39 +270,15 @@ def plan(
     prices: PriceTable,
     storage_refusal: tuple[ErrorCode, str] | None,
 ) -> Plan:
+    """The plan and its checks, in a fixed order: price, fabric, parallelism, data policy,
+    checkpoint storage, budget cap, incremental cost."""
     shape = MODEL_SHAPES[manifest.model.size.value]
     params = parameter_count(shape)
     topo = statement.topology
-    gpu = prices.gpus.get(topo.gpu_model)
-    checks: list[PlanCheck] = []
-    if gpu is None:
-        gpu = GpuPrice(
-            price_per_gpu_hour_usd=0.0,
-            peak_bf16_tflops=1.0,
-            assumed_mfu=1.0,
-            memory_gb=topo.gpu_memory_gb,
-            fp8=False,
-        )
-        checks.append(
-            _check(
-                "price",
-                (ErrorCode.capacity_insufficient, f"no desk price for GPU model {topo.gpu_model}"),
-                "",
-            )
-        )
-    name, degrees, precision, per_gpu, refusal = strategy(params, shape, manifest, gpu, statement.fabric)
-    fabric_refusal = refusal if refusal and refusal[0] is ErrorCode.fabric_unsupported else None
-    checks.append(
-        _check(
-            "fabric",
-            fabric_refusal,
-            f"{statement.fabric.value} is fine for {manifest.resources.nodes} node(s)",
-        )
-    )
-    if fabric_refusal is None:
-        checks.append(
-            _check("parallelism", refusal, f"{name} {degrees}, {precision}, ~{per_gpu / 1e9:.2f} GB per GPU")
-        )
+    gpu, price_check = desk_gpu(prices, statement)
+    checks: list[PlanCheck] = [] if price_check is None else [price_check]
+    chosen = strategy(params, shape, manifest, gpu, statement.fabric)
+    checks += layout_checks(chosen, manifest, statement.fabric)
     window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
     booked = topo.nodes * topo.gpus_per_node * window_hours
     estimate = cost(params, manifest, gpu, prices, booked, window_hours)
@@ -244,38 +286,13 @@ def plan(
         _check("data_policy", data_policy(manifest), "every source allowed, decontamination declared")
     )
     checks.append(_check("checkpoint_storage", storage_refusal, "checkpoint storage writable with room"))
-    over_cap = estimate.total_usd > manifest.budget_cap_usd
-    checks.append(
-        _check(
-            "budget_cap",
-            (
-                ErrorCode.budget_exceeded,
-                f"estimate {estimate.total_usd:.2f} USD is above the cap {manifest.budget_cap_usd:.2f} USD",
-            )
-            if over_cap
-            else None,
-            f"estimate {estimate.total_usd:.4f} USD within the cap {manifest.budget_cap_usd:.2f} USD",
-        )
-    )
-    over_incr = estimate.incremental_usd > manifest.max_incremental_cost_usd
-    checks.append(
-        _check(
-            "incremental_cost",
-            (
-                ErrorCode.budget_exceeded,
-                f"{estimate.incremental_usd:.2f} USD beyond the booking is above the allowed {manifest.max_incremental_cost_usd:.2f} USD",
-            )
-            if over_incr
-            else None,
-            f"{estimate.incremental_usd:.2f} USD beyond the booking",
-        )
-    )
+    checks += budget_checks(estimate, manifest)
     return Plan(
         booking_id=statement.booking_id,
         manifest_digest=digest,
-        strategy=name,
-        degrees=degrees,
-        precision=precision,
+        strategy=chosen.name,
+        degrees=chosen.degrees,
+        precision=chosen.precision,
         cost=estimate,
         checks=checks,
         gates=stage_gates(manifest),
@@ -288,5 +305,5 @@ def plan(
 def first_refusal(p: Plan) -> tuple[ErrorCode, str] | None:
     for c in p.checks:
         if not c.ok:
-            return ErrorCode(c.code), c.reason
+            return ErrorCode(c.code or ErrorCode.request_invalid), c.reason  # (a failed check has a code)
     return None
