@@ -152,12 +152,10 @@ def pretrain(sizes: Sizes) -> dict:
         )
 
     def ours() -> tuple[list[float], float]:
-        times, losses = [], []
+        times: list[float] = []
+        losses: list[float] = []
 
-        def emit(kind: str, fields: dict) -> None:
-            if kind == "metrics":
-                times.append(time.perf_counter())
-                losses.append(fields["loss"])
+        emit = _timed(times, losses)
 
         with tempfile.TemporaryDirectory(prefix="ito-bench-train-") as directory:
             train_stage(config(directory), emit, lambda: False)
@@ -211,12 +209,10 @@ def dpo(sizes: Sizes) -> dict:
         )
 
     def ours() -> tuple[list[float], float]:
-        times, losses = [], []
+        times: list[float] = []
+        losses: list[float] = []
 
-        def emit(kind: str, fields: dict) -> None:
-            if kind == "metrics":
-                times.append(time.perf_counter())
-                losses.append(fields["loss"])
+        emit = _timed(times, losses)
 
         with tempfile.TemporaryDirectory(prefix="ito-bench-dpo-") as directory:
             posttrain.train_dpo(config(directory), emit, lambda: False)
@@ -267,6 +263,19 @@ def _sequences(n: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return tokens[:, :-1], tokens[:, 1:], mask
 
 
+def _timed(times: list[float], losses: list[float]):
+    """A reporter that notes when each step's metrics arrive, and their loss."""
+    from contracts.runs import Metrics, RunEvent
+    from services.trainer.reporting import Reporter
+
+    def sink(event: RunEvent) -> None:
+        if isinstance(event, Metrics):
+            times.append(time.perf_counter())
+            losses.append(event.loss)
+
+    return Reporter(sink)
+
+
 def _run_ours(
     model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], total: int, tokens: int
 ) -> tuple[list[float], float]:
@@ -276,12 +285,10 @@ def _run_ours(
 
     optimizer = _plain_optimizer(model)
     scheduler = LambdaLR(optimizer, lambda _: 1.0)
-    times, losses = [], []
+    times: list[float] = []
+    losses: list[float] = []
 
-    def emit(kind: str, fields: dict) -> None:
-        if kind == "metrics":
-            times.append(time.perf_counter())
-            losses.append(fields["loss"])
+    emit = _timed(times, losses)
 
     with tempfile.TemporaryDirectory(prefix="ito-bench-post-") as directory:
         settings = LoopSettings(

@@ -1,5 +1,6 @@
 """The trainer's work item and the events a run emits (state, logs, metrics, checkpoints)."""
 
+import enum
 from datetime import datetime
 
 import msgspec
@@ -23,6 +24,30 @@ class TrainWork(Internal, frozen=True, kw_only=True):
     restart: RestartProposal | None = None  # an approved restart: resume from it, not from the latest
 
 
+class LogLevel(enum.StrEnum):
+    """A `LogLine`'s level; the values are the wire strings."""
+
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+class Outcome(enum.StrEnum):
+    """How a run's pipeline ended, as the trainer's worker turns it into the run's final state."""
+
+    succeeded = "succeeded"
+    gate_failed = "gate_failed"  # a stage's eval gate failed; nothing overrides it
+    stopped = "stopped"  # the stop flag was set; the in-flight checkpoint was committed first
+
+
+class StopReason(enum.StrEnum):
+    """Why a trainer stopped a run's training loop before its end."""
+
+    cancelled = "cancelled"  # the lease says the run is being cancelled
+    fenced = "fenced"  # the lease is lost or withdrawn: another trainer holds (or will hold) the run
+    loss_spike = "loss_spike"  # the spike watch saw a loss spike; the run waits for approval
+
+
 class RunEventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):  # internal: lenient
     run_id: str
     seq: int  # per-run, grows; with run_id it is the Nats-Msg-Id of the event
@@ -38,7 +63,7 @@ class StateChanged(RunEventBase, tag="state", frozen=True, kw_only=True):
 
 
 class LogLine(RunEventBase, tag="log", frozen=True, kw_only=True):
-    level: str = "info"
+    level: str = "info"  # a LogLevel value; kept a str so a reader survives a level it does not know
     message: str
 
 

@@ -13,31 +13,15 @@ import msgspec
 from faststream.nats import NatsBroker
 
 from contracts import subjects
-from contracts.runs import (
-    CheckpointSaved,
-    DataProvenance,
-    EvalResult,
-    LogLine,
-    Metrics,
-    RunEvent,
-    StageStarted,
-    StateChanged,
-)
+from contracts.api import RestartProposal
+from contracts.runs import LogLevel, LogLine, ProposalMade, RunEvent, StateChanged
 from contracts.states import RunState
 from services.runtime.publishing import publish_once
 from services.runtime.settings import Settings
+from services.trainer.reporting import Reporter, check_event
 
 log = logging.getLogger("ito.trainer.emitter")
 THREAD_PUBLISH_TIMEOUT_S = 10.0  # the training thread waits at most this for one event to be stored
-# The pipeline's `emit(kind, payload)` kinds: payload fields are those of the event, less run_id/seq/at.
-EVENT_KINDS = {
-    "metrics": Metrics,
-    "log": LogLine,
-    "checkpoint": CheckpointSaved,
-    "stage": StageStarted,
-    "eval": EvalResult,
-    "provenance": DataProvenance,
-}
 
 
 class Emitter:
@@ -71,32 +55,49 @@ class Emitter:
             msg_id=f"{self.run_id}:{self.epoch}:{event.seq}",
         )
 
-    def base(self) -> dict:
-        return {
-            "run_id": self.run_id,
-            "seq": 0,
-            "at": datetime.now(UTC),
-            "epoch": self.epoch,
-        }  # seq: at publish
-
     async def state(
         self, state: RunState, stage: str | None = None, message: str | None = None, total_steps: int = 0
     ) -> None:
         await self.publish(
-            StateChanged(**self.base(), state=state, stage=stage, message=message, total_steps=total_steps)
+            StateChanged(
+                run_id=self.run_id,
+                seq=0,  # given at publish
+                at=datetime.now(UTC),
+                epoch=self.epoch,
+                state=state,
+                stage=stage,
+                message=message,
+                total_steps=total_steps,
+            )
         )
 
-    async def log(self, message: str, level: str = "info") -> None:
-        await self.publish(LogLine(**self.base(), level=level, message=message))
+    async def log(self, message: str, level: LogLevel = LogLevel.info) -> None:
+        await self.publish(
+            LogLine(
+                run_id=self.run_id,
+                seq=0,
+                at=datetime.now(UTC),
+                epoch=self.epoch,
+                level=level,
+                message=message,
+            )
+        )
 
-    def from_thread(self, kind: str, payload: dict) -> None:
-        """The training loop's `emit(kind, payload)`: build the event here, publish on the loop."""
-        cls = EVENT_KINDS.get(kind)
-        if cls is None:
-            raise ValueError(f"unknown event kind {kind!r}; known: {sorted(EVENT_KINDS)}")
-        event = msgspec.convert({**self.base(), **payload}, cls)
+    async def proposal(self, proposal: RestartProposal) -> None:
+        await self.publish(
+            ProposalMade(run_id=self.run_id, seq=0, at=datetime.now(UTC), epoch=self.epoch, proposal=proposal)
+        )
+
+    def reporter(self) -> Reporter:
+        """The training thread's reporting interface, publishing through `from_thread`."""
+        return Reporter(self.from_thread, run_id=self.run_id, epoch=self.epoch)
+
+    def from_thread(self, event: RunEvent) -> None:
+        """Publish a contract event built on the training thread, on the loop; wait (bounded) for it."""
+        event = check_event(event)
         future = asyncio.run_coroutine_threadsafe(self.publish(event), self.loop)
         try:
             future.result(timeout=THREAD_PUBLISH_TIMEOUT_S)
         except Exception:  # the run goes on; a lost metric is not worth a lost run
+            kind = type(event).__struct_config__.tag
             log.warning("run %s: a %s event could not be published", self.run_id, kind)

@@ -10,6 +10,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from contracts.evals import EvalMetric
 from services.trainer.data import ByteTokenizer, load_eval_suite, needle_document, split_task_line
 from services.trainer.generation import complete
 from services.trainer.model import Transformer
@@ -27,8 +28,8 @@ class Check:
     op: str = ">="
 
 
-def judge(checks: Sequence[Check]) -> tuple[list[dict], bool]:
-    """EvalMetric fields for each measured check, and whether the gate passed. Unmeasured checks
+def judge(checks: Sequence[Check]) -> tuple[list[EvalMetric], bool]:
+    """An EvalMetric for each measured check, and whether the gate passed. Unmeasured checks
     without a threshold are left out; a gated one that cannot be measured is an error, never a pass."""
     metrics, passed = [], True
     for check in checks:
@@ -45,28 +46,24 @@ def judge(checks: Sequence[Check]) -> tuple[list[dict], bool]:
         )
         passed &= ok
         metrics.append(
-            {
-                "name": check.name,
-                "value": float(check.value),
-                "threshold": check.threshold,
-                "op": check.op,
-                "passed": ok,
-            }
+            EvalMetric(
+                name=check.name, value=float(check.value), threshold=check.threshold, op=check.op, passed=ok
+            )
         )
     return metrics, passed
 
 
-def describe(stage: str, metrics: list[dict]) -> str:
+def describe(stage: str, metrics: list[EvalMetric]) -> str:
     """A one-line summary that states the numbers: "pretrain gate failed: held_out_loss 2.31 > 1.00"."""
-    failed = [m for m in metrics if not m["passed"]]
+    failed = [m for m in metrics if not m.passed]
     shown = failed or metrics
     parts = []
     for m in shown:
-        if m["threshold"] is None:
-            parts.append(f"{m['name']} {m['value']:.4f}")
+        if m.threshold is None:
+            parts.append(f"{m.name} {m.value:.4f}")
         else:
-            bad = {">=": "<", "<=": ">"}[m["op"]] if not m["passed"] else m["op"]
-            parts.append(f"{m['name']} {m['value']:.4f} {bad} {m['threshold']:.4f}")
+            bad = {">=": "<", "<=": ">"}[m.op] if not m.passed else m.op
+            parts.append(f"{m.name} {m.value:.4f} {bad} {m.threshold:.4f}")
     verdict = "gate failed" if failed else "gate passed"
     return f"{stage} {verdict}: " + ", ".join(parts) if parts else f"{stage} {verdict}"
 

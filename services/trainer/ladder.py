@@ -13,10 +13,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
+from contracts.evals import EvalMetric
+from contracts.runs import CheckpointSaved, Metrics, RunEvent
 from services.domain.curriculum import WARMUP_FRACTION, LadderPlan
 from services.trainer.data import load_text
-from services.trainer.loop import Emit, ShouldStop
+from services.trainer.loop import ShouldStop
 from services.trainer.pretrain import StageConfig, train_stage
+from services.trainer.reporting import Reporter
 
 FALLBACK_REFERENCE = "builtin:pydoc_topics"  # the reference mix when every training ref is custom
 RECORD = "decision.json"
@@ -30,30 +35,18 @@ class LadderDecision:
     threshold: float
     steps: int
 
-    def metrics(self) -> list[dict]:
+    def metrics(self) -> list[EvalMetric]:
         """The eval event's metrics: the custom mix is judged against reference + tolerance."""
         return [
-            {
-                "name": "held_out_loss_reference",
-                "value": self.reference_loss,
-                "threshold": None,
-                "op": "<=",
-                "passed": True,
-            },
-            {
-                "name": "held_out_loss_with_custom",
-                "value": self.custom_loss,
-                "threshold": self.threshold,
-                "op": "<=",
-                "passed": self.use,
-            },
-            {
-                "name": "eval_delta",
-                "value": self.reference_loss - self.custom_loss,
-                "threshold": None,
-                "op": ">=",
-                "passed": True,
-            },
+            EvalMetric(name="held_out_loss_reference", value=self.reference_loss, op="<=", passed=True),
+            EvalMetric(
+                name="held_out_loss_with_custom",
+                value=self.custom_loss,
+                threshold=self.threshold,
+                op="<=",
+                passed=self.use,
+            ),
+            EvalMetric(name="eval_delta", value=self.reference_loss - self.custom_loss, op=">=", passed=True),
         ]
 
 
@@ -67,17 +60,24 @@ def _write_text(path: Path, text: str) -> str:
     return f"file:{path}"
 
 
-def _proxy_emit(emit: Emit, offset: int, total: int) -> Emit:
+def _proxy_report(report: Reporter, offset: int, total: int) -> Reporter:
     """Proxy metrics numbered as one ladder stage of 2 x steps; proxy checkpoints are scratch, not
     the run's, so they are not reported."""
 
-    def forward(kind: str, fields: dict) -> None:
-        if kind == "metrics":
-            emit(kind, {**fields, "stage": "ladder", "step": fields["step"] + offset, "total_steps": total})
-        elif kind != "checkpoint":
-            emit(kind, fields)
+    def forward(event: RunEvent) -> None:
+        match event:
+            case Metrics():
+                report.send(
+                    msgspec.structs.replace(
+                        event, stage="ladder", step=event.step + offset, total_steps=total
+                    )
+                )
+            case CheckpointSaved():
+                pass
+            case _:
+                report.send(event)
 
-    return forward
+    return report.with_sink(forward)
 
 
 def run_ladder(
@@ -90,7 +90,7 @@ def run_ladder(
     batch_size: int,
     learning_rate: float,
     directory: str | os.PathLike,
-    emit: Emit,
+    report: Reporter,
     should_stop: ShouldStop,
 ) -> LadderDecision | None:
     """The decision, or None if a stop request interrupted a proxy run (its checkpoint is kept)."""
@@ -99,16 +99,7 @@ def run_ladder(
     record = directory / RECORD
     if record.exists():
         return LadderDecision(**json.loads(record.read_text()))
-
-    reference = [sources[n] for n in plan.reference] or [FALLBACK_REFERENCE]
-    custom = [sources[n] for n in plan.custom]
-    held_out = list(eval_sources)
-    if not held_out:  # hold out the reference's tail from both proxies
-        text = "\n\n".join(load_text(s, seed=seed) for s in reference)
-        cut = int(len(text) * 0.9)
-        reference = [_write_text(directory / "reference-train.txt", text[:cut])]
-        held_out = [_write_text(directory / "held-out.txt", text[cut:])]
-
+    reference, custom, held_out = _proxy_data(plan, sources, eval_sources, seed, directory)
     losses = []
     for i, (name, train_sources) in enumerate((("reference", reference), ("custom", reference + custom))):
         cfg = StageConfig(
@@ -126,18 +117,40 @@ def run_ladder(
             checkpoint_interval=plan.proxy_steps,
             keep_last=1,
         )
-        result = train_stage(cfg, _proxy_emit(emit, i * plan.proxy_steps, 2 * plan.proxy_steps), should_stop)
+        result = train_stage(
+            cfg, _proxy_report(report, i * plan.proxy_steps, 2 * plan.proxy_steps), should_stop
+        )
         if result.stopped or result.held_out_loss is None:
             return None
         losses.append(result.held_out_loss)
-    threshold = losses[0] + plan.max_loss_regression
     decision = LadderDecision(
         use=decide(losses[0], losses[1], plan.max_loss_regression),
         reference_loss=losses[0],
         custom_loss=losses[1],
-        threshold=threshold,
+        threshold=losses[0] + plan.max_loss_regression,
         steps=plan.proxy_steps,
     )
+    _record(record, decision)
+    return decision
+
+
+def _proxy_data(
+    plan: LadderPlan, sources: dict[str, str], eval_sources: list[str], seed: int, directory: Path
+) -> tuple[list[str], list[str], list[str]]:
+    """(reference sources, custom sources, held-out sources) of the proxies; with no eval suite the
+    reference's tail is held out from both."""
+    reference = [sources[n] for n in plan.reference] or [FALLBACK_REFERENCE]
+    custom = [sources[n] for n in plan.custom]
+    held_out = list(eval_sources)
+    if not held_out:
+        text = "\n\n".join(load_text(s, seed=seed) for s in reference)
+        cut = int(len(text) * 0.9)
+        reference = [_write_text(directory / "reference-train.txt", text[:cut])]
+        held_out = [_write_text(directory / "held-out.txt", text[cut:])]
+    return reference, custom, held_out
+
+
+def _record(record: Path, decision: LadderDecision) -> None:
     tmp = record.with_suffix(".tmp")
     tmp.write_text(
         json.dumps(
@@ -145,10 +158,9 @@ def run_ladder(
                 "use": decision.use,
                 "reference_loss": decision.reference_loss,
                 "custom_loss": decision.custom_loss,
-                "threshold": threshold,
+                "threshold": decision.threshold,
                 "steps": decision.steps,
             }
         )
     )
     os.replace(tmp, record)
-    return decision

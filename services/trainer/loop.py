@@ -3,7 +3,7 @@ checkpoints, stop requests; and the device, precision and sharding choices made 
 
 A stage supplies `step_fn(step) -> StepOutput` (its forward pass and loss); the loop owns the rest,
 so pretrain, midtrain, long-context, SFT, DPO and RLVR checkpoint, resume and stop the same way.
-The loop reports through `emit(kind, fields)` ("metrics", "checkpoint", "log") and asks
+The loop reports through a `Reporter` (metrics, checkpoints, log lines: contract events) and asks
 `should_stop()` before every step; on a stop it commits a checkpoint of the current step first.
 
 Host syncs: a step's loss, gradient norm and the stage's own scalars (`StepOutput.scalars`) travel
@@ -20,11 +20,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from contracts.manifest import CheckpointPolicy
+from contracts.runs import LogLevel
 from services.trainer.checkpoint import (
     Checkpointer,
     CheckpointFailed,
@@ -33,9 +36,13 @@ from services.trainer.checkpoint import (
     load_latest,
     load_weights,
 )
+from services.trainer.reporting import Reporter
 
-Emit = Callable[[str, dict], None]
+# The manifest's checkpoint policy owns the defaults (every 50 steps, keep the last 2); the stages'
+# configs take theirs from here rather than repeating the numbers.
+CHECKPOINT_DEFAULTS = CheckpointPolicy()
 ShouldStop = Callable[[], bool]
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 class TrainingError(RuntimeError):
@@ -60,7 +67,7 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def maybe_shard(model: torch.nn.Module) -> torch.nn.Module:
+def maybe_shard(model: M) -> M:
     """FSDP2 when the process group has more than one rank: each block, then the root. A no-op on
     one device. Untested here (no multi-GPU host); DCP's get_state_dict handles the sharded case."""
     if world_size() <= 1:
@@ -68,7 +75,7 @@ def maybe_shard(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
+    for block in model.get_submodule("blocks").children():
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
@@ -85,7 +92,8 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded weights on CPU (gathered under FSDP2): what the rollout worker loads."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)  # a model's state (unlike an optimizer's) is all tensors
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,8 +114,8 @@ class LoopSettings:
     stage: str
     steps: int
     checkpoint_dir: str
-    checkpoint_interval: int = 50
-    keep_last: int = 2
+    checkpoint_interval: int = CHECKPOINT_DEFAULTS.interval_steps
+    keep_last: int = CHECKPOINT_DEFAULTS.keep_last
     grad_clip: float = 1.0
     save_on_stop: bool = True
     log_interval: int = 0
@@ -127,31 +135,22 @@ class LoopResult:
 
 
 def report_checkpoints(
-    emit: Emit, outcomes: list[CheckpointInfo | CheckpointFailed]
+    report: Reporter, outcomes: list[CheckpointInfo | CheckpointFailed]
 ) -> CheckpointFailed | None:
     failed = None
     for outcome in outcomes:
         match outcome:
             case CheckpointInfo():
-                emit(
-                    "checkpoint",
-                    {
-                        "step": outcome.step,
-                        "path": outcome.path,
-                        "bytes": outcome.bytes,
-                        "stall_s": outcome.stall_s,
-                        "save_s": outcome.save_s,
-                    },
+                report.checkpoint(
+                    step=outcome.step,
+                    path=outcome.path,
+                    size=outcome.bytes,
+                    stall_s=outcome.stall_s,
+                    save_s=outcome.save_s,
                 )
             case CheckpointFailed():
                 failed = outcome
-                emit(
-                    "log",
-                    {
-                        "level": "warning",
-                        "message": f"Checkpoint at step {outcome.step} failed: {outcome.message}",
-                    },
-                )
+                report.log(f"Checkpoint at step {outcome.step} failed: {outcome.message}", LogLevel.warning)
     return failed
 
 
@@ -160,7 +159,7 @@ def resume_or_init(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    emit: Emit,
+    report: Reporter,
     *,
     init_from: str | None = None,
 ) -> ResumeState | None:
@@ -168,13 +167,7 @@ def resume_or_init(
     the previous stage's final checkpoint (`init_from`) with a fresh optimizer."""
     resumed = load_latest(settings.checkpoint_dir, model, optimizer, scheduler=scheduler)
     if resumed is not None:
-        emit(
-            "log",
-            {
-                "level": "info",
-                "message": f"Resuming {settings.stage} from step {resumed.step} ({resumed.path}).",
-            },
-        )
+        report.log(f"Resuming {settings.stage} from step {resumed.step} ({resumed.path}).")
         return resumed
     if init_from is not None:
         source = load_weights(init_from, model)
@@ -182,7 +175,7 @@ def resume_or_init(
             raise TrainingError(
                 f"{settings.stage} starts from {init_from}, which holds no committed checkpoint."
             )
-        emit("log", {"level": "info", "message": f"{settings.stage} starts from {source.path}."})
+        report.log(f"{settings.stage} starts from {source.path}.")
     return None
 
 
@@ -227,7 +220,7 @@ def run_loop(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     step_fn: Callable[[int], StepOutput],
-    emit: Emit,
+    report: Reporter,
     should_stop: ShouldStop,
     *,
     start_step: int = 0,
@@ -235,20 +228,100 @@ def run_loop(
 ) -> LoopResult:
     """Run optimizer steps start_step+1 .. settings.steps. `step_fn(step)` gets the 0-based index of
     the step it computes; `position()` is the data position stored with each checkpoint."""
-    checkpointer = Checkpointer(settings.checkpoint_dir, keep_last=settings.keep_last)
-    log_every = settings.log_interval or max(1, settings.steps // 10)
-    device = next(model.parameters()).device
-    lag = settings.read_lag if settings.read_lag is not None else (0 if device.type == "cpu" else 1)
-    step = start_step
-    first_loss = final_loss = None
-    saved_step = step if start_step > 0 else -1
-    stopped = False
-    pending: deque[_Reading] = deque()
-    last_read = 0.0
+    loop = _Loop(settings, model, optimizer, scheduler, report, start_step=start_step, position=position)
+    model.train()
+    try:
+        while loop.step < settings.steps:
+            if should_stop():
+                loop.stopped = True
+                break
+            loop.train_step(step_fn)
+        loop.read_all()
+    except TrainingError:
+        raise  # a diverged read: the steps after it are not worth reporting
+    except BaseException:
+        with contextlib.suppress(Exception):  # the steps that did finish still report, then the error
+            loop.read_all()
+        raise
+    return loop.finish()
 
-    def read(reading: _Reading) -> None:
+
+class _Loop:
+    """The state of one `run_loop` call: the step, the readings in flight, the losses seen."""
+
+    def __init__(
+        self,
+        settings: LoopSettings,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        report: Reporter,
+        *,
+        start_step: int,
+        position: Callable[[], int],
+    ) -> None:
+        self.settings, self.model, self.optimizer, self.scheduler = settings, model, optimizer, scheduler
+        self.report, self.position = report, position
+        self.checkpointer = Checkpointer(settings.checkpoint_dir, keep_last=settings.keep_last)
+        self.log_every = settings.log_interval or max(1, settings.steps // 10)
+        device = next(model.parameters()).device
+        self.lag = settings.read_lag if settings.read_lag is not None else (0 if device.type == "cpu" else 1)
+        self.step = start_step
+        self.first_loss: float | None = None
+        self.final_loss: float | None = None
+        self.saved_step = start_step if start_step > 0 else -1
+        self.stopped = False
+        self.pending: deque[_Reading] = deque()
+        self.last_read = 0.0
+
+    def train_step(self, step_fn: Callable[[int], StepOutput]) -> None:
+        """One optimizer step, its reading queued; the checkpoint when one is due."""
+        started = time.perf_counter()
+        out = step_fn(self.step)
+        learning_rate = float(self.scheduler.get_last_lr()[0])  # the LR this step uses
+        values: torch.Tensor | None = None
+        ready: torch.cuda.Event | None = None
+        if out.loss is not None:
+            out.loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+            self.optimizer.step()
+            values, ready = _send_to_host(out, grad_norm)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.pending.append(
+            _Reading(
+                step=self.step,
+                values=values,
+                ready=ready,
+                names=list(out.scalars),
+                on_scalars=out.on_scalars if out.loss is not None else None,
+                learning_rate=learning_rate,
+                tokens=out.tokens,
+                started=started,
+            )
+        )
+        checkpoint_due = (
+            self.step % self.settings.checkpoint_interval == 0 or self.step == self.settings.steps
+        )
+        self.read_all(keep=0 if checkpoint_due else self.lag)
+        report_checkpoints(self.report, self.checkpointer.poll())
+        if checkpoint_due:
+            self.save()
+            report_checkpoints(self.report, self.checkpointer.poll())
+
+    def save(self) -> None:
+        self.checkpointer.save(
+            self.step, self.model, self.optimizer, scheduler=self.scheduler, data_position=self.position()
+        )
+        self.saved_step = self.step
+
+    def read_all(self, keep: int = 0) -> None:
+        while len(self.pending) > keep:
+            self.read(self.pending.popleft())
+
+    def read(self, reading: _Reading) -> None:
         """The host side of one step: its values, the divergence check, its metrics."""
-        nonlocal first_loss, final_loss, last_read
         if reading.values is None:
             loss_value, grad_norm, scalars = 0.0, 0.0, []
         else:
@@ -257,97 +330,42 @@ def run_loop(
             loss_value, grad_norm, *scalars = reading.values.tolist()
         if reading.on_scalars is not None:
             reading.on_scalars(dict(zip(reading.names, scalars, strict=True)))
+        settings = self.settings
         if not math.isfinite(loss_value):
-            emit(
-                "log",
-                {"level": "error", "message": f"Loss became {loss_value} at step {reading.step}; stopping."},
-            )
-            checkpointer.wait()
+            self.report.log(f"Loss became {loss_value} at step {reading.step}; stopping.", LogLevel.error)
+            self.checkpointer.wait()
             raise TrainingError(f"The loss diverged at step {reading.step} of {settings.stage}.")
-        first_loss = loss_value if first_loss is None else first_loss
-        final_loss = loss_value
+        self.first_loss = loss_value if self.first_loss is None else self.first_loss
+        self.final_loss = loss_value
         now = time.perf_counter()
         # Since the step started, or, when the host ran ahead, since the previous step was read:
         # with a lag the device time of consecutive steps is what the reads are apart.
-        elapsed = max(now - max(reading.started, last_read), 1e-9)
-        last_read = now
-        emit(
-            "metrics",
-            {
-                "stage": settings.stage,
-                "step": reading.step,
-                "total_steps": settings.steps,
-                "loss": loss_value,
-                "learning_rate": reading.learning_rate,
-                "tokens_per_s": reading.tokens / elapsed,
-                "grad_norm": grad_norm,
-            },
+        elapsed = max(now - max(reading.started, self.last_read), 1e-9)
+        self.last_read = now
+        self.report.metrics(
+            stage=settings.stage,
+            step=reading.step,
+            total_steps=settings.steps,
+            loss=loss_value,
+            learning_rate=reading.learning_rate,
+            tokens_per_s=reading.tokens / elapsed,
+            grad_norm=grad_norm,
         )
-        if reading.step % log_every == 0:
-            emit(
-                "log",
-                {
-                    "level": "info",
-                    "message": f"{settings.stage} step {reading.step}/{settings.steps} loss {loss_value:.4f}",
-                },
+        if reading.step % self.log_every == 0:
+            self.report.log(f"{settings.stage} step {reading.step}/{settings.steps} loss {loss_value:.4f}")
+
+    def finish(self) -> LoopResult:
+        """After the last step or a stop: the checkpoint on stop, then wait for the one in flight."""
+        step = self.step
+        if self.stopped:
+            self.report.log(f"Stop requested at step {step}; finishing the checkpoint.")
+            if self.settings.save_on_stop and step > 0 and self.saved_step != step:
+                self.save()
+        failed = report_checkpoints(self.report, self.checkpointer.wait())
+        if failed is not None and failed.step == step and not self.stopped:
+            raise TrainingError(
+                f"The final checkpoint of {self.settings.stage} at step {step} could not be saved: {failed.message}"
             )
-
-    def read_all(keep: int = 0) -> None:
-        while len(pending) > keep:
-            read(pending.popleft())
-
-    model.train()
-    try:
-        while step < settings.steps:
-            if should_stop():
-                stopped = True
-                break
-            started = time.perf_counter()
-            out = step_fn(step)
-            learning_rate = scheduler.get_last_lr()[0]  # the LR this step uses
-            values = ready = None
-            if out.loss is not None:
-                out.loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-                optimizer.step()
-                values, ready = _send_to_host(out, grad_norm)
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            pending.append(
-                _Reading(
-                    step=step,
-                    values=values,
-                    ready=ready,
-                    names=list(out.scalars),
-                    on_scalars=out.on_scalars if out.loss is not None else None,
-                    learning_rate=learning_rate,
-                    tokens=out.tokens,
-                    started=started,
-                )
-            )
-            checkpoint_due = step % settings.checkpoint_interval == 0 or step == settings.steps
-            read_all(keep=0 if checkpoint_due else lag)
-            report_checkpoints(emit, checkpointer.poll())
-            if checkpoint_due:
-                checkpointer.save(step, model, optimizer, scheduler=scheduler, data_position=position())
-                saved_step = step
-                report_checkpoints(emit, checkpointer.poll())
-        read_all()
-    except TrainingError:
-        raise  # a diverged read: the steps after it are not worth reporting
-    except BaseException:
-        with contextlib.suppress(Exception):  # the steps that did finish still report, then the error
-            read_all()
-        raise
-
-    if stopped:
-        emit("log", {"level": "info", "message": f"Stop requested at step {step}; finishing the checkpoint."})
-        if settings.save_on_stop and step > 0 and saved_step != step:
-            checkpointer.save(step, model, optimizer, scheduler=scheduler, data_position=position())
-    failed = report_checkpoints(emit, checkpointer.wait())
-    if failed is not None and failed.step == step and not stopped:
-        raise TrainingError(
-            f"The final checkpoint of {settings.stage} at step {step} could not be saved: {failed.message}"
+        return LoopResult(
+            final_step=step, first_loss=self.first_loss, final_loss=self.final_loss, stopped=self.stopped
         )
-    return LoopResult(final_step=step, first_loss=first_loss, final_loss=final_loss, stopped=stopped)

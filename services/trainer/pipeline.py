@@ -3,8 +3,8 @@ long-context, then SFT / DPO / RLVR as the recipe lists them, each training stag
 eval battery and gate.
 
 Contract with the worker (called from a thread): `run_pipeline(...) -> PipelineResult` whose
-`outcome` is "succeeded", "gate_failed" (a gate's numbers are in `summary`; nothing overrides it)
-or "stopped" (should_stop became true; the in-flight checkpoint was committed first). Invalid
+`outcome` (an `Outcome`) is succeeded, gate_failed (a gate's numbers are in `summary`; nothing
+overrides it) or stopped (should_stop became true; the in-flight checkpoint was committed first). Invalid
 manifests raise ValueError before anything trains; other failures raise.
 
 Layout under checkpoint_dir: one directory per stage (`pretrain/`, `sft/`, ...) holding its
@@ -19,11 +19,16 @@ import os
 import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 import torch
 
-from contracts.manifest import Manifest
-from services.domain.curriculum import LmPlan, PostPlan, RunPlan, plan_run
+from contracts.evals import EvalMetric, ProvenanceStep
+from contracts.manifest import DataPrepStage, DpoStage, LongContextGate, Manifest, RlvrStage, SftStage
+from contracts.models import ModelShape
+from contracts.runs import LogLevel, Outcome
+from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan, plan_run
 from services.domain.gates import threshold
 from services.trainer import dataprep
 from services.trainer.checkpoint import load_weights
@@ -46,8 +51,10 @@ from services.trainer.evals import (
 )
 from services.trainer.ladder import run_ladder
 from services.trainer.loop import pick_device
-from services.trainer.posttrain import PostConfig, train_dpo, train_sft
+from services.trainer.model import Transformer
+from services.trainer.posttrain import PostConfig, PostResult, train_dpo, train_sft
 from services.trainer.pretrain import (
+    StageConfig,
     build_model,
     held_out_loss,
     lm_loss,
@@ -55,28 +62,42 @@ from services.trainer.pretrain import (
     load_stage_data,
     train_stage,
 )
-from services.trainer.rlvr import RlvrConfig, train_rlvr
+from services.trainer.reporting import Reporter
+from services.trainer.rlvr import RlvrConfig, RlvrResult, train_rlvr
 
-OUTCOMES = ("succeeded", "gate_failed", "stopped")
 GATE_RECORD = "GATE.json"
 PROVENANCE_RECORD = "provenance.json"
 EVAL_MAX_BATCHES = 8  # held-out loss of post-training stages: the same windows as the LM stages
 NEEDLE_ANSWER_ROOM = 6  # five key digits and a spare byte after the needle prompt
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineResult:
     last_stage: str
     summary: str
     final_loss: float | None
     held_out_loss: float | None
-    outcome: str = "succeeded"  # one of OUTCOMES
+    outcome: Outcome  # required: a result never leaves its outcome to a default
 
 
-def _write_json(path: pathlib.Path, payload: dict) -> None:
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What data preparation recorded: the prepared file per ref, and its provenance."""
+
+    files: dict[str, str]
+    steps: list[ProvenanceStep]
+    input_digest: str
+    output_digest: str
+
+
+def _write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload))
     os.replace(tmp, path)
+
+
+def _steps_of(stage: LmPlan | PostPlan) -> int:
+    return stage.steps if isinstance(stage, LmPlan) else stage.section.steps
 
 
 class _Run:
@@ -87,12 +108,12 @@ class _Run:
         manifest: Manifest,
         plan: RunPlan,
         root: pathlib.Path,
-        emit: Callable[[str, dict], None],
+        report: Reporter,
         should_stop: Callable[[], bool],
         threads: int,
     ):
         self.manifest, self.plan, self.root = manifest, plan, root
-        self.emit, self.should_stop, self.threads = emit, should_stop, threads
+        self.report, self.should_stop, self.threads = report, should_stop, threads
         self.sources = dict(plan.train_refs)  # ref name -> what to load: raw source, or the prepared file
         self.eval_sources = list(plan.eval_refs.values())
         self.previous: str | None = None  # the last trained stage's checkpoint dir
@@ -101,12 +122,12 @@ class _Run:
         self.final_loss: float | None = None
         self.held_out: float | None = None
 
-    def log(self, message: str, level: str = "info") -> None:
-        self.emit("log", {"level": level, "message": message})
+    def log(self, message: str, level: LogLevel = LogLevel.info) -> None:
+        self.report.log(message, level)
 
-    def result(self, stage: str, outcome: str, summary: str | None = None) -> PipelineResult:
+    def result(self, stage: str, outcome: Outcome, summary: str | None = None) -> PipelineResult:
         text = summary or "; ".join(self.parts) or "nothing to do"
-        if outcome == "stopped":
+        if outcome is Outcome.stopped:
             text = f"stopped during {stage} (checkpoint committed); " + text
         return PipelineResult(
             last_stage=stage,
@@ -118,8 +139,7 @@ class _Run:
 
     # --- data preparation ------------------------------------------------------------------------
 
-    def data_prep(self) -> None:
-        cfg = self.plan.data_prep
+    def data_prep(self, cfg: DataPrepStage) -> None:
         directory = self.root / "data_prep"
         directory.mkdir(parents=True, exist_ok=True)
         record = directory / PROVENANCE_RECORD
@@ -127,52 +147,54 @@ class _Run:
             saved = json.loads(record.read_text())
             self.log("data_prep already done; using the prepared corpus")
         else:
-            seed = self.manifest.seed
-            sources = {name: load_documents(src, seed=seed) for name, src in self.plan.train_refs.items()}
-            suites = {name: load_eval_suite(src, seed=seed) for name, src in self.plan.eval_refs.items()}
-            suites.update(self._battery_suites())
-            prepared = dataprep.prepare(
-                sources,
-                suites,
-                exact=cfg.exact_dedup,
-                near=cfg.near_dedup,
-                shingle_words=cfg.shingle_words,
-                permutations=cfg.minhash_permutations,
-                bands=cfg.minhash_bands,
-                jaccard=cfg.near_dup_jaccard,
-                ngram=cfg.decontamination_ngram,
-            )
-            files = {}
-            for i, (name, src) in enumerate(self.plan.train_refs.items()):
-                path = directory / f"{i:02d}.txt"
-                path.write_text(join_documents(src, prepared.documents[name]), encoding="utf-8")
-                files[name] = str(path)
-            saved = {
-                "files": files,
-                "input_digest": prepared.input_digest,
-                "output_digest": prepared.output_digest,
-                "steps": [dataclasses.asdict(s) for s in prepared.steps],
-            }
+            saved = self._prepare(cfg, directory)
             _write_json(record, saved)  # last: the corpus counts only once this exists
-        self.sources = {name: f"file:{path}" for name, path in saved["files"].items()}
-        self.emit(
-            "provenance",
-            {
-                "steps": saved["steps"],
-                "input_digest": saved["input_digest"],
-                "output_digest": saved["output_digest"],
-            },
+        prepared = msgspec.convert(saved, _Prepared)
+        self.sources = {name: f"file:{path}" for name, path in prepared.files.items()}
+        self.report.provenance(prepared.steps, prepared.input_digest, prepared.output_digest)
+        before = prepared.steps[0].before if prepared.steps else 0
+        kept = prepared.steps[-1].after if prepared.steps else 0
+        self.parts.append(f"data_prep {before} -> {kept} documents")
+
+    def _prepare(self, cfg: DataPrepStage, directory: pathlib.Path) -> dict[str, Any]:
+        """Deduplicate and decontaminate the training refs; write one prepared file per ref; the
+        record (JSON) of what was done."""
+        seed = self.manifest.seed
+        sources = {name: load_documents(src, seed=seed) for name, src in self.plan.train_refs.items()}
+        suites = {name: load_eval_suite(src, seed=seed) for name, src in self.plan.eval_refs.items()}
+        suites.update(self._battery_suites())
+        prepared = dataprep.prepare(
+            sources,
+            suites,
+            exact=cfg.exact_dedup,
+            near=cfg.near_dedup,
+            shingle_words=cfg.shingle_words,
+            permutations=cfg.minhash_permutations,
+            bands=cfg.minhash_bands,
+            jaccard=cfg.near_dup_jaccard,
+            ngram=cfg.decontamination_ngram,
         )
-        kept = saved["steps"][-1]["after"] if saved["steps"] else 0
-        self.parts.append(
-            f"data_prep {saved['steps'][0]['before'] if saved['steps'] else 0} -> {kept} documents"
-        )
+        files = {}
+        for i, (name, src) in enumerate(self.plan.train_refs.items()):
+            path = directory / f"{i:02d}.txt"
+            path.write_text(join_documents(src, prepared.documents[name]), encoding="utf-8")
+            files[name] = str(path)
+        return {
+            "files": files,
+            "input_digest": prepared.input_digest,
+            "output_digest": prepared.output_digest,
+            "steps": [dataclasses.asdict(s) for s in prepared.steps],
+        }
 
     def _battery_suites(self) -> dict[str, list[str]]:
         """Eval text the batteries generate themselves (the needle trials), decontaminated against too."""
         suites = {}
         for stage in self.plan.stages:
-            if isinstance(stage, LmPlan) and stage.name == "long_context":
+            if (
+                isinstance(stage, LmPlan)
+                and stage.name == "long_context"
+                and isinstance(stage.gate, LongContextGate)
+            ):
                 trials = needle_trials(
                     stage.gate.needle_trials, stage.seq_len - NEEDLE_ANSWER_ROOM, self.manifest.seed
                 )
@@ -181,9 +203,8 @@ class _Run:
 
     # --- ladder ----------------------------------------------------------------------------------
 
-    def ladder(self) -> bool:
+    def ladder(self, lad: LadderPlan) -> bool:
         """False if stopped."""
-        lad = self.plan.ladder
         target = self.manifest.target
         decision = run_ladder(
             lad,
@@ -194,13 +215,13 @@ class _Run:
             batch_size=target.batch_size,
             learning_rate=target.learning_rate,
             directory=self.root / "ladder",
-            emit=self.emit,
+            report=self.report,
             should_stop=self.should_stop,
         )
         if decision is None:
             return False
         verdict = "use" if decision.use else "do not use"
-        self.emit("eval", {"stage": "ladder", "metrics": decision.metrics(), "passed": decision.use})
+        self.report.eval("ladder", decision.metrics(), decision.use)
         self.log(
             f"ladder: custom data {list(lad.custom)}: held-out loss {decision.reference_loss:.4f} on the reference mix, "
             f"{decision.custom_loss:.4f} with the custom data (delta {decision.reference_loss - decision.custom_loss:+.4f}, "
@@ -236,34 +257,52 @@ class _Run:
             eval_sources=self.eval_sources,
             init_from=self.previous,
         )
-        device = pick_device(cfg.device)
         _, held = load_stage_data(cfg)
-        incoming: dict[str, float | None] = {}
-        before = self._incoming_model(stage.shape, stage.seq_len, stage.rope_base)
-        if before is not None:  # the gate's defaults are relative to the model this stage starts from
-            incoming["held_out_loss"] = held_out_loss(before, held, cfg, device)
-        if stage.short_seq_len is not None and self.previous is not None:
-            incoming["short_context_loss"] = self._short_loss_before(cfg, stage)
-        result = train_stage(cfg, self.emit, self.should_stop)
+        incoming = self._lm_incoming(stage, cfg, held)
+        result = train_stage(cfg, self.report, self.should_stop)
         if result.stopped:
             return [], True
+        assert result.model is not None, "a stage that was not stopped returns its model"
         self._noted(stage.name, result.final_step, result.first_loss, result.final_loss)
         self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
-        model = result.model
-        gate = stage.gate
         measured = {
             "held_out_loss": result.held_out_loss,
-            "task_accuracy": task_accuracy(model, self._problems(gate.task_samples)),
+            "task_accuracy": task_accuracy(result.model, self._problems(stage.gate.task_samples)),
         }
-        if stage.short_seq_len is not None:
-            measured["short_context_loss"] = held_out_loss(
-                model, held, cfg, device, seq_len=stage.short_seq_len
-            )
-            trials = needle_trials(gate.needle_trials, stage.seq_len - NEEDLE_ANSWER_ROOM, self.manifest.seed)
-            measured["needle_accuracy"] = needle_accuracy(model, trials)
+        measured |= self._long_context_measures(stage, cfg, held, result.model)
         return self._checks(stage, measured, incoming), False
 
-    def _incoming_model(self, shape, seq_len: int, rope_base: float | None):
+    def _lm_incoming(self, stage: LmPlan, cfg: StageConfig, held: torch.Tensor) -> dict[str, float | None]:
+        """The battery's values on the model the stage starts from: the gate's defaults are relative
+        to them."""
+        device = pick_device(cfg.device)
+        incoming: dict[str, float | None] = {}
+        before = self._incoming_model(stage.shape, stage.seq_len, stage.rope_base)
+        if before is not None:
+            incoming["held_out_loss"] = held_out_loss(before, held, cfg, device)
+        if stage.short_seq_len is not None and self.previous is not None:
+            incoming["short_context_loss"] = self._short_loss_before(
+                cfg, stage.shape, stage.short_seq_len, self.previous
+            )
+        return incoming
+
+    def _long_context_measures(
+        self, stage: LmPlan, cfg: StageConfig, held: torch.Tensor, model: Transformer
+    ) -> dict[str, float | None]:
+        """Short-context loss and needle retrieval of a long-context stage; nothing for the others."""
+        if stage.short_seq_len is None or not isinstance(stage.gate, LongContextGate):
+            return {}
+        trials = needle_trials(
+            stage.gate.needle_trials, stage.seq_len - NEEDLE_ANSWER_ROOM, self.manifest.seed
+        )
+        return {
+            "short_context_loss": held_out_loss(
+                model, held, cfg, pick_device(cfg.device), seq_len=stage.short_seq_len
+            ),
+            "needle_accuracy": needle_accuracy(model, trials),
+        }
+
+    def _incoming_model(self, shape: ModelShape, seq_len: int, rope_base: float | None) -> Transformer | None:
         """The model a stage starts from: the previous stage's weights, or a fresh initialisation
         (seeded like the run) for the first stage; None when the previous weights cannot load."""
         if self.previous is None:
@@ -291,28 +330,40 @@ class _Run:
                 )
         return checks
 
-    def _short_loss_before(self, cfg, stage: LmPlan) -> float | None:
+    def _short_loss_before(
+        self, cfg: StageConfig, shape: ModelShape, short_seq_len: int, previous: str
+    ) -> float | None:
         """Short-context held-out loss of the incoming model (previous stage's weights, RoPE base)."""
         device = pick_device(cfg.device)
-        incoming = build_model(stage.shape, seq_len=stage.short_seq_len, rope_base=None, device=device)
-        if load_weights(self.previous, incoming) is None:
+        incoming = build_model(shape, seq_len=short_seq_len, rope_base=None, device=device)
+        if load_weights(previous, incoming) is None:
             return None
         _, held = load_stage_data(cfg)
-        return held_out_loss(incoming, held, cfg, device, seq_len=stage.short_seq_len)
+        return held_out_loss(incoming, held, cfg, device, seq_len=short_seq_len)
 
     def post_stage(self, stage: PostPlan, directory: pathlib.Path) -> tuple[list[Check], bool]:
-        seed = self.manifest.seed
         incoming = self._post_measures(
             self._incoming_model(stage.shape, self.manifest.target.seq_len, stage.rope_base), stage
         )
+        result = self._train_post(stage, directory)
+        if result.stopped:
+            return [], True
+        self._noted(stage.name, result.final_step, result.first_loss, result.final_loss)
+        self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
+        return self._checks(stage, self._post_measures(result.model, stage), incoming), False
+
+    def _train_post(self, stage: PostPlan, directory: pathlib.Path) -> PostResult | RlvrResult:
+        """Train SFT, DPO or RLVR, as the stage's manifest section says."""
+        seed = self.manifest.seed
         problems = [p for name in stage.data for p in task_problems(load_text(self.sources[name], seed=seed))]
         section = stage.section
-        common = dict(
+        common = PostConfig(
             stage=stage.name,
             shape=stage.shape,
             rope_base=stage.rope_base,
             problems=problems,
             steps=section.steps,
+            batch_size=1,  # each section's own, below
             learning_rate=section.learning_rate,
             seed=seed,
             checkpoint_dir=str(directory),
@@ -320,48 +371,31 @@ class _Run:
             keep_last=self.manifest.checkpoint.keep_last,
             init_from=self.previous,
         )
-        match stage.name:
-            case "sft":
-                result = train_sft(
-                    PostConfig(**common, batch_size=section.batch_size), self.emit, self.should_stop
-                )
-            case "dpo":
-                result = train_dpo(
-                    PostConfig(**common, batch_size=section.batch_size, beta=section.beta),
-                    self.emit,
-                    self.should_stop,
-                )
-            case "rlvr":
-                cfg = RlvrConfig(
-                    **common,
-                    batch_size=section.prompts_per_step * section.group_size,
-                    prompts_per_step=section.prompts_per_step,
-                    group_size=section.group_size,
-                    eps_low=section.eps_low,
-                    eps_high=section.eps_high,
-                    max_response_tokens=section.max_response_tokens,
-                    overlong_buffer_tokens=section.overlong_buffer_tokens,
-                    max_staleness=section.max_staleness,
-                    temperature=section.temperature,
-                    max_sampling_rounds=section.max_sampling_rounds,
-                    threads=max(1, self.threads // 2),
-                )
-                result = train_rlvr(cfg, self.emit, self.should_stop)
-                if result.stats:
-                    first, last = result.stats[0], result.stats[-1]
-                    self.log(
-                        f"rlvr reward {first.reward:.3f} -> {last.reward:.3f}, accuracy {first.accuracy:.3f} -> "
-                        f"{last.accuracy:.3f}; stale rollouts dropped {result.stale_dropped}"
-                    )
-            case _:
-                raise ValueError(f"Unknown post-training stage {stage.name!r}.")
-        if result.stopped:
-            return [], True
-        self._noted(stage.name, result.final_step, result.first_loss, result.final_loss)
-        self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
-        return self._checks(stage, self._post_measures(result.model, stage), incoming), False
+        match section:
+            case SftStage():
+                cfg = dataclasses.replace(common, batch_size=section.batch_size)
+                return train_sft(cfg, self.report, self.should_stop)
+            case DpoStage():
+                cfg = dataclasses.replace(common, batch_size=section.batch_size, beta=section.beta)
+                return train_dpo(cfg, self.report, self.should_stop)
+            case RlvrStage():
+                return self._train_rlvr(common, section)
+        raise ValueError(f"Unknown post-training stage {stage.name!r}.")
 
-    def _post_measures(self, model, stage: PostPlan) -> dict[str, float | None]:
+    def _train_rlvr(self, common: PostConfig, section: RlvrStage) -> RlvrResult:
+        fields = {f.name: getattr(common, f.name) for f in dataclasses.fields(PostConfig)}
+        fields["batch_size"] = section.prompts_per_step * section.group_size
+        cfg = RlvrConfig(**fields, rlvr=section, threads=max(1, self.threads // 2))
+        result = train_rlvr(cfg, self.report, self.should_stop)
+        if result.stats:
+            first, last = result.stats[0], result.stats[-1]
+            self.log(
+                f"rlvr reward {first.reward:.3f} -> {last.reward:.3f}, accuracy {first.accuracy:.3f} -> "
+                f"{last.accuracy:.3f}; stale rollouts dropped {result.stale_dropped}"
+            )
+        return result
+
+    def _post_measures(self, model: Transformer | None, stage: PostPlan) -> dict[str, float | None]:
         """Held-out loss on the eval suites and task accuracy: measured on the incoming model and
         again on the trained one, with the same windows and problems."""
         if model is None:
@@ -396,68 +430,77 @@ class _Run:
 
     def execute(self) -> PipelineResult:
         if self.plan.data_prep is not None:
-            self.emit("stage", {"stage": "data_prep", "total_steps": 0})
-            self.data_prep()
+            self.report.stage("data_prep")
+            self.data_prep(self.plan.data_prep)
             if self.should_stop():
-                return self.result("data_prep", "stopped")
-        if self.plan.ladder is not None:
-            if not self.plan.ladder.custom:
+                return self.result("data_prep", Outcome.stopped)
+        ladder = self.plan.ladder
+        if ladder is not None:
+            if not ladder.custom:
                 self.log("ladder skipped: no custom (file:) training data to decide on")
             else:
-                self.emit("stage", {"stage": "ladder", "total_steps": 2 * self.plan.ladder.proxy_steps})
-                if not self.ladder():
-                    return self.result("ladder", "stopped")
+                self.report.stage("ladder", 2 * ladder.proxy_steps)
+                if not self.ladder(ladder):
+                    return self.result("ladder", Outcome.stopped)
         last = "data_prep"
         for stage in self.plan.stages:
             last = stage.name
             if self.should_stop():
-                return self.result(stage.name, "stopped")
-            directory = self.root / stage.name
-            directory.mkdir(parents=True, exist_ok=True)
-            steps = stage.steps if isinstance(stage, LmPlan) else stage.section.steps
-            self.emit("stage", {"stage": stage.name, "total_steps": steps})
-            record = directory / GATE_RECORD
-            if record.exists():
-                saved = json.loads(record.read_text())
-                self.log(f"{stage.name} already judged; reporting its recorded gate")
-                metrics, passed = saved["metrics"], saved["passed"]
-            else:
-                self.log(f"{stage.name}: {steps} steps")
-                trained = (
-                    self.lm_stage(stage, directory)
-                    if isinstance(stage, LmPlan)
-                    else self.post_stage(stage, directory)
-                )
-                checks, stopped = trained
-                if stopped:
-                    return self.result(stage.name, "stopped")
-                metrics, passed = judge(checks)
-                _write_json(record, {"metrics": metrics, "passed": passed})
-            self.emit("eval", {"stage": stage.name, "metrics": metrics, "passed": passed})
-            held = next((m["value"] for m in metrics if m["name"] == "held_out_loss"), None)
-            self.held_out = held if held is not None else self.held_out
-            line = describe(stage.name, metrics)
-            self.log(line, "info" if passed else "error")
+                return self.result(stage.name, Outcome.stopped)
+            verdict = self._verdict(stage)
+            if verdict is None:
+                return self.result(stage.name, Outcome.stopped)
+            metrics, passed = verdict
+            line = self._report_gate(stage.name, metrics, passed)
             if not passed:
-                return self.result(stage.name, "gate_failed", summary=line)
+                return self.result(stage.name, Outcome.gate_failed, summary=line)
             self.parts.append(f"{self.note or stage.name}, {line.split(': ', 1)[-1]}")
             self.note = ""
-            self.previous = str(directory)
-        return self.result(last, "succeeded")
+            self.previous = str(self.root / stage.name)
+        return self.result(last, Outcome.succeeded)
+
+    def _verdict(self, stage: LmPlan | PostPlan) -> tuple[list[EvalMetric], bool] | None:
+        """The stage's gate: the recorded one of a stage already judged, else train it and judge its
+        battery (and record that); None when stopped."""
+        directory = self.root / stage.name
+        directory.mkdir(parents=True, exist_ok=True)
+        steps = _steps_of(stage)
+        self.report.stage(stage.name, steps)
+        record = directory / GATE_RECORD
+        if record.exists():
+            saved = json.loads(record.read_text())
+            self.log(f"{stage.name} already judged; reporting its recorded gate")
+            return msgspec.convert(saved["metrics"], list[EvalMetric]), bool(saved["passed"])
+        self.log(f"{stage.name}: {steps} steps")
+        if isinstance(stage, LmPlan):
+            checks, stopped = self.lm_stage(stage, directory)
+        else:
+            checks, stopped = self.post_stage(stage, directory)
+        if stopped:
+            return None
+        metrics, passed = judge(checks)
+        _write_json(record, {"metrics": msgspec.to_builtins(metrics), "passed": passed})
+        return metrics, passed
+
+    def _report_gate(self, stage: str, metrics: list[EvalMetric], passed: bool) -> str:
+        """The eval event and its one-line summary (logged as an error when the gate failed)."""
+        self.report.eval(stage, metrics, passed)
+        held = next((m.value for m in metrics if m.name == "held_out_loss"), None)
+        self.held_out = held if held is not None else self.held_out
+        line = describe(stage, metrics)
+        self.log(line, LogLevel.info if passed else LogLevel.error)
+        return line
 
 
 def run_pipeline(
     manifest: Manifest,
     checkpoint_dir: pathlib.Path,
-    emit: Callable[[str, dict], None],
+    report: Reporter,
     should_stop: Callable[[], bool],
     threads: int,
 ) -> PipelineResult:
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     plan = plan_run(manifest)  # ValueError, in a sentence, before anything trains
-    emit(
-        "log",
-        {"level": "info", "message": f"plan: {' -> '.join(plan.stage_names)} on {manifest.model.size.value}"},
-    )
-    return _Run(manifest, plan, checkpoint_dir, emit, should_stop, threads).execute()
+    report.log(f"plan: {' -> '.join(plan.stage_names)} on {manifest.model.size.value}")
+    return _Run(manifest, plan, checkpoint_dir, report, should_stop, threads).execute()

@@ -25,7 +25,8 @@ from services.trainer.checkpoint import load_weights
 from services.trainer.data import ByteTokenizer
 from services.trainer.generation import END_TOKEN
 from services.trainer.loop import (
-    Emit,
+    CHECKPOINT_DEFAULTS,
+    LoopResult,
     LoopSettings,
     StepOutput,
     autocast,
@@ -37,6 +38,7 @@ from services.trainer.loop import (
 from services.trainer.model import Transformer
 from services.trainer.objectives import dpo_loss, sft_loss, token_logprobs
 from services.trainer.pretrain import build_model, lr_factor
+from services.trainer.reporting import Reporter
 
 Problem = tuple[str, str]
 WARMUP_FRACTION = 0.05
@@ -60,8 +62,8 @@ class PostConfig:
     learning_rate: float
     seed: int
     checkpoint_dir: str
-    checkpoint_interval: int = 50
-    keep_last: int = 2
+    checkpoint_interval: int = CHECKPOINT_DEFAULTS.interval_steps
+    keep_last: int = CHECKPOINT_DEFAULTS.keep_last
     init_from: str | None = None
     beta: float = 0.1
     """DPO only."""
@@ -82,7 +84,7 @@ class PostResult:
     first_loss: float | None
     final_loss: float | None
     stopped: bool
-    model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
+    model: Transformer | None = field(default=None, repr=False, compare=False)
 
 
 def batch_rng(seed: int, stage: str, step: int) -> random.Random:
@@ -144,7 +146,7 @@ def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
 
 
 def _setup(
-    cfg: PostConfig, emit: Emit
+    cfg: PostConfig, report: Reporter
 ) -> tuple[Transformer, torch.optim.Optimizer, LambdaLR, LoopSettings, int, torch.device]:
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
@@ -164,11 +166,11 @@ def _setup(
         checkpoint_interval=cfg.checkpoint_interval,
         keep_last=cfg.keep_last,
     )
-    resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
+    resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
     return model, optimizer, scheduler, settings, (resumed.step if resumed else 0), device
 
 
-def _finish(model: torch.nn.Module, result) -> PostResult:
+def _finish(model: torch.nn.Module, result: LoopResult) -> PostResult:
     return PostResult(
         final_step=result.final_step,
         first_loss=result.first_loss,
@@ -178,8 +180,8 @@ def _finish(model: torch.nn.Module, result) -> PostResult:
     )
 
 
-def train_sft(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> PostResult:
-    model, optimizer, scheduler, settings, start, device = _setup(cfg, emit)
+def train_sft(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]) -> PostResult:
+    model, optimizer, scheduler, settings, start, device = _setup(cfg, report)
 
     def step_fn(step: int) -> StepOutput:
         rng = batch_rng(cfg.seed, cfg.stage, step)
@@ -194,7 +196,7 @@ def train_sft(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> P
         optimizer,
         scheduler,
         step_fn,
-        emit,
+        report,
         should_stop,
         start_step=start,
         position=lambda: 0,
@@ -273,30 +275,17 @@ class ReferenceLogprobs:
         self.seconds += time.perf_counter() - started
 
 
-def train_dpo(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> PostResult:
+def train_dpo(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]) -> PostResult:
     """Preference pairs (right answer, nearby wrong answer) on the tasks; the reference is the
     incoming model (the previous stage's final weights), frozen, rebuilt the same on resume."""
-    model, optimizer, scheduler, settings, start, device = _setup(cfg, emit)
-    # Built the same way whether the stage starts or resumes: the seed's init, then the incoming weights.
-    torch.manual_seed(cfg.seed)
-    reference = build_model(
-        cfg.shape, seq_len=model.shape.max_seq_len, rope_base=cfg.rope_base, device=device
-    )
-    if cfg.init_from is not None:
-        load_weights(cfg.init_from, reference)
-    reference.eval().requires_grad_(False)
+    model, optimizer, scheduler, settings, start, device = _setup(cfg, report)
+    reference = _frozen_reference(cfg, model.shape.max_seq_len, device)
     references = ReferenceLogprobs(reference, partial(dpo_batch, cfg), cfg.steps, device)
     report_every = max(1, cfg.steps // 5)
 
-    def report(step: int, values: dict[str, float]) -> None:
-        emit(
-            "log",
-            {
-                "level": "info",
-                "message": (
-                    f"dpo step {step + 1}: reward accuracy {values['accuracy']:.2f}, margin {values['margin']:.3f}"
-                ),
-            },
+    def progress(step: int, values: dict[str, float]) -> None:
+        report.log(
+            f"dpo step {step + 1}: reward accuracy {values['accuracy']:.2f}, margin {values['margin']:.3f}"
         )
 
     def step_fn(step: int) -> StepOutput:
@@ -309,7 +298,7 @@ def train_dpo(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> P
         # Read with the loss, in the loop's one transfer: no sync of their own in the step.
         scalars = {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()}
         return StepOutput(
-            loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(report, step)
+            loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(progress, step)
         )
 
     result = run_loop(
@@ -318,20 +307,25 @@ def train_dpo(cfg: PostConfig, emit: Emit, should_stop: Callable[[], bool]) -> P
         optimizer,
         scheduler,
         step_fn,
-        emit,
+        report,
         should_stop,
         start_step=start,
         position=lambda: 0,
     )
     if references.batches:
-        emit(
-            "log",
-            {
-                "level": "info",
-                "message": (
-                    f"dpo: reference log-probs of {references.batches} batches, each computed once, in "
-                    f"{references.forwards} forwards, {references.seconds:.3f} s"
-                ),
-            },
+        report.log(
+            f"dpo: reference log-probs of {references.batches} batches, each computed once, in "
+            f"{references.forwards} forwards, {references.seconds:.3f} s"
         )
     return _finish(model, result)
+
+
+def _frozen_reference(cfg: PostConfig, seq_len: int, device: torch.device) -> Transformer:
+    """DPO's reference: built the same way whether the stage starts or resumes (the seed's init, then
+    the incoming weights), frozen."""
+    torch.manual_seed(cfg.seed)
+    reference = build_model(cfg.shape, seq_len=seq_len, rope_base=cfg.rope_base, device=device)
+    if cfg.init_from is not None:
+        load_weights(cfg.init_from, reference)
+    reference.eval().requires_grad_(False)
+    return reference

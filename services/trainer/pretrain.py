@@ -1,9 +1,9 @@
 """Next-token training stages: pretrain, midtrain and long-context share this loop body and differ
 only in their `StageConfig` (data, sequence length, RoPE base, LR schedule, starting weights).
 
-`train_stage` does no I/O besides reading data and writing checkpoints: it reports through
-`emit(kind, fields)` with kind "metrics", "log" or "checkpoint" (fields named as in
-`contracts.runs`), and asks `should_stop()` before every step. The caller wires both to the bus.
+`train_stage` does no I/O besides reading data and writing checkpoints: it reports through a
+`Reporter` (metrics, log lines and checkpoints as `contracts.runs` events) and asks `should_stop()`
+before every step. The caller wires both to the bus.
 """
 
 import math
@@ -30,7 +30,7 @@ from services.trainer.data import (
     split_held_out,
 )
 from services.trainer.loop import (
-    Emit,
+    CHECKPOINT_DEFAULTS,
     LoopSettings,
     StepOutput,
     TrainingError,
@@ -43,9 +43,9 @@ from services.trainer.loop import (
     to_device,
 )
 from services.trainer.model import Transformer, count_parameters
+from services.trainer.reporting import Reporter
 
 __all__ = [
-    "Emit",
     "StageConfig",
     "StageResult",
     "TrainingError",
@@ -84,8 +84,8 @@ class StageConfig:
     grad_clip: float = 1.0
     seed: int = 0
     checkpoint_dir: str
-    checkpoint_interval: int = 50
-    keep_last: int = 2
+    checkpoint_interval: int = CHECKPOINT_DEFAULTS.interval_steps
+    keep_last: int = CHECKPOINT_DEFAULTS.keep_last
     save_on_stop: bool = True
     """On a stop request, also save the current step (a preemption loses nothing)."""
     held_out_fraction: float = 0.1
@@ -138,7 +138,7 @@ class StageResult:
     held_out_loss: float | None  # None when stopped early
     stopped: bool
     tokens: int  # tokens trained on over the whole stage, resumed part included
-    model: torch.nn.Module | None = field(
+    model: Transformer | None = field(
         default=None, repr=False, compare=False
     )  # the trained model, for the eval battery
 
@@ -280,7 +280,7 @@ def lm_loss(
     return sum(values) / len(values) if values else None
 
 
-def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -> StageResult:
+def train_stage(cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool]) -> StageResult:
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -289,7 +289,6 @@ def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -
         raise ValueError(
             f"The held-out data has {len(held_out)} tokens, fewer than one window of {cfg.seq_len + 1}."
         )
-
     model = build_model(
         cfg.shape, seq_len=cfg.seq_len, rope_base=cfg.rope_base, z_loss=cfg.z_loss, device=device
     )
@@ -302,41 +301,8 @@ def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -
     batches = BatchIterator(
         train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed + 7919 * rank()
     )
-    settings = LoopSettings(
-        stage=cfg.stage,
-        steps=cfg.steps,
-        checkpoint_dir=cfg.checkpoint_dir,
-        checkpoint_interval=cfg.checkpoint_interval,
-        keep_last=cfg.keep_last,
-        grad_clip=cfg.grad_clip,
-        save_on_stop=cfg.save_on_stop,
-        log_interval=cfg.log_interval,
-    )
-    step = 0
-    resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
-    if resumed is not None:
-        step, batches.position = resumed.step, resumed.data_position
-        skip_to = batches_to_skip(cfg.checkpoint_dir, batches.position)
-        if skip_to is not None:  # an approved loss-spike restart: PaLM's skip of the batches around it
-            emit(
-                "log",
-                {
-                    "level": "info",
-                    "message": f"Skipping batches [{batches.position}, {skip_to}) of {cfg.stage}.",
-                },
-            )
-            batches.position = skip_to
-    else:
-        emit(
-            "log",
-            {
-                "level": "info",
-                "message": (
-                    f"Starting {cfg.stage}: {count_parameters(cfg.shape):,} parameters, {cfg.steps} steps of "
-                    f"{cfg.batch_size}x{cfg.seq_len} tokens on {device.type}."
-                ),
-            },
-        )
+    settings = _loop_settings(cfg)
+    step = _resume(cfg, settings, model, optimizer, scheduler, batches, report, device)
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
     def step_fn(_: int) -> StepOutput:
@@ -352,20 +318,14 @@ def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -
         optimizer,
         scheduler,
         step_fn,
-        emit,
+        report,
         should_stop,
         start_step=step,
         position=lambda: batches.position,
     )
     held_out_value = None if result.stopped else held_out_loss(model, held_out, cfg, device)
     if held_out_value is not None:
-        emit(
-            "log",
-            {
-                "level": "info",
-                "message": f"{cfg.stage} done at step {result.final_step}: held-out loss {held_out_value:.4f}",
-            },
-        )
+        report.log(f"{cfg.stage} done at step {result.final_step}: held-out loss {held_out_value:.4f}")
     return StageResult(
         final_step=result.final_step,
         first_loss=result.first_loss,
@@ -375,3 +335,43 @@ def train_stage(cfg: StageConfig, emit: Emit, should_stop: Callable[[], bool]) -
         tokens=result.final_step * tokens_per_step,
         model=model,
     )
+
+
+def _loop_settings(cfg: StageConfig) -> LoopSettings:
+    return LoopSettings(
+        stage=cfg.stage,
+        steps=cfg.steps,
+        checkpoint_dir=cfg.checkpoint_dir,
+        checkpoint_interval=cfg.checkpoint_interval,
+        keep_last=cfg.keep_last,
+        grad_clip=cfg.grad_clip,
+        save_on_stop=cfg.save_on_stop,
+        log_interval=cfg.log_interval,
+    )
+
+
+def _resume(
+    cfg: StageConfig,
+    settings: LoopSettings,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR,
+    batches: BatchIterator,
+    report: Reporter,
+    device: torch.device,
+) -> int:
+    """The step the stage continues from (0 for a fresh start); `batches` placed where it resumes,
+    past an approved loss-spike skip window."""
+    resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
+    if resumed is None:
+        report.log(
+            f"Starting {cfg.stage}: {count_parameters(cfg.shape):,} parameters, {cfg.steps} steps of "
+            f"{cfg.batch_size}x{cfg.seq_len} tokens on {device.type}."
+        )
+        return 0
+    batches.position = resumed.data_position
+    skip_to = batches_to_skip(cfg.checkpoint_dir, batches.position)
+    if skip_to is not None:  # an approved loss-spike restart: PaLM's skip of the batches around it
+        report.log(f"Skipping batches [{batches.position}, {skip_to}) of {cfg.stage}.")
+        batches.position = skip_to
+    return resumed.step

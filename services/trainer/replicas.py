@@ -219,7 +219,7 @@ class ProgressLog:
         self._out: TextIO = open(path, "a", encoding="utf-8") if path else sys.stdout
         self._owned = path is not None
 
-    def emit(self, event: str, **fields) -> None:
+    def write(self, event: str, **fields: object) -> None:
         record = {"event": event, "replica_id": self.replica_id, "t": round(time.time(), 3), **fields}
         self._out.write(json.dumps(record) + "\n")
         self._out.flush()
@@ -274,7 +274,7 @@ class ReplicaWorker:
         self.checkpointer = Checkpointer(
             Path(config.checkpoint_dir) / f"replica-{config.replica_id}", keep_last=config.keep_last
         )
-        self.log.emit("started", pid=os.getpid(), store_port=self.store.port)
+        self.log.write("started", pid=os.getpid(), store_port=self.store.port)
 
     # --- the state a healing peer receives (torchft calls these on the training thread or its quorum thread)
 
@@ -285,7 +285,7 @@ class ReplicaWorker:
         self.model.load_state_dict(state["model"])
         self.optimizer.optim.load_state_dict(state["optim"])
         # The Manager has already taken the peer's step when it hands the state over.
-        self.log.emit("healed", step=self.manager.current_step())
+        self.log.write("healed", step=self.manager.current_step())
 
     # --- lifecycle
 
@@ -296,7 +296,7 @@ class ReplicaWorker:
         if resumed is None:
             return
         self.manager.load_state_dict(self.progress.manager_state())
-        self.log.emit("resumed", step=self.manager.current_step(), path=resumed.path)
+        self.log.write("resumed", step=self.manager.current_step(), path=resumed.path)
 
     def train(self) -> int:
         """Step until `steps` committed steps or a stop request; returns the Manager's step."""
@@ -318,7 +318,7 @@ class ReplicaWorker:
             }
             if (error := self.manager.errored()) is not None:
                 record["error"] = str(error.original_exception).splitlines()[0][:300]
-            self.log.emit("step", **record)
+            self.log.write("step", **record)
             if step > before and config.checkpoint_every and step % config.checkpoint_every == 0:
                 self._save(step)
             self._report_checkpoints(self.checkpointer.poll())
@@ -333,9 +333,9 @@ class ReplicaWorker:
         for outcome in outcomes:
             match outcome:
                 case CheckpointInfo():
-                    self.log.emit("checkpoint", step=outcome.step, path=outcome.path, bytes=outcome.bytes)
+                    self.log.write("checkpoint", step=outcome.step, path=outcome.path, bytes=outcome.bytes)
                 case CheckpointFailed():
-                    self.log.emit("checkpoint_failed", step=outcome.step, message=outcome.message)
+                    self.log.write("checkpoint_failed", step=outcome.step, message=outcome.message)
 
     def close(self) -> None:
         """Finish the checkpoint in flight, then stop the Manager's servers (HTTP, gRPC)."""
@@ -423,10 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: worker.stop_requested.set())
         worker.resume()
         step = worker.train()
-        log.emit("finished", step=step)
+        log.write("finished", step=step)
         return 0
     except Exception as e:  # a quorum that cannot form, a store that cannot bind: say so, exit non-zero
-        log.emit("failed", error=f"{type(e).__name__}: {e}"[:500])
+        log.write("failed", error=f"{type(e).__name__}: {e}"[:500])
         traceback.print_exc()  # the full story goes to stderr, next to torchft's own log
         return 1
     finally:

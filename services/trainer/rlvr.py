@@ -27,10 +27,11 @@ from functools import partial
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from contracts.manifest import RlvrStage
+from contracts.runs import LogLevel
 from services.trainer.data import ByteTokenizer
 from services.trainer.generation import Completion
 from services.trainer.loop import (
-    Emit,
     LoopSettings,
     StepOutput,
     full_state_dict,
@@ -38,6 +39,7 @@ from services.trainer.loop import (
     resume_or_init,
     run_loop,
 )
+from services.trainer.model import Transformer
 from services.trainer.objectives import (
     DUAL_CLIP_C,
     clipped_policy_loss,
@@ -49,6 +51,7 @@ from services.trainer.objectives import (
 )
 from services.trainer.posttrain import PAD_TOKEN, PostConfig, adamw, sequence_logprobs
 from services.trainer.pretrain import build_model, lr_factor
+from services.trainer.reporting import Reporter
 from services.trainer.rollout import RolloutBatch, RolloutRequest, RolloutWorker
 
 # A fresh Adam's first updates are lr * sign(grad) on every weight: on a small trained model that
@@ -58,23 +61,19 @@ WARMUP_FRACTION = 0.1
 
 @dataclass(kw_only=True, slots=True)
 class RlvrConfig(PostConfig):
-    prompts_per_step: int = 8
-    group_size: int = 8
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    max_response_tokens: int = 16
-    overlong_buffer_tokens: int = 4
-    max_staleness: int = 1
-    temperature: float = 1.0
-    max_sampling_rounds: int = 4
+    rlvr: RlvrStage = field(default_factory=RlvrStage)
+    """The manifest's RLVR section as it is: group size, clip range, L_max / L_cache, staleness bound,
+    temperature and sampling rounds are read from it, never copied (their defaults live there)."""
     threads: int = 1
     """Torch threads of the rollout worker."""
 
     def __post_init__(self) -> None:
         PostConfig.__post_init__(self)
-        if self.group_size < 2:
+        # The manifest's decoder enforces its field bounds; a section built in code skips them, and
+        # the L_cache <= L_max rule spans two fields, so both are checked here.
+        if self.rlvr.group_size < 2:
             raise ValueError("A GRPO group needs at least 2 completions.")
-        if self.overlong_buffer_tokens > self.max_response_tokens:
+        if self.rlvr.overlong_buffer_tokens > self.rlvr.max_response_tokens:
             raise ValueError("The overlong buffer (L_cache) cannot be longer than L_max.")
 
 
@@ -101,7 +100,7 @@ class RlvrResult:
     stopped: bool
     stats: list[StepStats]
     stale_dropped: int
-    model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
+    model: Transformer | None = field(default=None, repr=False, compare=False)
 
 
 def score(completion: Completion, answer: str, *, max_tokens: int, buffer_tokens: int) -> tuple[float, bool]:
@@ -117,7 +116,9 @@ def score_group(group: list[Completion], answer: str, cfg: RlvrConfig) -> tuple[
     """(shaped rewards, correct) of one group, both (group_size,): the rewards feed the advantages,
     the verifier's bare correctness decides whether dynamic sampling keeps the group."""
     scored = [
-        score(c, answer, max_tokens=cfg.max_response_tokens, buffer_tokens=cfg.overlong_buffer_tokens)
+        score(
+            c, answer, max_tokens=cfg.rlvr.max_response_tokens, buffer_tokens=cfg.rlvr.overlong_buffer_tokens
+        )
         for c in group
     ]
     return torch.tensor([r for r, _ in scored]), torch.tensor([ok for _, ok in scored])
@@ -164,9 +165,9 @@ class Sampler:
             RolloutRequest(
                 request_id=request_id,
                 prompts=[self.tok.encode(p) for p, _ in chosen],
-                group_size=self.cfg.group_size,
-                max_new_tokens=self.cfg.max_response_tokens,
-                temperature=self.cfg.temperature,
+                group_size=self.cfg.rlvr.group_size,
+                max_new_tokens=self.cfg.rlvr.max_response_tokens,
+                temperature=self.cfg.rlvr.temperature,
                 seed=rng.randrange(2**62),
             )
         )
@@ -199,7 +200,7 @@ def take_batch(batch: RolloutBatch, answers: list[str], cfg: RlvrConfig, kept: K
         kept.reward_sum += float(rewards.sum())
         if not bool(informative_groups(correct[None])[0]):
             st.groups_uniform += 1
-        elif len(kept.rewards) < cfg.prompts_per_step:
+        elif len(kept.rewards) < cfg.rlvr.prompts_per_step:
             kept.prompts += [prompt] * len(group)
             kept.completions += group
             kept.rewards.append(rewards)
@@ -213,14 +214,14 @@ def sample_step(step: int, first: str, cfg: RlvrConfig, sampler: Sampler, st: St
     while True:
         batch, answers = sampler.collect(request_id)
         st.rounds += 1
-        if fresh_rollouts([batch.version], step, cfg.max_staleness)[0]:
+        if fresh_rollouts([batch.version], step, cfg.rlvr.max_staleness)[0]:
             take_batch(batch, answers, cfg, kept, st)
         else:
             st.stale_dropped += sum(len(g) for g in batch.groups)
-        if len(kept.rewards) >= cfg.prompts_per_step or round_ + 1 >= cfg.max_sampling_rounds:
+        if len(kept.rewards) >= cfg.rlvr.prompts_per_step or round_ + 1 >= cfg.rlvr.max_sampling_rounds:
             break
         round_ += 1
-        request_id = sampler.request(step, round_, cfg.prompts_per_step)
+        request_id = sampler.request(step, round_, cfg.rlvr.prompts_per_step)
     st.groups_kept = len(kept.rewards)
     st.accuracy = kept.right / kept.sampled if kept.sampled else 0.0
     st.reward = kept.reward_sum / kept.sampled if kept.sampled else 0.0
@@ -235,8 +236,10 @@ def policy_loss(
     inputs, targets, mask, old = policy_batch(kept.prompts, kept.completions)
     mask, old = mask.to(device), old.to(device)
     advantages = group_advantages(torch.stack(kept.rewards)).reshape(-1).to(device)
-    logprobs = sequence_logprobs(model, inputs, targets, device, temperature=cfg.temperature)
-    loss, clip_fraction = clipped_policy_loss(logprobs, old, advantages, mask, cfg.eps_low, cfg.eps_high)
+    logprobs = sequence_logprobs(model, inputs, targets, device, temperature=cfg.rlvr.temperature)
+    loss, clip_fraction = clipped_policy_loss(
+        logprobs, old, advantages, mask, cfg.rlvr.eps_low, cfg.rlvr.eps_high
+    )
     st.kl = float(kl_estimate(logprobs, old, mask))
     st.clip_fraction = float(clip_fraction)
     return loss, mask
@@ -244,7 +247,7 @@ def policy_loss(
 
 def train_rlvr(
     cfg: RlvrConfig,
-    emit: Emit,
+    report: Reporter,
     should_stop: Callable[[], bool],
     *,
     worker_factory: Callable[..., RolloutWorker] = RolloutWorker,
@@ -254,7 +257,7 @@ def train_rlvr(
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     longest_prompt = max(len(p.encode()) for p, _ in cfg.problems)
-    seq_len = min(longest_prompt + cfg.max_response_tokens, cfg.shape.max_seq_len)
+    seq_len = min(longest_prompt + cfg.rlvr.max_response_tokens, cfg.shape.max_seq_len)
     model = build_model(cfg.shape, seq_len=seq_len, rope_base=cfg.rope_base, device=device)
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
@@ -266,78 +269,37 @@ def train_rlvr(
         checkpoint_interval=cfg.checkpoint_interval,
         keep_last=cfg.keep_last,
     )
-    resumed = resume_or_init(settings, model, optimizer, scheduler, emit, init_from=cfg.init_from)
+    resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
     start = resumed.step if resumed else 0
     stats: list[StepStats] = []
     if start < cfg.steps:
-        emit(
-            "log",
-            {
-                "level": "info",
-                "message": (
-                    f"rlvr: {cfg.steps - start} steps of {cfg.prompts_per_step} groups x {cfg.group_size} rollouts, "
-                    f"clip [{1 - cfg.eps_low:.2f}, {1 + cfg.eps_high:.2f}], dual-clip {DUAL_CLIP_C:g}, "
-                    f"L_max {cfg.max_response_tokens}, L_cache {cfg.overlong_buffer_tokens}, staleness <= {cfg.max_staleness}"
-                ),
-            },
-        )
-
+        report.log(_plan_line(cfg, start))
     with worker_factory(model.shape, cfg.rope_base, threads=cfg.threads, device=device.type) as worker:
-        sampler = Sampler(cfg, worker)
-
-        def step_fn(step: int) -> StepOutput:
-            st = StepStats(step=step + 1)
-            stats.append(st)
-            worker.publish(step, full_state_dict(model))
-            first = sampler.request(step, 0, cfg.prompts_per_step)
-            if cfg.max_staleness >= 1 and step + 1 < cfg.steps:
-                sampler.request(step + 1, 0, cfg.prompts_per_step)  # sampled from version `step`
-            kept = sample_step(step, first, cfg, sampler, st)
-            if not kept.rewards:
-                emit(
-                    "log",
-                    {
-                        "level": "warning",
-                        "message": (
-                            f"rlvr step {step + 1}: no group with both right and wrong answers after {st.rounds} "
-                            "rounds; nothing to learn"
-                        ),
-                    },
-                )
-                return StepOutput(loss=None, tokens=0)
-            loss, mask = policy_loss(model, kept, cfg, device, st)
-            emit(
-                "log",
-                {
-                    "level": "info",
-                    "message": (
-                        f"rlvr step {step + 1}: reward {st.reward:.3f}, accuracy {st.accuracy:.3f}, kl {st.kl:.4f}, "
-                        f"clipped {st.clip_fraction:.3f}, groups kept {st.groups_kept} (uniform dropped {st.groups_uniform}), "
-                        f"stale rollouts dropped {st.stale_dropped}, rounds {st.rounds}"
-                    ),
-                },
-            )
-            return StepOutput(loss=loss, tokens=int(mask.sum().item()))
-
+        step_fn = partial(
+            rl_step,
+            cfg=cfg,
+            model=model,
+            worker=worker,
+            sampler=Sampler(cfg, worker),
+            device=device,
+            stats=stats,
+            report=report,
+        )
         result = run_loop(
             settings,
             model,
             optimizer,
             scheduler,
             step_fn,
-            emit,
+            report,
             should_stop,
             start_step=start,
             position=lambda: 0,
         )
     stale_total = sum(st.stale_dropped for st in stats)
     if stale_total:
-        emit(
-            "log",
-            {
-                "level": "info",
-                "message": f"rlvr dropped {stale_total} stale rollouts (older than {cfg.max_staleness} versions)",
-            },
+        report.log(
+            f"rlvr dropped {stale_total} stale rollouts (older than {cfg.rlvr.max_staleness} versions)"
         )
     return RlvrResult(
         final_step=result.final_step,
@@ -348,3 +310,48 @@ def train_rlvr(
         stale_dropped=stale_total,
         model=model,
     )
+
+
+def _plan_line(cfg: RlvrConfig, start: int) -> str:
+    rl = cfg.rlvr
+    return (
+        f"rlvr: {cfg.steps - start} steps of {rl.prompts_per_step} groups x {rl.group_size} rollouts, "
+        f"clip [{1 - rl.eps_low:.2f}, {1 + rl.eps_high:.2f}], dual-clip {DUAL_CLIP_C:g}, "
+        f"L_max {rl.max_response_tokens}, L_cache {rl.overlong_buffer_tokens}, staleness <= {rl.max_staleness}"
+    )
+
+
+def rl_step(
+    step: int,
+    *,
+    cfg: RlvrConfig,
+    model: torch.nn.Module,
+    worker: RolloutWorker,
+    sampler: Sampler,
+    device: torch.device,
+    stats: list[StepStats],
+    report: Reporter,
+) -> StepOutput:
+    """One RL step's loss (the loop's `step_fn`): publish version `step`, prefetch the next step's
+    rollouts, sample this step's groups, and the clipped policy loss over the kept ones."""
+    st = StepStats(step=step + 1)
+    stats.append(st)
+    worker.publish(step, full_state_dict(model))
+    first = sampler.request(step, 0, cfg.rlvr.prompts_per_step)
+    if cfg.rlvr.max_staleness >= 1 and step + 1 < cfg.steps:
+        sampler.request(step + 1, 0, cfg.rlvr.prompts_per_step)  # sampled from version `step`
+    kept = sample_step(step, first, cfg, sampler, st)
+    if not kept.rewards:
+        report.log(
+            f"rlvr step {step + 1}: no group with both right and wrong answers after {st.rounds} "
+            "rounds; nothing to learn",
+            LogLevel.warning,
+        )
+        return StepOutput(loss=None, tokens=0)
+    loss, mask = policy_loss(model, kept, cfg, device, st)
+    report.log(
+        f"rlvr step {step + 1}: reward {st.reward:.3f}, accuracy {st.accuracy:.3f}, kl {st.kl:.4f}, "
+        f"clipped {st.clip_fraction:.3f}, groups kept {st.groups_kept} (uniform dropped {st.groups_uniform}), "
+        f"stale rollouts dropped {st.stale_dropped}, rounds {st.rounds}"
+    )
+    return StepOutput(loss=loss, tokens=int(mask.sum().item()))

@@ -31,7 +31,7 @@ from contracts.api import (
 )
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
-from contracts.runs import ProposalMade, TrainWork
+from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
 from contracts.states import RunState
 from services.runtime import codec, faults
 from services.runtime.checkpoint_paths import inside, run_dir, storage_root
@@ -41,7 +41,8 @@ from services.runtime.settings import ENV_TRAINER_THREADS, Settings
 from services.trainer import spikes
 from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.emitter import Emitter
-from services.trainer.pipeline import run_pipeline
+from services.trainer.pipeline import PipelineResult, run_pipeline
+from services.trainer.reporting import Sink, check_event
 
 log = logging.getLogger("ito.trainer.worker")
 
@@ -73,15 +74,31 @@ class Stop:
 
     def __init__(self) -> None:
         self._event = threading.Event()
-        self.reason: str | None = None
+        self.reason: StopReason | None = None
 
-    def set(self, reason: str) -> None:
+    def set(self, reason: StopReason) -> None:
         if not self._event.is_set():
             self.reason = reason
             self._event.set()
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+
+def final_state(result: PipelineResult, stop: Stop, checkpoint_dir: pathlib.Path) -> tuple[RunState, str]:
+    """The run's final state and message once the pipeline returned (not fenced, no spike): a stop
+    is a cancel; otherwise the pipeline's outcome decides."""
+    if stop.is_set():
+        step = last_committed_step(checkpoint_dir)
+        kept = f"; last checkpoint at step {step}" if step is not None else "; no checkpoint yet"
+        return RunState.cancelled, "cancelled" + kept
+    match result.outcome:
+        case Outcome.gate_failed:
+            return RunState.gate_failed, result.summary
+        case Outcome.succeeded:
+            return RunState.succeeded, result.summary
+        case Outcome.stopped:  # the pipeline stops only when asked to
+            raise ValueError("The pipeline stopped although no stop was requested.")
 
 
 WATCHED_STAGES = frozenset({"pretrain", "midtrain", "long_context"})  # PaLM's remedy is for LM training;
@@ -97,9 +114,9 @@ class SpikeWatch:
     around a spike (the one on stop among them) would otherwise evict it by `keep_last`."""
 
     def __init__(
-        self, emit, stop: Stop, planted: bool = False, checkpoint_dir: pathlib.Path | None = None
+        self, sink: Sink, stop: Stop, planted: bool = False, checkpoint_dir: pathlib.Path | None = None
     ) -> None:
-        self._emit = emit
+        self._sink = sink
         self.stop = stop
         self.checkpoint_dir = checkpoint_dir
         self.detector = spikes.SpikeDetector()
@@ -108,25 +125,35 @@ class SpikeWatch:
         self._stage_seen = ""
         self._pinned_for: int | None = None  # the first spiking step the current pin is for
 
-    def emit(self, kind: str, payload: dict) -> None:
-        if kind == "metrics" and payload["stage"] in WATCHED_STAGES:
-            if payload["stage"] != self._stage_seen:  # each stage has its own loss scale
-                self._stage_seen, self.detector = payload["stage"], spikes.SpikeDetector()
-            if self.planted_from is not None and payload["step"] >= self.planted_from:
-                payload = {**payload, "loss": payload["loss"] * 10.0}  # fault injection (tests, make chaos)
-            if not self.stop.is_set():  # once stopping, the spike (and its pin) stay as they are
-                spiked = self.detector.observe(payload["step"], payload["loss"], payload["grad_norm"])
-                if self.detector.first_spike_step != self._pinned_for:  # a suspected spike began or ended
-                    self._pin(payload["stage"], payload["total_steps"])
-                if spiked:
-                    self.stage, self.total_steps = payload["stage"], payload["total_steps"]
-                    self.spike_step = self.detector.first_spike_step or payload["step"]
-                    self.reason = (
-                        f"loss above mean + {spikes.K_SIGMA:g} sigma of the last {spikes.WINDOW} steps "
-                        f"for {spikes.CONSECUTIVE} steps"
-                    )
-                    self.stop.set("loss_spike")
-        self._emit(kind, payload)
+    def send(self, event: RunEvent) -> None:
+        """The training thread's sink: metrics of a watched stage go through the detector first."""
+        event = check_event(event)
+        if isinstance(event, Metrics) and event.stage in WATCHED_STAGES:
+            event = self.watch(event)
+        self._sink(event)
+
+    def watch(self, metrics: Metrics) -> Metrics:
+        """Observe one step's metrics; a spike sets the stop. Returns the metrics to pass on (with
+        the planted fault, when one is planted, applied)."""
+        if metrics.stage != self._stage_seen:  # each stage has its own loss scale
+            self._stage_seen, self.detector = metrics.stage, spikes.SpikeDetector()
+        if self.planted_from is not None and metrics.step >= self.planted_from:
+            # fault injection (tests, make chaos)
+            metrics = msgspec.structs.replace(metrics, loss=metrics.loss * 10.0)
+        if self.stop.is_set():  # once stopping, the spike (and its pin) stay as they are
+            return metrics
+        spiked = self.detector.observe(metrics.step, metrics.loss, metrics.grad_norm)
+        if self.detector.first_spike_step != self._pinned_for:  # a suspected spike began or ended
+            self._pin(metrics.stage, metrics.total_steps)
+        if spiked:
+            self.stage, self.total_steps = metrics.stage, metrics.total_steps
+            self.spike_step = self.detector.first_spike_step or metrics.step
+            self.reason = (
+                f"loss above mean + {spikes.K_SIGMA:g} sigma of the last {spikes.WINDOW} steps "
+                f"for {spikes.CONSECUTIVE} steps"
+            )
+            self.stop.set(StopReason.loss_spike)
+        return metrics
 
     def _pin(self, stage: str, total_steps: int) -> None:
         self._pinned_for = self.detector.first_spike_step
@@ -182,7 +209,7 @@ class Worker:
             and answer.state in (RunState.cancelling, RunState.cancelled)
         ):
             log.info("run %s: cancel confirmed by the lease; stopping after this step", run_id)
-            stop.set("cancelled")
+            stop.set(StopReason.cancelled)
         else:
             log.warning("run %s: cancel notice not backed by the run's state; training on", run_id)
 
@@ -225,13 +252,13 @@ class Worker:
             if answer is None:
                 if time.monotonic() - last_renewed > SELF_FENCE_S:
                     log.warning("run %s: no lease renewal for %.0fs; stopping (fenced)", run_id, SELF_FENCE_S)
-                    stop.set("fenced")
+                    stop.set(StopReason.fenced)
             elif answer.proceed:
                 last_renewed = time.monotonic()
             else:
                 cancelled = answer.state in (RunState.cancelling, RunState.cancelled)
                 log.info("run %s: lease withdrawn (%s); stopping", run_id, answer.state)
-                stop.set("cancelled" if cancelled else "fenced")
+                stop.set(StopReason.cancelled if cancelled else StopReason.fenced)
 
     async def handle(self, msg: NatsMessage) -> None:
         try:
@@ -265,45 +292,8 @@ class Worker:
         checkpoint_dir = run_dir(self.checkpoint_root, manifest.checkpoint.storage, work.account, work.run_id)
         checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         final: RunState | None = None
-        watch = SpikeWatch(
-            emitter.from_thread,
-            stop,
-            planted=faults.active(faults.TRAINER_LOSS_SPIKE) and work.restart is None,
-            checkpoint_dir=checkpoint_dir,
-        )
         try:
-            if work.restart is not None:
-                r = work.restart
-                moved = rewind(checkpoint_dir / r.stage, r.checkpoint_step, r.skip_from, r.skip_to)
-                await emitter.log(
-                    f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
-                    f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})"
-                )
-            await emitter.state(RunState.running, message="training started")
-            result = await asyncio.to_thread(
-                run_pipeline, manifest, checkpoint_dir, watch.emit, stop.is_set, self.threads
-            )
-            if stop.reason == "fenced":
-                # Another trainer holds (or will hold) the run: report nothing, acknowledge nothing.
-                log.warning(
-                    "run %s: fenced at epoch %d; leaving it to the new lease holder", work.run_id, epoch
-                )
-                return
-            await emitter.log(result.summary)
-            if stop.reason == "loss_spike":
-                await self._propose(emitter, checkpoint_dir, watch)
-                final = RunState.awaiting_approval
-            elif stop.is_set():
-                step = last_committed_step(checkpoint_dir)
-                kept = f"; last checkpoint at step {step}" if step is not None else "; no checkpoint yet"
-                final = RunState.cancelled
-                await emitter.state(final, stage=result.last_stage, message="cancelled" + kept)
-            elif getattr(result, "outcome", "succeeded") == "gate_failed":
-                final = RunState.gate_failed
-                await emitter.state(final, stage=result.last_stage, message=result.summary)
-            else:
-                final = RunState.succeeded
-                await emitter.state(final, stage=result.last_stage, message=result.summary)
+            final = await self._run(emitter, work, manifest, checkpoint_dir, stop)
         except Exception as exc:  # the run failed; report it as state and stop redelivery
             log.exception("run %s failed", work.run_id)
             final = RunState.failed
@@ -312,7 +302,7 @@ class Worker:
             keep_alive.cancel()
             self.stops.pop(work.run_id, None)
             self.epochs.pop(work.run_id, None)
-        if stop.reason == "fenced":
+        if stop.reason is StopReason.fenced:  # another trainer holds (or will hold) the run: ack nothing
             return
         if await self._applied(work.run_id, epoch, final):
             await msg.ack()
@@ -323,6 +313,41 @@ class Worker:
                 final,
             )
             await msg.raw_message.nak(delay=RETRY_LEASE_AFTER_S)
+
+    async def _run(
+        self, emitter: Emitter, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path, stop: Stop
+    ) -> RunState | None:
+        """Train (in a thread) and report the final state; None when fenced (nothing reported)."""
+        watch = SpikeWatch(
+            emitter.from_thread,
+            stop,
+            planted=faults.active(faults.TRAINER_LOSS_SPIKE) and work.restart is None,
+            checkpoint_dir=checkpoint_dir,
+        )
+        if work.restart is not None:
+            r = work.restart
+            moved = rewind(checkpoint_dir / r.stage, r.checkpoint_step, r.skip_from, r.skip_to)
+            await emitter.log(
+                f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
+                f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})"
+            )
+        await emitter.state(RunState.running, message="training started")
+        report = emitter.reporter().with_sink(watch.send)
+        result = await asyncio.to_thread(
+            run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads
+        )
+        if stop.reason is StopReason.fenced:  # report nothing
+            log.warning(
+                "run %s: fenced at epoch %d; leaving it to the new lease holder", work.run_id, emitter.epoch
+            )
+            return None
+        await emitter.log(result.summary)
+        if stop.reason is StopReason.loss_spike:
+            await self._propose(emitter, checkpoint_dir, watch)
+            return RunState.awaiting_approval
+        final, message = final_state(result, stop, checkpoint_dir)
+        await emitter.state(final, stage=result.last_stage, message=message)
+        return final
 
     async def _applied(self, run_id: str, epoch: int, final: RunState | None) -> bool:
         """Did the scheduler apply our final transition? Asked through the lease (bounded)."""
@@ -337,7 +362,7 @@ class Worker:
     async def _propose(self, emitter: Emitter, checkpoint_dir: pathlib.Path, watch: "SpikeWatch") -> None:
         """Pause the run with PaLM's remedy as a proposal; only a confirmed approval restarts it."""
         proposal = watch.proposal(checkpoint_dir)
-        await emitter.publish(ProposalMade(**emitter.base(), proposal=proposal))
+        await emitter.proposal(proposal)
         await emitter.state(
             RunState.awaiting_approval,
             stage=watch.stage,

@@ -184,7 +184,7 @@ def test_ladder_is_bounded_by_its_budget_fraction():
 def test_judge(checks, passed):
     metrics, ok = judge(checks)
     assert ok is passed
-    assert [m["name"] for m in metrics] == [c.name for c in checks if c.value is not None]
+    assert [m.name for m in metrics] == [c.name for c in checks if c.value is not None]
 
 
 def test_a_gated_check_that_cannot_be_measured_is_an_error_not_a_pass():

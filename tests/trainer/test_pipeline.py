@@ -1,40 +1,26 @@
 """The staged pipeline through `run_pipeline`, as the worker calls it: every stage end to end,
-a failed gate, a stop and an exact resume across stages. Every emitted payload is converted into
-its contract event exactly as the emitter does, so a wrong field fails here."""
+a failed gate, a stop and an exact resume across stages. The pipeline reports typed contract
+events (the recorder refuses anything else), so a wrong field fails here."""
 
 import pathlib
-from datetime import UTC, datetime
 
 import msgspec
 import pytest
 
+from contracts.evals import EvalMetric
 from contracts.manifest import Manifest
+from contracts.runs import DataProvenance, EvalResult, LogLine, Metrics, Outcome, StageStarted
 from services.trainer.checkpoint import list_checkpoints
-from services.trainer.emitter import EVENT_KINDS
 from services.trainer.pipeline import run_pipeline
+from services.trainer.reporting import Recorder
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
 ALL_STAGES = ["data_prep", "ladder", "pretrain", "midtrain", "long_context", "sft", "dpo", "rlvr"]
 
 
-class Recorder:
-    """The worker's emit: each payload must convert into its run event."""
-
-    def __init__(self):
-        self.events: list[tuple[str, dict]] = []
-
-    def __call__(self, kind: str, fields: dict) -> None:
-        msgspec.convert(
-            {"run_id": "r", "seq": len(self.events) + 1, "at": datetime.now(UTC), **fields}, EVENT_KINDS[kind]
-        )
-        self.events.append((kind, fields))
-
-    def of(self, kind: str) -> list[dict]:
-        return [f for k, f in self.events if k == kind]
-
-    def metrics(self, stage: str) -> list[dict]:
-        return [m for m in self.of("metrics") if m["stage"] == stage]
+def metrics_of(recorder: Recorder, stage: str) -> list[Metrics]:
+    return [m for m in recorder.of(Metrics) if m.stage == stage]
 
 
 def never() -> bool:
@@ -43,7 +29,7 @@ def never() -> bool:
 
 def stop_in(recorder: Recorder, stage: str, after_steps: int):
     """should_stop that turns true once `stage` has emitted `after_steps` metrics."""
-    return lambda: len(recorder.metrics(stage)) >= after_steps
+    return lambda: len(metrics_of(recorder, stage)) >= after_steps
 
 
 def full_manifest(tmp_path: pathlib.Path, **changes) -> Manifest:
@@ -101,39 +87,38 @@ def small_manifest(stages: dict, recipe=(), **post) -> Manifest:
 def test_every_stage_runs_end_to_end_to_succeeded(tmp_path):
     emit = Recorder()
     result = run_pipeline(full_manifest(tmp_path), tmp_path / "ckpt", emit, never, threads=2)
-    assert result.outcome == "succeeded", result.summary
+    assert result.outcome is Outcome.succeeded, result.summary
     assert result.last_stage == "rlvr" and result.final_loss is not None and result.held_out_loss is not None
 
-    assert [s["stage"] for s in emit.of("stage")] == ALL_STAGES
-    evals = {e["stage"]: e for e in emit.of("eval")}
+    assert [s.stage for s in emit.of(StageStarted)] == ALL_STAGES
+    evals = {e.stage: e for e in emit.of(EvalResult)}
     assert list(evals) == ALL_STAGES[1:]  # every training stage, and the ladder's decision
-    assert all(evals[s]["passed"] for s in ALL_STAGES[2:])
-    assert {m["name"] for m in evals["long_context"]["metrics"]} == {
+    assert all(evals[s].passed for s in ALL_STAGES[2:])
+    assert {m.name for m in evals["long_context"].metrics} == {
         "held_out_loss",
         "task_accuracy",
         "short_context_loss",
         "needle_accuracy",
     }
-    assert {m["name"] for m in evals["pretrain"]["metrics"]} == {"held_out_loss", "task_accuracy"}
+    assert {m.name for m in evals["pretrain"].metrics} == {"held_out_loss", "task_accuracy"}
 
-    [provenance] = emit.of("provenance")
-    assert [s["name"] for s in provenance["steps"]] == ["exact_dedup", "near_dedup", "decontamination"]
-    exact, near, decon = provenance["steps"]
-    assert exact["after"] < exact["before"]  # generated lines repeat; custom.txt has no exact duplicate...
-    assert near["after"] < near["before"]  # ...but its 400 paragraphs differ by a number: near duplicates
-    assert decon["after"] < decon["before"]  # arithmetic lines that are eval problems
-    assert provenance["input_digest"] != provenance["output_digest"]
+    [provenance] = emit.of(DataProvenance)
+    assert [s.name for s in provenance.steps] == ["exact_dedup", "near_dedup", "decontamination"]
+    exact, near, decon = provenance.steps
+    assert exact.after < exact.before  # generated lines repeat; custom.txt has no exact duplicate...
+    assert near.after < near.before  # ...but its 400 paragraphs differ by a number: near duplicates
+    assert decon.after < decon.before  # arithmetic lines that are eval problems
+    assert provenance.input_digest != provenance.output_digest
 
     ladder = evals["ladder"]
-    assert [m["name"] for m in ladder["metrics"]] == [
+    assert [m.name for m in ladder.metrics] == [
         "held_out_loss_reference",
         "held_out_loss_with_custom",
         "eval_delta",
     ]
-    assert ladder["passed"] == ladder["metrics"][1]["passed"]
+    assert ladder.passed == ladder.metrics[1].passed
     assert any(
-        "ladder: custom data ['custom']" in e["message"] and "decision:" in e["message"]
-        for e in emit.of("log")
+        "ladder: custom data ['custom']" in e.message and "decision:" in e.message for e in emit.of(LogLine)
     )
 
     # ladder: min(20 proxy steps, 0.2 x 90 pre-training steps / 2 runs = 9), for each of the two runs
@@ -147,11 +132,11 @@ def test_every_stage_runs_end_to_end_to_succeeded(tmp_path):
         "rlvr": 3,
     }
     for stage, steps in expected_steps.items():
-        assert [m["step"] for m in emit.metrics(stage)] == list(range(1, steps + 1)), stage
+        assert [m.step for m in metrics_of(emit, stage)] == list(range(1, steps + 1)), stage
     for stage in ALL_STAGES[2:]:
         assert list_checkpoints(tmp_path / "ckpt" / stage)[-1].step == expected_steps[stage]
     # midtrain anneals to zero; long-context learning rate also ends at zero
-    assert emit.metrics("midtrain")[-1]["learning_rate"] < emit.metrics("midtrain")[1]["learning_rate"] / 5
+    assert metrics_of(emit, "midtrain")[-1].learning_rate < metrics_of(emit, "midtrain")[1].learning_rate / 5
 
 
 def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
@@ -160,25 +145,19 @@ def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
     )
     emit = Recorder()
     result = run_pipeline(manifest, tmp_path, emit, never, threads=2)
-    assert result.outcome == "gate_failed" and result.last_stage == "pretrain"
-    [gate] = emit.of("eval")
-    assert gate["stage"] == "pretrain" and gate["passed"] is False
-    held = next(m for m in gate["metrics"] if m["name"] == "held_out_loss")
-    assert held == {
-        "name": "held_out_loss",
-        "value": held["value"],
-        "threshold": 0.01,
-        "op": "<=",
-        "passed": False,
-    }
-    assert result.summary == f"pretrain gate failed: held_out_loss {held['value']:.4f} > 0.0100"
-    assert [s["stage"] for s in emit.of("stage")] == ["data_prep", "pretrain"]  # midtrain never starts
+    assert result.outcome is Outcome.gate_failed and result.last_stage == "pretrain"
+    [gate] = emit.of(EvalResult)
+    assert gate.stage == "pretrain" and gate.passed is False
+    held = next(m for m in gate.metrics if m.name == "held_out_loss")
+    assert held == EvalMetric(name="held_out_loss", value=held.value, threshold=0.01, op="<=", passed=False)
+    assert result.summary == f"pretrain gate failed: held_out_loss {held.value:.4f} > 0.0100"
+    assert [s.stage for s in emit.of(StageStarted)] == ["data_prep", "pretrain"]  # midtrain never starts
 
     # Redelivered: the recorded verdict stands; nothing is retrained and nothing overrides it.
     again = Recorder()
     repeat = run_pipeline(manifest, tmp_path, again, never, threads=2)
-    assert repeat.outcome == "gate_failed" and repeat.summary == result.summary
-    assert again.of("metrics") == [] and again.of("eval")[0]["passed"] is False
+    assert repeat.outcome is Outcome.gate_failed and repeat.summary == result.summary
+    assert again.of(Metrics) == [] and again.of(EvalResult)[0].passed is False
 
 
 def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):
@@ -188,25 +167,27 @@ def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):
         sft={"steps": 6, "batch_size": 8},
     )
     straight = Recorder()
-    assert run_pipeline(manifest, tmp_path / "straight", straight, never, threads=2).outcome == "succeeded"
+    assert (
+        run_pipeline(manifest, tmp_path / "straight", straight, never, threads=2).outcome is Outcome.succeeded
+    )
 
     first = Recorder()
     stopped = run_pipeline(manifest, tmp_path / "resumed", first, stop_in(first, "midtrain", 5), threads=2)
-    assert stopped.outcome == "stopped" and stopped.last_stage == "midtrain"
+    assert stopped.outcome is Outcome.stopped and stopped.last_stage == "midtrain"
     assert "stopped during midtrain" in stopped.summary
     assert list_checkpoints(tmp_path / "resumed" / "midtrain")[-1].step == 5  # committed before returning
-    assert [s["stage"] for s in first.of("stage")] == ["data_prep", "pretrain", "midtrain"]
+    assert [s.stage for s in first.of(StageStarted)] == ["data_prep", "pretrain", "midtrain"]
 
     second = Recorder()
     finished = run_pipeline(manifest, tmp_path / "resumed", second, never, threads=2)
-    assert finished.outcome == "succeeded"
-    assert second.metrics("pretrain") == []  # judged already: skipped, its gate re-reported
-    assert [e["stage"] for e in second.of("eval")] == ["pretrain", "midtrain", "sft"]
-    tail = lambda rec, stage: [(m["step"], m["loss"], m["learning_rate"]) for m in rec.metrics(stage)]  # noqa: E731
+    assert finished.outcome is Outcome.succeeded
+    assert metrics_of(second, "pretrain") == []  # judged already: skipped, its gate re-reported
+    assert [e.stage for e in second.of(EvalResult)] == ["pretrain", "midtrain", "sft"]
+    tail = lambda rec, stage: [(m.step, m.loss, m.learning_rate) for m in metrics_of(rec, stage)]  # noqa: E731
     assert tail(second, "midtrain") == tail(straight, "midtrain")[5:]  # exact, step by step
     assert tail(second, "sft") == tail(straight, "sft")
     assert finished.held_out_loss == pytest.approx(
-        next(m["value"] for m in straight.of("eval")[-1]["metrics"] if m["name"] == "held_out_loss")
+        next(m.value for m in straight.of(EvalResult)[-1].metrics if m.name == "held_out_loss")
     )
 
 
@@ -214,9 +195,12 @@ def test_the_default_manifest_is_pretrain_only_and_reports_its_battery(tmp_path)
     manifest = small_manifest({"pretrain": {}})
     emit = Recorder()
     result = run_pipeline(manifest, tmp_path, emit, never, threads=2)
-    assert result.outcome == "succeeded" and result.last_stage == "pretrain"
-    assert [s["stage"] for s in emit.of("stage")] == ["data_prep", "pretrain"]  # it has eval data to keep out
-    assert [m["step"] for m in emit.of("metrics")] == list(range(1, 81))
+    assert result.outcome is Outcome.succeeded and result.last_stage == "pretrain"
+    assert [s.stage for s in emit.of(StageStarted)] == [
+        "data_prep",
+        "pretrain",
+    ]  # it has eval data to keep out
+    assert [m.step for m in emit.of(Metrics)] == list(range(1, 81))
     assert "pretrain finished at step 80: loss " in result.summary
     assert "held_out_loss" in result.summary and "task_accuracy" in result.summary
 
@@ -226,4 +210,4 @@ def test_an_invalid_manifest_is_refused_before_training(tmp_path):
     emit = Recorder()
     with pytest.raises(ValueError, match="no training ref"):
         run_pipeline(manifest, tmp_path, emit, never, threads=2)
-    assert emit.of("metrics") == [] and emit.of("stage") == []
+    assert emit.of(Metrics) == [] and emit.of(StageStarted) == []

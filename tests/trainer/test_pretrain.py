@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from contracts.manifest import Manifest
+from contracts.runs import CheckpointSaved, LogLine, Metrics
 from services.trainer.checkpoint import MARKER, Checkpointer, list_checkpoints, load_latest, step_dir
 from services.trainer.data import BatchIterator, load_tokens
 from services.trainer.model import Transformer
 from services.trainer.pretrain import build_optimizer, stage_config_from_manifest, train_stage
+from services.trainer.reporting import Recorder
 
 SEQ, BATCH = 32, 8
 
@@ -33,17 +35,6 @@ def manifest(steps: int, *, interval: int = 50, keep_last: int = 2, data=None, s
         },
         Manifest,
     )
-
-
-class Recorder:
-    def __init__(self):
-        self.events: list[tuple[str, dict]] = []
-
-    def __call__(self, kind: str, fields: dict) -> None:
-        self.events.append((kind, fields))
-
-    def of(self, kind: str) -> list[dict]:
-        return [f for k, f in self.events if k == kind]
 
 
 def never() -> bool:
@@ -94,16 +85,16 @@ def test_bad_config_is_refused_in_a_sentence(tmp_path):
 def test_loss_falls_on_pydoc_text(tmp_path):
     emit = Recorder()
     result = train_stage(stage_config_from_manifest(manifest(60), str(tmp_path)), emit, never)
-    metrics = emit.of("metrics")
-    assert [m["step"] for m in metrics] == list(range(1, 61))
+    metrics = emit.of(Metrics)
+    assert [m.step for m in metrics] == list(range(1, 61))
     assert result.final_step == 60 and not result.stopped and result.tokens == 60 * SEQ * BATCH
     assert result.first_loss > 5.0  # ~ln(256) = 5.55 at the start
     assert result.final_loss < result.first_loss - 2.0
     assert result.held_out_loss < 3.5
-    assert max(m["learning_rate"] for m in metrics) == pytest.approx(3e-3)
-    assert metrics[-1]["learning_rate"] < 1e-3  # cosine decayed
+    assert max(m.learning_rate for m in metrics) == pytest.approx(3e-3)
+    assert metrics[-1].learning_rate < 1e-3  # cosine decayed
     # Always a checkpoint at the end, reported after its commit.
-    assert [c["step"] for c in emit.of("checkpoint")] == [50, 60]
+    assert [c.step for c in emit.of(CheckpointSaved)] == [50, 60]
     assert [c.step for c in list_checkpoints(tmp_path)] == [50, 60]
 
 
@@ -193,17 +184,17 @@ def test_stop_then_resume_matches_an_uninterrupted_run(tmp_path):
     stopped = train_stage(cfg, first, stop_after(6))
     assert stopped.stopped and stopped.final_step == 6 and stopped.held_out_loss is None
     # Step 4 from the interval, step 6 saved on stop; both committed before returning.
-    assert [c["step"] for c in first.of("checkpoint")] == [4, 6]
+    assert [c.step for c in first.of(CheckpointSaved)] == [4, 6]
     assert [c.step for c in list_checkpoints(cfg.checkpoint_dir)] == [4, 6]
 
     second = Recorder()
     finished = train_stage(cfg, second, never)
-    assert any("Resuming" in log["message"] for log in second.of("log"))
+    assert any("Resuming" in log.message for log in second.of(LogLine))
     assert finished.final_step == 12 and not finished.stopped and finished.tokens == 12 * SEQ * BATCH
-    straight_tail = [(m["step"], m["loss"], m["learning_rate"]) for m in straight.of("metrics")[6:]]
-    resumed_tail = [(m["step"], m["loss"], m["learning_rate"]) for m in second.of("metrics")]
+    straight_tail = [(m.step, m.loss, m.learning_rate) for m in straight.of(Metrics)[6:]]
+    resumed_tail = [(m.step, m.loss, m.learning_rate) for m in second.of(Metrics)]
     assert resumed_tail == straight_tail  # exact float equality, step by step
-    assert finished.final_loss == straight.of("metrics")[-1]["loss"]
+    assert finished.final_loss == straight.of(Metrics)[-1].loss
 
 
 def test_a_finished_stage_resumes_to_nothing(tmp_path):
@@ -211,5 +202,5 @@ def test_a_finished_stage_resumes_to_nothing(tmp_path):
     train_stage(cfg, Recorder(), never)
     again = Recorder()
     result = train_stage(cfg, again, never)
-    assert result.final_step == 3 and result.first_loss is None and again.of("metrics") == []
-    assert again.of("checkpoint") == [] and result.held_out_loss is not None
+    assert result.final_step == 3 and result.first_loss is None and again.of(Metrics) == []
+    assert again.of(CheckpointSaved) == [] and result.held_out_loss is not None

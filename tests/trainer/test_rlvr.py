@@ -7,29 +7,21 @@ import pathlib
 import pytest
 import torch
 
+from contracts.manifest import RlvrStage
 from contracts.models import MODEL_SHAPES
+from contracts.runs import LogLine, Metrics
 from services.trainer.data import load_text, task_problems
 from services.trainer.generation import Completion
 from services.trainer.objectives import group_advantages
 from services.trainer.posttrain import PostConfig, train_sft
 from services.trainer.pretrain import StageConfig, train_stage
+from services.trainer.reporting import Recorder
 from services.trainer.rlvr import RlvrConfig, policy_batch, score, score_group, train_rlvr
 from services.trainer.rollout import RolloutBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TINY = MODEL_SHAPES["tiny"]
 SMALL = "generated:small_arithmetic"
-
-
-class Recorder:
-    def __init__(self):
-        self.events: list[tuple[str, dict]] = []
-
-    def __call__(self, kind: str, fields: dict) -> None:
-        self.events.append((kind, fields))
-
-    def of(self, kind: str) -> list[dict]:
-        return [f for k, f in self.events if k == kind]
 
 
 def never() -> bool:
@@ -74,27 +66,26 @@ def sft_checkpoint(tmp_path_factory) -> str:
     return str(root / "sft")
 
 
-def rl_config(tmp_path: pathlib.Path, init_from: str | None, problems, **overrides) -> RlvrConfig:
-    fields = dict(
+def rl_config(
+    tmp_path: pathlib.Path, init_from: str | None, problems, steps: int = 25, **section
+) -> RlvrConfig:
+    """`section`: RlvrStage fields over this test's own (L_max 8, L_cache 3)."""
+    rlvr = RlvrStage(**({"max_response_tokens": 8, "overlong_buffer_tokens": 3} | section))
+    return RlvrConfig(
         stage="rlvr",
         shape=TINY,
         rope_base=None,
         problems=problems,
-        steps=25,
-        batch_size=64,
+        steps=steps,
+        batch_size=rlvr.prompts_per_step * rlvr.group_size,
         learning_rate=3e-4,
         seed=0,
         checkpoint_dir=str(tmp_path / "rlvr"),
         checkpoint_interval=1000,
         init_from=init_from,
-        prompts_per_step=8,
-        group_size=8,
-        max_response_tokens=8,
-        overlong_buffer_tokens=3,
-        max_staleness=1,
+        rlvr=rlvr,
         threads=1,
     )
-    return RlvrConfig(**(fields | overrides))
 
 
 def test_verifiable_reward_rises_during_rlvr(sft_checkpoint, tmp_path):
@@ -108,8 +99,8 @@ def test_verifiable_reward_rises_during_rlvr(sft_checkpoint, tmp_path):
     first, last = sum(accuracy[:5]) / 5, sum(accuracy[-5:]) / 5
     assert last > first + 0.15, f"accuracy per step: {[round(a, 2) for a in accuracy]}"
     # reward and KL travel as log lines; metrics carry the policy loss
-    assert [m["step"] for m in emit.of("metrics")] == list(range(1, 26))
-    assert any("reward" in e["message"] and "kl" in e["message"] for e in emit.of("log"))
+    assert [m.step for m in emit.of(Metrics)] == list(range(1, 26))
+    assert any("reward" in e.message and "kl" in e.message for e in emit.of(LogLine))
 
 
 def completion(text: str, finished: bool = True) -> Completion:
@@ -185,7 +176,7 @@ def test_rollouts_older_than_the_bound_are_dropped_and_counted(tmp_path):
         2,
         2,
     ]
-    assert any("dropped 24 stale rollouts" in e["message"] for e in emit.of("log"))
+    assert any("dropped 24 stale rollouts" in e.message for e in emit.of(LogLine))
 
 
 def test_within_the_bound_nothing_is_dropped(tmp_path):
@@ -257,4 +248,4 @@ def test_dynamic_sampling_judges_correctness_not_the_shaped_reward(tmp_path):
     result = train_rlvr(cfg, emit, never, worker_factory=AllWrongWorker)
     assert [(s.groups_uniform, s.groups_kept, s.rounds) for s in result.stats] == [(4, 0, 2)]
     assert result.stats[0].accuracy == 0.0 and result.stats[0].reward == pytest.approx(-1 / 24)
-    assert any("nothing to learn" in e["message"] for e in emit.of("log"))
+    assert any("nothing to learn" in e.message for e in emit.of(LogLine))

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from contracts.manifest import Manifest
+from contracts.runs import LogLine, Metrics, RunEvent, StopReason
 from services.trainer import pretrain, spikes
 from services.trainer.checkpoint import (
     PIN,
@@ -33,6 +34,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.data import BatchIterator
 from services.trainer.pretrain import stage_config_from_manifest, train_stage
+from services.trainer.reporting import Reporter
 from services.trainer.worker import SpikeWatch, Stop
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -177,23 +179,23 @@ class Attempt:
         self.stop = Stop()
         self.watch = SpikeWatch(self._record, self.stop, checkpoint_dir=run_dir)
 
-        def emit(kind, payload):
-            if kind == "metrics":  # steady, with a little noise; x10 from `spike_from` on
-                loss = 2.0 + 0.01 * math.sin(payload["step"])
-                if spike_from is not None and payload["step"] >= spike_from:
+        def curve(event: RunEvent) -> None:
+            if isinstance(event, Metrics):  # steady, with a little noise; x10 from `spike_from` on
+                loss = 2.0 + 0.01 * math.sin(event.step)
+                if spike_from is not None and event.step >= spike_from:
                     loss *= 10.0
-                payload = {**payload, "loss": loss, "grad_norm": 1.0}
-            self.watch.emit(kind, payload)
+                event = msgspec.structs.replace(event, loss=loss, grad_norm=1.0)
+            self.watch.send(event)
 
         def should_stop():
             return self.stop.is_set() or (max_steps is not None and len(consumed) >= max_steps)
 
         cfg = stage_config_from_manifest(manifest(), self.stage_dir)
-        self.result = train_stage(cfg, emit, should_stop)
+        self.result = train_stage(cfg, Reporter(curve), should_stop)
 
-    def _record(self, kind, payload):
-        if kind == "log":
-            self.logs.append(payload["message"])
+    def _record(self, event: RunEvent) -> None:
+        if isinstance(event, LogLine):
+            self.logs.append(event.message)
 
     def skipping(self) -> list[str]:
         return [line for line in self.logs if line.startswith("Skipping")]
@@ -209,7 +211,7 @@ def test_the_save_on_stop_keeps_the_checkpoint_the_proposal_goes_back_to(
     tmp_path, monkeypatch, quick_detector
 ):
     first = Attempt(tmp_path, monkeypatch, spike_from=12)
-    assert first.stop.reason == "loss_spike" and first.result.final_step == 14  # 12, 13, 14 spiked
+    assert first.stop.reason is StopReason.loss_spike and first.result.final_step == 14  # 12, 13, 14 spiked
     # keep_last=2 kept 10 and the stop's 14; 5 is 4+ steps before the spike, so it stays, pinned.
     assert steps(first.stage_dir) == [5, 10, 14] and pinned_steps(first.stage_dir) == [5]
     proposal = first.watch.proposal(tmp_path)

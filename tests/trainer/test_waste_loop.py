@@ -9,25 +9,13 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.models import MODEL_SHAPES
+from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent
 from services.trainer.checkpoint import list_checkpoints
 from services.trainer.loop import LoopSettings, StepOutput, TrainingError, run_loop
 from services.trainer.model import Transformer
+from services.trainer.reporting import Recorder
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-class Recorder:
-    def __init__(self, spy: list | None = None):
-        self.events: list[tuple[str, dict]] = []
-        self.spy = spy
-
-    def __call__(self, kind: str, fields: dict) -> None:
-        self.events.append((kind, fields))
-        if self.spy is not None and kind == "metrics":
-            self.spy.append(f"metrics {fields['step']}")
-
-    def of(self, kind: str) -> list[dict]:
-        return [f for k, f in self.events if k == kind]
 
 
 def setup(seed: int = 0, spy: list | None = None):
@@ -68,7 +56,7 @@ def train(
     spy: list | None = None,
 ) -> tuple[Recorder, object]:
     model, optimizer, scheduler, data = setup(spy=spy)
-    emit = Recorder(spy)
+    emit = SpyRecorder(spy)
     calls = []
 
     def should_stop() -> bool:
@@ -88,27 +76,41 @@ def train(
     return emit, result
 
 
+class SpyRecorder(Recorder):
+    """Also notes each metrics event in `spy`, beside the optimizer steps."""
+
+    def __init__(self, spy: list | None = None):
+        super().__init__()
+        self.spy = spy
+
+    def record(self, event: RunEvent) -> None:
+        super().record(event)
+        if self.spy is not None and isinstance(event, Metrics):
+            self.spy.append(f"metrics {event.step}")
+
+
+def tag_of(event: RunEvent) -> str:
+    return type(event).__struct_config__.tag
+
+
 def values(emit) -> list[tuple]:
-    return [(m["step"], m["loss"], m["grad_norm"], m["learning_rate"]) for m in emit.of("metrics")]
+    return [(m.step, m.loss, m.grad_norm, m.learning_rate) for m in emit.of(Metrics)]
 
 
 def test_a_late_read_reports_every_step_in_order_with_the_same_values(tmp_path):
     now, _ = train(tmp_path, read_lag=0)
     late, result = train(tmp_path, read_lag=1)
-    assert [m["step"] for m in late.of("metrics")] == list(range(1, 10))
+    assert [m.step for m in late.of(Metrics)] == list(range(1, 10))
     assert values(late) == values(now)  # exact: the same steps, read later
-    assert (
-        result.first_loss == now.of("metrics")[0]["loss"]
-        and result.final_loss == now.of("metrics")[-1]["loss"]
-    )
-    assert all(m["tokens_per_s"] > 0 and math.isfinite(m["grad_norm"]) for m in late.of("metrics"))
+    assert result.first_loss == now.of(Metrics)[0].loss and result.final_loss == now.of(Metrics)[-1].loss
+    assert all(m.tokens_per_s > 0 and math.isfinite(m.grad_norm) for m in late.of(Metrics))
     # A checkpoint is reported after the metrics of its step, whatever the lag.
     for emit in (now, late):
-        order = [(k, f["step"]) for k, f in emit.events if k in ("metrics", "checkpoint")]
+        order = [(tag_of(e), e.step) for e in emit.events if isinstance(e, (Metrics, CheckpointSaved))]
         for kind, step in order:
             if kind == "checkpoint":
                 assert order.index(("metrics", step)) < order.index(("checkpoint", step))
-    assert [c["step"] for c in late.of("checkpoint")] == [4, 8, 9]
+    assert [c.step for c in late.of(CheckpointSaved)] == [4, 8, 9]
     assert [c.step for c in list_checkpoints(tmp_path / "lag1")] == [8, 9]  # keep_last 2
 
 
@@ -147,7 +149,7 @@ def test_scalars_come_with_their_step_before_its_metrics(tmp_path):
     def step_fn(step: int) -> StepOutput:
         out = inner(step)
         out.scalars = {"twice": torch.tensor(2.0 * step), "half": torch.tensor(step / 2)}
-        out.on_scalars = lambda got: emit("log", {"level": "info", "message": f"{step}: {got}"})
+        out.on_scalars = lambda got: emit.log(f"{step}: {got}")
         return out
 
     settings = LoopSettings(
@@ -155,9 +157,9 @@ def test_scalars_come_with_their_step_before_its_metrics(tmp_path):
     )
     run_loop(settings, model, optimizer, scheduler, step_fn, emit, lambda: False)
     seen = [
-        (k, f.get("step", f.get("message")))
-        for k, f in emit.events
-        if k == "metrics" or (k == "log" and "{" in f["message"])
+        ("metrics", e.step) if isinstance(e, Metrics) else ("log", e.message)
+        for e in emit.events
+        if isinstance(e, Metrics) or (isinstance(e, LogLine) and "{" in e.message)
     ]
     assert seen[:8] == [
         ("log", "0: {'twice': 0.0, 'half': 0.0}"),
@@ -187,15 +189,15 @@ def test_a_diverged_step_is_reported_a_step_late_at_most(tmp_path):
     )
     with pytest.raises(TrainingError, match="diverged at step 2"):
         run_loop(settings, model, optimizer, scheduler, lm_step(model, data, nan_at=1), emit, lambda: False)
-    assert [m["step"] for m in emit.of("metrics")] == [1]
-    assert "Loss became nan at step 2" in emit.of("log")[-1]["message"]
+    assert [m.step for m in emit.of(Metrics)] == [1]
+    assert "Loss became nan at step 2" in emit.of(LogLine)[-1].message
 
 
 def test_a_stop_reads_the_pending_steps_before_its_checkpoint(tmp_path):
     emit, result = train(tmp_path, read_lag=1, stop_after=3, interval=100)
     assert result.stopped and result.final_step == 3
-    assert [m["step"] for m in emit.of("metrics")] == [1, 2, 3]
-    kinds = [k for k, f in emit.events if k != "log" or "Stop requested" in f["message"]]
+    assert [m.step for m in emit.of(Metrics)] == [1, 2, 3]
+    kinds = [tag_of(e) for e in emit.events if not isinstance(e, LogLine) or "Stop requested" in e.message]
     assert kinds == ["metrics", "metrics", "metrics", "log", "checkpoint"]
     assert [c.step for c in list_checkpoints(tmp_path / "lag1")] == [3]
 
@@ -206,13 +208,14 @@ def test_the_lag_follows_the_device_by_default(tmp_path):
     settings = LoopSettings(stage="t", steps=2, checkpoint_dir=str(tmp_path), checkpoint_interval=100)
     assert settings.read_lag is None
 
-    def emit(kind, fields):
-        if kind == "metrics":
-            spy.append(fields["step"])
+    class Spy(Recorder):
+        def record(self, event: RunEvent) -> None:
+            if isinstance(event, Metrics):
+                spy.append(event.step)
 
     def step_fn(step):
         spy.append(f"step {step}")
         return lm_step(model, data)(step)
 
-    run_loop(settings, model, optimizer, scheduler, step_fn, emit, lambda: False)
+    run_loop(settings, model, optimizer, scheduler, step_fn, Spy(), lambda: False)
     assert spy == ["step 0", 1, "step 1", 2]  # CPU: read at once, nothing gained by waiting
