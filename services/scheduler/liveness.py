@@ -20,7 +20,7 @@ from contracts.states import LEASABLE, TERMINAL_STATES, RunState
 from services.runtime import codec
 from services.runtime.liveness import TIMERS
 from services.scheduler.publish import RunEventPublisher
-from services.scheduler.store import RunStore
+from services.scheduler.store import Runs
 
 log = logging.getLogger("ito.scheduler.liveness")
 
@@ -42,7 +42,7 @@ def binding_matches(view: RunView, req: LeaseQuery) -> bool:
 class Heartbeats:
     """Answers a trainer's lease queries (RUN_LEASE): a new lease, or a renewal, its heartbeat."""
 
-    def __init__(self, runs: RunStore) -> None:
+    def __init__(self, runs: Runs) -> None:
         self.runs = runs
 
     async def heartbeat(self, req: LeaseQuery) -> LeaseAnswer:
@@ -68,7 +68,7 @@ class Heartbeats:
         )
 
 
-async def silent_for(runs: RunStore, run_id: str, account: str, now: float) -> float | None:
+async def silent_for(runs: Runs, run_id: str, account: str, now: float) -> float | None:
     """How long a running run's trainer has been silent past SILENCE_S, or None (a finished run
     leaves the lease index here)."""
     view = await runs.get(account, run_id)
@@ -82,7 +82,7 @@ async def silent_for(runs: RunStore, run_id: str, account: str, now: float) -> f
 
 
 async def interrupt(
-    runs: RunStore, run_id: str, account: str, silent: float, now: float, events: RunEventPublisher | None
+    runs: Runs, run_id: str, account: str, silent: float, now: float, events: RunEventPublisher | None
 ) -> bool:
     """Move a silent run to `interrupted` and record why; False when it moved on meanwhile."""
     updated, applied = await runs.move(
@@ -113,7 +113,7 @@ async def interrupt(
     return True
 
 
-async def watch_once(runs: RunStore, now: float, events: RunEventPublisher | None = None) -> list[str]:
+async def watch_once(runs: Runs, now: float, events: RunEventPublisher | None = None) -> list[str]:
     """Mark silent running runs interrupted; returns their ids."""
     interrupted = []
     for run_id, account in (await runs.leased()).items():
@@ -123,7 +123,7 @@ async def watch_once(runs: RunStore, now: float, events: RunEventPublisher | Non
     return interrupted
 
 
-async def watch_forever(runs: RunStore, events: RunEventPublisher) -> None:
+async def watch_forever(runs: Runs, events: RunEventPublisher) -> None:
     while True:
         await asyncio.sleep(WATCH_EVERY_S)
         try:

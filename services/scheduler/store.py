@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
@@ -71,6 +71,48 @@ def lease_decision(
 
 def _text(raw: bytes | str | None) -> str:
     return "" if raw is None else raw.decode() if isinstance(raw, bytes) else raw
+
+
+class Runs(Protocol):
+    """The run store's port for the lease, the watcher and run writes (RunStore in Redis,
+    memory.InMemoryRuns in table tests). `move` is the one writer of a run's state."""
+
+    async def owner(self, run_id: str) -> str | None: ...
+    async def get(self, account: str, run_id: str) -> RunView | None: ...
+    async def update(
+        self,
+        account: str,
+        run_id: str,
+        seq: int | None,
+        change: Callable[[RunView], RunView],
+        holder_epoch: int | None = None,
+    ) -> tuple[RunView | None, bool]: ...
+    async def move(
+        self,
+        account: str,
+        run_id: str,
+        to: RunState | Mapping[RunState, RunState],
+        *,
+        allowed_from: frozenset[RunState] | None = None,
+        at: datetime | None = None,
+        seq: int | None = None,
+        holder_epoch: int | None = None,
+        **details: Any,
+    ) -> tuple[RunView | None, bool]: ...
+    async def lease(
+        self,
+        account: str,
+        run_id: str,
+        trainer_id: str,
+        epoch: int,
+        now: float,
+        silence_s: float,
+        leasable: Callable[[RunView], bool],
+    ) -> tuple[bool, RunView | None, int]: ...
+    async def leased(self) -> dict[str, str]: ...
+    async def lease_seen(self, account: str, run_id: str) -> float | None: ...
+    async def release_lease(self, run_id: str) -> None: ...
+    async def record_interruption(self, account: str, run_id: str, record: dict[str, Any]) -> None: ...
 
 
 class RunStore:

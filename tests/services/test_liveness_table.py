@@ -1,0 +1,137 @@
+"""The trainer's lease, its heartbeat and the watcher, as tables on both adapters of the run
+store's port: in memory (no Redis) and Redis (`RunStore`, the scheduler's own ACL user). Every
+state change goes through `move`; `update` cannot write one."""
+
+import uuid
+from datetime import UTC, datetime
+
+import msgspec
+import pytest
+
+from contracts.api import LeaseQuery, RunView
+from contracts.states import CANCEL_TO, LEASABLE, RunState
+from services.runtime import codec
+from services.runtime.keys import Keys
+from services.scheduler import liveness
+from services.scheduler.lifecycle import NotAMove
+from services.scheduler.memory import InMemoryRuns
+from services.scheduler.store import RunStore
+from tests.conftest import new_namespace, start_infra
+
+NOW = datetime.now(UTC)
+
+
+@pytest.fixture(scope="module")
+def redis_infra(tmp_path_factory):
+    i = start_infra(tmp_path_factory.mktemp("runs") / "infra", new_namespace(), nats=False)
+    yield i
+    i.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def runs(request):
+    if request.param == "memory":
+        yield InMemoryRuns()
+        return
+    infra = request.getfixturevalue("redis_infra")
+    r = infra.redis("scheduler")
+    yield RunStore(r, Keys(infra.settings))
+    await r.aclose()
+
+
+async def new_run(runs, state=RunState.queued) -> RunView:
+    view = RunView(
+        run_id="run_" + uuid.uuid4().hex[:8],
+        account="acme",
+        booking_id="b",
+        manifest_digest="d",
+        idempotency_key="k",
+        state=state,
+        created_at=NOW,
+        updated_at=NOW,
+    )
+    await runs.create(view)
+    return view
+
+
+def query(view: RunView, trainer: str = "t", epoch: int = 0, **changes) -> LeaseQuery:
+    fields = {
+        "run_id": view.run_id,
+        "trainer_id": trainer,
+        "epoch": epoch,
+        "account": view.account,
+        "booking_id": view.booking_id,
+        "manifest_digest": view.manifest_digest,
+        "plan_sha256": codec.digest(view.plan),
+        **changes,
+    }
+    return LeaseQuery(**fields)
+
+
+@pytest.mark.parametrize("state", list(RunState))
+async def test_a_new_lease_is_granted_exactly_in_the_leasable_states(runs, state):
+    view = await new_run(runs, state)
+    answer = await liveness.Heartbeats(runs).heartbeat(query(view))
+    assert (answer.proceed, answer.state, answer.epoch) == (
+        state in LEASABLE,
+        state,
+        1 if state in LEASABLE else 0,
+    )
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"booking_id": "other"}, {"manifest_digest": "x"}, {"plan_sha256": "0" * 64}, {"account": "evil"}],
+)
+async def test_a_work_item_bound_to_another_run_gets_no_lease(runs, changes):
+    view = await new_run(runs)
+    answer = await liveness.Heartbeats(runs).heartbeat(query(view, **changes))
+    assert answer.proceed is False and answer.epoch == 0
+
+
+async def test_heartbeats_renew_only_the_current_epoch(runs):
+    view = await new_run(runs)
+    beats = liveness.Heartbeats(runs)
+    assert (await beats.heartbeat(query(view, "a"))).epoch == 1
+    assert (await beats.heartbeat(query(view, "a", epoch=1))).proceed is True
+    assert (await beats.heartbeat(query(view, "a", epoch=2))).proceed is False  # a future epoch
+    assert (await beats.heartbeat(query(view, "b"))).proceed is False  # `a` is alive
+
+
+@pytest.mark.parametrize(
+    "state, silent_s, interrupted",
+    [
+        (RunState.running, liveness.SILENCE_S + 1, True),
+        (RunState.running, liveness.SILENCE_S - 1, False),
+        (RunState.queued, liveness.SILENCE_S + 1, False),  # not running: nobody to lose
+        (RunState.awaiting_approval, liveness.SILENCE_S + 1, False),
+    ],
+)
+async def test_the_watcher_interrupts_only_a_silent_running_run(runs, state, silent_s, interrupted):
+    view = await new_run(runs, RunState.queued)
+    await runs.lease("acme", view.run_id, "t", 0, 1000.0, liveness.SILENCE_S, lambda v: True)
+    if state is not RunState.queued:
+        await runs.move("acme", view.run_id, RunState.running)
+    if state is RunState.awaiting_approval:
+        await runs.move("acme", view.run_id, state)
+    found = await liveness.watch_once(runs, 1000.0 + silent_s)
+    assert (view.run_id in found) is interrupted
+    after = await runs.get("acme", view.run_id)
+    assert after.state is (RunState.interrupted if interrupted else state)
+    assert len(await runs.interruptions("acme", view.run_id)) == int(interrupted)
+
+
+@pytest.mark.parametrize("state", list(CANCEL_TO))
+async def test_cancel_moves_each_cancellable_state_where_the_table_says(runs, state):
+    view = await new_run(runs, state)
+    moved, applied = await runs.move("acme", view.run_id, CANCEL_TO)
+    assert applied and moved.state is CANCEL_TO[state]
+
+
+async def test_update_cannot_write_a_state(runs):
+    view = await new_run(runs)
+    with pytest.raises(NotAMove):
+        await runs.update(
+            "acme", view.run_id, None, lambda v: msgspec.structs.replace(v, state=RunState.running)
+        )
+    assert (await runs.get("acme", view.run_id)).state is RunState.queued
