@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench chaos up down clean
+.PHONY: install demo lint test bench chaos up down clean
 
 install: $(STAMP)
 
@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml
 demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
 
-test: install
+# Lint, format check and type check (config in pyproject.toml); `make test` runs them first.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: install lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest
 
 # Writes bench/results.json and prints a table; `make bench BENCH_ARGS=--quick` runs tiny sizes.

@@ -52,7 +52,7 @@ KEY_PREFIX = "ito_sk_"  # an API key is `ito_sk_` + the tenant's NKey seed
 
 def seed_of(api_key: str) -> bytes | None:
     """The NKey seed inside an API key, or None when it is not one."""
-    import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
+    import nkeys
 
     if not api_key.startswith(KEY_PREFIX):
         return None

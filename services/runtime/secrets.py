@@ -59,13 +59,13 @@ def read_private(path: pathlib.Path) -> bytes:
 
 
 def new_nkey_seed() -> bytes:
-    import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
+    import nkeys
 
     return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
 
 
 def nkey_public(seed: bytes) -> str:
-    import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
+    import nkeys
 
     return nkeys.from_seed(bytearray(seed)).public_key.decode()
 
