@@ -38,6 +38,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from contracts.manifest import CheckpointPolicy
+
 MARKER = "COMMITTED"
 SIDECAR = "trainer_state.json"
 PIN = "PINNED"
@@ -57,6 +60,10 @@ DIR_PREFIX = "step-"
 # DCP warns on every single-process save/load even when no_dist=True is passed on purpose. A filter
 # (not catch_warnings) because the save runs on DCP's thread and catch_warnings is not thread-safe.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+# The manifest's checkpoint policy owns the defaults (every 50 steps, keep the last 2); every stage's
+# config, the loop and the checkpointer take theirs from here rather than repeating the numbers.
+CHECKPOINT_DEFAULTS = CheckpointPolicy()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,7 +177,7 @@ class Checkpointer:
     caller can report each commit once, from its own thread.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep_last: int = 2):
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int = CHECKPOINT_DEFAULTS.keep_last):
         if keep_last < 1:
             raise ValueError("keep_last needs to be at least 1 checkpoint.")
         self.directory = Path(directory)
@@ -219,6 +226,8 @@ class Checkpointer:
             checkpoint_id=str(path),
             no_dist=not dist.is_initialized(),
         )
+        # A Future unless an async stager is passed (we pass none); its other form has no callback.
+        assert isinstance(future, Future), "dcp.async_save without a stager returns a Future"
         pending = {"step": step, "path": path, "started": started, "done_at": None}
         future.add_done_callback(lambda _: pending.__setitem__("done_at", time.perf_counter()))
         pending["stall_s"] = time.perf_counter() - entered
@@ -294,7 +303,7 @@ def load_latest(
     # get_state_dict on a fresh optimizer materialises its state (a zero-LR step), giving DCP the
     # template of shapes it loads into.
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if scheduler is not None and sidecar["scheduler"] is not None:

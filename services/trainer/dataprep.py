@@ -248,6 +248,20 @@ def _per_source(before: dict[str, list[str]], after: dict[str, list[str]]) -> st
     return "; ".join(f"{name} {len(before[name])}->{len(after[name])}" for name in before)
 
 
+def _flat(docs: dict[str, list[str]]) -> list[str]:
+    """Every document, in source order then document order."""
+    return [doc for source in docs.values() for doc in source]
+
+
+def _step(name: str, before: dict[str, list[str]], after: dict[str, list[str]], method: str) -> PrepStep:
+    return PrepStep(
+        name=name,
+        before=len(_flat(before)),
+        after=len(_flat(after)),
+        detail=f"{method}; {_per_source(before, after)}",
+    )
+
+
 def prepare(
     sources: dict[str, list[str]],
     eval_suites: dict[str, list[str]],
@@ -262,55 +276,31 @@ def prepare(
 ) -> Prepared:
     """Dedup across all training sources together (the first occurrence wins, in source order), then
     drop every training document that shares an n-gram with any eval suite."""
-    names = list(sources)
     steps = []
-    current = {name: list(sources[name]) for name in names}
-    flat = lambda docs: [d for name in names for d in docs[name]]  # noqa: E731
-    input_digest = digest(f"{name}\0{doc}" for name in names for doc in sources[name])
-
+    current = {name: list(docs) for name, docs in sources.items()}
+    input_digest = digest(f"{name}\0{doc}" for name, docs in current.items() for doc in docs)
     if exact:
-        before = current
-        current = _apply(current, exact_duplicates(flat(current)))
-        steps.append(
-            PrepStep(
-                name="exact_dedup",
-                before=len(flat(before)),
-                after=len(flat(current)),
-                detail=f"sha256 of normalized text; {_per_source(before, current)}",
-            )
-        )
+        kept = _apply(current, exact_duplicates(_flat(current)))
+        steps.append(_step("exact_dedup", current, kept, "sha256 of normalized text"))
+        current = kept
     if near:
-        before = current
         keep = near_duplicates(
-            flat(current),
+            _flat(current),
             shingle_words=shingle_words,
             permutations=permutations,
             bands=bands,
             threshold=jaccard,
         )
-        current = _apply(current, keep)
-        steps.append(
-            PrepStep(
-                name="near_dedup",
-                before=len(flat(before)),
-                after=len(flat(current)),
-                detail=(
-                    f"MinHash-LSH {permutations} hashes, {bands} bands x {permutations // bands} rows, "
-                    f"{shingle_words}-word shingles, Jaccard >= {jaccard}; {_per_source(before, current)}"
-                ),
-            )
+        kept = _apply(current, keep)
+        method = (
+            f"MinHash-LSH {permutations} hashes, {bands} bands x {permutations // bands} rows, "
+            f"{shingle_words}-word shingles, Jaccard >= {jaccard}"
         )
+        steps.append(_step("near_dedup", current, kept, method))
+        current = kept
     index = ContaminationIndex.build((doc for suite in eval_suites.values() for doc in suite), ngram)
-    before = current
-    current = {name: [doc for doc in docs if not index.contaminated(doc)] for name, docs in current.items()}
+    kept = {name: [doc for doc in docs if not index.contaminated(doc)] for name, docs in current.items()}
     suites = ", ".join(eval_suites) or "none"
-    steps.append(
-        PrepStep(
-            name="decontamination",
-            before=len(flat(before)),
-            after=len(flat(current)),
-            detail=f"{ngram}-gram overlap with eval suites [{suites}]; {_per_source(before, current)}",
-        )
-    )
-    output_digest = digest(f"{name}\0{doc}" for name in names for doc in current[name])
-    return Prepared(documents=current, steps=steps, input_digest=input_digest, output_digest=output_digest)
+    steps.append(_step("decontamination", current, kept, f"{ngram}-gram overlap with eval suites [{suites}]"))
+    output_digest = digest(f"{name}\0{doc}" for name, docs in kept.items() for doc in docs)
+    return Prepared(documents=kept, steps=steps, input_digest=input_digest, output_digest=output_digest)

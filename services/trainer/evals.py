@@ -106,7 +106,7 @@ def needle_trials(count: int, context_bytes: int, seed: int) -> list[tuple[str, 
     """(prompt, key) pairs, every prompt exactly `context_bytes` long (left-padded with spaces) so
     they decode as one batch; the key sits at a random depth."""
     rng = random.Random(f"needle-eval:{seed}")
-    trials = []
+    trials: list[tuple[str, str]] = []
     while len(trials) < count:
         context, query, key = needle_document(rng, context_bytes)
         prompt = context + query

@@ -18,14 +18,15 @@ looking costs nothing, and every EXIT_CHECK_EVERY tokens on an accelerator, wher
 """
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from services.trainer.loop import autocast
-from services.trainer.model import Transformer, apply_rope
+from services.trainer.model import Block, Transformer, apply_rope
 
 END_TOKEN = ord("\n")  # a task answer ends with a newline, as every generated task line does
 MAX_BATCH = 256  # rows per forward pass; lower it if a long-context eval runs out of memory
@@ -116,11 +117,12 @@ class _Cached:
 
     def next_logits(self, new: torch.Tensor | None) -> torch.Tensor:
         idx = self.idx if new is None else new[:, None]
+        assert idx is not None, "the prompt is fed once, then one new token a call"
         self.idx = None
         model, T, pos = self.model, idx.shape[1], self.pos
         cos, sin = model.rope_cos[pos : pos + T], model.rope_sin[pos : pos + T]
         x = model.tok_emb(idx)
-        for layer, block in enumerate(model.blocks):
+        for layer, block in enumerate(cast("Iterable[Block]", model.blocks)):  # a ModuleList of Blocks
             x = x + self._attention(layer, block.attn, block.attn_norm(x), cos, sin)
             x = x + block.mlp(block.mlp_norm(x))
         self.pos += T
@@ -176,13 +178,7 @@ def _complete_batch(
     for t in range(max_new_tokens):
         with autocast(device):
             logits = decoder.next_logits(nxt)
-        logits = logits.float()
-        if temperature == 0:
-            nxt = logits.argmax(dim=-1)
-            logp = F.log_softmax(logits, dim=-1)
-        else:
-            logp = F.log_softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(logp.exp(), num_samples=1, generator=generator).squeeze(-1)
+        nxt, logp = _sample(logits.float(), temperature, generator)
         tokens[:, t] = nxt
         logprobs[:, t] = logp.gather(-1, nxt[:, None]).squeeze(-1)
         ended = (nxt == END_TOKEN) & ~done
@@ -190,17 +186,31 @@ def _complete_batch(
         done |= ended
         if (t + 1) % check_every == 0 and bool(done.all()):
             break
-    tokens, logprobs, lengths, done = (
-        tokens.cpu(),
-        logprobs.cpu(),
-        lengths.tolist(),
-        done.tolist(),
-    )  # the batch's sync
+    return _completions(tokens, logprobs, lengths, done)
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next token per row, log-probabilities it was drawn from): greedy at temperature 0."""
+    if temperature == 0:
+        return logits.argmax(dim=-1), F.log_softmax(logits, dim=-1)
+    logp = F.log_softmax(logits / temperature, dim=-1)
+    return torch.multinomial(logp.exp(), num_samples=1, generator=generator).squeeze(-1), logp
+
+
+def _completions(
+    tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor
+) -> list[Completion]:
+    """Each row cut at its length, on the host: the batch's one sync."""
+    host_tokens, host_logprobs = tokens.cpu(), logprobs.cpu()
+    ends: list[int] = lengths.tolist()
+    finished: list[bool] = done.tolist()
     return [
         Completion(
-            tokens=tokens[r, : lengths[r]].tolist(),
-            logprobs=logprobs[r, : lengths[r]].tolist(),
-            finished=done[r],
+            tokens=host_tokens[r, : ends[r]].tolist(),
+            logprobs=host_logprobs[r, : ends[r]].tolist(),
+            finished=finished[r],
         )
-        for r in range(rows)
+        for r in range(len(ends))
     ]

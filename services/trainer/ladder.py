@@ -114,7 +114,7 @@ def run_ladder(
             warmup_steps=max(1, round(WARMUP_FRACTION * plan.proxy_steps)),
             seed=seed,
             checkpoint_dir=str(directory / name),
-            checkpoint_interval=plan.proxy_steps,
+            checkpoint_interval=plan.proxy_steps,  # one (scratch) checkpoint, at the end
             keep_last=1,
         )
         result = train_stage(

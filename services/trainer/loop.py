@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from contracts.manifest import CheckpointPolicy
 from contracts.runs import LogLevel
 from services.trainer.checkpoint import (
+    CHECKPOINT_DEFAULTS,
     Checkpointer,
     CheckpointFailed,
     CheckpointInfo,
@@ -38,9 +38,6 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.reporting import Reporter
 
-# The manifest's checkpoint policy owns the defaults (every 50 steps, keep the last 2); the stages'
-# configs take theirs from here rather than repeating the numbers.
-CHECKPOINT_DEFAULTS = CheckpointPolicy()
 ShouldStop = Callable[[], bool]
 M = TypeVar("M", bound=torch.nn.Module)
 

@@ -110,6 +110,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Token embedding, `n_layer` pre-norm blocks, final RMSNorm, language-model head."""
 
+    rope_cos: torch.Tensor  # buffers (register_buffer below), declared for the type checker
+    rope_sin: torch.Tensor
+
     def __init__(
         self,
         shape: ModelShape,

@@ -21,11 +21,10 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.models import ModelShape
-from services.trainer.checkpoint import load_weights
+from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, load_weights
 from services.trainer.data import ByteTokenizer
 from services.trainer.generation import END_TOKEN
 from services.trainer.loop import (
-    CHECKPOINT_DEFAULTS,
     LoopResult,
     LoopSettings,
     StepOutput,
@@ -145,6 +144,16 @@ def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
 
 
+def loop_settings(cfg: PostConfig) -> LoopSettings:
+    return LoopSettings(
+        stage=cfg.stage,
+        steps=cfg.steps,
+        checkpoint_dir=cfg.checkpoint_dir,
+        checkpoint_interval=cfg.checkpoint_interval,
+        keep_last=cfg.keep_last,
+    )
+
+
 def _setup(
     cfg: PostConfig, report: Reporter
 ) -> tuple[Transformer, torch.optim.Optimizer, LambdaLR, LoopSettings, int, torch.device]:
@@ -159,18 +168,12 @@ def _setup(
     scheduler = LambdaLR(
         optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=MIN_LR_RATIO)
     )
-    settings = LoopSettings(
-        stage=cfg.stage,
-        steps=cfg.steps,
-        checkpoint_dir=cfg.checkpoint_dir,
-        checkpoint_interval=cfg.checkpoint_interval,
-        keep_last=cfg.keep_last,
-    )
+    settings = loop_settings(cfg)
     resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
     return model, optimizer, scheduler, settings, (resumed.step if resumed else 0), device
 
 
-def _finish(model: torch.nn.Module, result: LoopResult) -> PostResult:
+def _finish(model: Transformer, result: LoopResult) -> PostResult:
     return PostResult(
         final_step=result.final_step,
         first_loss=result.first_loss,

@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from contracts.manifest import Manifest
 from contracts.models import ModelShape
 from services.domain.curriculum import LmPlan, plan_run
-from services.trainer.checkpoint import batches_to_skip
+from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, batches_to_skip
 from services.trainer.data import (
     VOCAB_SIZE,
     BatchIterator,
@@ -30,7 +30,6 @@ from services.trainer.data import (
     split_held_out,
 )
 from services.trainer.loop import (
-    CHECKPOINT_DEFAULTS,
     LoopSettings,
     StepOutput,
     TrainingError,
@@ -293,10 +292,7 @@ def train_stage(cfg: StageConfig, report: Reporter, should_stop: Callable[[], bo
         cfg.shape, seq_len=cfg.seq_len, rope_base=cfg.rope_base, z_loss=cfg.z_loss, device=device
     )
     optimizer = build_optimizer(model, cfg)
-    schedule = partial(
-        lr_factor, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio, decay=cfg.decay
-    )
-    scheduler = LambdaLR(optimizer, schedule)
+    scheduler = _schedule(optimizer, cfg)
     # Each rank draws its own batches (seed offset); on one device this is the manifest's seed.
     batches = BatchIterator(
         train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed + 7919 * rank()
@@ -334,6 +330,16 @@ def train_stage(cfg: StageConfig, report: Reporter, should_stop: Callable[[], bo
         stopped=result.stopped,
         tokens=result.final_step * tokens_per_step,
         model=model,
+    )
+
+
+def _schedule(optimizer: torch.optim.Optimizer, cfg: StageConfig) -> LambdaLR:
+    """Warmup, then cosine or linear decay to min_lr_ratio of the peak."""
+    return LambdaLR(
+        optimizer,
+        partial(
+            lr_factor, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio, decay=cfg.decay
+        ),
     )
 
 

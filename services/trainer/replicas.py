@@ -65,7 +65,13 @@ from torch.distributed import TCPStore
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
 from contracts.models import MODEL_SHAPES
-from services.trainer.checkpoint import Checkpointer, CheckpointFailed, CheckpointInfo, load_latest
+from services.trainer.checkpoint import (
+    CHECKPOINT_DEFAULTS,
+    Checkpointer,
+    CheckpointFailed,
+    CheckpointInfo,
+    load_latest,
+)
 from services.trainer.data import BatchIterator, load_tokens
 from services.trainer.model import Transformer
 
@@ -89,7 +95,7 @@ class ReplicaConfig:
     """Parent of this group's checkpoints, which go to `<dir>/replica-<N>/step-XXXXXXXX/`."""
     checkpoint_every: int = 20
     """Save every this many committed steps; 0 turns saving off."""
-    keep_last: int = 2
+    keep_last: int = CHECKPOINT_DEFAULTS.keep_last
     """Committed checkpoints kept per replica group."""
     num_replica_groups: int = 2
     """R in the data layout `step * R + N`: the most groups that draw distinct batches."""
@@ -167,13 +173,16 @@ class FaultTolerantDDP(DistributedDataParallel):
         reduced = getattr(work.get_future(), "_fut", None)
         if reduced is not None:
             return reduced
-        local = torch.futures.Future()
+        local: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         local.set_result(bucket.buffer())
         return local
 
 
 class ManagerProgress(nn.Module):
     """`Manager.state_dict()` as two persistent int64 buffers, so DCP saves and loads it as tensors."""
+
+    step: torch.Tensor  # buffers (register_buffer below), declared for the type checker
+    batches_committed: torch.Tensor
 
     def __init__(self):
         super().__init__()

@@ -32,7 +32,6 @@ from contracts.runs import LogLevel
 from services.trainer.data import ByteTokenizer
 from services.trainer.generation import Completion
 from services.trainer.loop import (
-    LoopSettings,
     StepOutput,
     full_state_dict,
     pick_device,
@@ -49,7 +48,7 @@ from services.trainer.objectives import (
     kl_estimate,
     overlong_penalty,
 )
-from services.trainer.posttrain import PAD_TOKEN, PostConfig, adamw, sequence_logprobs
+from services.trainer.posttrain import PAD_TOKEN, PostConfig, adamw, loop_settings, sequence_logprobs
 from services.trainer.pretrain import build_model, lr_factor
 from services.trainer.reporting import Reporter
 from services.trainer.rollout import RolloutBatch, RolloutRequest, RolloutWorker
@@ -229,7 +228,7 @@ def sample_step(step: int, first: str, cfg: RlvrConfig, sampler: Sampler, st: St
 
 
 def policy_loss(
-    model: torch.nn.Module, kept: Kept, cfg: RlvrConfig, device: torch.device, st: StepStats
+    model: Transformer, kept: Kept, cfg: RlvrConfig, device: torch.device, st: StepStats
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, response mask) over the kept groups: advantages normalised within each group of shaped
     rewards, the clipped policy loss; the k3 KL and the clip fraction go to `st`."""
@@ -255,20 +254,8 @@ def train_rlvr(
     """`worker_factory(shape, rope_base, threads=, device=)` builds the rollout worker (a context
     manager); tests pass a fake one to exercise staleness without timing."""
     device = pick_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    longest_prompt = max(len(p.encode()) for p, _ in cfg.problems)
-    seq_len = min(longest_prompt + cfg.rlvr.max_response_tokens, cfg.shape.max_seq_len)
-    model = build_model(cfg.shape, seq_len=seq_len, rope_base=cfg.rope_base, device=device)
-    optimizer = adamw(model, cfg.learning_rate)
-    warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
-    scheduler = LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=1.0))
-    settings = LoopSettings(
-        stage=cfg.stage,
-        steps=cfg.steps,
-        checkpoint_dir=cfg.checkpoint_dir,
-        checkpoint_interval=cfg.checkpoint_interval,
-        keep_last=cfg.keep_last,
-    )
+    model, optimizer, scheduler = _policy(cfg, device)
+    settings = loop_settings(cfg)
     resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
     start = resumed.step if resumed else 0
     stats: list[StepStats] = []
@@ -312,6 +299,18 @@ def train_rlvr(
     )
 
 
+def _policy(cfg: RlvrConfig, device: torch.device) -> tuple[Transformer, torch.optim.AdamW, LambdaLR]:
+    """The policy (seeded init, long enough for the longest prompt and L_max), AdamW, warmup then flat."""
+    torch.manual_seed(cfg.seed)
+    longest_prompt = max(len(p.encode()) for p, _ in cfg.problems)
+    seq_len = min(longest_prompt + cfg.rlvr.max_response_tokens, cfg.shape.max_seq_len)
+    model = build_model(cfg.shape, seq_len=seq_len, rope_base=cfg.rope_base, device=device)
+    optimizer = adamw(model, cfg.learning_rate)
+    warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
+    scheduler = LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=1.0))
+    return model, optimizer, scheduler
+
+
 def _plan_line(cfg: RlvrConfig, start: int) -> str:
     rl = cfg.rlvr
     return (
@@ -325,7 +324,7 @@ def rl_step(
     step: int,
     *,
     cfg: RlvrConfig,
-    model: torch.nn.Module,
+    model: Transformer,
     worker: RolloutWorker,
     sampler: Sampler,
     device: torch.device,

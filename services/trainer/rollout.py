@@ -24,6 +24,7 @@ import queue
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -31,6 +32,9 @@ import torch.multiprocessing as mp
 
 from contracts.models import ModelShape
 from services.trainer.generation import Completion, complete
+
+if TYPE_CHECKING:
+    from services.trainer.model import Transformer
 
 START_TIMEOUT_S = 120.0  # spawn + import torch takes ~2 s here; a loaded host can take far longer
 COLLECT_TIMEOUT_S = 600.0  # one request's rollouts; generous, a dead worker is noticed within POLL_S
@@ -168,31 +172,26 @@ def worker_main(
                     version = new_version
                     results.put(("loaded", version))
                 case ("request", RolloutRequest() as request):
-                    generator = torch.Generator().manual_seed(request.seed)
-                    prompts = [p for p in request.prompts for _ in range(request.group_size)]
-                    flat = complete(
-                        model,
-                        prompts,
-                        max_new_tokens=request.max_new_tokens,
-                        temperature=request.temperature,
-                        generator=generator,
-                    )
-                    groups = [
-                        flat[i : i + request.group_size] for i in range(0, len(flat), request.group_size)
-                    ]
-                    results.put(
-                        (
-                            "batch",
-                            RolloutBatch(
-                                request_id=request.request_id,
-                                version=version,
-                                prompts=request.prompts,
-                                groups=groups,
-                            ),
-                        )
-                    )
+                    results.put(("batch", _serve(model, request, version)))
     except Exception as e:  # reported to the trainer, which fails the stage with the message
         results.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _serve(model: "Transformer", request: RolloutRequest, version: int) -> RolloutBatch:
+    """Sample `group_size` completions of every prompt of the request, seeded by the request."""
+    generator = torch.Generator().manual_seed(request.seed)
+    prompts = [p for p in request.prompts for _ in range(request.group_size)]
+    flat = complete(
+        model,
+        prompts,
+        max_new_tokens=request.max_new_tokens,
+        temperature=request.temperature,
+        generator=generator,
+    )
+    groups = [flat[i : i + request.group_size] for i in range(0, len(flat), request.group_size)]
+    return RolloutBatch(
+        request_id=request.request_id, version=version, prompts=request.prompts, groups=groups
+    )
 
 
 class RolloutWorker:

@@ -11,6 +11,7 @@ from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
 from services.trainer.model import Transformer
 from services.trainer.pretrain import stage_config_from_manifest, train_stage
+from services.trainer.reporting import Recorder
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TINY = MODEL_SHAPES["tiny"]
@@ -88,7 +89,7 @@ def test_z_loss_from_the_manifest_changes_the_trained_loss_by_palms_term(tmp_pat
     cfg = stage_config_from_manifest(manifest(z_loss=Z), tmp_path)
     handle = torch.nn.modules.module.register_module_forward_hook(record)
     try:
-        result = train_stage(cfg, lambda kind, fields: None, lambda: False)
+        result = train_stage(cfg, Recorder(), lambda: False)
     finally:
         handle.remove()
     logits, targets = seen[0]

@@ -9,6 +9,7 @@ from services.trainer.data import ByteTokenizer, load_text, task_problems
 from services.trainer.generation import END_TOKEN, complete
 from services.trainer.model import Transformer
 from services.trainer.pretrain import StageConfig, train_stage
+from services.trainer.reporting import Recorder
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 GQA = ModelShape(
@@ -33,7 +34,7 @@ def arithmetic_model(tmp_path_factory) -> Transformer:
         checkpoint_interval=1000,
         eval_max_batches=1,
     )
-    return train_stage(cfg, lambda *_: None, lambda: False).model
+    return train_stage(cfg, Recorder(), lambda: False).model
 
 
 def random_prompts(n: int, seed: int = 7) -> list[list[int]]:

@@ -5,10 +5,14 @@ skip the two differ, which is what the proposal's window (in data positions) has
 """
 
 import math
+from datetime import UTC, datetime
 
 import pytest
 
+from contracts.runs import LogLine, Metrics, RunEvent, StopReason
+from services.runtime import faults
 from services.trainer.spikes import SpikeDetector, position_after, propose, restart_point
+from services.trainer.worker import SpikeWatch, Stop
 
 
 def feed(losses, norms=None):
@@ -117,3 +121,62 @@ def test_a_restart_from_the_start_says_so():
     assert (p.checkpoint_step, p.skip_from, p.skip_to) == (0, 0, 20) and p.reason.endswith(
         "no checkpoint before it"
     )
+
+
+def metrics(step: int, loss: float, stage: str = "pretrain") -> Metrics:
+    return Metrics(
+        run_id="r",
+        seq=0,
+        at=datetime.now(UTC),
+        stage=stage,
+        step=step,
+        total_steps=100,
+        loss=loss,
+        learning_rate=1e-3,
+        tokens_per_s=1.0,
+        grad_norm=1.0,
+    )
+
+
+def watched(
+    losses, stage: str = "pretrain", planted: bool = False
+) -> tuple[Stop, SpikeWatch, list[RunEvent]]:
+    """Typed metrics through a SpikeWatch, as the training thread sends them; what it passes on."""
+    passed: list[RunEvent] = []
+    stop = Stop()
+    watch = SpikeWatch(passed.append, stop, planted=planted)
+    for step, loss in enumerate(losses, start=1):
+        watch.send(metrics(step, loss, stage))
+    return stop, watch, passed
+
+
+def test_the_spike_watch_reads_typed_metrics_and_stops_on_a_spike():
+    stop, watch, passed = watched([*noisy(40), 9.0, 9.5, 9.2])
+    assert stop.reason is StopReason.loss_spike
+    assert (watch.stage, watch.spike_step, watch.total_steps) == ("pretrain", 41, 100)
+    assert all(type(e) is Metrics for e in passed) and [e.step for e in passed] == list(range(1, 44))
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo", "rlvr", "ladder"])
+def test_post_training_and_ladder_losses_are_not_watched(stage):
+    stop, _, _ = watched([*noisy(40), 9.0, 9.5, 9.2], stage=stage)
+    assert not stop.is_set() and stop.reason is None
+
+
+def test_the_spike_watch_refuses_an_untyped_payload():
+    watch = SpikeWatch(lambda event: None, Stop())
+    with pytest.raises(TypeError):
+        watch.send({"kind": "metrics", "stage": "pretrain", "step": 1, "loss": 2.0, "grad_norm": 1.0})
+
+
+def test_other_events_pass_the_watch_unchanged():
+    passed: list[RunEvent] = []
+    line = LogLine(run_id="r", seq=0, at=datetime.now(UTC), message="hello")
+    SpikeWatch(passed.append, Stop()).send(line)
+    assert passed == [line]
+
+
+def test_a_planted_spike_multiplies_the_loss_passed_on(monkeypatch):
+    monkeypatch.setenv(faults.ENV_SPIKE_STEP, "3")
+    _, _, passed = watched([2.0] * 4, planted=True)
+    assert [e.loss for e in passed if isinstance(e, Metrics)] == [2.0, 2.0, 20.0, 20.0]

@@ -1,0 +1,246 @@
+"""The trainer reports typed contract events only; its outcomes and stop reasons are enums; a stage's
+runtime config holds the manifest's section instead of copying it."""
+
+import asyncio
+import dataclasses
+import pathlib
+import threading
+
+import msgspec
+import pytest
+
+from contracts.evals import EvalMetric, ProvenanceStep
+from contracts.manifest import CheckpointPolicy, Manifest, RlvrStage
+from contracts.models import MODEL_SHAPES
+from contracts.runs import (
+    CheckpointSaved,
+    DataProvenance,
+    EvalResult,
+    LogLevel,
+    LogLine,
+    Metrics,
+    Outcome,
+    RunEvent,
+    StageStarted,
+    StopReason,
+)
+from contracts.states import RunState
+from services.domain.curriculum import PostPlan, plan_run
+from services.trainer import emitter as emitter_module
+from services.trainer import pipeline
+from services.trainer.checkpoint import Checkpointer
+from services.trainer.emitter import Emitter
+from services.trainer.loop import LoopSettings
+from services.trainer.pipeline import PipelineResult
+from services.trainer.posttrain import PostConfig
+from services.trainer.pretrain import StageConfig
+from services.trainer.replicas import ReplicaConfig
+from services.trainer.reporting import Recorder
+from services.trainer.rlvr import RlvrConfig, RlvrResult
+from services.trainer.worker import Stop, final_state
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
+UNTYPED = {"kind": "metrics", "stage": "pretrain", "step": 1, "loss": 2.0}
+
+
+# --- the reporting interface -------------------------------------------------------------------
+
+
+def test_every_builder_hands_the_sink_its_contract_event():
+    rec = Recorder(run_id="r1")
+    rec.log("hello", LogLevel.warning)
+    rec.metrics(
+        stage="pretrain", step=1, total_steps=2, loss=2.5, learning_rate=1e-3, tokens_per_s=9.0, grad_norm=1.0
+    )
+    rec.checkpoint(step=1, path="/c", size=10, stall_s=0.1, save_s=0.2)
+    rec.stage("pretrain", 2)
+    rec.eval("pretrain", [EvalMetric(name="held_out_loss", value=1.0)], True)
+    rec.provenance([ProvenanceStep(name="exact_dedup", before=3, after=2)], "a", "b")
+    assert [type(e) for e in rec.events] == [
+        LogLine,
+        Metrics,
+        CheckpointSaved,
+        StageStarted,
+        EvalResult,
+        DataProvenance,
+    ]
+    assert {(e.run_id, e.seq, e.epoch) for e in rec.events} == {("r1", 0, 0)}  # seq: given at publish
+    assert rec.of(LogLine)[0].level == "warning" and rec.of(CheckpointSaved)[0].bytes == 10
+
+
+@pytest.mark.parametrize("payload", [UNTYPED, ("metrics", UNTYPED), "metrics"])
+def test_the_reporter_refuses_anything_but_a_contract_event(payload):
+    rec = Recorder()
+    with pytest.raises(TypeError):
+        rec.send(payload)
+    assert rec.events == []
+
+
+class FakeSettings:
+    def subject(self, name: str) -> str:
+        return name
+
+
+@pytest.fixture
+def running_loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+
+
+def test_the_emitter_publishes_typed_events_from_the_thread_and_refuses_dicts(running_loop, monkeypatch):
+    sent: list[tuple[str, RunEvent]] = []
+
+    async def publish_once(broker, settings, *, subject, stream, body, msg_id):
+        sent.append((msg_id, msgspec.json.decode(body, type=RunEvent)))
+
+    monkeypatch.setattr(emitter_module, "publish_once", publish_once)
+    emitter = Emitter(None, FakeSettings(), "run-1", running_loop, epoch=3)
+    report = emitter.reporter()
+    report.log("one")
+    report.stage("pretrain", 5)
+    with pytest.raises(TypeError):
+        emitter.from_thread(UNTYPED)
+    assert [(msg_id, type(e), e.seq, e.epoch) for msg_id, e in sent] == [
+        ("run-1:3:1", LogLine, 1, 3),
+        ("run-1:3:2", StageStarted, 2, 3),
+    ]
+
+
+# --- outcomes and stop reasons ------------------------------------------------------------------
+
+
+def test_the_enums_keep_their_wire_strings():
+    assert [o.value for o in Outcome] == ["succeeded", "gate_failed", "stopped"]
+    assert [r.value for r in StopReason] == ["cancelled", "fenced", "loss_spike"]
+    assert [level.value for level in LogLevel] == ["info", "warning", "error"]
+
+
+def test_a_pipeline_result_without_an_outcome_cannot_be_made():
+    with pytest.raises(TypeError):
+        PipelineResult(last_stage="pretrain", summary="s", final_loss=None, held_out_loss=None)
+
+
+def result(outcome: Outcome) -> PipelineResult:
+    return PipelineResult(last_stage="sft", summary="s", final_loss=1.0, held_out_loss=1.0, outcome=outcome)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "stopped_by", "state"),
+    [
+        (Outcome.succeeded, None, RunState.succeeded),
+        (Outcome.gate_failed, None, RunState.gate_failed),
+        (Outcome.stopped, StopReason.cancelled, RunState.cancelled),
+        (Outcome.succeeded, StopReason.cancelled, RunState.cancelled),  # stopped after the last step
+    ],
+)
+def test_the_final_state_follows_the_outcome(tmp_path, outcome, stopped_by, state):
+    stop = Stop()
+    if stopped_by is not None:
+        stop.set(stopped_by)
+    assert final_state(result(outcome), stop, tmp_path)[0] is state
+
+
+def test_a_stopped_outcome_without_a_stop_is_an_error(tmp_path):
+    with pytest.raises(ValueError):
+        final_state(result(Outcome.stopped), Stop(), tmp_path)
+
+
+# --- configs ------------------------------------------------------------------------------------
+
+
+def test_rlvr_config_holds_the_section_and_copies_none_of_it():
+    copied = {f.name for f in dataclasses.fields(RlvrConfig)} & set(RlvrStage.__struct_fields__)
+    assert copied <= {f.name for f in dataclasses.fields(PostConfig)}  # steps, learning_rate: PostConfig's
+    cfg = RlvrConfig(
+        stage="rlvr",
+        shape=MODEL_SHAPES["tiny"],
+        rope_base=None,
+        problems=[("1+2=", "3")],
+        steps=1,
+        batch_size=64,
+        learning_rate=1e-3,
+        seed=0,
+        checkpoint_dir="/unused",
+    )
+    assert cfg.rlvr == RlvrStage()  # its defaults are the manifest's
+
+
+@pytest.mark.parametrize(
+    "section", [{"group_size": 1}, {"max_response_tokens": 4, "overlong_buffer_tokens": 5}]
+)
+def test_rlvr_config_refuses_a_section_the_manifest_would_refuse(section):
+    with pytest.raises(ValueError):
+        RlvrConfig(
+            stage="rlvr",
+            shape=MODEL_SHAPES["tiny"],
+            rope_base=None,
+            problems=[("1+2=", "3")],
+            steps=1,
+            batch_size=8,
+            learning_rate=1e-3,
+            seed=0,
+            checkpoint_dir="/unused",
+            rlvr=RlvrStage(**section),
+        )
+
+
+def test_the_pipeline_hands_rlvr_the_manifests_section(tmp_path, monkeypatch):
+    raw = msgspec.json.decode((EXAMPLES / "full.json").read_bytes())
+    raw["post_training"]["rlvr"].update(group_size=6, eps_high=0.31, temperature=0.7, max_sampling_rounds=2)
+    manifest = msgspec.convert(raw, Manifest)
+    seen: list[RlvrConfig] = []
+
+    def train_rlvr(cfg, report, should_stop):
+        seen.append(cfg)
+        return RlvrResult(
+            final_step=0, first_loss=None, final_loss=None, stopped=True, stats=[], stale_dropped=0
+        )
+
+    monkeypatch.setattr(pipeline, "train_rlvr", train_rlvr)
+    plan = plan_run(manifest)
+    run = pipeline._Run(manifest, plan, tmp_path, Recorder(), lambda: False, threads=2)
+    [stage] = [s for s in plan.stages if isinstance(s, PostPlan) and s.name == "rlvr"]
+    assert run.post_stage(stage, tmp_path / "rlvr") == ([], True)
+    [cfg] = seen
+    assert cfg.rlvr == manifest.post_training.rlvr and cfg.rlvr.group_size == 6
+    assert cfg.batch_size == manifest.post_training.rlvr.prompts_per_step * 6
+
+
+def test_the_checkpoint_defaults_are_the_manifests_policy(tmp_path):
+    policy = CheckpointPolicy()
+    configs = [
+        LoopSettings(stage="s", steps=1, checkpoint_dir="/c"),
+        StageConfig(
+            stage="s",
+            shape=MODEL_SHAPES["tiny"],
+            train_sources=["builtin:pydoc_topics"],
+            seq_len=8,
+            batch_size=1,
+            learning_rate=1e-3,
+            steps=1,
+            checkpoint_dir="/c",
+        ),
+        PostConfig(
+            stage="sft",
+            shape=MODEL_SHAPES["tiny"],
+            rope_base=None,
+            problems=[("1+2=", "3")],
+            steps=1,
+            batch_size=1,
+            learning_rate=1e-3,
+            seed=0,
+            checkpoint_dir="/c",
+        ),
+    ]
+    assert {(c.checkpoint_interval, c.keep_last) for c in configs} == {
+        (policy.interval_steps, policy.keep_last)
+    }
+    assert (
+        ReplicaConfig(replica_id=0, lighthouse="", steps=1, checkpoint_dir="").keep_last == policy.keep_last
+    )
+    assert Checkpointer(tmp_path).keep_last == policy.keep_last
