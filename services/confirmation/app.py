@@ -7,13 +7,15 @@ from faststream import FastStream
 from contracts import subjects
 from contracts.internal import ConfirmationCreate, ConfirmationResolve
 from services.confirmation.handlers import ConfirmationHandlers
-from services.confirmation.store import ConfirmationStore
+from services.confirmation.store import Confirmations, ConfirmationStore
 from services.runtime import settings as settings_mod
 from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
 
 
-def register(w: Wiring) -> None:
-    h = ConfirmationHandlers(ConfirmationStore(w.require_redis(), w.keys), w.settings.confirmation_ttl_s)
+def register(w: Wiring, store: Confirmations | None = None) -> None:
+    """Wire the handlers to `store` (the bootstrap); by default the Redis one."""
+    store = store if store is not None else ConfirmationStore(w.require_redis(), w.keys)
+    h = ConfirmationHandlers(store, w.settings.confirmation_ttl_s)
     serve_requests(
         w,
         [

@@ -9,7 +9,7 @@ from faststream import FastStream
 from contracts import subjects
 from contracts.internal import BookingsQuery, EligibilityQuery
 from services.entitlement.handlers import EntitlementHandlers, event_decoder
-from services.entitlement.store import BookingStore
+from services.entitlement.store import Bookings, BookingStore
 from services.runtime import faults
 from services.runtime import settings as settings_mod
 from services.runtime.service import Wiring, build_app, configure_logging, consume_in_order, serve_requests
@@ -18,11 +18,11 @@ log = logging.getLogger("ito.entitlement")
 BOOKING_ACK_WAIT_S = 5  # applying an event takes milliseconds; a lost service's events come back fast
 
 
-def register(w: Wiring) -> None:
+def register(w: Wiring, store: Bookings | None = None) -> None:
+    """Wire the handlers to `store` (the bootstrap); by default the Redis one."""
     s = w.settings
-    h = EntitlementHandlers(
-        BookingStore(w.require_redis(), w.keys), settings_mod.entitlement_key(s), s.eligibility_ttl_s
-    )
+    bookings = store if store is not None else BookingStore(w.require_redis(), w.keys)
+    h = EntitlementHandlers(bookings, settings_mod.entitlement_key(s), s.eligibility_ttl_s)
 
     # Acked only after the Redis write returned (the apply is idempotent by version).
     async def on_booking_event(body: bytes) -> None:
@@ -31,7 +31,7 @@ def register(w: Wiring) -> None:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             # A malformed event would be redelivered forever: acknowledge it, count it, say why.
             log.error("booking event rejected (acked, not applied): %s", exc)
-            await w.require_redis().hincrby(w.keys.booking_stats(), "rejected_malformed", 1)
+            await bookings.count("rejected_malformed")
             return
         faults.crash_here(faults.ENTITLEMENT_BEFORE_APPLY)
         await h.on_event(event)

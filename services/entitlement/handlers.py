@@ -14,7 +14,7 @@ from contracts.internal import (
     EligibilityStatement,
 )
 from services.entitlement import projection, signing
-from services.entitlement.store import BookingStore
+from services.entitlement.store import Bookings
 from services.runtime.codec import Refusal
 
 log = logging.getLogger("ito.entitlement")
@@ -23,7 +23,7 @@ event_decoder = msgspec.json.Decoder(BookingEvent)
 
 
 class EntitlementHandlers:
-    def __init__(self, store: BookingStore, key: bytes, ttl_s: float) -> None:
+    def __init__(self, store: Bookings, key: bytes, ttl_s: float) -> None:
         self.store = store
         self._key = key
         self.ttl = timedelta(seconds=ttl_s)
@@ -44,14 +44,14 @@ class EntitlementHandlers:
             return "parked"
         await self.store.claim_owner(event.booking_id, event.account)
         outcome = await self.store.apply(projection.project(event))
-        if outcome == "stale":
+        if outcome is projection.Outcome.stale:
             await self.store.count("stale_ignored")
-        if current is None and outcome == "applied":
+        if current is None and outcome is projection.Outcome.applied:
             for parked in await self.store.parked(event.booking_id):
                 if parked.account == event.account:  # another account's early event never applies
                     await self.store.apply(projection.project(parked))
             await self.store.clear_parked(event.booking_id)
-        log.info("booking %s v%d %s: %s", event.booking_id, event.version, event.kind.value, outcome)
+        log.info("booking %s v%d %s: %s", event.booking_id, event.version, event.kind.value, outcome.value)
         return outcome
 
     async def eligibility(self, query: EligibilityQuery) -> EligibilityStatement:

@@ -1,5 +1,6 @@
 """Pure decisions: how an event changes a booking, and whether a booking allows a training run."""
 
+import enum
 from datetime import datetime
 
 from contracts.booking import Booking, BookingEvent, BookingEventKind, BookingState
@@ -13,6 +14,21 @@ STATE_AFTER: dict[BookingEventKind, BookingState] = {
     BookingEventKind.expired: BookingState.expired,
     BookingEventKind.released: BookingState.released,
 }
+
+
+class Outcome(enum.StrEnum):
+    """What applying a projected booking did (the store's Lua script returns the same words)."""
+
+    applied = "applied"
+    duplicate = "duplicate"  # the same version again: a redelivery
+    stale = "stale"  # an older version: ignored
+
+
+def apply_outcome(current: int | None, version: int) -> Outcome:
+    """Only a newer version is written; the projection never goes back."""
+    if current is None or version > current:
+        return Outcome.applied
+    return Outcome.duplicate if version == current else Outcome.stale
 
 
 def project(event: BookingEvent) -> Booking:

@@ -1,13 +1,18 @@
-"""Redis access for the booking projection.
+"""The booking projection's store: the port the handlers use (`Bookings`), its Redis adapter and
+an in-memory adapter for handler tests.
 
-Applying an event is one Lua script: write only when the event's version is newer than the
-projection's, so duplicates and redeliveries change nothing and older events are ignored.
+Applying an event is one Lua script in Redis: write only when the event's version is newer than
+the projection's, so duplicates and redeliveries change nothing and older events are ignored
+(`projection.apply_outcome` is that decision; the in-memory adapter applies it).
 """
+
+from typing import Protocol
 
 import msgspec
 import redis.asyncio as aioredis
 
 from contracts.booking import Booking, BookingEvent
+from services.entitlement.projection import Outcome, apply_outcome
 from services.runtime.codec import redis_text
 from services.runtime.keys import Keys
 
@@ -26,6 +31,30 @@ _booking_decoder = msgspec.json.Decoder(Booking)
 _event_decoder = msgspec.json.Decoder(BookingEvent)
 
 
+class Bookings(Protocol):
+    async def owner(self, booking_id: str) -> str | None: ...
+
+    async def claim_owner(self, booking_id: str, account: str) -> str:
+        """The first account seen for a booking owns it (set once, atomically); returns the owner."""
+        ...
+
+    async def apply(self, booking: Booking) -> Outcome:
+        """Write `booking` only when its version is newer than the stored one, in one step."""
+        ...
+
+    async def get(self, account: str, booking_id: str) -> Booking | None: ...
+    async def of_account(self, account: str) -> list[Booking]: ...
+    async def park(self, event: BookingEvent) -> None: ...
+    async def parked(self, booking_id: str) -> list[BookingEvent]: ...
+    async def clear_parked(self, booking_id: str) -> None: ...
+
+    async def count(self, what: str) -> None:
+        """Add one to a counter (`stale_ignored`, `parked`, `rejected_malformed`, ...)."""
+        ...
+
+    async def counted(self, what: str) -> int: ...
+
+
 class BookingStore:
     def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
         self.r = r
@@ -41,7 +70,7 @@ class BookingStore:
         await self.r.set(self.keys.booking_owner(booking_id), account, nx=True)
         return (await self.owner(booking_id)) or account
 
-    async def apply(self, booking: Booking) -> str:
+    async def apply(self, booking: Booking) -> Outcome:
         outcome = await self._apply(
             keys=[
                 self.keys.booking(booking.account, booking.booking_id),
@@ -49,7 +78,7 @@ class BookingStore:
             ],
             args=[booking.version, msgspec.json.encode(booking), booking.booking_id],
         )
-        return outcome.decode()
+        return Outcome(redis_text(outcome))
 
     async def get(self, account: str, booking_id: str) -> Booking | None:
         raw = await self.r.hget(self.keys.booking(account, booking_id), "data")
@@ -72,3 +101,50 @@ class BookingStore:
 
     async def count(self, what: str) -> None:
         await self.r.hincrby(self.keys.booking_stats(), what, 1)
+
+    async def counted(self, what: str) -> int:
+        return int(await self.r.hget(self.keys.booking_stats(), what) or 0)
+
+
+class InMemoryBookings:
+    """The same port in dicts: versioned by `apply_outcome`, owner claimed once, events parked."""
+
+    def __init__(self) -> None:
+        self.bookings: dict[tuple[str, str], Booking] = {}
+        self.owners: dict[str, str] = {}
+        self.early: dict[str, list[BookingEvent]] = {}
+        self.stats: dict[str, int] = {}
+
+    async def owner(self, booking_id: str) -> str | None:
+        return self.owners.get(booking_id)
+
+    async def claim_owner(self, booking_id: str, account: str) -> str:
+        return self.owners.setdefault(booking_id, account)
+
+    async def apply(self, booking: Booking) -> Outcome:
+        current = self.bookings.get((booking.account, booking.booking_id))
+        outcome = apply_outcome(None if current is None else current.version, booking.version)
+        if outcome is Outcome.applied:
+            self.bookings[(booking.account, booking.booking_id)] = booking
+        return outcome
+
+    async def get(self, account: str, booking_id: str) -> Booking | None:
+        return self.bookings.get((account, booking_id))
+
+    async def of_account(self, account: str) -> list[Booking]:
+        return [b for (a, _), b in sorted(self.bookings.items()) if a == account]
+
+    async def park(self, event: BookingEvent) -> None:
+        self.early.setdefault(event.booking_id, []).append(event)
+
+    async def parked(self, booking_id: str) -> list[BookingEvent]:
+        return sorted(self.early.get(booking_id, []), key=lambda e: e.version)
+
+    async def clear_parked(self, booking_id: str) -> None:
+        self.early.pop(booking_id, None)
+
+    async def count(self, what: str) -> None:
+        self.stats[what] = self.stats.get(what, 0) + 1
+
+    async def counted(self, what: str) -> int:
+        return self.stats.get(what, 0)

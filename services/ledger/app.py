@@ -7,13 +7,16 @@ from faststream import FastStream
 from contracts import subjects
 from contracts.internal import LedgerAccept, LedgerHandedOff, LedgerLookup, LedgerPending
 from services.ledger.handlers import LedgerHandlers
-from services.ledger.store import LedgerStore
+from services.ledger.store import Ledger, LedgerStore
 from services.runtime import settings as settings_mod
 from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
 
 
-def register(w: Wiring) -> None:
-    h = LedgerHandlers(LedgerStore(w.require_redis(), w.keys, w.settings.idempotency_retention_s))
+def register(w: Wiring, store: Ledger | None = None) -> None:
+    """Wire the handlers to `store` (the bootstrap); by default the Redis one."""
+    if store is None:
+        store = LedgerStore(w.require_redis(), w.keys, w.settings.idempotency_retention_s)
+    h = LedgerHandlers(store)
     serve_requests(
         w,
         [

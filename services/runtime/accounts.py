@@ -8,9 +8,13 @@ anything is created.
 
 Redis layout: `<ns>:apikeys:<account>` maps each public nkey of the account to its KeyRecord (one
 read authenticates a request); `<ns>:accounts` is the set of account names. Only the `accounts` identity (operator tooling) writes them; the scheduler reads.
+
+The scheduler reads them through the `Credentials` port (`RedisAccounts` here, `InMemoryAccounts`
+in handler tests); operator tooling calls the module functions, which the Redis adapter wraps.
 """
 
 import time
+from typing import Protocol
 
 import msgspec
 import redis.asyncio as aioredis
@@ -55,9 +59,8 @@ def seed_of(api_key: str) -> bytes | None:
     return seed
 
 
-async def create(r: aioredis.Redis, keys: Keys, account: str) -> tuple[str, str, str]:
-    """A new credential for `account` (created if new): (api_key, key_id, public nkey). The key is
-    shown once; only its public half is kept."""
+def new_credential(account: str) -> tuple[str, KeyRecord]:
+    """(api_key, its record) for a new credential of `account`; only the record is ever stored."""
     if not valid_account(account):
         raise Refusal(ErrorCode.request_invalid, "account names are 1-64 ASCII letters, digits, '-' or '_'")
     seed = new_nkey_seed()
@@ -65,11 +68,19 @@ async def create(r: aioredis.Redis, keys: Keys, account: str) -> tuple[str, str,
     record = KeyRecord(
         account=account, key_id=public[:12], revoked=False, created_at=time.time(), nkey=public
     )
+    return KEY_PREFIX + seed.decode(), record
+
+
+async def create(r: aioredis.Redis, keys: Keys, account: str) -> tuple[str, str, str]:
+    """A new credential for `account` (created if new): (api_key, key_id, public nkey). The key is
+    shown once; only its public half is kept."""
+    api_key, record = new_credential(account)
+    public = record.nkey
     async with r.pipeline(transaction=True) as pipe:
         pipe.hset(keys.api_keys(account), public, msgspec.json.encode(record))
         pipe.sadd(keys.accounts(), account)
         await pipe.execute()
-    return KEY_PREFIX + seed.decode(), record.key_id, public
+    return api_key, record.key_id, public
 
 
 async def records(r: aioredis.Redis, keys: Keys, account: str) -> list[KeyRecord]:
@@ -98,10 +109,8 @@ async def revoke(r: aioredis.Redis, keys: Keys, account: str) -> int:
     return revoked
 
 
-async def authenticate(r: aioredis.Redis, keys: Keys, account: str) -> AuthInfo:
-    """The account the NATS server authenticated (from the request subject) must still hold an
-    active key here too: a revocation is refused even before the server's config reload lands."""
-    mine = await records(r, keys, account)
+def authenticated(account: str, mine: list[KeyRecord]) -> AuthInfo:
+    """The decision on an account's key records: its newest active key, or the refusal."""
     active = [k for k in mine if not k.revoked]
     if not mine:
         raise Refusal(ErrorCode.unauthenticated, "unknown account; run `ecc ito login`")
@@ -109,3 +118,55 @@ async def authenticate(r: aioredis.Redis, keys: Keys, account: str) -> AuthInfo:
         raise Refusal(ErrorCode.credential_revoked, "this credential was revoked")
     newest = max(active, key=lambda k: k.created_at)
     return AuthInfo(account=account, key_id=newest.key_id)
+
+
+class Credentials(Protocol):
+    """What authentication reads: an account's key records (public halves only)."""
+
+    async def records(self, account: str) -> list[KeyRecord]: ...
+
+
+async def authenticate(credentials: Credentials, account: str) -> AuthInfo:
+    """The account the NATS server authenticated (from the request subject) must still hold an
+    active key here too: a revocation is refused even before the server's config reload lands."""
+    return authenticated(account, await credentials.records(account))
+
+
+class RedisAccounts:
+    """The registry in Redis (the layout above): `Credentials` for the scheduler, and the
+    operator's create and revoke."""
+
+    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+        self.r = r
+        self.keys = keys
+
+    async def records(self, account: str) -> list[KeyRecord]:
+        return await records(self.r, self.keys, account)
+
+    async def create(self, account: str) -> tuple[str, str, str]:
+        return await create(self.r, self.keys, account)
+
+    async def revoke(self, account: str) -> int:
+        return await revoke(self.r, self.keys, account)
+
+
+class InMemoryAccounts:
+    """The same registry in a dict, for handler tests: the same records, the same revocation."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, dict[str, KeyRecord]] = {}  # account -> public nkey -> record
+
+    async def records(self, account: str) -> list[KeyRecord]:
+        return list(self.keys.get(account, {}).values())
+
+    async def create(self, account: str) -> tuple[str, str, str]:
+        api_key, record = new_credential(account)
+        self.keys.setdefault(account, {})[record.nkey] = record
+        return api_key, record.key_id, record.nkey
+
+    async def revoke(self, account: str) -> int:
+        mine = self.keys.get(account, {})
+        active = [k for k in mine.values() if not k.revoked]
+        for record in active:
+            mine[record.nkey] = msgspec.structs.replace(record, revoked=True)
+        return len(active)

@@ -8,13 +8,10 @@ imports the other.
 import hashlib
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from contracts.api import Action, AuthInfo
 from contracts.errors import ErrorCode
 from services.runtime import accounts
 from services.runtime.codec import Refusal
-from services.runtime.keys import Keys
 
 MAX_IDEMPOTENCY_KEY = 255
 
@@ -39,7 +36,7 @@ def fingerprint(action: Action, account: str, target: str, digest: str) -> str:
     return hashlib.sha256("\0".join((action.value, account, target, digest)).encode()).hexdigest()
 
 
-async def authenticate(r: aioredis.Redis, keys: Keys, caller: str, req: Any) -> AuthInfo:
+async def authenticate(credentials: accounts.Credentials, caller: str, req: Any) -> AuthInfo:
     """The caller is the account whose credential the NATS server authenticated (the request's
     subject says which; only that credential may publish there). An API key is never accepted on
     the wire, and a credential block, when a client still sends one, must name the same account."""
@@ -51,4 +48,4 @@ async def authenticate(r: aioredis.Redis, keys: Keys, caller: str, req: Any) -> 
             )
         if credential.account != caller:
             raise Refusal(ErrorCode.unauthenticated, "the request names another account than its credential")
-    return await accounts.authenticate(r, keys, caller)
+    return await accounts.authenticate(credentials, caller)

@@ -16,7 +16,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 
 from contracts.api import (
     Action,
@@ -45,9 +44,9 @@ from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from services.runtime import faults
+from services.runtime.accounts import Credentials
 from services.runtime.checkpoint_paths import run_dir
 from services.runtime.codec import Refusal
-from services.runtime.keys import Keys
 from services.scheduler import planning
 from services.scheduler.admission import MAX_IDEMPOTENCY_KEY as MAX_IDEMPOTENCY_KEY  # re-exported
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
@@ -56,7 +55,7 @@ from services.scheduler.audit import Auditor, Trail
 from services.scheduler.backends import Backends
 from services.scheduler.handoff import Handoff
 from services.scheduler.manifests import verify
-from services.scheduler.store import RunStore
+from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.api")
 
@@ -108,18 +107,16 @@ def plan_refusal_message(p: Plan) -> str:
 class Api:
     def __init__(
         self,
-        r: aioredis.Redis,
-        keys: Keys,
+        credentials: Credentials,
         backends: Backends,
-        runs: RunStore,
+        runs: RunRecords,
         handoff: Handoff,
         auditor: Auditor,
         prices: planning.PriceTable,
         checkpoint_root: pathlib.Path,
     ) -> None:
         self.auditor = auditor
-        self.r = r
-        self.keys = keys
+        self.credentials = credentials
         self.backends = backends
         self.runs = runs
         self.handoff = handoff
@@ -127,10 +124,10 @@ class Api:
         self.checkpoint_root = checkpoint_root
 
     async def _account(self, caller: str, req) -> str:
-        return (await authenticate(self.r, self.keys, caller, req)).account
+        return (await authenticate(self.credentials, caller, req)).account
 
     async def auth(self, caller: str, req: AuthRequest) -> AuthInfo:
-        return await authenticate(self.r, self.keys, caller, req)
+        return await authenticate(self.credentials, caller, req)
 
     async def find(self, caller: str, req: FindRequest) -> list[BookingView]:
         account = await self._account(caller, req)

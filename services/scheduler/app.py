@@ -1,5 +1,8 @@
 """The scheduler's entry point: config, build, run. The API subjects are core request/reply
-(no stream captures them); run events arrive through a durable JetStream consumer."""
+(no stream captures them); run events arrive through a durable JetStream consumer.
+
+`register` is the bootstrap: the handlers take their stores through ports (`Credentials`,
+`RunRecords`), the Redis adapters by default, in-memory ones in handler tests."""
 
 import asyncio
 
@@ -23,6 +26,7 @@ from contracts.api import (
 )
 from contracts.audit import AuditRequest
 from services.runtime import settings as settings_mod
+from services.runtime.accounts import Credentials, RedisAccounts
 from services.runtime.secrets import Secrets
 from services.runtime.service import (
     Wiring,
@@ -40,7 +44,7 @@ from services.scheduler.backends import Backends
 from services.scheduler.events import RunEvents
 from services.scheduler.handoff import Handoff
 from services.scheduler.mutations import Mutations
-from services.scheduler.store import RunStore
+from services.scheduler.store import RunRecords, RunStore
 
 ROUTES = [  # (subject, request type, Api method name)
     (subjects.API_AUTH, AuthRequest, "auth"),
@@ -57,16 +61,17 @@ ROUTES = [  # (subject, request type, Api method name)
 ]
 
 
-def register(w: Wiring) -> None:
+def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials | None = None) -> None:
+    """Wire the scheduler's handlers; a store not given is the Redis one (`w.require_redis()`)."""
     s = w.settings
     backends = Backends(
         w.broker, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key())
     )
-    runs = RunStore(w.require_redis(), w.keys)
+    runs = runs if runs is not None else RunStore(w.require_redis(), w.keys)
+    credentials = credentials if credentials is not None else RedisAccounts(w.require_redis(), w.keys)
     handoff = Handoff(w.broker, s, runs, backends)
     api = Api(
-        w.require_redis(),
-        w.keys,
+        credentials,
         backends,
         runs,
         handoff,
@@ -76,7 +81,7 @@ def register(w: Wiring) -> None:
     )
     run_events = RunEvents(runs)
 
-    mutations = Mutations(w.require_redis(), w.keys, backends, runs)
+    mutations = Mutations(credentials, backends, runs)
     serve_tenant_requests(
         w,
         [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES]

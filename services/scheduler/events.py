@@ -23,7 +23,7 @@ from contracts.runs import (
 )
 from contracts.states import TERMINAL_STATES
 from services.scheduler import lifecycle
-from services.scheduler.store import RunStore
+from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.events")
 event_decoder = msgspec.json.Decoder(RunEvent)
@@ -44,7 +44,7 @@ def from_trainer(event: RunEvent) -> bool:
 
 
 class RunEvents:
-    def __init__(self, runs: RunStore) -> None:
+    def __init__(self, runs: RunRecords) -> None:
         self.runs = runs
 
     async def on_event(self, raw: bytes, subject: str | None = None) -> None:

@@ -20,7 +20,7 @@ from contracts.states import RunState
 from services.runtime.settings import Settings
 from services.scheduler.backends import Backends
 from services.scheduler.publish import RunEventPublisher
-from services.scheduler.store import RunStore
+from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.handoff")
 
@@ -31,7 +31,7 @@ _work_decoder = msgspec.json.Decoder(TrainWork)
 
 
 class Handoff:
-    def __init__(self, broker: NatsBroker, settings: Settings, runs: RunStore, backends: Backends) -> None:
+    def __init__(self, broker: NatsBroker, settings: Settings, runs: RunRecords, backends: Backends) -> None:
         self.broker = broker
         self.settings = settings
         self.runs = runs

@@ -1,5 +1,6 @@
-"""An in-memory adapter of the run store's lease and write port (`store.Runs`), for table tests
-that run in milliseconds; the contract tests run the same tables against Redis (`RunStore`).
+"""An in-memory adapter of the run store's ports (`store.Runs`, `store.RunRecords`), for table and
+handler tests that run in milliseconds; the contract tests run the same tables against Redis
+(`RunStore`).
 
 It shares the store's pure decisions (`in_order`, `lease_decision`) and the one state writer
 (`lifecycle.move`), so it differs from Redis only in where the bytes live.
@@ -9,10 +10,16 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from contracts.api import RunView
+from contracts.api import LogLineView, RunView
+from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import RunState
 from services.scheduler import lifecycle
-from services.scheduler.store import LeaseHeld, in_order, lease_decision
+from services.scheduler.store import MAX_LOG_LINES, MAX_METRIC_POINTS, LeaseHeld, in_order, lease_decision
+
+
+def _page(items: list[Any], since: int, limit: int) -> list[Any]:
+    """Redis LRANGE since..since+limit-1 on a list (an index past the end gives nothing)."""
+    return items[since : since + limit] if since >= 0 and limit > 0 else []
 
 
 class InMemoryRuns:
@@ -23,6 +30,10 @@ class InMemoryRuns:
         self.leases: dict[str, LeaseHeld] = {}
         self.index: dict[str, str] = {}  # leased run -> account
         self.interrupted: dict[str, list[dict[str, Any]]] = {}
+        self.kept: dict[tuple[str, str, str], bytes] = {}  # (account, run, field) -> remembered answer
+        self.log_lines: dict[tuple[str, str], list[LogLineView]] = {}
+        self.points: dict[tuple[str, str], list[Metrics]] = {}
+        self.saved: dict[tuple[str, str], list[CheckpointSaved]] = {}
 
     async def create(self, view: RunView) -> bool:
         if (view.account, view.run_id) in self.views:
@@ -134,3 +145,37 @@ class InMemoryRuns:
 
     async def interruptions(self, account: str, run_id: str) -> list[dict[str, Any]]:
         return list(self.interrupted.get(run_id, []))
+
+    async def remember(self, account: str, run_id: str, field: str, value: bytes) -> None:
+        self.kept[(account, run_id, field)] = bytes(value)
+
+    async def recall(self, account: str, run_id: str, field: str) -> bytes | None:
+        return self.kept.get((account, run_id, field))
+
+    async def log_count(self, account: str, run_id: str) -> int:
+        return len(self.log_lines.get((account, run_id), []))
+
+    async def append_log(self, account: str, run_id: str, line: LogLineView) -> None:
+        lines = self.log_lines.setdefault((account, run_id), [])
+        lines.append(line)
+        del lines[:-MAX_LOG_LINES]  # trimmed as RunStore trims (LTRIM)
+
+    async def logs(self, account: str, run_id: str, since: int, limit: int) -> list[LogLineView]:
+        return _page(self.log_lines.get((account, run_id), []), since, limit)
+
+    async def append_metrics(self, account: str, run_id: str, m: Metrics) -> None:
+        points = self.points.setdefault((account, run_id), [])
+        points.append(m)
+        del points[:-MAX_METRIC_POINTS]
+
+    async def metrics(self, account: str, run_id: str, since: int, limit: int) -> list[Metrics]:
+        return _page(self.points.get((account, run_id), []), since, limit)
+
+    async def append_checkpoint(self, account: str, run_id: str, c: CheckpointSaved) -> None:
+        self.saved.setdefault((account, run_id), []).append(c)
+
+    async def checkpoints(self, account: str, run_id: str) -> list[CheckpointSaved]:
+        return list(self.saved.get((account, run_id), []))
+
+    async def forget_checkpoints(self, account: str, run_id: str) -> None:
+        self.saved.pop((account, run_id), None)

@@ -12,7 +12,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 
 from contracts.api import (
     Action,
@@ -30,11 +29,11 @@ from contracts.internal import LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
 from contracts.runs import TrainWork
 from contracts.states import CANCEL_TO, CANCELLABLE, TERMINAL_STATES, RunState
+from services.runtime.accounts import Credentials
 from services.runtime.codec import Refusal
-from services.runtime.keys import Keys
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
 from services.scheduler.backends import Backends
-from services.scheduler.store import RunStore
+from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.mutations")
 
@@ -63,14 +62,13 @@ def approved_message(proposal: RestartProposal) -> str:
 
 
 class Mutations:
-    def __init__(self, r: aioredis.Redis, keys: Keys, backends: Backends, runs: RunStore) -> None:
-        self.r = r
-        self.keys = keys
+    def __init__(self, credentials: Credentials, backends: Backends, runs: RunRecords) -> None:
+        self.credentials = credentials
         self.backends = backends
         self.runs = runs
 
     async def _run(self, caller: str, req: Any, run_id: str, key: str) -> tuple[str, RunView]:
-        account = (await authenticate(self.r, self.keys, caller, req)).account
+        account = (await authenticate(self.credentials, caller, req)).account
         refusal = key_refusal(key)
         if refusal is not None:
             raise refusal

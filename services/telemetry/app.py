@@ -8,12 +8,14 @@ from contracts import subjects
 from services.runtime import settings as settings_mod
 from services.runtime.service import Wiring, build_app, configure_logging, consume_in_order
 from services.telemetry.handlers import TelemetryHandlers
-from services.telemetry.store import TelemetryStore
+from services.telemetry.store import Telemetry, TelemetryStore
 
 
-def register(w: Wiring) -> None:
+def register(w: Wiring, store: Telemetry | None = None) -> None:
+    """Wire the handlers to `store` (the bootstrap); by default the Redis one."""
     s = w.settings
-    h = TelemetryHandlers(TelemetryStore(w.require_redis(), w.keys), w.broker, s)
+    store = store if store is not None else TelemetryStore(w.require_redis(), w.keys)
+    h = TelemetryHandlers(store, w.broker, s)
 
     consume_in_order(
         w, subjects.RUN_EVENTS, subjects.STREAM_RUNS, subjects.CONSUMER_TELEMETRY, h.on_event, ack_wait_s=30

@@ -12,7 +12,7 @@ from contracts.states import TERMINAL_STATES
 from services.runtime.publishing import publish_once
 from services.runtime.settings import Settings
 from services.telemetry import accounting
-from services.telemetry.store import TelemetryStore
+from services.telemetry.store import Telemetry
 
 log = logging.getLogger("ito.telemetry")
 event_decoder = msgspec.json.Decoder(RunEvent)
@@ -20,7 +20,7 @@ ROLLUPS = ("booking", "region", "gpu_model")
 
 
 class TelemetryHandlers:
-    def __init__(self, store: TelemetryStore, broker: NatsBroker, settings: Settings) -> None:
+    def __init__(self, store: Telemetry, broker: NatsBroker, settings: Settings) -> None:
         self.store = store
         self.broker = broker
         self.settings = settings
