@@ -1,59 +1,150 @@
-"""Every service's handlers on one in-memory broker (FastStream's TestNatsBroker), against a real
-Redis (ACLs on; the handlers share the admin user here, the security suite tests each service's
-own): the decisions and the Redis scripts, without processes or a NATS server."""
+"""Every service's handlers on one in-memory broker (FastStream's TestNatsBroker), registered
+through each service's bootstrap (`register(w, stores...)`) twice: on the in-memory adapters of
+their ports (no Redis process, no connection: milliseconds), and as the contract run on the Redis
+adapters against a real Redis (ACLs on; the handlers share the admin user here, the security suite
+tests each service's own). The same tests must pass on both."""
 
+import dataclasses
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 from faststream.nats import TestNatsBroker
+from redis.asyncio.connection import AbstractConnection
 
 from contracts import subjects
 from contracts.api import (
     Action,
+    AuthInfo,
     AuthRequest,
+    BookingView,
+    CancelRequest,
+    ConfirmationIssued,
     ConfirmRequest,
     Credential,
     FindRequest,
+    MutationResult,
     PlanRequest,
+    RunAccepted,
+    RunView,
     StatusRequest,
     TrainRequest,
 )
-from contracts.booking import BookingEvent, BookingEventKind, Fabric, Topology
+from contracts.booking import BookingEvent, BookingEventKind, BookingState, Fabric, Topology
+from contracts.envelope import Envelope
+from contracts.errors import ErrorCode
+from contracts.states import RunState
 from services.confirmation import app as confirmation_app
+from services.confirmation.store import ConfirmationStore, InMemoryConfirmations
 from services.entitlement import app as entitlement_app
+from services.entitlement.store import Bookings, BookingStore, InMemoryBookings
 from services.ledger import app as ledger_app
-from services.runtime import accounts, codec, connections
+from services.ledger.store import InMemoryLedger, LedgerStore
+from services.runtime import codec, connections
 from services.runtime import settings as settings_mod
+from services.runtime.accounts import InMemoryAccounts, RedisAccounts
+from services.runtime.identities import NATS_IDENTITIES
 from services.runtime.keys import Keys
+from services.runtime.secrets import Secrets
 from services.runtime.service import Wiring
 from services.scheduler import app as scheduler_app
 from services.scheduler.manifests import digest_of
+from services.scheduler.memory import InMemoryRuns
+from services.scheduler.store import RunStore
+from tests.conftest import new_namespace, start_infra
 
 REPO_MANIFEST = (
     __import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "manifests" / "tiny.json"
 )
+T = TypeVar("T")
 
 
-@pytest.fixture
-async def bus(own_redis, monkeypatch):
+@dataclasses.dataclass
+class Bus:
+    br: Any  # the TestNatsBroker's in-memory broker
+    w: Wiring
+    accounts: InMemoryAccounts | RedisAccounts  # the operator's registry (create, revoke)
+    bookings: Bookings  # the entitlement projection's store (its counters)
+    touched_redis: list[str]  # memory param: every attempt to connect to Redis (must stay empty)
+
+
+def register_all(
+    w: Wiring, redis: aioredis.Redis | None
+) -> tuple[InMemoryAccounts | RedisAccounts, Bookings]:
+    """Every service's bootstrap with one kind of adapter: in memory when `redis` is None."""
+    s = w.settings
+    if redis is None:
+        confirmations = InMemoryConfirmations()
+        credentials: InMemoryAccounts | RedisAccounts = InMemoryAccounts()
+        bookings: Bookings = InMemoryBookings()
+        entitlement_app.register(w, bookings)
+        confirmation_app.register(w, confirmations)
+        # the ledger consumes the confirmation service's records (one Redis hash each, there)
+        ledger_app.register(w, InMemoryLedger(confirmations.records, clock=confirmations.clock))
+        scheduler_app.register(w, runs=InMemoryRuns(), credentials=credentials)
+        return credentials, bookings
+    credentials, bookings = RedisAccounts(redis, w.keys), BookingStore(redis, w.keys)
+    entitlement_app.register(w, bookings)
+    confirmation_app.register(w, ConfirmationStore(redis, w.keys))
+    ledger_app.register(w, LedgerStore(redis, w.keys, s.idempotency_retention_s))
+    scheduler_app.register(w, runs=RunStore(redis, w.keys), credentials=credentials)
+    return credentials, bookings
+
+
+@pytest.fixture(scope="module")
+def redis_infra(tmp_path_factory):
+    """One Redis for the module's contract runs; each test has a namespace of its own in it."""
+    i = start_infra(tmp_path_factory.mktemp("handlers") / "infra", new_namespace(), nats=False)
+    yield i
+    i.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def bus(request, namespace, tmp_path, monkeypatch):
     monkeypatch.setenv(settings_mod.ENV_ENTITLEMENT_KEY, "in-memory-test-key")
-    s = own_redis.settings
+    touched: list[str] = []
+    redis: aioredis.Redis | None = None
+    if request.param == "memory":  # no Redis server is started, and any connection attempt fails
+        s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(tmp_path)})
+        Secrets(s.secrets_dir).ensure(NATS_IDENTITIES, ())  # nkeys and the signing key; no Redis password
+
+        async def no_redis(self, *args, **kwargs):
+            touched.append(f"{self.host}:{self.port}")
+            raise AssertionError("the memory param connected to Redis")
+
+        monkeypatch.setattr(AbstractConnection, "connect_check_health", no_redis)
+    else:
+        infra = request.getfixturevalue("redis_infra")
+        s = dataclasses.replace(infra.settings, namespace=namespace)
+        redis = infra.redis("admin")
     broker = connections.make_broker(s, "scheduler")
-    w = Wiring(settings=s, broker=broker, redis=own_redis.redis("admin"), keys=Keys(s))
-    for module in (entitlement_app, confirmation_app, ledger_app, scheduler_app):
-        module.register(w)
+    w = Wiring(settings=s, broker=broker, redis=redis, keys=Keys(s))
+    credentials, bookings = register_all(w, redis)
     async with TestNatsBroker(broker) as br:
-        yield br, w
-    await w.redis.aclose()
+        yield Bus(br, w, credentials, bookings, touched)
+    if redis is not None:
+        await redis.aclose()
+    assert touched == [], f"the memory param tried to reach Redis at {touched}"
 
 
-async def call(br, w, suffix, request, account="acme"):
+async def call(bus: Bus, suffix: str, request, account: str = "acme") -> Envelope:
     """An API request on the tenant's own subject (in memory, as if NATS had authenticated `account`)."""
-    subject = w.settings.subject(suffix) + (f".{account}" if suffix.startswith("v1.api.") else "")
-    reply = await br.request(codec.encode(request), subject, timeout=10)
+    subject = bus.w.settings.subject(suffix) + (f".{account}" if suffix.startswith("v1.api.") else "")
+    reply = await bus.br.request(codec.encode(request), subject, timeout=10)
     return codec.decode_envelope(reply.body)
+
+
+def data(out: Envelope, data_type: type[T]) -> T:
+    """The answer's data as its contract type (the answer must be ok)."""
+    assert out.ok, out.error
+    return msgspec.convert(out.data, data_type)
+
+
+def code(out: Envelope) -> ErrorCode | None:
+    return None if out.error is None else out.error.code
 
 
 def booking_event(account, booking, kind="completed", version=1, gpus=8):
@@ -73,99 +164,139 @@ def booking_event(account, booking, kind="completed", version=1, gpus=8):
     )
 
 
-async def publish_booking(br, w, ev):
-    await br.publish(
+async def publish_booking(bus: Bus, ev: BookingEvent) -> None:
+    await bus.br.publish(
         msgspec.json.encode(ev),
-        w.settings.subject(f"{subjects.BOOKING_EVENTS}.{ev.kind.value}"),
-        stream=w.settings.stream(subjects.STREAM_BOOKINGS),
+        bus.w.settings.subject(f"{subjects.BOOKING_EVENTS}.{ev.kind.value}"),
+        stream=bus.w.settings.stream(subjects.STREAM_BOOKINGS),
     )
 
 
-async def login(w, name="acme"):
-    await accounts.create(w.redis, w.keys, name)
+async def login(bus: Bus, name: str = "acme") -> None:
+    await bus.accounts.create(name)
     return None  # the account comes from the authenticated subject; nothing secret travels
 
 
+async def confirmed_run(bus: Bus, booking: str, key: str) -> tuple[TrainRequest, RunAccepted]:
+    """A booking, a train confirmation and the run it authorizes (accepted, handed off)."""
+    await publish_booking(bus, booking_event("acme", booking))
+    text = REPO_MANIFEST.read_text()
+    digest = digest_of(text.encode())
+    confirm = ConfirmRequest(
+        action=Action.train, booking_id=booking, manifest_text=text, manifest_digest=digest
+    )
+    issued = data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
+    assert (issued.action, issued.target, issued.manifest_digest) == (Action.train, booking, digest)
+    train = TrainRequest(
+        booking_id=booking,
+        manifest_text=text,
+        manifest_digest=digest,
+        confirmation_ref=issued.confirmation_ref,
+        idempotency_key=key,
+    )
+    return train, data(await call(bus, subjects.API_TRAIN, train), RunAccepted)
+
+
 async def test_auth(bus):
-    br, w = bus
-    cred = await login(w)
-    out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=cred))
-    assert out.ok and out.data["account"] == "acme"
-    out = await call(br, w, subjects.API_AUTH, AuthRequest(), account="nobody")
-    assert not out.ok and out.error.code == "unauthenticated"
+    cred = await login(bus)
+    info = data(await call(bus, subjects.API_AUTH, AuthRequest(credential=cred)), AuthInfo)
+    assert info.account == "acme" and info.key_id
+    out = await call(bus, subjects.API_AUTH, AuthRequest(), account="nobody")
+    assert code(out) is ErrorCode.unauthenticated
     # a key on the wire is refused, and a credential block naming another account too
     out = await call(
-        br, w, subjects.API_AUTH, AuthRequest(credential=Credential(account="acme", api_key="nope"))
+        bus, subjects.API_AUTH, AuthRequest(credential=Credential(account="acme", api_key="nope"))
     )
-    assert out.error.code == "request_invalid"
-    out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=Credential(account="other")))
-    assert out.error.code == "unauthenticated"
-    await accounts.revoke(w.redis, w.keys, "acme")
-    out = await call(br, w, subjects.API_AUTH, AuthRequest(credential=cred))
-    assert out.error.code == "credential_revoked"
+    assert code(out) is ErrorCode.request_invalid
+    out = await call(bus, subjects.API_AUTH, AuthRequest(credential=Credential(account="other")))
+    assert code(out) is ErrorCode.unauthenticated
+    assert await bus.accounts.revoke("acme") == 1
+    out = await call(bus, subjects.API_AUTH, AuthRequest(credential=cred))
+    assert code(out) is ErrorCode.credential_revoked
+    assert await bus.accounts.revoke("acme") == 0  # nothing left to revoke
 
 
 async def test_unknown_field_is_request_invalid(bus):
-    br, w = bus
-    reply = await br.request(
-        b'{"credential": {"account": "a", "api_key": "k"}, "x": 1}',
-        w.settings.subject(subjects.API_AUTH) + ".a",
-        timeout=5,
-    )
+    subject = bus.w.settings.subject(subjects.API_AUTH) + ".a"
+    reply = await bus.br.request(b'{"credential": {"account": "a"}, "x": 1}', subject, timeout=5)
     out = codec.decode_envelope(reply.body)
-    assert not out.ok and out.error.code == "request_invalid" and "x" in out.error.message
+    assert not out.ok and code(out) is ErrorCode.request_invalid
+    # the same request without the unknown field is decoded (and refused for its unknown account)
+    reply = await bus.br.request(b'{"credential": {"account": "a"}}', subject, timeout=5)
+    assert code(codec.decode_envelope(reply.body)) is ErrorCode.unauthenticated
 
 
 async def test_booking_projection_is_versioned_and_parks_early_events(bus):
-    br, w = bus
-    cred = await login(w)
-    await publish_booking(br, w, booking_event("acme", "b1", "modified", version=2, gpus=4))
+    cred = await login(bus)
+    await publish_booking(bus, booking_event("acme", "b1", "modified", version=2, gpus=4))
     text = REPO_MANIFEST.read_text()
     plan = PlanRequest(
         credential=cred, booking_id="b1", manifest_text=text, manifest_digest=digest_of(text.encode())
     )
-    out = await call(br, w, subjects.API_PLAN, plan)
-    assert out.error.code == "booking_incomplete"  # `modified` arrived before `completed`: parked
+    out = await call(bus, subjects.API_PLAN, plan)
+    assert code(out) is ErrorCode.booking_incomplete  # `modified` arrived before `completed`: parked
 
-    await publish_booking(br, w, booking_event("acme", "b1", "completed", version=1, gpus=8))
-    out = await call(br, w, subjects.API_FIND, FindRequest(credential=cred))
-    (view,) = out.data
-    assert view["booking"]["version"] == 2 and view["booking"]["topology"]["gpus_per_node"] == 4
+    await publish_booking(bus, booking_event("acme", "b1", "completed", version=1, gpus=8))
+    (view,) = data(await call(bus, subjects.API_FIND, FindRequest(credential=cred)), list[BookingView])
+    assert view.booking.version == 2 and view.booking.topology.gpus_per_node == 4 and view.allows_training
 
-    await publish_booking(br, w, booking_event("acme", "b1", "revoked", version=1))  # older: ignored
-    out = await call(br, w, subjects.API_FIND, FindRequest(credential=cred))
-    assert out.data[0]["booking"]["state"] == "completed"
-    assert int(await w.redis.hget(w.keys.booking_stats(), "stale_ignored")) == 1
+    await publish_booking(bus, booking_event("acme", "b1", "revoked", version=1))  # older: ignored
+    (view,) = data(await call(bus, subjects.API_FIND, FindRequest(credential=cred)), list[BookingView])
+    assert view.booking.state is BookingState.completed
+    assert await bus.bookings.counted("stale_ignored") == 1
+    assert await bus.bookings.counted("parked") == 1
 
 
 async def test_plan_confirm_train_status(bus):
-    br, w = bus
-    cred = await login(w)
-    await publish_booking(br, w, booking_event("acme", "b2"))
-    text = REPO_MANIFEST.read_text()
-    digest = digest_of(text.encode())
-    out = await call(
-        br,
-        w,
-        subjects.API_CONFIRM,
-        ConfirmRequest(
-            credential=cred, action=Action.train, booking_id="b2", manifest_text=text, manifest_digest=digest
-        ),
+    await login(bus)
+    train, run = await confirmed_run(bus, "b2", "k1")
+    assert run.state is RunState.queued and not run.replay
+    assert (run.booking_id, run.idempotency_key) == ("b2", "k1")
+    status = StatusRequest(idempotency_key="k1")
+    view = data(await call(bus, subjects.API_STATUS, status), RunView)
+    assert view.run_id == run.run_id and view.plan is not None
+    assert view.plan.manifest_digest == train.manifest_digest
+    # the same key again is a replay of the same run; the consumed confirmation under a new key is not
+    again = data(await call(bus, subjects.API_TRAIN, train), RunAccepted)
+    assert again.run_id == run.run_id and again.replay
+    out = await call(bus, subjects.API_TRAIN, msgspec.structs.replace(train, idempotency_key="k2"))
+    assert code(out) is ErrorCode.confirmation_consumed
+
+
+async def test_cancel_is_confirmed_and_idempotent(bus):
+    await login(bus)
+    _, run = await confirmed_run(bus, "b3", "k1")
+    cancel = CancelRequest(run_id=run.run_id, idempotency_key="c1")
+    assert code(await call(bus, subjects.API_CANCEL, cancel)) is ErrorCode.confirmation_required
+    confirm = ConfirmRequest(action=Action.cancel, run_id=run.run_id)
+    issued = data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
+    cancel = msgspec.structs.replace(cancel, confirmation_ref=issued.confirmation_ref)
+    done = data(await call(bus, subjects.API_CANCEL, cancel), MutationResult)
+    assert (done.run_id, done.action, done.state, done.replay) == (
+        run.run_id,
+        Action.cancel,
+        RunState.cancelled,
+        False,
     )
-    assert out.ok, out
-    ref = out.data["confirmation_ref"]
-    train = TrainRequest(
-        credential=cred,
-        booking_id="b2",
-        manifest_text=text,
-        manifest_digest=digest,
-        confirmation_ref=ref,
-        idempotency_key="k1",
-    )
-    out = await call(br, w, subjects.API_TRAIN, train)
-    assert out.ok and out.data["state"] == "queued", out
-    run_id = out.data["run_id"]
-    out = await call(br, w, subjects.API_STATUS, StatusRequest(credential=cred, idempotency_key="k1"))
-    assert out.data["run_id"] == run_id and out.data["plan"]["manifest_digest"] == digest
-    out = await call(br, w, subjects.API_TRAIN, msgspec.structs.replace(train, idempotency_key="k2"))
-    assert out.error.code == "confirmation_consumed"
+    replay = data(await call(bus, subjects.API_CANCEL, cancel), MutationResult)
+    assert replay.replay and replay.state is RunState.cancelled
+    # another account sees no such run, whatever it names
+    await login(bus, "other")
+    out = await call(bus, subjects.API_CANCEL, cancel, account="other")
+    assert code(out) is ErrorCode.run_not_found
+
+
+async def test_memory_param_never_touches_redis(bus, request):
+    """The memory param: no Redis in the wiring, no Redis fixture requested, no server started,
+    and a whole train request answered without one connection attempt (the fixture checks that)."""
+    if request.node.callspec.params["bus"] != "memory":
+        assert bus.w.redis is not None and "redis_infra" in request.fixturenames
+        return
+    assert bus.w.redis is None
+    assert not {"redis_infra", "own_redis", "own_infra"} & set(request.fixturenames)
+    with pytest.raises(RuntimeError):
+        bus.w.require_redis()
+    await login(bus)
+    _, run = await confirmed_run(bus, "b4", "k1")
+    assert run.state is RunState.queued
+    assert bus.touched_redis == []
