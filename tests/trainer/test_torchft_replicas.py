@@ -26,6 +26,7 @@ from contracts.models import MODEL_SHAPES
 from services.trainer.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights
 from services.trainer.model import Transformer
 from services.trainer.replicas import CheckpointView, ManagerProgress, start_lighthouse, weights_checksum
+from tests.support import eventually
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 1_000_000  # never reached: the test stops the replicas itself
@@ -99,15 +100,20 @@ class Replica:
 def wait_for(what: str, predicate, *, deadline_s: float, alive: list[Replica], budget_end: float):
     """Poll until `predicate()` is truthy and return it; fail if a replica in `alive` exits, or
     after `deadline_s` or at the end of the test's budget, whichever comes first."""
-    deadline = min(time.monotonic() + deadline_s, budget_end)
-    while time.monotonic() < deadline:
+
+    def probe():
         if result := predicate():
             return result
         for replica in alive:
             if replica.proc.poll() is not None:
                 pytest.fail(f"{replica.tag} exited while waiting for {what}\n{replica.log_tail()}")
-        time.sleep(0.2)
-    pytest.fail(f"no {what} before the deadline\n" + "\n".join(r.log_tail() for r in alive))
+        return None
+
+    timeout = max(0.0, min(deadline_s, budget_end - time.monotonic()))
+    try:
+        return eventually(probe, timeout=timeout, interval=0.2, what=what)
+    except AssertionError:
+        pytest.fail(f"no {what} before the deadline\n" + "\n".join(r.log_tail() for r in alive))
 
 
 def matching_step(a: Replica, b: Replica, *, after: int) -> dict | None:
