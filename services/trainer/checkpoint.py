@@ -25,7 +25,14 @@ DCP can also only load keys that a template names in advance. JSON is safe to re
 and data position can be read by tools that do not import torch. The sidecar is written at the
 moment of the `save` call, next to the DCP snapshot taken at that same moment, and before the marker.
 
-Works with no process group (single process, `no_dist=True`) and with an initialised one.
+Works with no process group (single process, `no_dist=True`) and with an initialised one. With
+several ranks, every rank saves and loads its own shards (DCP reshards on load, so a stage saved on 4
+ranks resumes on 2), and DCP's asynchronous saves run on a gloo group of their own
+(`distributed.checkpoint_group`): sharing the default group, their background collectives would
+interleave with FSDP's all-gathers and deadlock. Rank 0 alone touches the directory (mkdir, rmtree,
+the sidecar, the marker, pins and pruning): every rank renaming one `.tmp` file crashes. Each decision
+that ends in a collective (is a save finished? did it succeed? which checkpoint to load?) is taken by
+all ranks together, so no rank waits in a collective that another skipped.
 """
 
 import base64
@@ -41,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -51,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from contracts.manifest import CheckpointPolicy
+from services.trainer import distributed
 
 MARKER = "COMMITTED"
 SIDECAR = "trainer_state.json"
@@ -184,7 +191,8 @@ class Checkpointer:
         self.keep_last = keep_last
         # Training goes on here: a pin left by an earlier attempt belongs to a restart that was never
         # carried out (a carried-out one was unpinned by `rewind`), and would hold its checkpoint forever.
-        unpin(self.directory)
+        if distributed.is_rank0():
+            unpin(self.directory)
         self._future: Future | None = None
         self._pending: dict | None = None  # step, path, started, stall_s, done_at of the in-flight save
         self._outcomes: list[CheckpointInfo | CheckpointFailed] = []
@@ -207,24 +215,28 @@ class Checkpointer:
         entered = time.perf_counter()
         self._finish(block=True)
         path = step_dir(self.directory, step)
-        if _read_marker(path) is not None:
+        # Rank 0 owns the directory: its answer holds for every rank.
+        if distributed.broadcast_object(_read_marker(path) is not None):
             return  # this exact step is already durable (a resumed run that ends where it began)
-        if path.exists():
-            shutil.rmtree(path)  # a save of this step that died before its marker
-        path.mkdir(parents=True)
         started = time.perf_counter()
-        sidecar = {
-            "step": step,
-            "data_position": data_position,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": _rng_state(),
-        }
-        _write_json_atomic(path / SIDECAR, sidecar)
+        if distributed.is_rank0():
+            if path.exists():
+                shutil.rmtree(path)  # a save of this step that died before its marker
+            path.mkdir(parents=True)
+            sidecar = {
+                "step": step,
+                "data_position": data_position,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": _rng_state(),
+            }
+            _write_json_atomic(path / SIDECAR, sidecar)
+        distributed.barrier()  # the directory exists before any rank writes into it
         model_sd, optim_sd = get_state_dict(model, optimizer)
         future = dcp.async_save(
             {"model": model_sd, "optimizer": optim_sd},
             checkpoint_id=str(path),
-            no_dist=not dist.is_initialized(),
+            process_group=distributed.checkpoint_group(),
+            no_dist=not distributed.initialized(),
         )
         # A Future unless an async stager is passed (we pass none); its other form has no callback.
         assert isinstance(future, Future), "dcp.async_save without a stager returns a Future"
@@ -249,29 +261,37 @@ class Checkpointer:
 
     def _finish(self, *, block: bool) -> None:
         future, pending = self._future, self._pending
-        if future is None or pending is None or (not block and not future.done()):
+        if future is None or pending is None:
+            return
+        # Every rank's part must be written before any rank commits; all ranks agree on "done".
+        if not block and not distributed.all_true(future.done()):
             return
         self._future, self._pending = None, None
+        error: str | None = None
         try:
             future.result()
         except Exception as e:  # any writer error: recorded as a value, the loop decides what to do
-            self._outcomes.append(CheckpointFailed(step=pending["step"], message=f"{type(e).__name__}: {e}"))
+            error = f"{type(e).__name__}: {e}"
+        if not distributed.all_true(error is None):  # also the barrier before rank 0 commits
+            message = error or "another rank's part of the save failed"
+            self._outcomes.append(CheckpointFailed(step=pending["step"], message=message))
             return
         path: Path = pending["path"]
         done_at = pending["done_at"] or time.perf_counter()
         info = CheckpointInfo(
             step=pending["step"],
             path=str(path),
-            bytes=_dir_bytes(path),
+            bytes=_dir_bytes(path) if distributed.is_rank0() else 0,  # only rank 0 reports it
             stall_s=round(pending["stall_s"], 6),
             save_s=round(done_at - pending["started"], 6),
         )
-        _write_json_atomic(
-            path / MARKER,
-            {"step": info.step, "bytes": info.bytes, "stall_s": info.stall_s, "save_s": info.save_s},
-        )
+        if distributed.is_rank0():
+            _write_json_atomic(
+                path / MARKER,
+                {"step": info.step, "bytes": info.bytes, "stall_s": info.stall_s, "save_s": info.save_s},
+            )
+            self._prune(info.step)
         self._outcomes.append(info)
-        self._prune(info.step)
 
     def _prune(self, committed_step: int) -> None:
         """Keep the newest `keep_last` committed checkpoints and the pinned ones; drop older ones and
@@ -294,17 +314,16 @@ def load_latest(
 ) -> ResumeState | None:
     """Restore model, optimizer, scheduler and RNG from the newest committed checkpoint, in place.
     Returns None (and touches nothing) when there is none."""
-    checkpoints = list_checkpoints(directory)
-    if not checkpoints:
+    latest = _latest(directory)
+    if latest is None:
         return None
-    latest = checkpoints[-1]
     path = Path(latest.path)
     sidecar = json.loads((path / SIDECAR).read_text())
     # get_state_dict on a fresh optimizer materialises its state (a zero-LR step), giving DCP the
     # template of shapes it loads into.
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if scheduler is not None and sidecar["scheduler"] is not None:
         scheduler.load_state_dict(sidecar["scheduler"])
@@ -313,16 +332,21 @@ def load_latest(
     return ResumeState(step=int(sidecar["step"]), data_position=int(sidecar["data_position"]), path=str(path))
 
 
+def _latest(directory: str | os.PathLike) -> CheckpointInfo | None:
+    """The newest committed checkpoint as rank 0 sees it, on every rank: all ranks load the same one."""
+    checkpoints = list_checkpoints(directory) if distributed.is_rank0() else []
+    return distributed.broadcast_object(checkpoints[-1] if checkpoints else None)
+
+
 def load_weights(directory: str | os.PathLike, model: torch.nn.Module) -> CheckpointInfo | None:
     """Load only the model weights of the newest committed checkpoint, in place: how a stage starts
     from the previous stage's result with its own fresh optimizer. None (nothing touched) if none."""
-    checkpoints = list_checkpoints(directory)
-    if not checkpoints:
+    latest = _latest(directory)
+    if latest is None:
         return None
-    latest = checkpoints[-1]
     model_sd = get_model_state_dict(model)
     state = {"model": model_sd}
-    dcp.load(state, checkpoint_id=latest.path, no_dist=not dist.is_initialized())
+    dcp.load(state, checkpoint_id=latest.path, no_dist=not distributed.initialized())
     set_model_state_dict(model, state["model"])
     return latest
 

@@ -250,14 +250,24 @@ def split_held_out(
 
 
 class BatchIterator:
-    """Random windows of `seq_len + 1` tokens, `batch_size` at a time, as (x, y) int64 tensors.
+    """Random windows of `seq_len + 1` tokens, `batch_size` at a time, as (x, y) int64 tensors
+    (the rows `rows` of them: one data-parallel rank's slice).
 
-    Batch number p is drawn from a generator seeded by (seed, p) alone, so the stream is a pure
-    function of (tokens, seed, seq_len, batch_size): setting `position` to the number of batches a
-    previous run served makes this iterator yield exactly the batch that run would have yielded next.
+        Batch number p is drawn from a generator seeded by (seed, p) alone, so the stream is a pure
+        function of (tokens, seed, seq_len, batch_size): setting `position` to the number of batches a
+        previous run served makes this iterator yield exactly the batch that run would have yielded next.
     """
 
-    def __init__(self, tokens: torch.Tensor, *, seq_len: int, batch_size: int, seed: int, position: int = 0):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        position: int = 0,
+        rows: slice = slice(None),
+    ):
         if tokens.dim() != 1:
             raise ValueError("Tokens must be a 1-D tensor.")
         if len(tokens) < seq_len + 1:
@@ -271,13 +281,16 @@ class BatchIterator:
         self.batch_size = batch_size
         self.seed = seed
         self.position = position  # batches served so far; restore it to resume
+        # This data-parallel rank's rows of each global batch (`distributed.batch_rows`): every rank
+        # draws the same global batch and keeps its slice, so N ranks train on what one would.
+        self.rows = rows
 
     def batch_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch served at `position`, without moving the iterator."""
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (2**63))
         starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=g)
         offsets = torch.arange(self.seq_len + 1)
-        windows = self.tokens[starts[:, None] + offsets[None, :]].long()
+        windows = self.tokens[starts[:, None] + offsets[None, :]][self.rows].long()
         return windows[:, :-1], windows[:, 1:]
 
     def __iter__(self) -> "BatchIterator":

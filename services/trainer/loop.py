@@ -12,6 +12,11 @@ device is never drained before `optimizer.step` nor between steps: the host queu
 the device finishes step s. Every step's values are still emitted, in order, one step late at most;
 before a checkpoint, a stop and the end they are all read first, so a checkpoint never holds a
 step whose loss was not yet checked, and the divergence check sees every step.
+
+Under several ranks (see `distributed`) every rank runs this loop in step: the step's values are
+averaged over the ranks before they travel to the host (the logged loss is the mean over the
+data-parallel ranks, each of which saw its own slice of the global batch), a stop requested on any
+rank stops them all at the same step, and only rank 0 reports.
 """
 
 import contextlib
@@ -20,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -36,10 +41,10 @@ from services.trainer.checkpoint import (
     load_latest,
     load_weights,
 )
-from services.trainer.reporting import Reporter
+from services.trainer.distributed import any_true, clip_grad_norm, uses_tp, world_size
+from services.trainer.reporting import Reporter, rank0_only
 
 ShouldStop = Callable[[], bool]
-M = TypeVar("M", bound=torch.nn.Module)
 
 
 class TrainingError(RuntimeError):
@@ -54,28 +59,6 @@ def pick_device(requested: str | None = None) -> torch.device:
 def autocast(device: torch.device) -> torch.autocast:
     # bf16 only on cuda: CPU bf16 matmuls are slow on most hosts and change the numerics the tests pin.
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def maybe_shard(model: M) -> M:
-    """FSDP2 when the process group has more than one rank: each block, then the root. A no-op on
-    one device. Untested here (no multi-GPU host); DCP's get_state_dict handles the sharded case."""
-    if world_size() <= 1:
-        return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.get_submodule("blocks").children():
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    return model
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -191,7 +174,8 @@ class _Reading:
 
 
 def _send_to_host(out: StepOutput, grad_norm: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
-    """Stack the step's scalars and start their copy to the host; nothing here waits for the device."""
+    """Stack the step's scalars (averaged over the ranks) and start their copy to the host; nothing
+    here waits for the device."""
     assert out.loss is not None
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the same norm on every rank
         grad_norm = grad_norm.full_tensor()
@@ -203,6 +187,12 @@ def _send_to_host(out: StepOutput, grad_norm: torch.Tensor) -> tuple[torch.Tenso
             *(v.detach().float().reshape(()).to(loss.device) for v in out.scalars.values()),
         ]
     )
+    if world_size() > 1:
+        # The mean over every rank is the mean over the data-parallel ranks: the tp ranks of one
+        # data-parallel rank hold the same values, and so do all ranks for the grad norm. An
+        # asynchronous collective on cuda (nccl), a host one on CPU (gloo: SUM, it has no AVG).
+        dist.all_reduce(values)
+        values = values / world_size()
     if values.device.type != "cuda":
         return values, None  # CPU: already there; other accelerators: read (and synced) when due
     host = values.to("cpu", non_blocking=True)  # into pinned memory: an asynchronous copy
@@ -225,11 +215,14 @@ def run_loop(
 ) -> LoopResult:
     """Run optimizer steps start_step+1 .. settings.steps. `step_fn(step)` gets the 0-based index of
     the step it computes; `position()` is the data position stored with each checkpoint."""
-    loop = _Loop(settings, model, optimizer, scheduler, report, start_step=start_step, position=position)
+    loop = _Loop(
+        settings, model, optimizer, scheduler, rank0_only(report), start_step=start_step, position=position
+    )
     model.train()
     try:
         while loop.step < settings.steps:
-            if should_stop():
+            # Any rank's stop request stops every rank at this step (a flag all-reduced on the host).
+            if any_true(should_stop()):
                 loop.stopped = True
                 break
             loop.train_step(step_fn)
@@ -263,6 +256,8 @@ class _Loop:
         self.log_every = settings.log_interval or max(1, settings.steps // 10)
         device = next(model.parameters()).device
         self.lag = settings.read_lag if settings.read_lag is not None else (0 if device.type == "cpu" else 1)
+        self.params = list(model.parameters())
+        self.tp = uses_tp(self.params)
         self.step = start_step
         self.first_loss: float | None = None
         self.final_loss: float | None = None
@@ -280,7 +275,7 @@ class _Loop:
         ready: torch.cuda.Event | None = None
         if out.loss is not None:
             out.loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+            grad_norm = clip_grad_norm(self.params, self.settings.grad_clip, tp=self.tp)
             self.optimizer.step()
             values, ready = _send_to_host(out, grad_norm)
         self.scheduler.step()

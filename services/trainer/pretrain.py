@@ -29,20 +29,26 @@ from services.trainer.data import (
     load_tokens,
     split_held_out,
 )
+from services.trainer.distributed import (
+    ParallelDims,
+    batch_rows,
+    build_mesh,
+    parallelize,
+    rank,
+    world_size,
+)
 from services.trainer.loop import (
     LoopSettings,
     StepOutput,
     TrainingError,
     autocast,
-    maybe_shard,
     pick_device,
-    rank,
     resume_or_init,
     run_loop,
     to_device,
 )
 from services.trainer.model import Transformer, count_parameters
-from services.trainer.reporting import Reporter
+from services.trainer.reporting import Reporter, rank0_only
 
 __all__ = [
     "StageConfig",
@@ -101,6 +107,9 @@ class StageConfig:
     """"cosine" to min_lr_ratio, or "linear" (midtrain: annealed linearly to min_lr_ratio = 0)."""
     init_from: str | None = None
     """A previous stage's checkpoint dir: its final weights start this stage (fresh optimizer)."""
+    parallel: ParallelDims | None = None
+    """The plan's strategy and degrees; None: one process alone, or FSDP2 over every started rank.
+    `batch_size` is the global batch, cut into one slice per data-parallel rank."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -208,13 +217,19 @@ def build_model(
     rope_base: float | None = None,
     z_loss: float = 0.0,
     device: torch.device | None = None,
+    parallel: ParallelDims | None = None,
 ) -> Transformer:
     """The model for a stage: max_seq_len grown to seq_len when a stage trains longer sequences
-    (RoPE tables are derived, not weights, so the same weights load), FSDP2 when distributed."""
+    (RoPE tables are derived, not weights, so the same weights load), parallelized as `parallel`
+    says (None: as `ParallelDims.for_world`) when distributed. Every rank builds the same weights
+    from the same seed before they are split."""
     if seq_len > shape.max_seq_len:
         shape = msgspec.structs.replace(shape, max_seq_len=seq_len)
-    model = Transformer(shape, rope_base=rope_base, z_loss=z_loss)
-    return maybe_shard(model.to(device or pick_device()))
+    device = device or pick_device()
+    dims = parallel or ParallelDims.for_world(world_size())
+    dims.check_model(shape)
+    model = Transformer(shape, rope_base=rope_base, z_loss=z_loss).to(device)
+    return parallelize(model, dims, build_mesh(dims, device.type))
 
 
 def build_optimizer(model: torch.nn.Module, cfg: StageConfig) -> torch.optim.AdamW:
@@ -280,7 +295,11 @@ def lm_loss(
 
 
 def train_stage(cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool]) -> StageResult:
+    """Train one stage; under several ranks every rank calls this alike, and rank 0 reports."""
     device = pick_device(cfg.device)
+    report = rank0_only(report)
+    dims = cfg.parallel or ParallelDims.for_world(world_size())
+    dims.check_batch(cfg.batch_size)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     train_tokens, held_out = load_stage_data(cfg)
@@ -289,13 +308,22 @@ def train_stage(cfg: StageConfig, report: Reporter, should_stop: Callable[[], bo
             f"The held-out data has {len(held_out)} tokens, fewer than one window of {cfg.seq_len + 1}."
         )
     model = build_model(
-        cfg.shape, seq_len=cfg.seq_len, rope_base=cfg.rope_base, z_loss=cfg.z_loss, device=device
+        cfg.shape,
+        seq_len=cfg.seq_len,
+        rope_base=cfg.rope_base,
+        z_loss=cfg.z_loss,
+        device=device,
+        parallel=dims,
     )
     optimizer = build_optimizer(model, cfg)
     scheduler = _schedule(optimizer, cfg)
-    # Each rank draws its own batches (seed offset); on one device this is the manifest's seed.
+    # Every rank draws the same global batch and trains on its data-parallel slice of it.
     batches = BatchIterator(
-        train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed + 7919 * rank()
+        train_tokens,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        rows=batch_rows(cfg.batch_size, dims.dp_rank(rank()), dims.dp_degree),
     )
     settings = _loop_settings(cfg)
     step = _resume(cfg, settings, model, optimizer, scheduler, batches, report, device)

@@ -22,6 +22,7 @@ from contracts.runs import (
     RunEventBase,
     StageStarted,
 )
+from services.trainer import distributed
 
 Sink = Callable[[RunEvent], None]
 E = TypeVar("E", bound=RunEventBase)
@@ -128,6 +129,17 @@ class Reporter:
                 output_digest=output_digest,
             )
         )
+
+
+def _drop(event: RunEvent) -> None:
+    check_event(event)  # a bad event is still a bug on every rank
+
+
+def rank0_only(report: Reporter, rank: int | None = None) -> Reporter:
+    """`report` on rank 0 (the one writer of a run's events), a reporter that drops every event on
+    the other ranks, which run the same loop in step. `rank` defaults to this process's rank."""
+    rank = distributed.rank() if rank is None else rank
+    return report if rank == 0 else report.with_sink(_drop)
 
 
 def _now() -> datetime:
