@@ -175,6 +175,10 @@ def env_world_size() -> int:
     return int(os.environ.get(ENV_WORLD_SIZE, "1"))
 
 
+def env_rank() -> int:
+    return int(os.environ.get(ENV_RANK, "0"))
+
+
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -1,0 +1,170 @@
+"""What one rank of a training gang runs: `python -m services.trainer.rank_main --config job.json`,
+started N times by torchrun (or `torch.distributed.launcher.api.elastic_launch`, as the trainer
+agent's gang launcher will). Every rank reads the same job, joins the process group torchrun set
+up, builds the plan's mesh, trains the stage in step with the others and leaves the group.
+
+The job is a tagged Struct decoded with unknown fields forbidden (the launcher writes it, so a typo
+fails loudly); a later kind (the whole pipeline) becomes another member of the `Job` union. Rank 0
+is the one writer: the run's events (`events_path`) and per-step losses (`losses_path`) as JSON
+lines, and one JSON result line on stdout. The other ranks report to a reporter that drops events.
+
+Exit codes: 0 done, 2 a job or plan the ranks cannot run (the reason on stderr, from rank 0).
+SIGTERM (what torchrun sends on shutdown) asks every rank to stop at the next step, which saves a
+checkpoint of that step first.
+"""
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from contextlib import nullcontext
+from typing import Annotated, TextIO
+
+import msgspec
+
+from contracts.models import MODEL_SHAPES, ModelShape
+from contracts.runs import Metrics, RunEvent
+from services.trainer import distributed
+from services.trainer.checkpoint import CHECKPOINT_DEFAULTS
+from services.trainer.distributed import ParallelDims, ParallelismError
+from services.trainer.loop import pick_device
+from services.trainer.pretrain import StageConfig, train_stage
+from services.trainer.reporting import Reporter, Sink, rank0_only
+
+EXIT_REFUSED = 2
+JOB_CAP_BYTES = 1 << 20  # a job is a few hundred bytes; anything near this is not one
+
+
+class StageJob(msgspec.Struct, tag="stage", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One next-token stage (pretrain) on the gang."""
+
+    shape: ModelShape | str = "tiny"
+    """A ModelShape, or the name of one in contracts.models.MODEL_SHAPES."""
+    steps: Annotated[int, msgspec.Meta(ge=1)]
+    batch_size: Annotated[int, msgspec.Meta(ge=1)]
+    """The global batch: each data-parallel rank trains on batch_size / dp of its rows."""
+    seq_len: Annotated[int, msgspec.Meta(ge=1)]
+    seed: int = 0
+    learning_rate: float = 3e-3  # the tiny model's; lower it (3e-4) for 150M and up
+    warmup_steps: int = 1
+    strategy: str = "single"
+    """The plan's strategy: single, ddp, fsdp2, hsdp or fsdp2+tp."""
+    degrees: dict[str, int] = {}
+    """The plan's degrees: dp_replicate, dp_shard, tp (missing ones are 1)."""
+    checkpoint_dir: str
+    checkpoint_interval: int = CHECKPOINT_DEFAULTS.interval_steps
+    keep_last: int = CHECKPOINT_DEFAULTS.keep_last
+    train_sources: list[str] = msgspec.field(default_factory=lambda: ["generated:arithmetic"])
+    stage: str = "pretrain"
+    device: str | None = None
+    """None: cuda when present (this rank's GPU, LOCAL_RANK), else cpu."""
+    losses_path: str | None = None
+    """JSON lines {"step", "loss", "grad_norm", "learning_rate"} from rank 0."""
+    events_path: str | None = None
+    """Every run event, msgspec JSON, one a line, from rank 0."""
+
+
+Job = StageJob  # a union of tagged Structs once the pipeline runs here too
+
+
+def read_job(path: str) -> Job:
+    with open(path, "rb") as f:
+        data = f.read(JOB_CAP_BYTES + 1)
+    if len(data) > JOB_CAP_BYTES:
+        raise ValueError(f"The job file is over {JOB_CAP_BYTES} bytes.")
+    return msgspec.json.decode(data, type=Job)
+
+
+def stage_config(job: StageJob, dims: ParallelDims, device: str) -> StageConfig:
+    shape = job.shape if isinstance(job.shape, ModelShape) else MODEL_SHAPES.get(job.shape)
+    if shape is None:
+        raise ValueError(f"No model shape is called {job.shape!r}; known: {', '.join(MODEL_SHAPES)}.")
+    return StageConfig(
+        stage=job.stage,
+        shape=shape,
+        train_sources=list(job.train_sources),
+        seq_len=job.seq_len,
+        batch_size=job.batch_size,
+        learning_rate=job.learning_rate,
+        warmup_steps=job.warmup_steps,
+        steps=job.steps,
+        seed=job.seed,
+        checkpoint_dir=job.checkpoint_dir,
+        checkpoint_interval=job.checkpoint_interval,
+        keep_last=job.keep_last,
+        device=device,
+        parallel=dims,
+    )
+
+
+def _file_sink(events: TextIO | None, losses: TextIO | None) -> Sink:
+    encoder = msgspec.json.Encoder()
+
+    def sink(event: RunEvent) -> None:
+        if events is not None:
+            events.write(encoder.encode(event).decode() + "\n")
+            events.flush()
+        if losses is not None and isinstance(event, Metrics):
+            line = {
+                "step": event.step,
+                "loss": event.loss,
+                "grad_norm": event.grad_norm,
+                "learning_rate": event.learning_rate,
+            }
+            losses.write(json.dumps(line) + "\n")
+            losses.flush()
+
+    return sink
+
+
+def run(job: StageJob) -> dict:
+    """Train `job` on this rank; rank 0's summary (the other ranks return the same numbers)."""
+    dims = ParallelDims.from_plan(job.strategy, job.degrees)
+    device = distributed.init(pick_device(job.device).type)
+    dims.check_world(distributed.world_size())
+    cfg = stage_config(job, dims, str(device))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Every rank opens the files in append mode and reports through `rank0_only`: only rank 0's
+    # reporter writes, so the files hold one copy of each event whatever the world size.
+    with (
+        open(job.events_path, "a") if job.events_path else nullcontext() as events,
+        open(job.losses_path, "a") if job.losses_path else nullcontext() as losses,
+    ):
+        report = rank0_only(Reporter(_file_sink(events, losses), run_id=f"gang-{job.stage}"))
+        result = train_stage(cfg, report, stop.is_set)
+    return {
+        "stage": job.stage,
+        "final_step": result.final_step,
+        "final_loss": result.final_loss,
+        "held_out_loss": result.held_out_loss,
+        "stopped": result.stopped,
+        "world_size": distributed.world_size(),
+        "strategy": dims.strategy,
+        "degrees": dims.degrees(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.trainer.rank_main")
+    parser.add_argument("--config", required=True, help="the job, a JSON file (see StageJob)")
+    args = parser.parse_args(argv)
+    # torchrun's RANK, read before the group exists and still right after it is gone.
+    rank0 = distributed.env_rank() == 0
+    try:
+        job = read_job(args.config)
+        summary = run(job)
+    except (ParallelismError, ValueError, msgspec.ValidationError, OSError) as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    finally:
+        distributed.close()
+    if rank0:
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
