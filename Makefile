@@ -45,3 +45,12 @@ down:
 
 clean:
 	rm -rf .ito
+
+# GPU throughput and MFU (bench/gpu.py): 150M and 1B in bf16 on one GPU -> bench/gpu_results.json.
+# GPU_BENCH_ARGS=--fsdp for FSDP2 over every GPU, --dry-run for the CPU check. The venv holds the
+# CPU wheel of torch: on a GPU host set GPU_PY to a Python whose torch sees CUDA (and has msgspec).
+GPU_PY ?= $(PY)
+GPU_BENCH_ARGS ?=
+.PHONY: gpu-bench
+gpu-bench:
+	$(GPU_PY) -m bench.gpu $(GPU_BENCH_ARGS)
