@@ -312,7 +312,12 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Megatron-style: q/k/v and the MLP's gate and up split by columns (heads, width), the output
     projections by rows; their outputs are all-reduced, so every other module sees full activations.
     Each attention module then holds n_head / tp of the heads, as torchtitan adjusts them."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     tp = tp_mesh.size()
     for block in model.get_submodule("blocks").children():
@@ -324,6 +329,12 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 "attn.wk": ColwiseParallel(),
                 "attn.wv": ColwiseParallel(),
                 "attn.wo": RowwiseParallel(),
+                # QK-norm's weights are shared by every head, but each tp rank holds only its own
+                # heads: as replicated DTensors over the head dim their gradients are summed over
+                # the tp ranks (as torchtitan's Qwen3 does); as plain tensors each rank would
+                # step them with its own heads' part of the gradient and the ranks would drift.
+                "attn.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
+                "attn.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
                 "mlp.w_gate": ColwiseParallel(),
                 "mlp.w_up": ColwiseParallel(),
                 "mlp.w_down": RowwiseParallel(),
