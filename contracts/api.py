@@ -167,6 +167,16 @@ class RestartProposal(Internal, frozen=True, kw_only=True):
     reason: str
 
 
+class Parallelism(Internal, frozen=True, kw_only=True):
+    """How a run's training actually ran: the gang's strategy, its world size and device mesh."""
+
+    strategy: str  # "ddp", "fsdp2", "hsdp", "fsdp2+tp"
+    world_size: int
+    mesh: dict[str, int] = {}  # dim name -> size, outermost first ("dp_replicate", "dp_shard", "tp")
+    nodes: int = 1
+    stage: str | None = None  # the stage whose gang reported it last
+
+
 class RunView(Internal, frozen=True, kw_only=True):
     run_id: str
     account: str
@@ -188,6 +198,7 @@ class RunView(Internal, frozen=True, kw_only=True):
     last_checkpoint_step: int | None = None
     cleaned_up: bool = False
     proposal: RestartProposal | None = None  # while awaiting_approval: what the trainer proposes
+    parallelism: Parallelism | None = None  # a gang's strategy, world size and mesh, as it started
 
 
 class LogLineView(Internal, frozen=True, kw_only=True):

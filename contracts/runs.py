@@ -113,6 +113,16 @@ class ProposalMade(RunEventBase, tag="proposal", frozen=True, kw_only=True):
     proposal: RestartProposal
 
 
+class ParallelismStarted(RunEventBase, tag="parallelism", frozen=True, kw_only=True):
+    """A gang of ranks started a stage: the strategy, world size and mesh it really runs with."""
+
+    stage: str
+    strategy: str
+    world_size: int
+    mesh: dict[str, int] = {}  # dim name -> size, outermost first
+    nodes: int = 1
+
+
 class RunCreated(RunEventBase, tag="created", frozen=True, kw_only=True):
     """Published by the scheduler at hand-off: what desk telemetry rolls a run up by."""
 
@@ -143,6 +153,7 @@ RunEvent = (
     | RunCreated
     | Interruption
     | ProposalMade
+    | ParallelismStarted
 )
 
 

@@ -91,6 +91,10 @@ def _run(data: dict) -> str:
             f"skipping batches [{p['skip_from']}, {p['skip_to']}); approve with "
             f"`ecc ito confirm --action restart_from_checkpoint --run {data['run_id']}` then `ecc ito approve`"
         )
+    if data.get("parallelism"):
+        used = data["parallelism"]
+        mesh = " x ".join(f"{dim} {size}" for dim, size in (used.get("mesh") or {}).items()) or "none"
+        line += f"\n  parallelism: {used['strategy']}, world size {used['world_size']}, mesh {mesh}"
     if data.get("plan"):
         line += f"\n  plan: {data['plan']['strategy']}, estimate {data['plan']['cost']['total_usd']:.6f} USD"
     return line

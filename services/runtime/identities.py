@@ -31,7 +31,17 @@ REDIS_SERVICES = ("entitlement", "confirmation", "ledger", "scheduler", "telemet
 """The trainer keeps no state in Redis and gets no Redis credential at all."""
 REDIS_IDENTITIES = (*REDIS_SERVICES, ACCOUNTS, ADMIN)
 
-TRAINER_EVENT_KINDS = ("state", "log", "metrics", "checkpoint", "stage", "eval", "provenance", "proposal")
+TRAINER_EVENT_KINDS = (
+    "state",
+    "log",
+    "metrics",
+    "checkpoint",
+    "stage",
+    "eval",
+    "provenance",
+    "proposal",
+    "parallelism",
+)
 SCHEDULER_EVENT_KINDS = ("created", "interruption")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from contracts.api import RunView
+from contracts.api import Parallelism, RunView
 from contracts.evals import Provenance, StageGate
 from contracts.runs import (
     CheckpointSaved,
@@ -20,6 +20,7 @@ from contracts.runs import (
     Interruption,
     LogLine,
     Metrics,
+    ParallelismStarted,
     ProposalMade,
     RunCreated,
     RunEvent,
@@ -132,6 +133,15 @@ def apply_event(view: RunView, event: RunEvent) -> RunView:
             return msgspec.structs.replace(view, last_checkpoint_step=event.step, updated_at=event.at)
         case ProposalMade():
             return msgspec.structs.replace(view, proposal=event.proposal, updated_at=event.at)
+        case ParallelismStarted():
+            used = Parallelism(
+                strategy=event.strategy,
+                world_size=event.world_size,
+                mesh=event.mesh,
+                nodes=event.nodes,
+                stage=event.stage,
+            )
+            return msgspec.structs.replace(view, parallelism=used, updated_at=event.at)
         case LogLine() | RunCreated() | Interruption():
             return view
     raise TypeError(f"unknown run event {type(event).__name__}")

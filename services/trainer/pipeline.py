@@ -55,6 +55,7 @@ from services.trainer.model import Transformer
 from services.trainer.posttrain import PostConfig, PostResult, train_dpo, train_sft
 from services.trainer.pretrain import (
     StageConfig,
+    StageResult,
     build_model,
     held_out_loss,
     lm_loss,
@@ -68,6 +69,8 @@ from services.trainer.rlvr import RlvrConfig, RlvrResult, train_rlvr
 GATE_RECORD = "GATE.json"
 PROVENANCE_RECORD = "provenance.json"
 EVAL_MAX_BATCHES = 8  # held-out loss of post-training stages: the same windows as the LM stages
+TrainLm = Callable[[StageConfig, Reporter, Callable[[], bool]], StageResult]
+"""How a next-token stage trains: `train_stage` in this process, or a gang's (services/trainer/gang.py)."""
 NEEDLE_ANSWER_ROOM = 6  # five key digits and a spare byte after the needle prompt
 
 
@@ -111,9 +114,11 @@ class _Run:
         report: Reporter,
         should_stop: Callable[[], bool],
         threads: int,
+        train_lm: TrainLm = train_stage,
     ):
         self.manifest, self.plan, self.root = manifest, plan, root
         self.report, self.should_stop, self.threads = report, should_stop, threads
+        self.train_lm = train_lm
         self.sources = dict(plan.train_refs)  # ref name -> what to load: raw source, or the prepared file
         self.eval_sources = list(plan.eval_refs.values())
         self.previous: str | None = None  # the last trained stage's checkpoint dir
@@ -259,7 +264,7 @@ class _Run:
         )
         _, held = load_stage_data(cfg)
         incoming = self._lm_incoming(stage, cfg, held)
-        result = train_stage(cfg, self.report, self.should_stop)
+        result = self.train_lm(cfg, self.report, self.should_stop)
         if result.stopped:
             return [], True
         assert result.model is not None, "a stage that was not stopped returns its model"
@@ -498,9 +503,11 @@ def run_pipeline(
     report: Reporter,
     should_stop: Callable[[], bool],
     threads: int,
+    train_lm: TrainLm = train_stage,
 ) -> PipelineResult:
+    """`train_lm` trains each next-token stage (default: in this process)."""
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     plan = plan_run(manifest)  # ValueError, in a sentence, before anything trains
     report.log(f"plan: {' -> '.join(plan.stage_names)} on {manifest.model.size.value}")
-    return _Run(manifest, plan, checkpoint_dir, report, should_stop, threads).execute()
+    return _Run(manifest, plan, checkpoint_dir, report, should_stop, threads, train_lm).execute()

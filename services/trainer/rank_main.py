@@ -15,6 +15,7 @@ checkpoint of that step first.
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -63,6 +64,17 @@ class StageJob(msgspec.Struct, tag="stage", frozen=True, kw_only=True, forbid_un
     """JSON lines {"step", "loss", "grad_norm", "learning_rate"} from rank 0."""
     events_path: str | None = None
     """Every run event, msgspec JSON, one a line, from rank 0."""
+    result_path: str | None = None
+    """Rank 0's summary as one JSON object, or {"refused": reason} for a plan it cannot run: how the
+    trainer agent reads the outcome of a gang whose output went to per-rank logs."""
+    # What a planned stage of the pipeline adds to a plain pretrain (pretrain.lm_stage_config).
+    eval_sources: list[str] = []
+    min_lr_ratio: float = 0.1
+    decay: str = "cosine"
+    rope_base: float | None = None
+    init_from: str | None = None
+    """A previous stage's checkpoint dir: its final weights start this stage."""
+    z_loss: float = 0.0
 
 
 Job = StageJob  # a union of tagged Structs once the pipeline runs here too
@@ -84,10 +96,16 @@ def stage_config(job: StageJob, dims: ParallelDims, device: str) -> StageConfig:
         stage=job.stage,
         shape=shape,
         train_sources=list(job.train_sources),
+        eval_sources=list(job.eval_sources),
         seq_len=job.seq_len,
         batch_size=job.batch_size,
         learning_rate=job.learning_rate,
         warmup_steps=job.warmup_steps,
+        min_lr_ratio=job.min_lr_ratio,
+        decay=job.decay,
+        rope_base=job.rope_base,
+        init_from=job.init_from,
+        z_loss=job.z_loss,
         steps=job.steps,
         seed=job.seed,
         checkpoint_dir=job.checkpoint_dir,
@@ -133,10 +151,18 @@ def run(job: StageJob) -> dict:
         open(job.losses_path, "a") if job.losses_path else nullcontext() as losses,
     ):
         report = rank0_only(Reporter(_file_sink(events, losses), run_id=f"gang-{job.stage}"))
+        shape, names = dims.mesh_dims()
+        report.parallelism(
+            stage=job.stage,
+            strategy=dims.strategy,
+            world_size=distributed.world_size(),
+            mesh=dict(zip(names, shape, strict=True)),
+        )
         result = train_stage(cfg, report, stop.is_set)
     return {
         "stage": job.stage,
         "final_step": result.final_step,
+        "first_loss": result.first_loss,
         "final_loss": result.final_loss,
         "held_out_loss": result.held_out_loss,
         "stopped": result.stopped,
@@ -158,12 +184,29 @@ def main(argv: list[str] | None = None) -> int:
     except (ParallelismError, ValueError, msgspec.ValidationError, OSError) as e:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
+            _write_result(args.config, {"refused": str(e)})
         return EXIT_REFUSED
     finally:
         distributed.close()
     if rank0:
         print(json.dumps(summary), flush=True)
+        _write_result(args.config, summary)
     return 0
+
+
+def _write_result(config: str, payload: dict) -> None:
+    """Rank 0's outcome into the job's `result_path`, atomically (nothing when the job has none or
+    could not be read)."""
+    try:
+        path = read_job(config).result_path
+    except (ValueError, msgspec.ValidationError, OSError):
+        return
+    if path is None:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(payload))
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from contracts.runs import (
     LogLevel,
     LogLine,
     Metrics,
+    ParallelismStarted,
     RunEvent,
     RunEventBase,
     StageStarted,
@@ -127,6 +128,20 @@ class Reporter:
                 steps=steps,
                 input_digest=input_digest,
                 output_digest=output_digest,
+            )
+        )
+
+    def parallelism(self, *, stage: str, strategy: str, world_size: int, mesh: dict[str, int]) -> None:
+        self.send(
+            ParallelismStarted(
+                run_id=self.run_id,
+                seq=0,
+                at=_now(),
+                epoch=self.epoch,
+                stage=stage,
+                strategy=strategy,
+                world_size=world_size,
+                mesh=mesh,
             )
         )
 

@@ -33,6 +33,7 @@ from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
 from contracts.states import RunState
+from services.domain.curriculum import plan_run
 from services.runtime import codec, faults
 from services.runtime.checkpoint_paths import inside, run_dir, storage_root
 from services.runtime.codec import Refusal
@@ -40,8 +41,11 @@ from services.runtime.liveness import TIMERS
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
 from services.trainer import spikes
 from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
+from services.trainer.distributed import ParallelismError
 from services.trainer.emitter import Emitter
-from services.trainer.pipeline import PipelineResult, run_pipeline
+from services.trainer.gang import Gang, GangFailed, gang_dims, refusal
+from services.trainer.pipeline import PipelineResult, TrainLm, run_pipeline
+from services.trainer.pretrain import train_stage
 from services.trainer.reporting import Sink, check_event
 
 log = logging.getLogger("ito.trainer.worker")
@@ -294,6 +298,10 @@ class Worker:
         final: RunState | None = None
         try:
             final = await self._run(emitter, work, manifest, checkpoint_dir, stop)
+        except (ParallelismError, GangFailed) as exc:  # a plan this node cannot realise, or a lost gang
+            log.warning("run %s failed: %s", work.run_id, exc)
+            final = RunState.failed
+            await emitter.state(final, message=f"training failed: {exc}")
         except Exception as exc:  # the run failed; report it as state and stop redelivery
             log.exception("run %s failed", work.run_id)
             final = RunState.failed
@@ -331,10 +339,11 @@ class Worker:
                 f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
                 f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})"
             )
+        train_lm = self._train_lm(work, manifest, checkpoint_dir)  # a refused plan trains nothing
         await emitter.state(RunState.running, message="training started")
         report = emitter.reporter().with_sink(watch.send)
         result = await asyncio.to_thread(
-            run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads
+            run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads, train_lm
         )
         if stop.reason is StopReason.fenced:  # report nothing
             log.warning(
@@ -348,6 +357,17 @@ class Worker:
         final, message = final_state(result, stop, checkpoint_dir)
         await emitter.state(final, stage=result.last_stage, message=message)
         return final
+
+    def _train_lm(self, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path) -> TrainLm:
+        """How the run's next-token stages train: in this process for a one-rank plan (as always),
+        on a gang of this node's ranks for more; ParallelismError for a plan the node cannot realise."""
+        dims = gang_dims(work.plan)
+        if dims is None:
+            return train_stage
+        refused = refusal(dims, manifest, plan_run(manifest))
+        if refused is not None:
+            raise ParallelismError(refused)
+        return Gang(dims, checkpoint_dir, self.threads).train_stage
 
     async def _applied(self, run_id: str, epoch: int, final: RunState | None) -> bool:
         """Did the scheduler apply our final transition? Asked through the lease (bounded)."""

@@ -155,6 +155,7 @@ EVAL_METRIC = evals.EvalMetric(name="held_out_loss", value=2.5, threshold=3.0, o
 STAGE_GATE = evals.StageGate(stage="pretrain", passed=True, metrics=[EVAL_METRIC])
 PROVENANCE_STEP = evals.ProvenanceStep(name="exact_dedup", before=10, after=8, detail="2 duplicates")
 
+PARALLELISM = api.Parallelism(strategy="ddp", world_size=4, mesh={"dp_replicate": 4}, stage="pretrain")
 RESTART = api.RestartProposal(
     stage="pretrain",
     checkpoint_step=300,
@@ -250,7 +251,9 @@ SAMPLES: dict[type, msgspec.Struct] = {
         updated_at=T1,
         plan=PLAN,
         message="training",
+        parallelism=PARALLELISM,
     ),
+    api.Parallelism: PARALLELISM,
     api.LogLineView: api.LogLineView(index=3, at=T0, level="warning", message="slow step"),
     api.LogPage: api.LogPage(
         run_id="run_1", lines=[api.LogLineView(index=0, at=T0, level="info", message="hi")], next=1
@@ -378,6 +381,15 @@ SAMPLES: dict[type, msgspec.Struct] = {
     ),
     api.RestartProposal: RESTART,
     runs.ProposalMade: runs.ProposalMade(run_id="run_1", seq=11, at=T1, proposal=RESTART),
+    runs.ParallelismStarted: runs.ParallelismStarted(
+        run_id="run_1",
+        seq=12,
+        at=T1,
+        stage="pretrain",
+        strategy="ddp",
+        world_size=4,
+        mesh={"dp_replicate": 4},
+    ),
     api.ApproveRequest: api.ApproveRequest(
         credential=CREDENTIAL, run_id="run_1", idempotency_key="k", confirmation_ref="cf_1", reject=False
     ),
@@ -524,6 +536,7 @@ RUN_EVENT_CLASSES = [
     runs.RunCreated,
     runs.Interruption,
     runs.ProposalMade,
+    runs.ParallelismStarted,
 ]
 
 

@@ -1,0 +1,315 @@
+"""The trainer agent's gang launcher: a run whose plan asks for several ranks on this node trains
+its next-token stages on a gang that PyTorch's elastic launcher starts, never on one process.
+
+For each stage the agent writes a `rank_main.StageJob`, starts `python -m torch.distributed.run`
+(c10d rendezvous on a loopback port, `--max-restarts`, per-rank logs under the stage's gang
+directory) as a child process, and tails rank 0's events file into its own reporter (the spike
+watch, then the bus: ranks hold no bus credentials). A stop (cancel, fence, spike) is a SIGTERM to
+the launcher, which forwards it to the ranks; they commit a checkpoint of their step and exit. A
+rank that dies is restarted with the whole gang by the launcher, from the last committed
+checkpoint, up to `max_restarts` times.
+
+The agent keeps everything else: data preparation and the eval batteries run once, in the agent,
+on the weights the gang committed. What is not rank-correct yet (the ladder's proxy runs and the
+post-training stages) is refused on a gang, in a sentence, before anything trains.
+
+Outcomes: rank 0 writes its summary, or {"refused": reason}, to the job's `result_path`; the
+launcher's exit code says the rest (see `read_outcome`).
+"""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+import torch
+
+from contracts.api import Plan
+from contracts.manifest import Manifest
+from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted, RunEvent, StageStarted
+from services.domain.curriculum import LmPlan, PostPlan, RunPlan
+from services.trainer.checkpoint import load_weights
+from services.trainer.distributed import ParallelDims, ParallelismError
+from services.trainer.loop import pick_device
+from services.trainer.pretrain import StageConfig, StageResult, build_model
+from services.trainer.rank_main import StageJob
+from services.trainer.reporting import Reporter
+
+ENV_GANG_MAX_RESTARTS: Final = "ITO_GANG_MAX_RESTARTS"
+DEFAULT_MAX_RESTARTS = 2  # a rank lost to a node hiccup is restarted twice; a third loss fails the stage
+POLL_S = 0.2  # how often the agent tails rank 0's events and checks for a stop
+STOP_GRACE_S = 90.0  # after a SIGTERM, the ranks save a checkpoint; past this the launcher is killed
+EVENT_LINE_CAP = 1 << 20  # one event is a few hundred bytes; a longer line is not one of ours
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The events a rank may hand on: what training reports. State, creation and interruption events
+# are the agent's and the scheduler's alone.
+FORWARDED = (LogLine, Metrics, CheckpointSaved, StageStarted, ParallelismStarted)
+
+_event_decoder = msgspec.json.Decoder(RunEvent)
+
+
+class GangFailed(RuntimeError):
+    """The gang did not finish its stage (a rank kept dying past `max_restarts`)."""
+
+
+def gang_dims(plan: Plan) -> ParallelDims | None:
+    """The plan's dims when it asks for more than one rank; None for a single process (run as
+    today). ParallelismError for a strategy and degrees that do not agree."""
+    dims = ParallelDims.from_plan(plan.strategy, plan.degrees)
+    return dims if dims.world_size > 1 else None
+
+
+def refusal(dims: ParallelDims, manifest: Manifest, run_plan: RunPlan) -> str | None:
+    """Why this node cannot realise `dims` for this run, or None: the stages that are not
+    rank-correct yet, more than one node, too few GPUs here, or a model or batch the mesh cannot
+    split."""
+    world = f"{dims.strategy} {dims.degrees()} on {dims.world_size} ranks"
+    unsupported = [s.name for s in run_plan.stages if isinstance(s, PostPlan)]
+    if run_plan.ladder is not None and run_plan.ladder.custom:
+        unsupported.insert(0, "ladder")
+    if unsupported:
+        return (
+            f"The plan's {world} cannot run {', '.join(unsupported)} yet: only next-token stages "
+            "(pretrain, midtrain, long_context) train on a gang; plan one GPU for the others."
+        )
+    if manifest.resources.nodes > 1:
+        return (
+            f"The plan's {world} spans {manifest.resources.nodes} nodes; this trainer starts one node's "
+            "ranks only."
+        )
+    if torch.cuda.is_available() and torch.cuda.device_count() < dims.world_size:
+        return f"The plan's {world} needs {dims.world_size} GPUs; this node has {torch.cuda.device_count()}."
+    try:
+        for stage in run_plan.stages:
+            if isinstance(stage, LmPlan):
+                dims.check_model(stage.shape)
+                dims.check_batch(stage.batch_size)
+    except ParallelismError as e:
+        return f"The plan's {world} does not fit: {e}"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchSpec:
+    """One torchrun of one node's ranks."""
+
+    nproc: int
+    port: int
+    max_restarts: int
+    log_dir: pathlib.Path
+
+
+def torchrun_command(spec: LaunchSpec, job: pathlib.Path) -> list[str]:
+    """The elastic launcher's command line: every rank runs rank_main on `job`; stdout and stderr
+    of each rank go to `log_dir/<run>/attempt_<n>/<rank>/`."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={spec.nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{spec.port}",
+        f"--max-restarts={spec.max_restarts}",
+        f"--log-dir={spec.log_dir}",
+        "--redirects=3",
+        "-m",
+        "services.trainer.rank_main",
+        "--config",
+        str(job),
+    ]
+
+
+def stage_job(cfg: StageConfig, dims: ParallelDims, directory: pathlib.Path) -> StageJob:
+    """The job every rank of the gang runs: the stage's config, the plan's dims, rank 0's files."""
+    return StageJob(
+        shape=cfg.shape,
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        learning_rate=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        strategy=dims.strategy,
+        degrees=dims.degrees(),
+        checkpoint_dir=cfg.checkpoint_dir,
+        checkpoint_interval=cfg.checkpoint_interval,
+        keep_last=cfg.keep_last,
+        train_sources=list(cfg.train_sources),
+        stage=cfg.stage,
+        device=cfg.device,
+        events_path=str(directory / "events.jsonl"),
+        result_path=str(directory / "result.json"),
+        eval_sources=list(cfg.eval_sources),
+        min_lr_ratio=cfg.min_lr_ratio,
+        decay=cfg.decay,
+        rope_base=cfg.rope_base,
+        init_from=cfg.init_from,
+        z_loss=cfg.z_loss,
+    )
+
+
+def read_outcome(
+    rc: int, result: dict[str, Any] | None, stopped: bool, spec: LaunchSpec
+) -> dict[str, Any] | None:
+    """Rank 0's summary of a finished stage; None when the gang was stopped on request.
+    ParallelismError when rank 0 refused the job (rank_main's exit 2), GangFailed otherwise."""
+    if result is not None and "refused" in result:
+        raise ParallelismError(f"The gang refused the stage: {result['refused']}")
+    if stopped:
+        return None
+    if rc == 0 and result is not None:
+        return result
+    if rc == 0:
+        raise GangFailed(f"The gang of {spec.nproc} ranks exited without a result.")
+    raise GangFailed(
+        f"The gang of {spec.nproc} ranks exited with code {rc} after up to {spec.max_restarts} "
+        f"restarts; per-rank logs in {spec.log_dir}."
+    )
+
+
+class EventTail:
+    """Rank 0's events file, read from where the last read stopped; only whole lines."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> list[RunEvent]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        events: list[RunEvent] = []
+        for line in data[: end + 1].splitlines():
+            if not line.strip() or len(line) > EVENT_LINE_CAP:
+                continue
+            try:
+                event = _event_decoder.decode(line)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                continue
+            if isinstance(event, FORWARDED):
+                events.append(event)
+        return events
+
+
+class Gang:
+    """Trains next-token stages of one run on a gang of this node's ranks (pipeline's `train_lm`)."""
+
+    def __init__(self, dims: ParallelDims, run_dir: pathlib.Path, threads: int) -> None:
+        self.dims = dims
+        self.run_dir = run_dir
+        self.threads = threads
+        self.max_restarts = int(os.environ.get(ENV_GANG_MAX_RESTARTS, DEFAULT_MAX_RESTARTS))
+
+    def train_stage(self, cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool]) -> StageResult:
+        directory = self.run_dir / "gang" / cfg.stage
+        directory.mkdir(parents=True, exist_ok=True)
+        job = stage_job(cfg, self.dims, directory)
+        result_path = pathlib.Path(job.result_path or directory / "result.json")
+        result_path.unlink(missing_ok=True)
+        events_path = pathlib.Path(job.events_path or directory / "events.jsonl")
+        events_path.unlink(missing_ok=True)  # a redelivered run's earlier attempt was reported then
+        job_path = directory / "job.json"
+        job_path.write_bytes(msgspec.json.encode(job))
+        spec = LaunchSpec(
+            nproc=self.dims.world_size,
+            port=free_port(),
+            max_restarts=self.max_restarts,
+            log_dir=directory / "logs",
+        )
+        report.log(
+            f"{cfg.stage}: starting a gang of {spec.nproc} ranks ({self.dims.strategy} "
+            f"{self.dims.degrees()}) with torchrun, up to {spec.max_restarts} restarts"
+        )
+        rc, stopped = self._launch(spec, job_path, EventTail(events_path), report, should_stop)
+        result = json.loads(result_path.read_text()) if result_path.exists() else None
+        summary = read_outcome(rc, result, stopped, spec)
+        if summary is None:
+            return StageResult(
+                final_step=0, first_loss=None, final_loss=None, held_out_loss=None, stopped=True, tokens=0
+            )
+        return self._result(cfg, summary)
+
+    def _launch(
+        self,
+        spec: LaunchSpec,
+        job_path: pathlib.Path,
+        tail: EventTail,
+        report: Reporter,
+        should_stop: Callable[[], bool],
+    ) -> tuple[int, bool]:
+        """Run the launcher to its end, forwarding rank 0's events; (exit code, stopped on request)."""
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(max(1, self.threads // spec.nproc)),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+        }
+        with open(job_path.parent / "launcher.log", "ab") as log:
+            proc = subprocess.Popen(
+                torchrun_command(spec, job_path), cwd=REPO_ROOT, env=env, stdout=log, stderr=log
+            )
+            stopped_at: float | None = None
+            try:
+                while proc.poll() is None:
+                    self._forward(tail, report)
+                    if stopped_at is None and should_stop():
+                        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
+                        stopped_at = time.monotonic()
+                    elif stopped_at is not None and time.monotonic() - stopped_at > STOP_GRACE_S:
+                        proc.kill()
+                    time.sleep(POLL_S)
+            finally:
+                if proc.poll() is None:  # the agent itself is going down: take the gang with it
+                    proc.kill()
+                    proc.wait()
+        self._forward(tail, report)
+        return proc.returncode, stopped_at is not None
+
+    @staticmethod
+    def _forward(tail: EventTail, report: Reporter) -> None:
+        for event in tail.read():
+            report.send(msgspec.structs.replace(event, run_id=report.run_id, epoch=report.epoch, seq=0))
+
+    def _result(self, cfg: StageConfig, summary: dict[str, Any]) -> StageResult:
+        """The stage's result with its trained weights loaded in the agent, for the eval battery."""
+        model = build_model(
+            cfg.shape,
+            seq_len=cfg.seq_len,
+            rope_base=cfg.rope_base,
+            z_loss=cfg.z_loss,
+            device=pick_device(cfg.device),
+            parallel=ParallelDims(),
+        )
+        if load_weights(cfg.checkpoint_dir, model) is None:
+            raise GangFailed(f"The gang finished {cfg.stage} but committed no checkpoint.")
+        final_step = int(summary["final_step"])
+        return StageResult(
+            final_step=final_step,
+            first_loss=summary.get("first_loss"),
+            final_loss=summary.get("final_loss"),
+            held_out_loss=summary.get("held_out_loss"),
+            stopped=bool(summary.get("stopped")),
+            tokens=final_step * cfg.batch_size * cfg.seq_len,
+            model=model,
+        )

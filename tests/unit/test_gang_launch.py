@@ -1,0 +1,210 @@
+"""The gang launcher's pure parts: which plans run on a gang and which are refused (in a sentence),
+the torchrun command line, the job every rank reads, rank 0's events handed on, and how the
+launcher's exit code and rank 0's result become the stage's outcome."""
+
+import pathlib
+from datetime import UTC, datetime
+
+import msgspec
+import pytest
+
+from contracts.api import CostEstimate, Plan
+from contracts.manifest import Manifest
+from contracts.models import MODEL_SHAPES
+from contracts.runs import LogLine, Metrics, ParallelismStarted, RunCreated, StateChanged
+from contracts.states import RunState
+from services.domain.curriculum import plan_run
+from services.trainer.distributed import ParallelDims, ParallelismError
+from services.trainer.gang import (
+    EventTail,
+    GangFailed,
+    LaunchSpec,
+    gang_dims,
+    read_outcome,
+    refusal,
+    stage_job,
+    torchrun_command,
+)
+from services.trainer.pretrain import StageConfig
+from services.trainer.rank_main import StageJob, read_job
+from tests.conftest import write_manifest
+
+COST = CostEstimate(
+    flops=1.0,
+    tokens=1,
+    parameters=1,
+    assumed_mfu=0.4,
+    peak_tflops_per_gpu=1.0,
+    gpus=4,
+    gpu_hours=0.1,
+    price_per_gpu_hour_usd=1.0,
+    compute_usd=0.1,
+    checkpoint_storage_usd=0.0,
+    total_usd=0.1,
+    booked_gpu_hours=1.0,
+    incremental_usd=0.0,
+)
+SPEC = LaunchSpec(nproc=4, port=29511, max_restarts=2, log_dir=pathlib.Path("/runs/r1/gang/pretrain/logs"))
+
+
+def _plan(strategy: str, degrees: dict[str, int]) -> Plan:
+    return Plan(
+        booking_id="bk",
+        manifest_digest="ab" * 32,
+        strategy=strategy,
+        degrees=degrees,
+        precision="bf16",
+        cost=COST,
+        checks=[],
+        ok=True,
+    )
+
+
+def _manifest(tmp_path: pathlib.Path, **overrides) -> Manifest:
+    path = write_manifest(tmp_path, resources={"nodes": 1, "gpus_per_node": 4}, **overrides)
+    return msgspec.json.decode(path.read_bytes(), type=Manifest)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "degrees", "world"),
+    [
+        ("single", {"dp_replicate": 1}, None),
+        ("ddp", {"dp_replicate": 4}, 4),
+        ("fsdp2", {"dp_replicate": 1, "dp_shard": 4}, 4),
+        ("fsdp2+tp", {"dp_shard": 2, "tp": 2}, 4),
+    ],
+)
+def test_a_plan_of_more_than_one_rank_runs_on_a_gang(strategy, degrees, world):
+    dims = gang_dims(_plan(strategy, degrees))
+    assert (dims.world_size if dims else None) == world
+
+
+def test_a_plan_whose_strategy_and_degrees_disagree_is_refused():
+    with pytest.raises(ParallelismError, match="does not go with the degrees"):
+        gang_dims(_plan("ddp", {"dp_shard": 4}))
+
+
+def test_next_token_stages_on_one_node_are_not_refused(tmp_path):
+    manifest = _manifest(tmp_path)
+    assert refusal(ParallelDims(strategy="ddp", dp_replicate=4), manifest, plan_run(manifest)) is None
+
+
+def test_post_training_on_a_gang_is_refused_by_name(tmp_path):
+    manifest = _manifest(tmp_path, post_training={"recipe": ["sft"]})
+    reason = refusal(ParallelDims(strategy="ddp", dp_replicate=4), manifest, plan_run(manifest))
+    assert reason is not None and "cannot run sft yet" in reason and "ddp" in reason and "4 ranks" in reason
+
+
+def test_a_batch_the_data_parallel_ranks_cannot_split_is_refused(tmp_path):
+    manifest = _manifest(tmp_path)  # a global batch of 8
+    reason = refusal(ParallelDims(strategy="fsdp2", dp_shard=3), manifest, plan_run(manifest))
+    assert reason is not None and "does not split evenly over 3" in reason
+
+
+def test_more_than_one_node_is_refused(tmp_path):
+    path = write_manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 2})
+    manifest = msgspec.json.decode(path.read_bytes(), type=Manifest)
+    reason = refusal(ParallelDims(strategy="ddp", dp_replicate=4), manifest, plan_run(manifest))
+    assert reason is not None and "2 nodes" in reason
+
+
+def test_the_torchrun_command_line():
+    command = torchrun_command(SPEC, pathlib.Path("/runs/r1/gang/pretrain/job.json"))
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert {
+        "--nnodes=1",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:29511",
+        "--max-restarts=2",
+        "--log-dir=/runs/r1/gang/pretrain/logs",
+        "--redirects=3",
+    } <= set(command)
+    assert command[-4:] == ["-m", "services.trainer.rank_main", "--config", "/runs/r1/gang/pretrain/job.json"]
+
+
+def test_the_job_every_rank_reads_carries_the_stage_and_the_plan(tmp_path):
+    cfg = StageConfig(
+        stage="long_context",
+        shape=MODEL_SHAPES["tiny"],
+        train_sources=["generated:arithmetic"],
+        eval_sources=["generated:arithmetic"],
+        seq_len=32,
+        batch_size=8,
+        learning_rate=3e-4,
+        steps=5,
+        warmup_steps=0,
+        decay="linear",
+        min_lr_ratio=0.0,
+        rope_base=40000.0,
+        init_from="/runs/r1/midtrain",
+        checkpoint_dir="/runs/r1/long_context",
+        checkpoint_interval=2,
+        keep_last=3,
+    )
+    job = stage_job(cfg, ParallelDims(strategy="fsdp2", dp_shard=4), tmp_path)
+    path = tmp_path / "job.json"
+    path.write_bytes(msgspec.json.encode(job))
+    back = read_job(str(path))
+    assert isinstance(back, StageJob)
+    assert (back.strategy, back.degrees) == ("fsdp2", {"dp_shard": 4})
+    assert (back.stage, back.steps, back.batch_size, back.seq_len) == ("long_context", 5, 8, 32)
+    assert (back.decay, back.min_lr_ratio, back.rope_base) == ("linear", 0.0, 40000.0)
+    assert (back.init_from, back.checkpoint_dir, back.eval_sources) == (
+        "/runs/r1/midtrain",
+        "/runs/r1/long_context",
+        ["generated:arithmetic"],
+    )
+    assert back.events_path == str(tmp_path / "events.jsonl")
+    assert back.result_path == str(tmp_path / "result.json")
+
+
+@pytest.mark.parametrize(
+    ("rc", "result", "stopped", "want"),
+    [
+        (0, {"final_step": 6}, False, {"final_step": 6}),
+        (0, {"final_step": 3, "stopped": True}, True, None),
+        (1, None, True, None),  # torchrun exits non-zero on the SIGTERM it was sent
+        (0, {"refused": "tp 3 does not divide n_head 4"}, False, ParallelismError),
+        (1, {"refused": "tp 3 does not divide n_head 4"}, False, ParallelismError),
+        (1, None, False, GangFailed),
+        (0, None, False, GangFailed),
+    ],
+)
+def test_exit_code_and_result_map_to_the_stage_outcome(rc, result, stopped, want):
+    if isinstance(want, type):
+        with pytest.raises(want) as raised:
+            read_outcome(rc, result, stopped, SPEC)
+        if want is GangFailed and rc:
+            assert f"code {rc}" in str(raised.value) and "2 restarts" in str(raised.value)
+        if want is ParallelismError:
+            assert "tp 3 does not divide n_head 4" in str(raised.value)
+    else:
+        assert read_outcome(rc, result, stopped, SPEC) == want
+
+
+def test_rank0_events_are_read_whole_lines_only_and_only_training_kinds(tmp_path):
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    path = tmp_path / "events.jsonl"
+    tail = EventTail(path)
+    assert tail.read() == []  # not written yet
+    metrics = Metrics(
+        run_id="gang", seq=0, at=at, stage="pretrain", step=1, total_steps=2, loss=5.0,
+        learning_rate=1e-3, tokens_per_s=1.0, grad_norm=1.0,
+    )  # fmt: skip
+    lines = [
+        msgspec.json.encode(ParallelismStarted(run_id="gang", seq=0, at=at, stage="pretrain", strategy="ddp", world_size=4)),
+        msgspec.json.encode(StateChanged(run_id="gang", seq=0, at=at, state=RunState.succeeded)),
+        msgspec.json.encode(RunCreated(run_id="gang", seq=0, at=at, account="a", booking_id="b", region="r",
+                                       gpu_model="g", gpus=1, accepted_at=at)),
+        b"not json",
+        msgspec.json.encode(metrics),
+    ]  # fmt: skip
+    encoded = b"\n".join(lines) + b"\n"
+    log = msgspec.json.encode(LogLine(run_id="gang", seq=0, at=at, message="half"))
+    path.write_bytes(encoded + log[:10])
+    assert [type(e) for e in tail.read()] == [ParallelismStarted, Metrics]
+    assert tail.read() == []
+    with open(path, "ab") as f:
+        f.write(log[10:] + b"\n")
+    assert [e.message for e in tail.read() if isinstance(e, LogLine)] == ["half"]
