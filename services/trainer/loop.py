@@ -17,6 +17,14 @@ Under several ranks (see `distributed`) every rank runs this loop in step: the s
 averaged over the ranks before they travel to the host (the logged loss is the mean over the
 data-parallel ranks, each of which saw its own slice of the global batch), a stop requested on any
 rank stops them all at the same step, and only rank 0 reports.
+
+Replica groups (torchft, see `fault_tolerance`): with a `FaultTolerance` passed in, the same loop
+asks it for a quorum before the forward pass, has it average the gradients across the groups after
+backward (before clipping, so every group clips the same gradient), and steps the optimizer and the
+schedule only when it says the step may commit. An attempt that may not commit (a peer died during
+its all-reduce) is neither counted, reported as metrics, nor checkpointed: the loop tries the same
+step again. The step count is the groups' committed step, which jumps forward when this group heals
+from a peer. Without one, none of this runs: the step is exactly the single-group step.
 """
 
 import contextlib
@@ -25,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -45,6 +53,32 @@ from services.trainer.distributed import any_true, clip_grad_norm, uses_tp, worl
 from services.trainer.reporting import Reporter, rank0_only
 
 ShouldStop = Callable[[], bool]
+
+
+class FaultTolerance(Protocol):
+    """The hooks of replica-group fault tolerance around one optimizer step, in the order the loop
+    calls them (`fault_tolerance.ReplicaGroup` implements them with torchft)."""
+
+    def start_step(self) -> None:
+        """Before the forward pass: start this step's quorum (it may run alongside the forward)."""
+        ...
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """After backward: average the gradients across the replica groups; a failure is recorded
+        for `should_commit`, not raised."""
+        ...
+
+    def should_commit(self) -> bool:
+        """At the optimizer step: whether every group in the quorum may apply this step."""
+        ...
+
+    def end_step(self, loss: torch.Tensor, *, committed: bool) -> int:
+        """After the optimizer step: the steps committed so far (the next step's 0-based index)."""
+        ...
+
+    def checkpoint_module(self) -> torch.nn.Module:
+        """The module a checkpoint saves in place of the model (the model plus the group's state)."""
+        ...
 
 
 class TrainingError(RuntimeError):
@@ -212,11 +246,20 @@ def run_loop(
     *,
     start_step: int = 0,
     position: Callable[[], int] = lambda: 0,
+    fault_tolerance: FaultTolerance | None = None,
 ) -> LoopResult:
     """Run optimizer steps start_step+1 .. settings.steps. `step_fn(step)` gets the 0-based index of
-    the step it computes; `position()` is the data position stored with each checkpoint."""
+    the step it computes; `position()` is the data position stored with each checkpoint.
+    `fault_tolerance`: this process's replica group, when the run's replicas are torchft groups."""
     loop = _Loop(
-        settings, model, optimizer, scheduler, rank0_only(report), start_step=start_step, position=position
+        settings,
+        model,
+        optimizer,
+        scheduler,
+        rank0_only(report),
+        start_step=start_step,
+        position=position,
+        fault_tolerance=fault_tolerance,
     )
     model.train()
     try:
@@ -249,9 +292,10 @@ class _Loop:
         *,
         start_step: int,
         position: Callable[[], int],
+        fault_tolerance: FaultTolerance | None,
     ) -> None:
         self.settings, self.model, self.optimizer, self.scheduler = settings, model, optimizer, scheduler
-        self.report, self.position = report, position
+        self.report, self.position, self.ft = report, position, fault_tolerance
         self.checkpointer = Checkpointer(settings.checkpoint_dir, keep_last=settings.keep_last)
         self.log_every = settings.log_interval or max(1, settings.steps // 10)
         device = next(model.parameters()).device
@@ -267,20 +311,42 @@ class _Loop:
         self.last_read = 0.0
 
     def train_step(self, step_fn: Callable[[int], StepOutput]) -> None:
-        """One optimizer step, its reading queued; the checkpoint when one is due."""
+        """One optimizer step, its reading queued; the checkpoint when one is due. Under fault
+        tolerance, an attempt that may not commit leaves the step where it was."""
         started = time.perf_counter()
+        ft = self.ft
+        if ft is not None:
+            ft.start_step()
         out = step_fn(self.step)
         learning_rate = float(self.scheduler.get_last_lr()[0])  # the LR this step uses
         values: torch.Tensor | None = None
         ready: torch.cuda.Event | None = None
+        committed = True
         if out.loss is not None:
             out.loss.backward()
+            if ft is not None:
+                ft.reduce_gradients(self.params)
             grad_norm = clip_grad_norm(self.params, self.settings.grad_clip, tp=self.tp)
-            self.optimizer.step()
-            values, ready = _send_to_host(out, grad_norm)
-        self.scheduler.step()
+            committed = ft is None or ft.should_commit()
+            if committed:
+                self.optimizer.step()
+                values, ready = _send_to_host(out, grad_norm)
+        elif ft is not None:
+            # The other groups all-reduce gradients in every step: one that skips its part stalls them.
+            raise TrainingError(
+                f"A step of {self.settings.stage} without a loss cannot run in a replica group."
+            )
+        if committed:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        if ft is None:
+            self.step += 1
+        else:
+            assert out.loss is not None
+            self.step = ft.end_step(out.loss, committed=committed)
+            if not committed:
+                report_checkpoints(self.report, self.checkpointer.poll())
+                return  # nothing learned, nothing to report: the next attempt is this step again
         self.pending.append(
             _Reading(
                 step=self.step,
@@ -303,8 +369,9 @@ class _Loop:
             report_checkpoints(self.report, self.checkpointer.poll())
 
     def save(self) -> None:
+        saved = self.model if self.ft is None else self.ft.checkpoint_module()
         self.checkpointer.save(
-            self.step, self.model, self.optimizer, scheduler=self.scheduler, data_position=self.position()
+            self.step, saved, self.optimizer, scheduler=self.scheduler, data_position=self.position()
         )
         self.saved_step = self.step
 

@@ -25,7 +25,12 @@ import torch.distributed.checkpoint as dcp
 from contracts.models import MODEL_SHAPES
 from services.trainer.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights
 from services.trainer.model import Transformer
-from services.trainer.replicas import CheckpointView, ManagerProgress, start_lighthouse, weights_checksum
+from services.trainer.fault_tolerance import (
+    CheckpointView,
+    ManagerProgress,
+    start_lighthouse,
+    weights_checksum,
+)
 from tests.support import eventually
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -1,0 +1,259 @@
+"""Replica-group fault tolerance with torchft: the component `loop.run_loop` uses when a run's
+data-parallel replicas are torchft replica groups (`ReplicaGroup`), and the Lighthouse they meet at.
+
+This module owns one replica group's torchft `Manager` (its per-group TCPStore, `ProcessGroupGloo`,
+the Lighthouse address, the state a healing peer receives) and the hooks the one training loop calls
+around its step; it has no loop of its own. Per optimizer step the loop calls:
+  start_step()            before the forward pass: `Manager.start_quorum` (asynchronous, overlapped
+                          with the forward)
+  reduce_gradients(ps)    after backward: every gradient averaged over the quorum with
+                          `Manager.allreduce` (a failed all-reduce is recorded in the Manager, never
+                          raised, so a peer dying mid-step does not kill this group)
+  should_commit()         at the optimizer step: `Manager.should_commit`; the loop steps the optimizer
+                          and the schedule only on True, and otherwise tries the same step again
+  end_step(loss, ...)     after it: the group's committed step (it jumps when the group healed) and
+                          the progress line
+  checkpoint_module()     what a checkpoint holds: the model plus the Manager's progress
+
+What torchft gives through these hooks:
+  - Every step asks the Lighthouse for a quorum. A replica group killed with SIGKILL stops
+    heartbeating; after the Lighthouse's heartbeat timeout the others form a quorum without it and
+    keep stepping. The step in flight when the peer died fails its all-reduce, is not committed and is
+    tried again; nothing crashes and nothing restarts.
+  - A replacement joins the next quorum behind the others' step; torchft heals it by fetching the
+    model, optimizer and schedule state from a peer over HTTP (`_load_peer_state`), and from then on
+    they step together with the same weights.
+  - The quorum is asynchronous (torchft's default), so the step in which a group heals runs its
+    forward on its old weights; torchft zeroes its gradient before the all-reduce and does not count
+    it in `participants` for that one step. From the next step on it is an equal member.
+  - `Manager.state_dict()` ({step, batches_committed}) travels in the same DCP snapshot as the model,
+    as two int64 buffers under `torchft.*` (see `CheckpointView`): no pickle in the checkpoint, and
+    a plain `Transformer` still loads the weights with `load_weights`.
+
+A group here is one process (group rank 0 of 1), which hosts its own TCPStore.
+"""
+
+import hashlib
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed import TCPStore
+from torchft import Manager, ProcessGroupGloo
+
+from services.trainer.checkpoint import ResumeState, load_latest
+
+# Lighthouse defaults. torchft's own are 5 s heartbeat and 60 s join timeouts, sized for clusters;
+# these are sized for a few processes on one host, so a kill is noticed in ~2 s.
+HEARTBEAT_TIMEOUT_MS = 2_000  # a silent replica leaves the quorum after this; raise on a loaded host
+JOIN_TIMEOUT_MS = 1_000  # how long a quorum waits for heartbeating replicas that have not asked yet
+QUORUM_TICK_MS = 100  # how often the Lighthouse re-checks a pending quorum
+
+# Manager defaults (torchft's are 60 s each): a dead peer turns into a skipped step within seconds.
+TIMEOUT_S = 5.0  # Gloo collectives, should_commit, and the HTTP transfer of a healing checkpoint
+QUORUM_TIMEOUT_S = 15.0  # one quorum; must exceed the Lighthouse's heartbeat timeout
+CONNECT_TIMEOUT_S = 5.0
+
+
+class Progress(Protocol):
+    """Where the group's progress lines go: an event name and its fields."""
+
+    def __call__(self, event: str, /, **fields: object) -> None: ...
+
+
+def start_lighthouse(
+    bind: str = "[::]:0",
+    *,
+    min_replicas: int = 1,
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
+    join_timeout_ms: int = JOIN_TIMEOUT_MS,
+    quorum_tick_ms: int = QUORUM_TICK_MS,
+) -> Any:
+    """A torchft Lighthouse in this process (a Rust server on its own threads). Its `address()` is
+    what replica groups get as their Lighthouse; call `shutdown()` to stop it."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
+
+
+class ManagerProgress(nn.Module):
+    """`Manager.state_dict()` as two persistent int64 buffers, so DCP saves and loads it as tensors."""
+
+    step: torch.Tensor  # buffers (register_buffer below), declared for the type checker
+    batches_committed: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("batches_committed", torch.zeros((), dtype=torch.int64))
+
+    def capture(self, manager_state: dict[str, int]) -> None:
+        self.step.fill_(manager_state["step"])
+        self.batches_committed.fill_(manager_state["batches_committed"])
+
+    def manager_state(self) -> dict[str, int]:
+        return {"step": int(self.step), "batches_committed": int(self.batches_committed)}
+
+
+class CheckpointView(nn.Module):
+    """What a checkpoint holds: the model's own submodules under their own names (the same tensors,
+    not copies) plus `torchft`, the Manager's progress. Keys are those of a plain Transformer
+    checkpoint plus `torchft.step` and `torchft.batches_committed`."""
+
+    def __init__(self, model: nn.Module, progress: ManagerProgress):
+        super().__init__()
+        # Direct parameters of the model would be missed by a view built from its children.
+        assert not list(model.parameters(recurse=False)), "the model must keep its parameters in submodules"
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        self.torchft = progress
+
+
+def weights_checksum(model: nn.Module) -> str:
+    """A short hash of every parameter's bytes: equal in two replicas iff their weights are equal."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name, p in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class ReplicaGroup:
+    """One replica group's torchft Manager and the hooks `loop.run_loop` calls around its step
+    (`loop.FaultTolerance`). Build it after the model, optimizer and schedule, `resume`, pass it to
+    `run_loop(..., fault_tolerance=)`, then `close`."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        replica_id: int,
+        lighthouse: str,
+        store_host: str = "127.0.0.1",
+        timeout_s: float = TIMEOUT_S,
+        quorum_timeout_s: float = QUORUM_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        min_replica_size: int = 1,  # 1: keep stepping alone when every other group is gone
+        progress: Progress | None = None,
+    ) -> None:
+        if quorum_timeout_s * 1000 <= HEARTBEAT_TIMEOUT_MS:
+            raise ValueError("The quorum timeout needs to be longer than the Lighthouse's heartbeat timeout.")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.replica_id = replica_id
+        self.progress = progress
+        self.manager_progress = ManagerProgress()
+        self.view = CheckpointView(model, self.manager_progress)
+        # torchft's Manager connects to the group's TCPStore as a client and waits forever if none
+        # is listening, so the group's rank 0 (this process) hosts it. Port 0: any free port.
+        self.store = TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
+        timeout = timedelta(seconds=timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=self._load_peer_state,
+            state_dict=self._peer_state,
+            min_replica_size=min_replica_size,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timedelta(seconds=connect_timeout_s),
+            rank=0,
+            world_size=1,
+            store_addr=store_host,
+            store_port=self.store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"replica_{replica_id}",  # torchft reads the trailing digits as the group's rank
+        )
+        self._write("started", pid=os.getpid(), store_port=self.store.port)
+
+    @property
+    def step(self) -> int:
+        """The steps every group in the quorum has committed (shared by all groups)."""
+        return int(self.manager.current_step())
+
+    # --- the loop's hooks (loop.FaultTolerance)
+
+    def start_step(self) -> None:
+        self.manager.start_quorum()
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        # All queued first, then waited on: Gloo runs them back to back. A gradient of a sharded
+        # parameter (a DTensor) is reduced in place through its local shard.
+        works = [
+            self.manager.allreduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+            for p in params
+            if p.grad is not None
+        ]
+        for work in works:
+            work.wait()  # does not raise: a failure is recorded with Manager.report_error
+
+    def should_commit(self) -> bool:
+        return bool(self.manager.should_commit())
+
+    def end_step(self, loss: torch.Tensor, *, committed: bool) -> int:
+        step = self.step
+        if self.progress is not None:
+            record: dict[str, object] = {
+                "step": step,
+                "committed": committed,
+                "loss": round(float(loss.detach()), 5),
+                "participants": self.manager.num_participants(),
+                "checksum": weights_checksum(self.model),
+            }
+            if (error := self.manager.errored()) is not None:
+                record["error"] = str(error.original_exception).splitlines()[0][:300]
+            self.progress("step", **record)
+        return step
+
+    def checkpoint_module(self) -> nn.Module:
+        self.manager_progress.capture(self.manager.state_dict())
+        return self.view
+
+    # --- lifecycle
+
+    def resume(self, directory: str | os.PathLike) -> ResumeState | None:
+        """Load this group's latest committed checkpoint, Manager state included, if there is one.
+        A peer that is further ahead still heals this group at the first quorum."""
+        resumed = load_latest(directory, self.view, self.optimizer, scheduler=self.scheduler)
+        if resumed is not None:
+            self.manager.load_state_dict(self.manager_progress.manager_state())
+            self._write("resumed", step=self.step, path=resumed.path)
+        return resumed
+
+    def close(self) -> None:
+        """Stop the Manager's servers (HTTP, gRPC) and its quorum thread."""
+        self.manager.shutdown(wait=False)
+
+    # --- the state a healing peer receives (torchft calls these on its quorum thread or in should_commit)
+
+    def _peer_state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def _load_peer_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        # The Manager has already taken the peer's step when it hands the state over.
+        self._write("healed", step=self.step)
+
+    def _write(self, event: str, **fields: object) -> None:
+        if self.progress is not None:
+            self.progress(event, **fields)
+
+
+def replica_checkpoint_dir(parent: str | os.PathLike, replica_id: int) -> Path:
+    """Where replica group N keeps its checkpoints: `<parent>/replica-<N>`."""
+    return Path(parent) / f"replica-{replica_id}"
