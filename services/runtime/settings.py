@@ -16,6 +16,7 @@ ENV_ELIGIBILITY_TTL_S = "ITO_ELIGIBILITY_TTL_S"
 ENV_IDEMPOTENCY_RETENTION_S = "ITO_IDEMPOTENCY_RETENTION_S"
 ENV_REQUEST_TIMEOUT_S = "ITO_REQUEST_TIMEOUT_S"
 ENV_TRAINER_THREADS = "ITO_TRAINER_THREADS"
+ENV_PLAN_SMALL_MODEL_GANGS = "ITO_PLAN_SMALL_MODEL_GANGS"
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -55,6 +56,9 @@ class Settings:
     eligibility_ttl_s: float
     idempotency_retention_s: float
     request_timeout_s: float
+    small_model_gangs: bool = False
+    """Plan a model too small to need several GPUs on the GPUs of one node anyway (tests and demos
+    of the gang on CPU, where each "GPU" is a process). Off in production: it only adds traffic."""
 
     def __post_init__(self) -> None:
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
@@ -90,6 +94,7 @@ def load(env: dict[str, str] | None = None) -> Settings:
         eligibility_ttl_s=_float(env, ENV_ELIGIBILITY_TTL_S, DEFAULT_ELIGIBILITY_TTL_S),
         idempotency_retention_s=_float(env, ENV_IDEMPOTENCY_RETENTION_S, DEFAULT_IDEMPOTENCY_RETENTION_S),
         request_timeout_s=_float(env, ENV_REQUEST_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S),
+        small_model_gangs=env.get(ENV_PLAN_SMALL_MODEL_GANGS, "") == "1",
     )
 
 

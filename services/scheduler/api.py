@@ -114,8 +114,11 @@ class Api:
         auditor: Auditor,
         prices: planning.PriceTable,
         checkpoint_root: pathlib.Path,
+        *,
+        small_model_gangs: bool = False,
     ) -> None:
         self.auditor = auditor
+        self.small_model_gangs = small_model_gangs  # settings.Settings.small_model_gangs
         self.credentials = credentials
         self.backends = backends
         self.runs = runs
@@ -144,7 +147,14 @@ class Api:
     async def _plan(self, account: str, booking_id: str, manifest: Manifest, digest: str):
         body = await self.backends.verified_eligibility(account, booking_id, manifest)
         root = self.checkpoint_root / account
-        p = planning.plan(manifest, digest, body, self.prices, storage_refusal(root, manifest))
+        p = planning.plan(
+            manifest,
+            digest,
+            body,
+            self.prices,
+            storage_refusal(root, manifest),
+            small_model_gangs=self.small_model_gangs,
+        )
         return p, body
 
     async def plan(self, caller: str, req: PlanRequest) -> Plan:

@@ -78,6 +78,7 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
         Auditor(w.broker, s),
         planning.load_prices(),
         s.data_dir / "checkpoints",
+        small_model_gangs=s.small_model_gangs,
     )
     run_events = RunEvents(runs)
 

@@ -81,14 +81,17 @@ class Strategy(NamedTuple):
     refusal: Refusal | None
 
 
-def topology_refusal(params: int, nodes: int, gpus: int, fabric: Fabric) -> Refusal | None:
-    """A fabric that cannot carry the run, or more GPUs or nodes than the model can use."""
+def topology_refusal(
+    params: int, nodes: int, gpus: int, fabric: Fabric, small_model_gangs: bool = False
+) -> Refusal | None:
+    """A fabric that cannot carry the run, or more GPUs or nodes than the model can use (several
+    GPUs of one node for a small model only with the operator's `small_model_gangs`)."""
     if nodes > 1 and fabric is Fabric.ethernet:
         return (
             ErrorCode.fabric_unsupported,
             "a multi-node run needs InfiniBand or RoCE; the booking has ethernet",
         )
-    if gpus > 1 and params < SMALL_MODEL_PARAMS:
+    if gpus > 1 and params < SMALL_MODEL_PARAMS and not (small_model_gangs and nodes == 1):
         return ErrorCode.plan_wasteful, f"{gpus} GPUs for a {params / 1e6:.1f}M-parameter model: use one GPU"
     if nodes > 1 and params < MULTI_NODE_MIN_PARAMS:
         return (
@@ -113,7 +116,14 @@ def layouts(nodes: int, gpn: int) -> list[tuple[str, dict[str, int], int, int]]:
     return candidates
 
 
-def strategy(params: int, shape: ModelShape, manifest: Manifest, gpu: GpuPrice, fabric: Fabric) -> Strategy:
+def strategy(
+    params: int,
+    shape: ModelShape,
+    manifest: Manifest,
+    gpu: GpuPrice,
+    fabric: Fabric,
+    small_model_gangs: bool = False,
+) -> Strategy:
     """(strategy, degrees, precision, per-GPU bytes, refusal) for the GPUs the manifest asks for."""
     nodes, gpn = manifest.resources.nodes, manifest.resources.gpus_per_node
     gpus = nodes * gpn
@@ -123,7 +133,7 @@ def strategy(params: int, shape: ModelShape, manifest: Manifest, gpu: GpuPrice, 
         shape.n_layer * manifest.target.seq_len * shape.d_model * ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM
     )
     precision = "fp8" if gpu.fp8 and params >= FP8_MIN_PARAMS else "bf16"
-    refused = topology_refusal(params, nodes, gpus, fabric)
+    refused = topology_refusal(params, nodes, gpus, fabric, small_model_gangs)
     if refused is not None:
         return Strategy("none", {}, precision, 0.0, refused)
     for name, degrees, shard, tp in layouts(nodes, gpn):
@@ -269,6 +279,8 @@ def plan(
     statement: EligibilityBody,
     prices: PriceTable,
     storage_refusal: tuple[ErrorCode, str] | None,
+    *,
+    small_model_gangs: bool = False,
 ) -> Plan:
     """The plan and its checks, in a fixed order: price, fabric, parallelism, data policy,
     checkpoint storage, budget cap, incremental cost."""
@@ -277,7 +289,7 @@ def plan(
     topo = statement.topology
     gpu, price_check = desk_gpu(prices, statement)
     checks: list[PlanCheck] = [] if price_check is None else [price_check]
-    chosen = strategy(params, shape, manifest, gpu, statement.fabric)
+    chosen = strategy(params, shape, manifest, gpu, statement.fabric, small_model_gangs)
     checks += layout_checks(chosen, manifest, statement.fabric)
     window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
     booked = topo.nodes * topo.gpus_per_node * window_hours

@@ -9,11 +9,14 @@ import msgspec
 import pytest
 
 from contracts.api import CostEstimate, Plan
+from contracts.booking import Fabric
+from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
 from contracts.runs import LogLine, Metrics, ParallelismStarted, RunCreated, StateChanged
 from contracts.states import RunState
 from services.domain.curriculum import plan_run
+from services.scheduler import planning
 from services.trainer.distributed import ParallelDims, ParallelismError
 from services.trainer.gang import (
     EventTail,
@@ -106,6 +109,15 @@ def test_more_than_one_node_is_refused(tmp_path):
     manifest = msgspec.json.decode(path.read_bytes(), type=Manifest)
     reason = refusal(ParallelDims(strategy="ddp", dp_replicate=4), manifest, plan_run(manifest))
     assert reason is not None and "2 nodes" in reason
+
+
+def test_a_small_model_on_several_gpus_of_one_node_only_with_the_operator_setting():
+    params = planning.parameter_count(MODEL_SHAPES["tiny"])
+    refused = planning.topology_refusal(params, 1, 4, Fabric.infiniband)
+    assert refused is not None and refused[0] is ErrorCode.plan_wasteful
+    assert planning.topology_refusal(params, 1, 4, Fabric.infiniband, small_model_gangs=True) is None
+    refused = planning.topology_refusal(params, 2, 4, Fabric.infiniband, small_model_gangs=True)
+    assert refused is not None and refused[0] is ErrorCode.plan_wasteful  # never across nodes
 
 
 def test_the_torchrun_command_line():

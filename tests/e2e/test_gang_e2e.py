@@ -1,0 +1,154 @@
+"""A run whose plan asks for 4 GPUs on one node trains on a gang of 4 ranks that the trainer agent
+starts with torchrun (CPU, gloo): through `ecc ito train`, to `succeeded`, with the strategy, world
+size and mesh it really used in `ecc ito status`; per-rank logs in the run's directory. A rank
+killed mid-stage is restarted with its gang by the elastic launcher from the last committed
+checkpoint, and the run still succeeds. A plan the gang cannot run yet ends `failed`, naming why."""
+
+import os
+import pathlib
+import signal
+
+import pytest
+
+from tests.conftest import start_stack
+from tests.support import eventually, run_state, run_status
+
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+
+GPUS = {"nodes": 1, "gpus_per_node": 4}
+RUN_TIMEOUT_S = 300  # 4 ranks of the tiny model on 2 cores: ~30-60 s a run, most of it start-up
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """All services, with the scheduler allowed to plan the tiny model on several GPUs of a node
+    (ITO_PLAN_SMALL_MODEL_GANGS): here each "GPU" is a CPU process of the gang."""
+    s = start_stack(tmp_path_factory.mktemp("gang-stack"), env={"ITO_PLAN_SMALL_MODEL_GANGS": "1"})
+    try:
+        yield s
+    finally:
+        s.run("ito-training", "down", timeout=60)
+
+
+def _train(stack, env, booking: str, manifest_path: str, key: str) -> str:
+    account_booking = booking
+    _, conf = stack.ecc(
+        "confirm", "--action", "train", "--booking", account_booking, "--manifest", manifest_path, env=env
+    )
+    rc, train = stack.ecc(
+        "train",
+        "--booking",
+        account_booking,
+        "--manifest",
+        manifest_path,
+        "--confirmation-ref",
+        conf["data"]["confirmation_ref"],
+        "--idempotency-key",
+        key,
+        env=env,
+    )
+    assert rc == 0 and train["ok"], train
+    return train["data"]["run_id"]
+
+
+def _tenant(stack) -> tuple[dict, str]:
+    """A new account's env and a booking with room for the 4 GPUs."""
+    account, _, env = stack.account()
+    return env, stack.booking(account, gpus_per_node=8)
+
+
+def _rank_logs(run_dir: pathlib.Path, stage: str = "pretrain") -> dict[int, list[int]]:
+    """attempt -> the local ranks that wrote logs in it."""
+    attempts: dict[int, list[int]] = {}
+    for stderr in (run_dir / "gang" / stage / "logs").glob("*/attempt_*/*/stderr.log"):
+        attempt = int(stderr.parent.parent.name.removeprefix("attempt_"))
+        attempts.setdefault(attempt, []).append(int(stderr.parent.name))
+    return {a: sorted(r) for a, r in attempts.items()}
+
+
+def test_a_four_gpu_plan_trains_on_four_ranks(stack, manifest):
+    env, booking = _tenant(stack)
+    tokens = 12 * 8 * 32  # 12 steps of the 8 x 32 global batch
+    m = manifest(
+        resources=GPUS,
+        target={"tokens": tokens, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
+        checkpoint={"interval_steps": 4, "keep_last": 2, "storage": "local"},
+    )
+    rc, plan = stack.ecc("plan", "--booking", booking, "--manifest", str(m), env=env)
+    assert rc == 0 and plan["data"]["ok"], plan
+    strategy, degrees = plan["data"]["strategy"], plan["data"]["degrees"]
+    assert strategy in ("ddp", "fsdp2") and degrees, plan["data"]
+
+    run_id = _train(stack, env, booking, str(m), "gang-4")
+    final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=RUN_TIMEOUT_S)
+    assert final["state"] == "succeeded", final
+    assert final["step"] == final["total_steps"] == 12
+
+    used = final["parallelism"]
+    assert used["strategy"] == strategy and used["world_size"] == 4, used
+    assert used["mesh"] == {k: v for k, v in degrees.items() if v > 1}, (used, degrees)
+    assert _rank_logs(pathlib.Path(final["checkpoint_dir"]))[0] == [0, 1, 2, 3]
+
+    human = stack.run("ecc", "ito", "status", run_id, env=env)
+    assert human.returncode == 0, human.stderr
+    mesh = " x ".join(f"{k} {v}" for k, v in used["mesh"].items())
+    assert f"parallelism: {strategy}, world size 4, mesh {mesh}" in human.stdout, human.stdout
+
+    rc, logs = stack.ecc("logs", run_id, env=env)
+    assert rc == 0, logs
+    messages = [ln["message"] for ln in logs["data"]["lines"]]
+    assert any("starting a gang of 4 ranks" in msg for msg in messages), messages
+
+
+def _rank_pids(job: pathlib.Path) -> list[int]:
+    """The pids of the ranks running `job` (rank_main processes, not the launcher)."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"services.trainer.rank_main" in cmdline and str(job).encode() in cmdline:
+            if b"torch.distributed.run" not in cmdline:
+                pids.append(int(proc.name))
+    return pids
+
+
+def test_a_rank_killed_mid_stage_is_restarted_from_the_last_checkpoint(stack, manifest):
+    env, booking = _tenant(stack)
+    tokens = 60 * 8 * 32
+    m = manifest(
+        resources=GPUS,
+        target={"tokens": tokens, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
+        checkpoint={"interval_steps": 5, "keep_last": 3, "storage": "local"},
+    )
+    run_id = _train(stack, env, booking, str(m), "gang-kill")
+    view = run_status(
+        stack, env, run_id, lambda v: (v.get("last_checkpoint_step") or 0) >= 5, timeout=RUN_TIMEOUT_S
+    )
+    assert view["state"] == "running" and view["step"] < 60, view
+    job = pathlib.Path(view["checkpoint_dir"]) / "gang" / "pretrain" / "job.json"
+    pids = eventually(lambda: _rank_pids(job), timeout=30, what="the gang's ranks")
+    os.kill(pids[-1], signal.SIGKILL)
+
+    final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=RUN_TIMEOUT_S)
+    assert final["state"] == "succeeded", final
+    assert final["step"] == 60
+    attempts = _rank_logs(pathlib.Path(final["checkpoint_dir"]))
+    assert attempts.get(1) == [0, 1, 2, 3], attempts  # the launcher restarted the whole gang once
+    rc, logs = stack.ecc("logs", run_id, env=env)
+    assert rc == 0, logs
+    resumed = [ln["message"] for ln in logs["data"]["lines"] if ln["message"].startswith("Resuming pretrain")]
+    assert resumed, "the restarted gang did not resume from a checkpoint"
+
+
+def test_post_training_on_a_gang_fails_naming_what_is_not_supported(stack, manifest):
+    env, booking = _tenant(stack)
+    m = manifest(resources=GPUS, post_training={"recipe": ["sft"]})
+    run_id = _train(stack, env, booking, str(m), "gang-sft")
+    final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=120)
+    assert final["state"] == "failed", final
+    assert "cannot run sft yet" in final["message"] and "4 ranks" in final["message"], final
+    assert final["step"] == 0
