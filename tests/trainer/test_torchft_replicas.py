@@ -24,13 +24,13 @@ import torch.distributed.checkpoint as dcp
 
 from contracts.models import MODEL_SHAPES
 from services.trainer.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights
-from services.trainer.model import Transformer
 from services.trainer.fault_tolerance import (
     CheckpointView,
     ManagerProgress,
     start_lighthouse,
     weights_checksum,
 )
+from services.trainer.model import Transformer
 from tests.support import eventually
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
