@@ -37,6 +37,10 @@ from services.trainer.model import Attention
 ENV_WORLD_SIZE: Final = "WORLD_SIZE"
 ENV_RANK: Final = "RANK"
 ENV_LOCAL_RANK: Final = "LOCAL_RANK"
+ENV_MASTER_ADDR: Final = "MASTER_ADDR"
+ENV_MASTER_PORT: Final = "MASTER_PORT"
+ENV_RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"  # which attempt of the gang this is (0 first)
+ENV_USE_AGENT_STORE: Final = "TORCHELASTIC_USE_AGENT_STORE"  # "True": the agent hosts the store
 
 # How long a collective may wait for its peers before the group reports an error; a rank that died
 # without the launcher noticing turns into this timeout rather than a hang.
@@ -205,8 +209,32 @@ def init(device_type: str) -> torch.device:
         device = torch.device(device_type)
     if env_world_size() > 1 and not initialized():
         backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+        attempt = os.environ.get(ENV_RESTART_COUNT)
+        if attempt is None or os.environ.get(ENV_USE_AGENT_STORE) != "True":
+            dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+        else:
+            dist.init_process_group(
+                backend=backend,
+                store=_attempt_store(int(attempt)),
+                rank=env_rank(),
+                world_size=env_world_size(),
+                timeout=COLLECTIVE_TIMEOUT,
+            )
     return device
+
+
+def _attempt_store(attempt: int) -> dist.Store:
+    """The elastic agent's store, under a prefix of its own per attempt. The agent keeps one store
+    across restarts, so a restarted gang would read the addresses its dead predecessors published
+    there and fail to connect (seen with torch 2.13: "Gloo connectFullMesh failed ... Connection
+    refused")."""
+    store = dist.TCPStore(
+        os.environ[ENV_MASTER_ADDR],
+        int(os.environ[ENV_MASTER_PORT]),
+        is_master=False,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    return dist.PrefixStore(f"ito/attempt_{attempt}", store)
 
 
 def close() -> None:
