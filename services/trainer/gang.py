@@ -7,7 +7,8 @@ directory) as a child process, and tails rank 0's events file into its own repor
 watch, then the bus: ranks hold no bus credentials). A stop (cancel, fence, spike) is a SIGTERM to
 the launcher, which forwards it to the ranks; they commit a checkpoint of their step and exit. A
 rank that dies is restarted with the whole gang by the launcher, from the last committed
-checkpoint, up to `max_restarts` times.
+checkpoint, up to `max_restarts` times; past that the gang is lost (`GangLost`) and the agent
+interrupts the run and requeues its work item, as for a lost trainer.
 
 The agent keeps everything else: data preparation and the eval batteries run once, in the agent,
 on the weights the gang committed. What is not rank-correct yet (the ladder's proxy runs and the
@@ -44,7 +45,8 @@ from services.trainer.rank_main import StageJob
 from services.trainer.reporting import Reporter
 
 ENV_GANG_MAX_RESTARTS: Final = "ITO_GANG_MAX_RESTARTS"
-DEFAULT_MAX_RESTARTS = 2  # a rank lost to a node hiccup is restarted twice; a third loss fails the stage
+DEFAULT_MAX_RESTARTS = 2  # a rank lost to a node hiccup is restarted twice; a third loss
+# interrupts the run (requeued, resumed from the last checkpoint)
 POLL_S = 0.2  # how often the agent tails rank 0's events and checks for a stop
 STOP_GRACE_S = 90.0  # after a SIGTERM, the ranks save a checkpoint; past this the launcher is killed
 EVENT_LINE_CAP = 1 << 20  # one event is a few hundred bytes; a longer line is not one of ours
@@ -57,7 +59,12 @@ _event_decoder = msgspec.json.Decoder(RunEvent)
 
 
 class GangFailed(RuntimeError):
-    """The gang did not finish its stage (a rank kept dying past `max_restarts`)."""
+    """The gang finished its stage wrongly (no result, no checkpoint): the run fails."""
+
+
+class GangLost(RuntimeError):
+    """A rank kept dying past `max_restarts`: the run is interrupted and its work item requeued,
+    to resume from the last committed checkpoint, as when the trainer itself is lost."""
 
 
 def gang_dims(plan: Plan) -> ParallelDims | None:
@@ -167,7 +174,8 @@ def read_outcome(
     rc: int, result: dict[str, Any] | None, stopped: bool, spec: LaunchSpec
 ) -> dict[str, Any] | None:
     """Rank 0's summary of a finished stage; None when the gang was stopped on request.
-    ParallelismError when rank 0 refused the job (rank_main's exit 2), GangFailed otherwise."""
+    ParallelismError when rank 0 refused the job (rank_main's exit 2); GangLost when the launcher
+    gave up after `max_restarts` (a non-zero exit); GangFailed for a clean exit without a result."""
     if result is not None and "refused" in result:
         raise ParallelismError(f"The gang refused the stage: {result['refused']}")
     if stopped:
@@ -176,7 +184,7 @@ def read_outcome(
         return result
     if rc == 0:
         raise GangFailed(f"The gang of {spec.nproc} ranks exited without a result.")
-    raise GangFailed(
+    raise GangLost(
         f"The gang of {spec.nproc} ranks exited with code {rc} after up to {spec.max_restarts} "
         f"restarts; per-rank logs in {spec.log_dir}."
     )

@@ -4,7 +4,9 @@ The message is acknowledged only after the run's final state is published. While
 worker tells JetStream it is still working (`in_progress`) so the message is not redelivered, and
 re-checks its lease with the scheduler; if the process dies, the message comes back after AckWait
 and the run resumes from its last committed checkpoint. A cancel notice (or a lost lease) stops
-the loop within a step; the in-flight checkpoint is committed first.
+the loop within a step; the in-flight checkpoint is committed first. A gang lost past its
+launcher's restarts interrupts the run the same way: the item is given back and resumes from the
+last committed checkpoint, at most `ITO_GANG_MAX_REQUEUES` times (then the run fails).
 """
 
 import asyncio
@@ -16,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import Final
 
 import msgspec
 from faststream.nats import NatsBroker, NatsMessage
@@ -43,7 +46,7 @@ from services.trainer import spikes
 from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.distributed import ParallelismError
 from services.trainer.emitter import Emitter
-from services.trainer.gang import Gang, GangFailed, gang_dims, refusal
+from services.trainer.gang import Gang, GangFailed, GangLost, gang_dims, refusal
 from services.trainer.pipeline import PipelineResult, TrainLm, run_pipeline
 from services.trainer.pretrain import train_stage
 from services.trainer.reporting import Sink, check_event
@@ -57,6 +60,10 @@ RENEW_EVERY_S = TIMERS.renew_every_s  # the lease renewal is the heartbeat the s
 SELF_FENCE_S = TIMERS.self_fence_s  # no renewal for this long: stop; the scheduler's silence_s is longer
 RETRY_LEASE_AFTER_S = 5  # the scheduler did not answer: give the item back, try again later
 FINAL_STATE_WAIT_S = 15.0  # the item is acked only once the scheduler shows the final state
+ENV_GANG_MAX_REQUEUES: Final = "ITO_GANG_MAX_REQUEUES"
+DEFAULT_GANG_MAX_REQUEUES = 2  # a gang lost past its restarts comes back twice (a bad node, a
+# preempted neighbour); a crash that repeats on every delivery then fails the run instead of looping
+REQUEUE_AFTER_S = 5  # an interrupted gang's work item is delivered again after this long
 
 work_decoder = msgspec.json.Decoder(TrainWork)
 manifest_decoder = msgspec.json.Decoder(Manifest)
@@ -103,6 +110,32 @@ def final_state(result: PipelineResult, stop: Stop, checkpoint_dir: pathlib.Path
             return RunState.succeeded, result.summary
         case Outcome.stopped:  # the pipeline stops only when asked to
             raise ValueError("The pipeline stopped although no stop was requested.")
+
+
+def lost_gang_state(exc: GangLost, delivered: int | None, max_requeues: int) -> tuple[RunState, str]:
+    """The run's state and message when its gang was lost past the launcher's restarts, on the
+    `delivered`-th delivery of its work item (JetStream's count: a lost trainer or a lease retry
+    count too, so the bound errs short): interrupted and requeued while deliveries remain, failed
+    after; an unknown count cannot be bounded, so it fails."""
+    allowed = max_requeues + 1
+    if delivered is not None and delivered < allowed:
+        return RunState.interrupted, (
+            f"{exc} Interrupted: requeued to resume from the last checkpoint "
+            f"(delivery {delivered} of at most {allowed})."
+        )
+    seen = "an unknown number of" if delivered is None else str(delivered)
+    return RunState.failed, (
+        f"training failed: {exc} Not requeued again: the work item was delivered {seen} times "
+        f"(at most {allowed}, {ENV_GANG_MAX_REQUEUES}={max_requeues})."
+    )
+
+
+def deliveries(msg: NatsMessage) -> int | None:
+    """How many times JetStream has delivered this work item, this time included; None if unknown."""
+    try:
+        return int(msg.raw_message.metadata.num_delivered)
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return None
 
 
 WATCHED_STAGES = frozenset({"pretrain", "midtrain", "long_context"})  # PaLM's remedy is for LM training;
@@ -298,6 +331,11 @@ class Worker:
         final: RunState | None = None
         try:
             final = await self._run(emitter, work, manifest, checkpoint_dir, stop)
+        except GangLost as exc:  # past the launcher's restarts: interrupted and requeued, within a bound
+            max_requeues = int(os.environ.get(ENV_GANG_MAX_REQUEUES, DEFAULT_GANG_MAX_REQUEUES))
+            final, message = lost_gang_state(exc, deliveries(msg), max_requeues)
+            log.warning("run %s: %s", work.run_id, message)
+            await emitter.state(final, message=message)
         except (ParallelismError, GangFailed) as exc:  # a plan this node cannot realise, or a lost gang
             log.warning("run %s failed: %s", work.run_id, exc)
             final = RunState.failed
@@ -313,7 +351,10 @@ class Worker:
         if stop.reason is StopReason.fenced:  # another trainer holds (or will hold) the run: ack nothing
             return
         if await self._applied(work.run_id, epoch, final):
-            await msg.ack()
+            if final is RunState.interrupted:  # requeued: the item comes back and resumes
+                await msg.raw_message.nak(delay=REQUEUE_AFTER_S)
+            else:
+                await msg.ack()
         else:  # refused or unseen: never ack; the item comes back and the lease decides what happens
             log.warning(
                 "run %s: the scheduler does not show %s; leaving the work item unacknowledged",

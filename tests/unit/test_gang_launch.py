@@ -21,6 +21,7 @@ from services.trainer.distributed import ParallelDims, ParallelismError
 from services.trainer.gang import (
     EventTail,
     GangFailed,
+    GangLost,
     LaunchSpec,
     gang_dims,
     read_outcome,
@@ -30,6 +31,7 @@ from services.trainer.gang import (
 )
 from services.trainer.pretrain import StageConfig
 from services.trainer.rank_main import StageJob, read_job
+from services.trainer.worker import lost_gang_state
 from tests.conftest import write_manifest
 
 COST = CostEstimate(
@@ -179,15 +181,16 @@ def test_the_job_every_rank_reads_carries_the_stage_and_the_plan(tmp_path):
         (1, None, True, None),  # torchrun exits non-zero on the SIGTERM it was sent
         (0, {"refused": "tp 3 does not divide n_head 4"}, False, ParallelismError),
         (1, {"refused": "tp 3 does not divide n_head 4"}, False, ParallelismError),
-        (1, None, False, GangFailed),
-        (0, None, False, GangFailed),
+        (1, None, False, GangLost),  # past max_restarts: the run is interrupted and requeued
+        (-9, None, False, GangLost),
+        (0, None, False, GangFailed),  # a clean exit without rank 0's result: the run fails
     ],
 )
 def test_exit_code_and_result_map_to_the_stage_outcome(rc, result, stopped, want):
     if isinstance(want, type):
         with pytest.raises(want) as raised:
             read_outcome(rc, result, stopped, SPEC)
-        if want is GangFailed and rc:
+        if want is GangLost:
             assert f"code {rc}" in str(raised.value) and "2 restarts" in str(raised.value)
         if want is ParallelismError:
             assert "tp 3 does not divide n_head 4" in str(raised.value)
@@ -220,3 +223,26 @@ def test_rank0_events_are_read_whole_lines_only_and_only_training_kinds(tmp_path
     with open(path, "ab") as f:
         f.write(log[10:] + b"\n")
     assert [e.message for e in tail.read() if isinstance(e, LogLine)] == ["half"]
+
+
+@pytest.mark.parametrize(
+    ("delivered", "max_requeues", "want", "says"),
+    [
+        (1, 2, RunState.interrupted, "delivery 1 of at most 3"),
+        (2, 2, RunState.interrupted, "delivery 2 of at most 3"),
+        (3, 2, RunState.failed, "delivered 3 times (at most 3, ITO_GANG_MAX_REQUEUES=2)"),
+        (1, 0, RunState.failed, "delivered 1 times (at most 1"),
+        (None, 2, RunState.failed, "an unknown number of times"),
+    ],
+)
+def test_a_gang_lost_past_its_restarts_is_requeued_a_bounded_number_of_times(
+    delivered, max_requeues, want, says
+):
+    lost = GangLost("The gang of 2 ranks exited with code 1 after up to 0 restarts.")
+    state, message = lost_gang_state(lost, delivered, max_requeues)
+    assert state is want
+    assert str(lost) in message and says in message, message
+    if want is RunState.interrupted:
+        assert "requeued to resume from the last checkpoint" in message
+    else:
+        assert message.startswith("training failed:") and "Not requeued again" in message
