@@ -199,6 +199,7 @@ class RunView(Internal, frozen=True, kw_only=True):
     cleaned_up: bool = False
     proposal: RestartProposal | None = None  # while awaiting_approval: what the trainer proposes
     parallelism: Parallelism | None = None  # a gang's strategy, world size and mesh, as it started
+    nodes: int = 1  # the nodes (trainer agents, one torchft replica group each) the run trains on
 
 
 class LogLineView(Internal, frozen=True, kw_only=True):
@@ -293,6 +294,7 @@ class LeaseQuery(Internal, frozen=True, kw_only=True):
     booking_id: str = ""
     manifest_digest: str = ""
     plan_sha256: str = ""
+    node_rank: int = 0  # a multi-node run's nodes each hold their own lease; node 0's is the run's
 
 
 class LeaseAnswer(Internal, frozen=True, kw_only=True):

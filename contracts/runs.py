@@ -22,6 +22,12 @@ class TrainWork(Internal, frozen=True, kw_only=True):
     plan: Plan
     checkpoint_dir: str
     restart: RestartProposal | None = None  # an approved restart: resume from it, not from the latest
+    # Multi-node runs: one item per node (Nats-Msg-Id `<run id>` for node 0, `<run id>:node-<n>` for
+    # the others), each node a torchft replica group. Node 0 hosts `rendezvous` (host:port, chosen
+    # by the scheduler): a TCPStore where it publishes its Lighthouse's address and the nodes meet.
+    node_rank: int = 0
+    nodes: int = 1
+    rendezvous: str = ""
 
 
 class LogLevel(enum.StrEnum):

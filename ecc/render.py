@@ -95,6 +95,8 @@ def _run(data: dict) -> str:
         used = data["parallelism"]
         mesh = " x ".join(f"{dim} {size}" for dim, size in (used.get("mesh") or {}).items()) or "none"
         line += f"\n  parallelism: {used['strategy']}, world size {used['world_size']}, mesh {mesh}"
+        if (data.get("nodes") or 1) > 1:
+            line += f", {data['nodes']} nodes"
     if data.get("plan"):
         line += f"\n  plan: {data['plan']['strategy']}, estimate {data['plan']['cost']['total_usd']:.6f} USD"
     return line

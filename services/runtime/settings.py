@@ -17,6 +17,7 @@ ENV_IDEMPOTENCY_RETENTION_S = "ITO_IDEMPOTENCY_RETENTION_S"
 ENV_REQUEST_TIMEOUT_S = "ITO_REQUEST_TIMEOUT_S"
 ENV_TRAINER_THREADS = "ITO_TRAINER_THREADS"
 ENV_PLAN_SMALL_MODEL_GANGS = "ITO_PLAN_SMALL_MODEL_GANGS"
+ENV_RENDEZVOUS_HOST = "ITO_RENDEZVOUS_HOST"
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -26,6 +27,9 @@ DEFAULT_CONFIRMATION_TTL_S = 600.0  # short on purpose: a confirmation is a fres
 DEFAULT_ELIGIBILITY_TTL_S = 60.0  # a statement is re-fetched when older, never stretched
 DEFAULT_IDEMPOTENCY_RETENTION_S = 7 * 24 * 3600.0  # a retried request within a week replays
 DEFAULT_REQUEST_TIMEOUT_S = 2.0  # one internal hop; the CLI's overall timeout is larger
+DEFAULT_RENDEZVOUS_HOST = (
+    "127.0.0.1"  # node 0's address as the other nodes reach it; a routable one across hosts
+)
 
 MAX_REQUEST_BYTES = 2 * 1024 * 1024  # an API request; the manifest inside is capped at 1 MiB
 
@@ -59,6 +63,8 @@ class Settings:
     small_model_gangs: bool = False
     """Plan a model too small to need several GPUs on the GPUs of one node anyway (tests and demos
     of the gang on CPU, where each "GPU" is a process). Off in production: it only adds traffic."""
+    rendezvous_host: str = DEFAULT_RENDEZVOUS_HOST
+    """Where a multi-node run's node 0 hosts its rendezvous store (the scheduler picks the port)."""
 
     def __post_init__(self) -> None:
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
@@ -95,6 +101,7 @@ def load(env: dict[str, str] | None = None) -> Settings:
         idempotency_retention_s=_float(env, ENV_IDEMPOTENCY_RETENTION_S, DEFAULT_IDEMPOTENCY_RETENTION_S),
         request_timeout_s=_float(env, ENV_REQUEST_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S),
         small_model_gangs=env.get(ENV_PLAN_SMALL_MODEL_GANGS, "") == "1",
+        rendezvous_host=env.get(ENV_RENDEZVOUS_HOST) or DEFAULT_RENDEZVOUS_HOST,
     )
 
 

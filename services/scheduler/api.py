@@ -323,6 +323,8 @@ class Api:
             manifest_digest=digest,
             plan=p,
             checkpoint_dir=str(run_dir(self.checkpoint_root, manifest.checkpoint.storage, account, run_id)),
+            nodes=manifest.resources.nodes,
+            rendezvous=self.handoff.rendezvous(manifest.resources.nodes),
         )
 
     async def _reserve(self, account: str, req: TrainRequest, fp: str, work: TrainWork) -> LedgerEntry:

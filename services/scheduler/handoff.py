@@ -5,10 +5,17 @@ one code path: create the run view (idempotent), publish with Nats-Msg-Id = run 
 drops a duplicate inside its window), move the run to `queued`, and tell the ledger. If the
 scheduler dies anywhere in between, the reconciler finds the key still pending and repeats the
 steps; each is idempotent, so no run is lost and none is duplicated.
+
+A run on several nodes is one work item per node (`node_shares`): node 0's is the ledger's item
+itself; node n's is the same item with `node_rank = n`, published with Nats-Msg-Id
+`<run id>:node-<n>`. Each is signed like any work item, so the node rank cannot be forged. The
+booking's topology (the manifest's `resources.nodes`) decides how many; the scheduler picks the
+rendezvous endpoint (`rendezvous`) that node 0 hosts and the others join.
 """
 
 import asyncio
 import logging
+import socket
 
 import msgspec
 from faststream.nats import NatsBroker
@@ -30,6 +37,21 @@ RECONCILE_AFTER_S = 5.0  # leave a live request time to finish its own hand-off
 _work_decoder = msgspec.json.Decoder(TrainWork)
 
 
+def node_shares(work: TrainWork) -> list[tuple[TrainWork, str]]:
+    """A run's work items, one per node, with their Nats-Msg-Ids: node 0's is the run id (as for
+    every single-node run, so a one-node run is handed off exactly as before)."""
+    shares = [(work, work.run_id)]
+    for n in range(1, work.nodes):
+        shares.append((msgspec.structs.replace(work, node_rank=n), f"{work.run_id}:node-{n}"))
+    return shares
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 class Handoff:
     def __init__(self, broker: NatsBroker, settings: Settings, runs: RunRecords, backends: Backends) -> None:
         self.broker = broker
@@ -37,6 +59,14 @@ class Handoff:
         self.runs = runs
         self.backends = backends
         self.events = RunEventPublisher(broker, settings)
+
+    def rendezvous(self, nodes: int) -> str:
+        """Where node 0 of a multi-node run hosts its rendezvous store ("" for one node): the
+        settings' host and a port free there now (on one machine, the agents' loopback)."""
+        if nodes <= 1:
+            return ""
+        host = self.settings.rendezvous_host
+        return f"{host}:{free_port(host)}"
 
     def view_from(self, entry: LedgerEntry) -> RunView:
         work = _work_decoder.decode(entry.work)
@@ -51,6 +81,7 @@ class Handoff:
             updated_at=entry.created_at,
             plan=work.plan,
             checkpoint_dir=work.checkpoint_dir,
+            nodes=work.nodes,
         )
 
     async def hand_off(self, entry: LedgerEntry) -> RunView:
@@ -71,6 +102,8 @@ class Handoff:
         )
         await self.runs.remember(view.account, view.run_id, "work", entry.work)  # for an approved restart
         await self.backends.publish_work(entry.run_id, entry.work, entry.run_id)
+        for share, msg_id in node_shares(_work_decoder.decode(entry.work))[1:]:
+            await self.backends.publish_work(entry.run_id, msgspec.json.encode(share), msg_id)
 
         updated, _ = await self.runs.move(  # unless the trainer already moved it on
             entry.account, entry.run_id, RunState.queued, allowed_from=frozenset({RunState.accepted})

@@ -3,7 +3,9 @@
 A trainer leases a run before it trains it (epoch 0 asks for the next epoch, with its work item's
 binding) and renews the lease every `renew_every_s`; each renewal is its heartbeat (`heartbeat`,
 on the RUN_LEASE subject). The watcher marks a run silent for `silence_s` as interrupted and records
-the interruption (for desk telemetry). The work item itself comes back from JetStream when its ack
+the interruption (for desk telemetry). A multi-node run's nodes each hold a lease of their own
+(`LeaseQuery.node_rank`, below the run's `nodes`): node 0's is the run's (its holder alone reports
+events; the watcher follows it); another node's lease fences that node's agents alike. The work item itself comes back from JetStream when its ack
 deadline passes, and the next trainer leases the run with a higher epoch: the old holder, if it was
 only cut off, is fenced (its renewals and its events are refused) and has stopped by itself before
 the new one can start. The timers and their ordering: services/runtime/liveness.py.
@@ -49,9 +51,12 @@ class Heartbeats:
         account = await self.runs.owner(req.run_id)
         if account is None:
             return LeaseAnswer(run_id=req.run_id, proceed=False)
-        if req.epoch == 0:  # a new lease: the work item in the trainer's hands must be this run's
+        if req.epoch == 0 or req.node_rank:  # a new lease: the work item must be this run's
             view = await self.runs.get(account, req.run_id)
-            if view is None or not binding_matches(view, req):
+            if view is None or not 0 <= req.node_rank < view.nodes:
+                log.warning("run %s: lease refused, the run has no node %d", req.run_id, req.node_rank)
+                return LeaseAnswer(run_id=req.run_id, proceed=False)
+            if req.epoch == 0 and not binding_matches(view, req):
                 log.warning("run %s: lease refused, the work item does not match the run record", req.run_id)
                 return LeaseAnswer(run_id=req.run_id, proceed=False)
         granted, current, epoch = await self.runs.lease(
@@ -62,6 +67,7 @@ class Heartbeats:
             time.time(),
             SILENCE_S,
             lambda v: v.state in LEASABLE,
+            node=req.node_rank,
         )
         return LeaseAnswer(
             run_id=req.run_id, proceed=granted, state=current.state if current else None, epoch=epoch

@@ -117,17 +117,20 @@ class InMemoryRuns:
         now: float,
         silence_s: float,
         leasable: Callable[[RunView], bool],
+        node: int = 0,
     ) -> tuple[bool, RunView | None, int]:
         view = self.views.get((account, run_id))
         if view is None:
             return False, None, 0
-        held = self.leases.get(run_id, LeaseHeld(0, "", 0.0))
+        key = run_id if node == 0 else f"{run_id}:{node}"  # node 0's lease is the run's
+        held = self.leases.get(key, LeaseHeld(0, "", 0.0))
         grant = lease_decision(view, held, trainer_id, epoch, now, silence_s, leasable)
         if grant is None:
             return False, view, held.epoch
         holder = held.holder if grant == held.epoch else trainer_id
-        self.leases[run_id] = LeaseHeld(grant, holder, now)
-        self.index[run_id] = account
+        self.leases[key] = LeaseHeld(grant, holder, now)
+        if node == 0:
+            self.index[run_id] = account
         return True, view, grant
 
     async def leased(self) -> dict[str, str]:

@@ -85,15 +85,16 @@ def topology_refusal(
     params: int, nodes: int, gpus: int, fabric: Fabric, small_model_gangs: bool = False
 ) -> Refusal | None:
     """A fabric that cannot carry the run, or more GPUs or nodes than the model can use (several
-    GPUs of one node for a small model only with the operator's `small_model_gangs`)."""
+    GPUs or nodes for a small model only with the operator's `small_model_gangs`: tests and demos
+    of gangs and of multi-node replica groups on CPU)."""
     if nodes > 1 and fabric is Fabric.ethernet:
         return (
             ErrorCode.fabric_unsupported,
             "a multi-node run needs InfiniBand or RoCE; the booking has ethernet",
         )
-    if gpus > 1 and params < SMALL_MODEL_PARAMS and not (small_model_gangs and nodes == 1):
+    if gpus > 1 and params < SMALL_MODEL_PARAMS and not small_model_gangs:
         return ErrorCode.plan_wasteful, f"{gpus} GPUs for a {params / 1e6:.1f}M-parameter model: use one GPU"
-    if nodes > 1 and params < MULTI_NODE_MIN_PARAMS:
+    if nodes > 1 and params < MULTI_NODE_MIN_PARAMS and not small_model_gangs:
         return (
             ErrorCode.plan_wasteful,
             f"{nodes} nodes for a {params / 1e6:.0f}M-parameter model: use one node",

@@ -69,6 +69,12 @@ def lease_decision(
     return held.epoch + 1
 
 
+def lease_fields(node: int) -> tuple[str, str, str]:
+    """The run record's fields of a node's lease (epoch, holder, seen): node 0's are the run's."""
+    suffix = f":{node}" if node else ""
+    return f"lease_epoch{suffix}", f"lease_holder{suffix}", f"lease_seen{suffix}"
+
+
 def _text(raw: bytes | str | None) -> str:
     return "" if raw is None else raw.decode() if isinstance(raw, bytes) else raw
 
@@ -108,6 +114,7 @@ class Runs(Protocol):
         now: float,
         silence_s: float,
         leasable: Callable[[RunView], bool],
+        node: int = 0,
     ) -> tuple[bool, RunView | None, int]: ...
     async def leased(self) -> dict[str, str]: ...
     async def lease_seen(self, account: str, run_id: str) -> float | None: ...
@@ -299,17 +306,18 @@ class RunStore:
         now: float,
         silence_s: float,
         leasable: Callable[[RunView], bool],
+        node: int = 0,
     ) -> tuple[bool, RunView | None, int]:
         """Grant (epoch 0) or renew (the held epoch) a run's lease: (granted, view, epoch); the
-        decision is `lease_decision`'s, applied in one WATCH/MULTI transaction."""
+        decision is `lease_decision`'s, applied in one WATCH/MULTI transaction. Node n > 0 of a
+        multi-node run has its own fields (`lease_epoch:n`, ...) and stays out of the watcher's index."""
         key = self.keys.run(account, run_id)
+        epoch_f, holder_f, seen_f = lease_fields(node)
         for _ in range(UPDATE_RETRIES):
             async with self.r.pipeline(transaction=True) as pipe:
                 try:
                     await pipe.watch(key)
-                    raw, cur, holder, seen = await pipe.hmget(
-                        key, ["view", "lease_epoch", "lease_holder", "lease_seen"]
-                    )
+                    raw, cur, holder, seen = await pipe.hmget(key, ["view", epoch_f, holder_f, seen_f])
                     if raw is None:
                         return False, None, 0
                     view = _view_decoder.decode(raw)
@@ -319,12 +327,11 @@ class RunStore:
                         return False, view, held.epoch
                     pipe.multi()
                     if grant == held.epoch:  # a renewal: only the heartbeat moves
-                        pipe.hset(key, "lease_seen", now)
+                        pipe.hset(key, seen_f, now)
                     else:
-                        pipe.hset(
-                            key, mapping={"lease_epoch": grant, "lease_holder": trainer_id, "lease_seen": now}
-                        )
-                        pipe.hset(self.keys.leased(), run_id, account)
+                        pipe.hset(key, mapping={epoch_f: grant, holder_f: trainer_id, seen_f: now})
+                        if node == 0:
+                            pipe.hset(self.keys.leased(), run_id, account)
                     await pipe.execute()
                     return True, view, grant
                 except WatchError:

@@ -4,6 +4,11 @@ only in their `StageConfig` (data, sequence length, RoPE base, LR schedule, star
 `train_stage` does no I/O besides reading data and writing checkpoints: it reports through a
 `Reporter` (metrics, log lines and checkpoints as `contracts.runs` events) and asks `should_stop()`
 before every step. The caller wires both to the bus.
+
+With `replicas` (a multi-node run's node share, services/trainer/nodes.py) this process is one
+torchft replica group among `groups`: it trains its slice of every global batch, the same loop runs
+with the group as its `FaultTolerance`, and the group's committed step is the data position (a
+group that healed from a peer jumps to the peer's step and batch).
 """
 
 import math
@@ -12,6 +17,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import msgspec
 import torch
@@ -38,6 +44,7 @@ from services.trainer.distributed import (
     world_size,
 )
 from services.trainer.loop import (
+    FaultTolerance,
     LoopSettings,
     StepOutput,
     TrainingError,
@@ -294,7 +301,29 @@ def lm_loss(
     return sum(values) / len(values) if values else None
 
 
-def train_stage(cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool]) -> StageResult:
+class ReplicaJoin(FaultTolerance, Protocol):
+    """What `Replicas.join` gives: the loop's hooks plus the group's step, resume and close
+    (fault_tolerance.ReplicaGroup)."""
+
+    @property
+    def step(self) -> int: ...
+    def resume(self, directory: str) -> object: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replicas:
+    """This process is replica group `replica_id` of `groups` (torchft); `join` builds its group
+    around the stage's model, optimizer and schedule."""
+
+    replica_id: int
+    groups: int
+    join: Callable[[torch.nn.Module, torch.optim.Optimizer, LambdaLR], ReplicaJoin]
+
+
+def train_stage(
+    cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool], replicas: Replicas | None = None
+) -> StageResult:
     """Train one stage; under several ranks every rank calls this alike, and rank 0 reports."""
     device = pick_device(cfg.device)
     report = rank0_only(report)
@@ -323,11 +352,19 @@ def train_stage(cfg: StageConfig, report: Reporter, should_stop: Callable[[], bo
         seq_len=cfg.seq_len,
         batch_size=cfg.batch_size,
         seed=cfg.seed,
-        rows=batch_rows(cfg.batch_size, dims.dp_rank(rank()), dims.dp_degree),
+        rows=(
+            batch_rows(cfg.batch_size, dims.dp_rank(rank()), dims.dp_degree)
+            if replicas is None
+            else batch_rows(cfg.batch_size, replicas.replica_id, replicas.groups)
+        ),
     )
     settings = _loop_settings(cfg)
-    step = _resume(cfg, settings, model, optimizer, scheduler, batches, report, device)
     tokens_per_step = cfg.batch_size * cfg.seq_len
+    if replicas is not None:
+        return _train_replica(
+            cfg, settings, model, optimizer, scheduler, batches, held_out, report, should_stop, replicas
+        )
+    step = _resume(cfg, settings, model, optimizer, scheduler, batches, report, device)
 
     def step_fn(_: int) -> StepOutput:
         x, y = next(batches)
@@ -357,6 +394,64 @@ def train_stage(cfg: StageConfig, report: Reporter, should_stop: Callable[[], bo
         held_out_loss=held_out_value,
         stopped=result.stopped,
         tokens=result.final_step * tokens_per_step,
+        model=model,
+    )
+
+
+def _train_replica(
+    cfg: StageConfig,
+    settings: LoopSettings,
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR,
+    batches: BatchIterator,
+    held_out: torch.Tensor,
+    report: Reporter,
+    should_stop: Callable[[], bool],
+    replicas: Replicas,
+) -> StageResult:
+    """The stage as replica group `replicas.replica_id`: resume its own checkpoint, then the loop
+    with the group's hooks; batch `step` of the global stream at every step."""
+    device = pick_device(cfg.device)
+    group = replicas.join(model, optimizer, scheduler)
+    try:
+        if group.resume(cfg.checkpoint_dir) is None:
+            report.log(
+                f"Starting {cfg.stage} as replica group {replicas.replica_id} of {replicas.groups}: "
+                f"{count_parameters(cfg.shape):,} parameters, {cfg.steps} steps on {device.type}."
+            )
+
+        def step_fn(step: int) -> StepOutput:
+            x, y = batches.batch_at(step)
+            x, y = to_device(x, device), to_device(y, device)
+            with autocast(device):
+                _, loss = model(x, y)
+            return StepOutput(loss=loss, tokens=x.numel())
+
+        result = run_loop(
+            settings,
+            model,
+            optimizer,
+            scheduler,
+            step_fn,
+            report,
+            should_stop,
+            start_step=group.step,
+            position=lambda: group.step,
+            fault_tolerance=group,
+        )
+    finally:
+        group.close()
+    held_out_value = None if result.stopped else held_out_loss(model, held_out, cfg, device)
+    if held_out_value is not None:
+        report.log(f"{cfg.stage} done at step {result.final_step}: held-out loss {held_out_value:.4f}")
+    return StageResult(
+        final_step=result.final_step,
+        first_loss=result.first_loss,
+        final_loss=result.final_loss,
+        held_out_loss=held_out_value,
+        stopped=result.stopped,
+        tokens=result.final_step * cfg.batch_size * cfg.seq_len,
         model=model,
     )
 

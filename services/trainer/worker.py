@@ -7,6 +7,13 @@ and the run resumes from its last committed checkpoint. A cancel notice (or a lo
 the loop within a step; the in-flight checkpoint is committed first. A gang lost past its
 launcher's restarts interrupts the run the same way: the item is given back and resumes from the
 last committed checkpoint, at most `ITO_GANG_MAX_REQUEUES` times (then the run fails).
+
+A multi-node run comes as one work item per node (services/trainer/nodes.py). Node 0's is handled
+as any run's: it reports the run's events and final state. Another node leases its own share
+(`LeaseQuery.node_rank`, fenced alike), trains as a replica group, writes its events to a per-node
+log (`<run dir>/node-<n>/node.jsonl`) and publishes nothing; its item is acknowledged when its
+share is over (trained, or the run finished meanwhile). The run's state is node 0's: a node lost
+mid-run is a replica group the others train on without (torchft), not a failed run.
 """
 
 import asyncio
@@ -35,21 +42,21 @@ from contracts.api import (
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
-from contracts.states import RunState
+from contracts.states import TERMINAL_STATES, RunState
 from services.domain.curriculum import plan_run
 from services.runtime import codec, faults
 from services.runtime.checkpoint_paths import inside, run_dir, storage_root
 from services.runtime.codec import Refusal
 from services.runtime.liveness import TIMERS
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
-from services.trainer import spikes
+from services.trainer import nodes, spikes
 from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.distributed import ParallelismError
 from services.trainer.emitter import Emitter
 from services.trainer.gang import Gang, GangFailed, GangLost, gang_dims, refusal
 from services.trainer.pipeline import PipelineResult, TrainLm, run_pipeline
 from services.trainer.pretrain import train_stage
-from services.trainer.reporting import Sink, check_event
+from services.trainer.reporting import Reporter, Sink, check_event
 
 log = logging.getLogger("ito.trainer.worker")
 
@@ -223,6 +230,26 @@ class SpikeWatch:
         return proposal
 
 
+class NodeLog:
+    """A node's events (n > 0 of a multi-node run) as JSON lines; written from the training thread
+    and torchft's quorum thread alike."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self._file = open(path, "ab")
+        self._lock = threading.Lock()
+
+    def write(self, event: RunEvent) -> None:
+        line = msgspec.json.encode(check_event(event)) + b"\n"
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
 class Worker:
     def __init__(self, broker: NatsBroker, settings: Settings) -> None:
         self.broker = broker
@@ -231,6 +258,7 @@ class Worker:
         self.trainer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stops: dict[str, Stop] = {}
         self.epochs: dict[str, int] = {}
+        self.node_ranks: dict[str, int] = {}  # a multi-node run's share this agent holds (0 otherwise)
         self.checkpoint_root = settings.data_dir / "checkpoints"
 
     async def cancel(self, run_id: str) -> None:
@@ -239,7 +267,7 @@ class Worker:
         stop, epoch = self.stops.get(run_id), self.epochs.get(run_id)
         if stop is None or epoch is None:
             return
-        answer = await self.lease(run_id, epoch)
+        answer = await self.lease(run_id, epoch, node_rank=self.node_ranks.get(run_id, 0))
         if (
             answer is not None
             and not answer.proceed
@@ -250,9 +278,11 @@ class Worker:
         else:
             log.warning("run %s: cancel notice not backed by the run's state; training on", run_id)
 
-    async def lease(self, run_id: str, epoch: int = 0, work: TrainWork | None = None) -> LeaseAnswer | None:
-        """Ask for (epoch 0, with the work item's binding) or renew a run's lease; None when the
-        scheduler did not answer."""
+    async def lease(
+        self, run_id: str, epoch: int = 0, work: TrainWork | None = None, node_rank: int = 0
+    ) -> LeaseAnswer | None:
+        """Ask for (epoch 0, with the work item's binding) or renew a run's lease (of node
+        `node_rank`'s share); None when the scheduler did not answer."""
         try:
             binding = (
                 {}
@@ -264,7 +294,13 @@ class Worker:
                     "plan_sha256": codec.digest(work.plan),
                 }
             )
-            query = LeaseQuery(run_id=run_id, trainer_id=self.trainer_id, epoch=epoch, **binding)
+            query = LeaseQuery(
+                run_id=run_id,
+                trainer_id=self.trainer_id,
+                epoch=epoch,
+                node_rank=work.node_rank if work is not None else node_rank,
+                **binding,
+            )
             reply = await self.broker.request(
                 codec.encode(query),
                 self.settings.subject(subjects.RUN_LEASE),
@@ -274,7 +310,9 @@ class Worker:
         except Exception:  # no answer is not a yes
             return None
 
-    async def _keep_alive(self, msg: NatsMessage, run_id: str, epoch: int, stop: Stop) -> None:
+    async def _keep_alive(
+        self, msg: NatsMessage, run_id: str, epoch: int, stop: Stop, node_rank: int = 0
+    ) -> None:
         last_renewed = last_progress = time.monotonic()
         while not stop.is_set():
             await asyncio.sleep(RENEW_EVERY_S)
@@ -285,7 +323,7 @@ class Worker:
                     last_progress = now
                 except Exception:  # a bus outage: retry next tick; JetStream may redeliver meanwhile
                     log.warning("run %s: could not extend the work item's ack deadline", run_id)
-            answer = await self.lease(run_id, epoch)
+            answer = await self.lease(run_id, epoch, node_rank=node_rank)
             if answer is None:
                 if time.monotonic() - last_renewed > SELF_FENCE_S:
                     log.warning("run %s: no lease renewal for %.0fs; stopping (fenced)", run_id, SELF_FENCE_S)
@@ -318,7 +356,10 @@ class Worker:
             log.info("run %s is %s; not training it", work.run_id, answer.state)
             await msg.ack()
             return
-        await self._train(msg, work, manifest, answer.epoch)
+        if work.node_rank:
+            await self._train_share(msg, work, manifest, answer.epoch)
+        else:
+            await self._train(msg, work, manifest, answer.epoch)
 
     async def _train(self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int) -> None:
         emitter = Emitter(self.broker, self.settings, work.run_id, asyncio.get_running_loop(), epoch)
@@ -380,12 +421,16 @@ class Worker:
                 f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
                 f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})"
             )
-        train_lm = self._train_lm(work, manifest, checkpoint_dir)  # a refused plan trains nothing
+        train_lm, share = self._train_lm(work, manifest, checkpoint_dir)  # a refused plan trains nothing
         await emitter.state(RunState.running, message="training started")
         report = emitter.reporter().with_sink(watch.send)
-        result = await asyncio.to_thread(
-            run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads, train_lm
-        )
+        try:
+            result = await asyncio.to_thread(
+                run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads, train_lm
+            )
+        finally:
+            if share is not None:
+                share.close()
         if stop.reason is StopReason.fenced:  # report nothing
             log.warning(
                 "run %s: fenced at epoch %d; leaving it to the new lease holder", work.run_id, emitter.epoch
@@ -399,16 +444,61 @@ class Worker:
         await emitter.state(final, stage=result.last_stage, message=message)
         return final
 
-    def _train_lm(self, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path) -> TrainLm:
+    def _train_lm(
+        self, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path
+    ) -> tuple[TrainLm, nodes.NodeShare | None]:
         """How the run's next-token stages train: in this process for a one-rank plan (as always),
-        on a gang of this node's ranks for more; ParallelismError for a plan the node cannot realise."""
+        on a gang of this node's ranks for more, as this node's replica group for a multi-node run
+        (then with the share to close); ParallelismError for a plan the node cannot realise."""
+        if manifest.resources.nodes > 1 or work.nodes > 1:
+            refused = nodes.refusal(work, manifest, plan_run(manifest))
+            if refused is not None:
+                raise ParallelismError(refused)
+            share = nodes.NodeShare(work)
+            return share.train_stage, share
         dims = gang_dims(work.plan)
         if dims is None:
-            return train_stage
+            return train_stage, None
         refused = refusal(dims, manifest, plan_run(manifest))
         if refused is not None:
             raise ParallelismError(refused)
-        return Gang(dims, checkpoint_dir, self.threads).train_stage
+        return Gang(dims, checkpoint_dir, self.threads).train_stage, None
+
+    async def _train_share(self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int) -> None:
+        """Node n > 0 of a multi-node run: train this node's share under its own lease; events go to
+        the node's log, never to the bus (node 0 reports the run)."""
+        run_id = work.run_id
+        stop = self.stops[run_id] = Stop()
+        self.epochs[run_id], self.node_ranks[run_id] = epoch, work.node_rank
+        keep_alive = asyncio.create_task(self._keep_alive(msg, run_id, epoch, stop, work.node_rank))
+        root = run_dir(self.checkpoint_root, manifest.checkpoint.storage, work.account, run_id)
+        checkpoint_dir = nodes.node_checkpoint_dir(root, work.node_rank)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        node_log = NodeLog(checkpoint_dir / "node.jsonl")
+        report = Reporter(node_log.write, run_id=run_id, epoch=epoch)
+        share: nodes.NodeShare | None = None
+        try:
+            train_lm, share = self._train_lm(work, manifest, checkpoint_dir)
+            result = await asyncio.to_thread(
+                run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads, train_lm
+            )
+            report.log(f"node {work.node_rank}: {result.outcome.value}: {result.summary}")
+        except Exception as exc:  # this node's share failed; the run is node 0's to report
+            log.exception("run %s: node %d's share failed", run_id, work.node_rank)
+            report.log(f"node {work.node_rank} failed: {type(exc).__name__}: {exc}"[:500])
+        finally:
+            keep_alive.cancel()
+            if share is not None:
+                share.close()
+            self.stops.pop(run_id, None)
+            self.epochs.pop(run_id, None)
+            self.node_ranks.pop(run_id, None)
+            node_log.close()
+        if stop.reason is StopReason.fenced:  # ack only when the run is over, not when fenced by a new holder
+            answer = await self.lease(run_id, epoch, node_rank=work.node_rank)
+            if answer is None or answer.state not in TERMINAL_STATES:
+                return
+        await msg.ack()
 
     async def _applied(self, run_id: str, epoch: int, final: RunState | None) -> bool:
         """Did the scheduler apply our final transition? Asked through the lease (bounded)."""

@@ -39,8 +39,9 @@ async def runs(request):
     await r.aclose()
 
 
-async def new_run(runs, state=RunState.queued) -> RunView:
+async def new_run(runs, state=RunState.queued, nodes: int = 1) -> RunView:
     view = RunView(
+        nodes=nodes,
         run_id="run_" + uuid.uuid4().hex[:8],
         account="acme",
         booking_id="b",
@@ -135,3 +136,37 @@ async def test_update_cannot_write_a_state(runs):
             "acme", view.run_id, None, lambda v: msgspec.structs.replace(v, state=RunState.running)
         )
     assert (await runs.get("acme", view.run_id)).state is RunState.queued
+
+
+async def test_each_node_of_a_multi_node_run_holds_its_own_lease_fenced_alike(runs):
+    view = await new_run(runs, nodes=2)
+    beats = liveness.Heartbeats(runs)
+    node0 = await beats.heartbeat(query(view, "a"))
+    node1 = await beats.heartbeat(query(view, "b", node_rank=1))
+    assert (node0.proceed, node0.epoch, node1.proceed, node1.epoch) == (True, 1, True, 1)
+    # node 1's lease is not node 0's: renewing one does not renew or fence the other
+    assert (await beats.heartbeat(query(view, "b", epoch=1, node_rank=1))).proceed
+    assert (await beats.heartbeat(query(view, "a", epoch=1))).proceed
+    # a live holder of node 1 keeps a second agent out; only node 0 is in the watcher's index
+    assert not (await beats.heartbeat(query(view, "c", node_rank=1))).proceed
+    assert view.run_id in await runs.leased()
+
+
+@pytest.mark.parametrize("node_rank", [2, -1, 7])
+async def test_a_node_the_run_does_not_have_gets_no_lease(runs, node_rank):
+    view = await new_run(runs, nodes=2)
+    answer = await liveness.Heartbeats(runs).heartbeat(query(view, node_rank=node_rank))
+    assert not answer.proceed
+    renewal = await liveness.Heartbeats(runs).heartbeat(query(view, epoch=1, node_rank=node_rank))
+    assert not renewal.proceed
+
+
+async def test_a_one_node_run_has_no_node_1(runs):
+    view = await new_run(runs)
+    assert not (await liveness.Heartbeats(runs).heartbeat(query(view, node_rank=1))).proceed
+
+
+async def test_a_node_share_needs_the_run_binding_too(runs):
+    view = await new_run(runs, nodes=2)
+    answer = await liveness.Heartbeats(runs).heartbeat(query(view, node_rank=1, booking_id="other"))
+    assert not answer.proceed

@@ -113,13 +113,17 @@ def test_more_than_one_node_is_refused(tmp_path):
     assert reason is not None and "2 nodes" in reason
 
 
-def test_a_small_model_on_several_gpus_of_one_node_only_with_the_operator_setting():
+def test_a_small_model_on_several_gpus_or_nodes_only_with_the_operator_setting():
     params = planning.parameter_count(MODEL_SHAPES["tiny"])
     refused = planning.topology_refusal(params, 1, 4, Fabric.infiniband)
     assert refused is not None and refused[0] is ErrorCode.plan_wasteful
     assert planning.topology_refusal(params, 1, 4, Fabric.infiniband, small_model_gangs=True) is None
-    refused = planning.topology_refusal(params, 2, 4, Fabric.infiniband, small_model_gangs=True)
-    assert refused is not None and refused[0] is ErrorCode.plan_wasteful  # never across nodes
+    refused = planning.topology_refusal(params, 2, 2, Fabric.infiniband)
+    assert refused is not None and refused[0] is ErrorCode.plan_wasteful
+    # the setting lets tests train the tiny model on two agents (tests/e2e/test_multinode_e2e.py)
+    assert planning.topology_refusal(params, 2, 2, Fabric.infiniband, small_model_gangs=True) is None
+    refused = planning.topology_refusal(params, 2, 2, Fabric.ethernet, small_model_gangs=True)
+    assert refused is not None and refused[0] is ErrorCode.fabric_unsupported  # never lifted
 
 
 def test_the_torchrun_command_line():
