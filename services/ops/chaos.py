@@ -1,7 +1,8 @@
 """`make chaos`: fault scenarios on stacks of our own, measured and printed as a table.
 
-Scenarios: a trainer killed with SIGKILL mid-stage; the scheduler killed between the ledger's
-reservation and the hand-off; NATS killed and restarted, then Redis, during a stream of train
+Scenarios: a trainer killed with SIGKILL mid-stage; a rank of a 2-rank gang killed with SIGKILL
+mid-stage (restarted by the elastic launcher, and with no restarts left, interrupted and requeued);
+the scheduler killed between the ledger's reservation and the hand-off; NATS killed and restarted, then Redis, during a stream of train
 requests. For each: detection time, resume time, runs lost, duplicate runs, steps lost (work redone
 since the last checkpoint).
 
@@ -50,7 +51,7 @@ class Stack:
     """`ito-training up` (its own authenticated NATS and Redis) under a fresh namespace and data
     dir, one tenant account logged in for `ecc`."""
 
-    def __init__(self, root: pathlib.Path, services: str | None = None) -> None:
+    def __init__(self, root: pathlib.Path, services: str | None = None, env: dict | None = None) -> None:
         self.ns = "chaos" + uuid.uuid4().hex[:8]
         self.dir = root / self.ns
         self.env = {
@@ -60,6 +61,7 @@ class Stack:
             ENV_SECRETS_DIR: str(self.dir / "secrets"),
             "ECC_CONFIG_DIR": str(self.dir / "ecc"),
             "ITO_TRAINER_THREADS": "1",
+            **(env or {}),
         }
         for name in (ENV_NATS_URL, ENV_REDIS_URL):  # `up` starts its own servers; never the machine's
             self.env.pop(name, None)
@@ -114,11 +116,12 @@ class Stack:
         )
         return booking
 
-    def manifest(self, steps: int) -> pathlib.Path:
+    def manifest(self, steps: int, gpus: int = 1, interval: int = 50) -> pathlib.Path:
         raw = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())
         raw["target"] = {"tokens": steps * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
-        raw["checkpoint"] = {"interval_steps": 50, "keep_last": 2, "storage": "local"}
-        path = self.dir / f"manifest-{steps}.json"
+        raw["checkpoint"] = {"interval_steps": interval, "keep_last": 2, "storage": "local"}
+        raw["resources"] = {"nodes": 1, "gpus_per_node": gpus}
+        path = self.dir / f"manifest-{steps}-{gpus}.json"
         path.write_text(json.dumps(raw))
         path.chmod(0o644)
         return path
@@ -220,6 +223,75 @@ def trainer_killed(root) -> dict:
             "runs_lost": int(final["state"] != "succeeded"),
             "duplicate_runs": 0,
             "steps_lost": lost,
+        }
+    finally:
+        stack.down()
+
+
+def gang_ranks(job: pathlib.Path) -> list[int]:
+    """The pids of the ranks running a gang's `job` (rank_main processes, not their launcher)."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if (
+            str(job).encode() in argv
+            and b"services.trainer.rank_main" in argv
+            and b"torch.distributed.run" not in argv
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def restart_in(points: list[dict]) -> int | None:
+    """The first step trained again after a restart (a step not above the one before), or None."""
+    steps = [p["step"] for p in points]
+    return next((steps[i] for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
+
+
+def gang_rank_killed(root, max_restarts: int) -> dict:
+    """A 2-rank gang (CPU, gloo; the tiny model planned on 2 "GPUs" of a node) with one rank
+    SIGKILLed mid-stage. With restarts left, the elastic launcher restarts the gang: detection is
+    the kill until its next attempt starts. With none (max_restarts=0), the agent interrupts the
+    run and requeues it: detection is the kill until `interrupted`. Resume: the kill until a step
+    past the checkpoint is trained again; steps lost: work redone since that checkpoint."""
+    env = {"ITO_PLAN_SMALL_MODEL_GANGS": "1", "ITO_GANG_MAX_RESTARTS": str(max_restarts)}
+    stack = Stack(root, env=env)
+    try:
+        manifest = stack.manifest(120, gpus=2, interval=10)
+        run_id = stack.train(stack.booking(), manifest, "gang-kill")["data"]["run_id"]
+        view = wait(
+            lambda: ((v := stack.status(run_id)).get("last_checkpoint_step") or 0) >= 20 and v, 300, 0.5
+        )
+        job = pathlib.Path(view["checkpoint_dir"]) / "gang" / "pretrain" / "job.json"
+        ranks = wait(lambda: len(p := gang_ranks(job)) == 2 and p, 30)
+        killed_step = stack.status(run_id)["step"]
+        os.kill(ranks[-1], signal.SIGKILL)
+        t0 = time.monotonic()
+        if max_restarts:
+            attempt = job.parent / "logs"
+            wait(lambda: any(attempt.glob("*/attempt_1")), 120, 0.05)
+        else:
+            wait(lambda: stack.status(run_id)["state"] == "interrupted", 120, 0.05)
+        detected = time.monotonic() - t0
+        restarted = wait(lambda: restart_in(stack.ecc("metrics", run_id)["data"]["points"]), 300, 0.2)
+        resumed = time.monotonic() - t0
+        final = wait(lambda: (v := stack.status(run_id))["state"] in ("succeeded", "failed") and v, 300, 0.5)
+        how = (
+            f"restarted by torchrun, max_restarts={max_restarts}"
+            if max_restarts
+            else "interrupted and requeued"
+        )
+        return {
+            "scenario": f"2-rank gang, rank SIGKILL ({'launcher restart' if max_restarts else 'requeue'})",
+            "detection_s": detected,
+            "resume_s": resumed,
+            "runs_lost": int(final["state"] != "succeeded"),
+            "duplicate_runs": 0,
+            "steps_lost": killed_step - (restarted - 1),
+            "note": f"{how}; killed at step {killed_step}, resumed at {restarted}",
         }
     finally:
         stack.down()
@@ -398,6 +470,10 @@ def main() -> int:
     rows = []
     scenarios = [
         ("trainer SIGKILL mid-stage", lambda: trainer_killed(root)),
+        ("2-rank gang, rank SIGKILL (launcher restart)", lambda: gang_rank_killed(root, max_restarts=2)),
+        ("2-rank gang, rank SIGKILL (requeue)", lambda: gang_rank_killed(root, max_restarts=0)),
+        # TODO(2-agent run): a rank of a run on two agents (two nodes) killed mid-stage, once
+        # multi-node runs land (per-node lease and hand-off, torchft replica groups).
         ("scheduler SIGKILL after reservation", lambda: scheduler_killed(root)),
         ("nats restart during a burst", lambda: restarted_during_burst(root, "nats")),
         ("redis restart during a burst", lambda: restarted_during_burst(root, "redis")),
