@@ -13,6 +13,7 @@ NKey, its own inbox, requests on the account's own subjects, no credential in a 
 NATS or Redis comes back through `restart_infra`, from the stack's own config and secrets.
 """
 
+import argparse
 import asyncio
 import hashlib
 import json
@@ -465,7 +466,18 @@ def fmt(value) -> str:
     return "-" if value is None else (f"{value:.1f}" if isinstance(value, float) else str(value))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.ops.chaos", description="Fault scenarios on stacks of our own, as a table."
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="run only the scenarios whose name contains TEXT (repeatable); bench/chaos.json is then left as is",
+    )
+    args = parser.parse_args(argv)
     root = pathlib.Path(tempfile.mkdtemp(prefix="ito-chaos-"))
     rows = []
     scenarios = [
@@ -478,6 +490,8 @@ def main() -> int:
         ("nats restart during a burst", lambda: restarted_during_burst(root, "nats")),
         ("redis restart during a burst", lambda: restarted_during_burst(root, "redis")),
     ]
+    if args.only:
+        scenarios = [(n, s) for n, s in scenarios if any(text in n for text in args.only)]
     for name, scenario in scenarios:
         try:
             rows.append(scenario())
@@ -496,9 +510,10 @@ def main() -> int:
             + (f"  ({row['note']})" if row.get("note") else "")
             + (f"  ERROR {row['error']}" if row.get("error") else "")
         )
-    out = REPO / "bench" / "chaos.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
+    if not args.only:  # the recorded table is the whole one
+        out = REPO / "bench" / "chaos.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(rows, indent=2))
     return 1 if any(r.get("error") or r.get("runs_lost") or r.get("duplicate_runs") for r in rows) else 0
 
 
