@@ -484,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         ("trainer SIGKILL mid-stage", lambda: trainer_killed(root)),
         ("2-rank gang, rank SIGKILL (launcher restart)", lambda: gang_rank_killed(root, max_restarts=2)),
         ("2-rank gang, rank SIGKILL (requeue)", lambda: gang_rank_killed(root, max_restarts=0)),
-        # TODO(2-agent run): a rank of a run on two agents (two nodes) killed mid-stage, once
-        # multi-node runs land (per-node lease and hand-off, torchft replica groups).
+        # TODO(2-agent run): one agent of a run on two agents (two nodes, torchft replica groups,
+        # a lease per node; tests/e2e/test_multinode_e2e.py starts one) killed mid-stage: not written yet.
         ("scheduler SIGKILL after reservation", lambda: scheduler_killed(root)),
         ("nats restart during a burst", lambda: restarted_during_burst(root, "nats")),
         ("redis restart during a burst", lambda: restarted_during_burst(root, "redis")),
