@@ -5,7 +5,7 @@
 transition (hand-off, cancel, approval, a silent trainer, a trainer's own report) goes through it.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -93,6 +93,30 @@ def move(
         return view
     moved = transition(view, target, at, stage=stage, message=message, total_steps=total_steps)
     return msgspec.structs.replace(moved, **fields) if fields and moved is not view else moved
+
+
+def keeping_state(change: Callable[[RunView], RunView]) -> Callable[[RunView], RunView]:
+    """`change` as a store's `update` applies it: a change of state raises NotAMove (only `move`
+    changes a run's state). Both run store adapters wrap their `update` with it."""
+
+    def kept(view: RunView) -> RunView:
+        new = change(view)
+        if new.state != view.state:
+            raise NotAMove(view.state, new.state)
+        return new
+
+    return kept
+
+
+def mover(
+    to: RunState | Mapping[RunState, RunState],
+    at: datetime,
+    *,
+    allowed_from: frozenset[RunState] | None = None,
+    **details: Any,
+) -> Callable[[RunView], RunView]:
+    """The change a store's `move` applies inside its write: `move(view, to, at, ...)`."""
+    return lambda view: move(view, to, at, allowed_from=allowed_from, **details)
 
 
 def apply_event(view: RunView, event: RunEvent) -> RunView:

@@ -56,13 +56,7 @@ class InMemoryRuns:
         change: Callable[[RunView], RunView],
         holder_epoch: int | None = None,
     ) -> tuple[RunView | None, bool]:
-        def same_state(view: RunView) -> RunView:
-            new = change(view)
-            if new.state != view.state:
-                raise lifecycle.NotAMove(view.state, new.state)
-            return new
-
-        return self._write(account, run_id, seq, same_state, holder_epoch)
+        return self._write(account, run_id, seq, lifecycle.keeping_state(change), holder_epoch)
 
     async def move(
         self,
@@ -81,7 +75,7 @@ class InMemoryRuns:
             account,
             run_id,
             seq,
-            lambda view: lifecycle.move(view, to, when, allowed_from=allowed_from, **details),
+            lifecycle.mover(to, when, allowed_from=allowed_from, **details),
             holder_epoch,
         )
 

@@ -175,13 +175,7 @@ class RunStore:
     ) -> tuple[RunView | None, bool]:
         """Apply `change`, which must leave the state alone (`move` changes it), as `_write` does."""
 
-        def same_state(view: RunView) -> RunView:
-            new = change(view)
-            if new.state != view.state:
-                raise lifecycle.NotAMove(view.state, new.state)
-            return new
-
-        return await self._write(account, run_id, seq, same_state, holder_epoch)
+        return await self._write(account, run_id, seq, lifecycle.keeping_state(change), holder_epoch)
 
     async def move(
         self,
@@ -201,7 +195,7 @@ class RunStore:
             account,
             run_id,
             seq,
-            lambda view: lifecycle.move(view, to, when, allowed_from=allowed_from, **details),
+            lifecycle.mover(to, when, allowed_from=allowed_from, **details),
             holder_epoch,
         )
 
