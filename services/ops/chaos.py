@@ -214,7 +214,9 @@ def trainer_killed(root) -> dict:
             points = stack.ecc("metrics", run_id)["data"]["points"]
             steps = [p["step"] for p in points]
             restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-            lost = killed_step - (steps[restart] - 1)
+            # steps trained twice: from the resumed checkpoint to the last step reported before the
+            # kill (the status at the kill lags the trainer, so it cannot bound this)
+            lost = max(killed_step, steps[restart - 1]) - (steps[restart] - 1)
         finally:
             replacement.terminate()
         return {
