@@ -37,12 +37,14 @@ RECONCILE_AFTER_S = 5.0  # leave a live request time to finish its own hand-off
 _work_decoder = msgspec.json.Decoder(TrainWork)
 
 
-def node_shares(work: TrainWork) -> list[tuple[TrainWork, str]]:
-    """A run's work items, one per node, with their Nats-Msg-Ids: node 0's is the run id (as for
-    every single-node run, so a one-node run is handed off exactly as before)."""
-    shares = [(work, work.run_id)]
+def node_shares(work: TrainWork, msg_id: str | None = None) -> list[tuple[TrainWork, str]]:
+    """A run's work items, one per node, with their Nats-Msg-Ids: node 0's is `msg_id` (by default
+    the run id, as for every single-node run, so a one-node run is handed off exactly as before),
+    node n's `<msg_id>:node-<n>`. An approved restart passes its own id so that every node restarts."""
+    base = msg_id or work.run_id
+    shares = [(work, base)]
     for n in range(1, work.nodes):
-        shares.append((msgspec.structs.replace(work, node_rank=n), f"{work.run_id}:node-{n}"))
+        shares.append((msgspec.structs.replace(work, node_rank=n), f"{base}:node-{n}"))
     return shares
 
 

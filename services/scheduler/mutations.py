@@ -33,6 +33,7 @@ from services.runtime.accounts import Credentials
 from services.runtime.codec import Refusal
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
 from services.scheduler.backends import Backends
+from services.scheduler.handoff import node_shares
 from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.mutations")
@@ -263,4 +264,5 @@ class Mutations:
             message=approved_message(current.proposal),
             proposal=None,
         )
-        await self.backends.publish_work(req.run_id, msgspec.json.encode(restart), msg_id)
+        for share, share_id in node_shares(restart, msg_id):  # a multi-node run restarts on every node
+            await self.backends.publish_work(req.run_id, msgspec.json.encode(share), share_id)
