@@ -172,6 +172,12 @@ def batch_rows(batch_size: int, dp_rank: int, dp_degree: int) -> slice:
     return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
+def replica_batch_rows(batch_size: int, replica_id: int, groups: int, dims: ParallelDims, rank: int) -> slice:
+    """The rows `rank` of replica group `replica_id` (of `groups`, each a gang laid out as `dims`)
+    trains on: the groups split the global batch, and each group's data-parallel ranks its share."""
+    return batch_rows(batch_size, replica_id * dims.dp_degree + dims.dp_rank(rank), groups * dims.dp_degree)
+
+
 # ---- the process group -------------------------------------------------------------------------
 
 

@@ -30,11 +30,16 @@ What torchft gives through these hooks:
     as two int64 buffers under `torchft.*` (see `CheckpointView`): no pickle in the checkpoint, and
     a plain `Transformer` still loads the weights with `load_weights`.
 
-A group here is one process (group rank 0 of 1), which hosts its own TCPStore.
+A group is one process (group rank 0 of 1, hosting its own TCPStore), or a gang of ranks under
+torchrun (`GangStore`: the gang's rank and world size, and the store torchrun's agent hosts). In a
+gang each rank's Manager averages its own gradients over the same rank of the other groups: with
+FSDP2 inside the gang these are the local shards after FSDP's reduce-scatter (HSDP with torchft
+as the replicate dimension).
 """
 
 import hashlib
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,6 +61,16 @@ QUORUM_TICK_MS = 100  # how often the Lighthouse re-checks a pending quorum
 TIMEOUT_S = 5.0  # Gloo collectives, should_commit, and the HTTP transfer of a healing checkpoint
 QUORUM_TIMEOUT_S = 15.0  # one quorum; must exceed the Lighthouse's heartbeat timeout
 CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GangStore:
+    """Where a replica group's ranks meet: this rank, the group's size, its TCPStore."""
+
+    rank: int
+    world_size: int
+    host: str
+    port: int
 
 
 class Progress(Protocol):
@@ -123,7 +138,9 @@ def weights_checksum(model: nn.Module) -> str:
     digest = hashlib.blake2b(digest_size=8)
     for name, p in model.named_parameters():
         digest.update(name.encode())
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        local = p.detach()
+        local = local.to_local() if hasattr(local, "to_local") else local  # a shard: this rank's
+        digest.update(local.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -146,6 +163,7 @@ class ReplicaGroup:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         min_replica_size: int = 1,  # 1: keep stepping alone when every other group is gone
         progress: Progress | None = None,
+        gang: GangStore | None = None,
     ) -> None:
         if quorum_timeout_s * 1000 <= HEARTBEAT_TIMEOUT_MS:
             raise ValueError("The quorum timeout needs to be longer than the Lighthouse's heartbeat timeout.")
@@ -155,8 +173,13 @@ class ReplicaGroup:
         self.manager_progress = ManagerProgress()
         self.view = CheckpointView(model, self.manager_progress)
         # torchft's Manager connects to the group's TCPStore as a client and waits forever if none
-        # is listening, so the group's rank 0 (this process) hosts it. Port 0: any free port.
-        self.store = TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
+        # is listening: a group of one process hosts its own (port 0: any free port); a gang's ranks
+        # use the store torchrun's agent hosts, as torchft's own examples do under torchrun.
+        self.store: TCPStore | None = None
+        if gang is None:
+            self.store = TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
+            gang = GangStore(rank=0, world_size=1, host=store_host, port=self.store.port)
+        self.group_rank = gang.rank
         timeout = timedelta(seconds=timeout_s)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
@@ -166,14 +189,14 @@ class ReplicaGroup:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
             connect_timeout=timedelta(seconds=connect_timeout_s),
-            rank=0,
-            world_size=1,
-            store_addr=store_host,
-            store_port=self.store.port,
+            rank=gang.rank,
+            world_size=gang.world_size,
+            store_addr=gang.host,
+            store_port=gang.port,
             lighthouse_addr=lighthouse,
             replica_id=f"replica_{replica_id}",  # torchft reads the trailing digits as the group's rank
         )
-        self._write("started", pid=os.getpid(), store_port=self.store.port)
+        self._write("started", pid=os.getpid(), store_port=gang.port)
 
     @property
     def step(self) -> int:

@@ -41,7 +41,7 @@ from services.trainer.checkpoint import load_weights
 from services.trainer.distributed import ParallelDims, ParallelismError
 from services.trainer.loop import pick_device
 from services.trainer.pretrain import StageConfig, StageResult, build_model
-from services.trainer.rank_main import StageJob
+from services.trainer.rank_main import ReplicaJob, StageJob
 from services.trainer.reporting import Reporter
 
 ENV_GANG_MAX_RESTARTS: Final = "ITO_GANG_MAX_RESTARTS"
@@ -141,8 +141,11 @@ def torchrun_command(spec: LaunchSpec, job: pathlib.Path) -> list[str]:
     ]
 
 
-def stage_job(cfg: StageConfig, dims: ParallelDims, directory: pathlib.Path) -> StageJob:
-    """The job every rank of the gang runs: the stage's config, the plan's dims, rank 0's files."""
+def stage_job(
+    cfg: StageConfig, dims: ParallelDims, directory: pathlib.Path, replica_group: ReplicaJob | None = None
+) -> StageJob:
+    """The job every rank of the gang runs: the stage's config, the plan's dims (this node's, for a
+    multi-node run's replica group), rank 0's files."""
     return StageJob(
         shape=cfg.shape,
         steps=cfg.steps,
@@ -167,6 +170,7 @@ def stage_job(cfg: StageConfig, dims: ParallelDims, directory: pathlib.Path) -> 
         rope_base=cfg.rope_base,
         init_from=cfg.init_from,
         z_loss=cfg.z_loss,
+        replica_group=replica_group,
     )
 
 
@@ -224,8 +228,12 @@ class EventTail:
 class Gang:
     """Trains next-token stages of one run on a gang of this node's ranks (pipeline's `train_lm`)."""
 
-    def __init__(self, dims: ParallelDims, run_dir: pathlib.Path, threads: int) -> None:
+    def __init__(
+        self, dims: ParallelDims, run_dir: pathlib.Path, threads: int, replica_group: ReplicaJob | None = None
+    ) -> None:
+        """`replica_group`: the gang is this node's torchft replica group of a multi-node run."""
         self.dims = dims
+        self.replica_group = replica_group
         self.run_dir = run_dir
         self.threads = threads
         self.max_restarts = int(os.environ.get(ENV_GANG_MAX_RESTARTS, DEFAULT_MAX_RESTARTS))
@@ -233,7 +241,7 @@ class Gang:
     def train_stage(self, cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool]) -> StageResult:
         directory = self.run_dir / "gang" / cfg.stage
         directory.mkdir(parents=True, exist_ok=True)
-        job = stage_job(cfg, self.dims, directory)
+        job = stage_job(cfg, self.dims, directory, self.replica_group)
         result_path = pathlib.Path(job.result_path or directory / "result.json")
         result_path.unlink(missing_ok=True)
         events_path = pathlib.Path(job.events_path or directory / "events.jsonl")

@@ -15,8 +15,12 @@ reporter is the run's (events to the bus); the others write a per-node log file 
 (see the worker). Node 0 hosts the rendezvous and the Lighthouse, so losing node 0 interrupts the run
 (its lease lapses and the scheduler's watcher marks it interrupted, as for a one-node run).
 
-Not yet: more than one rank per node (a replica group of several ranks), and stages other than
-next-token ones; both are refused in a sentence (`refusal`).
+A node of several GPUs (the plan's hsdp {dp_replicate: nodes, dp_shard: gpus_per_node}) trains its
+share on a gang of its ranks under torchrun (gang.py), FSDP2 over them; the gang's ranks together
+are the node's replica group (rank_main.replicas: each rank's Manager with the gang's rank, world
+size and store), and torchft averages each rank's gradient shards over the groups.
+
+Not yet: stages other than next-token ones; refused in a sentence (`refusal`).
 """
 
 import os
@@ -32,9 +36,12 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.manifest import Manifest
 from contracts.runs import TrainWork
-from services.domain.curriculum import PostPlan, RunPlan
+from services.domain.curriculum import LmPlan, PostPlan, RunPlan
+from services.trainer.distributed import ParallelDims, ParallelismError
 from services.trainer.fault_tolerance import ReplicaGroup, start_lighthouse
+from services.trainer.gang import Gang
 from services.trainer.pretrain import Replicas, StageConfig, StageResult, train_stage
+from services.trainer.rank_main import ReplicaJob
 from services.trainer.reporting import Reporter
 
 ENV_NODE_HOST: Final = "ITO_NODE_HOST"
@@ -58,11 +65,17 @@ def refusal(work: TrainWork, manifest: Manifest, run_plan: RunPlan) -> str | Non
         return f"The work item's node {work.node_rank} of {work.nodes} does not match the manifest's {nodes} nodes."
     if not work.rendezvous:
         return f"The work item for {nodes} nodes names no rendezvous endpoint."
-    if gpn != 1:
+    try:
+        dims = ParallelDims.from_plan(work.plan.strategy, work.plan.degrees)
+    except ParallelismError as e:
+        return f"The plan for {nodes} nodes does not fit: {e}"
+    if dims.dp_replicate != nodes or dims.tp != 1 or dims.dp_shard != gpn:
         return (
-            f"The plan spans {nodes} nodes of {gpn} GPUs; this trainer trains one replica group of one "
-            "rank per node: book gpus_per_node 1."
+            f"The plan {dims.strategy} {dims.degrees()} does not lay {nodes} nodes of {gpn} GPUs out as "
+            "replica groups (dp_replicate the nodes, dp_shard the GPUs of each)."
         )
+    if gpn > 1 and torch.cuda.is_available() and torch.cuda.device_count() < gpn:
+        return f"The plan needs {gpn} GPUs on each node; this node has {torch.cuda.device_count()}."
     post = [s.name for s in run_plan.stages if isinstance(s, PostPlan)]
     if post or (run_plan.ladder is not None and run_plan.ladder.custom):
         names = ", ".join(
@@ -72,7 +85,20 @@ def refusal(work: TrainWork, manifest: Manifest, run_plan: RunPlan) -> str | Non
             f"A run on {nodes} nodes cannot run {names} yet: only next-token stages (pretrain, midtrain, "
             "long_context) train as replica groups; book one node for the others."
         )
+    for stage in run_plan.stages:
+        if isinstance(stage, LmPlan) and stage.batch_size % dims.dp_degree:
+            return (
+                f"The global batch of {stage.batch_size} does not split evenly over {dims.dp_degree} "
+                f"data-parallel ranks ({nodes} nodes of {gpn})."
+            )
     return None
+
+
+def node_gang(work: TrainWork) -> ParallelDims | None:
+    """This node's ranks when it has more than one: FSDP2 over its GPUs (the replica group's
+    gang); None for one rank per node (the agent's process is the group)."""
+    shard = ParallelDims.from_plan(work.plan.strategy, work.plan.degrees).dp_shard
+    return ParallelDims(strategy="fsdp2", dp_shard=shard) if shard > 1 else None
 
 
 class Rendezvous:
@@ -127,8 +153,12 @@ class NodeShare:
     the pipeline is over. The rendezvous is opened on the training thread at the first stage (a
     follower's connect waits for node 0)."""
 
-    def __init__(self, work: TrainWork) -> None:
+    def __init__(self, work: TrainWork, run_dir: pathlib.Path | None = None, threads: int = 1) -> None:
+        """`run_dir` and `threads`: where this node's gang keeps its files and how many CPU threads
+        its ranks share, when the node has several ranks (`node_gang`)."""
         self.work = work
+        self.run_dir, self.threads = run_dir, threads
+        self.gang_dims = node_gang(work)
         self.node_rank, self.nodes = work.node_rank, work.nodes
         self.node_host = os.environ.get(ENV_NODE_HOST) or DEFAULT_NODE_HOST
         self._rendezvous: Rendezvous | None = None
@@ -147,12 +177,21 @@ class NodeShare:
             f"{cfg.stage}: node {self.node_rank} of {self.nodes} joins as replica group {self.node_rank} "
             f"({min(met, self.nodes)} of {self.nodes} nodes met; Lighthouse {lighthouse})"
         )
+        gang = self.gang_dims
         report.parallelism(
             stage=cfg.stage,
             strategy=self.work.plan.strategy,
-            world_size=self.nodes,
-            mesh={"dp_replicate": self.nodes},
+            world_size=self.nodes * (gang.world_size if gang else 1),
+            mesh={"dp_replicate": self.nodes, **({"dp_shard": gang.dp_shard} if gang else {})},
         )
+        if gang is not None:  # this node's ranks under torchrun are the group (rank_main.replicas)
+            assert self.run_dir is not None, "a node of several ranks needs its run directory"
+            group = ReplicaJob(replica_id=self.node_rank, groups=self.nodes, lighthouse=lighthouse)
+            try:
+                return Gang(gang, self.run_dir, self.threads, group).train_stage(cfg, report, should_stop)
+            finally:
+                rdzv.meet(cfg.stage, "done", DONE_GRACE_S if self.node_rank == 0 else 0.0)
+                rdzv.end_stage(cfg.stage)
 
         def progress(event: str, /, **fields: object) -> None:
             if event in ("resumed", "healed"):  # every step's line would flood the log

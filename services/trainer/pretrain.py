@@ -41,6 +41,7 @@ from services.trainer.distributed import (
     build_mesh,
     parallelize,
     rank,
+    replica_batch_rows,
     world_size,
 )
 from services.trainer.loop import (
@@ -355,7 +356,7 @@ def train_stage(
         rows=(
             batch_rows(cfg.batch_size, dims.dp_rank(rank()), dims.dp_degree)
             if replicas is None
-            else batch_rows(cfg.batch_size, replicas.replica_id, replicas.groups)
+            else replica_batch_rows(cfg.batch_size, replicas.replica_id, replicas.groups, dims, rank())
         ),
     )
     settings = _loop_settings(cfg)

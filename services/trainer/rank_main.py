@@ -23,18 +23,30 @@ from contextlib import nullcontext
 from typing import Annotated, TextIO
 
 import msgspec
+import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.models import MODEL_SHAPES, ModelShape
 from contracts.runs import Metrics, RunEvent
 from services.trainer import distributed
 from services.trainer.checkpoint import CHECKPOINT_DEFAULTS
 from services.trainer.distributed import ParallelDims, ParallelismError
+from services.trainer.fault_tolerance import GangStore, ReplicaGroup
 from services.trainer.loop import pick_device
-from services.trainer.pretrain import StageConfig, train_stage
+from services.trainer.pretrain import Replicas, StageConfig, train_stage
 from services.trainer.reporting import Reporter, Sink, rank0_only
 
 EXIT_REFUSED = 2
 JOB_CAP_BYTES = 1 << 20  # a job is a few hundred bytes; anything near this is not one
+
+
+class ReplicaJob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """This gang is replica group `replica_id` of `groups` of a multi-node run (services/trainer/
+    nodes.py): its ranks form one torchft group, meeting the other groups at `lighthouse`."""
+
+    replica_id: Annotated[int, msgspec.Meta(ge=0)]
+    groups: Annotated[int, msgspec.Meta(ge=1)]
+    lighthouse: str
 
 
 class StageJob(msgspec.Struct, tag="stage", frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -75,6 +87,8 @@ class StageJob(msgspec.Struct, tag="stage", frozen=True, kw_only=True, forbid_un
     init_from: str | None = None
     """A previous stage's checkpoint dir: its final weights start this stage."""
     z_loss: float = 0.0
+    replica_group: ReplicaJob | None = None
+    """Set on each node's gang of a multi-node run; the node's agent reports the run's parallelism."""
 
 
 Job = StageJob  # a union of tagged Structs once the pipeline runs here too
@@ -136,6 +150,33 @@ def _file_sink(events: TextIO | None, losses: TextIO | None) -> Sink:
     return sink
 
 
+def replicas(group: ReplicaJob, report: Reporter, stage: str) -> Replicas:
+    """This gang as one torchft replica group: every rank's Manager with the gang's rank, world
+    size and store (the one torchrun's agent hosts at MASTER_ADDR:MASTER_PORT)."""
+
+    def progress(event: str, /, **fields: object) -> None:
+        if event in ("resumed", "healed"):  # every step's line would flood the log
+            report.log(f"{stage}: replica group {group.replica_id} {event} at step {fields.get('step')}")
+
+    def join(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> ReplicaGroup:
+        return ReplicaGroup(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            replica_id=group.replica_id,
+            lighthouse=group.lighthouse,
+            progress=progress,
+            gang=GangStore(
+                rank=distributed.rank(),
+                world_size=distributed.world_size(),
+                host=os.environ[distributed.ENV_MASTER_ADDR],
+                port=int(os.environ[distributed.ENV_MASTER_PORT]),
+            ),
+        )
+
+    return Replicas(replica_id=group.replica_id, groups=group.groups, join=join)
+
+
 def run(job: StageJob) -> dict:
     """Train `job` on this rank; rank 0's summary (the other ranks return the same numbers)."""
     dims = ParallelDims.from_plan(job.strategy, job.degrees)
@@ -151,14 +192,17 @@ def run(job: StageJob) -> dict:
         open(job.losses_path, "a") if job.losses_path else nullcontext() as losses,
     ):
         report = rank0_only(Reporter(_file_sink(events, losses), run_id=f"gang-{job.stage}"))
-        shape, names = dims.mesh_dims()
-        report.parallelism(
-            stage=job.stage,
-            strategy=dims.strategy,
-            world_size=distributed.world_size(),
-            mesh=dict(zip(names, shape, strict=True)),
-        )
-        result = train_stage(cfg, report, stop.is_set)
+        if job.replica_group is None:
+            shape, names = dims.mesh_dims()
+            report.parallelism(
+                stage=job.stage,
+                strategy=dims.strategy,
+                world_size=distributed.world_size(),
+                mesh=dict(zip(names, shape, strict=True)),
+            )
+            result = train_stage(cfg, report, stop.is_set)
+        else:
+            result = train_stage(cfg, report, stop.is_set, replicas(job.replica_group, report, job.stage))
     return {
         "stage": job.stage,
         "final_step": result.final_step,

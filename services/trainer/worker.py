@@ -454,7 +454,7 @@ class Worker:
             refused = nodes.refusal(work, manifest, plan_run(manifest))
             if refused is not None:
                 raise ParallelismError(refused)
-            share = nodes.NodeShare(work)
+            share = nodes.NodeShare(work, checkpoint_dir, self.threads)
             return share.train_stage, share
         dims = gang_dims(work.plan)
         if dims is None:

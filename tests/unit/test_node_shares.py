@@ -13,6 +13,7 @@ from contracts.runs import TrainWork
 from services.domain.curriculum import plan_run
 from services.scheduler.handoff import node_shares
 from services.trainer import nodes
+from services.trainer.distributed import ParallelDims, replica_batch_rows
 from tests.conftest import write_manifest
 
 COST = {name: 0 for name in CostEstimate.__struct_fields__}
@@ -31,14 +32,18 @@ PLAN = msgspec.convert(
 )
 
 
-def work(n: int, node_rank: int = 0, rendezvous: str = "127.0.0.1:29400") -> TrainWork:
+HSDP_2X2 = msgspec.structs.replace(PLAN, strategy="hsdp", degrees={"dp_replicate": 2, "dp_shard": 2})
+HSDP_4X2 = msgspec.structs.replace(PLAN, strategy="hsdp", degrees={"dp_replicate": 4, "dp_shard": 2})
+
+
+def work(n: int, node_rank: int = 0, rendezvous: str = "127.0.0.1:29400", plan: Plan = PLAN) -> TrainWork:
     return TrainWork(
         run_id="run_1",
         account="acme",
         booking_id="b",
         manifest_text="{}",
         manifest_digest="d",
-        plan=PLAN,
+        plan=plan,
         checkpoint_dir="/x",
         nodes=n,
         node_rank=node_rank,
@@ -73,7 +78,12 @@ def test_a_share_of_one_gpu_per_node_trains(tmp_path):
 @pytest.mark.parametrize(
     ("resources", "share", "why"),
     [
-        ({"nodes": 2, "gpus_per_node": 2}, work(2, 1), "book gpus_per_node 1"),
+        (
+            {"nodes": 2, "gpus_per_node": 2},
+            work(2, 1),
+            "does not lay 2 nodes of 2 GPUs out as replica groups",
+        ),
+        ({"nodes": 2, "gpus_per_node": 2}, work(2, 1, plan=HSDP_4X2), "does not lay 2 nodes of 2 GPUs"),
         ({"nodes": 2, "gpus_per_node": 1}, work(3, 1), "does not match the manifest's 2 nodes"),
         ({"nodes": 2, "gpus_per_node": 1}, work(2, 2), "node 2 of 2 does not match"),
         ({"nodes": 2, "gpus_per_node": 1}, work(2, 1, rendezvous=""), "names no rendezvous endpoint"),
@@ -83,6 +93,40 @@ def test_a_share_this_trainer_cannot_train_is_refused_in_a_sentence(tmp_path, re
     m = _manifest(tmp_path, resources=resources)
     reason = nodes.refusal(share, m, plan_run(m))
     assert reason is not None and why in reason, reason
+
+
+def test_a_share_of_several_gpus_per_node_trains_on_a_gang_sharding_inside_the_node(tmp_path):
+    m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 2})
+    assert nodes.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m)) is None
+    assert nodes.node_gang(work(2, 1, plan=HSDP_2X2)) == ParallelDims(strategy="fsdp2", dp_shard=2)
+    assert nodes.node_gang(work(2, 1)) is None  # one rank per node: the agent's process is the group
+
+
+def test_a_batch_that_does_not_split_over_every_rank_of_every_node_is_refused(tmp_path):
+    m = _manifest(
+        tmp_path,
+        resources={"nodes": 2, "gpus_per_node": 2},
+        target={"tokens": 6 * 32 * 4, "seq_len": 32, "batch_size": 6},
+    )
+    reason = nodes.refusal(work(2, 0, plan=HSDP_2X2), m, plan_run(m))
+    assert reason is not None and "6 does not split evenly over 4 data-parallel ranks" in reason, reason
+
+
+@pytest.mark.parametrize(
+    ("replica_id", "groups", "dims", "rank", "rows"),
+    [
+        (0, 1, ParallelDims(), 0, slice(0, 8)),  # one group of one rank: the whole batch
+        (1, 2, ParallelDims(), 0, slice(4, 8)),  # one rank per node: the node's half
+        (0, 2, ParallelDims(strategy="fsdp2", dp_shard=2), 1, slice(2, 4)),
+        (1, 2, ParallelDims(strategy="fsdp2", dp_shard=2), 0, slice(4, 6)),
+        (1, 2, ParallelDims(strategy="fsdp2", dp_shard=2), 1, slice(6, 8)),
+        (1, 2, ParallelDims(strategy="fsdp2+tp", dp_shard=2, tp=2), 3, slice(6, 8)),  # tp ranks share rows
+    ],
+)
+def test_each_rank_of_each_replica_group_trains_its_own_rows_of_the_global_batch(
+    replica_id, groups, dims, rank, rows
+):
+    assert replica_batch_rows(8, replica_id, groups, dims, rank) == rows
 
 
 def test_post_training_on_several_nodes_is_refused_naming_the_stage(tmp_path):
