@@ -99,26 +99,3 @@ def test_a_two_node_run_trains_on_two_agents(stack, manifest):
     human = stack.run("ecc", "ito", "status", run_id, env=env)
     assert human.returncode == 0, human.stderr
     assert "world size 2, mesh dp_replicate 2, 2 nodes" in human.stdout, human.stdout
-
-
-def test_a_multi_node_plan_with_several_gpus_per_node_fails_naming_why(stack, manifest):
-    account, _, env = stack.account()
-    booking = stack.booking(account, nodes=2, gpus_per_node=2)
-    m = manifest(resources={"nodes": 2, "gpus_per_node": 2})
-    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", str(m), env=env)
-    rc, train = stack.ecc(
-        "train",
-        "--booking",
-        booking,
-        "--manifest",
-        str(m),
-        "--confirmation-ref",
-        conf["data"]["confirmation_ref"],
-        "--idempotency-key",
-        "two-by-two",
-        env=env,
-    )
-    assert rc == 0 and train["ok"], train
-    final = run_state(stack, env, train["data"]["run_id"], {"succeeded", "failed"}, timeout=120)
-    assert final["state"] == "failed", final
-    assert "book gpus_per_node 1" in final["message"], final
