@@ -1,9 +1,14 @@
 """A run booked on 2 nodes trains on two trainer agents, one torchft replica group each: through
 `ecc ito train`, to `succeeded`; node 0 reports the run, node 1 trains its share under its own
 lease and writes its per-node log; status shows the parallelism over 2 nodes. Here the "nodes" are
-two `ito-training serve trainer` processes on one machine, their groups on loopback."""
+two `ito-training serve trainer` processes on one machine, their groups on loopback.
+
+Node 1's agent SIGKILLed mid-stage: a replacement agent leases node 1's redelivered item at a higher
+epoch, resumes node 1's checkpoint and heals from node 0, which trains on throughout; the run
+succeeds without ever leaving `running`."""
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -11,7 +16,7 @@ import subprocess
 import pytest
 
 from tests.conftest import BIN, start_stack
-from tests.support import run_state
+from tests.support import eventually, run_state, run_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -23,20 +28,33 @@ RUN_TIMEOUT_S = 300  # two agents of the tiny model on 2 cores; most of it start
 def stack(tmp_path_factory):
     """All services plus a second trainer agent (node 1's), with the scheduler allowed to plan the
     tiny model on several nodes (ITO_PLAN_SMALL_MODEL_GANGS)."""
-    s = start_stack(tmp_path_factory.mktemp("multinode-stack"), env={"ITO_PLAN_SMALL_MODEL_GANGS": "1"})
-    log = open(s.data_dir / "second-trainer.log", "ab")
-    second = subprocess.Popen(
-        [str(BIN / "ito-training"), "serve", "trainer"], env=s.env, stdout=log, stderr=log
+    s = start_stack(
+        tmp_path_factory.mktemp("multinode-stack"),
+        env={"ITO_PLAN_SMALL_MODEL_GANGS": "1", "OMP_NUM_THREADS": "1"},
     )
+    log = open(s.data_dir / "more-trainers.log", "ab")
+    s.agents = []  # the agents started here (beside `up`'s trainer), stopped at the end
+
+    def start_agent() -> subprocess.Popen:
+        agent = subprocess.Popen(
+            [str(BIN / "ito-training"), "serve", "trainer"], env=s.env, stdout=log, stderr=log
+        )
+        s.agents.append(agent)
+        return agent
+
+    s.start_agent = start_agent
+    start_agent()
     try:
         yield s
     finally:
-        second.send_signal(signal.SIGTERM)
-        try:
-            second.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            second.kill()
-            second.wait()
+        for agent in s.agents:
+            agent.send_signal(signal.SIGTERM)
+        for agent in s.agents:
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
         log.close()
         s.run("ito-training", "down", timeout=60)
 
@@ -99,3 +117,104 @@ def test_a_two_node_run_trains_on_two_agents(stack, manifest):
     human = stack.run("ecc", "ito", "status", run_id, env=env)
     assert human.returncode == 0, human.stderr
     assert "world size 2, mesh dp_replicate 2, 2 nodes" in human.stdout, human.stdout
+
+
+def _holder_of(path: pathlib.Path, pids: list[int]) -> int | None:
+    """The agent (of `pids`) that has `path` open: the one training that node's share."""
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/fd").is_dir(), reason="finds node 1's agent through /proc")
+def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack, manifest):
+    account, _, env = stack.account()
+    booking = stack.booking(account, nodes=2, gpus_per_node=1)
+    steps, every = 500, 20  # long enough that node 0 is still training when node 1's replacement joins
+    m = manifest(
+        resources=NODES,
+        target={"tokens": steps * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
+        checkpoint={"interval_steps": every, "keep_last": 2, "storage": "local"},
+    )
+    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", str(m), env=env)
+    rc, train = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        str(m),
+        "--confirmation-ref",
+        conf["data"]["confirmation_ref"],
+        "--idempotency-key",
+        "two-nodes-kill",
+        env=env,
+    )
+    assert rc == 0 and train["ok"], train
+    run_id = train["data"]["run_id"]
+
+    def never_interrupted(view):
+        assert view["state"] in ("accepted", "queued", "running", "succeeded"), view
+        return view
+
+    run_dir = pathlib.Path(
+        run_status(
+            stack, env, run_id, lambda v: never_interrupted(v) and v.get("checkpoint_dir"), timeout=60
+        )["checkpoint_dir"]
+    )
+    node1_log = run_dir / "node-1" / "node.jsonl"
+
+    def node1_committed():
+        never_interrupted(run_status(stack, env, run_id, lambda v: True, timeout=10))
+        ckpts = list((run_dir / "node-1" / "pretrain").glob("step-*/COMMITTED"))  # a committed save
+        return (
+            node1_log.exists() and ckpts and any(e.get("kind") == "metrics" for e in _node_events(run_dir, 1))
+        )
+
+    eventually(node1_committed, timeout=90, interval=0.2, what="node 1 committed a checkpoint")
+    up_trainer = json.loads((stack.data_dir / "up.json").read_text())["services"]["trainer"]
+    agents = [up_trainer] + [a.pid for a in stack.agents if a.poll() is None]
+    node1_pid = eventually(lambda: _holder_of(node1_log, agents), timeout=10, what="node 1's agent")
+    node0_pid = next(pid for pid in agents if pid != node1_pid and _alive(pid))
+    os.kill(node1_pid, signal.SIGKILL)
+    killed_at = max(e["step"] for e in _node_events(run_dir, 1) if e.get("kind") == "metrics")
+    stack.start_agent()  # the replacement; JetStream redelivers node 1's item to it after AckWait
+
+    final = run_status(
+        stack, env, run_id, lambda v: never_interrupted(v)["state"] == "succeeded", timeout=RUN_TIMEOUT_S
+    )
+    assert final["step"] == final["total_steps"] == steps, final
+    assert _alive(node0_pid), "node 0's agent was stopped"
+
+    events = _node_events(run_dir, 1)
+    epochs = sorted({e["epoch"] for e in events})
+    assert len(epochs) == 2 and epochs[0] < epochs[1], epochs  # the replacement leased at a higher epoch
+    later = [e for e in events if e["epoch"] == epochs[1]]
+    messages = [e.get("message", "") for e in later]
+    resumed = [int(msg.rsplit(" ", 1)[1]) for msg in messages if "replica group 1 resumed at step" in msg]
+    healed = [int(msg.rsplit(" ", 1)[1]) for msg in messages if "replica group 1 healed at step" in msg]
+    assert resumed and resumed[0] % every == 0 and resumed[0] <= killed_at, (
+        resumed,
+        killed_at,
+        messages[:12],
+    )
+    assert healed and healed[0] > resumed[0], (healed, resumed)  # node 0 was ahead: node 1 caught up from it
+    node1_steps = [e["step"] for e in later if e.get("kind") == "metrics"]
+    assert node1_steps and max(node1_steps) == steps, node1_steps[-3:]
+    assert any("node 1: succeeded" in msg for msg in messages), messages[-3:]
