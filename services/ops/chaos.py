@@ -2,6 +2,8 @@
 
 Scenarios: a trainer killed with SIGKILL mid-stage; a rank of a 2-rank gang killed with SIGKILL
 mid-stage (restarted by the elastic launcher, and with no restarts left, interrupted and requeued);
+node 1's agent of a run on two agents (two nodes, torchft replica groups) SIGKILLed mid-stage and
+replaced, node 0 training on;
 the scheduler killed between the ledger's reservation and the hand-off; NATS killed and restarted, then Redis, during a stream of train
 requests. For each: detection time, resume time, runs lost, duplicate runs, steps lost (work redone
 since the last checkpoint).
@@ -102,8 +104,9 @@ class Stack:
     def ecc(self, *args: str, timeout: float = 60) -> dict:
         return self.cli("ecc", "ito", *args, "--json", timeout=timeout, check=False)
 
-    def booking(self) -> str:
+    def booking(self, nodes: int = 1) -> str:
         booking = "bk-" + uuid.uuid4().hex[:6]
+        topology = ["--nodes", str(nodes), "--gpus-per-node", "1"] if nodes > 1 else []
         self.cli(
             "ito-training",
             "simulate-booking",
@@ -113,16 +116,17 @@ class Stack:
             booking,
             "--event",
             "completed",
+            *topology,
             "--json",
         )
         return booking
 
-    def manifest(self, steps: int, gpus: int = 1, interval: int = 50) -> pathlib.Path:
+    def manifest(self, steps: int, gpus: int = 1, interval: int = 50, nodes: int = 1) -> pathlib.Path:
         raw = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())
         raw["target"] = {"tokens": steps * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
         raw["checkpoint"] = {"interval_steps": interval, "keep_last": 2, "storage": "local"}
-        raw["resources"] = {"nodes": 1, "gpus_per_node": gpus}
-        path = self.dir / f"manifest-{steps}-{gpus}.json"
+        raw["resources"] = {"nodes": nodes, "gpus_per_node": gpus}
+        path = self.dir / f"manifest-{steps}-{gpus}-{nodes}.json"
         path.write_text(json.dumps(raw))
         path.chmod(0o644)
         return path
@@ -297,6 +301,114 @@ def gang_rank_killed(root, max_restarts: int) -> dict:
             "note": f"{how}; killed at step {killed_step}, resumed at {restarted}",
         }
     finally:
+        stack.down()
+
+
+def holder_of(path: pathlib.Path, pids: list[int]) -> int | None:
+    """The process (of `pids`) that has `path` open: the agent training that node's share."""
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def alive(pid: int) -> bool:
+    """Is `pid` running (not gone, not a zombie)?"""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def node_events(path: pathlib.Path) -> list[dict]:
+    """A node's log (node n > 0 of a multi-node run), whole lines only."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def agent_killed(root) -> dict:
+    """A run on two agents (two nodes, one torchft replica group each) with node 1's agent
+    SIGKILLed mid-stage and a replacement agent started at once; node 0 trains on. Detection: the
+    kill until the replacement leases node 1's redelivered item (a new epoch in node 1's log);
+    resume: the kill until node 1 trains a step again (after resuming its checkpoint and healing
+    from node 0); steps redone: node 1's steps trained again (none once it heals to node 0's step)."""
+    stack = Stack(root, env={"ITO_PLAN_SMALL_MODEL_GANGS": "1", "OMP_NUM_THREADS": "1"})
+    agents = [
+        subprocess.Popen(
+            [str(BIN / "ito-training"), "serve", "trainer"],
+            env=stack.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    try:
+        manifest = stack.manifest(500, interval=20, nodes=2)
+        run_id = stack.train(stack.booking(nodes=2), manifest, "agent-kill")["data"]["run_id"]
+        view = wait(lambda: (v := stack.status(run_id)).get("checkpoint_dir") and v, 120, 0.2)
+        node1 = pathlib.Path(view["checkpoint_dir"]) / "node-1"
+        wait(lambda: any((node1 / "pretrain").glob("step-*/COMMITTED")), 300, 0.1)
+        pid = wait(lambda: holder_of(node1 / "node.jsonl", [stack.pids()["trainer"], agents[0].pid]), 30)
+        node0 = next(p for p in (stack.pids()["trainer"], agents[0].pid) if p != pid)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        before = node_events(node1 / "node.jsonl")
+        killed_step = max(e["step"] for e in before if e.get("kind") == "metrics")
+        epoch = max(e["epoch"] for e in before)
+        agents.append(
+            subprocess.Popen(
+                [str(BIN / "ito-training"), "serve", "trainer"],
+                env=stack.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+
+        def later() -> list[dict]:  # node 1's events under the replacement's (higher) epoch
+            return [e for e in node_events(node1 / "node.jsonl") if e["epoch"] > epoch]
+
+        wait(later, 120, 0.05)
+        detected = time.monotonic() - t0
+        wait(lambda: any(e.get("kind") == "metrics" for e in later()), 120, 0.05)
+        resumed = time.monotonic() - t0
+        final = wait(
+            lambda: (v := stack.status(run_id))["state"] in ("succeeded", "failed", "gate_failed") and v,
+            300,
+            0.5,
+        )
+        events = later()
+        messages = [e.get("message", "") for e in events]
+        trained = [e["step"] for e in events if e.get("kind") == "metrics"]
+        checkpoint = next((m.rsplit(" ", 1)[1] for m in messages if "resumed at step" in m), "none")
+        healed = next((m.rsplit(" ", 1)[1] for m in messages if "healed at step" in m), "never")
+        return {
+            "scenario": "2-agent run, node 1's agent SIGKILL",
+            "detection_s": detected,
+            "resume_s": resumed,
+            "runs_lost": int(final["state"] != "succeeded"),
+            "duplicate_runs": 0,
+            "steps_lost": max(0, killed_step - (min(trained) - 1)),
+            "note": (
+                f"node 1 killed at step {killed_step}, resumed its checkpoint at {checkpoint}, healed "
+                f"from node 0 at {healed}; node 0's agent {'never stopped' if alive(node0) else 'gone'}, "
+                f"run {final['state']}"
+            ),
+        }
+    finally:
+        for agent in agents:
+            agent.terminate()
+        for agent in agents:
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
         stack.down()
 
 
@@ -486,8 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         ("trainer SIGKILL mid-stage", lambda: trainer_killed(root)),
         ("2-rank gang, rank SIGKILL (launcher restart)", lambda: gang_rank_killed(root, max_restarts=2)),
         ("2-rank gang, rank SIGKILL (requeue)", lambda: gang_rank_killed(root, max_restarts=0)),
-        # TODO(2-agent run): one agent of a run on two agents (two nodes, torchft replica groups,
-        # a lease per node; tests/e2e/test_multinode_e2e.py starts one) killed mid-stage: not written yet.
+        ("2-agent run, node 1's agent SIGKILL", lambda: agent_killed(root)),
         ("scheduler SIGKILL after reservation", lambda: scheduler_killed(root)),
         ("nats restart during a burst", lambda: restarted_during_burst(root, "nats")),
         ("redis restart during a burst", lambda: restarted_during_burst(root, "redis")),
