@@ -218,3 +218,26 @@ def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack,
     node1_steps = [e["step"] for e in later if e.get("kind") == "metrics"]
     assert node1_steps and max(node1_steps) == steps, node1_steps[-3:]
     assert any("node 1: succeeded" in msg for msg in messages), messages[-3:]
+
+
+def test_a_multi_node_plan_with_several_gpus_per_node_fails_naming_why(stack, manifest):
+    account, _, env = stack.account()
+    booking = stack.booking(account, nodes=2, gpus_per_node=2)
+    m = manifest(resources={"nodes": 2, "gpus_per_node": 2})
+    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", str(m), env=env)
+    rc, train = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        str(m),
+        "--confirmation-ref",
+        conf["data"]["confirmation_ref"],
+        "--idempotency-key",
+        "two-by-two",
+        env=env,
+    )
+    assert rc == 0 and train["ok"], train
+    final = run_state(stack, env, train["data"]["run_id"], {"succeeded", "failed"}, timeout=120)
+    assert final["state"] == "failed", final
+    assert "book gpus_per_node 1" in final["message"], final

@@ -4,6 +4,7 @@
 size 4 and the mesh {dp_replicate 2, dp_shard 2}. The "nodes" are two `ito-training serve trainer`
 processes on one machine, their ranks on CPU/gloo over loopback."""
 
+import os
 import pathlib
 import signal
 import subprocess
@@ -13,7 +14,18 @@ import pytest
 from tests.conftest import BIN, start_stack
 from tests.support import run_state
 
-pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.distributed,
+    # Opt-in while the path is refused by default (services/trainer/nodes.ENV_MULTINODE_GANGS): it
+    # passed 1 run in 3 here; the late replica group's catch-up from its peer fails (torchft
+    # recv_checkpoint EOFError with FSDP2 state) when the groups miss their first quorum together.
+    pytest.mark.skipif(
+        os.environ.get("ITO_TEST_MULTINODE_GANGS") != "1",
+        reason="several GPUs per node across nodes is refused until torchft catch-up with FSDP2 state is "
+        "reliable; ITO_TEST_MULTINODE_GANGS=1 runs it",
+    ),
+]
 
 RUN_TIMEOUT_S = 240  # 4 ranks of the tiny model on a few cores; most of it start-up and quorums
 
@@ -21,7 +33,12 @@ RUN_TIMEOUT_S = 240  # 4 ranks of the tiny model on a few cores; most of it star
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """All services plus node 1's trainer agent, one CPU thread per rank."""
-    env = {"ITO_PLAN_SMALL_MODEL_GANGS": "1", "OMP_NUM_THREADS": "1", "ITO_GANG_MAX_RESTARTS": "0"}
+    env = {
+        "ITO_PLAN_SMALL_MODEL_GANGS": "1",
+        "ITO_MULTINODE_GANGS": "1",
+        "OMP_NUM_THREADS": "1",
+        "ITO_GANG_MAX_RESTARTS": "0",
+    }
     s = start_stack(tmp_path_factory.mktemp("multinode-gang-stack"), env=env)
     log = open(s.data_dir / "second-trainer.log", "ab")
     second = subprocess.Popen(
