@@ -55,3 +55,24 @@ def run_status(stack, env: dict, run_id: str, predicate, timeout: float = 120) -
         return out["data"] if predicate(out["data"]) else None
 
     return eventually(probe, timeout=timeout, what=f"run {run_id} status")
+
+
+def confirm_and_train(stack, env: dict, booking: str, manifest: str, key: str) -> dict:
+    """`ecc ito confirm --action train` then `ecc ito train` with its ref, as a user does; the train
+    answer, which must be ok."""
+    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", manifest, env=env)
+    ref = conf["data"]["confirmation_ref"]
+    rc, train = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        manifest,
+        "--confirmation-ref",
+        ref,
+        "--idempotency-key",
+        key,
+        env=env,
+    )
+    assert rc == 0 and train["ok"], train
+    return train

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from tests.conftest import BIN, start_stack
-from tests.support import eventually, run_state, run_status
+from tests.support import confirm_and_train, eventually, run_state, run_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -77,20 +77,7 @@ def test_a_two_node_run_trains_on_two_agents(stack, manifest):
     assert rc == 0 and plan["data"]["ok"], plan
     assert plan["data"]["degrees"].get("dp_replicate") == 2, plan["data"]
 
-    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", str(m), env=env)
-    rc, train = stack.ecc(
-        "train",
-        "--booking",
-        booking,
-        "--manifest",
-        str(m),
-        "--confirmation-ref",
-        conf["data"]["confirmation_ref"],
-        "--idempotency-key",
-        "two-nodes",
-        env=env,
-    )
-    assert rc == 0 and train["ok"], train
+    train = confirm_and_train(stack, env, booking, str(m), "two-nodes")
     run_id = train["data"]["run_id"]
 
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=RUN_TIMEOUT_S)
@@ -153,20 +140,7 @@ def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack,
         target={"tokens": steps * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
         checkpoint={"interval_steps": every, "keep_last": 2, "storage": "local"},
     )
-    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", str(m), env=env)
-    rc, train = stack.ecc(
-        "train",
-        "--booking",
-        booking,
-        "--manifest",
-        str(m),
-        "--confirmation-ref",
-        conf["data"]["confirmation_ref"],
-        "--idempotency-key",
-        "two-nodes-kill",
-        env=env,
-    )
-    assert rc == 0 and train["ok"], train
+    train = confirm_and_train(stack, env, booking, str(m), "two-nodes-kill")
     run_id = train["data"]["run_id"]
 
     def never_interrupted(view):
@@ -224,20 +198,7 @@ def test_a_multi_node_plan_with_several_gpus_per_node_fails_naming_why(stack, ma
     account, _, env = stack.account()
     booking = stack.booking(account, nodes=2, gpus_per_node=2)
     m = manifest(resources={"nodes": 2, "gpus_per_node": 2})
-    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", str(m), env=env)
-    rc, train = stack.ecc(
-        "train",
-        "--booking",
-        booking,
-        "--manifest",
-        str(m),
-        "--confirmation-ref",
-        conf["data"]["confirmation_ref"],
-        "--idempotency-key",
-        "two-by-two",
-        env=env,
-    )
-    assert rc == 0 and train["ok"], train
+    train = confirm_and_train(stack, env, booking, str(m), "two-by-two")
     final = run_state(stack, env, train["data"]["run_id"], {"succeeded", "failed"}, timeout=120)
     assert final["state"] == "failed", final
     assert "book gpus_per_node 1" in final["message"], final

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from tests.conftest import BIN, start_stack
-from tests.support import run_state
+from tests.support import confirm_and_train, run_state
 
 pytestmark = [
     pytest.mark.e2e,
@@ -71,20 +71,7 @@ def test_two_nodes_of_two_ranks_train_as_two_replica_groups_of_fsdp2_gangs(stack
     assert plan["data"]["strategy"] == "hsdp", plan["data"]
     assert plan["data"]["degrees"] == {"dp_replicate": 2, "dp_shard": 2}, plan["data"]
 
-    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", str(m), env=env)
-    rc, train = stack.ecc(
-        "train",
-        "--booking",
-        booking,
-        "--manifest",
-        str(m),
-        "--confirmation-ref",
-        conf["data"]["confirmation_ref"],
-        "--idempotency-key",
-        "two-by-two",
-        env=env,
-    )
-    assert rc == 0 and train["ok"], train
+    train = confirm_and_train(stack, env, booking, str(m), "two-by-two")
     run_id = train["data"]["run_id"]
 
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=RUN_TIMEOUT_S)
