@@ -172,6 +172,15 @@ def batch_rows(batch_size: int, dp_rank: int, dp_degree: int) -> slice:
     return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
+def eval_rows(batch_size: int, dp_rank: int, dp_degree: int) -> slice:
+    """The rows of an eval batch that data-parallel rank `dp_rank` evaluates: contiguous shares of
+    ceil(batch / dp) rows, so any batch (a short last one too) is covered once; a rank past the
+    last row gets an empty slice."""
+    per_rank = -(-batch_size // dp_degree)
+    start = min(batch_size, dp_rank * per_rank)
+    return slice(start, min(batch_size, start + per_rank))
+
+
 def replica_batch_rows(batch_size: int, replica_id: int, groups: int, dims: ParallelDims, rank: int) -> slice:
     """The rows `rank` of replica group `replica_id` (of `groups`, each a gang laid out as `dims`)
     trains on: the groups split the global batch, and each group's data-parallel ranks its share."""
@@ -289,6 +298,14 @@ def all_reduce_mean(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)  # SUM: gloo has no AVG
     return float(t.item()) / world_size()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over every rank, in place (itself alone on one process); on the tensor's device
+    (nccl on cuda, gloo on CPU)."""
+    if initialized():
+        dist.all_reduce(t)
+    return t
 
 
 def all_true(flag: bool) -> bool:

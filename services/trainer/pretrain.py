@@ -37,8 +37,11 @@ from services.trainer.data import (
 )
 from services.trainer.distributed import (
     ParallelDims,
+    all_reduce_sum,
     batch_rows,
     build_mesh,
+    eval_rows,
+    initialized,
     parallelize,
     rank,
     replica_batch_rows,
@@ -268,7 +271,8 @@ def held_out_loss(
     device: torch.device,
     seq_len: int | None = None,
 ) -> float | None:
-    """Mean loss over fixed windows of the held-out tokens (at `seq_len`, default the stage's)."""
+    """Mean loss over fixed windows of the held-out tokens (at `seq_len`, default the stage's);
+    under a gang each data-parallel rank evaluates its share (see `lm_loss`)."""
     return lm_loss(
         model,
         tokens,
@@ -276,6 +280,7 @@ def held_out_loss(
         batch_size=cfg.batch_size,
         max_batches=cfg.eval_max_batches,
         device=device,
+        parallel=cfg.parallel,
     )
 
 
@@ -288,18 +293,40 @@ def lm_loss(
     batch_size: int,
     max_batches: int,
     device: torch.device,
+    parallel: ParallelDims | None = None,
 ) -> float | None:
-    """Mean next-token loss over the same fixed windows every call; None if none fits."""
+    """Mean next-token loss over the same fixed windows every call (the mean of each batch's
+    mean); None if none fits. Under several data-parallel ranks (`parallel`, default FSDP2 over
+    the world) every rank evaluates its rows of each batch (`eval_rows`) and the per-batch token
+    sums and counts are all-reduced, so every rank returns the one-process figure after 1/dp of
+    the forwards. A rank with no rows in a short last batch still runs one row, weighted 0: a
+    sharded model's forward is collective."""
+    # Without a process group this process evaluates everything, whatever the plan says (the
+    # agent judging a gang's committed weights alone).
+    dims = (parallel if initialized() else None) or ParallelDims.for_world(world_size())
+    dp_rank, dp = dims.dp_rank(rank()), dims.dp_degree
     was_training = model.training
     model.eval()
-    losses = []
+    sums, counts = [], []
     for x, y in eval_batches(tokens, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches):
+        rows = eval_rows(len(x), dp_rank, dp)
+        xs, ys, weight = x[rows], y[rows], 1.0
+        if len(xs) == 0:
+            xs, ys, weight = x[:1], y[:1], 0.0
         with autocast(device):
-            _, loss = model(to_device(x, device), to_device(y, device))
-        losses.append(loss.float())
+            _, loss = model(to_device(xs, device), to_device(ys, device))
+        sums.append(loss.float() * (ys.numel() * weight))
+        counts.append(ys.numel() * weight)
     model.train(was_training)
-    values = torch.stack(losses).tolist() if losses else []  # one host sync for every batch
-    return sum(values) / len(values) if values else None
+    if not sums:
+        return None
+    # One collective and one host sync for every batch: [token-loss sums; token counts]. The tp
+    # ranks of one data-parallel rank add the same rows, which scales sums and counts alike.
+    totals = torch.stack([torch.stack(sums), torch.tensor(counts, device=sums[0].device)])
+    if dp > 1 or dims.tp > 1:
+        all_reduce_sum(totals)
+    per_batch = (totals[0] / totals[1]).tolist()
+    return sum(per_batch) / len(per_batch)
 
 
 class ReplicaJoin(FaultTolerance, Protocol):

@@ -125,6 +125,7 @@ def single(gang_dir) -> dict[int, float]:
     """The reference: the stage in one process, no process group (as the trainer runs today)."""
     summary = _ok(_single(_job(gang_dir, "single")))
     assert summary["world_size"] == 1
+    (gang_dir / "single" / "summary.json").write_text(json.dumps(summary))
     losses = _losses(gang_dir, "single")
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 1.0, "the reference does not learn: the comparison means nothing"
@@ -146,6 +147,9 @@ def test_a_gang_trains_the_single_process_curve(gang_dir, single, strategy, degr
     nontrivial = {k: v for k, v in degrees.items() if v > 1}
     assert (summary["world_size"], summary["strategy"], summary["degrees"]) == (ranks, strategy, nontrivial)
     _assert_same_curve(_losses(gang_dir, name), single)
+    # The held-out loss, each data-parallel rank evaluating its share, is the one-process figure.
+    alone = json.loads((gang_dir / "single" / "summary.json").read_text())
+    assert abs(summary["held_out_loss"] - alone["held_out_loss"]) <= LOSS_ATOL, (summary, alone)
 
 
 @pytest.fixture(scope="module")
