@@ -200,6 +200,9 @@ class RunView(Internal, frozen=True, kw_only=True):
     proposal: RestartProposal | None = None  # while awaiting_approval: what the trainer proposes
     parallelism: Parallelism | None = None  # a gang's strategy, world size and mesh, as it started
     nodes: int = 1  # the nodes (trainer agents, one torchft replica group each) the run trains on
+    # Requeues for a gang lost past its launcher's restarts (this count, not JetStream's deliveries,
+    # is what ITO_GANG_MAX_REQUEUES bounds: a redelivery for a lost agent or a fence costs nothing).
+    gang_requeues: int = 0
 
 
 class LogLineView(Internal, frozen=True, kw_only=True):
@@ -295,6 +298,9 @@ class LeaseQuery(Internal, frozen=True, kw_only=True):
     manifest_digest: str = ""
     plan_sha256: str = ""
     node_rank: int = 0  # a multi-node run's nodes each hold their own lease; node 0's is the run's
+    # Node n > 0's own failure, as a safe sentence: the run fails naming the node (its holder at
+    # `epoch` only). Node 0 reports through the run's events instead.
+    failure: str = ""
 
 
 class LeaseAnswer(Internal, frozen=True, kw_only=True):
@@ -302,6 +308,7 @@ class LeaseAnswer(Internal, frozen=True, kw_only=True):
     proceed: bool
     state: RunState | None = None
     epoch: int = 0
+    gang_requeues: int = 0  # the run's `RunView.gang_requeues` when asked: how many it has used
 
 
 class ApproveRequest(Contract, frozen=True, kw_only=True):

@@ -66,6 +66,9 @@ class StateChanged(RunEventBase, tag="state", frozen=True, kw_only=True):
     stage: str | None = None
     message: str | None = None
     total_steps: int = 0
+    # An `interrupted` for a gang lost past its launcher's restarts: the run's requeues for a lost
+    # gang, this one included (stored as `RunView.gang_requeues`); None for any other change.
+    gang_requeues: int | None = None
 
 
 class LogLine(RunEventBase, tag="log", frozen=True, kw_only=True):

@@ -8,6 +8,7 @@ with no implausible jump (the store decides, RunStore.update). The scheduler's o
 """
 
 import logging
+from typing import Any
 
 import msgspec
 
@@ -21,7 +22,7 @@ from contracts.runs import (
     RunEvent,
     StateChanged,
 )
-from contracts.states import TERMINAL_STATES
+from contracts.states import TERMINAL_STATES, RunState
 from services.scheduler import lifecycle
 from services.scheduler.store import RunRecords
 
@@ -37,6 +38,14 @@ def admissible(event: RunEvent, subject: str | None) -> str | None:
     if subject is not None and subject.split(".")[-2:-1] != [event.run_id]:
         return "an event on another run's subject"
     return None
+
+
+def requeue_count(event: StateChanged) -> dict[str, Any]:
+    """The view fields a state change sets beside the state: a lost gang's requeue count, only on
+    the `interrupted` that requeues it (set, not added: a redelivered event counts once)."""
+    if event.gang_requeues is None or event.state is not RunState.interrupted:
+        return {}
+    return {"gang_requeues": event.gang_requeues}
 
 
 def from_trainer(event: RunEvent) -> bool:
@@ -98,6 +107,7 @@ class RunEvents:
                 stage=event.stage,
                 message=event.message,
                 total_steps=event.total_steps,
+                **requeue_count(event),
             )
         return await self.runs.update(
             account, event.run_id, seq, lambda view: lifecycle.apply_event(view, event), epoch

@@ -5,7 +5,9 @@ binding) and renews the lease every `renew_every_s`; each renewal is its heartbe
 on the RUN_LEASE subject). The watcher marks a run silent for `silence_s` as interrupted and records
 the interruption (for desk telemetry). A multi-node run's nodes each hold a lease of their own
 (`LeaseQuery.node_rank`, below the run's `nodes`): node 0's is the run's (its holder alone reports
-events; the watcher follows it); another node's lease fences that node's agents alike. The work item itself comes back from JetStream when its ack
+events; the watcher follows it); another node's lease fences that node's agents alike, and its
+holder reports its share's failure through it (`LeaseQuery.failure`): the run fails naming the node
+(`node_failure_message`), through `move` as every transition. The work item itself comes back from JetStream when its ack
 deadline passes, and the next trainer leases the run with a higher epoch: the old holder, if it was
 only cut off, is fenced (its renewals and its events are refused) and has stopped by itself before
 the new one can start. The timers and their ordering: services/runtime/liveness.py.
@@ -29,6 +31,17 @@ log = logging.getLogger("ito.scheduler.liveness")
 SILENCE_S = TIMERS.silence_s  # no renewal for this long: the trainer is lost
 WATCH_EVERY_S = TIMERS.watch_every_s
 _RUNNING = frozenset({RunState.running})
+
+
+FAILABLE_BY_NODE = frozenset({RunState.accepted, RunState.queued, RunState.running})
+# not `interrupted`: node 0 was lost, and with it the Lighthouse and rendezvous a follower needs
+MAX_FAILURE_CHARS = 300  # a node's own sentence, capped: it becomes the run's message
+
+
+def node_failure_message(node_rank: int, failure: str) -> str:
+    """The run's message when node `node_rank`'s share failed."""
+    said = " ".join(failure.split())[:MAX_FAILURE_CHARS] or "no reason given"
+    return f"training failed: node {node_rank} failed: {said}"
 
 
 def binding_matches(view: RunView, req: LeaseQuery) -> bool:
@@ -69,8 +82,30 @@ class Heartbeats:
             lambda v: v.state in LEASABLE,
             node=req.node_rank,
         )
+        if granted and req.failure and req.node_rank and req.epoch:
+            return await self._node_failed(account, req, epoch)
         return LeaseAnswer(
-            run_id=req.run_id, proceed=granted, state=current.state if current else None, epoch=epoch
+            run_id=req.run_id,
+            proceed=granted,
+            state=current.state if current else None,
+            epoch=epoch,
+            gang_requeues=current.gang_requeues if current else 0,
+        )
+
+    async def _node_failed(self, account: str, req: LeaseQuery, epoch: int) -> LeaseAnswer:
+        """Node n > 0's holder (at its epoch, just renewed) says its share failed: the run fails
+        naming the node, unless it moved on meanwhile (finished, paused, cancelling)."""
+        message = node_failure_message(req.node_rank, req.failure)
+        updated, _ = await self.runs.move(
+            account, req.run_id, RunState.failed, allowed_from=FAILABLE_BY_NODE, message=message
+        )
+        log.warning("run %s: %s", req.run_id, message)
+        return LeaseAnswer(
+            run_id=req.run_id,
+            proceed=False,
+            state=updated.state if updated else None,
+            epoch=epoch,
+            gang_requeues=updated.gang_requeues if updated else 0,
         )
 
 

@@ -56,7 +56,12 @@ class Emitter:
         )
 
     async def state(
-        self, state: RunState, stage: str | None = None, message: str | None = None, total_steps: int = 0
+        self,
+        state: RunState,
+        stage: str | None = None,
+        message: str | None = None,
+        total_steps: int = 0,
+        gang_requeues: int | None = None,
     ) -> None:
         await self.publish(
             StateChanged(
@@ -68,6 +73,7 @@ class Emitter:
                 stage=stage,
                 message=message,
                 total_steps=total_steps,
+                gang_requeues=gang_requeues,
             )
         )
 

@@ -6,14 +6,18 @@ re-checks its lease with the scheduler; if the process dies, the message comes b
 and the run resumes from its last committed checkpoint. A cancel notice (or a lost lease) stops
 the loop within a step; the in-flight checkpoint is committed first. A gang lost past its
 launcher's restarts interrupts the run the same way: the item is given back and resumes from the
-last committed checkpoint, at most `ITO_GANG_MAX_REQUEUES` times (then the run fails).
+last committed checkpoint, at most `ITO_GANG_MAX_REQUEUES` times (then the run fails); the count is
+the run's (`gang_requeues`, kept by the scheduler and read from the lease), so a redelivery for any
+other reason (a lost agent, a fence, a lease retry) costs none of them.
 
 A multi-node run comes as one work item per node (services/trainer/nodes.py). Node 0's is handled
 as any run's: it reports the run's events and final state. Another node leases its own share
 (`LeaseQuery.node_rank`, fenced alike), trains as a replica group, writes its events to a per-node
 log (`<run dir>/node-<n>/node.jsonl`) and publishes nothing; its item is acknowledged when its
-share is over (trained, or the run finished meanwhile). The run's state is node 0's: a node lost
-mid-run is a replica group the others train on without (torchft), not a failed run.
+share is over (trained, or the run finished, failed or paused meanwhile). The run's state is node
+0's: a node's agent lost mid-run is a replica group the others train on without (torchft) until its
+item is redelivered, not a failed run; a node whose share raised fails the run through its lease,
+naming the node; an approved restart rewinds every node alike (services/trainer/shares.py).
 """
 
 import asyncio
@@ -49,7 +53,7 @@ from services.runtime.checkpoint_paths import inside, run_dir, storage_root
 from services.runtime.codec import Refusal
 from services.runtime.liveness import TIMERS
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
-from services.trainer import nodes, spikes
+from services.trainer import nodes, shares, spikes
 from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.distributed import ParallelismError
 from services.trainer.emitter import Emitter
@@ -119,30 +123,25 @@ def final_state(result: PipelineResult, stop: Stop, checkpoint_dir: pathlib.Path
             raise ValueError("The pipeline stopped although no stop was requested.")
 
 
-def lost_gang_state(exc: GangLost, delivered: int | None, max_requeues: int) -> tuple[RunState, str]:
-    """The run's state and message when its gang was lost past the launcher's restarts, on the
-    `delivered`-th delivery of its work item (JetStream's count: a lost trainer or a lease retry
-    count too, so the bound errs short): interrupted and requeued while deliveries remain, failed
-    after; an unknown count cannot be bounded, so it fails."""
-    allowed = max_requeues + 1
-    if delivered is not None and delivered < allowed:
-        return RunState.interrupted, (
+def lost_gang_state(exc: GangLost, requeued: int, max_requeues: int) -> tuple[RunState, str, int | None]:
+    """The run's state, message and new requeue count when its gang was lost past the launcher's
+    restarts, `requeued` times before (the run's `gang_requeues`, as the lease said when this
+    delivery was leased; only lost gangs count, never a redelivery for a lost agent, a fence or a
+    lease retry): interrupted and requeued while fewer than `max_requeues`, failed after (no count)."""
+    if requeued < max_requeues:
+        n = requeued + 1
+        return (
+            RunState.interrupted,
             f"{exc} Interrupted: requeued to resume from the last checkpoint "
-            f"(delivery {delivered} of at most {allowed})."
+            f"(requeue {n} of at most {max_requeues}; attempt {n + 1} of at most {max_requeues + 1}).",
+            n,
         )
-    seen = "an unknown number of" if delivered is None else str(delivered)
-    return RunState.failed, (
-        f"training failed: {exc} Not requeued again: the work item was delivered {seen} times "
-        f"(at most {allowed}, {ENV_GANG_MAX_REQUEUES}={max_requeues})."
+    return (
+        RunState.failed,
+        f"training failed: {exc} Not requeued again: requeued {requeued} times for a lost gang "
+        f"already (at most {max_requeues}, {ENV_GANG_MAX_REQUEUES}={max_requeues}).",
+        None,
     )
-
-
-def deliveries(msg: NatsMessage) -> int | None:
-    """How many times JetStream has delivered this work item, this time included; None if unknown."""
-    try:
-        return int(msg.raw_message.metadata.num_delivered)
-    except (AttributeError, TypeError, ValueError, IndexError):
-        return None
 
 
 WATCHED_STAGES = frozenset({"pretrain", "midtrain", "long_context"})  # PaLM's remedy is for LM training;
@@ -279,10 +278,16 @@ class Worker:
             log.warning("run %s: cancel notice not backed by the run's state; training on", run_id)
 
     async def lease(
-        self, run_id: str, epoch: int = 0, work: TrainWork | None = None, node_rank: int = 0
+        self,
+        run_id: str,
+        epoch: int = 0,
+        work: TrainWork | None = None,
+        node_rank: int = 0,
+        failure: str = "",
     ) -> LeaseAnswer | None:
         """Ask for (epoch 0, with the work item's binding) or renew a run's lease (of node
-        `node_rank`'s share); None when the scheduler did not answer."""
+        `node_rank`'s share, saying its `failure` if it failed); None when the scheduler did not
+        answer."""
         try:
             binding = (
                 {}
@@ -299,6 +304,7 @@ class Worker:
                 trainer_id=self.trainer_id,
                 epoch=epoch,
                 node_rank=work.node_rank if work is not None else node_rank,
+                failure=failure,
                 **binding,
             )
             reply = await self.broker.request(
@@ -359,9 +365,11 @@ class Worker:
         if work.node_rank:
             await self._train_share(msg, work, manifest, answer.epoch)
         else:
-            await self._train(msg, work, manifest, answer.epoch)
+            await self._train(msg, work, manifest, answer.epoch, answer.gang_requeues)
 
-    async def _train(self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int) -> None:
+    async def _train(
+        self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int, gang_requeues: int = 0
+    ) -> None:
         emitter = Emitter(self.broker, self.settings, work.run_id, asyncio.get_running_loop(), epoch)
         stop = self.stops[work.run_id] = Stop()
         self.epochs[work.run_id] = epoch
@@ -374,9 +382,9 @@ class Worker:
             final = await self._run(emitter, work, manifest, checkpoint_dir, stop)
         except GangLost as exc:  # past the launcher's restarts: interrupted and requeued, within a bound
             max_requeues = int(os.environ.get(ENV_GANG_MAX_REQUEUES, DEFAULT_GANG_MAX_REQUEUES))
-            final, message = lost_gang_state(exc, deliveries(msg), max_requeues)
+            final, message, requeues = lost_gang_state(exc, gang_requeues, max_requeues)
             log.warning("run %s: %s", work.run_id, message)
-            await emitter.state(final, message=message)
+            await emitter.state(final, message=message, gang_requeues=requeues)
         except (ParallelismError, GangFailed) as exc:  # a plan this node cannot realise, or a lost gang
             log.warning("run %s failed: %s", work.run_id, exc)
             final = RunState.failed
@@ -389,7 +397,10 @@ class Worker:
             keep_alive.cancel()
             self.stops.pop(work.run_id, None)
             self.epochs.pop(work.run_id, None)
-        if stop.reason is StopReason.fenced:  # another trainer holds (or will hold) the run: ack nothing
+        if stop.reason is StopReason.fenced:  # another trainer holds (or will hold) the run: ack nothing,
+            answer = await self.lease(work.run_id, epoch)  # unless the run is over (a node failed it)
+            if answer is not None and answer.state in TERMINAL_STATES:
+                await msg.ack()
             return
         if await self._applied(work.run_id, epoch, final):
             if final is RunState.interrupted:  # requeued: the item comes back and resumes
@@ -466,7 +477,9 @@ class Worker:
 
     async def _train_share(self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int) -> None:
         """Node n > 0 of a multi-node run: train this node's share under its own lease; events go to
-        the node's log, never to the bus (node 0 reports the run)."""
+        the node's log, never to the bus (node 0 reports the run). An approved restart rewinds the
+        node's directory as node 0's; a failure fails the run naming the node (services/trainer/
+        shares.py says what a user can expect)."""
         run_id = work.run_id
         stop = self.stops[run_id] = Stop()
         self.epochs[run_id], self.node_ranks[run_id] = epoch, work.node_rank
@@ -477,15 +490,21 @@ class Worker:
         node_log = NodeLog(checkpoint_dir / "node.jsonl")
         report = Reporter(node_log.write, run_id=run_id, epoch=epoch)
         share: nodes.NodeShare | None = None
+        failure: str | None = None
         try:
+            if work.restart is not None:
+                names = plan_run(manifest).stage_names
+                later = names[names.index(work.restart.stage) + 1 :] if work.restart.stage in names else []
+                report.log(shares.rewind_share(checkpoint_dir, work.restart, later))
             train_lm, share = self._train_lm(work, manifest, checkpoint_dir)
             result = await asyncio.to_thread(
                 run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads, train_lm
             )
             report.log(f"node {work.node_rank}: {result.outcome.value}: {result.summary}")
-        except Exception as exc:  # this node's share failed; the run is node 0's to report
+        except Exception as exc:  # a stop explains a failure on the way out; anything else fails the run
             log.exception("run %s: node %d's share failed", run_id, work.node_rank)
             report.log(f"node {work.node_rank} failed: {type(exc).__name__}: {exc}"[:500])
+            failure = None if stop.is_set() else shares.share_failure(exc)
         finally:
             keep_alive.cancel()
             if share is not None:
@@ -494,11 +513,17 @@ class Worker:
             self.epochs.pop(run_id, None)
             self.node_ranks.pop(run_id, None)
             node_log.close()
-        if stop.reason is StopReason.fenced:  # ack only when the run is over, not when fenced by a new holder
-            answer = await self.lease(run_id, epoch, node_rank=work.node_rank)
-            if answer is None or answer.state not in TERMINAL_STATES:
-                return
-        await msg.ack()
+        if failure is None and not stop.is_set():  # trained to its end
+            await msg.ack()
+            return
+        answer = await self.lease(run_id, epoch, node_rank=work.node_rank, failure=failure or "")
+        match shares.after_share(answer, failed=failure is not None):
+            case shares.ItemEnd.ack:
+                await msg.ack()
+            case shares.ItemEnd.requeue:
+                await msg.raw_message.nak(delay=REQUEUE_AFTER_S)
+            case shares.ItemEnd.leave:
+                log.info("run %s: node %d's item left to its holder", run_id, work.node_rank)
 
     async def _applied(self, run_id: str, epoch: int, final: RunState | None) -> bool:
         """Did the scheduler apply our final transition? Asked through the lease (bounded)."""

@@ -31,7 +31,6 @@ from services.trainer.gang import (
 )
 from services.trainer.pretrain import StageConfig
 from services.trainer.rank_main import StageJob, read_job
-from services.trainer.worker import lost_gang_state
 from tests.conftest import write_manifest
 
 COST = CostEstimate(
@@ -227,26 +226,3 @@ def test_rank0_events_are_read_whole_lines_only_and_only_training_kinds(tmp_path
     with open(path, "ab") as f:
         f.write(log[10:] + b"\n")
     assert [e.message for e in tail.read() if isinstance(e, LogLine)] == ["half"]
-
-
-@pytest.mark.parametrize(
-    ("delivered", "max_requeues", "want", "says"),
-    [
-        (1, 2, RunState.interrupted, "delivery 1 of at most 3"),
-        (2, 2, RunState.interrupted, "delivery 2 of at most 3"),
-        (3, 2, RunState.failed, "delivered 3 times (at most 3, ITO_GANG_MAX_REQUEUES=2)"),
-        (1, 0, RunState.failed, "delivered 1 times (at most 1"),
-        (None, 2, RunState.failed, "an unknown number of times"),
-    ],
-)
-def test_a_gang_lost_past_its_restarts_is_requeued_a_bounded_number_of_times(
-    delivered, max_requeues, want, says
-):
-    lost = GangLost("The gang of 2 ranks exited with code 1 after up to 0 restarts.")
-    state, message = lost_gang_state(lost, delivered, max_requeues)
-    assert state is want
-    assert str(lost) in message and says in message, message
-    if want is RunState.interrupted:
-        assert "requeued to resume from the last checkpoint" in message
-    else:
-        assert message.startswith("training failed:") and "Not requeued again" in message
