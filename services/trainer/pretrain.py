@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from contracts.manifest import Manifest
 from contracts.models import ModelShape
 from services.domain.curriculum import LmPlan, plan_run
-from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, batches_to_skip
+from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, batches_to_skip, skip_window
 from services.trainer.data import (
     VOCAB_SIZE,
     BatchIterator,
@@ -439,8 +439,14 @@ def _train_replica(
     replicas: Replicas,
 ) -> StageResult:
     """The stage as replica group `replicas.replica_id`: resume its own checkpoint, then the loop
-    with the group's hooks; batch `step` of the global stream at every step."""
+    with the group's hooks; batch `step` of the global stream at every step, shifted past an
+    approved loss-spike skip (every group has the same window, so they stay on the same batches)."""
     device = pick_device(cfg.device)
+    skip = skip_window(cfg.checkpoint_dir)  # here a position is a step until the skip: one skip a stage
+
+    def position(step: int) -> int:
+        return step + skip[1] - skip[0] if skip is not None and step >= skip[0] else step
+
     group = replicas.join(model, optimizer, scheduler)
     try:
         if group.resume(cfg.checkpoint_dir) is None:
@@ -448,9 +454,11 @@ def _train_replica(
                 f"Starting {cfg.stage} as replica group {replicas.replica_id} of {replicas.groups}: "
                 f"{count_parameters(cfg.shape):,} parameters, {cfg.steps} steps on {device.type}."
             )
+        if skip is not None and group.step == skip[0]:
+            report.log(f"Skipping batches [{skip[0]}, {skip[1]}) of {cfg.stage}.")
 
         def step_fn(step: int) -> StepOutput:
-            x, y = batches.batch_at(step)
+            x, y = batches.batch_at(position(step))
             x, y = to_device(x, device), to_device(y, device)
             with autocast(device):
                 _, loss = model(x, y)
@@ -465,7 +473,7 @@ def _train_replica(
             report,
             should_stop,
             start_step=group.step,
-            position=lambda: group.step,
+            position=lambda: position(group.step),
             fault_tolerance=group,
         )
     finally:
