@@ -176,6 +176,9 @@ class NodeShare:
     def close(self) -> None:
         if self._rendezvous is not None:
             self._rendezvous.close()
+            # Node 0's store stops listening with its last reference: a restart or a redelivery of
+            # the run hosts the same endpoint again (in this process too) and must find it free.
+            self._rendezvous = None
 
     def train_stage(self, cfg: StageConfig, report: Reporter, should_stop: Any) -> StageResult:
         if self._rendezvous is None:
