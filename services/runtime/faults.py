@@ -12,7 +12,10 @@ SCHEDULER_AFTER_ACCEPT = "scheduler.after_accept"  # the ledger reserved the key
 ENTITLEMENT_BEFORE_APPLY = "entitlement.before_apply"  # a booking event received, not yet written
 TRAINER_LOSS_SPIKE = "trainer.loss_spike"  # losses reported x10 from ITO_FAULT_SPIKE_STEP on (first attempt)
 ENV_SPIKE_STEP = "ITO_FAULT_SPIKE_STEP"
-POINTS = frozenset({SCHEDULER_AFTER_ACCEPT, ENTITLEMENT_BEFORE_APPLY, TRAINER_LOSS_SPIKE})
+TRAINER_SHARE_FAILS = "trainer.share_fails"  # node n > 0 of a multi-node run raises as its share starts
+POINTS = frozenset(
+    {SCHEDULER_AFTER_ACCEPT, ENTITLEMENT_BEFORE_APPLY, TRAINER_LOSS_SPIKE, TRAINER_SHARE_FAILS}
+)
 
 
 def active(point: str) -> bool:

@@ -46,7 +46,7 @@ from contracts.api import (
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
-from contracts.states import TERMINAL_STATES, RunState
+from contracts.states import LEASABLE, TERMINAL_STATES, RunState
 from services.domain.curriculum import plan_run
 from services.runtime import codec, faults
 from services.runtime.checkpoint_paths import inside, run_dir, storage_root
@@ -320,7 +320,10 @@ class Worker:
         self, msg: NatsMessage, run_id: str, epoch: int, stop: Stop, node_rank: int = 0
     ) -> None:
         last_renewed = last_progress = time.monotonic()
-        while not stop.is_set():
+        # Until cancelled, a stop included: the training thread may take a while to stop (its checkpoint
+        # commits; node 0 of a multi-node run waits for the other nodes to finish the stage), and a
+        # lease silent meanwhile would have the run marked interrupted and the item redelivered.
+        while True:
             await asyncio.sleep(RENEW_EVERY_S)
             now = time.monotonic()
             if now - last_progress >= IN_PROGRESS_EVERY_S:
@@ -331,12 +334,12 @@ class Worker:
                     log.warning("run %s: could not extend the work item's ack deadline", run_id)
             answer = await self.lease(run_id, epoch, node_rank=node_rank)
             if answer is None:
-                if time.monotonic() - last_renewed > SELF_FENCE_S:
+                if time.monotonic() - last_renewed > SELF_FENCE_S and not stop.is_set():
                     log.warning("run %s: no lease renewal for %.0fs; stopping (fenced)", run_id, SELF_FENCE_S)
                     stop.set(StopReason.fenced)
             elif answer.proceed:
                 last_renewed = time.monotonic()
-            else:
+            elif not stop.is_set():
                 cancelled = answer.state in (RunState.cancelling, RunState.cancelled)
                 log.info("run %s: lease withdrawn (%s); stopping", run_id, answer.state)
                 stop.set(StopReason.cancelled if cancelled else StopReason.fenced)
@@ -356,6 +359,13 @@ class Worker:
                 work.run_id,
                 RETRY_LEASE_AFTER_S,
             )
+            await msg.raw_message.nak(delay=RETRY_LEASE_AFTER_S)
+            return
+        if not answer.proceed and answer.state in LEASABLE:
+            # Another trainer held this share within the silence window (a paused run's node that
+            # just stopped, when an approved restart's item comes to another agent): ask again once
+            # its lease lapses, instead of dropping the item.
+            log.info("run %s: node %d's lease is held elsewhere; retrying", work.run_id, work.node_rank)
             await msg.raw_message.nak(delay=RETRY_LEASE_AFTER_S)
             return
         if not answer.proceed:
@@ -497,6 +507,8 @@ class Worker:
                 later = names[names.index(work.restart.stage) + 1 :] if work.restart.stage in names else []
                 report.log(shares.rewind_share(checkpoint_dir, work.restart, later))
             train_lm, share = self._train_lm(work, manifest, checkpoint_dir)
+            if faults.active(faults.TRAINER_SHARE_FAILS):  # fault injection (tests, make chaos)
+                raise RuntimeError("planted fault: this node's share fails")
             result = await asyncio.to_thread(
                 run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads, train_lm
             )
