@@ -1,7 +1,9 @@
 """The trainer agent's gang launcher: a run whose plan asks for several ranks on this node trains
-its next-token stages on a gang that PyTorch's elastic launcher starts, never on one process.
+every stage (next-token and post-training) on a gang that PyTorch's elastic launcher starts, never
+on one process.
 
-For each stage the agent writes a `rank_main.StageJob`, starts `python -m torch.distributed.run`
+For each stage the agent writes a `rank_main.StageJob` (pretrain, midtrain, long_context) or a
+`rank_main.PostJob` (SFT, DPO, RLVR, with the stage's prepared tasks in a file beside it), starts `python -m torch.distributed.run`
 (c10d rendezvous on a loopback port, `--max-restarts`, per-rank logs under the stage's gang
 directory) as a child process, and tails rank 0's events file into its own reporter (the spike
 watch, then the bus: ranks hold no bus credentials). A stop (cancel, fence, spike) is a SIGTERM to
@@ -10,9 +12,12 @@ rank that dies is restarted with the whole gang by the launcher, from the last c
 checkpoint, up to `max_restarts` times; past that the gang is lost (`GangLost`) and the agent
 interrupts the run and requeues its work item, as for a lost trainer.
 
-The agent keeps everything else: data preparation and the eval batteries run once, in the agent,
-on the weights the gang committed. What is not rank-correct yet (the ladder's proxy runs and the
-post-training stages) is refused on a gang, in a sentence, before anything trains.
+The agent keeps everything else, once, as rank 0 of the run: data preparation (one provenance), the
+ladder's proxy runs (small single-process runs before the stages, whose decision shapes the plan
+every stage's job is built from), and the eval batteries, on the weights the gang committed. Inside
+the gang, rank 0 alone writes events and runs RLVR's rollout worker (see rlvr.py). A plan the node
+cannot realise (too few GPUs, a model or batch the mesh cannot split) is refused, in a sentence,
+before anything trains.
 
 Outcomes: rank 0 writes its summary, or {"refused": reason}, to the job's `result_path`; the
 launcher's exit code says the rest (see `read_outcome`).
@@ -34,15 +39,19 @@ import msgspec
 import torch
 
 from contracts.api import Plan
-from contracts.manifest import Manifest
+from contracts.manifest import DpoStage, Manifest, SftStage
+from contracts.models import ModelShape
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted, RunEvent, StageStarted
-from services.domain.curriculum import LmPlan, PostPlan, RunPlan
+from services.domain.curriculum import LmPlan, RunPlan
 from services.trainer.checkpoint import load_weights
 from services.trainer.distributed import ParallelDims, ParallelismError
 from services.trainer.loop import pick_device
+from services.trainer.model import Transformer
+from services.trainer.posttrain import PostConfig, PostResult
 from services.trainer.pretrain import StageConfig, StageResult, build_model
-from services.trainer.rank_main import ReplicaJob, StageJob
+from services.trainer.rank_main import Job, PostJob, ReplicaJob, StageJob
 from services.trainer.reporting import Reporter
+from services.trainer.rlvr import RlvrConfig, RlvrResult, StepStats
 
 ENV_GANG_MAX_RESTARTS: Final = "ITO_GANG_MAX_RESTARTS"
 DEFAULT_MAX_RESTARTS = 2  # a rank lost to a node hiccup is restarted twice; a third loss
@@ -75,18 +84,10 @@ def gang_dims(plan: Plan) -> ParallelDims | None:
 
 
 def refusal(dims: ParallelDims, manifest: Manifest, run_plan: RunPlan) -> str | None:
-    """Why this node cannot realise `dims` for this run, or None: the stages that are not
-    rank-correct yet, more than one node, too few GPUs here, or a model or batch the mesh cannot
-    split."""
+    """Why this node cannot realise `dims` for this run, or None: more than one node, too few GPUs
+    here, or a model or batch the mesh cannot split. (The ladder's proxy runs are the agent's own,
+    single-process, before the stages: nothing of them runs on the gang.)"""
     world = f"{dims.strategy} {dims.degrees()} on {dims.world_size} ranks"
-    unsupported = [s.name for s in run_plan.stages if isinstance(s, PostPlan)]
-    if run_plan.ladder is not None and run_plan.ladder.custom:
-        unsupported.insert(0, "ladder")
-    if unsupported:
-        return (
-            f"The plan's {world} cannot run {', '.join(unsupported)} yet: only next-token stages "
-            "(pretrain, midtrain, long_context) train on a gang; plan one GPU for the others."
-        )
     if manifest.resources.nodes > 1:
         return (
             f"The plan's {world} spans {manifest.resources.nodes} nodes; this trainer starts one node's "
@@ -96,9 +97,11 @@ def refusal(dims: ParallelDims, manifest: Manifest, run_plan: RunPlan) -> str | 
         return f"The plan's {world} needs {dims.world_size} GPUs; this node has {torch.cuda.device_count()}."
     try:
         for stage in run_plan.stages:
+            dims.check_model(stage.shape)
             if isinstance(stage, LmPlan):
-                dims.check_model(stage.shape)
                 dims.check_batch(stage.batch_size)
+            elif isinstance(stage.section, SftStage | DpoStage):  # RLVR splits its kept rows as they come
+                dims.check_batch(stage.section.batch_size)
     except ParallelismError as e:
         return f"The plan's {world} does not fit: {e}"
     return None
@@ -174,6 +177,34 @@ def stage_job(
     )
 
 
+def post_job(cfg: PostConfig, dims: ParallelDims, directory: pathlib.Path) -> PostJob:
+    """The job every rank of the gang runs for a post-training stage; its tasks go to
+    `directory/problems.json` (written by `Gang.train_post`), which every rank reads."""
+    rlvr = cfg if isinstance(cfg, RlvrConfig) else None
+    return PostJob(
+        stage=cfg.stage,
+        shape=cfg.shape,
+        rope_base=cfg.rope_base,
+        problems_path=str(directory / "problems.json"),
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        learning_rate=cfg.learning_rate,
+        seed=cfg.seed,
+        checkpoint_dir=cfg.checkpoint_dir,
+        checkpoint_interval=cfg.checkpoint_interval,
+        keep_last=cfg.keep_last,
+        init_from=cfg.init_from,
+        beta=cfg.beta,
+        rlvr=rlvr.rlvr if rlvr is not None else None,
+        threads=rlvr.threads if rlvr is not None else 1,
+        strategy=dims.strategy,
+        degrees=dims.degrees(),
+        device=cfg.device,
+        events_path=str(directory / "events.jsonl"),
+        result_path=str(directory / "result.json"),
+    )
+
+
 def read_outcome(
     rc: int, result: dict[str, Any] | None, stopped: bool, spec: LaunchSpec
 ) -> dict[str, Any] | None:
@@ -226,7 +257,8 @@ class EventTail:
 
 
 class Gang:
-    """Trains next-token stages of one run on a gang of this node's ranks (pipeline's `train_lm`)."""
+    """Trains the stages of one run on a gang of this node's ranks: next-token stages
+    (`train_stage`, pipeline's `train_lm`) and post-training ones (`train_post`)."""
 
     def __init__(
         self, dims: ParallelDims, run_dir: pathlib.Path, threads: int, replica_group: ReplicaJob | None = None
@@ -241,31 +273,71 @@ class Gang:
     def train_stage(self, cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool]) -> StageResult:
         directory = self.run_dir / "gang" / cfg.stage
         directory.mkdir(parents=True, exist_ok=True)
-        job = stage_job(cfg, self.dims, directory, self.replica_group)
-        result_path = pathlib.Path(job.result_path or directory / "result.json")
-        result_path.unlink(missing_ok=True)
-        events_path = pathlib.Path(job.events_path or directory / "events.jsonl")
-        events_path.unlink(missing_ok=True)  # a redelivered run's earlier attempt was reported then
-        job_path = directory / "job.json"
-        job_path.write_bytes(msgspec.json.encode(job))
-        spec = LaunchSpec(
-            nproc=self.dims.world_size,
-            port=free_port(),
-            max_restarts=self.max_restarts,
-            log_dir=directory / "logs",
-        )
-        report.log(
-            f"{cfg.stage}: starting a gang of {spec.nproc} ranks ({self.dims.strategy} "
-            f"{self.dims.degrees()}) with torchrun, up to {spec.max_restarts} restarts"
-        )
-        rc, stopped = self._launch(spec, job_path, EventTail(events_path), report, should_stop)
-        result = json.loads(result_path.read_text()) if result_path.exists() else None
-        summary = read_outcome(rc, result, stopped, spec)
+        summary = self._run_job(stage_job(cfg, self.dims, directory, self.replica_group), report, should_stop)
         if summary is None:
             return StageResult(
                 final_step=0, first_loss=None, final_loss=None, held_out_loss=None, stopped=True, tokens=0
             )
         return self._result(cfg, summary)
+
+    def train_post(
+        self, cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]
+    ) -> PostResult | RlvrResult:
+        """SFT, DPO or RLVR (`cfg` an RlvrConfig) on the gang; the tasks the agent prepared go to the
+        ranks in a file."""
+        directory = self.run_dir / "gang" / cfg.stage
+        directory.mkdir(parents=True, exist_ok=True)
+        job = post_job(cfg, self.dims, directory)
+        problems = pathlib.Path(job.problems_path)
+        problems.with_name(problems.name + ".tmp").write_bytes(msgspec.json.encode(cfg.problems))
+        os.replace(problems.with_name(problems.name + ".tmp"), problems)
+        summary = self._run_job(job, report, should_stop)
+        if summary is None:
+            return PostResult(final_step=0, first_loss=None, final_loss=None, stopped=True)
+        model = self._trained_model(
+            cfg.stage, cfg.checkpoint_dir, cfg.shape, cfg.shape.max_seq_len, cfg.rope_base
+        )
+        final_step = int(summary["final_step"])
+        first_loss, final_loss = summary.get("first_loss"), summary.get("final_loss")
+        stopped = bool(summary.get("stopped"))
+        if isinstance(cfg, RlvrConfig):
+            return RlvrResult(
+                final_step=final_step,
+                first_loss=first_loss,
+                final_loss=final_loss,
+                stopped=stopped,
+                stats=msgspec.convert(summary.get("stats", []), list[StepStats]),
+                stale_dropped=int(summary.get("stale_dropped", 0)),
+                rollout_workers=int(summary.get("rollout_workers", 1)),
+                model=model,
+            )
+        return PostResult(
+            final_step=final_step, first_loss=first_loss, final_loss=final_loss, stopped=stopped, model=model
+        )
+
+    def _run_job(self, job: Job, report: Reporter, should_stop: Callable[[], bool]) -> dict[str, Any] | None:
+        """Launch the gang on `job` (in its stage's directory) and wait for it; rank 0's summary,
+        None when stopped on request (see `read_outcome`)."""
+        assert job.result_path is not None and job.events_path is not None, "a gang's job names its files"
+        result_path = pathlib.Path(job.result_path)
+        result_path.unlink(missing_ok=True)
+        events_path = pathlib.Path(job.events_path)
+        events_path.unlink(missing_ok=True)  # a redelivered run's earlier attempt was reported then
+        job_path = result_path.parent / "job.json"
+        job_path.write_bytes(msgspec.json.encode(job))
+        spec = LaunchSpec(
+            nproc=self.dims.world_size,
+            port=free_port(),
+            max_restarts=self.max_restarts,
+            log_dir=result_path.parent / "logs",
+        )
+        report.log(
+            f"{job.stage}: starting a gang of {spec.nproc} ranks ({self.dims.strategy} "
+            f"{self.dims.degrees()}) with torchrun, up to {spec.max_restarts} restarts"
+        )
+        rc, stopped = self._launch(spec, job_path, EventTail(events_path), report, should_stop)
+        result = json.loads(result_path.read_text()) if result_path.exists() else None
+        return read_outcome(rc, result, stopped, spec)
 
     def _launch(
         self,
@@ -307,18 +379,34 @@ class Gang:
         for event in tail.read():
             report.send(msgspec.structs.replace(event, run_id=report.run_id, epoch=report.epoch, seq=0))
 
-    def _result(self, cfg: StageConfig, summary: dict[str, Any]) -> StageResult:
-        """The stage's result with its trained weights loaded in the agent, for the eval battery."""
+    @staticmethod
+    def _trained_model(
+        stage: str,
+        checkpoint_dir: str,
+        shape: ModelShape,
+        seq_len: int,
+        rope_base: float | None,
+        z_loss: float = 0.0,
+        device: str | None = None,
+    ) -> Transformer:
+        """The weights the gang committed last, loaded in the agent (one process), for the eval battery."""
         model = build_model(
-            cfg.shape,
-            seq_len=cfg.seq_len,
-            rope_base=cfg.rope_base,
-            z_loss=cfg.z_loss,
-            device=pick_device(cfg.device),
+            shape,
+            seq_len=seq_len,
+            rope_base=rope_base,
+            z_loss=z_loss,
+            device=pick_device(device),
             parallel=ParallelDims(),
         )
-        if load_weights(cfg.checkpoint_dir, model) is None:
-            raise GangFailed(f"The gang finished {cfg.stage} but committed no checkpoint.")
+        if load_weights(checkpoint_dir, model) is None:
+            raise GangFailed(f"The gang finished {stage} but committed no checkpoint.")
+        return model
+
+    def _result(self, cfg: StageConfig, summary: dict[str, Any]) -> StageResult:
+        """The stage's result with its trained weights loaded in the agent, for the eval battery."""
+        model = self._trained_model(
+            cfg.stage, cfg.checkpoint_dir, cfg.shape, cfg.seq_len, cfg.rope_base, cfg.z_loss, cfg.device
+        )
         final_step = int(summary["final_step"])
         return StageResult(
             final_step=final_step,

@@ -11,6 +11,10 @@ Layout under checkpoint_dir: one directory per stage (`pretrain/`, `sft/`, ...) 
 checkpoints and, once judged, `GATE.json`; `data_prep/` holds the prepared corpus and provenance;
 `ladder/` the proxy runs and the decision. A redelivered run skips every stage with a verdict
 (re-reporting it; a failed gate stays failed) and resumes the first one without.
+
+Where the stages train is injected (`Trainers`): in this process by default, or on a gang of ranks
+(services/trainer/gang.py). Data preparation, the ladder's proxy runs and the eval batteries always
+run here, once, whatever trains the stages.
 """
 
 import dataclasses
@@ -52,7 +56,7 @@ from services.trainer.evals import (
 from services.trainer.ladder import run_ladder
 from services.trainer.loop import pick_device
 from services.trainer.model import Transformer
-from services.trainer.posttrain import PostConfig, PostResult, train_dpo, train_sft
+from services.trainer.posttrain import PostConfig, PostResult
 from services.trainer.pretrain import (
     StageConfig,
     StageResult,
@@ -64,14 +68,25 @@ from services.trainer.pretrain import (
     train_stage,
 )
 from services.trainer.reporting import Reporter
-from services.trainer.rlvr import RlvrConfig, RlvrResult, train_rlvr
+from services.trainer.rlvr import RlvrConfig, RlvrResult, train_post
 
 GATE_RECORD = "GATE.json"
 PROVENANCE_RECORD = "provenance.json"
 EVAL_MAX_BATCHES = 8  # held-out loss of post-training stages: the same windows as the LM stages
 TrainLm = Callable[[StageConfig, Reporter, Callable[[], bool]], StageResult]
 """How a next-token stage trains: `train_stage` in this process, or a gang's (services/trainer/gang.py)."""
+TrainPost = Callable[[PostConfig, Reporter, Callable[[], bool]], PostResult | RlvrResult]
+"""How a post-training stage trains (`cfg` an RlvrConfig for rlvr): `rlvr.train_post` in this
+process, or a gang's."""
 NEEDLE_ANSWER_ROOM = 6  # five key digits and a spare byte after the needle prompt
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trainers:
+    """What trains the run's stages: next-token ones (`lm`) and post-training ones (`post`)."""
+
+    lm: TrainLm = train_stage
+    post: TrainPost = train_post
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,10 +130,11 @@ class _Run:
         should_stop: Callable[[], bool],
         threads: int,
         train_lm: TrainLm = train_stage,
+        train_post: TrainPost = train_post,
     ):
         self.manifest, self.plan, self.root = manifest, plan, root
         self.report, self.should_stop, self.threads = report, should_stop, threads
-        self.train_lm = train_lm
+        self.train_lm, self.train_post = train_lm, train_post
         self.sources = dict(plan.train_refs)  # ref name -> what to load: raw source, or the prepared file
         self.eval_sources = list(plan.eval_refs.values())
         self.previous: str | None = None  # the last trained stage's checkpoint dir
@@ -379,10 +395,10 @@ class _Run:
         match section:
             case SftStage():
                 cfg = dataclasses.replace(common, batch_size=section.batch_size)
-                return train_sft(cfg, self.report, self.should_stop)
+                return self.train_post(cfg, self.report, self.should_stop)
             case DpoStage():
                 cfg = dataclasses.replace(common, batch_size=section.batch_size, beta=section.beta)
-                return train_dpo(cfg, self.report, self.should_stop)
+                return self.train_post(cfg, self.report, self.should_stop)
             case RlvrStage():
                 return self._train_rlvr(common, section)
         raise ValueError(f"Unknown post-training stage {stage.name!r}.")
@@ -391,7 +407,8 @@ class _Run:
         fields = {f.name: getattr(common, f.name) for f in dataclasses.fields(PostConfig)}
         fields["batch_size"] = section.prompts_per_step * section.group_size
         cfg = RlvrConfig(**fields, rlvr=section, threads=max(1, self.threads // 2))
-        result = train_rlvr(cfg, self.report, self.should_stop)
+        result = self.train_post(cfg, self.report, self.should_stop)
+        assert isinstance(result, RlvrResult), "an rlvr stage returns an RlvrResult"
         if result.stats:
             first, last = result.stats[0], result.stats[-1]
             self.log(
@@ -503,11 +520,16 @@ def run_pipeline(
     report: Reporter,
     should_stop: Callable[[], bool],
     threads: int,
-    train_lm: TrainLm = train_stage,
+    train_lm: TrainLm | Trainers = train_stage,
 ) -> PipelineResult:
-    """`train_lm` trains each next-token stage (default: in this process)."""
+    """`train_lm` trains each next-token stage (default: in this process), or, as `Trainers`, every
+    training stage (a gang's, for a run on several ranks); post-training stages otherwise train in
+    this process."""
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     plan = plan_run(manifest)  # ValueError, in a sentence, before anything trains
     report.log(f"plan: {' -> '.join(plan.stage_names)} on {manifest.model.size.value}")
-    return _Run(manifest, plan, checkpoint_dir, report, should_stop, threads, train_lm).execute()
+    trainers = train_lm if isinstance(train_lm, Trainers) else Trainers(lm=train_lm)
+    return _Run(
+        manifest, plan, checkpoint_dir, report, should_stop, threads, trainers.lm, trainers.post
+    ).execute()

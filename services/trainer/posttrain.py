@@ -8,6 +8,12 @@ alone, so a resumed stage sees exactly the batches an uninterrupted one would.
 DPO's frozen reference is a function of the batch alone, so its log-probabilities are computed once
 per batch, ahead of the steps, many batches to a no-grad forward (`ReferenceLogprobs`), not in every
 step beside the policy's forward.
+
+Under several ranks (`PostConfig.parallel`, a gang started by services/trainer/gang.py) every rank
+draws the same global batch and trains on its data-parallel slice of it, through the same loop: a
+token-level mean is taken over the global batch's tokens (`global_token_mean`), so the gradients the
+ranks average and the loss the loop logs are the single process's. DPO's frozen reference is a plain
+model on every rank, scoring that rank's slice of the pairs.
 """
 
 import random
@@ -17,12 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.models import ModelShape
 from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, load_weights
 from services.trainer.data import ByteTokenizer
+from services.trainer.distributed import ParallelDims, batch_rows, rank, world_size
 from services.trainer.generation import END_TOKEN
 from services.trainer.loop import (
     LoopResult,
@@ -37,7 +45,7 @@ from services.trainer.loop import (
 from services.trainer.model import Transformer
 from services.trainer.objectives import dpo_loss, sft_loss, token_logprobs
 from services.trainer.pretrain import build_model, lr_factor
-from services.trainer.reporting import Reporter
+from services.trainer.reporting import Reporter, rank0_only
 
 Problem = tuple[str, str]
 WARMUP_FRACTION = 0.05
@@ -67,6 +75,9 @@ class PostConfig:
     beta: float = 0.1
     """DPO only."""
     device: str | None = None
+    parallel: ParallelDims | None = None
+    """The plan's strategy and degrees; None: one process alone (or FSDP2 over every started rank,
+    as for a next-token stage). `batch_size` is the global batch, one slice per data-parallel rank."""
 
     def __post_init__(self) -> None:
         if not self.problems:
@@ -122,6 +133,27 @@ def response_batch(
     return inputs, targets, mask
 
 
+def dims_of(cfg: PostConfig) -> ParallelDims:
+    return cfg.parallel or ParallelDims.for_world(world_size())
+
+
+def rank_rows(cfg: PostConfig, rows: int) -> slice:
+    """The rows of a global batch of `rows` this rank trains on (all of them in one process)."""
+    dims = dims_of(cfg)
+    return batch_rows(rows, dims.dp_rank(rank()), dims.dp_degree)
+
+
+def global_token_mean(
+    local_mean: torch.Tensor, local_mask: torch.Tensor, tokens: float, dp: int
+) -> torch.Tensor:
+    """This rank's token-level mean (over its `local_mask`) rescaled so that the mean over the `dp`
+    data-parallel ranks, which is what their gradients and the logged loss are averaged as, is the
+    mean over the global batch's `tokens` tokens; unchanged in one process."""
+    if dp == 1:
+        return local_mean
+    return local_mean * (local_mask.sum() * (dp / max(tokens, 1.0)))
+
+
 def sequence_logprobs(
     model: Transformer,
     inputs: torch.Tensor,
@@ -161,7 +193,11 @@ def _setup(
     torch.manual_seed(cfg.seed)
     longest = max(len(p.encode()) + len(a.encode()) + 1 for p, a in cfg.problems)
     model = build_model(
-        cfg.shape, seq_len=min(longest, cfg.shape.max_seq_len), rope_base=cfg.rope_base, device=device
+        cfg.shape,
+        seq_len=min(longest, cfg.shape.max_seq_len),
+        rope_base=cfg.rope_base,
+        device=device,
+        parallel=dims_of(cfg),
     )
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
@@ -184,14 +220,22 @@ def _finish(model: Transformer, result: LoopResult) -> PostResult:
 
 
 def train_sft(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]) -> PostResult:
+    """Under several ranks every rank calls this alike, and rank 0 reports."""
+    report = rank0_only(report)
+    dims = dims_of(cfg)
+    dims.check_batch(cfg.batch_size)
     model, optimizer, scheduler, settings, start, device = _setup(cfg, report)
+    rows = rank_rows(cfg, cfg.batch_size)
 
     def step_fn(step: int) -> StepOutput:
         rng = batch_rng(cfg.seed, cfg.stage, step)
         batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
         inputs, targets, mask = response_batch([p for p, _ in batch], [a for _, a in batch])
-        logprobs = sequence_logprobs(model, inputs, targets, device)
-        return StepOutput(loss=sft_loss(logprobs, to_device(mask, device)), tokens=int(inputs.numel()))
+        tokens = float(mask.sum())  # the global batch's response tokens (a host tensor: no sync)
+        logprobs = sequence_logprobs(model, inputs[rows], targets[rows], device)
+        local = to_device(mask[rows], device)
+        loss = global_token_mean(sft_loss(logprobs, local), local, tokens, dims.dp_degree)
+        return StepOutput(loss=loss, tokens=int(inputs.numel()))
 
     result = run_loop(
         settings,
@@ -215,6 +259,18 @@ def dpo_batch(cfg: PostConfig, step: int) -> tuple[torch.Tensor, torch.Tensor, t
     prompts = [p for p, _ in batch] * 2
     responses = [a for _, a in batch] + [wrong_answer(a, rng) for _, a in batch]
     return response_batch(prompts, responses)
+
+
+def pair_slice(
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], pairs: int, rows: slice
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs `rows` of a DPO batch of `pairs` pairs: their chosen rows, then their rejected rows
+    (the whole batch, as it is, when `rows` covers every pair)."""
+    if rows.start == 0 and rows.stop == pairs:
+        return batch
+    chosen, rejected = rows, slice(pairs + rows.start, pairs + rows.stop)
+    inputs, targets, mask = (torch.cat([t[chosen], t[rejected]]) for t in batch)
+    return inputs, targets, mask
 
 
 class ReferenceLogprobs:
@@ -281,9 +337,17 @@ class ReferenceLogprobs:
 def train_dpo(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]) -> PostResult:
     """Preference pairs (right answer, nearby wrong answer) on the tasks; the reference is the
     incoming model (the previous stage's final weights), frozen, rebuilt the same on resume."""
+    report = rank0_only(report)
+    dims_of(cfg).check_batch(cfg.batch_size)
     model, optimizer, scheduler, settings, start, device = _setup(cfg, report)
+    rows = rank_rows(cfg, cfg.batch_size)
+    n = rows.stop - rows.start  # this rank's pairs: the loss is their mean, averaged over the ranks
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return pair_slice(dpo_batch(cfg, step), cfg.batch_size, rows)
+
     reference = _frozen_reference(cfg, model.shape.max_seq_len, device)
-    references = ReferenceLogprobs(reference, partial(dpo_batch, cfg), cfg.steps, device)
+    references = ReferenceLogprobs(reference, batch_of, cfg.steps, device)
     report_every = max(1, cfg.steps // 5)
 
     def progress(step: int, values: dict[str, float]) -> None:
@@ -294,7 +358,6 @@ def train_dpo(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]
     def step_fn(step: int) -> StepOutput:
         inputs, targets, mask, ref = references.take(step)
         policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
-        n = cfg.batch_size
         loss, chosen, rejected = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], cfg.beta)
         if (step + 1) % report_every:
             return StepOutput(loss=loss, tokens=int(inputs.numel()))
@@ -325,9 +388,12 @@ def train_dpo(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]
 
 def _frozen_reference(cfg: PostConfig, seq_len: int, device: torch.device) -> Transformer:
     """DPO's reference: built the same way whether the stage starts or resumes (the seed's init, then
-    the incoming weights), frozen."""
+    the incoming weights), frozen; a whole model on every rank, never sharded (it is only read)."""
     torch.manual_seed(cfg.seed)
-    reference = build_model(cfg.shape, seq_len=seq_len, rope_base=cfg.rope_base, device=device)
+    shape = cfg.shape
+    if seq_len > shape.max_seq_len:
+        shape = msgspec.structs.replace(shape, max_seq_len=seq_len)
+    reference = Transformer(shape, rope_base=cfg.rope_base).to(device)
     if cfg.init_from is not None:
         load_weights(cfg.init_from, reference)
     reference.eval().requires_grad_(False)

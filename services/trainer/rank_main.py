@@ -4,8 +4,8 @@ agent's gang launcher will). Every rank reads the same job, joins the process gr
 up, builds the plan's mesh, trains the stage in step with the others and leaves the group.
 
 The job is a tagged Struct decoded with unknown fields forbidden (the launcher writes it, so a typo
-fails loudly); a later kind (the whole pipeline) becomes another member of the `Job` union. Rank 0
-is the one writer: the run's events (`events_path`) and per-step losses (`losses_path`) as JSON
+fails loudly): a `StageJob` (a next-token stage) or a `PostJob` (SFT, DPO or RLVR, its tasks in a
+file the agent prepared; an RLVR gang's one rollout worker is rank 0's). Rank 0 is the one writer: the run's events (`events_path`) and per-step losses (`losses_path`) as JSON
 lines, and one JSON result line on stdout. The other ranks report to a reporter that drops events.
 
 Exit codes: 0 done, 2 a job or plan the ranks cannot run (the reason on stderr, from rank 0).
@@ -26,6 +26,7 @@ import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from contracts.manifest import RlvrStage
 from contracts.models import MODEL_SHAPES, ModelShape
 from contracts.runs import Metrics, RunEvent
 from services.trainer import distributed
@@ -33,11 +34,14 @@ from services.trainer.checkpoint import CHECKPOINT_DEFAULTS
 from services.trainer.distributed import ParallelDims, ParallelismError
 from services.trainer.fault_tolerance import GangStore, ReplicaGroup
 from services.trainer.loop import pick_device
+from services.trainer.posttrain import PostConfig, Problem
 from services.trainer.pretrain import Replicas, StageConfig, train_stage
 from services.trainer.reporting import Reporter, Sink, rank0_only
+from services.trainer.rlvr import RlvrConfig, RlvrResult, train_post
 
 EXIT_REFUSED = 2
 JOB_CAP_BYTES = 1 << 20  # a job is a few hundred bytes; anything near this is not one
+PROBLEMS_CAP_BYTES = 256 << 20  # a post stage's tasks: ~20 bytes each, a few MB for 100k of them
 
 
 class ReplicaJob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -91,7 +95,40 @@ class StageJob(msgspec.Struct, tag="stage", frozen=True, kw_only=True, forbid_un
     """Set on each node's gang of a multi-node run; the node's agent reports the run's parallelism."""
 
 
-Job = StageJob  # a union of tagged Structs once the pipeline runs here too
+class PostJob(msgspec.Struct, tag="post", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One post-training stage (SFT, DPO or RLVR) on the gang: services/trainer/posttrain.py and
+    rlvr.py's config, the plan's dims and rank 0's files."""
+
+    stage: str
+    """"sft", "dpo" or "rlvr"."""
+    shape: ModelShape | str = "tiny"
+    rope_base: float | None = None
+    problems_path: str
+    """The stage's prepared tasks: a JSON list of [prompt, answer] pairs, read by every rank."""
+    steps: Annotated[int, msgspec.Meta(ge=1)]
+    batch_size: Annotated[int, msgspec.Meta(ge=1)]
+    """The global batch (SFT's rows, DPO's pairs, RLVR's prompts_per_step x group_size)."""
+    learning_rate: float
+    seed: int = 0
+    checkpoint_dir: str
+    checkpoint_interval: int = CHECKPOINT_DEFAULTS.interval_steps
+    keep_last: int = CHECKPOINT_DEFAULTS.keep_last
+    init_from: str | None = None
+    beta: float = 0.1
+    """DPO only."""
+    rlvr: RlvrStage | None = None
+    """RLVR only: the manifest's section as it is."""
+    threads: int = 1
+    """Torch threads of rank 0's rollout worker (RLVR)."""
+    strategy: str = "single"
+    degrees: dict[str, int] = {}
+    device: str | None = None
+    losses_path: str | None = None
+    events_path: str | None = None
+    result_path: str | None = None
+
+
+Job = StageJob | PostJob
 
 
 def read_job(path: str) -> Job:
@@ -128,6 +165,43 @@ def stage_config(job: StageJob, dims: ParallelDims, device: str) -> StageConfig:
         device=device,
         parallel=dims,
     )
+
+
+def read_problems(path: str) -> list[Problem]:
+    with open(path, "rb") as f:
+        data = f.read(PROBLEMS_CAP_BYTES + 1)
+    if len(data) > PROBLEMS_CAP_BYTES:
+        raise ValueError(f"The problems file is over {PROBLEMS_CAP_BYTES} bytes.")
+    return msgspec.json.decode(data, type=list[tuple[str, str]])
+
+
+def post_config(job: PostJob, dims: ParallelDims, device: str) -> PostConfig:
+    """The stage's PostConfig (an RlvrConfig for rlvr) on this rank."""
+    shape = job.shape if isinstance(job.shape, ModelShape) else MODEL_SHAPES.get(job.shape)
+    if shape is None:
+        raise ValueError(f"No model shape is called {job.shape!r}; known: {', '.join(MODEL_SHAPES)}.")
+    common = {
+        "stage": job.stage,
+        "shape": shape,
+        "rope_base": job.rope_base,
+        "problems": read_problems(job.problems_path),
+        "steps": job.steps,
+        "batch_size": job.batch_size,
+        "learning_rate": job.learning_rate,
+        "seed": job.seed,
+        "checkpoint_dir": job.checkpoint_dir,
+        "checkpoint_interval": job.checkpoint_interval,
+        "keep_last": job.keep_last,
+        "init_from": job.init_from,
+        "beta": job.beta,
+        "device": device,
+        "parallel": dims,
+    }
+    if job.stage == "rlvr":
+        if job.rlvr is None:
+            raise ValueError("An rlvr job needs its RLVR section.")
+        return RlvrConfig(**common, rlvr=job.rlvr, threads=job.threads)  # type: ignore[arg-type]
+    return PostConfig(**common)  # type: ignore[arg-type]
 
 
 def _file_sink(events: TextIO | None, losses: TextIO | None) -> Sink:
@@ -177,11 +251,13 @@ def replicas(group: ReplicaJob, report: Reporter, stage: str) -> Replicas:
     return Replicas(replica_id=group.replica_id, groups=group.groups, join=join)
 
 
-def run(job: StageJob) -> dict:
+def run(job: Job) -> dict:
     """Train `job` on this rank; rank 0's summary (the other ranks return the same numbers)."""
     dims = ParallelDims.from_plan(job.strategy, job.degrees)
     device = distributed.init(pick_device(job.device).type)
     dims.check_world(distributed.world_size())
+    if isinstance(job, PostJob):
+        return run_post(job, dims, post_config(job, dims, str(device)))
     cfg = stage_config(job, dims, str(device))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -216,9 +292,45 @@ def run(job: StageJob) -> dict:
     }
 
 
+def run_post(job: PostJob, dims: ParallelDims, cfg: PostConfig) -> dict:
+    """Train the post stage `job` on this rank, as `run` does a next-token stage."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with (
+        open(job.events_path, "a") if job.events_path else nullcontext() as events,
+        open(job.losses_path, "a") if job.losses_path else nullcontext() as losses,
+    ):
+        report = rank0_only(Reporter(_file_sink(events, losses), run_id=f"gang-{job.stage}"))
+        shape, names = dims.mesh_dims()
+        report.parallelism(
+            stage=job.stage,
+            strategy=dims.strategy,
+            world_size=distributed.world_size(),
+            mesh=dict(zip(names, shape, strict=True)),
+        )
+        result = train_post(cfg, report, stop.is_set)
+    summary = {
+        "stage": job.stage,
+        "final_step": result.final_step,
+        "first_loss": result.first_loss,
+        "final_loss": result.final_loss,
+        "stopped": result.stopped,
+        "world_size": distributed.world_size(),
+        "strategy": dims.strategy,
+        "degrees": dims.degrees(),
+    }
+    if isinstance(result, RlvrResult):
+        summary |= {
+            "stats": msgspec.to_builtins(result.stats),
+            "stale_dropped": result.stale_dropped,
+            "rollout_workers": result.rollout_workers,
+        }
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.trainer.rank_main")
-    parser.add_argument("--config", required=True, help="the job, a JSON file (see StageJob)")
+    parser.add_argument("--config", required=True, help="the job, a JSON file (StageJob or PostJob)")
     args = parser.parse_args(argv)
     # torchrun's RANK, read before the group exists and still right after it is gone.
     rank0 = distributed.env_rank() == 0

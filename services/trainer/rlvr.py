@@ -14,6 +14,12 @@ Per optimizer step s (the policy is then at version s):
      c = 3), token-averaged policy loss over the kept groups.
 No KL term in the loss (DAPO drops it); the k3 estimate against the behaviour policy is logged.
 
+Under several ranks (a gang, `PostConfig.parallel`) there is exactly one rollout worker, rank 0's:
+every rank gathers the full weights (a collective under FSDP2; rank 0 keeps them) and rank 0 alone
+publishes them, requests, collects, scores and filters the rollouts, then broadcasts the kept groups
+and the step's stats; every rank computes the advantages of the whole kept batch and the loss on its
+slice of the rows, scaled so that the ranks' mean is the token-level loss over every kept token.
+
 Resume: the stage restarts from its latest checkpoint (policy, optimizer, step) with a fresh worker;
 the first batch after a resume is sampled from the restored policy instead of the prefetched,
 one-version-older one, so an RLVR resume continues correctly but not bit-identically.
@@ -21,6 +27,7 @@ one-version-older one, so an RLVR resume continues correctly but not bit-identic
 
 import random
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -29,6 +36,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.manifest import RlvrStage
 from contracts.runs import LogLevel
+from services.trainer import distributed
 from services.trainer.data import ByteTokenizer
 from services.trainer.generation import Completion
 from services.trainer.loop import (
@@ -48,9 +56,20 @@ from services.trainer.objectives import (
     kl_estimate,
     overlong_penalty,
 )
-from services.trainer.posttrain import PAD_TOKEN, PostConfig, adamw, loop_settings, sequence_logprobs
+from services.trainer.posttrain import (
+    PAD_TOKEN,
+    PostConfig,
+    PostResult,
+    adamw,
+    dims_of,
+    global_token_mean,
+    loop_settings,
+    sequence_logprobs,
+    train_dpo,
+    train_sft,
+)
 from services.trainer.pretrain import build_model, lr_factor
-from services.trainer.reporting import Reporter
+from services.trainer.reporting import Reporter, rank0_only
 from services.trainer.rollout import RolloutBatch, RolloutRequest, RolloutWorker
 
 # A fresh Adam's first updates are lr * sign(grad) on every weight: on a small trained model that
@@ -99,6 +118,8 @@ class RlvrResult:
     stopped: bool
     stats: list[StepStats]
     stale_dropped: int
+    rollout_workers: int = 1
+    """Rollout workers the stage started, summed over every rank: 1 (rank 0's) however many ranks."""
     model: Transformer | None = field(default=None, repr=False, compare=False)
 
 
@@ -227,20 +248,41 @@ def sample_step(step: int, first: str, cfg: RlvrConfig, sampler: Sampler, st: St
     return kept
 
 
+def rank_share(rows: int, dp_rank: int, dp_degree: int) -> tuple[slice, bool]:
+    """(the rows of a kept batch this data-parallel rank trains on, whether they are its own): as
+    even a split as the row count allows; a rank left without a row takes row 0 with no weight, so
+    that it still joins the backward pass's gradient collectives."""
+    per, extra = divmod(rows, dp_degree)
+    start = dp_rank * per + min(dp_rank, extra)
+    stop = start + per + (1 if dp_rank < extra else 0)
+    return (slice(start, stop), True) if stop > start else (slice(0, 1), False)
+
+
 def policy_loss(
     model: Transformer, kept: Kept, cfg: RlvrConfig, device: torch.device, st: StepStats
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, response mask) over the kept groups: advantages normalised within each group of shaped
-    rewards, the clipped policy loss; the k3 KL and the clip fraction go to `st`."""
+    """(this rank's loss, the kept batch's response mask) over the kept groups: advantages normalised
+    within each group of shaped rewards, the clipped policy loss on this rank's rows (all of them in
+    one process); the k3 KL and the clip fraction, over every kept token, go to `st`."""
     inputs, targets, mask, old = policy_batch(kept.prompts, kept.completions)
-    mask, old = mask.to(device), old.to(device)
-    advantages = group_advantages(torch.stack(kept.rewards)).reshape(-1).to(device)
-    logprobs = sequence_logprobs(model, inputs, targets, device, temperature=cfg.rlvr.temperature)
+    advantages = group_advantages(torch.stack(kept.rewards)).reshape(-1)
+    dims = dims_of(cfg)
+    rows, own = rank_share(len(kept.completions), dims.dp_rank(distributed.rank()), dims.dp_degree)
+    tokens = float(mask.sum())
+    local = mask[rows].to(device) * (1.0 if own else 0.0)
+    old_local = old[rows].to(device)
+    logprobs = sequence_logprobs(model, inputs[rows], targets[rows], device, temperature=cfg.rlvr.temperature)
     loss, clip_fraction = clipped_policy_loss(
-        logprobs, old, advantages, mask, cfg.rlvr.eps_low, cfg.rlvr.eps_high
+        logprobs, old_local, advantages[rows].to(device), local, cfg.rlvr.eps_low, cfg.rlvr.eps_high
     )
-    st.kl = float(kl_estimate(logprobs, old, mask))
-    st.clip_fraction = float(clip_fraction)
+    loss = global_token_mean(loss, local, tokens, dims.dp_degree)
+    if dims.dp_degree == 1:
+        st.kl = float(kl_estimate(logprobs, old_local, local))
+        st.clip_fraction = float(clip_fraction)
+    else:  # token means over the kept batch: each rank's share, weighted by its tokens
+        share = float(local.sum()) * dims.dp_degree / max(tokens, 1.0)
+        st.kl = distributed.all_reduce_mean(float(kl_estimate(logprobs, old_local, local)) * share)
+        st.clip_fraction = distributed.all_reduce_mean(float(clip_fraction) * share)
     return loss, mask
 
 
@@ -253,6 +295,7 @@ def train_rlvr(
 ) -> RlvrResult:
     """`worker_factory(shape, rope_base, threads=, device=)` builds the rollout worker (a context
     manager); tests pass a fake one to exercise staleness without timing."""
+    report = rank0_only(report)
     device = pick_device(cfg.device)
     model, optimizer, scheduler = _policy(cfg, device)
     settings = loop_settings(cfg)
@@ -261,13 +304,25 @@ def train_rlvr(
     stats: list[StepStats] = []
     if start < cfg.steps:
         report.log(_plan_line(cfg, start))
-    with worker_factory(model.shape, cfg.rope_base, threads=cfg.threads, device=device.type) as worker:
+    rank0 = distributed.is_rank0()
+    # Rank 0's worker alone: the other ranks get theirs from rank 0's broadcast.
+    workers = round(distributed.all_reduce_mean(float(rank0)) * distributed.world_size())
+    report.log(
+        f"rlvr: {workers} rollout worker{'s' if workers != 1 else ''} (rank 0's) for "
+        f"{distributed.world_size()} rank{'s' if distributed.world_size() != 1 else ''}"
+    )
+    opened = (
+        worker_factory(model.shape, cfg.rope_base, threads=cfg.threads, device=device.type)
+        if rank0
+        else nullcontext(None)
+    )
+    with opened as worker:
         step_fn = partial(
             rl_step,
             cfg=cfg,
             model=model,
             worker=worker,
-            sampler=Sampler(cfg, worker),
+            sampler=Sampler(cfg, worker) if worker is not None else None,
             device=device,
             stats=stats,
             report=report,
@@ -295,6 +350,7 @@ def train_rlvr(
         stopped=result.stopped,
         stats=stats,
         stale_dropped=stale_total,
+        rollout_workers=workers,
         model=model,
     )
 
@@ -325,21 +381,27 @@ def rl_step(
     *,
     cfg: RlvrConfig,
     model: Transformer,
-    worker: RolloutWorker,
-    sampler: Sampler,
+    worker: RolloutWorker | None,
+    sampler: Sampler | None,
     device: torch.device,
     stats: list[StepStats],
     report: Reporter,
 ) -> StepOutput:
     """One RL step's loss (the loop's `step_fn`): publish version `step`, prefetch the next step's
-    rollouts, sample this step's groups, and the clipped policy loss over the kept ones."""
-    st = StepStats(step=step + 1)
+    rollouts, sample this step's groups, and the clipped policy loss over the kept ones. Under
+    several ranks only rank 0 holds a worker and a sampler; the others receive its kept groups."""
+    weights = full_state_dict(model)  # every rank: a collective under FSDP2 (rank 0 keeps the result)
+    sampled: tuple[Kept, StepStats] | None = None
+    if worker is not None and sampler is not None:
+        st = StepStats(step=step + 1)
+        worker.publish(step, weights)
+        first = sampler.request(step, 0, cfg.rlvr.prompts_per_step)
+        if cfg.rlvr.max_staleness >= 1 and step + 1 < cfg.steps:
+            sampler.request(step + 1, 0, cfg.rlvr.prompts_per_step)  # sampled from version `step`
+        sampled = (sample_step(step, first, cfg, sampler, st), st)
+    del weights
+    kept, st = distributed.broadcast_object(sampled)  # rank 0's groups and stats on every rank
     stats.append(st)
-    worker.publish(step, full_state_dict(model))
-    first = sampler.request(step, 0, cfg.rlvr.prompts_per_step)
-    if cfg.rlvr.max_staleness >= 1 and step + 1 < cfg.steps:
-        sampler.request(step + 1, 0, cfg.rlvr.prompts_per_step)  # sampled from version `step`
-    kept = sample_step(step, first, cfg, sampler, st)
     if not kept.rewards:
         report.log(
             f"rlvr step {step + 1}: no group with both right and wrong answers after {st.rounds} "
@@ -354,3 +416,18 @@ def rl_step(
         f"stale rollouts dropped {st.stale_dropped}, rounds {st.rounds}"
     )
     return StepOutput(loss=loss, tokens=int(mask.sum().item()))
+
+
+def train_post(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]) -> PostResult | RlvrResult:
+    """The post-training stage `cfg.stage` in this process (one rank of a gang, or alone): SFT, DPO,
+    or RLVR (`cfg` an RlvrConfig)."""
+    match cfg.stage:
+        case "sft":
+            return train_sft(cfg, report, should_stop)
+        case "dpo":
+            return train_dpo(cfg, report, should_stop)
+        case "rlvr":
+            if not isinstance(cfg, RlvrConfig):
+                raise ValueError("An rlvr stage needs its RLVR section (an RlvrConfig).")
+            return train_rlvr(cfg, report, should_stop)
+    raise ValueError(f"Unknown post-training stage {cfg.stage!r}; the trainer runs sft, dpo and rlvr.")

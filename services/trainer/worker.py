@@ -58,7 +58,7 @@ from services.trainer.checkpoint import committed_positions, list_checkpoints, p
 from services.trainer.distributed import ParallelismError
 from services.trainer.emitter import Emitter
 from services.trainer.gang import Gang, GangFailed, GangLost, gang_dims, refusal
-from services.trainer.pipeline import PipelineResult, TrainLm, run_pipeline
+from services.trainer.pipeline import PipelineResult, Trainers, TrainLm, run_pipeline
 from services.trainer.pretrain import train_stage
 from services.trainer.reporting import Reporter, Sink, check_event
 
@@ -467,9 +467,9 @@ class Worker:
 
     def _train_lm(
         self, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path
-    ) -> tuple[TrainLm, nodes.NodeShare | None]:
-        """How the run's next-token stages train: in this process for a one-rank plan (as always),
-        on a gang of this node's ranks for more, as this node's replica group for a multi-node run
+    ) -> tuple[TrainLm | Trainers, nodes.NodeShare | None]:
+        """How the run's stages train: in this process for a one-rank plan (as always), on a gang of
+        this node's ranks for more (post-training too), as this node's replica group for a multi-node run
         (then with the share to close); ParallelismError for a plan the node cannot realise."""
         if manifest.resources.nodes > 1 or work.nodes > 1:
             refused = nodes.refusal(work, manifest, plan_run(manifest))
@@ -483,7 +483,8 @@ class Worker:
         refused = refusal(dims, manifest, plan_run(manifest))
         if refused is not None:
             raise ParallelismError(refused)
-        return Gang(dims, checkpoint_dir, self.threads).train_stage, None
+        gang = Gang(dims, checkpoint_dir, self.threads)
+        return Trainers(lm=gang.train_stage, post=gang.train_post), None
 
     async def _train_share(self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int) -> None:
         """Node n > 0 of a multi-node run: train this node's share under its own lease; events go to

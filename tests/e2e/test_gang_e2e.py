@@ -2,15 +2,19 @@
 starts with torchrun (CPU, gloo): through `ecc ito train`, to `succeeded`, with the strategy, world
 size and mesh it really used in `ecc ito status`; per-rank logs in the run's directory. A rank
 killed mid-stage is restarted with its gang by the elastic launcher from the last committed
-checkpoint, and the run still succeeds. A plan the gang cannot run yet ends `failed`, naming why."""
+checkpoint, and the run still succeeds. Post-training (SFT, DPO, RLVR) and a ladder on custom data
+run with a gang too: the stages on 2 ranks, data preparation and the ladder once, in the agent."""
 
+import json
 import os
 import pathlib
 import signal
 
+import msgspec
 import pytest
 
-from tests.conftest import start_stack
+from contracts.runs import Metrics, RunEvent
+from tests.conftest import REPO, start_stack
 from tests.support import eventually, run_state, run_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
@@ -144,11 +148,84 @@ def test_a_rank_killed_mid_stage_is_restarted_from_the_last_checkpoint(stack, ma
     assert resumed, "the restarted gang did not resume from a checkpoint"
 
 
-def test_post_training_on_a_gang_fails_naming_what_is_not_supported(stack, manifest):
+def _custom_text(path: pathlib.Path) -> str:
+    path.write_text(
+        "\n\n".join(
+            f"Paragraph {i}: the river runs under the old stone bridge near the mill." for i in range(300)
+        )
+    )
+    path.chmod(0o644)
+    return f"file:{path}"
+
+
+POST_STEPS = {"pretrain": 12, "sft": 6, "dpo": 4, "rlvr": 3}
+
+
+def test_post_training_and_a_custom_data_ladder_train_on_a_two_rank_gang(stack, manifest, tmp_path):
+    """data_prep -> ladder (custom data) -> pretrain -> sft -> dpo -> rlvr with 2 GPUs planned: every
+    stage trains on a gang of 2 ranks; data preparation and the ladder's proxy runs happen once, in
+    the agent; each stage's events come once (rank 0's), and RLVR has one rollout worker."""
     env, booking = _tenant(stack)
-    m = manifest(resources=GPUS, post_training={"recipe": ["sft"]})
-    run_id = _train(stack, env, booking, str(m), "gang-sft")
-    final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=120)
-    assert final["state"] == "failed", final
-    assert "cannot run sft yet" in final["message"] and "4 ranks" in final["message"], final
-    assert final["step"] == 0
+    data = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())["data"]
+    data.append(
+        {
+            "name": "custom",
+            "source": _custom_text(tmp_path / "custom.txt"),
+            "role": "train",
+            "decontamination": {"method": "13-gram", "against": [], "provenance": "test"},
+        }
+    )
+    tasks = ["arithmetic"]
+    m = manifest(
+        resources={"nodes": 1, "gpus_per_node": 2},
+        data=data,
+        target={"tokens": 12 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
+        checkpoint={"interval_steps": 4, "keep_last": 2, "storage": "local"},
+        stages={
+            "data_prep": {},
+            "ladder": {"proxy_steps": 4, "max_budget_fraction": 0.5},
+            "pretrain": {"data": ["python-docs", "arithmetic", "custom"]},
+        },
+        post_training={
+            "recipe": ["sft", "dpo", "rlvr"],
+            "sft": {"steps": 6, "batch_size": 8, "learning_rate": 0.001, "data": tasks},
+            "dpo": {"steps": 4, "batch_size": 8, "learning_rate": 0.0001, "data": tasks},
+            "rlvr": {
+                "steps": 3,
+                "prompts_per_step": 2,
+                "group_size": 4,
+                "max_response_tokens": 4,
+                "overlong_buffer_tokens": 2,
+                "data": tasks,
+            },
+        },
+    )
+    run_id = _train(stack, env, booking, str(m), "gang-post")
+    final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=2 * RUN_TIMEOUT_S)
+    assert final["state"] == "succeeded", final
+    assert [g["stage"] for g in final["gates"]] == ["ladder", "pretrain", "sft", "dpo", "rlvr"], final[
+        "gates"
+    ]
+    assert final["parallelism"]["world_size"] == 2 and final["parallelism"]["stage"] == "rlvr", final
+
+    run_dir = pathlib.Path(final["checkpoint_dir"])
+    assert {s["name"] for s in final["provenance"]["steps"]} >= {"exact_dedup", "decontamination"}
+    assert [p.relative_to(run_dir) for p in run_dir.rglob("provenance.json")] == [
+        pathlib.Path("data_prep/provenance.json")
+    ]
+    assert (run_dir / "ladder" / "decision.json").exists() and not (run_dir / "gang" / "ladder").exists()
+    decoder = msgspec.json.Decoder(RunEvent)
+    for stage, steps in POST_STEPS.items():
+        assert _rank_logs(run_dir, stage)[0] == [0, 1], stage
+        lines = (run_dir / "gang" / stage / "events.jsonl").read_text().splitlines()
+        events = [decoder.decode(line) for line in lines]
+        assert [e.step for e in events if isinstance(e, Metrics)] == list(range(1, steps + 1)), stage
+
+    rc, logs = stack.ecc("logs", run_id, env=env)
+    assert rc == 0, logs
+    messages = [ln["message"] for ln in logs["data"]["lines"]]
+    for stage in POST_STEPS:
+        started = [msg for msg in messages if msg.startswith(f"{stage}: starting a gang of 2 ranks")]
+        assert len(started) == 1, (stage, started)
+    assert messages.count("rlvr: 1 rollout worker (rank 0's) for 2 ranks") == 1, messages
+    assert sum(msg.startswith("ladder: custom data ['custom']") for msg in messages) == 1, messages

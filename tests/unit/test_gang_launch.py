@@ -1,7 +1,8 @@
 """The gang launcher's pure parts: which plans run on a gang and which are refused (in a sentence),
-the torchrun command line, the job every rank reads, rank 0's events handed on, and how the
+the torchrun command line, the job every rank reads (a next-token or a post-training stage), rank 0's events handed on, and how the
 launcher's exit code and rank 0's result become the stage's outcome."""
 
+import json
 import pathlib
 from datetime import UTC, datetime
 
@@ -11,7 +12,7 @@ import pytest
 from contracts.api import CostEstimate, Plan
 from contracts.booking import Fabric
 from contracts.errors import ErrorCode
-from contracts.manifest import Manifest
+from contracts.manifest import Manifest, RlvrStage
 from contracts.models import MODEL_SHAPES
 from contracts.runs import LogLine, Metrics, ParallelismStarted, RunCreated, StateChanged
 from contracts.states import RunState
@@ -24,14 +25,16 @@ from services.trainer.gang import (
     GangLost,
     LaunchSpec,
     gang_dims,
+    post_job,
     read_outcome,
     refusal,
     stage_job,
     torchrun_command,
 )
 from services.trainer.pretrain import StageConfig
-from services.trainer.rank_main import StageJob, read_job
-from tests.conftest import write_manifest
+from services.trainer.rank_main import PostJob, StageJob, read_job
+from services.trainer.rlvr import RlvrConfig
+from tests.conftest import REPO, write_manifest
 
 COST = CostEstimate(
     flops=1.0,
@@ -93,10 +96,30 @@ def test_next_token_stages_on_one_node_are_not_refused(tmp_path):
     assert refusal(ParallelDims(strategy="ddp", dp_replicate=4), manifest, plan_run(manifest)) is None
 
 
-def test_post_training_on_a_gang_is_refused_by_name(tmp_path):
-    manifest = _manifest(tmp_path, post_training={"recipe": ["sft"]})
-    reason = refusal(ParallelDims(strategy="ddp", dp_replicate=4), manifest, plan_run(manifest))
-    assert reason is not None and "cannot run sft yet" in reason and "ddp" in reason and "4 ranks" in reason
+def test_post_training_and_a_custom_data_ladder_are_not_refused(tmp_path):
+    custom = tmp_path / "custom.txt"
+    custom.write_text("12+30=42\n" * 200)
+    data = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())["data"]
+    data.append({"name": "mine", "source": f"file:{custom}", "role": "train"})
+    manifest = _manifest(
+        tmp_path,
+        data=data,
+        stages={"ladder": {"proxy_steps": 4, "max_budget_fraction": 0.5}},
+        post_training={"recipe": ["sft", "dpo", "rlvr"]},
+    )
+    run_plan = plan_run(manifest)
+    assert run_plan.ladder is not None and run_plan.ladder.custom == ("mine",)
+    assert refusal(ParallelDims(strategy="ddp", dp_replicate=4), manifest, run_plan) is None
+
+
+def test_a_post_training_batch_the_data_parallel_ranks_cannot_split_is_refused(tmp_path):
+    manifest = _manifest(
+        tmp_path,
+        target={"tokens": 30 * 12 * 32, "seq_len": 32, "batch_size": 12, "learning_rate": 0.003},
+        post_training={"recipe": ["dpo"], "dpo": {"batch_size": 10}},
+    )
+    reason = refusal(ParallelDims(strategy="fsdp2", dp_shard=4), manifest, plan_run(manifest))
+    assert reason is not None and "The global batch of 10 does not split evenly over 4" in reason
 
 
 def test_a_batch_the_data_parallel_ranks_cannot_split_is_refused(tmp_path):
@@ -174,6 +197,36 @@ def test_the_job_every_rank_reads_carries_the_stage_and_the_plan(tmp_path):
     )
     assert back.events_path == str(tmp_path / "events.jsonl")
     assert back.result_path == str(tmp_path / "result.json")
+
+
+def test_the_job_of_a_post_stage_carries_its_section_and_the_plan(tmp_path):
+    section = RlvrStage(steps=3, prompts_per_step=2, group_size=4)
+    cfg = RlvrConfig(
+        stage="rlvr",
+        shape=MODEL_SHAPES["tiny"],
+        rope_base=None,
+        problems=[("1+2=", "3")],
+        steps=3,
+        batch_size=8,
+        learning_rate=2e-4,
+        seed=7,
+        checkpoint_dir="/runs/r1/rlvr",
+        init_from="/runs/r1/dpo",
+        rlvr=section,
+        threads=3,
+    )
+    job = post_job(cfg, ParallelDims(strategy="ddp", dp_replicate=2), tmp_path)
+    path = tmp_path / "job.json"
+    path.write_bytes(msgspec.json.encode(job))
+    back = read_job(str(path))
+    assert isinstance(back, PostJob)
+    assert (back.stage, back.strategy, back.degrees, back.seed) == ("rlvr", "ddp", {"dp_replicate": 2}, 7)
+    assert (back.rlvr, back.threads, back.init_from) == (section, 3, "/runs/r1/dpo")
+    assert back.problems_path == str(tmp_path / "problems.json")
+    assert (back.events_path, back.result_path) == (
+        str(tmp_path / "events.jsonl"),
+        str(tmp_path / "result.json"),
+    )
 
 
 @pytest.mark.parametrize(
