@@ -4,8 +4,8 @@ data-parallel replicas are torchft replica groups (`ReplicaGroup`), and the Ligh
 This module owns one replica group's torchft `Manager` (its per-group TCPStore, `ProcessGroupGloo`,
 the Lighthouse address, the state a healing peer receives) and the hooks the one training loop calls
 around its step; it has no loop of its own. Per optimizer step the loop calls:
-  start_step()            before the forward pass: `Manager.start_quorum` (asynchronous, overlapped
-                          with the forward)
+  start_step()            before the forward pass: `Manager.start_quorum`, waited for (and, when
+                          this group heals, the peer's state loaded)
   reduce_gradients(ps)    after backward: every gradient averaged over the quorum with
                           `Manager.allreduce` (a failed all-reduce is recorded in the Manager, never
                           raised, so a peer dying mid-step does not kill this group)
@@ -20,12 +20,22 @@ What torchft gives through these hooks:
     heartbeating; after the Lighthouse's heartbeat timeout the others form a quorum without it and
     keep stepping. The step in flight when the peer died fails its all-reduce, is not committed and is
     tried again; nothing crashes and nothing restarts.
-  - A replacement joins the next quorum behind the others' step; torchft heals it by fetching the
-    model, optimizer and schedule state from a peer over HTTP (`_load_peer_state`), and from then on
-    they step together with the same weights.
-  - The quorum is asynchronous (torchft's default), so the step in which a group heals runs its
-    forward on its old weights; torchft zeroes its gradient before the all-reduce and does not count
-    it in `participants` for that one step. From the next step on it is an equal member.
+  - A replacement (or a group that starts late) joins the next quorum behind the others' step;
+    torchft heals it by fetching the model, optimizer and schedule state from a peer over HTTP
+    (`_peer_state` there, `_load_peer_state` here), and from then on they step together with the
+    same weights.
+  - The quorum is synchronous (`start_step` waits for it, `use_async_quorum=False`): torchft reads
+    the state a peer heals from on its quorum thread, and with FSDP2 that read is only safe while
+    the training thread is not inside a forward or backward pass. `Module.state_dict()` runs FSDP2's
+    pre-save hook, which reshards the module in place: called mid-forward it frees the unsharded
+    parameters under the running pass (the sender's ranks then crash, and the healing group reads
+    a truncated stream: torchft's `recv_checkpoint` EOFError). So the sender's state is read while
+    its training thread waits in `start_step`, and a healing group loads what it received there too,
+    before its forward: it is a full member of the step in which it heals.
+  - What travels is each rank's own shards as plain tensors (DTensor -> `to_local()`), never a
+    pickled DTensor or device mesh: rank r of a healing gang fetches from rank r of its peer (torchft
+    pairs the same group rank), whose mesh and shards are the same, and lays them back out on its
+    own parameters' layout (`_like`). A group of one rank sends its whole tensors the same way.
   - `Manager.state_dict()` ({step, batches_committed}) travels in the same DCP snapshot as the model,
     as two int64 buffers under `torchft.*` (see `CheckpointView`): no pickle in the checkpoint, and
     a plain `Transformer` still loads the weights with `load_weights`.
@@ -47,6 +57,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.distributed import TCPStore
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 from torchft import Manager, ProcessGroupGloo
 
 from services.trainer.checkpoint import ResumeState, load_latest
@@ -186,6 +199,7 @@ class ReplicaGroup:
             load_state_dict=self._load_peer_state,
             state_dict=self._peer_state,
             min_replica_size=min_replica_size,
+            use_async_quorum=False,  # the peer state is read and loaded outside forward/backward (above)
             timeout=timeout,
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
             connect_timeout=timedelta(seconds=connect_timeout_s),
@@ -256,18 +270,38 @@ class ReplicaGroup:
         """Stop the Manager's servers (HTTP, gRPC) and its quorum thread."""
         self.manager.shutdown(wait=False)
 
-    # --- the state a healing peer receives (torchft calls these on its quorum thread or in should_commit)
+    # --- the state a healing peer receives. torchft calls `_peer_state` on its quorum thread while
+    # this group's training thread waits for the quorum in `start_step`, and `_load_peer_state` on the
+    # training thread in `start_step`: neither runs beside a forward or backward pass.
 
     def _peer_state(self) -> dict[str, Any]:
+        """This rank's model and optimizer state as plain local tensors (its shards under FSDP2),
+        and the schedule. The tensors are the live ones (no copy on CPU): torchft serves them before
+        this group's next optimizer step (`should_commit` closes the transfer first)."""
         return {
-            "model": self.model.state_dict(),
-            "optim": self.optimizer.state_dict(),
+            "model": _local_shards(get_model_state_dict(self.model)),
+            # The optimizer's own state_dict, keyed by parameter index: both groups build the same
+            # optimizer. (get_optimizer_state_dict would take a zero step to fill an empty state.)
+            "optim": _local_shards(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
         }
 
     def _load_peer_state(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        model = get_model_state_dict(self.model)  # this rank's tensors: the layout to put shards back in
+        set_model_state_dict(
+            self.model, {name: _like(value, model.get(name)) for name, value in state["model"].items()}
+        )
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        optim = state["optim"]
+        self.optimizer.load_state_dict(
+            {
+                **optim,
+                "state": {
+                    index: {key: _like(value, params[index]) for key, value in per_param.items()}
+                    for index, per_param in optim["state"].items()
+                },
+            }
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         # The Manager has already taken the peer's step when it hands the state over.
         self._write("healed", step=self.step)
@@ -275,6 +309,30 @@ class ReplicaGroup:
     def _write(self, event: str, **fields: object) -> None:
         if self.progress is not None:
             self.progress(event, **fields)
+
+
+def _local_shards(tree: Any) -> Any:
+    """Every DTensor in `tree` as this rank's local shard, a plain tensor (other values unchanged)."""
+    return tree_map_only(DTensor, lambda t: t.detach().to_local(), tree)
+
+
+def _like(value: Any, ref: Any) -> Any:
+    """A local shard received from the same rank of a peer, laid out again as `ref` (this rank's
+    DTensor of the same name: same mesh, placements and global shape). Values that are not a shard of
+    `ref` (a plain model, an optimizer's step count, a non-tensor) are returned as they are."""
+    if not (isinstance(ref, DTensor) and isinstance(value, torch.Tensor)):
+        return value
+    local = ref.to_local()
+    if value.shape != local.shape:  # e.g. Adam's 0-d `step` beside a sharded parameter
+        return value
+    return DTensor.from_local(
+        value.to(local.device),
+        ref.device_mesh,
+        ref.placements,
+        run_check=False,
+        shape=ref.shape,
+        stride=ref.stride(),
+    )
 
 
 def replica_checkpoint_dir(parent: str | os.PathLike, replica_id: int) -> Path:

@@ -1,0 +1,181 @@
+"""Two gangs of 2 ranks (FSDP2 over each gang's ranks) as two torchft replica groups, on CPU/gloo:
+what a multi-node run of several GPUs per node is (services/trainer/nodes.py), without the services.
+Group 0 starts alone and commits steps; group 1 starts late, joins a later quorum and heals from
+group 0, each rank from the same rank of its peer (its own shards: same mesh, same shard), and
+from then on both groups step together with the same weights.
+
+The check that the healing carried everything (weights, optimizer moments, schedule): a checkpoint
+that both groups committed at the same step after the heal holds the same weights, bit for bit. A
+heal that missed the optimizer state or a shard would make the groups drift apart at once.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="torchft is not installed: `pip install torchft==0.2.0`")
+
+import torch.distributed.checkpoint as dcp
+
+from contracts.models import MODEL_SHAPES
+from contracts.runs import LogLine, RunEvent
+from services.trainer.checkpoint import list_checkpoints
+from services.trainer.fault_tolerance import start_lighthouse
+from services.trainer.model import Transformer
+from services.trainer.rank_main import ReplicaJob, StageJob
+from tests.support import eventually
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 100_000  # never reached: the test stops both gangs once it has seen what it needs
+TOGETHER = 4  # steps both groups commit after the heal before their checkpoints are compared
+BUDGET_S = 150  # two gangs of 2 ranks on 2 busy cores; ~30 s when idle
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+class GangGroup:
+    """One torchrun gang of 2 ranks that is replica group `replica_id` of 2."""
+
+    def __init__(self, tmp: Path, replica_id: int, lighthouse: str):
+        self.dir = tmp / f"group-{replica_id}"
+        self.dir.mkdir(parents=True)
+        self.checkpoints = self.dir / "ckpt"
+        job = StageJob(
+            steps=STEPS,
+            batch_size=8,
+            seq_len=32,
+            seed=0,
+            strategy="fsdp2",
+            degrees={"dp_shard": 2},
+            checkpoint_dir=str(self.checkpoints),
+            checkpoint_interval=1,
+            keep_last=1_000,
+            losses_path=str(self.dir / "losses.jsonl"),
+            events_path=str(self.dir / "events.jsonl"),
+            replica_group=ReplicaJob(replica_id=replica_id, groups=2, lighthouse=lighthouse),
+        )
+        (self.dir / "job.json").write_bytes(msgspec.json.encode(job))
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=localhost:{_free_port()}",
+            "--max-restarts=0",
+            "-m",
+            "services.trainer.rank_main",
+            "--config",
+            str(self.dir / "job.json"),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        self.log = (self.dir / "torchrun.log").open("wb")
+        # Its own session: the whole gang (agent and ranks) is stopped with one killpg.
+        self.proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def committed_steps(self) -> set[int]:
+        return {c.step for c in list_checkpoints(self.checkpoints)}
+
+    def messages(self) -> list[str]:
+        path = self.dir / "events.jsonl"
+        if not path.exists():
+            return []
+        decoder = msgspec.json.Decoder(RunEvent)
+        events = []
+        for line in path.read_text().splitlines():
+            try:
+                events.append(decoder.decode(line))
+            except msgspec.DecodeError:
+                continue  # a line still being written
+        return [e.message for e in events if isinstance(e, LogLine)]
+
+    def alive(self) -> None:
+        if self.proc.poll() is not None:
+            pytest.fail(f"{self.dir.name} exited ({self.proc.returncode}):\n{self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        return (self.dir / "torchrun.log").read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def _weights(checkpoint: str) -> dict[str, torch.Tensor]:
+    """The model's parameters in a committed checkpoint (DCP gathers every rank's shards)."""
+    model = Transformer(MODEL_SHAPES["tiny"])
+    state = {"model": dict(model.named_parameters())}
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    return {name: p.detach().clone() for name, p in state["model"].items()}
+
+
+def test_a_late_gang_heals_shard_by_shard_from_its_peer_and_steps_with_it(tmp_path):
+    lighthouse = start_lighthouse("[::]:0")
+    end = time.monotonic() + BUDGET_S
+    groups: list[GangGroup] = []
+
+    def wait(what, predicate, timeout):
+        def probe():
+            for group in groups:
+                group.alive()
+            return predicate()
+
+        try:
+            return eventually(
+                probe, timeout=max(0.0, min(timeout, end - time.monotonic())), interval=0.2, what=what
+            )
+        except AssertionError:
+            pytest.fail(f"no {what}\n" + "\n".join(f"--- {g.dir.name}\n{g.tail()}" for g in groups))
+
+    try:
+        first = GangGroup(tmp_path, 0, lighthouse.address())
+        groups.append(first)
+        wait("step committed by group 0 alone", lambda: first.committed_steps(), 90)
+        late = GangGroup(tmp_path, 1, lighthouse.address())
+        groups.append(late)
+        heal = "pretrain: replica group 1 healed at step "
+        healed = wait(
+            "heal of group 1",
+            lambda: [int(m.removeprefix(heal)) for m in late.messages() if m.startswith(heal)],
+            90,
+        )[0]
+        assert healed >= 1, f"group 1 healed at step {healed}: it did not join after the first quorum"
+        common = wait(
+            f"{TOGETHER} steps committed by both groups after the heal",
+            lambda: sorted(
+                s for s in first.committed_steps() & late.committed_steps() if s >= healed + TOGETHER
+            ),
+            60,
+        )
+        assert min(late.committed_steps()) > healed, "group 1 committed a step it never trained"
+    finally:
+        for group in groups:
+            group.stop()
+        lighthouse.shutdown()
+
+    step = common[0]
+    a = _weights(str(first.checkpoints / f"step-{step:08d}"))
+    b = _weights(str(late.checkpoints / f"step-{step:08d}"))
+    differ = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not differ, (
+        f"after healing at step {healed}, the groups' weights at step {step} differ in {differ}"
+    )
