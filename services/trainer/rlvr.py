@@ -304,19 +304,20 @@ def train_rlvr(
     stats: list[StepStats] = []
     if start < cfg.steps:
         report.log(_plan_line(cfg, start))
-    rank0 = distributed.is_rank0()
-    # Rank 0's worker alone: the other ranks get theirs from rank 0's broadcast.
-    workers = round(distributed.all_reduce_mean(float(rank0)) * distributed.world_size())
-    report.log(
-        f"rlvr: {workers} rollout worker{'s' if workers != 1 else ''} (rank 0's) for "
-        f"{distributed.world_size()} rank{'s' if distributed.world_size() != 1 else ''}"
-    )
+    # Rank 0's worker alone: the other ranks get its rollouts from rank 0's broadcast.
     opened = (
         worker_factory(model.shape, cfg.rope_base, threads=cfg.threads, device=device.type)
-        if rank0
+        if distributed.is_rank0()
         else nullcontext(None)
     )
     with opened as worker:
+        # The workers started, summed over the ranks: the one-worker rule is counted, not assumed.
+        workers = round(distributed.all_reduce_mean(float(worker is not None)) * distributed.world_size())
+        ranks = distributed.world_size()
+        report.log(
+            f"rlvr: {workers} rollout worker{'s' if workers != 1 else ''} (rank 0's) for "
+            f"{ranks} rank{'s' if ranks != 1 else ''}"
+        )
         step_fn = partial(
             rl_step,
             cfg=cfg,
