@@ -49,6 +49,7 @@ as the replicate dimension).
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -74,6 +75,12 @@ QUORUM_TICK_MS = 100  # how often the Lighthouse re-checks a pending quorum
 TIMEOUT_S = 5.0  # Gloo collectives, should_commit, and the HTTP transfer of a healing checkpoint
 QUORUM_TIMEOUT_S = 15.0  # one quorum; must exceed the Lighthouse's heartbeat timeout
 CONNECT_TIMEOUT_S = 5.0
+# A group's first step waits, quorum after quorum, for the other groups to join (bounded), so that
+# groups started together train together from their first step instead of one running ahead alone
+# and the other healing from it later. Counted in quorums, not seconds: every rank of a gang sees the
+# same quorums, so all of them stop waiting at the same one.
+MEET_QUORUMS = 120  # ~60 s at MEET_POLL_S; past it the group trains with whoever is there
+MEET_POLL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,6 +184,7 @@ class ReplicaGroup:
         min_replica_size: int = 1,  # 1: keep stepping alone when every other group is gone
         progress: Progress | None = None,
         gang: GangStore | None = None,
+        expected_groups: int = 1,  # how many groups the first step waits for (MEET_QUORUMS at most)
     ) -> None:
         if quorum_timeout_s * 1000 <= HEARTBEAT_TIMEOUT_MS:
             raise ValueError("The quorum timeout needs to be longer than the Lighthouse's heartbeat timeout.")
@@ -193,6 +201,8 @@ class ReplicaGroup:
             self.store = TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
             gang = GangStore(rank=0, world_size=1, host=store_host, port=self.store.port)
         self.group_rank = gang.rank
+        self.expected_groups = expected_groups
+        self._meet_quorums = MEET_QUORUMS  # spent at the first step
         timeout = timedelta(seconds=timeout_s)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
@@ -219,8 +229,17 @@ class ReplicaGroup:
 
     # --- the loop's hooks (loop.FaultTolerance)
 
-    def start_step(self) -> None:
+    def start_step(self) -> int | None:
+        before = self.step
         self.manager.start_quorum()
+        # The first step of this process: more quorums (no step taken) until every expected group
+        # is in one. A group joining a stage already under way finds the others at once.
+        while self._meet_quorums > 0 and self.manager.num_participants() < self.expected_groups:
+            self._meet_quorums -= 1
+            time.sleep(MEET_POLL_S)
+            self.manager.start_quorum()
+        self._meet_quorums = 0
+        return self.step if self.step != before else None
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         # All queued first, then waited on: Gloo runs them back to back. A gradient of a sharded

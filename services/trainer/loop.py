@@ -59,8 +59,9 @@ class FaultTolerance(Protocol):
     """The hooks of replica-group fault tolerance around one optimizer step, in the order the loop
     calls them (`fault_tolerance.ReplicaGroup` implements them with torchft)."""
 
-    def start_step(self) -> None:
-        """Before the forward pass: start this step's quorum (it may run alongside the forward)."""
+    def start_step(self) -> int | None:
+        """Before the forward pass: this step's quorum. The step to train when the group has just
+        healed from a peer (it jumps to the peer's), else None."""
         ...
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
@@ -315,8 +316,8 @@ class _Loop:
         tolerance, an attempt that may not commit leaves the step where it was."""
         started = time.perf_counter()
         ft = self.ft
-        if ft is not None:
-            ft.start_step()
+        if ft is not None and (healed := ft.start_step()) is not None:
+            self.step = healed  # the peer's step: train its batch, not the one this group left off at
         out = step_fn(self.step)
         learning_rate = float(self.scheduler.get_last_lr()[0])  # the LR this step uses
         values: torch.Tensor | None = None

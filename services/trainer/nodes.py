@@ -18,7 +18,9 @@ reporter is the run's (events to the bus); the others write a per-node log file 
 A node of several GPUs (the plan's hsdp {dp_replicate: nodes, dp_shard: gpus_per_node}) trains its
 share on a gang of its ranks under torchrun (gang.py), FSDP2 over them; the gang's ranks together
 are the node's replica group (rank_main.replicas: each rank's Manager with the gang's rank, world
-size and store), and torchft averages each rank's gradient shards over the groups.
+size and store), and torchft averages each rank's gradient shards over the groups. A gang that
+starts late, or replaces a lost one, heals rank by rank from the same rank of a peer gang (its local
+shards; see fault_tolerance).
 
 Not yet: stages other than next-token ones; refused in a sentence (`refusal`).
 """
@@ -45,10 +47,10 @@ from services.trainer.rank_main import ReplicaJob
 from services.trainer.reporting import Reporter
 
 ENV_NODE_HOST: Final = "ITO_NODE_HOST"
-# Several GPUs per node on several nodes (a gang per node as its torchft replica group) trains, but
-# not yet reliably: when the groups miss their first quorum together, the late one's catch-up from
-# its peer fails (torchft recv_checkpoint EOFError with FSDP2 state). Until that is fixed such
-# plans are refused; this operator switch (off by default) lets the path be exercised.
+# The operator switch that let several GPUs per node on several nodes train while such plans were
+# refused by default (a late group's heal from its peer failed with FSDP2 state; fixed in
+# fault_tolerance: a synchronous quorum, local shards). They train by default now; the variable is
+# still accepted and changes nothing.
 ENV_MULTINODE_GANGS: Final = "ITO_MULTINODE_GANGS"
 DEFAULT_NODE_HOST = "127.0.0.1"  # where this node's replica group store is reached; routable across hosts
 CONNECT_TIMEOUT_S = 60.0  # a follower waits this long for node 0's store (node 0 may still be preparing data)
@@ -70,11 +72,6 @@ def refusal(work: TrainWork, manifest: Manifest, run_plan: RunPlan) -> str | Non
         return f"The work item's node {work.node_rank} of {work.nodes} does not match the manifest's {nodes} nodes."
     if not work.rendezvous:
         return f"The work item for {nodes} nodes names no rendezvous endpoint."
-    if gpn != 1 and os.environ.get(ENV_MULTINODE_GANGS) != "1":
-        return (
-            f"The plan spans {nodes} nodes of {gpn} GPUs; this trainer trains one replica group of one "
-            "rank per node: book gpus_per_node 1."
-        )
     try:
         dims = ParallelDims.from_plan(work.plan.strategy, work.plan.degrees)
     except ParallelismError as e:
@@ -223,6 +220,7 @@ class NodeShare:
                 lighthouse=lighthouse,
                 store_host=self.node_host,
                 progress=progress,
+                expected_groups=self.nodes,  # the first step waits (bounded) for every node
             )
 
         try:

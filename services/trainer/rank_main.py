@@ -240,6 +240,7 @@ def replicas(group: ReplicaJob, report: Reporter, stage: str) -> Replicas:
             replica_id=group.replica_id,
             lighthouse=group.lighthouse,
             progress=progress,
+            expected_groups=group.groups,  # the first step waits (bounded) for every node's gang
             gang=GangStore(
                 rank=distributed.rank(),
                 world_size=distributed.world_size(),

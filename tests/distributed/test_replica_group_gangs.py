@@ -1,8 +1,9 @@
 """Two gangs of 2 ranks (FSDP2 over each gang's ranks) as two torchft replica groups, on CPU/gloo:
 what a multi-node run of several GPUs per node is (services/trainer/nodes.py), without the services.
-Group 0 starts alone and commits steps; group 1 starts late, joins a later quorum and heals from
-group 0, each rank from the same rank of its peer (its own shards: same mesh, same shard), and
-from then on both groups step together with the same weights.
+Both start together and meet at their first quorum. Group 1's gang is then SIGKILLed; group 0 steps
+on alone; group 1 is started again (as a replacement node's agent would), resumes its own last
+checkpoint, joins a later quorum behind group 0 and heals from it, each rank from the same rank of
+its peer (its own shards: same mesh, same shard); from then on both groups step together.
 
 The check that the healing carried everything (weights, optimizer moments, schedule): a checkpoint
 that both groups committed at the same step after the heal holds the same weights, bit for bit. A
@@ -52,7 +53,7 @@ class GangGroup:
 
     def __init__(self, tmp: Path, replica_id: int, lighthouse: str):
         self.dir = tmp / f"group-{replica_id}"
-        self.dir.mkdir(parents=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.dir / "ckpt"
         job = StageJob(
             steps=STEPS,
@@ -83,8 +84,8 @@ class GangGroup:
             str(self.dir / "job.json"),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        self.log = (self.dir / "torchrun.log").open("wb")
-        # Its own session: the whole gang (agent and ranks) is stopped with one killpg.
+        self.log = (self.dir / "torchrun.log").open("ab")
+        # Its own session; torchrun starts each rank in a session of its own too (see `stop`).
         self.proc = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -114,10 +115,26 @@ class GangGroup:
         return (self.dir / "torchrun.log").read_text(errors="replace")[-6000:]
 
     def stop(self) -> None:
+        """SIGKILL the ranks and then the agent, as a node that dies takes all of them."""
         if self.proc.poll() is None:
+            for rank in _children(self.proc.pid):
+                os.killpg(rank, signal.SIGKILL)
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
         self.log.close()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue  # gone meanwhile
+        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
 
 
 def _weights(checkpoint: str) -> dict[str, torch.Tensor]:
@@ -128,7 +145,7 @@ def _weights(checkpoint: str) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in state["model"].items()}
 
 
-def test_a_late_gang_heals_shard_by_shard_from_its_peer_and_steps_with_it(tmp_path):
+def test_a_replaced_gang_heals_shard_by_shard_from_its_peer_and_steps_with_it(tmp_path):
     lighthouse = start_lighthouse("[::]:0")
     end = time.monotonic() + BUDGET_S
     groups: list[GangGroup] = []
@@ -146,27 +163,38 @@ def test_a_late_gang_heals_shard_by_shard_from_its_peer_and_steps_with_it(tmp_pa
         except AssertionError:
             pytest.fail(f"no {what}\n" + "\n".join(f"--- {g.dir.name}\n{g.tail()}" for g in groups))
 
+    def heals(group: GangGroup) -> list[int]:
+        prefix = "pretrain: replica group 1 healed at step "
+        return [int(m.removeprefix(prefix)) for m in group.messages() if m.startswith(prefix)]
+
     try:
         first = GangGroup(tmp_path, 0, lighthouse.address())
-        groups.append(first)
-        wait("step committed by group 0 alone", lambda: first.committed_steps(), 90)
-        late = GangGroup(tmp_path, 1, lighthouse.address())
-        groups.append(late)
-        heal = "pretrain: replica group 1 healed at step "
-        healed = wait(
-            "heal of group 1",
-            lambda: [int(m.removeprefix(heal)) for m in late.messages() if m.startswith(heal)],
-            90,
-        )[0]
-        assert healed >= 1, f"group 1 healed at step {healed}: it did not join after the first quorum"
+        second = GangGroup(tmp_path, 1, lighthouse.address())
+        groups[:] = [first, second]
+        wait(
+            "2 steps committed by both groups",
+            lambda: {1, 2} <= first.committed_steps() & second.committed_steps(),
+            120,
+        )
+        second.stop()  # SIGKILL: group 1's agent and both its ranks, mid-step
+        groups[:] = [first]
+        lost_at = max(second.committed_steps())
+        wait("group 0 stepping on alone", lambda: max(first.committed_steps()) >= lost_at + 3, 60)
+        replacement = GangGroup(tmp_path, 1, lighthouse.address())  # same directory: it resumes there
+        groups[:] = [first, replacement]
+        healed = wait("heal of the replacement", lambda: [s for s in heals(replacement) if s > lost_at], 90)[
+            0
+        ]
         common = wait(
             f"{TOGETHER} steps committed by both groups after the heal",
             lambda: sorted(
-                s for s in first.committed_steps() & late.committed_steps() if s >= healed + TOGETHER
+                s for s in first.committed_steps() & replacement.committed_steps() if s >= healed + TOGETHER
             ),
             60,
         )
-        assert min(late.committed_steps()) > healed, "group 1 committed a step it never trained"
+        assert not set(range(lost_at + 1, healed + 1)) & replacement.committed_steps(), (
+            "group 1 committed a step it never trained"
+        )
     finally:
         for group in groups:
             group.stop()
@@ -174,7 +202,7 @@ def test_a_late_gang_heals_shard_by_shard_from_its_peer_and_steps_with_it(tmp_pa
 
     step = common[0]
     a = _weights(str(first.checkpoints / f"step-{step:08d}"))
-    b = _weights(str(late.checkpoints / f"step-{step:08d}"))
+    b = _weights(str(replacement.checkpoints / f"step-{step:08d}"))
     differ = [name for name in a if not torch.equal(a[name], b[name])]
     assert not differ, (
         f"after healing at step {healed}, the groups' weights at step {step} differ in {differ}"

@@ -2,9 +2,10 @@
 (FSDP2 over the node's ranks), and the gang's ranks together are the node's torchft replica group
 (node 0 hosts the Lighthouse); through `ecc ito train` to `succeeded`, with status showing world
 size 4 and the mesh {dp_replicate 2, dp_shard 2}. The "nodes" are two `ito-training serve trainer`
-processes on one machine, their ranks on CPU/gloo over loopback."""
+processes on one machine, their ranks on CPU/gloo over loopback. The two gangs meet at their first
+quorum and train together from step 1: one of them takes the other's state at step 0 (torchft's
+initial sync, the same heal, rank by rank, that a late or replaced gang goes through)."""
 
-import os
 import pathlib
 import signal
 import subprocess
@@ -14,18 +15,7 @@ import pytest
 from tests.conftest import BIN, start_stack
 from tests.support import confirm_and_train, run_state
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.distributed,
-    # Opt-in while the path is refused by default (services/trainer/nodes.ENV_MULTINODE_GANGS): it
-    # passed 1 run in 3 here; the late replica group's catch-up from its peer fails (torchft
-    # recv_checkpoint EOFError with FSDP2 state) when the groups miss their first quorum together.
-    pytest.mark.skipif(
-        os.environ.get("ITO_TEST_MULTINODE_GANGS") != "1",
-        reason="several GPUs per node across nodes is refused until torchft catch-up with FSDP2 state is "
-        "reliable; ITO_TEST_MULTINODE_GANGS=1 runs it",
-    ),
-]
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 RUN_TIMEOUT_S = 240  # 4 ranks of the tiny model on a few cores; most of it start-up and quorums
 
@@ -33,12 +23,8 @@ RUN_TIMEOUT_S = 240  # 4 ranks of the tiny model on a few cores; most of it star
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """All services plus node 1's trainer agent, one CPU thread per rank."""
-    env = {
-        "ITO_PLAN_SMALL_MODEL_GANGS": "1",
-        "ITO_MULTINODE_GANGS": "1",
-        "OMP_NUM_THREADS": "1",
-        "ITO_GANG_MAX_RESTARTS": "0",
-    }
+    # No ITO_MULTINODE_GANGS: several GPUs per node on several nodes trains by default.
+    env = {"ITO_PLAN_SMALL_MODEL_GANGS": "1", "OMP_NUM_THREADS": "1", "ITO_GANG_MAX_RESTARTS": "0"}
     s = start_stack(tmp_path_factory.mktemp("multinode-gang-stack"), env=env)
     log = open(s.data_dir / "second-trainer.log", "ab")
     second = subprocess.Popen(
@@ -87,6 +73,12 @@ def test_two_nodes_of_two_ranks_train_as_two_replica_groups_of_fsdp2_gangs(stack
         ranks = {p.parent.name for p in (node_dir / "gang" / "pretrain" / "logs").rglob("stdout.log")}
         assert ranks == {"0", "1"}, (node_dir, ranks)
     assert list((run_dir / "node-1" / "pretrain").glob("step-*")), "node 1 committed no checkpoint"
+    events = [
+        run_dir / "gang" / "pretrain" / "events.jsonl",
+        run_dir / "node-1" / "gang" / "pretrain" / "events.jsonl",
+    ]
+    synced = [line for path in events for line in path.read_text().splitlines() if "healed at step 0" in line]
+    assert len(synced) == 1, f"the gangs did not meet at their first quorum: {synced}"
 
     human = stack.run("ecc", "ito", "status", run_id, env=env)
     assert human.returncode == 0, human.stderr

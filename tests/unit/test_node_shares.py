@@ -66,17 +66,18 @@ def test_a_run_on_n_nodes_is_n_items_one_per_node_with_distinct_ids(n):
         assert msgspec.structs.replace(share, node_rank=0) == work(n)
 
 
-@pytest.fixture(autouse=True)
-def multinode_gangs_on(monkeypatch):
-    """The rules below are those of the path behind the operator switch (on here); off, it is refused."""
-    monkeypatch.setenv(nodes.ENV_MULTINODE_GANGS, "1")
-
-
-def test_several_gpus_per_node_on_several_nodes_is_refused_unless_switched_on(tmp_path, monkeypatch):
-    monkeypatch.delenv(nodes.ENV_MULTINODE_GANGS)
+@pytest.mark.parametrize("switch", [None, "1"])
+def test_several_gpus_per_node_on_several_nodes_trains_with_or_without_the_old_switch(
+    tmp_path, monkeypatch, switch
+):
+    """ITO_MULTINODE_GANGS once let such plans train while they were refused by default; it is still
+    accepted and changes nothing."""
+    if switch is None:
+        monkeypatch.delenv(nodes.ENV_MULTINODE_GANGS, raising=False)
+    else:
+        monkeypatch.setenv(nodes.ENV_MULTINODE_GANGS, switch)
     m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 2})
-    reason = nodes.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m))
-    assert reason is not None and "book gpus_per_node 1" in reason, reason
+    assert nodes.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m)) is None
 
 
 def _manifest(tmp_path: pathlib.Path, **overrides) -> Manifest:
