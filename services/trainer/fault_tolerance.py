@@ -79,7 +79,7 @@ CONNECT_TIMEOUT_S = 5.0
 # groups started together train together from their first step instead of one running ahead alone
 # and the other healing from it later. Counted in quorums, not seconds: every rank of a gang sees the
 # same quorums, so all of them stop waiting at the same one.
-MEET_QUORUMS = 120  # ~60 s at MEET_POLL_S; past it the group trains with whoever is there
+MEET_QUORUMS = 60  # ~30 s at MEET_POLL_S (gangs start seconds apart); then it trains with whoever is there
 MEET_POLL_S = 0.5
 
 
