@@ -16,8 +16,10 @@ What a user can expect of a run on N nodes (the run's state is the scheduler's, 
     trains on a paused run.
   - A follower whose share raised (not because it was asked to stop) fails the run, with a
     message naming the node, unless the run was interrupted meanwhile (node 0 lost: its Lighthouse
-    and rendezvous went with it); then the share is requeued and rejoins when node 0 resumes. A
-    follower's agent lost outright is redelivered and rejoins (the lease decides).
+    and rendezvous went with it, which is often why a follower fails); the follower reports only
+    after the scheduler's watcher had time to notice a lost node 0 (the worker's
+    NODE_FAILURE_GRACE_S), and an interrupted run's follower is requeued and rejoins when node 0
+    resumes. A follower's agent lost outright is redelivered and rejoins (the lease decides).
 """
 
 import enum

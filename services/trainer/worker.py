@@ -75,6 +75,8 @@ ENV_GANG_MAX_REQUEUES: Final = "ITO_GANG_MAX_REQUEUES"
 DEFAULT_GANG_MAX_REQUEUES = 2  # a gang lost past its restarts comes back twice (a bad node, a
 # preempted neighbour); a crash that repeats on every delivery then fails the run instead of looping
 REQUEUE_AFTER_S = 5  # an interrupted gang's work item is delivered again after this long
+# A follower that failed reports it only this long after, lease kept: a lost node 0 is noticed first
+NODE_FAILURE_GRACE_S = TIMERS.silence_s + 2 * TIMERS.watch_every_s
 
 work_decoder = msgspec.json.Decoder(TrainWork)
 manifest_decoder = msgspec.json.Decoder(Manifest)
@@ -517,6 +519,9 @@ class Worker:
         except Exception as exc:  # a stop explains a failure on the way out; anything else fails the run
             log.exception("run %s: node %d's share failed", run_id, work.node_rank)
             report.log(f"node {work.node_rank} failed: {type(exc).__name__}: {exc}"[:500])
+            if not stop.is_set():  # node 0 lost takes its Lighthouse and store along, and this share may
+                # fail of it before the watcher marks the run interrupted: the watcher goes first
+                await asyncio.sleep(NODE_FAILURE_GRACE_S)
             failure = None if stop.is_set() else shares.share_failure(exc)
         finally:
             keep_alive.cancel()

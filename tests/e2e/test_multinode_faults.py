@@ -18,7 +18,7 @@ import pytest
 from services.runtime import faults
 from services.trainer.checkpoint import committed_positions
 from tests.conftest import BIN, start_stack
-from tests.support import confirm_and_train, run_state, run_status
+from tests.support import confirm_and_train, eventually, run_state, run_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -116,6 +116,78 @@ def test_an_approved_spike_restart_rewinds_every_node_alike(tmp_path_factory, ma
         node0 = committed_positions(run_dir / "pretrain")
         node1 = committed_positions(run_dir / "node-1" / "pretrain")
         assert node0[steps] == node1[steps] == steps + (28 - 20), (node0, node1)
+
+
+def test_a_follower_stopped_by_the_pause_heals_from_node_0_at_the_restart(tmp_path_factory, manifest):
+    """A long stage: node 1 trains on alone while node 0 waits for it after the spike, until the
+    pause withdraws its lease; it has pruned the proposal's checkpoint by then, so at the restart it
+    sets aside everything from that step on and heals from node 0 there, on the same batches."""
+    spike_env = {faults.ENV_FAULT_POINT: faults.TRAINER_LOSS_SPIKE, faults.ENV_SPIKE_STEP: "24"}
+    with two_agents(tmp_path_factory.mktemp("multinode-pause"), spike_env) as stack:
+        account, _, env = stack.account()
+        booking = stack.booking(account, nodes=2, gpus_per_node=1)
+        m = manifest(
+            resources=NODES,
+            target={"tokens": 4000 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
+            checkpoint={"interval_steps": 5, "keep_last": 2, "storage": "local"},
+        )
+        run_id = confirm_and_train(stack, env, booking, str(m), "pause-2-nodes")["data"]["run_id"]
+        view = run_state(stack, env, run_id, {"awaiting_approval"} | TERMINAL, timeout=RUN_TIMEOUT_S)
+        assert view["state"] == "awaiting_approval", view
+        proposal = view["proposal"]
+        assert proposal["checkpoint_step"] == 20, proposal
+        run_dir = pathlib.Path(view["checkpoint_dir"])
+
+        def over():  # node 1's share ended with the pause (stopped, or failing on its way out as
+            # node 0's Lighthouse and store went away): its log says so, and it trains no more
+            said = [e.get("message", "") for e in _node_events(run_dir, 1)]
+            return any(msg.startswith(("node 1: ", "node 1 failed")) for msg in said)
+
+        eventually(over, timeout=90, what="node 1's share ended by the pause")
+        assert run_status(stack, env, run_id, lambda v: True)["state"] == "awaiting_approval"  # not failed
+        ahead = max(e["step"] for e in _node_events(run_dir, 1) if e.get("kind") == "metrics")
+        assert ahead > 20, ahead  # it had trained on past the proposal's checkpoint
+        assert 20 not in committed_positions(run_dir / "node-1" / "pretrain")  # and pruned it
+
+        _, ref = stack.ecc("confirm", "--action", "restart_from_checkpoint", "--run", run_id, env=env)
+        rc, out = stack.ecc(
+            "approve",
+            run_id,
+            "--confirmation-ref",
+            ref["data"]["confirmation_ref"],
+            "--idempotency-key",
+            "ok-pause",
+            env=env,
+        )
+        assert rc == 0, out
+
+        def healed():
+            events = _node_events(run_dir, 1)
+            last = max(e["epoch"] for e in events)
+            return [e for e in events if e["epoch"] == last and e.get("kind") == "metrics"] and events
+
+        events = eventually(healed, timeout=RUN_TIMEOUT_S, what="node 1 trains again after the restart")
+        last = max(e["epoch"] for e in events)
+        said = [e.get("message", "") for e in events if e["epoch"] == last]
+        assert any("from checkpoint step 20, which this node no longer keeps" in msg for msg in said), said
+        heal = [int(msg.rsplit(" ", 1)[1]) for msg in said if "replica group 1 healed at step" in msg]
+        assert heal and heal[0] >= 20, said  # from node 0, rewound: not from its own later state
+        first = min(e["step"] for e in events if e["epoch"] == last and e.get("kind") == "metrics")
+        assert first <= heal[0] + 5, (first, heal)  # it did not resume anywhere near where it had stopped
+
+        _, ref = stack.ecc("confirm", "--action", "cancel", "--run", run_id, env=env)
+        rc, out = stack.ecc(
+            "cancel",
+            run_id,
+            "--confirmation-ref",
+            ref["data"]["confirmation_ref"],
+            "--idempotency-key",
+            "c",
+            env=env,
+        )
+        assert rc == 0, out
+        final = run_state(stack, env, run_id, TERMINAL, timeout=120)
+        assert final["state"] == "cancelled", final
 
 
 def test_a_followers_failure_fails_the_run_naming_the_node(tmp_path_factory, manifest):
