@@ -14,6 +14,7 @@ checkpoint of that step first.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -180,28 +181,29 @@ def post_config(job: PostJob, dims: ParallelDims, device: str) -> PostConfig:
     shape = job.shape if isinstance(job.shape, ModelShape) else MODEL_SHAPES.get(job.shape)
     if shape is None:
         raise ValueError(f"No model shape is called {job.shape!r}; known: {', '.join(MODEL_SHAPES)}.")
-    common = {
-        "stage": job.stage,
-        "shape": shape,
-        "rope_base": job.rope_base,
-        "problems": read_problems(job.problems_path),
-        "steps": job.steps,
-        "batch_size": job.batch_size,
-        "learning_rate": job.learning_rate,
-        "seed": job.seed,
-        "checkpoint_dir": job.checkpoint_dir,
-        "checkpoint_interval": job.checkpoint_interval,
-        "keep_last": job.keep_last,
-        "init_from": job.init_from,
-        "beta": job.beta,
-        "device": device,
-        "parallel": dims,
-    }
-    if job.stage == "rlvr":
-        if job.rlvr is None:
-            raise ValueError("An rlvr job needs its RLVR section.")
-        return RlvrConfig(**common, rlvr=job.rlvr, threads=job.threads)  # type: ignore[arg-type]
-    return PostConfig(**common)  # type: ignore[arg-type]
+    cfg = PostConfig(
+        stage=job.stage,
+        shape=shape,
+        rope_base=job.rope_base,
+        problems=read_problems(job.problems_path),
+        steps=job.steps,
+        batch_size=job.batch_size,
+        learning_rate=job.learning_rate,
+        seed=job.seed,
+        checkpoint_dir=job.checkpoint_dir,
+        checkpoint_interval=job.checkpoint_interval,
+        keep_last=job.keep_last,
+        init_from=job.init_from,
+        beta=job.beta,
+        device=device,
+        parallel=dims,
+    )
+    if job.stage != "rlvr":
+        return cfg
+    if job.rlvr is None:
+        raise ValueError("An rlvr job needs its RLVR section.")
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(PostConfig)}
+    return RlvrConfig(**fields, rlvr=job.rlvr, threads=job.threads)
 
 
 def _file_sink(events: TextIO | None, losses: TextIO | None) -> Sink:

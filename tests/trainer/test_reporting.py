@@ -189,21 +189,20 @@ def test_rlvr_config_refuses_a_section_the_manifest_would_refuse(section):
         )
 
 
-def test_the_pipeline_hands_rlvr_the_manifests_section(tmp_path, monkeypatch):
+def test_the_pipeline_hands_rlvr_the_manifests_section(tmp_path):
     raw = msgspec.json.decode((EXAMPLES / "full.json").read_bytes())
     raw["post_training"]["rlvr"].update(group_size=6, eps_high=0.31, temperature=0.7, max_sampling_rounds=2)
     manifest = msgspec.convert(raw, Manifest)
     seen: list[RlvrConfig] = []
 
-    def train_rlvr(cfg, report, should_stop):
+    def train_post(cfg, report, should_stop):  # the pipeline's injected post-stage trainer
         seen.append(cfg)
         return RlvrResult(
             final_step=0, first_loss=None, final_loss=None, stopped=True, stats=[], stale_dropped=0
         )
 
-    monkeypatch.setattr(pipeline, "train_rlvr", train_rlvr)
     plan = plan_run(manifest)
-    run = pipeline._Run(manifest, plan, tmp_path, Recorder(), lambda: False, threads=2)
+    run = pipeline._Run(manifest, plan, tmp_path, Recorder(), lambda: False, threads=2, train_post=train_post)
     [stage] = [s for s in plan.stages if isinstance(s, PostPlan) and s.name == "rlvr"]
     assert run.post_stage(stage, tmp_path / "rlvr") == ([], True)
     [cfg] = seen
