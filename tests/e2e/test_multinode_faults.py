@@ -4,6 +4,9 @@ through real `ecc` processes.
 A loss spike on node 0 (planted): the run pauses for approval while node 1 stops and gives its item
 back; a confirmed `restart_from_checkpoint` restarts both nodes from the proposal's checkpoint step,
 skipping the same batches, so neither heals the other forward past the rewind; the run succeeds.
+A follower that trained on alone past the proposal's checkpoint (and pruned it) while node 0
+waited for it is stopped by the pause without failing the run, and at the restart heals from
+node 0 at that step.
 
 Node 1's share raising (a planted fault): the run fails, its message naming node 1."""
 
