@@ -20,6 +20,10 @@ What torchft gives through these hooks:
     heartbeating; after the Lighthouse's heartbeat timeout the others form a quorum without it and
     keep stepping. The step in flight when the peer died fails its all-reduce, is not committed and is
     tried again; nothing crashes and nothing restarts.
+  - Groups started together meet at their first step: `start_step` asks for quorums (taking no
+    step) until `expected_groups` are in one, at most MEET_QUORUMS of them; at step 0 torchft then
+    syncs every group to one of them (its initial sync is a heal). Without this, a gang that starts
+    a few seconds sooner trains alone, and a short stage may end before the other joins.
   - A replacement (or a group that starts late) joins the next quorum behind the others' step;
     torchft heals it by fetching the model, optimizer and schedule state from a peer over HTTP
     (`_peer_state` there, `_load_peer_state` here), and from then on they step together with the
