@@ -20,7 +20,8 @@ import os
 import signal
 import sys
 import threading
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Annotated, TextIO
 
 import msgspec
@@ -35,8 +36,8 @@ from services.trainer.checkpoint import CHECKPOINT_DEFAULTS
 from services.trainer.distributed import ParallelDims, ParallelismError
 from services.trainer.fault_tolerance import GangStore, ReplicaGroup
 from services.trainer.loop import pick_device
-from services.trainer.posttrain import PostConfig, Problem
-from services.trainer.pretrain import Replicas, StageConfig, train_stage
+from services.trainer.posttrain import PostConfig, PostResult, Problem
+from services.trainer.pretrain import Replicas, StageConfig, StageResult, train_stage
 from services.trainer.reporting import Reporter, Sink, rank0_only
 from services.trainer.rlvr import RlvrConfig, RlvrResult, train_post
 
@@ -259,59 +260,44 @@ def run(job: Job) -> dict:
     dims = ParallelDims.from_plan(job.strategy, job.degrees)
     device = distributed.init(pick_device(job.device).type)
     dims.check_world(distributed.world_size())
-    if isinstance(job, PostJob):
-        return run_post(job, dims, post_config(job, dims, str(device)))
-    cfg = stage_config(job, dims, str(device))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    # Every rank opens the files in append mode and reports through `rank0_only`: only rank 0's
-    # reporter writes, so the files hold one copy of each event whatever the world size.
-    with (
-        open(job.events_path, "a") if job.events_path else nullcontext() as events,
-        open(job.losses_path, "a") if job.losses_path else nullcontext() as losses,
-    ):
-        report = rank0_only(Reporter(_file_sink(events, losses), run_id=f"gang-{job.stage}"))
+    with _rank0_reporter(job) as report:
+        if isinstance(job, PostJob):
+            _report_parallelism(report, job.stage, dims)
+            return _summary(job, dims, train_post(post_config(job, dims, str(device)), report, stop.is_set))
+        cfg = stage_config(job, dims, str(device))
         if job.replica_group is None:
-            shape, names = dims.mesh_dims()
-            report.parallelism(
-                stage=job.stage,
-                strategy=dims.strategy,
-                world_size=distributed.world_size(),
-                mesh=dict(zip(names, shape, strict=True)),
-            )
+            _report_parallelism(report, job.stage, dims)
             result = train_stage(cfg, report, stop.is_set)
-        else:
+        else:  # the node's agent reports a multi-node run's parallelism
             result = train_stage(cfg, report, stop.is_set, replicas(job.replica_group, report, job.stage))
-    return {
-        "stage": job.stage,
-        "final_step": result.final_step,
-        "first_loss": result.first_loss,
-        "final_loss": result.final_loss,
-        "held_out_loss": result.held_out_loss,
-        "stopped": result.stopped,
-        "world_size": distributed.world_size(),
-        "strategy": dims.strategy,
-        "degrees": dims.degrees(),
-    }
+    return _summary(job, dims, result) | {"held_out_loss": result.held_out_loss}
 
 
-def run_post(job: PostJob, dims: ParallelDims, cfg: PostConfig) -> dict:
-    """Train the post stage `job` on this rank, as `run` does a next-token stage."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+@contextmanager
+def _rank0_reporter(job: Job) -> Iterator[Reporter]:
+    """The job's reporter. Every rank opens the files in append mode and reports through
+    `rank0_only`: only rank 0's reporter writes, so the files hold one copy of each event whatever
+    the world size."""
     with (
         open(job.events_path, "a") if job.events_path else nullcontext() as events,
         open(job.losses_path, "a") if job.losses_path else nullcontext() as losses,
     ):
-        report = rank0_only(Reporter(_file_sink(events, losses), run_id=f"gang-{job.stage}"))
-        shape, names = dims.mesh_dims()
-        report.parallelism(
-            stage=job.stage,
-            strategy=dims.strategy,
-            world_size=distributed.world_size(),
-            mesh=dict(zip(names, shape, strict=True)),
-        )
-        result = train_post(cfg, report, stop.is_set)
+        yield rank0_only(Reporter(_file_sink(events, losses), run_id=f"gang-{job.stage}"))
+
+
+def _report_parallelism(report: Reporter, stage: str, dims: ParallelDims) -> None:
+    shape, names = dims.mesh_dims()
+    report.parallelism(
+        stage=stage,
+        strategy=dims.strategy,
+        world_size=distributed.world_size(),
+        mesh=dict(zip(names, shape, strict=True)),
+    )
+
+
+def _summary(job: Job, dims: ParallelDims, result: StageResult | PostResult | RlvrResult) -> dict:
     summary = {
         "stage": job.stage,
         "final_step": result.final_step,
