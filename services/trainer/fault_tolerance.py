@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from torchft import Manager, ProcessGroupGloo
+from torchft.checkpointing.http_transport import HTTPTransport
 
 from services.trainer.checkpoint import ResumeState, load_latest
 
@@ -76,7 +77,11 @@ JOIN_TIMEOUT_MS = 1_000  # how long a quorum waits for heartbeating replicas tha
 QUORUM_TICK_MS = 100  # how often the Lighthouse re-checks a pending quorum
 
 # Manager defaults (torchft's are 60 s each): a dead peer turns into a skipped step within seconds.
-TIMEOUT_S = 5.0  # Gloo collectives, should_commit, and the HTTP transfer of a healing checkpoint
+TIMEOUT_S = 5.0  # Gloo collectives and should_commit
+# A healing checkpoint's HTTP transfer (and the sender's lock on its state while it is read): one
+# rank's shards of model and optimizer, ~0.5 GB for a 1B model on 8 ranks, seconds on a data-centre
+# NIC; torchft would bound it by TIMEOUT_S, which a large model's transfer outlasts.
+TRANSFER_TIMEOUT_S = 300.0
 QUORUM_TIMEOUT_S = 15.0  # one quorum; must exceed the Lighthouse's heartbeat timeout
 CONNECT_TIMEOUT_S = 5.0
 # A group's first step waits, quorum after quorum, for the other groups to join (bounded), so that
@@ -214,6 +219,7 @@ class ReplicaGroup:
             state_dict=self._peer_state,
             min_replica_size=min_replica_size,
             use_async_quorum=False,  # the peer state is read and loaded outside forward/backward (above)
+            checkpoint_transport=HTTPTransport(timeout=timedelta(seconds=TRANSFER_TIMEOUT_S), num_chunks=0),
             timeout=timeout,
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
             connect_timeout=timedelta(seconds=connect_timeout_s),
