@@ -6,9 +6,13 @@ hang is a failure with a reason, never a stuck suite.
 """
 
 import asyncio
+import contextlib
+import pathlib
+import signal
+import subprocess
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -76,3 +80,53 @@ def confirm_and_train(stack, env: dict, booking: str, manifest: str, key: str) -
     )
     assert rc == 0 and train["ok"], train
     return train
+
+
+def approve_restart(stack, env: dict, run_id: str, key: str) -> dict:
+    """`ecc ito confirm --action restart_from_checkpoint` then `ecc ito approve` with its ref, as a
+    user approves a paused run's proposal; the answer, which must requeue the run."""
+    _, conf = stack.ecc("confirm", "--action", "restart_from_checkpoint", "--run", run_id, env=env)
+    ref = conf["data"]["confirmation_ref"]
+    rc, out = stack.ecc("approve", run_id, "--confirmation-ref", ref, "--idempotency-key", key, env=env)
+    assert rc == 0 and out["data"]["state"] == "queued", out
+    return out
+
+
+# The environment every multi-node e2e test runs under: the scheduler may plan the tiny model on
+# several nodes, and each process (rank) takes one CPU thread.
+MULTI_NODE_ENV = {"ITO_PLAN_SMALL_MODEL_GANGS": "1", "OMP_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def multi_agent_stack(directory: pathlib.Path, env: dict[str, str] | None = None) -> Iterator[Any]:
+    """All services (`up`, whose trainer agent is node 0's or any node's) plus one more trainer
+    agent; `stack.start_agent()` starts another (a replacement), `stack.agents` lists them. At the
+    end every agent gets SIGTERM (killed past 30 s), then the stack goes down."""
+    from tests.conftest import BIN, start_stack  # conftest is pytest's; imported when used
+
+    s = start_stack(directory, env={**MULTI_NODE_ENV, **(env or {})})
+    log = open(s.data_dir / "more-trainers.log", "ab")
+    s.agents = []
+
+    def start_agent() -> subprocess.Popen:
+        agent = subprocess.Popen(
+            [str(BIN / "ito-training"), "serve", "trainer"], env=s.env, stdout=log, stderr=log
+        )
+        s.agents.append(agent)
+        return agent
+
+    s.start_agent = start_agent
+    start_agent()
+    try:
+        yield s
+    finally:
+        for agent in s.agents:
+            agent.send_signal(signal.SIGTERM)
+        for agent in s.agents:
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+        log.close()
+        s.run("ito-training", "down", timeout=60)

@@ -8,23 +8,18 @@ twice or missed moves the tiny model's mean by more than 1e-3 here).
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from services.trainer.distributed import eval_rows
+from tests.distributed import torchrun
 
 pytestmark = pytest.mark.distributed
 
-REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("lm_loss_probe.py")
 EVAL_ATOL = 1e-5
 WINDOWS = 10  # batches of 4, 4 and 2 rows: the short last batch is split too
-RUN_TIMEOUT_S = 120
 
 
 @pytest.mark.parametrize(
@@ -50,30 +45,9 @@ def test_the_shares_cover_every_row_once():
             assert covered == list(range(batch))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _probe(out: Path, ranks: int, strategy: str, degrees: dict[str, int]) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    args = [str(out), strategy, json.dumps(degrees), str(WINDOWS)]
-    if ranks == 1:
-        command = [sys.executable, str(PROBE), *args]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={ranks}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=localhost:{_free_port()}",
-            str(PROBE),
-            *args,
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    result = torchrun.launch([str(PROBE), str(out), strategy, json.dumps(degrees), str(WINDOWS)], ranks)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 

@@ -12,26 +12,20 @@ average moves it by more than 1e-2.
 """
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 
-from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent
+from contracts.runs import CheckpointSaved, LogLine, Metrics
 from services.trainer.checkpoint import MARKER, SIDECAR, list_checkpoints
 from services.trainer.rank_main import StageJob
+from tests.distributed import torchrun
 
 pytestmark = pytest.mark.distributed
 
-REPO = Path(__file__).resolve().parents[2]
 LOSS_ATOL = 1e-5
 STEPS = 12
-RUN_TIMEOUT_S = 150  # one torchrun of 2-4 ranks takes 10-30 s on 2 cores
 
 
 def _job(tmp: Path, name: str, **overrides) -> Path:
@@ -40,79 +34,12 @@ def _job(tmp: Path, name: str, **overrides) -> Path:
         batch_size=8,
         seq_len=32,
         seed=0,
-        checkpoint_dir=str(tmp / name / "ckpt"),
         checkpoint_interval=4,
         keep_last=3,
-        losses_path=str(tmp / name / "losses.jsonl"),
-        events_path=str(tmp / name / "events.jsonl"),
+        **torchrun.rank0_files(tmp / name),
         **overrides,
     )
-    (tmp / name).mkdir(parents=True, exist_ok=True)
-    path = tmp / name / "job.json"
-    path.write_bytes(msgspec.json.encode(job))
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-
-
-def _torchrun(job: Path, ranks: int) -> subprocess.CompletedProcess:
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={ranks}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=localhost:{port}",
-        "-m",
-        "services.trainer.rank_main",
-        "--config",
-        str(job),
-    ]
-    return subprocess.run(
-        command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-
-
-def _single(job: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "services.trainer.rank_main", "--config", str(job)]
-    return subprocess.run(
-        command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-
-
-def _losses(tmp: Path, name: str) -> dict[int, float]:
-    lines = (tmp / name / "losses.jsonl").read_text().splitlines()
-    steps = [json.loads(line) for line in lines]
-    by_step = {s["step"]: s["loss"] for s in steps}
-    assert len(by_step) == len(steps), "a step was logged twice"
-    return by_step
-
-
-def _events(tmp: Path, name: str) -> list[RunEvent]:
-    decoder = msgspec.json.Decoder(RunEvent)
-    return [decoder.decode(line) for line in (tmp / name / "events.jsonl").read_text().splitlines()]
-
-
-def _ok(result: subprocess.CompletedProcess) -> dict:
-    assert result.returncode == 0, result.stderr[-4000:]
-    summaries = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(summaries) == 1, f"one summary (rank 0), got {result.stdout}"
-    return json.loads(summaries[0])
-
-
-def _assert_same_curve(got: dict[int, float], want: dict[int, float]) -> None:
-    assert sorted(got) == sorted(want)
-    worst = max(abs(got[s] - want[s]) for s in want)
-    assert worst <= LOSS_ATOL, f"loss differs by {worst:.2e} from the single process: {got} vs {want}"
+    return torchrun.write_job(tmp / name, job)
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +50,10 @@ def gang_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def single(gang_dir) -> dict[int, float]:
     """The reference: the stage in one process, no process group (as the trainer runs today)."""
-    summary = _ok(_single(_job(gang_dir, "single")))
+    summary = torchrun.summary_of(_job(gang_dir, "single"), 1)
     assert summary["world_size"] == 1
     (gang_dir / "single" / "summary.json").write_text(json.dumps(summary))
-    losses = _losses(gang_dir, "single")
+    losses = torchrun.losses(gang_dir / "single")
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 1.0, "the reference does not learn: the comparison means nothing"
     return losses
@@ -143,10 +70,10 @@ def single(gang_dir) -> dict[int, float]:
 )
 def test_a_gang_trains_the_single_process_curve(gang_dir, single, strategy, degrees, ranks):
     name = f"{strategy.replace('+', '_')}_{ranks}"
-    summary = _ok(_torchrun(_job(gang_dir, name, strategy=strategy, degrees=degrees), ranks))
+    summary = torchrun.summary_of(_job(gang_dir, name, strategy=strategy, degrees=degrees), ranks)
     nontrivial = {k: v for k, v in degrees.items() if v > 1}
     assert (summary["world_size"], summary["strategy"], summary["degrees"]) == (ranks, strategy, nontrivial)
-    _assert_same_curve(_losses(gang_dir, name), single)
+    torchrun.assert_same_curve(torchrun.losses(gang_dir / name), single, LOSS_ATOL)
     # The held-out loss, each data-parallel rank evaluating its share, is the one-process figure.
     alone = json.loads((gang_dir / "single" / "summary.json").read_text())
     assert abs(summary["held_out_loss"] - alone["held_out_loss"]) <= LOSS_ATOL, (summary, alone)
@@ -156,13 +83,13 @@ def test_a_gang_trains_the_single_process_curve(gang_dir, single, strategy, degr
 def hsdp(gang_dir, single) -> Path:
     """The stage on 4 ranks as HSDP (2 replicas x 2 shards), checkpointed every 4 steps."""
     job = _job(gang_dir, "hsdp", strategy="hsdp", degrees={"dp_replicate": 2, "dp_shard": 2})
-    summary = _ok(_torchrun(job, 4))
+    summary = torchrun.summary_of(job, 4)
     assert summary["world_size"] == 4
     return gang_dir / "hsdp"
 
 
 def test_four_rank_hsdp_trains_the_single_process_curve(gang_dir, single, hsdp):
-    _assert_same_curve(_losses(gang_dir, "hsdp"), single)
+    torchrun.assert_same_curve(torchrun.losses(gang_dir / "hsdp"), single, LOSS_ATOL)
 
 
 def test_each_checkpoint_and_event_is_written_once(hsdp):
@@ -180,7 +107,7 @@ def test_each_checkpoint_and_event_is_written_once(hsdp):
             "__3_0.distcp",
             SIDECAR,
         ]
-    events = _events(hsdp.parent, "hsdp")
+    events = torchrun.events(hsdp)
     assert [e.step for e in events if isinstance(e, Metrics)] == list(range(1, STEPS + 1))
     assert [e.step for e in events if isinstance(e, CheckpointSaved)] == [4, 8, 12]
     starts = [e for e in events if isinstance(e, LogLine) and e.message.startswith("Starting pretrain")]
@@ -194,12 +121,12 @@ def test_a_stage_checkpointed_on_four_ranks_resumes_on_two(gang_dir, single, hsd
     shutil.copytree(hsdp / "ckpt", resumed / "ckpt")
     (resumed / "ckpt" / "step-00000012" / MARKER).unlink()
     job = _job(gang_dir, "resumed", strategy="fsdp2", degrees={"dp_shard": 2})
-    summary = _ok(_torchrun(job, 2))
+    summary = torchrun.summary_of(job, 2)
     assert summary["final_step"] == STEPS
-    losses = _losses(gang_dir, "resumed")
+    losses = torchrun.losses(gang_dir / "resumed")
     assert sorted(losses) == [9, 10, 11, 12], "the resumed gang did not continue from step 8"
-    _assert_same_curve(losses, {s: single[s] for s in (9, 10, 11, 12)})
-    logs = [e.message for e in _events(gang_dir, "resumed") if isinstance(e, LogLine)]
+    torchrun.assert_same_curve(losses, {s: single[s] for s in (9, 10, 11, 12)}, LOSS_ATOL)
+    logs = [e.message for e in torchrun.events(gang_dir / "resumed") if isinstance(e, LogLine)]
     assert sum(m.startswith("Resuming pretrain from step 8") for m in logs) == 1
     assert [c.step for c in list_checkpoints(resumed / "ckpt")] == [4, 8, 12]
     step12 = sorted(p.name for p in (resumed / "ckpt" / "step-00000012").iterdir())
@@ -208,13 +135,13 @@ def test_a_stage_checkpointed_on_four_ranks_resumes_on_two(gang_dir, single, hsd
 
 def test_a_plan_that_does_not_fit_the_started_ranks_is_refused(gang_dir):
     job = _job(gang_dir, "misfit", strategy="fsdp2", degrees={"dp_shard": 4})
-    result = _torchrun(job, 2)
+    result = torchrun.rank_main(job, 2)
     assert result.returncode != 0
     assert "The plan fsdp2 {'dp_shard': 4} needs 4 ranks, but 2 were started." in result.stderr
     assert not (gang_dir / "misfit" / "losses.jsonl").exists(), "a refused plan trained anyway"
 
 
 def test_one_process_refuses_a_multi_rank_plan(gang_dir):
-    result = _single(_job(gang_dir, "alone", strategy="ddp", degrees={"dp_replicate": 2}))
+    result = torchrun.rank_main(_job(gang_dir, "alone", strategy="ddp", degrees={"dp_replicate": 2}), 1)
     assert result.returncode == 2
     assert "error: The plan ddp {'dp_replicate': 2} needs 2 ranks, but 1 was started." in result.stderr

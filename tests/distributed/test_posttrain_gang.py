@@ -12,30 +12,24 @@ batches: a token mean taken per rank instead of over the global batch moves a st
 the same rows by 2e-2 to 5e-2.
 """
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from contracts.manifest import RlvrStage
-from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted, RunEvent
+from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted
 from services.trainer.checkpoint import list_checkpoints
 from services.trainer.data import load_text, task_problems
 from services.trainer.rank_main import PostJob
+from tests.distributed import torchrun
 
 pytestmark = pytest.mark.distributed
 
-REPO = Path(__file__).resolve().parents[2]
 LOSS_ATOL = 1e-5
 SFT_STEPS = 8
 DPO_STEPS = 6
 RL_STEPS = 4
-RUN_TIMEOUT_S = 240  # one torchrun of 2 ranks takes 10-30 s on 2 cores, longer beside other gangs
 
 
 @pytest.fixture(scope="module")
@@ -59,76 +53,20 @@ def _job(tmp: Path, problems: Path, name: str, stage: str, **overrides) -> Path:
         batch_size=overrides.pop("batch_size", 8),
         learning_rate=overrides.pop("learning_rate", 1e-3),
         seed=0,
-        checkpoint_dir=str(tmp / name / "ckpt"),
         checkpoint_interval=4,
         keep_last=2,
-        losses_path=str(tmp / name / "losses.jsonl"),
-        events_path=str(tmp / name / "events.jsonl"),
+        **torchrun.rank0_files(tmp / name),
         **overrides,
     )
-    (tmp / name).mkdir(parents=True, exist_ok=True)
-    path = tmp / name / "job.json"
-    path.write_bytes(msgspec.json.encode(job))
-    return path
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _run(job: Path, ranks: int) -> dict:
-    """rank_main on `job`: in one process (ranks 1) or under torchrun; rank 0's summary."""
-    if ranks == 1:
-        launcher = [sys.executable]
-    else:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={ranks}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=localhost:{_free_port()}",
-        ]
-    command = [*launcher, "-m", "services.trainer.rank_main", "--config", str(job)]
-    result = subprocess.run(
-        command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    summaries = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(summaries) == 1, f"one summary (rank 0), got {result.stdout}"
-    return json.loads(summaries[0])
-
-
-def _losses(tmp: Path, name: str) -> dict[int, float]:
-    steps = [json.loads(line) for line in (tmp / name / "losses.jsonl").read_text().splitlines()]
-    by_step = {s["step"]: s["loss"] for s in steps}
-    assert len(by_step) == len(steps), "a step was logged twice"
-    return by_step
-
-
-def _events(tmp: Path, name: str) -> list[RunEvent]:
-    decoder = msgspec.json.Decoder(RunEvent)
-    return [decoder.decode(line) for line in (tmp / name / "events.jsonl").read_text().splitlines()]
-
-
-def _assert_same_curve(got: dict[int, float], want: dict[int, float]) -> None:
-    assert sorted(got) == sorted(want)
-    worst = max(abs(got[s] - want[s]) for s in want)
-    assert worst <= LOSS_ATOL, f"loss differs by {worst:.2e} from the single process: {got} vs {want}"
+    return torchrun.write_job(tmp / name, job)
 
 
 @pytest.fixture(scope="module")
 def single_sft(post_dir, problems) -> dict[int, float]:
     """The reference: SFT in one process, no process group (as the trainer runs it today)."""
-    summary = _run(_job(post_dir, problems, "sft_single", "sft", steps=SFT_STEPS), 1)
+    summary = torchrun.summary_of(_job(post_dir, problems, "sft_single", "sft", steps=SFT_STEPS), 1)
     assert summary["world_size"] == 1 and summary["final_step"] == SFT_STEPS
-    losses = _losses(post_dir, "sft_single")
+    losses = torchrun.losses(post_dir / "sft_single")
     assert losses[SFT_STEPS] < losses[1] - 1.0, "the reference does not learn: the comparison means nothing"
     return losses
 
@@ -137,11 +75,11 @@ def single_sft(post_dir, problems) -> dict[int, float]:
 def test_sft_on_two_ranks_trains_the_single_process_curve(post_dir, problems, single_sft, strategy, degrees):
     name = f"sft_{strategy}"
     job = _job(post_dir, problems, name, "sft", steps=SFT_STEPS, strategy=strategy, degrees=degrees)
-    summary = _run(job, 2)
+    summary = torchrun.summary_of(job, 2)
     assert (summary["world_size"], summary["strategy"], summary["final_step"]) == (2, strategy, SFT_STEPS)
-    _assert_same_curve(_losses(post_dir, name), single_sft)
+    torchrun.assert_same_curve(torchrun.losses(post_dir / name), single_sft, LOSS_ATOL)
     assert [c.step for c in list_checkpoints(post_dir / name / "ckpt")] == [4, 8]
-    events = _events(post_dir, name)
+    events = torchrun.events(post_dir / name)
     assert [e.step for e in events if isinstance(e, Metrics)] == list(range(1, SFT_STEPS + 1))
     assert [e.step for e in events if isinstance(e, CheckpointSaved)] == [4, 8]
     (started,) = [e for e in events if isinstance(e, ParallelismStarted)]
@@ -151,9 +89,9 @@ def test_sft_on_two_ranks_trains_the_single_process_curve(post_dir, problems, si
 @pytest.fixture(scope="module")
 def single_dpo(post_dir, problems, single_sft) -> dict[int, float]:
     """DPO in one process from the SFT model (the reference of the gangs below)."""
-    summary = _run(_dpo_job(post_dir, problems, "dpo_single"), 1)
+    summary = torchrun.summary_of(_dpo_job(post_dir, problems, "dpo_single"), 1)
     assert summary["world_size"] == 1 and summary["final_step"] == DPO_STEPS
-    return _losses(post_dir, "dpo_single")
+    return torchrun.losses(post_dir / "dpo_single")
 
 
 def _dpo_job(post_dir: Path, problems: Path, name: str, **overrides) -> Path:
@@ -174,10 +112,10 @@ def test_dpo_on_two_ranks_trains_the_single_process_curve(post_dir, problems, si
     """DPO from the SFT model, its frozen reference a whole model on each rank, scoring the rank's
     slice of the pairs."""
     name = f"dpo_{strategy}"
-    summary = _run(_dpo_job(post_dir, problems, name, strategy=strategy, degrees=degrees), 2)
+    summary = torchrun.summary_of(_dpo_job(post_dir, problems, name, strategy=strategy, degrees=degrees), 2)
     assert (summary["world_size"], summary["final_step"]) == (2, DPO_STEPS)
-    _assert_same_curve(_losses(post_dir, name), single_dpo)
-    logs = [e.message for e in _events(post_dir, name) if isinstance(e, LogLine)]
+    torchrun.assert_same_curve(torchrun.losses(post_dir / name), single_dpo, LOSS_ATOL)
+    logs = [e.message for e in torchrun.events(post_dir / name) if isinstance(e, LogLine)]
     assert sum(m.startswith("dpo: reference log-probs") for m in logs) == 1, logs
 
 
@@ -194,7 +132,7 @@ def rl_problems(post_dir) -> Path:
 @pytest.fixture(scope="module")
 def rl_warm(post_dir, rl_problems) -> Path:
     job = _job(post_dir, rl_problems, "rl_warm", "sft", steps=16, learning_rate=3e-3)
-    assert _run(job, 1)["final_step"] == 16
+    assert torchrun.summary_of(job, 1)["final_step"] == 16
     return post_dir / "rl_warm" / "ckpt"
 
 
@@ -218,7 +156,7 @@ def _rl_job(post_dir: Path, problems: Path, warm: Path, name: str, **overrides) 
 
 @pytest.fixture(scope="module")
 def single_rl(post_dir, rl_problems, rl_warm) -> dict:
-    return _run(_rl_job(post_dir, rl_problems, rl_warm, "rlvr_single"), 1)
+    return torchrun.summary_of(_rl_job(post_dir, rl_problems, rl_warm, "rlvr_single"), 1)
 
 
 def test_rlvr_on_two_ranks_starts_one_rollout_worker(post_dir, rl_problems, rl_warm, single_rl):
@@ -227,7 +165,7 @@ def test_rlvr_on_two_ranks_starts_one_rollout_worker(post_dir, rl_problems, rl_w
     has the single process's loss; later steps sample from weights that differ in the last bits."""
     single = single_rl
     name = "rlvr_fsdp2"
-    summary = _run(
+    summary = torchrun.summary_of(
         _rl_job(post_dir, rl_problems, rl_warm, name, strategy="fsdp2", degrees={"dp_shard": 2}), 2
     )
     assert summary["rollout_workers"] == 1 == single["rollout_workers"], summary  # counted on every rank
@@ -236,10 +174,10 @@ def test_rlvr_on_two_ranks_starts_one_rollout_worker(post_dir, rl_problems, rl_w
     first, want_first = summary["stats"][0], single["stats"][0]
     assert first["kl"] == pytest.approx(want_first["kl"], abs=1e-7)  # summed by rank, then over ranks
     assert {**first, "kl": 0} == {**want_first, "kl": 0}  # the same rollouts, kept and scored alike
-    losses, want = _losses(post_dir, name), _losses(post_dir, "rlvr_single")
+    losses, want = torchrun.losses(post_dir / name), torchrun.losses(post_dir / "rlvr_single")
     assert sorted(losses) == list(range(1, RL_STEPS + 1))
     assert abs(losses[1] - want[1]) <= LOSS_ATOL and losses[1] != 0.0, (losses, want)
-    events = _events(post_dir, name)
+    events = torchrun.events(post_dir / name)
     assert [e.step for e in events if isinstance(e, Metrics)] == list(range(1, RL_STEPS + 1))
     logs = [e.message for e in events if isinstance(e, LogLine)]
     assert sum(m == "rlvr: 1 rollout worker (rank 0's) for 2 ranks" for m in logs) == 1, logs

@@ -12,7 +12,6 @@ heal that missed the optimizer state or a shard would make the groups drift apar
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,20 +31,15 @@ from services.trainer.checkpoint import list_checkpoints
 from services.trainer.fault_tolerance import start_lighthouse
 from services.trainer.model import Transformer
 from services.trainer.rank_main import ReplicaJob, StageJob
+from tests.distributed import torchrun
 from tests.support import eventually
 
 pytestmark = pytest.mark.distributed
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = torchrun.REPO
 STEPS = 100_000  # never reached: the test stops both gangs once it has seen what it needs
 TOGETHER = 4  # steps both groups commit after the heal before their checkpoints are compared
 BUDGET_S = 150  # two gangs of 2 ranks on 2 busy cores; ~30 s when idle
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 class GangGroup:
@@ -76,14 +70,14 @@ class GangGroup:
             "torch.distributed.run",
             "--nproc-per-node=2",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=localhost:{_free_port()}",
+            f"--rdzv-endpoint=localhost:{torchrun.free_port()}",
             "--max-restarts=0",
             "-m",
             "services.trainer.rank_main",
             "--config",
             str(self.dir / "job.json"),
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        env = torchrun.env()
         self.log = (self.dir / "torchrun.log").open("ab")
         # Its own session; torchrun starts each rank in a session of its own too (see `stop`).
         self.proc = subprocess.Popen(

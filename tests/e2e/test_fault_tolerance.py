@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support import eventually, run_state, run_status
+from tests.support import approve_restart, eventually, run_state, run_status
 
 pytestmark = pytest.mark.e2e
 ITO_TRAINING = str(pathlib.Path(sys.executable).parent / "ito-training")
@@ -139,17 +139,7 @@ def test_a_planted_loss_spike_waits_for_approval_and_restarts_from_the_proposal(
     time.sleep(2)
     assert status(stack, env, run_id)["state"] == "awaiting_approval"  # never automatic
 
-    _, ref = stack.ecc("confirm", "--action", "restart_from_checkpoint", "--run", run_id, env=env)
-    rc, out = stack.ecc(
-        "approve",
-        run_id,
-        "--confirmation-ref",
-        ref["data"]["confirmation_ref"],
-        "--idempotency-key",
-        "ok-1",
-        env=env,
-    )
-    assert rc == 0 and out["data"]["state"] == "queued", out
+    approve_restart(stack, env, run_id, "ok-1")
     view = run_state(stack, env, run_id, {"succeeded", "failed", "awaiting_approval"}, timeout=120)
     assert view["state"] == "succeeded", view
     _, logs = stack.ecc("logs", run_id, env=env)

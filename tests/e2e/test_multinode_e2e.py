@@ -14,12 +14,10 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
 
 import pytest
 
-from tests.conftest import BIN, start_stack
-from tests.support import confirm_and_train, eventually, run_state, run_status
+from tests.support import confirm_and_train, eventually, multi_agent_stack, run_state, run_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -31,35 +29,8 @@ RUN_TIMEOUT_S = 300  # two agents of the tiny model on 2 cores; most of it start
 def stack(tmp_path_factory):
     """All services plus a second trainer agent (node 1's), with the scheduler allowed to plan the
     tiny model on several nodes (ITO_PLAN_SMALL_MODEL_GANGS)."""
-    s = start_stack(
-        tmp_path_factory.mktemp("multinode-stack"),
-        env={"ITO_PLAN_SMALL_MODEL_GANGS": "1", "OMP_NUM_THREADS": "1"},
-    )
-    log = open(s.data_dir / "more-trainers.log", "ab")
-    s.agents = []  # the agents started here (beside `up`'s trainer), stopped at the end
-
-    def start_agent() -> subprocess.Popen:
-        agent = subprocess.Popen(
-            [str(BIN / "ito-training"), "serve", "trainer"], env=s.env, stdout=log, stderr=log
-        )
-        s.agents.append(agent)
-        return agent
-
-    s.start_agent = start_agent
-    start_agent()
-    try:
+    with multi_agent_stack(tmp_path_factory.mktemp("multinode-stack")) as s:
         yield s
-    finally:
-        for agent in s.agents:
-            agent.send_signal(signal.SIGTERM)
-        for agent in s.agents:
-            try:
-                agent.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
-        log.close()
-        s.run("ito-training", "down", timeout=60)
 
 
 def _node_events(run_dir: pathlib.Path, node: int) -> list[dict]:

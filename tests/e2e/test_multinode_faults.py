@@ -10,45 +10,27 @@ node 0 at that step.
 
 Node 1's share raising (a planted fault): the run fails, its message naming node 1."""
 
-import contextlib
 import json
 import pathlib
-import signal
-import subprocess
 
 import pytest
 
 from services.runtime import faults
 from services.trainer.checkpoint import committed_positions
-from tests.conftest import BIN, start_stack
-from tests.support import confirm_and_train, eventually, run_state, run_status
+from tests.support import (
+    approve_restart,
+    confirm_and_train,
+    eventually,
+    multi_agent_stack,
+    run_state,
+    run_status,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 NODES = {"nodes": 2, "gpus_per_node": 1}
 RUN_TIMEOUT_S = 240  # two agents of the tiny model on 2 cores, on a machine shared with other tests
 TERMINAL = {"succeeded", "failed", "gate_failed", "cancelled"}
-
-
-@contextlib.contextmanager
-def two_agents(directory: pathlib.Path, env: dict[str, str]):
-    """All services plus a second trainer agent, the tiny model planned on several nodes."""
-    s = start_stack(directory, env={"ITO_PLAN_SMALL_MODEL_GANGS": "1", "OMP_NUM_THREADS": "1", **env})
-    log = open(s.data_dir / "node-agent.log", "ab")
-    agent = subprocess.Popen(
-        [str(BIN / "ito-training"), "serve", "trainer"], env=s.env, stdout=log, stderr=log
-    )
-    try:
-        yield s
-    finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait()
-        log.close()
-        s.run("ito-training", "down", timeout=60)
 
 
 def _node_events(run_dir: pathlib.Path, node: int) -> list[dict]:
@@ -58,7 +40,7 @@ def _node_events(run_dir: pathlib.Path, node: int) -> list[dict]:
 
 def test_an_approved_spike_restart_rewinds_every_node_alike(tmp_path_factory, manifest):
     spike_env = {faults.ENV_FAULT_POINT: faults.TRAINER_LOSS_SPIKE, faults.ENV_SPIKE_STEP: "24"}
-    with two_agents(tmp_path_factory.mktemp("multinode-spike"), spike_env) as stack:
+    with multi_agent_stack(tmp_path_factory.mktemp("multinode-spike"), spike_env) as stack:
         account, _, env = stack.account()
         booking = stack.booking(account, nodes=2, gpus_per_node=1)
         steps = 40  # the spike detector needs 20 steps of history before the planted spike
@@ -80,17 +62,7 @@ def test_an_approved_spike_restart_rewinds_every_node_alike(tmp_path_factory, ma
         assert window == (20, 28), proposal  # 5% of the stage back, 10% past the spike
         run_dir = pathlib.Path(view["checkpoint_dir"])
 
-        _, ref = stack.ecc("confirm", "--action", "restart_from_checkpoint", "--run", run_id, env=env)
-        rc, out = stack.ecc(
-            "approve",
-            run_id,
-            "--confirmation-ref",
-            ref["data"]["confirmation_ref"],
-            "--idempotency-key",
-            "ok-2-nodes",
-            env=env,
-        )
-        assert rc == 0 and out["data"]["state"] == "queued", out
+        approve_restart(stack, env, run_id, "ok-2-nodes")
         final = run_state(stack, env, run_id, TERMINAL | {"awaiting_approval"}, timeout=RUN_TIMEOUT_S)
         assert final["state"] == "succeeded", final
         assert final["step"] == final["total_steps"] == steps, final
@@ -126,7 +98,7 @@ def test_a_follower_stopped_by_the_pause_heals_from_node_0_at_the_restart(tmp_pa
     pause withdraws its lease; it has pruned the proposal's checkpoint by then, so at the restart it
     sets aside everything from that step on and heals from node 0 there, on the same batches."""
     spike_env = {faults.ENV_FAULT_POINT: faults.TRAINER_LOSS_SPIKE, faults.ENV_SPIKE_STEP: "24"}
-    with two_agents(tmp_path_factory.mktemp("multinode-pause"), spike_env) as stack:
+    with multi_agent_stack(tmp_path_factory.mktemp("multinode-pause"), spike_env) as stack:
         account, _, env = stack.account()
         booking = stack.booking(account, nodes=2, gpus_per_node=1)
         m = manifest(
@@ -152,17 +124,7 @@ def test_a_follower_stopped_by_the_pause_heals_from_node_0_at_the_restart(tmp_pa
         assert ahead > 20, ahead  # it had trained on past the proposal's checkpoint
         assert 20 not in committed_positions(run_dir / "node-1" / "pretrain")  # and pruned it
 
-        _, ref = stack.ecc("confirm", "--action", "restart_from_checkpoint", "--run", run_id, env=env)
-        rc, out = stack.ecc(
-            "approve",
-            run_id,
-            "--confirmation-ref",
-            ref["data"]["confirmation_ref"],
-            "--idempotency-key",
-            "ok-pause",
-            env=env,
-        )
-        assert rc == 0, out
+        approve_restart(stack, env, run_id, "ok-pause")
 
         def healed():
             events = _node_events(run_dir, 1)
@@ -194,7 +156,7 @@ def test_a_follower_stopped_by_the_pause_heals_from_node_0_at_the_restart(tmp_pa
 
 
 def test_a_followers_failure_fails_the_run_naming_the_node(tmp_path_factory, manifest):
-    with two_agents(
+    with multi_agent_stack(
         tmp_path_factory.mktemp("multinode-share-fails"), {faults.ENV_FAULT_POINT: faults.TRAINER_SHARE_FAILS}
     ) as stack:
         account, _, env = stack.account()

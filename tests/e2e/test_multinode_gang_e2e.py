@@ -7,13 +7,10 @@ quorum and train together from step 1: one of them takes the other's state at st
 initial sync, the same heal, rank by rank, that a late or replaced gang goes through)."""
 
 import pathlib
-import signal
-import subprocess
 
 import pytest
 
-from tests.conftest import BIN, start_stack
-from tests.support import confirm_and_train, run_state
+from tests.support import confirm_and_train, multi_agent_stack, run_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -24,23 +21,10 @@ RUN_TIMEOUT_S = 240  # 4 ranks of the tiny model on a few cores; most of it star
 def stack(tmp_path_factory):
     """All services plus node 1's trainer agent, one CPU thread per rank."""
     # No ITO_MULTINODE_GANGS: several GPUs per node on several nodes trains by default.
-    env = {"ITO_PLAN_SMALL_MODEL_GANGS": "1", "OMP_NUM_THREADS": "1", "ITO_GANG_MAX_RESTARTS": "0"}
-    s = start_stack(tmp_path_factory.mktemp("multinode-gang-stack"), env=env)
-    log = open(s.data_dir / "second-trainer.log", "ab")
-    second = subprocess.Popen(
-        [str(BIN / "ito-training"), "serve", "trainer"], env=s.env, stdout=log, stderr=log
-    )
-    try:
+    with multi_agent_stack(
+        tmp_path_factory.mktemp("multinode-gang-stack"), {"ITO_GANG_MAX_RESTARTS": "0"}
+    ) as s:
         yield s
-    finally:
-        second.send_signal(signal.SIGTERM)
-        try:
-            second.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            second.kill()
-            second.wait()
-        log.close()
-        s.run("ito-training", "down", timeout=60)
 
 
 def test_two_nodes_of_two_ranks_train_as_two_replica_groups_of_fsdp2_gangs(stack, manifest):
