@@ -61,7 +61,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed import TCPStore
+from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
@@ -261,6 +261,14 @@ class ReplicaGroup:
         ]
         for work in works:
             work.wait()  # does not raise: a failure is recorded with Manager.report_error
+
+    def total(self, value: float) -> float:
+        """`value` summed over the groups of this step's quorum (after `start_step`), the same on
+        every group: what RLVR's token mean divides by. A failed all-reduce is recorded, as for the
+        gradients, and the step is not committed."""
+        t = torch.tensor([value], dtype=torch.float64)  # gloo: a host tensor
+        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        return float(t.item())
 
     def should_commit(self) -> bool:
         return bool(self.manager.should_commit())

@@ -177,9 +177,12 @@ def stage_job(
     )
 
 
-def post_job(cfg: PostConfig, dims: ParallelDims, directory: pathlib.Path) -> PostJob:
+def post_job(
+    cfg: PostConfig, dims: ParallelDims, directory: pathlib.Path, replica_group: ReplicaJob | None = None
+) -> PostJob:
     """The job every rank of the gang runs for a post-training stage; its tasks go to
-    `directory/problems.json` (written by `Gang.train_post`), which every rank reads."""
+    `directory/problems.json` (written by `Gang.train_post`), which every rank reads.
+    `replica_group`: the gang is its node's replica group of a multi-node run (SFT, DPO)."""
     rlvr = cfg if isinstance(cfg, RlvrConfig) else None
     return PostJob(
         stage=cfg.stage,
@@ -202,6 +205,7 @@ def post_job(cfg: PostConfig, dims: ParallelDims, directory: pathlib.Path) -> Po
         device=cfg.device,
         events_path=str(directory / "events.jsonl"),
         result_path=str(directory / "result.json"),
+        replica_group=replica_group,
     )
 
 
@@ -287,7 +291,7 @@ class Gang:
         ranks in a file."""
         directory = self.run_dir / "gang" / cfg.stage
         directory.mkdir(parents=True, exist_ok=True)
-        job = post_job(cfg, self.dims, directory)
+        job = post_job(cfg, self.dims, directory, self.replica_group)
         problems = pathlib.Path(job.problems_path)
         problems.with_name(problems.name + ".tmp").write_bytes(msgspec.json.encode(cfg.problems))
         os.replace(problems.with_name(problems.name + ".tmp"), problems)

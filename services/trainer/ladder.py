@@ -97,8 +97,8 @@ def run_ladder(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     record = directory / RECORD
-    if record.exists():
-        return LadderDecision(**json.loads(record.read_text()))
+    if (recorded := recorded_decision(directory)) is not None:
+        return recorded
     reference, custom, held_out = _proxy_data(plan, sources, eval_sources, seed, directory)
     losses = []
     for i, (name, train_sources) in enumerate((("reference", reference), ("custom", reference + custom))):
@@ -132,6 +132,19 @@ def run_ladder(
     )
     _record(record, decision)
     return decision
+
+
+def recorded_decision(directory: Path) -> LadderDecision | None:
+    """The decision recorded in `directory`, if any."""
+    record = directory / RECORD
+    return LadderDecision(**json.loads(record.read_text())) if record.exists() else None
+
+
+def record_decision(directory: Path, decision: LadderDecision) -> None:
+    """Record a decision taken elsewhere (node 0's, on a follower of a run on several nodes) as this
+    run's own: a resumed run reads it instead of deciding again."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _record(directory / RECORD, decision)
 
 
 def _proxy_data(

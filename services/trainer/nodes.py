@@ -22,29 +22,46 @@ size and store), and torchft averages each rank's gradient shards over the group
 starts late, or replaces a lost one, heals rank by rank from the same rank of a peer gang (its local
 shards; see fault_tolerance).
 
-Not yet: stages other than next-token ones; refused in a sentence (`refusal`).
+Post-training trains the same way (`NodeShare.train_post`): each node's share is its replica group
+(its process, or its gang with a `replica_group` in the gang's PostJob). SFT and DPO: the groups
+split the global batch and each group's ranks its share, token means over the global batch
+(services/trainer/posttrain.py). RLVR: rank 0 of each group runs one rollout worker and samples the
+group's share of the step's prompts (prompts of its own), and the token mean is over every group's
+kept tokens (services/trainer/rlvr.py); its prompts per step must split over the nodes (`refusal`).
+
+The custom-data ladder: node 0 alone runs the proxy runs and publishes its decision in the
+rendezvous store; the other nodes wait for it there and record it as their own (`NodeShare.ladder`),
+so every node trains the same data whatever its hardware's numerics (two nodes deciding alone could
+differ at the threshold; the checkpoint root is not shared across hosts).
 """
 
 import os
 import pathlib
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 from urllib.parse import urlparse
 
+import msgspec
 import torch
 from torch.distributed import TCPStore
 from torch.optim.lr_scheduler import LambdaLR
 
-from contracts.manifest import Manifest
+from contracts.manifest import DpoStage, Manifest, RlvrStage, SftStage
 from contracts.runs import TrainWork
-from services.domain.curriculum import LmPlan, PostPlan, RunPlan
+from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan
 from services.trainer.distributed import ParallelDims, ParallelismError
 from services.trainer.fault_tolerance import ReplicaGroup, start_lighthouse
 from services.trainer.gang import Gang
+from services.trainer.ladder import LadderDecision, record_decision, recorded_decision, run_ladder
+from services.trainer.posttrain import PostConfig, PostResult
 from services.trainer.pretrain import Replicas, StageConfig, StageResult, train_stage
 from services.trainer.rank_main import ReplicaJob
 from services.trainer.reporting import Reporter
+from services.trainer.rlvr import RlvrResult, train_post
+
+T = TypeVar("T")
 
 ENV_NODE_HOST: Final = "ITO_NODE_HOST"
 # The operator switch that let several GPUs per node on several nodes train while such plans were
@@ -57,6 +74,7 @@ CONNECT_TIMEOUT_S = 60.0  # a follower waits this long for node 0's store (node 
 MEET_TIMEOUT_S = 60.0  # past this a node trains without the missing ones (torchft takes them in later)
 DONE_GRACE_S = 30.0  # node 0 keeps a stage's Lighthouse up this long for nodes still finishing it
 POLL_S = 0.1
+LADDER_KEY = "ladder:decision"  # node 0's ladder decision (msgspec JSON) in the rendezvous store
 
 
 def node_checkpoint_dir(run_dir: pathlib.Path, node_rank: int) -> pathlib.Path:
@@ -83,19 +101,24 @@ def refusal(work: TrainWork, manifest: Manifest, run_plan: RunPlan) -> str | Non
         )
     if gpn > 1 and torch.cuda.is_available() and torch.cuda.device_count() < gpn:
         return f"The plan needs {gpn} GPUs on each node; this node has {torch.cuda.device_count()}."
-    post = [s.name for s in run_plan.stages if isinstance(s, PostPlan)]
-    if post or (run_plan.ladder is not None and run_plan.ladder.custom):
-        names = ", ".join(
-            (["ladder"] if run_plan.ladder is not None and run_plan.ladder.custom else []) + post
-        )
-        return (
-            f"A run on {nodes} nodes cannot run {names} yet: only next-token stages (pretrain, midtrain, "
-            "long_context) train as replica groups; book one node for the others."
-        )
     for stage in run_plan.stages:
-        if isinstance(stage, LmPlan) and stage.batch_size % dims.dp_degree:
+        if isinstance(stage, PostPlan) and isinstance(stage.section, RlvrStage):
+            if stage.section.prompts_per_step % nodes:
+                return (
+                    f"rlvr's {stage.section.prompts_per_step} prompts per step do not split evenly over "
+                    f"{nodes} nodes (each node samples its share)."
+                )
+    for stage in run_plan.stages:
+        batch = (
+            stage.batch_size
+            if isinstance(stage, LmPlan)
+            else stage.section.batch_size
+            if isinstance(stage.section, SftStage | DpoStage)
+            else 0
+        )
+        if batch % dims.dp_degree:
             return (
-                f"The global batch of {stage.batch_size} does not split evenly over {dims.dp_degree} "
+                f"The global batch of {batch} does not split evenly over {dims.dp_degree} "
                 f"data-parallel ranks ({nodes} nodes of {gpn})."
             )
     return None
@@ -156,8 +179,8 @@ class Rendezvous:
 
 
 class NodeShare:
-    """Trains this node's share of each next-token stage (the pipeline's `train_lm`); `close` when
-    the pipeline is over. The rendezvous is opened on the training thread at the first stage (a
+    """Trains this node's share of each next-token stage and of SFT and DPO, and takes node 0's
+    ladder decision (the pipeline's `Trainers`); `close` when the pipeline is over. The rendezvous is opened on the training thread at the first stage (a
     follower's connect waits for node 0)."""
 
     def __init__(self, work: TrainWork, run_dir: pathlib.Path | None = None, threads: int = 1) -> None:
@@ -177,55 +200,102 @@ class NodeShare:
             # the run hosts the same endpoint again (in this process too) and must find it free.
             self._rendezvous = None
 
-    def train_stage(self, cfg: StageConfig, report: Reporter, should_stop: Any) -> StageResult:
+    def _open(self) -> Rendezvous:
         if self._rendezvous is None:
             self._rendezvous = Rendezvous(self.work.rendezvous, self.node_rank, self.nodes)
-        rdzv = self._rendezvous
-        lighthouse = rdzv.lighthouse(cfg.stage)
-        met = rdzv.meet(cfg.stage, "joined", MEET_TIMEOUT_S)
+        return self._rendezvous
+
+    def train_stage(self, cfg: StageConfig, report: Reporter, should_stop: Any) -> StageResult:
+        """A next-token stage as this node's replica group (the pipeline's `Trainers.lm`)."""
+
+        def on_gang(gang: Gang) -> StageResult:
+            return gang.train_stage(cfg, report, should_stop)
+
+        def here(replicas: Replicas) -> StageResult:
+            return train_stage(cfg, report, should_stop, replicas)
+
+        return self._as_group(cfg.stage, report, on_gang, here)
+
+    def train_post(self, cfg: PostConfig, report: Reporter, should_stop: Any) -> PostResult | RlvrResult:
+        """SFT, DPO or RLVR as this node's replica group (the pipeline's `Trainers.post`)."""
+
+        def on_gang(gang: Gang) -> PostResult | RlvrResult:
+            return gang.train_post(cfg, report, should_stop)
+
+        def here(replicas: Replicas) -> PostResult | RlvrResult:
+            return train_post(cfg, report, should_stop, replicas)
+
+        return self._as_group(cfg.stage, report, on_gang, here)
+
+    def ladder(
+        self, plan: LadderPlan, *, directory: Any, should_stop: Any, **kwargs: Any
+    ) -> LadderDecision | None:
+        """The ladder's decision (the pipeline's `Trainers.ladder`): node 0 runs the proxies (or reads
+        its record) and publishes the decision in the rendezvous store; the others wait for it there
+        (as long as node 0's store is up and no stop is asked) and record it as their own, so that
+        every node trains the same data. None when stopped."""
+        rdzv = self._open()
+        if self.node_rank == 0:
+            decision = run_ladder(plan, directory=directory, should_stop=should_stop, **kwargs)
+            if decision is not None:
+                rdzv.store.set(LADDER_KEY, msgspec.json.encode(decision).decode())
+            return decision
+        if (recorded := recorded_decision(pathlib.Path(directory))) is not None:
+            return recorded  # a replaced node's: node 0 publishes only when it decides (or re-reads)
+        while not rdzv.store.check([LADDER_KEY]):
+            if should_stop():
+                return None
+            time.sleep(POLL_S)
+        decision = msgspec.json.decode(rdzv.store.get(LADDER_KEY), type=LadderDecision)
+        record_decision(pathlib.Path(directory), decision)
+        return decision
+
+    def _as_group(
+        self, stage: str, report: Reporter, on_gang: Callable[[Gang], T], here: Callable[[Replicas], T]
+    ) -> T:
+        """Meet the other nodes at the stage's Lighthouse and train it as replica group `node_rank`:
+        on this node's gang (`on_gang`) or in this process (`here`)."""
+        rdzv = self._open()
+        lighthouse = rdzv.lighthouse(stage)
+        met = rdzv.meet(stage, "joined", MEET_TIMEOUT_S)
         report.log(
-            f"{cfg.stage}: node {self.node_rank} of {self.nodes} joins as replica group {self.node_rank} "
+            f"{stage}: node {self.node_rank} of {self.nodes} joins as replica group {self.node_rank} "
             f"({min(met, self.nodes)} of {self.nodes} nodes met; Lighthouse {lighthouse})"
         )
         gang = self.gang_dims
         report.parallelism(
-            stage=cfg.stage,
+            stage=stage,
             strategy=self.work.plan.strategy,
             world_size=self.nodes * (gang.world_size if gang else 1),
             mesh={"dp_replicate": self.nodes, **({"dp_shard": gang.dp_shard} if gang else {})},
         )
-        if gang is not None:  # this node's ranks under torchrun are the group (rank_main.replicas)
-            assert self.run_dir is not None, "a node of several ranks needs its run directory"
-            group = ReplicaJob(replica_id=self.node_rank, groups=self.nodes, lighthouse=lighthouse)
-            try:
-                return Gang(gang, self.run_dir, self.threads, group).train_stage(cfg, report, should_stop)
-            finally:
-                rdzv.meet(cfg.stage, "done", DONE_GRACE_S if self.node_rank == 0 else 0.0)
-                rdzv.end_stage(cfg.stage)
+        try:
+            if gang is not None:  # this node's ranks under torchrun are the group (rank_main.replicas)
+                assert self.run_dir is not None, "a node of several ranks needs its run directory"
+                group = ReplicaJob(replica_id=self.node_rank, groups=self.nodes, lighthouse=lighthouse)
+                return on_gang(Gang(gang, self.run_dir, self.threads, group))
 
-        def progress(event: str, /, **fields: object) -> None:
-            if event in ("resumed", "healed"):  # every step's line would flood the log
-                report.log(
-                    f"{cfg.stage}: replica group {self.node_rank} {event} at step {fields.get('step')}"
+            def progress(event: str, /, **fields: object) -> None:
+                if event in ("resumed", "healed"):  # every step's line would flood the log
+                    report.log(
+                        f"{stage}: replica group {self.node_rank} {event} at step {fields.get('step')}"
+                    )
+
+            def join(
+                model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR
+            ) -> ReplicaGroup:
+                return ReplicaGroup(
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    replica_id=self.node_rank,
+                    lighthouse=lighthouse,
+                    store_host=self.node_host,
+                    progress=progress,
+                    expected_groups=self.nodes,  # the first step waits (bounded) for every node
                 )
 
-        def join(
-            model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR
-        ) -> ReplicaGroup:
-            return ReplicaGroup(
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                replica_id=self.node_rank,
-                lighthouse=lighthouse,
-                store_host=self.node_host,
-                progress=progress,
-                expected_groups=self.nodes,  # the first step waits (bounded) for every node
-            )
-
-        try:
-            replicas = Replicas(replica_id=self.node_rank, groups=self.nodes, join=join)
-            return train_stage(cfg, report, should_stop, replicas)
+            return here(Replicas(replica_id=self.node_rank, groups=self.nodes, join=join))
         finally:
-            rdzv.meet(cfg.stage, "done", DONE_GRACE_S if self.node_rank == 0 else 0.0)
-            rdzv.end_stage(cfg.stage)
+            rdzv.meet(stage, "done", DONE_GRACE_S if self.node_rank == 0 else 0.0)
+            rdzv.end_stage(stage)

@@ -13,8 +13,10 @@ checkpoints and, once judged, `GATE.json`; `data_prep/` holds the prepared corpu
 (re-reporting it; a failed gate stays failed) and resumes the first one without.
 
 Where the stages train is injected (`Trainers`): in this process by default, or on a gang of ranks
-(services/trainer/gang.py). Data preparation, the ladder's proxy runs and the eval batteries always
-run here, once, whatever trains the stages.
+(services/trainer/gang.py), or as this node's replica group of a run on several nodes
+(services/trainer/nodes.py). Data preparation, the ladder's proxy runs and the eval batteries run
+here, once, whatever trains the stages; on several nodes each node prepares its own data and
+evaluates its own stages, and node 0 alone runs the ladder's proxies (the others take its decision).
 """
 
 import dataclasses
@@ -53,7 +55,7 @@ from services.trainer.evals import (
     task_accuracy,
     task_suite,
 )
-from services.trainer.ladder import run_ladder
+from services.trainer.ladder import LadderDecision, run_ladder
 from services.trainer.loop import pick_device
 from services.trainer.model import Transformer
 from services.trainer.posttrain import PostConfig, PostResult
@@ -78,15 +80,20 @@ TrainLm = Callable[[StageConfig, Reporter, Callable[[], bool]], StageResult]
 TrainPost = Callable[[PostConfig, Reporter, Callable[[], bool]], PostResult | RlvrResult]
 """How a post-training stage trains (`cfg` an RlvrConfig for rlvr): `rlvr.train_post` in this
 process, or a gang's."""
+DecideLadder = Callable[..., LadderDecision | None]
+"""How the ladder decides (`ladder.run_ladder`'s arguments): its proxy runs in this process, or, on a
+run of several nodes, node 0's decision read by the others (`nodes.NodeShare.ladder`)."""
 NEEDLE_ANSWER_ROOM = 6  # five key digits and a spare byte after the needle prompt
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Trainers:
-    """What trains the run's stages: next-token ones (`lm`) and post-training ones (`post`)."""
+    """What trains the run's stages: next-token ones (`lm`) and post-training ones (`post`); and
+    what decides the ladder (`ladder`)."""
 
     lm: TrainLm = train_stage
     post: TrainPost = train_post
+    ladder: DecideLadder = run_ladder
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,10 +138,11 @@ class _Run:
         threads: int,
         train_lm: TrainLm = train_stage,
         train_post: TrainPost = train_post,
+        decide_ladder: DecideLadder = run_ladder,
     ):
         self.manifest, self.plan, self.root = manifest, plan, root
         self.report, self.should_stop, self.threads = report, should_stop, threads
-        self.train_lm, self.train_post = train_lm, train_post
+        self.train_lm, self.train_post, self.decide_ladder = train_lm, train_post, decide_ladder
         self.sources = dict(plan.train_refs)  # ref name -> what to load: raw source, or the prepared file
         self.eval_sources = list(plan.eval_refs.values())
         self.previous: str | None = None  # the last trained stage's checkpoint dir
@@ -227,7 +235,7 @@ class _Run:
     def ladder(self, lad: LadderPlan) -> bool:
         """False if stopped."""
         target = self.manifest.target
-        decision = run_ladder(
+        decision = self.decide_ladder(
             lad,
             sources=self.sources,
             eval_sources=self.eval_sources,
@@ -531,5 +539,13 @@ def run_pipeline(
     report.log(f"plan: {' -> '.join(plan.stage_names)} on {manifest.model.size.value}")
     trainers = train_lm if isinstance(train_lm, Trainers) else Trainers(lm=train_lm)
     return _Run(
-        manifest, plan, checkpoint_dir, report, should_stop, threads, trainers.lm, trainers.post
+        manifest,
+        plan,
+        checkpoint_dir,
+        report,
+        should_stop,
+        threads,
+        trainers.lm,
+        trainers.post,
+        trainers.ladder,
     ).execute()

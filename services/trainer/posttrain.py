@@ -14,6 +14,15 @@ draws the same global batch and trains on its data-parallel slice of it, through
 token-level mean is taken over the global batch's tokens (`global_token_mean`), so the gradients the
 ranks average and the loss the loop logs are the single process's. DPO's frozen reference is a plain
 model on every rank, scoring that rank's slice of the pairs.
+
+On a run of several nodes (`replicas`, services/trainer/nodes.py) each node is one torchft replica
+group, and SFT and DPO train through the same loop with the group as its `FaultTolerance`, as a
+next-token stage does (`pretrain._train_replica`): the group resumes its own checkpoint or starts from
+the previous stage's weights, heals from a peer when it is behind, and its committed step is the
+data position (a batch is a function of the step). The groups split the global batch and each
+group's ranks split its share (`distributed.replica_batch_rows`); token means are over the global
+batch (`global_token_mean` over groups x ranks slices). The loss a group logs is its share's
+contribution to that mean, not the global loss (torchft averages gradients, not the logged loss).
 """
 
 import random
@@ -30,9 +39,10 @@ from torch.optim.lr_scheduler import LambdaLR
 from contracts.models import ModelShape
 from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, load_weights
 from services.trainer.data import ByteTokenizer
-from services.trainer.distributed import ParallelDims, batch_rows, rank, world_size
+from services.trainer.distributed import ParallelDims, batch_rows, rank, replica_batch_rows, world_size
 from services.trainer.generation import END_TOKEN
 from services.trainer.loop import (
+    FaultTolerance,
     LoopResult,
     LoopSettings,
     StepOutput,
@@ -44,7 +54,7 @@ from services.trainer.loop import (
 )
 from services.trainer.model import Transformer
 from services.trainer.objectives import dpo_loss, sft_loss, token_logprobs
-from services.trainer.pretrain import build_model, lr_factor
+from services.trainer.pretrain import ReplicaJoin, Replicas, build_model, join_replica, lr_factor
 from services.trainer.reporting import Reporter, rank0_only
 
 Problem = tuple[str, str]
@@ -137,18 +147,26 @@ def dims_of(cfg: PostConfig) -> ParallelDims:
     return cfg.parallel or ParallelDims.for_world(world_size())
 
 
-def rank_rows(cfg: PostConfig, rows: int) -> slice:
-    """The rows of a global batch of `rows` this rank trains on (all of them in one process)."""
+def rank_rows(cfg: PostConfig, rows: int, replicas: Replicas | None = None) -> tuple[slice, int]:
+    """(the rows of a global batch of `rows` this rank trains on, how many slices the batch is cut
+    into): the data-parallel ranks' slices (all rows in one process), or, as replica group
+    `replicas.replica_id`, the groups' shares of the batch, each cut among the group's ranks."""
     dims = dims_of(cfg)
-    return batch_rows(rows, dims.dp_rank(rank()), dims.dp_degree)
+    if replicas is None:
+        return batch_rows(rows, dims.dp_rank(rank()), dims.dp_degree), dims.dp_degree
+    return (
+        replica_batch_rows(rows, replicas.replica_id, replicas.groups, dims, rank()),
+        replicas.groups * dims.dp_degree,
+    )
 
 
 def global_token_mean(
     local_mean: torch.Tensor, local_mask: torch.Tensor, tokens: float, dp: int
 ) -> torch.Tensor:
     """This rank's token-level mean (over its `local_mask`) rescaled so that the mean over the `dp`
-    data-parallel ranks, which is what their gradients and the logged loss are averaged as, is the
-    mean over the global batch's `tokens` tokens; unchanged in one process."""
+    slices of the batch (data-parallel ranks, times replica groups on several nodes), which is what
+    their gradients are averaged as, is the mean over the global batch's `tokens` tokens; unchanged
+    in one process."""
     if dp == 1:
         return local_mean
     return local_mean * (local_mask.sum() * (dp / max(tokens, 1.0)))
@@ -186,9 +204,44 @@ def loop_settings(cfg: PostConfig) -> LoopSettings:
     )
 
 
-def _setup(
-    cfg: PostConfig, report: Reporter
-) -> tuple[Transformer, torch.optim.Optimizer, LambdaLR, LoopSettings, int, torch.device]:
+@dataclass(slots=True)
+class _Stage:
+    """A post stage's model, optimizer, schedule and loop settings, the step it starts from, and
+    its replica group when it trains as one (closed with `close`)."""
+
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    settings: LoopSettings
+    start: int
+    device: torch.device
+    group: ReplicaJoin | None = None
+
+    def run(
+        self, step_fn: Callable[[int], StepOutput], report: Reporter, should_stop: Callable[[], bool]
+    ) -> LoopResult:
+        """The loop from `start`; as a replica group, with the group's hooks, whose committed step is
+        the data position (a group that heals from a peer jumps to the peer's step and batch)."""
+        ft: FaultTolerance | None = self.group
+        return run_loop(
+            self.settings,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            step_fn,
+            report,
+            should_stop,
+            start_step=self.start,
+            position=lambda: 0,
+            fault_tolerance=ft,
+        )
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+
+
+def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) -> _Stage:
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     longest = max(len(p.encode()) + len(a.encode()) + 1 for p, a in cfg.problems)
@@ -205,8 +258,19 @@ def _setup(
         optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=MIN_LR_RATIO)
     )
     settings = loop_settings(cfg)
-    resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
-    return model, optimizer, scheduler, settings, (resumed.step if resumed else 0), device
+    if replicas is None:
+        resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
+        return _Stage(model, optimizer, scheduler, settings, resumed.step if resumed else 0, device)
+    group = replicas.join(model, optimizer, scheduler)
+    try:
+        join_replica(group, cfg.stage, cfg.checkpoint_dir, model, cfg.init_from, report)
+    except BaseException:
+        group.close()
+        raise
+    report.log(
+        f"{cfg.stage}: replica group {replicas.replica_id} of {replicas.groups} from step {group.step}"
+    )
+    return _Stage(model, optimizer, scheduler, settings, group.step, device, group)
 
 
 def _finish(model: Transformer, result: LoopResult) -> PostResult:
@@ -219,13 +283,16 @@ def _finish(model: Transformer, result: LoopResult) -> PostResult:
     )
 
 
-def train_sft(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]) -> PostResult:
-    """Under several ranks every rank calls this alike, and rank 0 reports."""
+def train_sft(
+    cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool], replicas: Replicas | None = None
+) -> PostResult:
+    """Under several ranks every rank calls this alike, and rank 0 reports. With `replicas` this
+    process (or gang) is one torchft replica group of a run on several nodes, training its share."""
     report = rank0_only(report)
-    dims = dims_of(cfg)
-    dims.check_batch(cfg.batch_size)
-    model, optimizer, scheduler, settings, start, device = _setup(cfg, report)
-    rows = rank_rows(cfg, cfg.batch_size)
+    dims_of(cfg).check_batch(cfg.batch_size)
+    stage = _setup(cfg, report, replicas)
+    rows, slices = rank_rows(cfg, cfg.batch_size, replicas)
+    model, device = stage.model, stage.device
 
     def step_fn(step: int) -> StepOutput:
         rng = batch_rng(cfg.seed, cfg.stage, step)
@@ -234,21 +301,13 @@ def train_sft(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]
         tokens = float(mask.sum())  # the global batch's response tokens (a host tensor: no sync)
         logprobs = sequence_logprobs(model, inputs[rows], targets[rows], device)
         local = to_device(mask[rows], device)
-        loss = global_token_mean(sft_loss(logprobs, local), local, tokens, dims.dp_degree)
+        loss = global_token_mean(sft_loss(logprobs, local), local, tokens, slices)
         return StepOutput(loss=loss, tokens=int(inputs.numel()))
 
-    result = run_loop(
-        settings,
-        model,
-        optimizer,
-        scheduler,
-        step_fn,
-        report,
-        should_stop,
-        start_step=start,
-        position=lambda: 0,
-    )
-    return _finish(model, result)
+    try:
+        return _finish(model, stage.run(step_fn, report, should_stop))
+    finally:
+        stage.close()
 
 
 def dpo_batch(cfg: PostConfig, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -334,20 +393,22 @@ class ReferenceLogprobs:
         self.seconds += time.perf_counter() - started
 
 
-def train_dpo(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]) -> PostResult:
+def train_dpo(
+    cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool], replicas: Replicas | None = None
+) -> PostResult:
     """Preference pairs (right answer, nearby wrong answer) on the tasks; the reference is the
-    incoming model (the previous stage's final weights), frozen, rebuilt the same on resume."""
+    incoming model (the previous stage's final weights), frozen, rebuilt the same on resume. With
+    `replicas`, as one replica group of a run on several nodes: each rank scores its own pairs."""
     report = rank0_only(report)
     dims_of(cfg).check_batch(cfg.batch_size)
-    model, optimizer, scheduler, settings, start, device = _setup(cfg, report)
-    rows = rank_rows(cfg, cfg.batch_size)
+    stage = _setup(cfg, report, replicas)
+    model, device = stage.model, stage.device
+    rows, _ = rank_rows(cfg, cfg.batch_size, replicas)
     n = rows.stop - rows.start  # this rank's pairs: the loss is their mean, averaged over the ranks
 
     def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return pair_slice(dpo_batch(cfg, step), cfg.batch_size, rows)
 
-    reference = _frozen_reference(cfg, model.shape.max_seq_len, device)
-    references = ReferenceLogprobs(reference, batch_of, cfg.steps, device)
     report_every = max(1, cfg.steps // 5)
 
     def progress(step: int, values: dict[str, float]) -> None:
@@ -355,29 +416,25 @@ def train_dpo(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]
             f"dpo step {step + 1}: reward accuracy {values['accuracy']:.2f}, margin {values['margin']:.3f}"
         )
 
-    def step_fn(step: int) -> StepOutput:
-        inputs, targets, mask, ref = references.take(step)
-        policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
-        loss, chosen, rejected = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], cfg.beta)
-        if (step + 1) % report_every:
-            return StepOutput(loss=loss, tokens=int(inputs.numel()))
-        # Read with the loss, in the loop's one transfer: no sync of their own in the step.
-        scalars = {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()}
-        return StepOutput(
-            loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(progress, step)
-        )
+    try:
+        reference = _frozen_reference(cfg, model.shape.max_seq_len, device)
+        references = ReferenceLogprobs(reference, batch_of, cfg.steps, device)
 
-    result = run_loop(
-        settings,
-        model,
-        optimizer,
-        scheduler,
-        step_fn,
-        report,
-        should_stop,
-        start_step=start,
-        position=lambda: 0,
-    )
+        def step_fn(step: int) -> StepOutput:
+            inputs, targets, mask, ref = references.take(step)
+            policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
+            loss, chosen, rejected = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], cfg.beta)
+            if (step + 1) % report_every:
+                return StepOutput(loss=loss, tokens=int(inputs.numel()))
+            # Read with the loss, in the loop's one transfer: no sync of their own in the step.
+            scalars = {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()}
+            return StepOutput(
+                loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(progress, step)
+            )
+
+        result = stage.run(step_fn, report, should_stop)
+    finally:
+        stage.close()
     if references.batches:
         report.log(
             f"dpo: reference log-probs of {references.batches} batches, each computed once, in "

@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from contracts.manifest import Manifest
 from contracts.models import ModelShape
 from services.domain.curriculum import LmPlan, plan_run
-from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, batches_to_skip, skip_window
+from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, batches_to_skip, load_weights, skip_window
 from services.trainer.data import (
     VOCAB_SIZE,
     BatchIterator,
@@ -336,6 +336,7 @@ class ReplicaJoin(FaultTolerance, Protocol):
     @property
     def step(self) -> int: ...
     def resume(self, directory: str) -> object: ...
+    def total(self, value: float) -> float: ...
     def close(self) -> None: ...
 
 
@@ -347,6 +348,27 @@ class Replicas:
     replica_id: int
     groups: int
     join: Callable[[torch.nn.Module, torch.optim.Optimizer, LambdaLR], ReplicaJoin]
+
+
+def join_replica(
+    group: ReplicaJoin,
+    stage: str,
+    checkpoint_dir: str,
+    model: torch.nn.Module,
+    init_from: str | None,
+    report: Reporter,
+) -> bool:
+    """Whether the group resumed its own checkpoint; failing that, the model starts from the
+    previous stage's final weights (`init_from`, this node's copy), as `resume_or_init` does. Every
+    group starts from the same weights; a group that is behind heals from a peer at its first step."""
+    if group.resume(checkpoint_dir) is not None:
+        return True
+    if init_from is not None:
+        source = load_weights(init_from, model)
+        if source is None:
+            raise TrainingError(f"{stage} starts from {init_from}, which holds no committed checkpoint.")
+        report.log(f"{stage} starts from {source.path}.")
+    return False
 
 
 def train_stage(
@@ -449,7 +471,7 @@ def _train_replica(
 
     group = replicas.join(model, optimizer, scheduler)
     try:
-        if group.resume(cfg.checkpoint_dir) is None:
+        if not join_replica(group, cfg.stage, cfg.checkpoint_dir, model, cfg.init_from, report):
             report.log(
                 f"Starting {cfg.stage} as replica group {replicas.replica_id} of {replicas.groups}: "
                 f"{count_parameters(cfg.shape):,} parameters, {cfg.steps} steps on {device.type}."

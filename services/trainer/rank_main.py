@@ -128,6 +128,9 @@ class PostJob(msgspec.Struct, tag="post", frozen=True, kw_only=True, forbid_unkn
     losses_path: str | None = None
     events_path: str | None = None
     result_path: str | None = None
+    replica_group: ReplicaJob | None = None
+    """Set on each node's gang of a multi-node run (SFT, DPO); the node's agent reports the run's
+    parallelism."""
 
 
 Job = StageJob | PostJob
@@ -264,8 +267,12 @@ def run(job: Job) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with _rank0_reporter(job) as report:
         if isinstance(job, PostJob):
-            _report_parallelism(report, job.stage, dims)
-            return _summary(job, dims, train_post(post_config(job, dims, str(device)), report, stop.is_set))
+            cfg_post = post_config(job, dims, str(device))
+            if job.replica_group is None:
+                _report_parallelism(report, job.stage, dims)
+                return _summary(job, dims, train_post(cfg_post, report, stop.is_set))
+            group = replicas(job.replica_group, report, job.stage)
+            return _summary(job, dims, train_post(cfg_post, report, stop.is_set, group))
         cfg = stage_config(job, dims, str(device))
         if job.replica_group is None:
             _report_parallelism(report, job.stage, dims)

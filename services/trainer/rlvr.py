@@ -20,6 +20,14 @@ publishes them, requests, collects, scores and filters the rollouts, then broadc
 and the step's stats; every rank computes the advantages of the whole kept batch and the loss on its
 slice of the rows, scaled so that the ranks' mean is the token-level loss over every kept token.
 
+On a run of several nodes each node is one torchft replica group (`replicas`, services/trainer/
+nodes.py) and RLVR samples per group: rank 0 of each group runs one rollout worker and samples the
+group's share of `prompts_per_step` (prompts of its own: the group's id is in the sampling seed),
+filters, and broadcasts the kept groups within its group. The token mean is over every group's kept
+tokens (their count summed over the groups with torchft's all-reduce, `Across.total`), so torchft's
+average of the groups' gradients is the loss over all of them. A group that kept none trains a
+weightless row (`placeholder`): it still steps with the others. Each group reports its own stats.
+
 Resume: the stage restarts from its latest checkpoint (policy, optimizer, step) with a fresh worker;
 the first batch after a resume is sampled from the restored policy instead of the prefetched,
 one-version-older one, so an RLVR resume continues correctly but not bit-identically.
@@ -38,7 +46,7 @@ from contracts.manifest import RlvrStage
 from contracts.runs import LogLevel
 from services.trainer import distributed
 from services.trainer.data import ByteTokenizer
-from services.trainer.generation import Completion
+from services.trainer.generation import END_TOKEN, Completion
 from services.trainer.loop import (
     StepOutput,
     full_state_dict,
@@ -68,7 +76,7 @@ from services.trainer.posttrain import (
     train_dpo,
     train_sft,
 )
-from services.trainer.pretrain import build_model, lr_factor
+from services.trainer.pretrain import ReplicaJoin, Replicas, build_model, join_replica, lr_factor
 from services.trainer.reporting import Reporter, rank0_only
 from services.trainer.rollout import RolloutBatch, RolloutRequest, RolloutWorker
 
@@ -165,11 +173,13 @@ def policy_batch(
 
 class Sampler:
     """Asks the worker for rollouts of step s, round r: which prompts and which sampling seed are a
-    function of (seed, s, r) alone."""
+    function of (seed, s, r) alone, and of the replica group `group` on a run of several nodes (each
+    group samples prompts of its own)."""
 
-    def __init__(self, cfg: RlvrConfig, worker: RolloutWorker):
+    def __init__(self, cfg: RlvrConfig, worker: RolloutWorker, group: int | None = None):
         self.cfg = cfg
         self.worker = worker
+        self.stream = "" if group is None else f"g{group}:"
         self.tok = ByteTokenizer()
         self.requested: set[str] = set()
         self.answers: dict[str, list[str]] = {}
@@ -178,7 +188,7 @@ class Sampler:
         request_id = f"{step}:{round_}"
         if request_id in self.requested:
             return request_id
-        rng = random.Random(f"rlvr:{self.cfg.seed}:{request_id}")
+        rng = random.Random(f"rlvr:{self.cfg.seed}:{self.stream}{request_id}")
         chosen = [rng.choice(self.cfg.problems) for _ in range(prompts)]
         self.answers[request_id] = [a for _, a in chosen]
         self.worker.request(
@@ -209,10 +219,43 @@ class Kept:
     sampled: int = 0
     right: int = 0
     reward_sum: float = 0.0
+    weightless: bool = False  # a stand-in batch of a replica group that kept none (`placeholder`)
 
 
-def take_batch(batch: RolloutBatch, answers: list[str], cfg: RlvrConfig, kept: Kept, st: StepStats) -> None:
-    """Score a fresh batch and keep, up to `prompts_per_step`, the groups dynamic sampling lets through."""
+def placeholder(prompt: list[int]) -> Kept:
+    """What a replica group that kept no group trains: two one-token rows of no weight. Its ranks
+    still run the forward and backward pass, so every gradient exists for torchft's average over
+    the groups (a step without a loss cannot run in a replica group), and contributes zero."""
+    done = Completion(tokens=[END_TOKEN], logprobs=[0.0], finished=True)
+    return Kept(
+        prompts=[prompt, prompt],
+        completions=[done, done],
+        rewards=[torch.tensor([0.0, 1.0])],
+        weightless=True,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Across:
+    """This process (or gang) is replica group `replica_id` of `groups` on a run of several nodes:
+    `total(x)` sums a float over the groups of the step's quorum (torchft's all-reduce)."""
+
+    replica_id: int
+    groups: int
+    total: Callable[[float], float]
+
+
+def take_batch(
+    batch: RolloutBatch,
+    answers: list[str],
+    cfg: RlvrConfig,
+    kept: Kept,
+    st: StepStats,
+    prompts: int | None = None,
+) -> None:
+    """Score a fresh batch and keep, up to `prompts` (default `prompts_per_step`), the groups dynamic
+    sampling lets through."""
+    prompts = cfg.rlvr.prompts_per_step if prompts is None else prompts
     for prompt, group, answer in zip(batch.prompts, batch.groups, answers, strict=True):
         rewards, correct = score_group(group, answer, cfg)
         kept.sampled += len(group)
@@ -220,28 +263,32 @@ def take_batch(batch: RolloutBatch, answers: list[str], cfg: RlvrConfig, kept: K
         kept.reward_sum += float(rewards.sum())
         if not bool(informative_groups(correct[None])[0]):
             st.groups_uniform += 1
-        elif len(kept.rewards) < cfg.rlvr.prompts_per_step:
+        elif len(kept.rewards) < prompts:
             kept.prompts += [prompt] * len(group)
             kept.completions += group
             kept.rewards.append(rewards)
 
 
-def sample_step(step: int, first: str, cfg: RlvrConfig, sampler: Sampler, st: StepStats) -> Kept:
-    """Step `step`'s groups: the batch `first`, then refills until enough are kept or the rounds run out;
-    a batch more than `max_staleness` versions old is dropped whole."""
+def sample_step(
+    step: int, first: str, cfg: RlvrConfig, sampler: Sampler, st: StepStats, prompts: int | None = None
+) -> Kept:
+    """Step `step`'s groups: the batch `first`, then refills until enough are kept (`prompts`, default
+    `prompts_per_step`) or the rounds run out; a batch more than `max_staleness` versions old is
+    dropped whole."""
+    prompts = cfg.rlvr.prompts_per_step if prompts is None else prompts
     kept = Kept()
     request_id, round_ = first, 0
     while True:
         batch, answers = sampler.collect(request_id)
         st.rounds += 1
         if fresh_rollouts([batch.version], step, cfg.rlvr.max_staleness)[0]:
-            take_batch(batch, answers, cfg, kept, st)
+            take_batch(batch, answers, cfg, kept, st, prompts)
         else:
             st.stale_dropped += sum(len(g) for g in batch.groups)
-        if len(kept.rewards) >= cfg.rlvr.prompts_per_step or round_ + 1 >= cfg.rlvr.max_sampling_rounds:
+        if len(kept.rewards) >= prompts or round_ + 1 >= cfg.rlvr.max_sampling_rounds:
             break
         round_ += 1
-        request_id = sampler.request(step, round_, cfg.rlvr.prompts_per_step)
+        request_id = sampler.request(step, round_, prompts)
     st.groups_kept = len(kept.rewards)
     st.accuracy = kept.right / kept.sampled if kept.sampled else 0.0
     st.reward = kept.reward_sum / kept.sampled if kept.sampled else 0.0
@@ -259,28 +306,39 @@ def rank_share(rows: int, dp_rank: int, dp_degree: int) -> tuple[slice, bool]:
 
 
 def policy_loss(
-    model: Transformer, kept: Kept, cfg: RlvrConfig, device: torch.device, st: StepStats
+    model: Transformer,
+    kept: Kept,
+    cfg: RlvrConfig,
+    device: torch.device,
+    st: StepStats,
+    across: Across | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's loss, the kept batch's response mask) over the kept groups: advantages normalised
     within each group of shaped rewards, the clipped policy loss on this rank's rows (all of them in
-    one process); the k3 KL and the clip fraction, over every kept token, go to `st`."""
+    one process); the k3 KL and the clip fraction, over every kept token, go to `st`. `across`: this
+    is one replica group's kept batch, and the token mean is over every group's kept tokens."""
     inputs, targets, mask, old = policy_batch(kept.prompts, kept.completions)
     advantages = group_advantages(torch.stack(kept.rewards)).reshape(-1)
     dims = dims_of(cfg)
     rows, own = rank_share(len(kept.completions), dims.dp_rank(distributed.rank()), dims.dp_degree)
-    tokens = float(mask.sum())
+    tokens = 0.0 if kept.weightless else float(mask.sum())
+    own = own and not kept.weightless
+    group_tokens = tokens
+    slices = dims.dp_degree
+    if across is not None:
+        tokens, slices = across.total(tokens), across.groups * dims.dp_degree
     local = mask[rows].to(device) * (1.0 if own else 0.0)
     old_local = old[rows].to(device)
     logprobs = sequence_logprobs(model, inputs[rows], targets[rows], device, temperature=cfg.rlvr.temperature)
     loss, clip_fraction = clipped_policy_loss(
         logprobs, old_local, advantages[rows].to(device), local, cfg.rlvr.eps_low, cfg.rlvr.eps_high
     )
-    loss = global_token_mean(loss, local, tokens, dims.dp_degree)
+    loss = global_token_mean(loss, local, tokens, slices)
     if dims.dp_degree == 1:
         st.kl = float(kl_estimate(logprobs, old_local, local))
         st.clip_fraction = float(clip_fraction)
     else:  # token means over the kept batch: each rank's share, weighted by its tokens
-        share = float(local.sum()) * dims.dp_degree / max(tokens, 1.0)
+        share = float(local.sum()) * dims.dp_degree / max(group_tokens, 1.0)
         st.kl = distributed.all_reduce_mean(float(kl_estimate(logprobs, old_local, local)) * share)
         st.clip_fraction = distributed.all_reduce_mean(float(clip_fraction) * share)
     return loss, mask
@@ -292,15 +350,66 @@ def train_rlvr(
     should_stop: Callable[[], bool],
     *,
     worker_factory: Callable[..., RolloutWorker] = RolloutWorker,
+    replicas: Replicas | None = None,
 ) -> RlvrResult:
     """`worker_factory(shape, rope_base, threads=, device=)` builds the rollout worker (a context
-    manager); tests pass a fake one to exercise staleness without timing."""
+    manager); tests pass a fake one to exercise staleness without timing. `replicas`: this process
+    (or gang) is one replica group of a run on several nodes (see `Across`)."""
     report = rank0_only(report)
     device = pick_device(cfg.device)
     model, optimizer, scheduler = _policy(cfg, device)
     settings = loop_settings(cfg)
-    resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
-    start = resumed.step if resumed else 0
+    group: ReplicaJoin | None = None
+    across: Across | None = None
+    if replicas is None:
+        resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
+        start = resumed.step if resumed else 0
+    else:
+        if cfg.rlvr.prompts_per_step % replicas.groups:
+            raise ValueError(
+                f"rlvr's {cfg.rlvr.prompts_per_step} prompts per step do not split over {replicas.groups} replica groups."
+            )
+        group = replicas.join(model, optimizer, scheduler)
+        try:
+            join_replica(group, cfg.stage, cfg.checkpoint_dir, model, cfg.init_from, report)
+        except BaseException:
+            group.close()
+            raise
+        start = group.step
+        across = Across(replica_id=replicas.replica_id, groups=replicas.groups, total=group.total)
+    try:
+        return _train_rlvr(
+            cfg,
+            report,
+            should_stop,
+            worker_factory,
+            model,
+            optimizer,
+            scheduler,
+            start,
+            device,
+            group,
+            across,
+        )
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _train_rlvr(
+    cfg: RlvrConfig,
+    report: Reporter,
+    should_stop: Callable[[], bool],
+    worker_factory: Callable[..., RolloutWorker],
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR,
+    start: int,
+    device: torch.device,
+    group: ReplicaJoin | None,
+    across: Across | None,
+) -> RlvrResult:
+    settings = loop_settings(cfg)
     stats: list[StepStats] = []
     if start < cfg.steps:
         report.log(_plan_line(cfg, start))
@@ -317,16 +426,22 @@ def train_rlvr(
         report.log(
             f"rlvr: {workers} rollout worker{'s' if workers != 1 else ''} (rank 0's) for "
             f"{ranks} rank{'s' if ranks != 1 else ''}"
+            + ("" if across is None else f" of replica group {across.replica_id} of {across.groups}")
         )
         step_fn = partial(
             rl_step,
             cfg=cfg,
             model=model,
             worker=worker,
-            sampler=Sampler(cfg, worker) if worker is not None else None,
+            sampler=(
+                Sampler(cfg, worker, None if across is None else across.replica_id)
+                if worker is not None
+                else None
+            ),
             device=device,
             stats=stats,
             report=report,
+            across=across,
         )
         result = run_loop(
             settings,
@@ -338,6 +453,7 @@ def train_rlvr(
             should_stop,
             start_step=start,
             position=lambda: 0,
+            fault_tolerance=group,
         )
     stale_total = sum(st.stale_dropped for st in stats)
     if stale_total:
@@ -387,22 +503,28 @@ def rl_step(
     device: torch.device,
     stats: list[StepStats],
     report: Reporter,
+    across: Across | None = None,
 ) -> StepOutput:
     """One RL step's loss (the loop's `step_fn`): publish version `step`, prefetch the next step's
     rollouts, sample this step's groups, and the clipped policy loss over the kept ones. Under
-    several ranks only rank 0 holds a worker and a sampler; the others receive its kept groups."""
+    several ranks only rank 0 holds a worker and a sampler; the others receive its kept groups. As a
+    replica group (`across`), its rank 0 samples the group's share of the step's prompts (prompts of
+    its own), and the token mean is over every group's kept tokens."""
+    prompts = cfg.rlvr.prompts_per_step // (1 if across is None else across.groups)
     weights = full_state_dict(model)  # every rank: a collective under FSDP2 (rank 0 keeps the result)
     sampled: tuple[Kept, StepStats] | None = None
     if worker is not None and sampler is not None:
         st = StepStats(step=step + 1)
         worker.publish(step, weights)
-        first = sampler.request(step, 0, cfg.rlvr.prompts_per_step)
+        first = sampler.request(step, 0, prompts)
         if cfg.rlvr.max_staleness >= 1 and step + 1 < cfg.steps:
-            sampler.request(step + 1, 0, cfg.rlvr.prompts_per_step)  # sampled from version `step`
-        sampled = (sample_step(step, first, cfg, sampler, st), st)
+            sampler.request(step + 1, 0, prompts)  # sampled from version `step`
+        sampled = (sample_step(step, first, cfg, sampler, st, prompts), st)
     del weights
     kept, st = distributed.broadcast_object(sampled)  # rank 0's groups and stats on every rank
     stats.append(st)
+    if not kept.rewards and across is not None:  # the other groups may have kept some: join their step
+        kept = placeholder(ByteTokenizer().encode(cfg.problems[0][0]))
     if not kept.rewards:
         report.log(
             f"rlvr step {step + 1}: no group with both right and wrong answers after {st.rounds} "
@@ -410,25 +532,27 @@ def rl_step(
             LogLevel.warning,
         )
         return StepOutput(loss=None, tokens=0)
-    loss, mask = policy_loss(model, kept, cfg, device, st)
+    loss, mask = policy_loss(model, kept, cfg, device, st, across)
     report.log(
         f"rlvr step {step + 1}: reward {st.reward:.3f}, accuracy {st.accuracy:.3f}, kl {st.kl:.4f}, "
         f"clipped {st.clip_fraction:.3f}, groups kept {st.groups_kept} (uniform dropped {st.groups_uniform}), "
         f"stale rollouts dropped {st.stale_dropped}, rounds {st.rounds}"
     )
-    return StepOutput(loss=loss, tokens=int(mask.sum().item()))
+    return StepOutput(loss=loss, tokens=0 if kept.weightless else int(mask.sum().item()))
 
 
-def train_post(cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]) -> PostResult | RlvrResult:
+def train_post(
+    cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool], replicas: Replicas | None = None
+) -> PostResult | RlvrResult:
     """The post-training stage `cfg.stage` in this process (one rank of a gang, or alone): SFT, DPO,
-    or RLVR (`cfg` an RlvrConfig)."""
+    or RLVR (`cfg` an RlvrConfig). `replicas`: as one replica group of a run on several nodes."""
     match cfg.stage:
         case "sft":
-            return train_sft(cfg, report, should_stop)
+            return train_sft(cfg, report, should_stop, replicas)
         case "dpo":
-            return train_dpo(cfg, report, should_stop)
+            return train_dpo(cfg, report, should_stop, replicas)
         case "rlvr":
             if not isinstance(cfg, RlvrConfig):
                 raise ValueError("An rlvr stage needs its RLVR section (an RlvrConfig).")
-            return train_rlvr(cfg, report, should_stop)
+            return train_rlvr(cfg, report, should_stop, replicas=replicas)
     raise ValueError(f"Unknown post-training stage {cfg.stage!r}; the trainer runs sft, dpo and rlvr.")

@@ -478,7 +478,7 @@ class Worker:
             if refused is not None:
                 raise ParallelismError(refused)
             share = nodes.NodeShare(work, checkpoint_dir, self.threads)
-            return share.train_stage, share
+            return Trainers(lm=share.train_stage, post=share.train_post, ladder=share.ladder), share
         dims = gang_dims(work.plan)
         if dims is None:
             return train_stage, None

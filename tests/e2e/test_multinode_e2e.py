@@ -7,6 +7,10 @@ Node 1's agent SIGKILLed mid-stage: a replacement agent leases node 1's redelive
 epoch, resumes node 1's checkpoint and heals from node 0, which trains on throughout; the run
 succeeds without ever leaving `running`.
 
+A custom-data ladder, SFT, DPO and RLVR on 2 nodes: node 0 decides the ladder and node 1 takes its
+decision from the rendezvous store; the post stages train as two replica groups (RLVR with a rollout
+worker per node), ending with the same weights on both nodes.
+
 Several GPUs per node on several nodes is no longer refused: such a run trains (2 nodes of 2 ranks,
 tests/e2e/test_multinode_gang_e2e.py, with the default settings)."""
 
@@ -17,6 +21,11 @@ import signal
 
 import pytest
 
+from contracts.models import MODEL_SHAPES
+from services.trainer.checkpoint import load_weights
+from services.trainer.fault_tolerance import weights_checksum
+from services.trainer.model import Transformer
+from tests.conftest import REPO
 from tests.support import confirm_and_train, eventually, multi_agent_stack, run_state, run_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
@@ -166,3 +175,90 @@ def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack,
     node1_steps = [e["step"] for e in later if e.get("kind") == "metrics"]
     assert node1_steps and max(node1_steps) == steps, node1_steps[-3:]
     assert any("node 1: succeeded" in msg for msg in messages), messages[-3:]
+
+
+POST_STEPS = {"pretrain": 12, "sft": 6, "dpo": 4, "rlvr": 3}
+
+
+def test_a_custom_data_ladder_and_post_training_train_on_two_nodes(stack, manifest, tmp_path):
+    """data_prep -> ladder (custom data) -> pretrain -> sft -> dpo -> rlvr on 2 nodes: node 0 decides
+    the ladder and node 1 takes its decision (no proxy runs of its own); every stage trains as two
+    replica groups, node 1 each stage's every step, RLVR with one rollout worker per node; both
+    nodes end with the same weights."""
+    account, _, env = stack.account()
+    booking = stack.booking(account, nodes=2, gpus_per_node=1)
+    custom = tmp_path / "custom.txt"
+    custom.write_text(
+        "\n\n".join(
+            f"Paragraph {i}: the river runs under the old stone bridge near the mill." for i in range(300)
+        )
+    )
+    custom.chmod(0o644)
+    data = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())["data"]
+    data.append(
+        {
+            "name": "custom",
+            "source": f"file:{custom}",
+            "role": "train",
+            "decontamination": {"method": "13-gram", "against": [], "provenance": "test"},
+        }
+    )
+    tasks = ["arithmetic"]
+    m = manifest(
+        resources=NODES,
+        data=data,
+        target={"tokens": 12 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
+        checkpoint={"interval_steps": 4, "keep_last": 2, "storage": "local"},
+        stages={
+            "data_prep": {},
+            "ladder": {"proxy_steps": 4, "max_budget_fraction": 0.5},
+            "pretrain": {"data": ["python-docs", "arithmetic", "custom"]},
+        },
+        post_training={
+            "recipe": ["sft", "dpo", "rlvr"],
+            "sft": {"steps": 6, "batch_size": 8, "learning_rate": 0.001, "data": tasks},
+            "dpo": {"steps": 4, "batch_size": 8, "learning_rate": 0.0001, "data": tasks},
+            "rlvr": {
+                "steps": 3,
+                "prompts_per_step": 2,
+                "group_size": 4,
+                "max_response_tokens": 4,
+                "overlong_buffer_tokens": 2,
+                "data": tasks,
+            },
+        },
+    )
+    train = confirm_and_train(stack, env, booking, str(m), "two-nodes-post")
+    run_id = train["data"]["run_id"]
+    final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=2 * RUN_TIMEOUT_S)
+    assert final["state"] == "succeeded", final
+    assert [g["stage"] for g in final["gates"]] == ["ladder", "pretrain", "sft", "dpo", "rlvr"], final[
+        "gates"
+    ]
+    assert final["parallelism"]["stage"] == "rlvr" and final["parallelism"]["mesh"] == {"dp_replicate": 2}
+
+    run_dir = pathlib.Path(final["checkpoint_dir"])
+    node1 = run_dir / "node-1"
+    decision = json.loads((run_dir / "ladder" / "decision.json").read_text())
+    assert json.loads((node1 / "ladder" / "decision.json").read_text()) == decision  # node 0's, taken
+    assert not (node1 / "ladder" / "reference").exists(), "node 1 ran proxies of its own"
+    events = _node_events(run_dir, 1)
+    messages = [e.get("message", "") for e in events]
+    for stage, steps in POST_STEPS.items():
+        joined = [msg for msg in messages if msg.startswith(f"{stage}: node 1 of 2 joins as replica group 1")]
+        assert joined and "2 of 2 nodes met" in joined[0], (stage, messages[:20])
+        node1_steps = [e["step"] for e in events if e.get("kind") == "metrics" and e.get("stage") == stage]
+        assert node1_steps and max(node1_steps) == steps, (stage, node1_steps)
+    assert any("node 1: succeeded" in msg for msg in messages), messages[-3:]
+    worker = "rlvr: 1 rollout worker (rank 0's) for 1 rank of replica group {} of 2"
+    assert messages.count(worker.format(1)) == 1, [m for m in messages if m.startswith("rlvr")]
+    rc, logs = stack.ecc("logs", run_id, env=env)
+    assert rc == 0, logs
+    assert [ln["message"] for ln in logs["data"]["lines"]].count(worker.format(0)) == 1
+
+    weights = []
+    for directory in (run_dir / "rlvr", node1 / "rlvr"):
+        model = Transformer(MODEL_SHAPES["tiny"])
+        assert load_weights(directory, model) is not None, directory
+        weights.append(weights_checksum(model))
+    assert weights[0] == weights[1]  # the two replica groups ended with the same weights

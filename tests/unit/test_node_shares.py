@@ -2,7 +2,9 @@
 message ids (node 0's is the run's own item and id, as for any run), the node rank in the signed
 item; what a node refuses to train, in a sentence; where each node keeps its checkpoints."""
 
+import json
 import pathlib
+import threading
 
 import msgspec
 import pytest
@@ -14,7 +16,9 @@ from services.domain.curriculum import plan_run
 from services.scheduler.handoff import node_shares
 from services.trainer import nodes
 from services.trainer.distributed import ParallelDims, replica_batch_rows
-from tests.conftest import write_manifest
+from services.trainer.gang import free_port
+from services.trainer.ladder import LadderDecision
+from tests.conftest import REPO, write_manifest
 
 COST = {name: 0 for name in CostEstimate.__struct_fields__}
 PLAN = msgspec.convert(
@@ -143,13 +147,84 @@ def test_each_rank_of_each_replica_group_trains_its_own_rows_of_the_global_batch
     assert replica_batch_rows(8, replica_id, groups, dims, rank) == rows
 
 
-def test_post_training_on_several_nodes_is_refused_naming_the_stage(tmp_path):
-    m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 1}, post_training={"recipe": ["sft"]})
+@pytest.mark.parametrize("recipe", [["sft"], ["sft", "dpo"], ["dpo"], ["sft", "dpo", "rlvr"]])
+def test_post_training_on_several_nodes_trains_as_replica_groups(tmp_path, recipe):
+    m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 1}, post_training={"recipe": recipe})
+    assert nodes.refusal(work(2, 0), m, plan_run(m)) is None
+    m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 2}, post_training={"recipe": recipe})
+    assert nodes.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m)) is None
+
+
+def test_rlvr_on_several_nodes_trains_when_its_prompts_split_over_the_nodes(tmp_path):
+    recipe = {"recipe": ["sft", "rlvr"], "rlvr": {"prompts_per_step": 4}}
+    m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 1}, post_training=recipe)
+    assert nodes.refusal(work(2, 0), m, plan_run(m)) is None
+    recipe = {"recipe": ["sft", "rlvr"], "rlvr": {"prompts_per_step": 3}}
+    m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 1}, post_training=recipe)
     reason = nodes.refusal(work(2, 0), m, plan_run(m))
-    assert reason is not None and "cannot run sft yet" in reason, reason
+    assert reason is not None and "3 prompts per step do not split evenly over 2 nodes" in reason, reason
+
+
+def test_a_post_batch_that_does_not_split_over_every_rank_of_every_node_is_refused(tmp_path):
+    m = _manifest(
+        tmp_path,
+        resources={"nodes": 2, "gpus_per_node": 2},
+        post_training={"recipe": ["sft"], "sft": {"batch_size": 6}},
+    )
+    reason = nodes.refusal(work(2, 0, plan=HSDP_2X2), m, plan_run(m))
+    assert reason is not None and "6 does not split evenly over 4 data-parallel ranks" in reason, reason
+
+
+def test_the_ladder_with_custom_data_on_several_nodes_is_not_refused(tmp_path):
+    custom = tmp_path / "custom.txt"
+    custom.write_text("12+30=42\n" * 200)
+    data = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())["data"]
+    data.append({"name": "mine", "source": f"file:{custom}", "role": "train"})
+    m = _manifest(
+        tmp_path,
+        data=data,
+        stages={"ladder": {"proxy_steps": 4, "max_budget_fraction": 0.5}},
+        resources={"nodes": 2, "gpus_per_node": 1},
+    )
+    ladder = plan_run(m).ladder
+    assert ladder is not None and ladder.custom == ("mine",)
+    assert nodes.refusal(work(2, 1), m, plan_run(m)) is None
 
 
 def test_node_0_keeps_the_run_directory_and_the_others_their_own():
     root = pathlib.Path("/ckpt/acme/run_1")
     assert nodes.node_checkpoint_dir(root, 0) == root
     assert nodes.node_checkpoint_dir(root, 1) == root / "node-1"
+
+
+def test_node_0_decides_the_ladder_and_the_other_nodes_take_its_decision(tmp_path, monkeypatch):
+    """Node 0 runs the proxies (here a stand-in) and publishes the decision in the rendezvous store;
+    node 1 runs none, waits for it, records it as its own, and a replaced node 1 reads its record."""
+    decided = LadderDecision(use=False, reference_loss=2.0, custom_loss=2.5, threshold=2.1, steps=4)
+    calls: list[int] = []
+
+    def proxies(plan, *, directory, should_stop, **kwargs) -> LadderDecision:
+        calls.append(0)
+        return decided
+
+    monkeypatch.setattr(nodes, "run_ladder", proxies)
+    endpoint = f"127.0.0.1:{free_port()}"
+    leader, follower = (nodes.NodeShare(work(2, r, rendezvous=endpoint)) for r in (0, 1))
+    taken: list[LadderDecision | None] = []
+    thread = threading.Thread(
+        target=lambda: taken.append(
+            follower.ladder(None, directory=tmp_path / "n1", should_stop=lambda: False)
+        )
+    )
+    try:
+        assert leader.ladder(None, directory=tmp_path / "n0", should_stop=lambda: False) == decided
+        thread.start()
+        thread.join(30)
+        assert taken == [decided] and calls == [0]  # node 1 ran no proxies of its own
+        assert json.loads((tmp_path / "n1" / "decision.json").read_text())["use"] is False
+        again = nodes.NodeShare(work(2, 1, rendezvous=endpoint))
+        assert again.ladder(None, directory=tmp_path / "n1", should_stop=lambda: False) == decided
+        again.close()
+    finally:
+        follower.close()
+        leader.close()
