@@ -7,6 +7,7 @@ hang is a failure with a reason, never a stuck suite.
 
 import asyncio
 import contextlib
+import json
 import pathlib
 import signal
 import subprocess
@@ -130,3 +131,56 @@ def multi_agent_stack(directory: pathlib.Path, env: dict[str, str] | None = None
                 agent.wait()
         log.close()
         s.run("ito-training", "down", timeout=60)
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FULL_RECIPE_STEPS = {"pretrain": 12, "sft": 6, "dpo": 4, "rlvr": 3}  # what `full_recipe` plans
+
+
+def full_recipe(
+    manifest: Callable[..., pathlib.Path], directory: pathlib.Path, resources: dict
+) -> pathlib.Path:
+    """A manifest (through the `manifest` fixture) of every stage on the tiny model, a few steps
+    each: data_prep -> ladder deciding on custom data (a file under `directory`) -> pretrain (12
+    steps) -> sft (6) -> dpo (4) -> rlvr (3), on `resources`."""
+    custom = directory / "custom.txt"
+    custom.write_text(
+        "\n\n".join(
+            f"Paragraph {i}: the river runs under the old stone bridge near the mill." for i in range(300)
+        )
+    )
+    custom.chmod(0o644)
+    data = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())["data"]
+    data.append(
+        {
+            "name": "custom",
+            "source": f"file:{custom}",
+            "role": "train",
+            "decontamination": {"method": "13-gram", "against": [], "provenance": "test"},
+        }
+    )
+    tasks = ["arithmetic"]
+    return manifest(
+        resources=resources,
+        data=data,
+        target={"tokens": 12 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
+        checkpoint={"interval_steps": 4, "keep_last": 2, "storage": "local"},
+        stages={
+            "data_prep": {},
+            "ladder": {"proxy_steps": 4, "max_budget_fraction": 0.5},
+            "pretrain": {"data": ["python-docs", "arithmetic", "custom"]},
+        },
+        post_training={
+            "recipe": ["sft", "dpo", "rlvr"],
+            "sft": {"steps": 6, "batch_size": 8, "learning_rate": 0.001, "data": tasks},
+            "dpo": {"steps": 4, "batch_size": 8, "learning_rate": 0.0001, "data": tasks},
+            "rlvr": {
+                "steps": 3,
+                "prompts_per_step": 2,
+                "group_size": 4,
+                "max_response_tokens": 4,
+                "overlong_buffer_tokens": 2,
+                "data": tasks,
+            },
+        },
+    )

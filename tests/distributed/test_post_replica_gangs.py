@@ -5,7 +5,6 @@ both gangs finish every step and hold the same weights; the weights are one proc
 batch (token means over the global batch), within float tolerance."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -64,17 +63,7 @@ def test_sft_on_two_gangs_as_replica_groups_ends_with_one_process_weights(tmp_pa
             job = _job(tmp_path / f"group-{i}", group, strategy="fsdp2", degrees={"dp_shard": 2})
             log = (tmp_path / f"group-{i}.log").open("wb")
             logs.append(log)
-            command = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node=2",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=localhost:{torchrun.free_port()}",
-                "--max-restarts=0",
-                *torchrun.RANK_MAIN,
-                str(job),
-            ]
+            command = torchrun.command([*torchrun.RANK_MAIN, str(job)], 2)
             env = torchrun.env()
             procs.append(
                 subprocess.Popen(command, cwd=torchrun.REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -13,7 +13,6 @@ heal that missed the optimizer state or a shard would make the groups drift apar
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -64,19 +63,7 @@ class GangGroup:
             replica_group=ReplicaJob(replica_id=replica_id, groups=2, lighthouse=lighthouse),
         )
         (self.dir / "job.json").write_bytes(msgspec.json.encode(job))
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=localhost:{torchrun.free_port()}",
-            "--max-restarts=0",
-            "-m",
-            "services.trainer.rank_main",
-            "--config",
-            str(self.dir / "job.json"),
-        ]
+        command = torchrun.command([*torchrun.RANK_MAIN, str(self.dir / "job.json")], 2)
         env = torchrun.env()
         self.log = (self.dir / "torchrun.log").open("ab")
         # Its own session; torchrun starts each rank in a session of its own too (see `stop`).

@@ -44,9 +44,10 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def launch(target: list[str], ranks: int) -> subprocess.CompletedProcess:
-    """`target` (a script and its arguments, or `-m module ...`) in one process (ranks 1, no process
-    group) or on `ranks` ranks under torchrun's c10d rendezvous on a free loopback port."""
+def command(target: list[str], ranks: int) -> list[str]:
+    """`target` (a script and its arguments, or `-m module ...`) in one process (ranks 1, no
+    process group) or on `ranks` ranks under torchrun's c10d rendezvous on a free loopback port,
+    never restarted."""
     launcher = [sys.executable]
     if ranks > 1:
         launcher += [
@@ -55,9 +56,15 @@ def launch(target: list[str], ranks: int) -> subprocess.CompletedProcess:
             f"--nproc-per-node={ranks}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=localhost:{free_port()}",
+            "--max-restarts=0",
         ]
+    return [*launcher, *target]
+
+
+def launch(target: list[str], ranks: int) -> subprocess.CompletedProcess:
+    """`command(target, ranks)` run to its end (bounded), its output captured."""
     return subprocess.run(
-        [*launcher, *target], cwd=REPO, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+        command(target, ranks), cwd=REPO, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
 
 

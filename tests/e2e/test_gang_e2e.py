@@ -5,7 +5,6 @@ killed mid-stage is restarted with its gang by the elastic launcher from the las
 checkpoint, and the run still succeeds. Post-training (SFT, DPO, RLVR) and a ladder on custom data
 run with a gang too: the stages on 2 ranks, data preparation and the ladder once, in the agent."""
 
-import json
 import os
 import pathlib
 import signal
@@ -14,8 +13,8 @@ import msgspec
 import pytest
 
 from contracts.runs import Metrics, RunEvent
-from tests.conftest import REPO, start_stack
-from tests.support import eventually, run_state, run_status
+from tests.conftest import start_stack
+from tests.support import FULL_RECIPE_STEPS, eventually, full_recipe, run_state, run_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -148,58 +147,12 @@ def test_a_rank_killed_mid_stage_is_restarted_from_the_last_checkpoint(stack, ma
     assert resumed, "the restarted gang did not resume from a checkpoint"
 
 
-def _custom_text(path: pathlib.Path) -> str:
-    path.write_text(
-        "\n\n".join(
-            f"Paragraph {i}: the river runs under the old stone bridge near the mill." for i in range(300)
-        )
-    )
-    path.chmod(0o644)
-    return f"file:{path}"
-
-
-POST_STEPS = {"pretrain": 12, "sft": 6, "dpo": 4, "rlvr": 3}
-
-
 def test_post_training_and_a_custom_data_ladder_train_on_a_two_rank_gang(stack, manifest, tmp_path):
     """data_prep -> ladder (custom data) -> pretrain -> sft -> dpo -> rlvr with 2 GPUs planned: every
     stage trains on a gang of 2 ranks; data preparation and the ladder's proxy runs happen once, in
     the agent; each stage's events come once (rank 0's), and RLVR has one rollout worker."""
     env, booking = _tenant(stack)
-    data = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())["data"]
-    data.append(
-        {
-            "name": "custom",
-            "source": _custom_text(tmp_path / "custom.txt"),
-            "role": "train",
-            "decontamination": {"method": "13-gram", "against": [], "provenance": "test"},
-        }
-    )
-    tasks = ["arithmetic"]
-    m = manifest(
-        resources={"nodes": 1, "gpus_per_node": 2},
-        data=data,
-        target={"tokens": 12 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
-        checkpoint={"interval_steps": 4, "keep_last": 2, "storage": "local"},
-        stages={
-            "data_prep": {},
-            "ladder": {"proxy_steps": 4, "max_budget_fraction": 0.5},
-            "pretrain": {"data": ["python-docs", "arithmetic", "custom"]},
-        },
-        post_training={
-            "recipe": ["sft", "dpo", "rlvr"],
-            "sft": {"steps": 6, "batch_size": 8, "learning_rate": 0.001, "data": tasks},
-            "dpo": {"steps": 4, "batch_size": 8, "learning_rate": 0.0001, "data": tasks},
-            "rlvr": {
-                "steps": 3,
-                "prompts_per_step": 2,
-                "group_size": 4,
-                "max_response_tokens": 4,
-                "overlong_buffer_tokens": 2,
-                "data": tasks,
-            },
-        },
-    )
+    m = full_recipe(manifest, tmp_path, {"nodes": 1, "gpus_per_node": 2})
     run_id = _train(stack, env, booking, str(m), "gang-post")
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=2 * RUN_TIMEOUT_S)
     assert final["state"] == "succeeded", final
@@ -215,7 +168,7 @@ def test_post_training_and_a_custom_data_ladder_train_on_a_two_rank_gang(stack, 
     ]
     assert (run_dir / "ladder" / "decision.json").exists() and not (run_dir / "gang" / "ladder").exists()
     decoder = msgspec.json.Decoder(RunEvent)
-    for stage, steps in POST_STEPS.items():
+    for stage, steps in FULL_RECIPE_STEPS.items():
         assert _rank_logs(run_dir, stage)[0] == [0, 1], stage
         lines = (run_dir / "gang" / stage / "events.jsonl").read_text().splitlines()
         events = [decoder.decode(line) for line in lines]
@@ -224,7 +177,7 @@ def test_post_training_and_a_custom_data_ladder_train_on_a_two_rank_gang(stack, 
     rc, logs = stack.ecc("logs", run_id, env=env)
     assert rc == 0, logs
     messages = [ln["message"] for ln in logs["data"]["lines"]]
-    for stage in POST_STEPS:
+    for stage in FULL_RECIPE_STEPS:
         started = [msg for msg in messages if msg.startswith(f"{stage}: starting a gang of 2 ranks")]
         assert len(started) == 1, (stage, started)
     assert messages.count("rlvr: 1 rollout worker (rank 0's) for 2 ranks") == 1, messages

@@ -25,8 +25,15 @@ from contracts.models import MODEL_SHAPES
 from services.trainer.checkpoint import load_weights
 from services.trainer.fault_tolerance import weights_checksum
 from services.trainer.model import Transformer
-from tests.conftest import REPO
-from tests.support import confirm_and_train, eventually, multi_agent_stack, run_state, run_status
+from tests.support import (
+    FULL_RECIPE_STEPS,
+    confirm_and_train,
+    eventually,
+    full_recipe,
+    multi_agent_stack,
+    run_state,
+    run_status,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -177,9 +184,6 @@ def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack,
     assert any("node 1: succeeded" in msg for msg in messages), messages[-3:]
 
 
-POST_STEPS = {"pretrain": 12, "sft": 6, "dpo": 4, "rlvr": 3}
-
-
 def test_a_custom_data_ladder_and_post_training_train_on_two_nodes(stack, manifest, tmp_path):
     """data_prep -> ladder (custom data) -> pretrain -> sft -> dpo -> rlvr on 2 nodes: node 0 decides
     the ladder and node 1 takes its decision (no proxy runs of its own); every stage trains as two
@@ -187,47 +191,7 @@ def test_a_custom_data_ladder_and_post_training_train_on_two_nodes(stack, manife
     nodes end with the same weights."""
     account, _, env = stack.account()
     booking = stack.booking(account, nodes=2, gpus_per_node=1)
-    custom = tmp_path / "custom.txt"
-    custom.write_text(
-        "\n\n".join(
-            f"Paragraph {i}: the river runs under the old stone bridge near the mill." for i in range(300)
-        )
-    )
-    custom.chmod(0o644)
-    data = json.loads((REPO / "examples" / "manifests" / "tiny.json").read_text())["data"]
-    data.append(
-        {
-            "name": "custom",
-            "source": f"file:{custom}",
-            "role": "train",
-            "decontamination": {"method": "13-gram", "against": [], "provenance": "test"},
-        }
-    )
-    tasks = ["arithmetic"]
-    m = manifest(
-        resources=NODES,
-        data=data,
-        target={"tokens": 12 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003},
-        checkpoint={"interval_steps": 4, "keep_last": 2, "storage": "local"},
-        stages={
-            "data_prep": {},
-            "ladder": {"proxy_steps": 4, "max_budget_fraction": 0.5},
-            "pretrain": {"data": ["python-docs", "arithmetic", "custom"]},
-        },
-        post_training={
-            "recipe": ["sft", "dpo", "rlvr"],
-            "sft": {"steps": 6, "batch_size": 8, "learning_rate": 0.001, "data": tasks},
-            "dpo": {"steps": 4, "batch_size": 8, "learning_rate": 0.0001, "data": tasks},
-            "rlvr": {
-                "steps": 3,
-                "prompts_per_step": 2,
-                "group_size": 4,
-                "max_response_tokens": 4,
-                "overlong_buffer_tokens": 2,
-                "data": tasks,
-            },
-        },
-    )
+    m = full_recipe(manifest, tmp_path, NODES)
     train = confirm_and_train(stack, env, booking, str(m), "two-nodes-post")
     run_id = train["data"]["run_id"]
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=2 * RUN_TIMEOUT_S)
@@ -244,7 +208,7 @@ def test_a_custom_data_ladder_and_post_training_train_on_two_nodes(stack, manife
     assert not (node1 / "ladder" / "reference").exists(), "node 1 ran proxies of its own"
     events = _node_events(run_dir, 1)
     messages = [e.get("message", "") for e in events]
-    for stage, steps in POST_STEPS.items():
+    for stage, steps in FULL_RECIPE_STEPS.items():
         joined = [msg for msg in messages if msg.startswith(f"{stage}: node 1 of 2 joins as replica group 1")]
         assert joined and "2 of 2 nodes met" in joined[0], (stage, messages[:20])
         node1_steps = [e["step"] for e in events if e.get("kind") == "metrics" and e.get("stage") == stage]
