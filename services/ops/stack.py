@@ -167,13 +167,12 @@ def down(settings: Settings, log: Log) -> dict[str, list[str]]:
     if state is None:
         log("nothing to stop")
         return {"stopped": []}
-    stopped = []
-    for name, pid in state.get("services", {}).items():
-        infra.stop_pid(pid)
-        stopped.append(name)
-    for name, pid in state.get("infra", {}).items():
-        infra.stop_pid(pid)
-        stopped.append(name)
+    # The services together (each finishes its in-flight work on SIGTERM), then NATS and Redis
+    # together, once nothing is left to talk to them.
+    services, servers = state.get("services", {}), state.get("infra", {})
+    infra.stop_pids(list(services.values()))
+    infra.stop_pids(list(servers.values()))
+    stopped = [*services, *servers]
     state_path(settings).unlink(missing_ok=True)
     log(f"stopped: {', '.join(stopped) or 'nothing'}")
     return {"stopped": stopped}
