@@ -408,17 +408,45 @@ def rewind(directory: str | os.PathLike, step: int, skip_from: int, skip_to: int
             f"The skip [{skip_from}, {skip_to}) does not start at the data position {recorded} that "
             f"the checkpoint at step {step} recorded, so the restart would skip nothing."
         )
+    moved = discard_from(directory, step + 1)
+    mark_skip(directory, skip_from, skip_to)
+    return moved
+
+
+DISCARDED = "discarded"  # set aside, kept for a person to look at, never loaded
+
+
+def set_aside(path: Path, target: Path) -> bool:
+    """Move `path` (a file or directory) to `target`, replacing what was there; False if there was
+    nothing to move."""
+    if not path.exists():
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink(missing_ok=True)
+    path.rename(target)
+    return True
+
+
+def discard_from(directory: str | os.PathLike, first_step: int) -> list[int]:
+    """Set aside (into `discarded/`) every committed checkpoint of step `first_step` or later; the
+    steps moved."""
+    directory = Path(directory)
     moved = []
     for info in list_checkpoints(directory):
-        if info.step > step:
-            target = directory / "discarded" / Path(info.path).name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(target, ignore_errors=True)
-            Path(info.path).rename(target)
+        if info.step >= first_step:
+            set_aside(Path(info.path), directory / DISCARDED / Path(info.path).name)
             moved.append(info.step)
-    _write_json_atomic(directory / SKIP_FILE, {"from": skip_from, "to": skip_to})
-    unpin(directory)
     return moved
+
+
+def mark_skip(directory: str | os.PathLike, skip_from: int, skip_to: int) -> None:
+    """Mark the data positions [skip_from, skip_to) to skip at the next resume, and remove the pin
+    that kept the restart's checkpoint through the proposal (the restart is carried out)."""
+    _write_json_atomic(Path(directory) / SKIP_FILE, {"from": skip_from, "to": skip_to})
+    unpin(directory)
 
 
 def skip_window(directory: str | os.PathLike) -> tuple[int, int] | None:

@@ -23,21 +23,23 @@ What a user can expect of a run on N nodes (the run's state is the scheduler's, 
 """
 
 import enum
-import json
-import os
 import pathlib
-import shutil
 from collections.abc import Sequence
 
 from contracts.api import LeaseAnswer, RestartProposal
 from contracts.states import LEASABLE, RunState
-from services.trainer.checkpoint import SKIP_FILE, committed_positions, list_checkpoints, rewind, unpin
+from services.trainer.checkpoint import (
+    DISCARDED,
+    committed_positions,
+    discard_from,
+    list_checkpoints,
+    mark_skip,
+    rewind,
+    set_aside,
+)
 from services.trainer.distributed import ParallelismError
 from services.trainer.gang import GangFailed, GangLost
-
-GATE_RECORD = "GATE.json"  # the pipeline's record of a judged stage (services/trainer/pipeline.py)
-DISCARDED = "discarded"  # set aside, kept for a person to look at, never loaded
-MAX_FAILURE_CHARS = 300
+from services.trainer.pipeline import GATE_RECORD
 
 
 class ItemEnd(enum.StrEnum):
@@ -48,25 +50,13 @@ class ItemEnd(enum.StrEnum):
     leave = "leave"  # neither: another agent holds this node's share, or will after AckWait
 
 
-def _set_aside(path: pathlib.Path, target: pathlib.Path) -> bool:
-    if not path.exists():
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_dir():
-        shutil.rmtree(target, ignore_errors=True)
-    else:
-        target.unlink(missing_ok=True)
-    path.rename(target)
-    return True
-
-
 def rewind_share(node_dir: pathlib.Path, restart: RestartProposal, later_stages: Sequence[str]) -> str:
     """Carry out an approved restart in follower node `node_dir`: the same checkpoint step and
     skip window as node 0's. Returns what was done, as a log line."""
     stage_dir = node_dir / restart.stage
     stage_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _set_aside(stage_dir / GATE_RECORD, stage_dir / DISCARDED / GATE_RECORD)
-    redone = [s for s in later_stages if _set_aside(node_dir / s, node_dir / DISCARDED / s)]
+    set_aside(stage_dir / GATE_RECORD, stage_dir / DISCARDED / GATE_RECORD)
+    redone = [s for s in later_stages if set_aside(node_dir / s, node_dir / DISCARDED / s)]
     again = f"; set aside the later stages {', '.join(redone)}" if redone else ""
     step = restart.checkpoint_step
     window = f"skipping batches [{restart.skip_from}, {restart.skip_to})"
@@ -79,15 +69,8 @@ def rewind_share(node_dir: pathlib.Path, restart: RestartProposal, later_stages:
             )
         except ValueError:  # this node recorded another data position there: heal from node 0 instead
             pass
-    moved = []
-    for info in list_checkpoints(stage_dir):
-        if info.step >= step:
-            _set_aside(pathlib.Path(info.path), stage_dir / DISCARDED / pathlib.Path(info.path).name)
-            moved.append(info.step)
-    tmp = stage_dir / (SKIP_FILE + ".tmp")
-    tmp.write_text(json.dumps({"from": restart.skip_from, "to": restart.skip_to}))
-    os.replace(tmp, stage_dir / SKIP_FILE)
-    unpin(stage_dir)
+    moved = discard_from(stage_dir, step)
+    mark_skip(stage_dir, restart.skip_from, restart.skip_to)
     kept = [c.step for c in list_checkpoints(stage_dir)]
     start = f"its checkpoint step {max(kept)}" if kept else "the start"
     return (
@@ -98,12 +81,11 @@ def rewind_share(node_dir: pathlib.Path, restart: RestartProposal, later_stages:
 
 def share_failure(exc: BaseException) -> str:
     """What a follower's failure says to the run: our own sentences as they are, any other error
-    by its type alone (its text may hold paths or data)."""
+    by its type alone (its text may hold paths or data). The scheduler makes it one capped line
+    (liveness.node_failure_message)."""
     if isinstance(exc, ParallelismError | GangFailed | GangLost):
-        said = str(exc)
-    else:
-        said = type(exc).__name__
-    return " ".join(said.split())[:MAX_FAILURE_CHARS]
+        return str(exc)
+    return type(exc).__name__
 
 
 def after_share(answer: LeaseAnswer | None, failed: bool) -> ItemEnd:
