@@ -1,0 +1,111 @@
+"""Every request/reply endpoint in one table: its subject, its request type and its answer's type.
+
+Pure data. The scheduler serves the API verbs from `API`, `ecc` decodes each verb's answer into
+`API[verb].answer` (never guessing a type from keys), the internal services serve theirs from
+`INTERNAL` and the scheduler calls them through the same entries. An answer travels inside the
+Envelope: `Envelope[answer]` decodes it in one step.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from contracts import subjects
+from contracts.api import (
+    ApproveRequest,
+    AuthInfo,
+    AuthRequest,
+    BookingView,
+    CancelRequest,
+    CleanupOrder,
+    CleanupRequest,
+    CleanupResult,
+    ConfirmationIssued,
+    ConfirmRequest,
+    FindRequest,
+    LeaseAnswer,
+    LeaseQuery,
+    LogPage,
+    LogsRequest,
+    MetricsRequest,
+    MutationResult,
+    Plan,
+    PlanRequest,
+    RunAccepted,
+    RunItemsRequest,
+    RunView,
+    StatusRequest,
+    TrainRequest,
+)
+from contracts.audit import AuditRequest, AuditTrail
+from contracts.internal import (
+    BookingsAnswer,
+    BookingsQuery,
+    ConfirmationCreate,
+    ConfirmationResolve,
+    EligibilityQuery,
+    EligibilityStatement,
+    LedgerAccept,
+    LedgerEntry,
+    LedgerHandedOff,
+    LedgerLookup,
+    LedgerPending,
+    LedgerPendingAnswer,
+)
+from contracts.runs import CheckpointList, EvalList, MetricsPage
+
+Req = TypeVar("Req")
+Ans = TypeVar("Ans")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint(Generic[Req, Ans]):
+    """One request/reply subject (a suffix under the namespace; an API verb's subject ends in the
+    caller's account), what it takes and what it answers."""
+
+    subject: str
+    request: type[Req]
+    answer: Any  # a type or a type expression (`list[BookingView]`, `LedgerEntry | None`)
+
+
+API: dict[str, Endpoint[Any, Any]] = {
+    "auth": Endpoint(subjects.API_AUTH, AuthRequest, AuthInfo),
+    "find": Endpoint(subjects.API_FIND, FindRequest, list[BookingView]),
+    "plan": Endpoint(subjects.API_PLAN, PlanRequest, Plan),
+    "confirm": Endpoint(subjects.API_CONFIRM, ConfirmRequest, ConfirmationIssued),
+    "train": Endpoint(subjects.API_TRAIN, TrainRequest, RunAccepted),
+    "status": Endpoint(subjects.API_STATUS, StatusRequest, RunView),
+    "logs": Endpoint(subjects.API_LOGS, LogsRequest, LogPage),
+    "audit": Endpoint(subjects.API_AUDIT, AuditRequest, AuditTrail),
+    "metrics": Endpoint(subjects.API_METRICS, MetricsRequest, MetricsPage),
+    "checkpoints": Endpoint(subjects.API_CHECKPOINTS, RunItemsRequest, CheckpointList),
+    "evals": Endpoint(subjects.API_EVALS, RunItemsRequest, EvalList),
+    "cancel": Endpoint(subjects.API_CANCEL, CancelRequest, MutationResult),
+    "cleanup": Endpoint(subjects.API_CLEANUP, CleanupRequest, CleanupResult),
+    "approve": Endpoint(subjects.API_APPROVE, ApproveRequest, MutationResult),
+}
+"""The canonical API, by `ecc ito` verb (login and logout are local: they call `auth`)."""
+
+ELIGIBILITY = Endpoint(subjects.ENTITLEMENT_ELIGIBILITY, EligibilityQuery, EligibilityStatement)
+BOOKINGS = Endpoint(subjects.ENTITLEMENT_BOOKINGS, BookingsQuery, BookingsAnswer)
+CONFIRMATION_CREATE = Endpoint(subjects.CONFIRMATION_CREATE, ConfirmationCreate, ConfirmationIssued)
+CONFIRMATION_RESOLVE = Endpoint(subjects.CONFIRMATION_RESOLVE, ConfirmationResolve, ConfirmationIssued)
+LEDGER_LOOKUP = Endpoint(subjects.LEDGER_LOOKUP, LedgerLookup, LedgerEntry | None)
+LEDGER_ACCEPT = Endpoint(subjects.LEDGER_ACCEPT, LedgerAccept, LedgerEntry)
+LEDGER_HANDED_OFF = Endpoint(subjects.LEDGER_HANDED_OFF, LedgerHandedOff, LedgerEntry)
+LEDGER_PENDING = Endpoint(subjects.LEDGER_PENDING, LedgerPending, LedgerPendingAnswer)
+RUN_LEASE = Endpoint(subjects.RUN_LEASE, LeaseQuery, LeaseAnswer)
+TRAINER_CLEANUP = Endpoint(subjects.TRAINER_CLEANUP, CleanupOrder, CleanupResult)
+
+INTERNAL: tuple[Endpoint[Any, Any], ...] = (
+    ELIGIBILITY,
+    BOOKINGS,
+    CONFIRMATION_CREATE,
+    CONFIRMATION_RESOLVE,
+    LEDGER_LOOKUP,
+    LEDGER_ACCEPT,
+    LEDGER_HANDED_OFF,
+    LEDGER_PENDING,
+    RUN_LEASE,
+    TRAINER_CLEANUP,
+)
+"""Service-to-service endpoints (signed by the scheduler where the service checks it)."""
