@@ -26,3 +26,11 @@ class AuditRequest(Contract, frozen=True, kw_only=True):
 class AuditTrail(Internal, frozen=True, kw_only=True):
     run_id: str
     decisions: list[GateDecision]
+
+
+class AuditRecord(Internal, frozen=True, kw_only=True):
+    """One request's gate decisions, in the order they were made: one message on
+    `<ns>.v1.audit.<request_id>` per request (published when the request ends, whatever the outcome)."""
+
+    request_id: str
+    decisions: list[GateDecision]

@@ -85,16 +85,34 @@ API: dict[str, Endpoint[Any, Any]] = {
 }
 """The canonical API, by `ecc ito` verb (login and logout are local: they call `auth`)."""
 
-ELIGIBILITY = Endpoint(subjects.ENTITLEMENT_ELIGIBILITY, EligibilityQuery, EligibilityStatement)
-BOOKINGS = Endpoint(subjects.ENTITLEMENT_BOOKINGS, BookingsQuery, BookingsAnswer)
-CONFIRMATION_CREATE = Endpoint(subjects.CONFIRMATION_CREATE, ConfirmationCreate, ConfirmationIssued)
-CONFIRMATION_RESOLVE = Endpoint(subjects.CONFIRMATION_RESOLVE, ConfirmationResolve, ConfirmationIssued)
-LEDGER_LOOKUP = Endpoint(subjects.LEDGER_LOOKUP, LedgerLookup, LedgerEntry | None)
-LEDGER_ACCEPT = Endpoint(subjects.LEDGER_ACCEPT, LedgerAccept, LedgerEntry)
-LEDGER_HANDED_OFF = Endpoint(subjects.LEDGER_HANDED_OFF, LedgerHandedOff, LedgerEntry)
-LEDGER_PENDING = Endpoint(subjects.LEDGER_PENDING, LedgerPending, LedgerPendingAnswer)
-RUN_LEASE = Endpoint(subjects.RUN_LEASE, LeaseQuery, LeaseAnswer)
-TRAINER_CLEANUP = Endpoint(subjects.TRAINER_CLEANUP, CleanupOrder, CleanupResult)
+ELIGIBILITY: Endpoint[EligibilityQuery, EligibilityStatement] = Endpoint(
+    subjects.ENTITLEMENT_ELIGIBILITY, EligibilityQuery, EligibilityStatement
+)
+BOOKINGS: Endpoint[BookingsQuery, BookingsAnswer] = Endpoint(
+    subjects.ENTITLEMENT_BOOKINGS, BookingsQuery, BookingsAnswer
+)
+CONFIRMATION_CREATE: Endpoint[ConfirmationCreate, ConfirmationIssued] = Endpoint(
+    subjects.CONFIRMATION_CREATE, ConfirmationCreate, ConfirmationIssued
+)
+CONFIRMATION_RESOLVE: Endpoint[ConfirmationResolve, ConfirmationIssued] = Endpoint(
+    subjects.CONFIRMATION_RESOLVE, ConfirmationResolve, ConfirmationIssued
+)
+LEDGER_LOOKUP: Endpoint[LedgerLookup, LedgerEntry | None] = Endpoint(
+    subjects.LEDGER_LOOKUP, LedgerLookup, LedgerEntry | None
+)
+LEDGER_ACCEPT: Endpoint[LedgerAccept, LedgerEntry] = Endpoint(
+    subjects.LEDGER_ACCEPT, LedgerAccept, LedgerEntry
+)
+LEDGER_HANDED_OFF: Endpoint[LedgerHandedOff, LedgerEntry] = Endpoint(
+    subjects.LEDGER_HANDED_OFF, LedgerHandedOff, LedgerEntry
+)
+LEDGER_PENDING: Endpoint[LedgerPending, LedgerPendingAnswer] = Endpoint(
+    subjects.LEDGER_PENDING, LedgerPending, LedgerPendingAnswer
+)
+RUN_LEASE: Endpoint[LeaseQuery, LeaseAnswer] = Endpoint(subjects.RUN_LEASE, LeaseQuery, LeaseAnswer)
+TRAINER_CLEANUP: Endpoint[CleanupOrder, CleanupResult] = Endpoint(
+    subjects.TRAINER_CLEANUP, CleanupOrder, CleanupResult
+)
 
 INTERNAL: tuple[Endpoint[Any, Any], ...] = (
     ELIGIBILITY,

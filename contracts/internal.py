@@ -114,3 +114,16 @@ class LedgerPendingAnswer(Internal, frozen=True, kw_only=True):
 class Health(Internal, frozen=True, kw_only=True):
     service: str
     ok: bool
+
+
+class HealthQuery(Internal, frozen=True, kw_only=True):  # -> Health
+    """`v1.health.<service>`: is the service subscribed, connected and its store answering?"""
+
+
+class BookingRelease(Internal, frozen=True, kw_only=True):
+    """scheduler -> ito-compute (`compute.v1.requests.release`, core NATS): release this booking,
+    confirmed separately by its owner, after this run's cleanup."""
+
+    account: str
+    booking_id: str
+    run_id: str

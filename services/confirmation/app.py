@@ -4,8 +4,7 @@ import asyncio
 
 from faststream import FastStream
 
-from contracts import subjects
-from contracts.internal import ConfirmationCreate, ConfirmationResolve
+from contracts import endpoints
 from services.confirmation.handlers import ConfirmationHandlers
 from services.confirmation.store import Confirmations, ConfirmationStore
 from services.runtime import settings as settings_mod
@@ -19,8 +18,8 @@ def register(w: Wiring, store: Confirmations | None = None) -> None:
     serve_requests(
         w,
         [
-            (subjects.CONFIRMATION_CREATE, ConfirmationCreate, h.create),
-            (subjects.CONFIRMATION_RESOLVE, ConfirmationResolve, h.resolve),
+            (endpoints.CONFIRMATION_CREATE, h.create),
+            (endpoints.CONFIRMATION_RESOLVE, h.resolve),
         ],
     )
 

@@ -3,12 +3,11 @@
 import asyncio
 import logging
 
-import msgspec
 from faststream import FastStream
 
-from contracts import subjects
-from contracts.internal import BookingsQuery, EligibilityQuery
-from services.entitlement.handlers import EntitlementHandlers, event_decoder
+from contracts import endpoints, subjects
+from contracts.booking import BookingEvent
+from services.entitlement.handlers import EntitlementHandlers
 from services.entitlement.store import Bookings, BookingStore
 from services.runtime import faults
 from services.runtime import settings as settings_mod
@@ -25,14 +24,7 @@ def register(w: Wiring, store: Bookings | None = None) -> None:
     h = EntitlementHandlers(bookings, settings_mod.entitlement_key(s), s.eligibility_ttl_s)
 
     # Acked only after the Redis write returned (the apply is idempotent by version).
-    async def on_booking_event(body: bytes) -> None:
-        try:
-            event = event_decoder.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            # A malformed event would be redelivered forever: acknowledge it, count it, say why.
-            log.error("booking event rejected (acked, not applied): %s", exc)
-            await bookings.count("rejected_malformed")
-            return
+    async def on_booking_event(event: BookingEvent) -> None:
         faults.crash_here(faults.ENTITLEMENT_BEFORE_APPLY)
         await h.on_event(event)
 
@@ -43,15 +35,11 @@ def register(w: Wiring, store: Bookings | None = None) -> None:
         subjects.CONSUMER_ENTITLEMENT,
         on_booking_event,
         ack_wait_s=BOOKING_ACK_WAIT_S,
+        message_type=BookingEvent,
+        on_malformed=lambda: bookings.count("rejected_malformed"),
     )
 
-    serve_requests(
-        w,
-        [
-            (subjects.ENTITLEMENT_ELIGIBILITY, EligibilityQuery, h.eligibility),
-            (subjects.ENTITLEMENT_BOOKINGS, BookingsQuery, h.bookings),
-        ],
-    )
+    serve_requests(w, [(endpoints.ELIGIBILITY, h.eligibility), (endpoints.BOOKINGS, h.bookings)])
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

@@ -3,8 +3,6 @@
 import logging
 from datetime import UTC, datetime, timedelta
 
-import msgspec
-
 from contracts.booking import BookingEvent, BookingEventKind
 from contracts.internal import (
     BookingsAnswer,
@@ -18,8 +16,6 @@ from services.entitlement.store import Bookings
 from services.runtime.codec import Refusal
 
 log = logging.getLogger("ito.entitlement")
-
-event_decoder = msgspec.json.Decoder(BookingEvent)
 
 
 class EntitlementHandlers:

@@ -4,8 +4,7 @@ import asyncio
 
 from faststream import FastStream
 
-from contracts import subjects
-from contracts.internal import LedgerAccept, LedgerHandedOff, LedgerLookup, LedgerPending
+from contracts import endpoints
 from services.ledger.handlers import LedgerHandlers
 from services.ledger.store import Ledger, LedgerStore
 from services.runtime import settings as settings_mod
@@ -20,10 +19,10 @@ def register(w: Wiring, store: Ledger | None = None) -> None:
     serve_requests(
         w,
         [
-            (subjects.LEDGER_LOOKUP, LedgerLookup, h.lookup),
-            (subjects.LEDGER_ACCEPT, LedgerAccept, h.accept),
-            (subjects.LEDGER_HANDED_OFF, LedgerHandedOff, h.handed_off),
-            (subjects.LEDGER_PENDING, LedgerPending, h.pending),
+            (endpoints.LEDGER_LOOKUP, h.lookup),
+            (endpoints.LEDGER_ACCEPT, h.accept),
+            (endpoints.LEDGER_HANDED_OFF, h.handed_off),
+            (endpoints.LEDGER_PENDING, h.pending),
         ],
     )
 

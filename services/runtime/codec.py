@@ -1,5 +1,6 @@
 """Decode at the edge, answer with an Envelope: the only place raw bytes meet contracts."""
 
+import functools
 import logging
 from typing import Any, TypeVar
 
@@ -70,13 +71,19 @@ def decode_envelope(raw: bytes) -> Envelope:
     return _envelope_decoder.decode(raw)
 
 
-def unwrap(raw: bytes, data_type: type[T]) -> T:
-    """An internal reply: its data as `data_type`, or the refusal it carries."""
-    env = decode_envelope(raw)
+@functools.cache
+def _answer_decoder(data_type: Any) -> "msgspec.json.Decoder[Envelope[Any]]":
+    return msgspec.json.Decoder(Envelope[data_type])  # type: ignore[valid-type]
+
+
+def unwrap(raw: bytes, data_type: Any) -> Any:
+    """An internal reply: its data decoded as `data_type` in one pass (an endpoint's `answer`, see
+    contracts/endpoints.py), or the refusal it carries."""
+    env = _answer_decoder(data_type).decode(raw)
     if not env.ok:
         assert env.error is not None, "a failed envelope carries an error"
         raise Refusal(env.error.code, env.error.message)
-    return msgspec.convert(env.data, data_type)
+    return env.data
 
 
 async def answer(handler, raw: bytes, decoder) -> bytes:

@@ -1,6 +1,7 @@
 """What every service's entry point shares: build a FastStream app with a health answer, serve
-request/reply endpoints (internal ones only when the scheduler signed the request; tenant ones
-with the account the NATS server authenticated), and close Redis on the way out.
+request/reply endpoints on nats-py (services/runtime/bus.py: internal ones only when the scheduler
+signed the request; tenant ones with the account the NATS server authenticated), consume JetStream
+streams through FastStream, and close Redis on the way out.
 
 Streams are declared by the operator identity (`ito-training up`), never by a service: services
 have no right to create, change, purge or delete a stream."""
@@ -16,11 +17,12 @@ import redis.asyncio as aioredis
 from faststream import FastStream
 from faststream.nats import NatsBroker, NatsMessage
 
-from contracts.errors import ErrorCode
-from contracts.internal import Health
+from contracts.endpoints import Endpoint
+from contracts.internal import Health, HealthQuery
 from contracts.subjects import HEALTH
-from services.runtime import codec, connections
-from services.runtime.identities import REDIS_SERVICES, service_inbox, tenant_inbox
+from services.runtime import connections
+from services.runtime.bus import Bus, Handler, NatsBus, Router, TenantHandler, serve
+from services.runtime.identities import REDIS_SERVICES, service_inbox
 from services.runtime.keys import Keys
 from services.runtime.secrets import Secrets
 from services.runtime.settings import Settings
@@ -42,6 +44,16 @@ class Wiring:
     """Background loops started after the broker and cancelled before it stops."""
     service: str = ""
     """The identity it connects as: its JetStream deliveries come to this identity's own inbox."""
+    router: Router = None  # type: ignore[assignment]  # set in __post_init__
+    """Its request/reply endpoints, served on nats-py once the broker is connected (bus.serve)."""
+    bus: Bus = None  # type: ignore[assignment]  # set in __post_init__
+    """What it sends requests and publishes with (NatsBus on the broker's connection)."""
+
+    def __post_init__(self) -> None:
+        if self.router is None:
+            self.router = Router(self.settings.namespace)
+        if self.bus is None:
+            self.bus = NatsBus(self.broker)
 
     def inbox_prefix(self) -> bytes:
         return (service_inbox(self.service) + ".").encode()
@@ -53,74 +65,21 @@ class Wiring:
         return self.redis
 
 
-Route = tuple[str, type, Callable[[Any], Coroutine[Any, Any, Any]]]
-"""(subject suffix, request contract, async handler): one core request/reply endpoint."""
-TenantRoute = tuple[str, type, Callable[[str, Any], Coroutine[Any, Any, Any]]]
-"""(subject suffix, request contract, async handler(account, request)): one API endpoint."""
-
-
-def replier(
-    handler: Callable[[Any], Coroutine[Any, Any, Any]], request_type: type, verifier: Verifier | None = None
-):
-    """A subscriber that decodes the request at the edge and answers with an Envelope. With a
-    verifier, a request the scheduler did not sign (recently) is refused before it is decoded.
-    A factory, so that FastStream sees only the message argument."""
-    decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(request_type)
-
-    async def reply(msg: NatsMessage) -> bytes:
-        if verifier is not None and not verifier.valid(msg.raw_message.subject, msg.body, msg.headers):
-            log.warning("refused an unsigned or stale request on %s", msg.raw_message.subject)
-            return codec.fail(ErrorCode.forbidden, "only the scheduler may call this service")
-        return await codec.answer(handler, msg.body, decoder)
-
-    reply.__name__ = handler.__name__
-    return reply
-
-
-class ForeignReply(Exception):
-    """A tenant asked for the answer to be delivered into someone else's inbox: refused, unanswered."""
-
-
-def tenant_replier(handler: Callable[[str, Any], Coroutine[Any, Any, Any]], request_type: type):
-    """An API endpoint: the caller's account is the last subject token, which only that account's
-    credential may publish on; the reply must go to that account's own inbox (the server does not
-    check reply subjects, so another tenant could otherwise aim our answer at a victim)."""
-    decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(request_type)
-
-    async def reply(msg: NatsMessage) -> bytes:
-        account = msg.raw_message.subject.rsplit(".", 1)[-1]
-        reply_to = msg.raw_message.reply or ""
-        if reply_to and not reply_to.startswith(tenant_inbox(account) + "."):
-            # Raising (not returning) means FastStream publishes no answer at all, and nothing was done.
-            raise ForeignReply(f"a request of account {account} asked for its answer in another inbox")
-        return await codec.answer(lambda req: handler(account, req), msg.body, decoder)
-
-    reply.__name__ = handler.__name__
-    return reply
-
-
-REQUEST_CONCURRENCY = 64  # requests one endpoint handles at once; FastStream's default is one at a time
-
-
 def scheduler_verifier(settings: Settings) -> Verifier:
     return Verifier(Secrets(settings.secrets_dir).verify_key())
 
 
-def serve_requests(w: "Wiring", routes: Sequence[Route], signed: bool = True) -> None:
+def serve_requests(w: "Wiring", routes: Sequence[tuple[Endpoint, Handler]], signed: bool = True) -> None:
     """Internal endpoints. `signed`: only requests the scheduler signed are answered."""
     verifier = scheduler_verifier(w.settings) if signed else None
-    for suffix, request_type, handler in routes:
-        w.broker.subscriber(w.settings.subject(suffix), max_workers=REQUEST_CONCURRENCY)(
-            replier(handler, request_type, verifier)
-        )
+    for endpoint, handler in routes:
+        w.router.serve(endpoint, handler, verifier)
 
 
-def serve_tenant_requests(w: "Wiring", routes: Sequence[TenantRoute]) -> None:
+def serve_tenant_requests(w: "Wiring", routes: Sequence[tuple[Endpoint, TenantHandler]]) -> None:
     """API endpoints on `<ns>.<verb>.<account>`; the handler is called as handler(account, request)."""
-    for suffix, request_type, handler in routes:
-        w.broker.subscriber(w.settings.subject(suffix) + ".*", max_workers=REQUEST_CONCURRENCY)(
-            tenant_replier(handler, request_type)
-        )
+    for endpoint, handler in routes:
+        w.router.serve_tenant(endpoint, handler)
 
 
 def consume_in_order(
@@ -130,24 +89,39 @@ def consume_in_order(
     consumer: str,
     handler: Callable[..., Coroutine[Any, Any, None]],
     ack_wait_s: float,
+    message_type: Any,
     with_subject: bool = False,
+    on_malformed: Callable[[], Coroutine[Any, Any, None]] | None = None,
 ) -> None:
     """A durable JetStream consumer that applies messages one at a time, in stream order (FastStream
-    runs a fetched batch concurrently, so the batch is one). Acked after `handler` returns; an
-    exception NAKs for redelivery, so handlers must be idempotent. A late or restarted service
-    replays what it missed."""
+    runs a fetched batch concurrently, so the batch is one). Each message is decoded here into
+    `message_type` (a tagged union where one stream carries several kinds) and the handler gets the
+    typed value (and its subject, `with_subject`). A malformed message would be redelivered for
+    ever: it is acked, logged and counted (`on_malformed`), never applied. Acked after `handler`
+    returns; an exception NAKs for redelivery, so handlers must be idempotent. A late or restarted
+    service replays what it missed."""
     from faststream import AckPolicy
     from faststream.nats import ConsumerConfig, PullSub
 
     from services.runtime import streams
 
     s = w.settings
+    decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(message_type)
 
     async def consume(msg: NatsMessage) -> None:
+        try:
+            message = decoder.decode(msg.body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.error(
+                "%s: message on %s rejected (acked, not applied): %s", consumer, msg.raw_message.subject, exc
+            )
+            if on_malformed is not None:
+                await on_malformed()
+            return
         if with_subject:  # the subject says who may have published it (NATS permissions are per subject)
-            await handler(msg.body, msg.raw_message.subject)
+            await handler(message, msg.raw_message.subject)
         else:
-            await handler(msg.body)
+            await handler(message)
 
     consume.__name__ = f"consume_{consumer.replace('-', '_')}"
     w.broker.subscriber(
@@ -167,14 +141,15 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
     wiring = Wiring(settings=settings, broker=broker, redis=redis, keys=Keys(settings), service=service)
     register(wiring)
 
-    @broker.subscriber(settings.subject(f"{HEALTH}.{service}"))
-    async def health(msg: NatsMessage) -> bytes:
+    async def health(_query: HealthQuery) -> Health:
         try:
             if wiring.redis is not None:
                 await asyncio.wait_for(wiring.redis.ping(), timeout=settings.request_timeout_s)
         except Exception:  # not ready: Redis does not answer
-            return codec.ok(Health(service=service, ok=False))
-        return codec.ok(Health(service=service, ok=True))
+            return Health(service=service, ok=False)
+        return Health(service=service, ok=True)
+
+    wiring.router.serve(Endpoint(f"{HEALTH}.{service}", HealthQuery, Health), health)
 
     app = FastStream(broker, logger=logging.getLogger(f"ito.{service}"))
 
@@ -190,6 +165,9 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
 
     @app.after_startup
     async def start_tasks() -> None:
+        # Core request/reply on the broker's own connection; one queue group per service, so that
+        # several instances of it share the requests.
+        await serve(await broker.connect(), wiring.router, queue=f"{settings.namespace}-{service}")
         running.extend(asyncio.create_task(task()) for task in wiring.tasks)
 
     @app.on_shutdown

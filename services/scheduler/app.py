@@ -8,23 +8,8 @@ import asyncio
 
 from faststream import FastStream
 
-from contracts import subjects
-from contracts.api import (
-    ApproveRequest,
-    AuthRequest,
-    CancelRequest,
-    CleanupRequest,
-    ConfirmRequest,
-    FindRequest,
-    LeaseQuery,
-    LogsRequest,
-    MetricsRequest,
-    PlanRequest,
-    RunItemsRequest,
-    StatusRequest,
-    TrainRequest,
-)
-from contracts.audit import AuditRequest
+from contracts import endpoints, subjects
+from contracts.runs import RunEvent
 from services.runtime import settings as settings_mod
 from services.runtime.accounts import Credentials, RedisAccounts
 from services.runtime.secrets import Secrets
@@ -46,36 +31,37 @@ from services.scheduler.handoff import Handoff
 from services.scheduler.mutations import Mutations
 from services.scheduler.store import RunRecords, RunStore
 
-ROUTES = [  # (subject, request type, Api method name)
-    (subjects.API_AUTH, AuthRequest, "auth"),
-    (subjects.API_FIND, FindRequest, "find"),
-    (subjects.API_PLAN, PlanRequest, "plan"),
-    (subjects.API_CONFIRM, ConfirmRequest, "confirm"),
-    (subjects.API_TRAIN, TrainRequest, "train"),
-    (subjects.API_STATUS, StatusRequest, "status"),
-    (subjects.API_LOGS, LogsRequest, "logs"),
-    (subjects.API_AUDIT, AuditRequest, "audit"),
-    (subjects.API_METRICS, MetricsRequest, "metrics"),
-    (subjects.API_CHECKPOINTS, RunItemsRequest, "checkpoints"),
-    (subjects.API_EVALS, RunItemsRequest, "evals"),
-]
+ROUTES = {  # API verb -> Api method name (contracts/endpoints.py: the verb's subject and types)
+    "auth": "auth",
+    "find": "find",
+    "plan": "plan",
+    "confirm": "confirm",
+    "train": "train",
+    "status": "status",
+    "logs": "logs",
+    "audit": "audit",
+    "metrics": "metrics",
+    "checkpoints": "checkpoints",
+    "evals": "evals",
+}
+MUTATIONS = ("cancel", "cleanup", "approve")  # API verbs Mutations serves
 
 
 def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials | None = None) -> None:
     """Wire the scheduler's handlers; a store not given is the Redis one (`w.require_redis()`)."""
     s = w.settings
     backends = Backends(
-        w.broker, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key())
+        w.bus, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key())
     )
     runs = runs if runs is not None else RunStore(w.require_redis(), w.keys)
     credentials = credentials if credentials is not None else RedisAccounts(w.require_redis(), w.keys)
-    handoff = Handoff(w.broker, s, runs, backends)
+    handoff = Handoff(w.bus, s, runs, backends)
     api = Api(
         credentials,
         backends,
         runs,
         handoff,
-        Auditor(w.broker, s),
+        Auditor(w.bus, w.broker, s),
         planning.load_prices(),
         s.data_dir / "checkpoints",
         small_model_gangs=s.small_model_gangs,
@@ -85,15 +71,11 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
     mutations = Mutations(credentials, backends, runs)
     serve_tenant_requests(
         w,
-        [(suffix, request_type, getattr(api, method)) for suffix, request_type, method in ROUTES]
-        + [
-            (subjects.API_CANCEL, CancelRequest, mutations.cancel),
-            (subjects.API_CLEANUP, CleanupRequest, mutations.cleanup),
-            (subjects.API_APPROVE, ApproveRequest, mutations.approve),
-        ],
+        [(endpoints.API[verb], getattr(api, method)) for verb, method in ROUTES.items()]
+        + [(endpoints.API[verb], getattr(mutations, verb)) for verb in MUTATIONS],
     )
     # Only trainers may publish lease queries (NATS permissions); the answer is checked against the run.
-    serve_requests(w, [(subjects.RUN_LEASE, LeaseQuery, liveness.Heartbeats(runs).heartbeat)], signed=False)
+    serve_requests(w, [(endpoints.RUN_LEASE, liveness.Heartbeats(runs).heartbeat)], signed=False)
 
     consume_in_order(
         w,
@@ -102,6 +84,7 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
         subjects.CONSUMER_SCHEDULER_RUNS,
         run_events.on_event,
         ack_wait_s=30,
+        message_type=RunEvent,
         with_subject=True,
     )
 

@@ -1,11 +1,10 @@
 """Record every gate decision of a request and publish it to the JetStream audit stream.
 
 A trail is per request: gates are recorded as they pass or refuse, and the whole trail is
-published when the request ends, whatever the outcome. Decisions carry codes, never messages,
+published as one message (an AuditRecord) when the request ends, whatever the outcome. Decisions carry codes, never messages,
 so no secret can ride along.
 """
 
-import asyncio
 import logging
 from collections.abc import Awaitable
 from datetime import UTC, datetime
@@ -17,15 +16,27 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from contracts import subjects
 from contracts.api import Action
-from contracts.audit import GateDecision
+from contracts.audit import AuditRecord, GateDecision
+from services.runtime.bus import Bus
 from services.runtime.codec import Refusal
-from services.runtime.publishing import MSG_ID_HEADER, publish_once
+from services.runtime.publishing import MSG_ID_HEADER
 from services.runtime.settings import Settings
 
 T = TypeVar("T")
 log = logging.getLogger("ito.scheduler.audit")
 MAX_DECISIONS_READ = 500
-_decoder = msgspec.json.Decoder(GateDecision)
+_record_decoder = msgspec.json.Decoder(AuditRecord)
+_decision_decoder = msgspec.json.Decoder(GateDecision)
+
+
+def indexed_decisions(data: bytes, headers: dict[str, str] | None) -> list[tuple[int, GateDecision]]:
+    """One stored audit message's decisions with their index in the request: a record holds them
+    all in order; a message written before records holds one, its index in its message id."""
+    try:
+        return list(enumerate(_record_decoder.decode(data).decisions))
+    except msgspec.ValidationError:
+        index = int((headers or {}).get(MSG_ID_HEADER, ":0").rsplit(":", 1)[1])
+        return [(index, _decision_decoder.decode(data))]
 
 
 class Trail:
@@ -74,30 +85,29 @@ class Trail:
 
 
 class Auditor:
-    def __init__(self, broker: NatsBroker, settings: Settings) -> None:
-        self.broker = broker
+    def __init__(self, bus: Bus, broker: NatsBroker, settings: Settings) -> None:
+        self.bus = bus
+        self.broker = broker  # its connection reads the stream back (`read`)
         self.settings = settings
 
     async def publish(self, trail: Trail) -> None:
-        """All of a trail's decisions at once: the PubAcks are awaited together, not one by one."""
-        subject = self.settings.subject(f"{subjects.AUDIT}.{trail.request_id}")
-
-        async def one(i: int, decision: GateDecision) -> None:
-            try:
-                await publish_once(
-                    self.broker,
-                    self.settings,
-                    subject=subject,
-                    stream=subjects.STREAM_AUDIT,
-                    body=msgspec.json.encode(decision),
-                    msg_id=f"{trail.request_id}:{i}",
-                )
-            except Exception:  # the request's outcome stands; the gap is logged, not hidden
-                log.error("audit: decision %s of request %s not published", decision.gate, trail.request_id)
-
-        await asyncio.gather(*(one(i, d) for i, d in enumerate(trail.decisions)))
+        """All of a trail's decisions in one message, with the request id as its dedup id."""
+        if not trail.decisions:
+            return
+        try:
+            await self.bus.publish_once(
+                self.settings.subject(f"{subjects.AUDIT}.{trail.request_id}"),
+                self.settings.stream(subjects.STREAM_AUDIT),
+                msgspec.json.encode(AuditRecord(request_id=trail.request_id, decisions=trail.decisions)),
+                trail.request_id,
+                self.settings.request_timeout_s,
+            )
+        except Exception:  # the request's outcome stands; the gap is logged, not hidden
+            log.error("audit: the decisions of request %s were not published", trail.request_id)
 
     async def read(self, request_id: str) -> list[GateDecision]:
+        """A request's decisions in the order they were made. A stream written before one record
+        per request holds one decision per message, indexed by its message id: read both."""
         nc = await self.broker.connect()
         js = nc.jetstream(timeout=self.settings.request_timeout_s)
         sub = await js.pull_subscribe(
@@ -112,9 +122,8 @@ class Auditor:
                     msgs = await sub.fetch(batch=100, timeout=0.3)
                 except TimeoutError:
                     break
-                for m in msgs:  # published together, so stored in any order: the msg id has the index
-                    index = int((m.headers or {}).get(MSG_ID_HEADER, ":0").rsplit(":", 1)[1])
-                    indexed.append((index, _decoder.decode(m.data)))
+                for m in msgs:
+                    indexed += indexed_decisions(m.data, m.headers)
                     await m.ack()
         finally:
             await sub.unsubscribe()

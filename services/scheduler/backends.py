@@ -7,15 +7,13 @@ nothing that depends on the answer is done. There is no path on which silence me
 import hashlib
 import hmac
 from datetime import UTC, datetime, timedelta
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
-from faststream.nats import NatsBroker
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 
-from contracts import subjects
+from contracts import endpoints, subjects
 from contracts.api import Action, CleanupOrder, CleanupResult, ConfirmationIssued
+from contracts.endpoints import Endpoint
 from contracts.errors import ErrorCode
 from contracts.internal import (
     BookingsAnswer,
@@ -30,12 +28,12 @@ from contracts.internal import (
     LedgerHandedOff,
     LedgerLookup,
     LedgerPending,
-    LedgerPendingAnswer,
+    BookingRelease,
 )
 from contracts.manifest import Manifest
-from services.runtime import codec
+from services.runtime import bus, codec
+from services.runtime.bus import Bus
 from services.runtime.codec import Refusal
-from services.runtime.publishing import publish_once
 from services.runtime.settings import Settings
 from services.runtime.signing import Signer
 
@@ -62,41 +60,31 @@ def verify_statement(
 
 
 class Backends:
-    def __init__(
-        self, broker: NatsBroker, settings: Settings, entitlement_key: bytes, signer: Signer
-    ) -> None:
-        self.broker = broker
+    def __init__(self, bus: Bus, settings: Settings, entitlement_key: bytes, signer: Signer) -> None:
+        self.bus = bus
         self.settings = settings
         self._key = entitlement_key
         self.signer = signer  # every order and internal request carries the scheduler's signature
 
     async def _call(
         self,
-        suffix: str,
+        endpoint: Endpoint[Any, T],
         request: msgspec.Struct,
-        data_type: type[T],
         service: str,
         timeout: float | None = None,
     ) -> T:
-        return codec.unwrap(await self._request(suffix, request, service, timeout), data_type)
-
-    async def _request(
-        self, suffix: str, request: msgspec.Struct, service: str, timeout: float | None = None
-    ) -> bytes:
-        """The signed request's raw reply; `backend_unavailable` when nobody answers in time."""
-        body, subject = codec.encode(request), self.settings.subject(suffix)
-        try:
-            reply = await self.broker.request(
-                body,
-                subject,
-                headers=self.signer.headers(subject, body),
-                timeout=timeout or self.settings.request_timeout_s,
-            )
-        except (NoRespondersError, NatsTimeout, TimeoutError):
-            raise Refusal(
-                ErrorCode.backend_unavailable, f"the {service} service did not answer in time"
-            ) from None
-        return bytes(reply.body)
+        """The endpoint's typed answer, or the refusal it carries; `backend_unavailable` when
+        nobody answers in time."""
+        body, subject = codec.encode(request), self.settings.subject(endpoint.subject)
+        raw = await bus.call(
+            self.bus,
+            subject,
+            body,
+            self.signer.headers(subject, body),
+            timeout or self.settings.request_timeout_s,
+            service,
+        )
+        return cast(T, codec.unwrap(raw, endpoint.answer))
 
     async def eligibility(self, account: str, booking_id: str, manifest: Manifest) -> EligibilityStatement:
         r = manifest.resources
@@ -108,7 +96,7 @@ class Backends:
             region=r.region,
             fabric=r.fabric,
         )
-        return await self._call(subjects.ENTITLEMENT_ELIGIBILITY, query, EligibilityStatement, "entitlement")
+        return await self._call(endpoints.ELIGIBILITY, query, "entitlement")
 
     async def verified_eligibility(
         self, account: str, booking_id: str, manifest: Manifest
@@ -120,12 +108,10 @@ class Backends:
         return now < body.expires_at
 
     async def bookings(self, account: str) -> BookingsAnswer:
-        return await self._call(
-            subjects.ENTITLEMENT_BOOKINGS, BookingsQuery(account=account), BookingsAnswer, "entitlement"
-        )
+        return await self._call(endpoints.BOOKINGS, BookingsQuery(account=account), "entitlement")
 
     async def create_confirmation(self, req: ConfirmationCreate) -> ConfirmationIssued:
-        return await self._call(subjects.CONFIRMATION_CREATE, req, ConfirmationIssued, "confirmation")
+        return await self._call(endpoints.CONFIRMATION_CREATE, req, "confirmation")
 
     async def resolve_confirmation(
         self, account: str, ref: str, action: Action, target: str, digest: str | None, cost: float | None
@@ -138,56 +124,50 @@ class Backends:
             manifest_digest=digest,
             cost_usd=cost,
         )
-        return await self._call(subjects.CONFIRMATION_RESOLVE, req, ConfirmationIssued, "confirmation")
+        return await self._call(endpoints.CONFIRMATION_RESOLVE, req, "confirmation")
 
     async def ledger_lookup(self, account: str, key: str) -> LedgerEntry | None:
-        raw = await self._request(
-            subjects.LEDGER_LOOKUP, LedgerLookup(account=account, idempotency_key=key), "ledger"
+        """The entry, or None when the key is unknown."""
+        return await self._call(
+            endpoints.LEDGER_LOOKUP, LedgerLookup(account=account, idempotency_key=key), "ledger"
         )
-        data = codec.unwrap(raw, object)  # the entry, or None when the key is unknown
-        return None if data is None else msgspec.convert(data, LedgerEntry)
 
     async def ledger_accept(self, req: LedgerAccept) -> LedgerEntry:
-        return await self._call(subjects.LEDGER_ACCEPT, req, LedgerEntry, "ledger")
+        return await self._call(endpoints.LEDGER_ACCEPT, req, "ledger")
 
     async def ledger_handed_off(self, account: str, key: str) -> LedgerEntry:
         return await self._call(
-            subjects.LEDGER_HANDED_OFF,
-            LedgerHandedOff(account=account, idempotency_key=key),
-            LedgerEntry,
-            "ledger",
+            endpoints.LEDGER_HANDED_OFF, LedgerHandedOff(account=account, idempotency_key=key), "ledger"
         )
 
     async def ledger_pending(self, older_than_s: float) -> list[LedgerEntry]:
         answer = await self._call(
-            subjects.LEDGER_PENDING, LedgerPending(older_than_s=older_than_s), LedgerPendingAnswer, "ledger"
+            endpoints.LEDGER_PENDING, LedgerPending(older_than_s=older_than_s), "ledger"
         )
         return answer.entries
 
     async def trainer_cleanup(self, order: CleanupOrder) -> CleanupResult:
-        return await self._call(
-            subjects.TRAINER_CLEANUP, order, CleanupResult, "trainer", timeout=CLEANUP_TIMEOUT_S
-        )
+        return await self._call(endpoints.TRAINER_CLEANUP, order, "trainer", timeout=CLEANUP_TIMEOUT_S)
 
     async def notify_cancel(self, run_id: str) -> None:
         """Core NATS, fire and forget: trainers also poll the lease, so a lost notice only delays."""
         subject = self.settings.subject(f"{subjects.CONTROL_CANCEL}.{run_id}")
-        await self.broker.publish(b"{}", subject, headers=self.signer.headers(subject, b"{}"))
+        await self.bus.publish(subject, b"{}", self.signer.headers(subject, b"{}"))
 
     async def request_release(self, account: str, booking_id: str, run_id: str) -> None:
-        body = msgspec.json.encode({"account": account, "booking_id": booking_id, "run_id": run_id})
+        body = msgspec.json.encode(BookingRelease(account=account, booking_id=booking_id, run_id=run_id))
         subject = self.settings.subject(subjects.BOOKING_RELEASE_REQUESTS)
-        await self.broker.publish(body, subject, headers=self.signer.headers(subject, body))
+        await self.bus.publish(subject, body, self.signer.headers(subject, body))
 
     async def publish_work(self, run_id: str, work: bytes, msg_id: str) -> None:
-        """A work item for the trainer's queue (an approved restart; hand-offs go through Handoff)."""
+        """A work item for the trainer's queue, signed, with its dedup id (hand-offs and approved
+        restarts alike)."""
         subject = self.settings.subject(f"{subjects.WORK_TRAIN}.{run_id}")
-        await publish_once(
-            self.broker,
-            self.settings,
-            subject=subject,
-            stream=subjects.STREAM_WORK,
-            body=work,
-            msg_id=msg_id,
-            extra_headers=self.signer.headers(subject, work),
+        await self.bus.publish_once(
+            subject,
+            self.settings.stream(subjects.STREAM_WORK),
+            work,
+            msg_id,
+            self.settings.request_timeout_s,
+            self.signer.headers(subject, work),
         )

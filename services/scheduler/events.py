@@ -10,8 +10,6 @@ with no implausible jump (the store decides, RunStore.update). The scheduler's o
 import logging
 from typing import Any
 
-import msgspec
-
 from contracts.api import LogLineView, RunView
 from contracts.runs import (
     CheckpointSaved,
@@ -27,7 +25,6 @@ from services.scheduler import lifecycle
 from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.events")
-event_decoder = msgspec.json.Decoder(RunEvent)
 
 
 def admissible(event: RunEvent, subject: str | None) -> str | None:
@@ -56,12 +53,7 @@ class RunEvents:
     def __init__(self, runs: RunRecords) -> None:
         self.runs = runs
 
-    async def on_event(self, raw: bytes, subject: str | None = None) -> None:
-        try:
-            event = event_decoder.decode(raw)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            log.error("run event rejected (acked, not applied): %s", exc)
-            return
+    async def on_event(self, event: RunEvent, subject: str | None = None) -> None:
         refused = admissible(event, subject)
         if refused is not None:
             log.warning("run %s: event refused (%s)", event.run_id, refused)

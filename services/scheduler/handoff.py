@@ -18,12 +18,12 @@ import logging
 import socket
 
 import msgspec
-from faststream.nats import NatsBroker
 
 from contracts.api import RunView
 from contracts.internal import LedgerEntry
 from contracts.runs import RunCreated, TrainWork
 from contracts.states import RunState
+from services.runtime.bus import Bus
 from services.runtime.settings import Settings
 from services.scheduler.backends import Backends
 from services.scheduler.publish import RunEventPublisher
@@ -55,12 +55,11 @@ def free_port(host: str) -> int:
 
 
 class Handoff:
-    def __init__(self, broker: NatsBroker, settings: Settings, runs: RunRecords, backends: Backends) -> None:
-        self.broker = broker
+    def __init__(self, bus: Bus, settings: Settings, runs: RunRecords, backends: Backends) -> None:
         self.settings = settings
         self.runs = runs
         self.backends = backends
-        self.events = RunEventPublisher(broker, settings)
+        self.events = RunEventPublisher(bus, settings)
 
     def rendezvous(self, nodes: int) -> str:
         """Where node 0 of a multi-node run hosts its rendezvous store ("" for one node): the

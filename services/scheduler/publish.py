@@ -5,11 +5,10 @@ import time
 from datetime import UTC, datetime
 
 import msgspec
-from faststream.nats import NatsBroker
 
 from contracts import subjects
 from contracts.runs import RunEvent
-from services.runtime.publishing import publish_once
+from services.runtime.bus import Bus
 from services.runtime.settings import Settings
 
 
@@ -18,8 +17,8 @@ def seq_now() -> int:
 
 
 class RunEventPublisher:
-    def __init__(self, broker: NatsBroker, settings: Settings) -> None:
-        self.broker = broker
+    def __init__(self, bus: Bus, settings: Settings) -> None:
+        self.bus = bus
         self.settings = settings
 
     def base(self, run_id: str) -> dict:
@@ -27,11 +26,10 @@ class RunEventPublisher:
 
     async def publish(self, event: RunEvent, msg_id: str) -> None:
         kind = type(event).__struct_config__.tag
-        await publish_once(
-            self.broker,
-            self.settings,
-            subject=self.settings.subject(f"{subjects.RUN_EVENTS}.{event.run_id}.{kind}"),
-            stream=subjects.STREAM_RUNS,
-            body=msgspec.json.encode(event),
-            msg_id=msg_id,
+        await self.bus.publish_once(
+            self.settings.subject(f"{subjects.RUN_EVENTS}.{event.run_id}.{kind}"),
+            self.settings.stream(subjects.STREAM_RUNS),
+            msgspec.json.encode(event),
+            msg_id,
+            self.settings.request_timeout_s,
         )

@@ -5,6 +5,7 @@ import asyncio
 from faststream import FastStream
 
 from contracts import subjects
+from contracts.runs import RunEvent
 from services.runtime import settings as settings_mod
 from services.runtime.service import Wiring, build_app, configure_logging, consume_in_order
 from services.telemetry.handlers import TelemetryHandlers
@@ -18,7 +19,13 @@ def register(w: Wiring, store: Telemetry | None = None) -> None:
     h = TelemetryHandlers(store, w.broker, s)
 
     consume_in_order(
-        w, subjects.RUN_EVENTS, subjects.STREAM_RUNS, subjects.CONSUMER_TELEMETRY, h.on_event, ack_wait_s=30
+        w,
+        subjects.RUN_EVENTS,
+        subjects.STREAM_RUNS,
+        subjects.CONSUMER_TELEMETRY,
+        h.on_event,
+        ack_wait_s=30,
+        message_type=RunEvent,
     )
 
 

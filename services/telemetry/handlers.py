@@ -15,7 +15,6 @@ from services.telemetry import accounting
 from services.telemetry.store import Telemetry
 
 log = logging.getLogger("ito.telemetry")
-event_decoder = msgspec.json.Decoder(RunEvent)
 ROLLUPS = ("booking", "region", "gpu_model")
 
 
@@ -35,12 +34,7 @@ class TelemetryHandlers:
             msg_id=msg_id,
         )
 
-    async def on_event(self, raw: bytes) -> None:
-        try:
-            event = event_decoder.decode(raw)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            log.error("run event rejected (acked, not counted): %s", exc)
-            return
+    async def on_event(self, event: RunEvent) -> None:
         await self.store.add_event(event)
         if isinstance(event, StateChanged) and event.state in TERMINAL_STATES:
             await self.finish(event.run_id, event.at, event.state.value)

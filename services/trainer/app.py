@@ -10,11 +10,10 @@ import os
 from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, NatsMessage, PullSub
 
-from contracts import subjects
-from contracts.api import CleanupOrder
+from contracts import endpoints, subjects
 from services.runtime import settings as settings_mod
 from services.runtime import streams
-from services.runtime.service import Wiring, build_app, configure_logging, replier, scheduler_verifier
+from services.runtime.service import Wiring, build_app, configure_logging, scheduler_verifier
 from services.trainer.worker import WORK_ACK_WAIT_S, Worker
 
 
@@ -51,10 +50,8 @@ def register(w: Wiring) -> None:
             return
         await worker.cancel(msg.raw_message.subject.rsplit(".", 1)[-1])
 
-    # Any one trainer answers (a queue group): checkpoint storage is shared by the trainers.
-    w.broker.subscriber(s.subject(subjects.TRAINER_CLEANUP), queue=subjects.TRAINER_QUEUE)(
-        replier(worker.cleanup, CleanupOrder, verifier)
-    )
+    # Any one trainer answers (the trainers' queue group): checkpoint storage is shared by them.
+    w.router.serve(endpoints.TRAINER_CLEANUP, worker.cleanup, verifier)
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

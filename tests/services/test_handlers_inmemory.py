@@ -1,4 +1,5 @@
-"""Every service's handlers on one in-memory broker (FastStream's TestNatsBroker), registered
+"""Every service's handlers in one process: requests go straight to the services' routers
+(`LocalBus`), stream messages through FastStream's in-memory TestNatsBroker; registered
 through each service's bootstrap (`register(w, stores...)`) twice: on the in-memory adapters of
 their ports (no Redis process, no connection: milliseconds), and as the contract run on the Redis
 adapters against a real Redis (ACLs on; the handlers share the admin user here, the security suite
@@ -46,6 +47,7 @@ from services.ledger.store import InMemoryLedger, LedgerStore
 from services.runtime import codec, connections
 from services.runtime import settings as settings_mod
 from services.runtime.accounts import InMemoryAccounts, RedisAccounts
+from services.runtime.bus import LocalBus
 from services.runtime.identities import NATS_IDENTITIES
 from services.runtime.keys import Keys
 from services.runtime.secrets import Secrets
@@ -122,6 +124,7 @@ async def bus(request, namespace, tmp_path, monkeypatch):
         redis = infra.redis("admin")
     broker = connections.make_broker(s, "scheduler")
     w = Wiring(settings=s, broker=broker, redis=redis, keys=Keys(s))
+    w.bus = LocalBus(w.router, broker)  # requests straight to the handlers; streams in memory
     credentials, bookings = register_all(w, redis)
     async with TestNatsBroker(broker) as br:
         yield Bus(br, w, credentials, bookings, touched)
@@ -133,8 +136,8 @@ async def bus(request, namespace, tmp_path, monkeypatch):
 async def call(bus: Bus, suffix: str, request, account: str = "acme") -> Envelope:
     """An API request on the tenant's own subject (in memory, as if NATS had authenticated `account`)."""
     subject = bus.w.settings.subject(suffix) + (f".{account}" if suffix.startswith("v1.api.") else "")
-    reply = await bus.br.request(codec.encode(request), subject, timeout=10)
-    return codec.decode_envelope(reply.body)
+    reply = await bus.w.bus.request(subject, codec.encode(request), None, timeout=10)
+    return codec.decode_envelope(reply)
 
 
 def data(out: Envelope, data_type: type[T]) -> T:
@@ -218,12 +221,12 @@ async def test_auth(bus):
 
 async def test_unknown_field_is_request_invalid(bus):
     subject = bus.w.settings.subject(subjects.API_AUTH) + ".a"
-    reply = await bus.br.request(b'{"credential": {"account": "a"}, "x": 1}', subject, timeout=5)
-    out = codec.decode_envelope(reply.body)
+    reply = await bus.w.bus.request(subject, b'{"credential": {"account": "a"}, "x": 1}', None, timeout=5)
+    out = codec.decode_envelope(reply)
     assert not out.ok and code(out) is ErrorCode.request_invalid
     # the same request without the unknown field is decoded (and refused for its unknown account)
-    reply = await bus.br.request(b'{"credential": {"account": "a"}}', subject, timeout=5)
-    assert code(codec.decode_envelope(reply.body)) is ErrorCode.unauthenticated
+    reply = await bus.w.bus.request(subject, b'{"credential": {"account": "a"}}', None, timeout=5)
+    assert code(codec.decode_envelope(reply)) is ErrorCode.unauthenticated
 
 
 async def test_booking_projection_is_versioned_and_parks_early_events(bus):

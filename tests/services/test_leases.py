@@ -133,7 +133,7 @@ async def test_a_trainer_clock_ten_minutes_off_still_has_every_event_applied(run
         ]
         consumer = RunEvents(runs)
         for e in events:
-            await consumer.on_event(msgspec.json.encode(e), f"{subject}.{type(e).__struct_config__.tag}")
+            await consumer.on_event(e, f"{subject}.{type(e).__struct_config__.tag}")
         assert (await runs.get("acme", run_id)).state is RunState.succeeded
         assert [line.message for line in await runs.logs("acme", run_id, 0, 10)] == ["step 1", "step 2"]
 
