@@ -1,25 +1,80 @@
-"""What a person (or a tool, with --json) sees: envelopes, and progress while following a run."""
+"""What a person (or a tool, with --json) sees: envelopes, and progress while following a run.
+
+Every answer arrives decoded into its type (contracts/endpoints.py names each verb's); `text`
+picks its renderer by that type with `match`, never by the keys it happens to have. The two
+answers `ecc` makes itself (logout's, and the end of `logs --follow`) are typed here.
+"""
 
 import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from datetime import datetime
+from typing import Any, assert_never
 
 import msgspec
 
-from contracts import subjects
-from contracts.api import LogsRequest, StatusRequest
+from contracts.api import (
+    AuthInfo,
+    BookingView,
+    CleanupResult,
+    ConfirmationIssued,
+    LogLineView,
+    LogPage,
+    LogsRequest,
+    MutationResult,
+    Plan,
+    RunAccepted,
+    RunView,
+    StatusRequest,
+)
+from contracts.audit import AuditTrail
+from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
-from contracts.states import TERMINAL_STATES, RunState
+from contracts.evals import EvalMetric
+from contracts.runs import CheckpointList, EvalList, MetricsPage
+from contracts.states import TERMINAL_STATES
 from ecc.transport import Client, SentButUnanswered
 
 POLL_EVERY_S = 1.0
 _encoder = msgspec.json.Encoder()
 
 
-def show(args, env: Envelope) -> None:
+class LoggedOut(msgspec.Struct, frozen=True, kw_only=True):
+    """`ecc ito logout`'s answer (local: nothing is called): whether a stored credential was removed."""
+
+    logged_out: bool
+
+
+class LogsFollowed(msgspec.Struct, frozen=True, kw_only=True):
+    """`ecc ito logs --follow`'s last answer: the run ended and every line was printed; `next` is
+    where a later `--since` starts."""
+
+    run_id: str
+    next: int
+
+
+Answer = (
+    AuthInfo
+    | list[BookingView]
+    | Plan
+    | ConfirmationIssued
+    | RunAccepted
+    | RunView
+    | LogPage
+    | AuditTrail
+    | MetricsPage
+    | CheckpointList
+    | EvalList
+    | MutationResult
+    | CleanupResult
+    | LoggedOut
+    | LogsFollowed
+)
+"""Every answer `ecc` shows: each API verb's (`API[verb].answer`) and its own two."""
+
+
+def show(args: argparse.Namespace, env: Envelope[Any]) -> None:
     if getattr(args, "json", False):
         print(_encoder.encode(env).decode(), flush=True)
         return
@@ -29,195 +84,177 @@ def show(args, env: Envelope) -> None:
         return
     if env.notice:
         print(f"note: {env.notice}")
-    print(_human(env.data))
+    print(text(env.data))
 
 
-def _bound(metric: dict) -> str:
+def text(answer: Answer | None) -> str:
+    """An answer as lines for a person, by its type."""
+    match answer:
+        case AuthInfo():
+            return f"logged in as {answer.account} (key {answer.key_id})"
+        case list():  # the one answer that is a list: find's list[BookingView]
+            return _bookings(answer)
+        case Plan():
+            return _plan(answer)
+        case ConfirmationIssued():
+            return f"confirmation_ref: {answer.confirmation_ref} (expires {_when(answer.expires_at)})"
+        case RunAccepted() | MutationResult():
+            return f"run {answer.run_id}: {answer.state}"
+        case RunView():
+            return _run(answer)
+        case LogPage():
+            return "\n".join(_line(ln) for ln in answer.lines) or "(no lines)"
+        case AuditTrail():
+            return _decisions(answer)
+        case MetricsPage():
+            return _points(answer)
+        case CheckpointList():
+            return _checkpoints(answer)
+        case EvalList():
+            return _evals(answer)
+        case CleanupResult():
+            return _cleanup(answer)
+        case LoggedOut() | LogsFollowed() | None:  # no words to add: their JSON says it all
+            return _encoder.encode(answer).decode()
+        case _:
+            assert_never(answer)
+
+
+def _when(at: datetime) -> str:
+    """A time as the wire spells it (RFC 3339, `Z` for UTC)."""
+    return _encoder.encode(at).decode().strip('"')
+
+
+def _line(ln: LogLineView) -> str:
+    return f"{_when(ln.at)} {ln.level}: {ln.message}"
+
+
+def _bound(metric: EvalMetric) -> str:
     """A metric's gate: its threshold, or that it is reported and not gated."""
-    if metric["threshold"] is None:
+    if metric.threshold is None:
         return "reported, not gated"
-    return f"gate {metric['op']} {metric['threshold']:.4f}"
+    return f"gate {metric.op} {metric.threshold:.4f}"
 
 
-def _is_login(data: Any) -> bool:
-    return isinstance(data, dict) and set(data) == {"account", "key_id"}
-
-
-def _login(data: dict) -> str:
-    return f"logged in as {data['account']} (key {data['key_id']})"
-
-
-def _is_bookings(data: Any) -> bool:
-    return isinstance(data, list) and all(isinstance(v, dict) and "booking" in v for v in data)
-
-
-def _bookings(data: list) -> str:
+def _bookings(views: list[BookingView]) -> str:
     rows = []
-    for v in data:
-        b, t = v["booking"], v["booking"]["topology"]
-        allows = "allows training" if v["allows_training"] else f"no training: {v['reason']}"
+    for v in views:
+        b, t = v.booking, v.booking.topology
+        allows = "allows training" if v.allows_training else f"no training: {v.reason}"
         rows.append(
-            f"{b['booking_id']}: {b['state']}, {t['nodes']}x{t['gpus_per_node']} {t['gpu_model']}, "
-            f"{b['fabric']}, {b['region']}, until {b['window_end']} ({allows})"
+            f"{b.booking_id}: {b.state}, {t.nodes}x{t.gpus_per_node} {t.gpu_model}, "
+            f"{b.fabric}, {b.region}, until {_when(b.window_end)} ({allows})"
         )
     return "\n".join(rows) or "(no bookings)"
 
 
-def _is_run(data: Any) -> bool:
-    return isinstance(data, dict) and "state" in data and "run_id" in data
-
-
-def _run(data: dict) -> str:
+def _run(view: RunView) -> str:
     """A run's view: one line of state and progress, then one indented line per detail it has."""
-    line = f"run {data['run_id']}: {data['state']}"
-    if data.get("stage"):
-        line += f" (stage {data['stage']}, step {data.get('step', 0)}/{data.get('total_steps', 0)}"
-        if data.get("loss") is not None:
-            line += f", loss {data['loss']:.4f}"
+    line = f"run {view.run_id}: {view.state}"
+    if view.stage:
+        line += f" (stage {view.stage}, step {view.step}/{view.total_steps}"
+        if view.loss is not None:
+            line += f", loss {view.loss:.4f}"
         line += ")"
-    if data.get("message"):
-        line += f"\n  {data['message']}"
-    for gate in data.get("gates") or []:
-        verdict = "passed" if gate["passed"] else "FAILED"
-        numbers = ", ".join(f"{m['name']} {m['value']:.4f} ({_bound(m)})" for m in gate["metrics"])
-        line += f"\n  gate {gate['stage']}: {verdict}: {numbers}"
-    if data.get("provenance"):
-        steps = ", ".join(f"{s['name']} {s['before']}->{s['after']}" for s in data["provenance"]["steps"])
+    if view.message:
+        line += f"\n  {view.message}"
+    for gate in view.gates:
+        verdict = "passed" if gate.passed else "FAILED"
+        numbers = ", ".join(f"{m.name} {m.value:.4f} ({_bound(m)})" for m in gate.metrics)
+        line += f"\n  gate {gate.stage}: {verdict}: {numbers}"
+    if view.provenance:
+        steps = ", ".join(f"{s.name} {s.before}->{s.after}" for s in view.provenance.steps)
         line += f"\n  data: {steps}"
-    if data.get("proposal"):
-        p = data["proposal"]
+    if view.proposal:
+        p = view.proposal
         line += (
-            f"\n  proposal ({p['reason']}): restart {p['stage']} from checkpoint step {p['checkpoint_step']}, "
-            f"skipping batches [{p['skip_from']}, {p['skip_to']}); approve with "
-            f"`ecc ito confirm --action restart_from_checkpoint --run {data['run_id']}` then `ecc ito approve`"
+            f"\n  proposal ({p.reason}): restart {p.stage} from checkpoint step {p.checkpoint_step}, "
+            f"skipping batches [{p.skip_from}, {p.skip_to}); approve with "
+            f"`ecc ito confirm --action restart_from_checkpoint --run {view.run_id}` then `ecc ito approve`"
         )
-    if data.get("parallelism"):
-        used = data["parallelism"]
-        mesh = " x ".join(f"{dim} {size}" for dim, size in (used.get("mesh") or {}).items()) or "none"
-        line += f"\n  parallelism: {used['strategy']}, world size {used['world_size']}, mesh {mesh}"
-        if (data.get("nodes") or 1) > 1:
-            line += f", {data['nodes']} nodes"
-    if data.get("plan"):
-        line += f"\n  plan: {data['plan']['strategy']}, estimate {data['plan']['cost']['total_usd']:.6f} USD"
+    if view.parallelism:
+        used = view.parallelism
+        mesh = " x ".join(f"{dim} {size}" for dim, size in used.mesh.items()) or "none"
+        line += f"\n  parallelism: {used.strategy}, world size {used.world_size}, mesh {mesh}"
+        if view.nodes > 1:
+            line += f", {view.nodes} nodes"
+    if view.plan:
+        line += f"\n  plan: {view.plan.strategy}, estimate {view.plan.cost.total_usd:.6f} USD"
     return line
 
 
-def _confirmation(data: dict) -> str:
-    return f"confirmation_ref: {data['confirmation_ref']} (expires {data['expires_at']})"
-
-
-def _points(data: dict) -> str:
+def _points(page: MetricsPage) -> str:
     return (
         "\n".join(
-            f"{p['stage']} step {p['step']}/{p['total_steps']} loss {p['loss']:.4f} "
-            f"lr {p['learning_rate']:.2e} {p['tokens_per_s']:.0f} tok/s"
-            for p in data["points"]
+            f"{p.stage} step {p.step}/{p.total_steps} loss {p.loss:.4f} "
+            f"lr {p.learning_rate:.2e} {p.tokens_per_s:.0f} tok/s"
+            for p in page.points
         )
         or "(none)"
     )
 
 
-def _checkpoints(data: dict) -> str:
+def _checkpoints(listed: CheckpointList) -> str:
     rows = [
-        f"step {c['step']}: {c['bytes'] / 1e6:.1f} MB, loop stalled {c['stall_s'] * 1000:.1f} ms, "
-        f"saved in {c['save_s']:.2f} s  {c['path']}"
-        for c in data["checkpoints"]
+        f"step {c.step}: {c.bytes / 1e6:.1f} MB, loop stalled {c.stall_s * 1000:.1f} ms, "
+        f"saved in {c.save_s:.2f} s  {c.path}"
+        for c in listed.checkpoints
     ]
-    return "\n".join(rows) or ("(removed by cleanup)" if data.get("cleaned_up") else "(none yet)")
+    return "\n".join(rows) or ("(removed by cleanup)" if listed.cleaned_up else "(none yet)")
 
 
-def _is_evals(data: Any) -> bool:
-    return isinstance(data, dict) and "gates" in data and "run_id" in data and len(data) == 2
-
-
-def _evals(data: dict) -> str:
+def _evals(listed: EvalList) -> str:
     rows = []
-    for g in data["gates"]:
-        rows.append(f"{g['stage']}: {'passed' if g['passed'] else 'FAILED'}")
+    for g in listed.gates:
+        rows.append(f"{g.stage}: {'passed' if g.passed else 'FAILED'}")
         rows += [
-            f"  {m['name']} = {m['value']:.4f} ({_bound(m)}) {'ok' if m['passed'] else 'FAIL'}"
-            for m in g["metrics"]
+            f"  {m.name} = {m.value:.4f} ({_bound(m)}) {'ok' if m.passed else 'FAIL'}" for m in g.metrics
         ]
     return "\n".join(rows) or "(no stage has been evaluated yet)"
 
 
-def _cleanup(data: dict) -> str:
-    rows = [f"removed {a['path']} ({a['bytes']} bytes)" for a in data["removed"]]
+def _cleanup(result: CleanupResult) -> str:
+    rows = [f"removed {a.path} ({a.bytes} bytes)" for a in result.removed]
     rows.append(
-        f"{len(data['removed'])} artifacts removed; booking release requested: "
-        f"{data['booking_release_requested']}"
+        f"{len(result.removed)} artifacts removed; booking release requested: "
+        f"{result.booking_release_requested}"
     )
     return "\n".join(rows)
 
 
-def _decisions(data: dict) -> str:
+def _decisions(trail: AuditTrail) -> str:
     return (
-        "\n".join(
-            f"{d['at']} {d['gate']}: {'pass' if d['ok'] else 'FAIL ' + str(d['code'])}"
-            for d in data["decisions"]
-        )
+        "\n".join(f"{_when(d.at)} {d.gate}: {'pass' if d.ok else f'FAIL {d.code}'}" for d in trail.decisions)
         or "(no decisions)"
     )
 
 
-def _lines(data: dict) -> str:
-    return "\n".join(f"{ln['at']} {ln['level']}: {ln['message']}" for ln in data["lines"]) or "(no lines)"
-
-
-def _plan(data: dict) -> str:
-    cost = data["cost"]
+def _plan(plan: Plan) -> str:
+    cost = plan.cost
     rows = [
-        f"strategy {data['strategy']} {data['degrees']} precision {data['precision']}",
-        f"estimate {cost['total_usd']:.4f} USD ({cost['gpu_hours']:.4f} GPU-h at {cost['price_per_gpu_hour_usd']} USD)",
+        f"strategy {plan.strategy} {plan.degrees} precision {plan.precision}",
+        f"estimate {cost.total_usd:.4f} USD ({cost.gpu_hours:.4f} GPU-h at {cost.price_per_gpu_hour_usd} USD)",
     ]
-    rows += [f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['reason']}" for c in data["checks"]]
-    rows += [f"  gate {g['stage']}: " + "; ".join(g["rules"]) for g in data.get("gates", [])]
+    rows += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.reason}" for c in plan.checks]
+    rows += [f"  gate {g.stage}: " + "; ".join(g.rules) for g in plan.gates]
     return "\n".join(rows)
 
 
-def _has(key: str) -> Callable[[Any], bool]:
-    return lambda data: isinstance(data, dict) and key in data
-
-
-RENDERERS: tuple[tuple[Callable[[Any], bool], Callable[[Any], str]], ...] = (
-    (_is_login, _login),
-    (_is_bookings, _bookings),
-    (_is_run, _run),
-    (_has("confirmation_ref"), _confirmation),
-    (_has("points"), _points),
-    (_has("checkpoints"), _checkpoints),
-    (_is_evals, _evals),
-    (_has("removed"), _cleanup),
-    (_has("decisions"), _decisions),
-    (_has("lines"), _lines),
-    (_has("checks"), _plan),
-)
-"""(recognises the answer, renders it), tried in order: the first match wins, so a run view (which
-may carry `gates` and `plan`) is recognised before the evals and plan answers."""
-
-
-def _human(data: Any) -> str:
-    for recognises, render in RENDERERS:
-        if recognises(data):
-            return render(data)
-    return _encoder.encode(data).decode()
-
-
-async def _call(args: argparse.Namespace, suffix: str, request: msgspec.Struct) -> Envelope | None:
+async def _call(args: argparse.Namespace, endpoint: Endpoint[Any, Any], request: Any) -> Envelope[Any] | None:
     async with Client(args.connect_timeout, args.timeout) as client:
         try:
-            return await client.call(suffix, request)
+            return await client.call(endpoint, request)
         except SentButUnanswered:
             return None  # a poll that timed out is retried on the next tick
 
 
-def _progress(view: dict, started: float, first_step: int) -> str:
-    step, total = view.get("step", 0), view.get("total_steps", 0)
-    line = f"[{view['state']}] {view.get('stage') or '-'}"
+def _progress(view: RunView, started: float, first_step: int) -> str:
+    step, total = view.step, view.total_steps
+    line = f"[{view.state}] {view.stage or '-'}"
     if total:
         line += f" step {step}/{total}"
-    if view.get("loss") is not None:
-        line += f" loss {view['loss']:.4f}"
+    if view.loss is not None:
+        line += f" loss {view.loss:.4f}"
     elapsed = time.monotonic() - started
     if total and step > first_step and elapsed > 0:
         rate = (step - first_step) / elapsed
@@ -225,61 +262,69 @@ def _progress(view: dict, started: float, first_step: int) -> str:
     return line
 
 
-async def follow(args, req: StatusRequest) -> Envelope:
+async def follow(args: argparse.Namespace, req: StatusRequest) -> Envelope[RunView]:
     """Poll until the run ends. Any refusal (credential revoked included) stops at once."""
     started, first_step, last_line, since = time.monotonic(), None, None, 0
     while True:
-        env = await _call(args, subjects.API_STATUS, req)
+        env = await _call(args, API["status"], req)
         if env is None:
             await asyncio.sleep(POLL_EVERY_S)
             continue
         if not env.ok:
             return env
         view = env.data
-        logs = await _call(args, subjects.API_LOGS, LogsRequest(run_id=view["run_id"], since=since))
+        assert isinstance(view, RunView), "status answers a RunView (its decoder made it one)"
+        logs = await _call(args, API["logs"], LogsRequest(run_id=view.run_id, since=since))
         if logs is not None and logs.ok:
-            since = logs.data["next"]
-            for ln in logs.data["lines"]:
+            page = logs.data
+            assert isinstance(page, LogPage), "logs answers a LogPage"
+            since = page.next
+            for ln in page.lines:
                 if args.json:
-                    print(_encoder.encode({"event": "log", **ln}).decode(), flush=True)
+                    print(
+                        _encoder.encode({"event": "log", **msgspec.structs.asdict(ln)}).decode(), flush=True
+                    )
                 else:
-                    print(f"  log: {ln['message']}", flush=True)
+                    print(f"  log: {ln.message}", flush=True)
         if first_step is None:
-            first_step = view.get("step", 0)
+            first_step = view.step
         line = _progress(view, started, first_step)
         if args.json:
             print(_encoder.encode({"event": "status", "run": view}).decode(), flush=True)
         elif line != last_line:
             print(line, flush=True)
             last_line = line
-        if RunState(view["state"]) in TERMINAL_STATES:
+        if view.state in TERMINAL_STATES:
             return env
         await asyncio.sleep(POLL_EVERY_S)
 
 
-async def follow_logs(args, req: LogsRequest) -> Envelope:
+async def follow_logs(args: argparse.Namespace, req: LogsRequest) -> Envelope[LogPage | LogsFollowed]:
     since = req.since
     while True:
-        env = await _call(args, subjects.API_LOGS, msgspec.structs.replace(req, since=since))
+        env = await _call(args, API["logs"], msgspec.structs.replace(req, since=since))
         if env is None:
             await asyncio.sleep(POLL_EVERY_S)
             continue
         if not env.ok:
             return env
-        for ln in env.data["lines"]:
-            print(
-                _encoder.encode(ln).decode() if args.json else f"{ln['at']} {ln['level']}: {ln['message']}",
-                flush=True,
-            )
-        since = env.data["next"]
-        status = await _call(args, subjects.API_STATUS, StatusRequest(run_id=req.run_id))
-        if (
+        page = env.data
+        assert isinstance(page, LogPage), "logs answers a LogPage"
+        for ln in page.lines:
+            print(_encoder.encode(ln).decode() if args.json else _line(ln), flush=True)
+        since = page.next
+        status = await _call(args, API["status"], StatusRequest(run_id=req.run_id))
+        ended = (
             status is not None
             and status.ok
-            and RunState(status.data["state"]) in TERMINAL_STATES
-            and not env.data["lines"]
-        ):
+            and isinstance(status.data, RunView)
+            and status.data.state in TERMINAL_STATES
+        )
+        if ended and not page.lines:
             return Envelope(
-                ok=True, live_api_contacted=True, notice=None, data={"run_id": req.run_id, "next": since}
+                ok=True,
+                live_api_contacted=True,
+                notice=None,
+                data=LogsFollowed(run_id=req.run_id, next=since),
             )
         await asyncio.sleep(POLL_EVERY_S)

@@ -3,7 +3,9 @@
 The connection authenticates with the tenant's NKey (challenge-response: the seed never leaves
 this process) and receives replies only under the tenant's own inbox prefix. The request goes to
 `<ns>.<verb>.<account>`: the server lets only this account's credential publish there, which is
-how the scheduler knows who is asking. No secret is ever in a request.
+how the scheduler knows who is asking. No secret is ever in a request. The answer is decoded into
+the endpoint's answer type (contracts/endpoints.py) in one pass; an answer that is not one is an
+`internal` error, never a guess.
 
 Every call has a connect timeout and an overall timeout. Failures are values:
 - the server refuses the credential: `unauthenticated` at login, `credential_revoked` after;
@@ -15,12 +17,14 @@ Every call has a connect timeout and an overall timeout. Failures are values:
 """
 
 import asyncio
+import functools
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from contracts.endpoints import Endpoint
 from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode
 from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
@@ -29,11 +33,18 @@ from services.runtime.settings import DEFAULT_NAMESPACE, DEFAULT_NATS_URL, ENV_N
 if TYPE_CHECKING:  # nats loads on demand: `--help` must not import it
     from nats.aio.client import Client as NatsClient
 
-_envelope_decoder = msgspec.json.Decoder(Envelope)
 _encoder = msgspec.json.Encoder()
+Req = TypeVar("Req")
+Ans = TypeVar("Ans")
 
 
-def local_error(code: ErrorCode, message: str, contacted: bool = False) -> Envelope:
+@functools.cache
+def answer_decoder(endpoint: Endpoint[Any, Any]) -> "msgspec.json.Decoder[Envelope[Any]]":
+    """The Envelope decoder of one endpoint's answer (`data` as `endpoint.answer`), built once."""
+    return msgspec.json.Decoder(Envelope[endpoint.answer])  # type: ignore[name-defined]  # a type held in a value
+
+
+def local_error(code: ErrorCode, message: str, contacted: bool = False) -> Envelope[Any]:
     return Envelope(
         ok=False, live_api_contacted=contacted, notice=None, error=ApiError(code=code, message=message)
     )
@@ -137,8 +148,12 @@ class Client:
             contacted=True,
         )
 
-    async def call(self, suffix: str, request: msgspec.Struct) -> Envelope:
-        """The scheduler's Envelope, a local refusal, or SentButUnanswered."""
+    async def call(self, endpoint: Endpoint[Req, Ans], request: Req) -> Envelope[Ans]:
+        """The scheduler's Envelope with its data decoded as `endpoint.answer`, a local refusal,
+        or SentButUnanswered."""
+        assert isinstance(request, endpoint.request), (
+            f"{endpoint.subject} takes a {endpoint.request.__name__}"
+        )
         if self.credential is None:
             return local_error(
                 ErrorCode.unauthenticated, "not logged in; run `ecc ito login --account ACCOUNT`"
@@ -157,12 +172,13 @@ class Client:
         remaining = self.remaining()
         if remaining <= 0:
             return local_error(ErrorCode.timeout, "the overall timeout passed before the request was sent")
-        reply = await self._request(nc, suffix, account, payload, remaining)
+        reply = await self._request(nc, endpoint.subject, account, payload, remaining)
         if isinstance(reply, Envelope):
             return reply
         try:
-            return _envelope_decoder.decode(reply)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+            return answer_decoder(endpoint).decode(reply)
+        # AssertionError: the Envelope's own check (an ok answer with an error, or neither)
+        except (msgspec.ValidationError, msgspec.DecodeError, AssertionError):
             return local_error(ErrorCode.internal, "the server's answer could not be read", contacted=True)
 
     async def _connected(self, account: str, seed: bytes) -> "NatsClient | Envelope":

@@ -5,10 +5,8 @@ import asyncio
 import getpass
 import sys
 from collections.abc import Callable
+from typing import Any
 
-import msgspec
-
-from contracts import subjects
 from contracts.api import (
     Action,
     ApproveRequest,
@@ -20,10 +18,14 @@ from contracts.api import (
     LogsRequest,
     MetricsRequest,
     PlanRequest,
+    RunAccepted,
     RunItemsRequest,
+    RunView,
     StatusRequest,
     TrainRequest,
 )
+from contracts.audit import AuditRequest
+from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from ecc import credentials, render
@@ -31,13 +33,13 @@ from ecc.manifest_file import ManifestError, read_manifest
 from ecc.transport import Client, SentButUnanswered, local_error, seed_of
 
 
-def _logged_in() -> Envelope | None:
+def _logged_in() -> Envelope[Any] | None:
     if credentials.load() is None:
         return local_error(ErrorCode.unauthenticated, "not logged in; run `ecc ito login --account ACCOUNT`")
     return None
 
 
-def _manifest(path: str) -> tuple[str, str] | Envelope:
+def _manifest(path: str) -> tuple[str, str] | Envelope[Any]:
     try:
         data, digest = read_manifest(path)
     except ManifestError as exc:
@@ -48,44 +50,43 @@ def _manifest(path: str) -> tuple[str, str] | Envelope:
         return local_error(ErrorCode.manifest_invalid, "the manifest is not UTF-8 text")
 
 
-async def _read(args: argparse.Namespace, suffix: str, request: msgspec.Struct) -> Envelope:
+async def _read(args: argparse.Namespace, endpoint: Endpoint[Any, Any], request: Any) -> Envelope[Any]:
     async with Client(args.connect_timeout, args.timeout) as client:
         try:
-            return await client.call(suffix, request)
+            return await client.call(endpoint, request)
         except SentButUnanswered:
             return local_error(
                 ErrorCode.timeout, "no answer in time; nothing was changed by this read", contacted=True
             )
 
 
-async def _call_train(args: argparse.Namespace, request: TrainRequest) -> Envelope:
+async def _call_train(args: argparse.Namespace, request: TrainRequest) -> Envelope[RunAccepted]:
     """A train whose answer is lost is resolved by asking status by its idempotency key first."""
     async with Client(args.connect_timeout, args.timeout) as client:
         try:
-            return await client.call(subjects.API_TRAIN, request)
+            return await client.call(API["train"], request)
         except SentButUnanswered:
             pass
     async with Client(args.connect_timeout, max(args.timeout / 2, 5.0)) as client:
         try:
-            status = await client.call(
-                subjects.API_STATUS, StatusRequest(idempotency_key=request.idempotency_key)
-            )
+            status = await client.call(API["status"], StatusRequest(idempotency_key=request.idempotency_key))
         except SentButUnanswered:
             status = None
     if status is not None and status.ok:
         view = status.data
+        assert isinstance(view, RunView), "status answers a RunView (its decoder made it one)"
         return Envelope(
             ok=True,
             live_api_contacted=True,
             notice="the answer was lost in transit; this run was found by its idempotency key",
-            data={
-                "run_id": view["run_id"],
-                "state": view["state"],
-                "replay": True,
-                "booking_id": view["booking_id"],
-                "manifest_digest": view["manifest_digest"],
-                "idempotency_key": request.idempotency_key,
-            },
+            data=RunAccepted(
+                run_id=view.run_id,
+                state=view.state,
+                replay=True,
+                booking_id=view.booking_id,
+                manifest_digest=view.manifest_digest,
+                idempotency_key=request.idempotency_key,
+            ),
         )
     return local_error(
         ErrorCode.transport_ambiguous,
@@ -95,11 +96,11 @@ async def _call_train(args: argparse.Namespace, request: TrainRequest) -> Envelo
     )
 
 
-async def _mutate(args: argparse.Namespace, suffix: str, request: msgspec.Struct) -> Envelope:
+async def _mutate(args: argparse.Namespace, endpoint: Endpoint[Any, Any], request: Any) -> Envelope[Any]:
     """A lost answer to a mutation is not retried blindly: its key makes a retry safe, so say so."""
     async with Client(args.connect_timeout, args.timeout) as client:
         try:
-            return await client.call(suffix, request)
+            return await client.call(endpoint, request)
         except SentButUnanswered:
             return local_error(
                 ErrorCode.transport_ambiguous,
@@ -109,7 +110,7 @@ async def _mutate(args: argparse.Namespace, suffix: str, request: msgspec.Struct
             )
 
 
-def _login(args: argparse.Namespace) -> Envelope:
+def _login(args: argparse.Namespace) -> Envelope[Any]:
     if sys.stdin.isatty():
         api_key = getpass.getpass("API key: ").strip()
     else:
@@ -119,12 +120,12 @@ def _login(args: argparse.Namespace) -> Envelope:
     if seed_of(api_key) is None:
         return local_error(ErrorCode.unauthenticated, "that is not an ito-training API key")
 
-    async def check() -> Envelope:
+    async def check() -> Envelope[Any]:
         async with Client(
             args.connect_timeout, args.timeout, credential=(args.account, api_key), fresh=True
         ) as c:
             try:
-                return await c.call(subjects.API_AUTH, AuthRequest())
+                return await c.call(API["auth"], AuthRequest())
             except SentButUnanswered:
                 return local_error(ErrorCode.timeout, "no answer in time; nothing was stored", contacted=True)
 
@@ -137,29 +138,29 @@ def _login(args: argparse.Namespace) -> Envelope:
     return env
 
 
-def _logout(args: argparse.Namespace) -> Envelope:
+def _logout(args: argparse.Namespace) -> Envelope[Any]:
     removed = credentials.remove()
-    return Envelope(ok=True, live_api_contacted=False, notice=None, data={"logged_out": removed})
+    return Envelope(ok=True, live_api_contacted=False, notice=None, data=render.LoggedOut(logged_out=removed))
 
 
-def _auth(args: argparse.Namespace) -> Envelope:
-    return asyncio.run(_read(args, subjects.API_AUTH, AuthRequest()))
+def _auth(args: argparse.Namespace) -> Envelope[Any]:
+    return asyncio.run(_read(args, API["auth"], AuthRequest()))
 
 
-def _find(args: argparse.Namespace) -> Envelope:
-    return asyncio.run(_read(args, subjects.API_FIND, FindRequest()))
+def _find(args: argparse.Namespace) -> Envelope[Any]:
+    return asyncio.run(_read(args, API["find"], FindRequest()))
 
 
-def _plan(args: argparse.Namespace) -> Envelope:
+def _plan(args: argparse.Namespace) -> Envelope[Any]:
     m = _manifest(args.manifest)
     if isinstance(m, Envelope):
         return m
     text, digest = m
     req = PlanRequest(booking_id=args.booking, manifest_text=text, manifest_digest=digest)
-    return asyncio.run(_read(args, subjects.API_PLAN, req))
+    return asyncio.run(_read(args, API["plan"], req))
 
 
-def _train(args: argparse.Namespace) -> Envelope:
+def _train(args: argparse.Namespace) -> Envelope[Any]:
     """The manifest read here, then a call whose lost answer `_call_train` resolves."""
     m = _manifest(args.manifest)
     if isinstance(m, Envelope):
@@ -175,7 +176,7 @@ def _train(args: argparse.Namespace) -> Envelope:
     return asyncio.run(_call_train(args, req))
 
 
-def _confirm(args: argparse.Namespace) -> Envelope:
+def _confirm(args: argparse.Namespace) -> Envelope[Any]:
     text: str | None = None
     digest: str | None = None
     if args.manifest:
@@ -191,39 +192,39 @@ def _confirm(args: argparse.Namespace) -> Envelope:
         manifest_digest=digest,
         max_cost_usd=args.max_cost,
     )
-    return asyncio.run(_read(args, subjects.API_CONFIRM, req))
+    return asyncio.run(_read(args, API["confirm"], req))
 
 
-def _status(args: argparse.Namespace) -> Envelope:
+def _status(args: argparse.Namespace) -> Envelope[Any]:
     if not args.run and not args.idempotency_key:
         return local_error(ErrorCode.request_invalid, "give a run id or --idempotency-key")
     req = StatusRequest(run_id=args.run, idempotency_key=args.idempotency_key)
     if args.follow:
         return asyncio.run(render.follow(args, req))
-    return asyncio.run(_read(args, subjects.API_STATUS, req))
+    return asyncio.run(_read(args, API["status"], req))
 
 
-def _metrics(args: argparse.Namespace) -> Envelope:
+def _metrics(args: argparse.Namespace) -> Envelope[Any]:
     req = MetricsRequest(run_id=args.run, since=args.since)
-    return asyncio.run(_read(args, subjects.API_METRICS, req))
+    return asyncio.run(_read(args, API["metrics"], req))
 
 
-def _checkpoints(args: argparse.Namespace) -> Envelope:
-    return asyncio.run(_read(args, subjects.API_CHECKPOINTS, RunItemsRequest(run_id=args.run)))
+def _checkpoints(args: argparse.Namespace) -> Envelope[Any]:
+    return asyncio.run(_read(args, API["checkpoints"], RunItemsRequest(run_id=args.run)))
 
 
-def _evals(args: argparse.Namespace) -> Envelope:
-    return asyncio.run(_read(args, subjects.API_EVALS, RunItemsRequest(run_id=args.run)))
+def _evals(args: argparse.Namespace) -> Envelope[Any]:
+    return asyncio.run(_read(args, API["evals"], RunItemsRequest(run_id=args.run)))
 
 
-def _cancel(args: argparse.Namespace) -> Envelope:
+def _cancel(args: argparse.Namespace) -> Envelope[Any]:
     req = CancelRequest(
         run_id=args.run, confirmation_ref=args.confirmation_ref, idempotency_key=args.idempotency_key
     )
-    return asyncio.run(_mutate(args, subjects.API_CANCEL, req))
+    return asyncio.run(_mutate(args, API["cancel"], req))
 
 
-def _cleanup(args: argparse.Namespace) -> Envelope:
+def _cleanup(args: argparse.Namespace) -> Envelope[Any]:
     req = CleanupRequest(
         run_id=args.run,
         confirmation_ref=args.confirmation_ref,
@@ -231,33 +232,31 @@ def _cleanup(args: argparse.Namespace) -> Envelope:
         release_booking=args.release_booking,
         release_confirmation_ref=args.release_confirmation_ref,
     )
-    return asyncio.run(_mutate(args, subjects.API_CLEANUP, req))
+    return asyncio.run(_mutate(args, API["cleanup"], req))
 
 
-def _approve(args: argparse.Namespace) -> Envelope:
+def _approve(args: argparse.Namespace) -> Envelope[Any]:
     req = ApproveRequest(
         run_id=args.run,
         confirmation_ref=args.confirmation_ref,
         idempotency_key=args.idempotency_key,
         reject=args.reject,
     )
-    return asyncio.run(_mutate(args, subjects.API_APPROVE, req))
+    return asyncio.run(_mutate(args, API["approve"], req))
 
 
-def _audit(args: argparse.Namespace) -> Envelope:
-    from contracts.audit import AuditRequest
-
-    return asyncio.run(_read(args, subjects.API_AUDIT, AuditRequest(run_id=args.run)))
+def _audit(args: argparse.Namespace) -> Envelope[Any]:
+    return asyncio.run(_read(args, API["audit"], AuditRequest(run_id=args.run)))
 
 
-def _logs(args: argparse.Namespace) -> Envelope:
+def _logs(args: argparse.Namespace) -> Envelope[Any]:
     req = LogsRequest(run_id=args.run, since=args.since)
     if args.follow:
         return asyncio.run(render.follow_logs(args, req))
-    return asyncio.run(_read(args, subjects.API_LOGS, req))
+    return asyncio.run(_read(args, API["logs"], req))
 
 
-Verb = Callable[[argparse.Namespace], Envelope]
+Verb = Callable[[argparse.Namespace], Envelope[Any]]
 
 WITHOUT_LOGIN: dict[str, Verb] = {"login": _login, "logout": _logout}
 """Verbs that run without a stored credential."""
@@ -280,7 +279,7 @@ LOGGED_IN: dict[str, Verb] = {
 """Verbs that need a stored credential: without one they answer `unauthenticated` and call nothing."""
 
 
-def run_verb(args: argparse.Namespace) -> Envelope:
+def run_verb(args: argparse.Namespace) -> Envelope[Any]:
     if args.verb in WITHOUT_LOGIN:
         return WITHOUT_LOGIN[args.verb](args)
     missing = _logged_in()

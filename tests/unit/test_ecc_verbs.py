@@ -1,6 +1,7 @@
 """`ecc`'s verb table (ecc/verbs.py): every verb the parser knows has exactly one handler, and
 without a stored login every verb but login/logout answers `unauthenticated` without a call."""
 
+import msgspec
 import pytest
 
 from contracts.errors import ErrorCode
@@ -31,4 +32,4 @@ def test_without_a_login_nothing_is_called(verb, tmp_path, monkeypatch):
 def test_logout_without_a_login_says_nothing_was_removed(tmp_path, monkeypatch):
     monkeypatch.setenv(credentials.ENV_CONFIG_DIR, str(tmp_path))
     env = verbs.run_verb(parser().parse_args(["ito", "logout"]))
-    assert env.ok and env.data == {"logged_out": False}
+    assert env.ok and msgspec.to_builtins(env.data) == {"logged_out": False}

@@ -1,0 +1,469 @@
+"""What `ecc` shows for each answer (ecc/render.py): every API verb's answer type has a renderer,
+picked by the type and never by keys; the lines a person reads and the JSON a tool reads stay what
+the server's answer says (a typed re-encode is the server's own bytes)."""
+
+import argparse
+import asyncio
+import json
+import typing
+from datetime import UTC, datetime
+
+import msgspec
+import pytest
+
+from contracts.api import (
+    Action,
+    AuthInfo,
+    BookingView,
+    CleanupResult,
+    ConfirmationIssued,
+    CostEstimate,
+    LogLineView,
+    LogPage,
+    LogsRequest,
+    MutationResult,
+    Parallelism,
+    Plan,
+    PlanCheck,
+    RemovedArtifact,
+    RestartProposal,
+    RunAccepted,
+    RunView,
+    StageGatePlan,
+    StatusRequest,
+)
+from contracts.audit import AuditTrail, GateDecision
+from contracts.booking import Booking, BookingState, Fabric, Topology
+from contracts.endpoints import API, Endpoint
+from contracts.envelope import Envelope
+from contracts.errors import ErrorCode
+from contracts.evals import EvalMetric, Provenance, ProvenanceStep, StageGate
+from contracts.runs import CheckpointList, CheckpointSaved, EvalList, Metrics, MetricsPage
+from contracts.states import RunState
+from ecc import render, transport
+
+AT = datetime(2026, 12, 2, 7, 30, 1, 250000, tzinfo=UTC)
+COST = CostEstimate(
+    flops=1.5e15,
+    tokens=4096,
+    parameters=1_000_000,
+    assumed_mfu=0.4,
+    peak_tflops_per_gpu=989.0,
+    gpus=2,
+    gpu_hours=0.0123,
+    price_per_gpu_hour_usd=2.5,
+    compute_usd=0.03075,
+    checkpoint_storage_usd=0.0,
+    total_usd=0.03075,
+    booked_gpu_hours=8.0,
+    incremental_usd=0.0,
+)
+PLAN = Plan(
+    booking_id="bk-1",
+    manifest_digest="d" * 64,
+    strategy="ddp",
+    degrees={"dp": 2},
+    precision="bf16",
+    cost=COST,
+    checks=[
+        PlanCheck(name="memory", ok=True, reason="fits in 141 GB"),
+        PlanCheck(name="budget", ok=False, code="budget_exceeded", reason="over 1 USD"),
+    ],
+    ok=False,
+    gates=[StageGatePlan(stage="pretrain", rules=["held_out_loss <= 4.0", "finite loss"])],
+)
+GATE = StageGate(
+    stage="pretrain",
+    passed=False,
+    metrics=[
+        EvalMetric(name="held_out_loss", value=3.25, threshold=3.0, op="<=", passed=False),
+        EvalMetric(name="perplexity", value=25.8),
+    ],
+)
+VIEW = RunView(
+    run_id="run-1",
+    account="acme",
+    booking_id="bk-1",
+    manifest_digest="d" * 64,
+    idempotency_key="key-1",
+    state=RunState.awaiting_approval,
+    stage="pretrain",
+    step=40,
+    total_steps=100,
+    loss=2.5,
+    created_at=AT,
+    updated_at=AT,
+    plan=PLAN,
+    message="loss spike at step 38",
+    gates=[GATE],
+    provenance=Provenance(
+        steps=[ProvenanceStep(name="exact_dedup", before=100, after=90)], input_digest="i", output_digest="o"
+    ),
+    proposal=RestartProposal(
+        stage="pretrain", checkpoint_step=30, skip_from=31, skip_to=39, spike_step=38, reason="loss spike"
+    ),
+    parallelism=Parallelism(strategy="ddp", world_size=4, mesh={"dp_replicate": 2, "dp_shard": 2}, nodes=2),
+    nodes=2,
+)
+BOOKING = Booking(
+    booking_id="bk-1",
+    account="acme",
+    state=BookingState.completed,
+    version=3,
+    topology=Topology(nodes=1, gpus_per_node=8, gpu_model="H200", gpu_memory_gb=141),
+    region="eu-west",
+    fabric=Fabric.infiniband,
+    window_start=AT,
+    window_end=AT,
+    updated_at=AT,
+)
+
+# One example of every API verb's answer, and every line a person reads for it.
+EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
+    "auth": (AuthInfo(account="acme", key_id="UAKEY"), ["logged in as acme (key UAKEY)"]),
+    "find": (
+        [
+            BookingView(booking=BOOKING, allows_training=True),
+            BookingView(booking=BOOKING, allows_training=False, reason="expired"),
+        ],
+        [
+            "bk-1: completed, 1x8 H200, infiniband, eu-west, until 2026-12-02T07:30:01.250000Z (allows training)",
+            "bk-1: completed, 1x8 H200, infiniband, eu-west, until 2026-12-02T07:30:01.250000Z (no training: expired)",
+        ],
+    ),
+    "plan": (
+        PLAN,
+        [
+            "strategy ddp {'dp': 2} precision bf16",
+            "estimate 0.0307 USD (0.0123 GPU-h at 2.5 USD)",
+            "  [ok] memory: fits in 141 GB",
+            "  [FAIL] budget: over 1 USD",
+            "  gate pretrain: held_out_loss <= 4.0; finite loss",
+        ],
+    ),
+    "confirm": (
+        ConfirmationIssued(
+            confirmation_ref="cf-1",
+            action=Action.train,
+            target="bk-1",
+            manifest_digest=None,
+            max_cost_usd=1.0,
+            expires_at=AT,
+        ),
+        ["confirmation_ref: cf-1 (expires 2026-12-02T07:30:01.250000Z)"],
+    ),
+    "train": (RunAccepted(run_id="run-1", state=RunState.queued, booking_id="bk-1"), ["run run-1: queued"]),
+    "status": (
+        VIEW,
+        [
+            "run run-1: awaiting_approval (stage pretrain, step 40/100, loss 2.5000)",
+            "  loss spike at step 38",
+            "  gate pretrain: FAILED: held_out_loss 3.2500 (gate <= 3.0000), perplexity 25.8000 (reported, not gated)",
+            "  data: exact_dedup 100->90",
+            "  proposal (loss spike): restart pretrain from checkpoint step 30, skipping batches [31, 39); "
+            "approve with `ecc ito confirm --action restart_from_checkpoint --run run-1` then `ecc ito approve`",
+            "  parallelism: ddp, world size 4, mesh dp_replicate 2 x dp_shard 2, 2 nodes",
+            "  plan: ddp, estimate 0.030750 USD",
+        ],
+    ),
+    "logs": (
+        LogPage(
+            run_id="run-1",
+            lines=[LogLineView(index=0, at=AT, level="info", message="starting a gang of 4 ranks")],
+            next=1,
+        ),
+        ["2026-12-02T07:30:01.250000Z info: starting a gang of 4 ranks"],
+    ),
+    "audit": (
+        AuditTrail(
+            run_id="run-1",
+            decisions=[
+                GateDecision(
+                    request_id="run-1", at=AT, account="acme", action=Action.train, gate="booking", ok=True
+                ),
+                GateDecision(
+                    request_id="run-1",
+                    at=AT,
+                    account="acme",
+                    action=Action.train,
+                    gate="budget",
+                    ok=False,
+                    code="budget_exceeded",
+                ),
+            ],
+        ),
+        [
+            "2026-12-02T07:30:01.250000Z booking: pass",
+            "2026-12-02T07:30:01.250000Z budget: FAIL budget_exceeded",
+        ],
+    ),
+    "metrics": (
+        MetricsPage(
+            run_id="run-1",
+            points=[
+                Metrics(
+                    run_id="run-1",
+                    seq=7,
+                    at=AT,
+                    stage="pretrain",
+                    step=5,
+                    total_steps=100,
+                    loss=3.14159,
+                    learning_rate=0.003,
+                    tokens_per_s=12345.6,
+                    grad_norm=1.0,
+                )
+            ],
+            next=1,
+        ),
+        ["pretrain step 5/100 loss 3.1416 lr 3.00e-03 12346 tok/s"],
+    ),
+    "checkpoints": (
+        CheckpointList(
+            run_id="run-1",
+            checkpoints=[
+                CheckpointSaved(
+                    run_id="run-1",
+                    seq=9,
+                    at=AT,
+                    step=10,
+                    path="/ckpt/step-10",
+                    bytes=2_500_000,
+                    stall_s=0.0123,
+                    save_s=1.5,
+                )
+            ],
+        ),
+        ["step 10: 2.5 MB, loop stalled 12.3 ms, saved in 1.50 s  /ckpt/step-10"],
+    ),
+    "evals": (
+        EvalList(run_id="run-1", gates=[GATE]),
+        [
+            "pretrain: FAILED",
+            "  held_out_loss = 3.2500 (gate <= 3.0000) FAIL",
+            "  perplexity = 25.8000 (reported, not gated) ok",
+        ],
+    ),
+    "cancel": (
+        MutationResult(run_id="run-1", action=Action.cancel, state=RunState.cancelling),
+        ["run run-1: cancelling"],
+    ),
+    "cleanup": (
+        CleanupResult(
+            run_id="run-1",
+            removed=[RemovedArtifact(path="/ckpt/step-10", bytes=2500)],
+            booking_release_requested=True,
+        ),
+        ["removed /ckpt/step-10 (2500 bytes)", "1 artifacts removed; booking release requested: True"],
+    ),
+    "approve": (
+        MutationResult(run_id="run-1", action=Action.restart_from_checkpoint, state=RunState.queued),
+        ["run run-1: queued"],
+    ),
+}
+
+
+def test_every_api_verb_has_an_example_of_its_answer_type():
+    assert set(EXAMPLES) == set(API)
+    for verb, (answer, _) in EXAMPLES.items():
+        builtins = msgspec.to_builtins(answer)
+        assert msgspec.convert(builtins, API[verb].answer) == answer, verb
+
+
+def test_every_api_answer_type_has_a_renderer():
+    """A new verb's answer type must join `render.Answer`, and `text` must have its `case`
+    (mypy's exhaustiveness check on `assert_never` holds the second half)."""
+    shown = set(typing.get_args(render.Answer))
+    assert {API[verb].answer for verb in API} <= shown
+    assert {render.LoggedOut, render.LogsFollowed} <= shown
+
+
+@pytest.mark.parametrize("verb", sorted(EXAMPLES))
+def test_each_answer_renders_its_lines(verb):
+    answer, lines = EXAMPLES[verb]
+    assert render.text(answer).splitlines() == lines
+
+
+def test_empty_answers_say_so():
+    assert render.text([]) == "(no bookings)"
+    assert render.text(LogPage(run_id="r", lines=[], next=0)) == "(no lines)"
+    assert render.text(AuditTrail(run_id="r", decisions=[])) == "(no decisions)"
+    assert render.text(MetricsPage(run_id="r", points=[], next=0)) == "(none)"
+    assert render.text(CheckpointList(run_id="r", checkpoints=[])) == "(none yet)"
+    assert render.text(CheckpointList(run_id="r", checkpoints=[], cleaned_up=True)) == "(removed by cleanup)"
+    assert render.text(EvalList(run_id="r", gates=[])) == "(no stage has been evaluated yet)"
+    bare = msgspec.structs.replace(VIEW, state=RunState.queued, stage=None, message=None, gates=[])
+    bare = msgspec.structs.replace(bare, provenance=None, proposal=None, parallelism=None, plan=None)
+    assert render.text(bare) == "run run-1: queued"
+
+
+def test_ecc_s_own_answers_show_their_json():
+    assert render.text(render.LoggedOut(logged_out=False)) == '{"logged_out":false}'
+    assert render.text(render.LogsFollowed(run_id="r", next=5)) == '{"run_id":"r","next":5}'
+
+
+def test_renderers_take_types_not_keys():
+    assert not hasattr(render, "_human") and not hasattr(render, "RENDERERS")
+    run_shaped = msgspec.to_builtins(VIEW)
+    with pytest.raises(AssertionError):
+        render.text(run_shaped)  # a dict is no answer: nothing guesses what its keys mean
+
+
+def _wire(answer: typing.Any, notice: str | None = None) -> bytes:
+    """The scheduler's bytes for an answer (services/runtime/codec.ok)."""
+    return msgspec.json.encode(Envelope(ok=True, live_api_contacted=True, notice=notice, data=answer))
+
+
+@pytest.mark.parametrize("verb", sorted(EXAMPLES))
+def test_json_output_is_the_servers_answer(verb):
+    wire = _wire(EXAMPLES[verb][0])
+    typed = transport.answer_decoder(API[verb]).decode(wire)
+    assert isinstance(typed.data, type(EXAMPLES[verb][0]))
+    assert msgspec.json.encode(typed) == wire
+    assert msgspec.json.encode(typed) == msgspec.json.encode(msgspec.json.decode(wire, type=Envelope))
+
+
+def test_an_answer_of_another_type_is_not_read():
+    with pytest.raises(msgspec.ValidationError):
+        transport.answer_decoder(API["checkpoints"]).decode(_wire(VIEW))
+    assert transport.answer_decoder(API["status"]) is transport.answer_decoder(API["status"])
+
+
+class _Scripted:
+    """`Client` with the network cut out: `call` sends nothing and answers `reply`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, reply: bytes) -> None:
+        async def connected(self, account, seed):
+            return object()
+
+        async def request(self, nc, suffix, account, payload, timeout):
+            return reply
+
+        monkeypatch.setattr(transport, "seed_of", lambda key: b"seed")
+        monkeypatch.setattr(transport.Client, "_connected", connected)
+        monkeypatch.setattr(transport.Client, "_request", request)
+
+    def call(self, endpoint: Endpoint, request: typing.Any) -> Envelope:
+        async def go() -> Envelope:
+            async with transport.Client(credential=("acme", "ito_sk_x")) as client:
+                return await client.call(endpoint, request)
+
+        return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        _wire(VIEW),  # a run view where a checkpoint list belongs
+        b'{"ok":true,"live_api_contacted":true,"notice":null,"error":{"code":"internal","message":"x"}}',
+        b"not json",
+    ],
+)
+def test_an_unreadable_answer_is_a_local_internal_error(monkeypatch, reply):
+    from contracts.api import RunItemsRequest
+
+    env = _Scripted(monkeypatch, reply).call(API["checkpoints"], RunItemsRequest(run_id="run-1"))
+    assert not env.ok and env.live_api_contacted
+    assert env.error is not None and env.error.code == ErrorCode.internal
+    assert env.error.message == "the server's answer could not be read"
+
+
+def test_a_call_answers_its_endpoint_s_type(monkeypatch):
+    env = _Scripted(monkeypatch, _wire(VIEW)).call(API["status"], StatusRequest(run_id="run-1"))
+    assert env.ok and env.data == VIEW
+
+
+def _follow_args(as_json: bool) -> argparse.Namespace:
+    return argparse.Namespace(json=as_json, connect_timeout=1.0, timeout=1.0)
+
+
+def _scripted_calls(monkeypatch, answers: dict[str, list[typing.Any]]) -> None:
+    """`render._call` answering each endpoint from its own list, in order (the last one repeats)."""
+    by_subject = {API[verb].subject: list(items) for verb, items in answers.items()}
+
+    async def call(args, endpoint, request):
+        items = by_subject[endpoint.subject]
+        data = items.pop(0) if len(items) > 1 else items[0]
+        return Envelope(ok=True, live_api_contacted=True, notice=None, data=data)
+
+    monkeypatch.setattr(render, "_call", call)
+    monkeypatch.setattr(render, "POLL_EVERY_S", 0.0)
+
+
+LINE = LogLineView(index=0, at=AT, level="info", message="step 40")
+
+
+def test_follow_json_prints_one_log_and_status_event_per_line(monkeypatch, capsys):
+    done = msgspec.structs.replace(VIEW, state=RunState.succeeded)
+    _scripted_calls(
+        monkeypatch,
+        {"status": [done], "logs": [LogPage(run_id="run-1", lines=[LINE], next=1)]},
+    )
+    env = asyncio.run(render.follow(_follow_args(True), StatusRequest(run_id="run-1")))
+    assert env.ok and env.data == done
+    log, status = (json.loads(ln) for ln in capsys.readouterr().out.splitlines())
+    assert log == {"event": "log", **msgspec.to_builtins(LINE)}
+    assert list(log) == ["event", "index", "at", "level", "message"]
+    assert status == {"event": "status", "run": msgspec.to_builtins(done)}
+
+
+def test_follow_prints_progress_lines(monkeypatch, capsys):
+    running = msgspec.structs.replace(VIEW, state=RunState.running)
+    done = msgspec.structs.replace(VIEW, state=RunState.succeeded, step=100)
+    _scripted_calls(
+        monkeypatch,
+        {"status": [running, done], "logs": [LogPage(run_id="run-1", lines=[LINE], next=1)]},
+    )
+    asyncio.run(render.follow(_follow_args(False), StatusRequest(run_id="run-1")))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "  log: step 40"
+    assert out[1] == "[running] pretrain step 40/100 loss 2.5000"
+    assert out[-1] == "[succeeded] pretrain step 100/100 loss 2.5000 ETA 0s"
+
+
+def test_follow_logs_ends_with_where_the_lines_stopped(monkeypatch, capsys):
+    done = msgspec.structs.replace(VIEW, state=RunState.succeeded)
+    _scripted_calls(
+        monkeypatch,
+        {
+            "status": [done],
+            "logs": [
+                LogPage(run_id="run-1", lines=[LINE], next=1),
+                LogPage(run_id="run-1", lines=[], next=1),
+            ],
+        },
+    )
+    env = asyncio.run(render.follow_logs(_follow_args(False), LogsRequest(run_id="run-1")))
+    assert capsys.readouterr().out.splitlines() == ["2026-12-02T07:30:01.250000Z info: step 40"]
+    assert msgspec.json.encode(env.data) == b'{"run_id":"run-1","next":1}'
+    assert msgspec.json.encode(env) == (
+        b'{"ok":true,"live_api_contacted":true,"notice":null,"data":{"run_id":"run-1","next":1}}'
+    )
+
+
+def test_a_lost_train_answer_is_found_by_its_key_with_the_same_fields(monkeypatch):
+    """`_call_train`'s fallback answers a RunAccepted: the JSON a replay would carry."""
+    from contracts.api import TrainRequest
+    from ecc import verbs
+
+    async def call(self, endpoint, request):
+        if endpoint is API["train"]:
+            raise transport.SentButUnanswered()
+        assert endpoint is API["status"] and request.idempotency_key == "key-1"
+        return Envelope(ok=True, live_api_contacted=True, notice=None, data=VIEW)
+
+    monkeypatch.setattr(transport.Client, "call", call)
+    req = TrainRequest(booking_id="bk-1", manifest_text="m", manifest_digest="d", idempotency_key="key-1")
+    env = asyncio.run(verbs._call_train(_follow_args(True), req))
+    assert (
+        env.ok and env.notice == "the answer was lost in transit; this run was found by its idempotency key"
+    )
+    assert msgspec.json.decode(msgspec.json.encode(env.data)) == {
+        "run_id": "run-1",
+        "state": "awaiting_approval",
+        "replay": True,
+        "booking_id": "bk-1",
+        "manifest_digest": "d" * 64,
+        "idempotency_key": "key-1",
+    }
+    assert render.text(env.data) == "run run-1: awaiting_approval"
