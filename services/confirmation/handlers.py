@@ -50,12 +50,12 @@ class ConfirmationHandlers:
             digest=req.manifest_digest,
             cost=req.cost_usd,
         )
-        stored = await self.store.get(req.account, req.confirmation_ref)
+        stored, now = await self.store.get_at(req.account, req.confirmation_ref)
         if stored is None:
             owner = await self.store.owner(req.confirmation_ref)
             missing = binding.Reason.account if owner not in (None, req.account) else binding.Reason.not_found
             raise Refusal(*binding.refusal(missing, None, wanted))
-        reason = binding.refused(stored, wanted, await self.store.now())
+        reason = binding.refused(stored, wanted, now)
         if reason is not None:
             raise Refusal(*binding.refusal(reason, stored, wanted))
         return _issued(req.confirmation_ref, stored)

@@ -30,6 +30,10 @@ class Confirmations(Protocol):
 
     async def get(self, account: str, ref: str) -> Stored | None: ...
 
+    async def get_at(self, account: str, ref: str) -> tuple[Stored | None, float]:
+        """The record and the clock's time, read together (one round trip in Redis)."""
+        ...
+
     async def owner(self, ref: str) -> str | None:
         """The account a reference was issued to, whoever asks (to tell mismatch from unknown)."""
         ...
@@ -60,9 +64,16 @@ class ConfirmationStore:
             await pipe.execute()
 
     async def get(self, account: str, ref: str) -> Stored | None:
-        raw = await self.r.hgetall(self.keys.confirmation(account, ref))  # (its ACL user's command)
+        return (await self.get_at(account, ref))[0]
+
+    async def get_at(self, account: str, ref: str) -> tuple[Stored | None, float]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.confirmation(account, ref))  # (its ACL user's commands)
+            pipe.time()
+            raw, (seconds, micros) = await pipe.execute()
         record = {_text(k): _text(v) for k, v in raw.items()}
-        return Stored.from_fields([record[f] for f in FIELDS]) if record else None
+        stored = Stored.from_fields([record[f] for f in FIELDS]) if record else None
+        return stored, float(seconds) + float(micros) / 1e6
 
     async def owner(self, ref: str) -> str | None:
         raw = await self.r.get(self.keys.confirmation_owner(ref))
@@ -84,6 +95,9 @@ class InMemoryConfirmations:
 
     async def get(self, account: str, ref: str) -> Stored | None:
         return self.records.get((account, ref))
+
+    async def get_at(self, account: str, ref: str) -> tuple[Stored | None, float]:
+        return self.records.get((account, ref)), self.clock
 
     async def owner(self, ref: str) -> str | None:
         return next((account for account, r in self.records if r == ref), None)

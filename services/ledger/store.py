@@ -25,7 +25,7 @@ from services.runtime.keys import Keys
 ACCEPT_LUA = (
     """
 local existing = redis.call('GET', KEYS[1])
-if existing then return {'exists', existing} end
+if existing then return {'exists', existing, tostring(redis.call('SISMEMBER', KEYS[3], ARGV[9]))} end
 local conf = redis.call('HMGET', KEYS[2], """
     + ", ".join(f"'{f}'" for f in binding.FIELDS)
     + """)
@@ -38,11 +38,12 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 redis.call('HSET', KEYS[2], 'consumed', '1', 'consumed_by', ARGV[6])
 redis.call('SET', KEYS[1], ARGV[7], 'PX', ARGV[8])
 if ARGV[10] == '1' then redis.call('SADD', KEYS[3], ARGV[9]) end
-return {'accepted', ARGV[7]}
+return {'accepted', ARGV[7], ARGV[10]}
 """
 )
-"""Answer the existing entry; or refuse with the failed binding rule's name and the record; or
-consume the confirmation and reserve the key (and queue a run for hand-off)."""
+"""Answer the existing entry (and whether it waits for hand-off); or refuse with the failed binding
+rule's name and the record; or consume the confirmation and reserve the key (and queue a run for
+hand-off). One round trip either way."""
 
 _entry_decoder = msgspec.json.Decoder(LedgerEntry)
 
@@ -73,6 +74,10 @@ def _wanted(req: LedgerAccept) -> binding.Wanted:
     )
 
 
+def _handed_off(entry: LedgerEntry, pending: bool) -> LedgerEntry:
+    return msgspec.structs.replace(entry, handed_off=not pending)
+
+
 def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
 
@@ -84,13 +89,13 @@ class LedgerStore:
         self.retention_ms = int(retention_s * 1000)
         self._accept = r.register_script(ACCEPT_LUA)
 
-    async def _with_handoff(self, entry: LedgerEntry) -> LedgerEntry:
-        pending = await self.r.sismember(self.keys.pending_handoff(entry.account), entry.idempotency_key)
-        return msgspec.structs.replace(entry, handed_off=not pending)
-
     async def lookup(self, account: str, key: str) -> LedgerEntry | None:
-        raw = await self.r.get(self.keys.idempotency(account, key))
-        return None if raw is None else await self._with_handoff(_entry_decoder.decode(raw))
+        """The entry and whether it was handed off, in one round trip."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.get(self.keys.idempotency(account, key))
+            pipe.sismember(self.keys.pending_handoff(account), key)
+            raw, pending = await pipe.execute()
+        return None if raw is None else _handed_off(_entry_decoder.decode(raw), bool(pending))
 
     async def accept(self, req: LedgerAccept, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:
         outcome, *value = await self._accept(
@@ -116,12 +121,15 @@ class LedgerStore:
             fields = [_text(v) for v in value[1:]]
             stored = binding.Stored.from_fields(fields) if fields else None
             raise Refusal(*binding.refusal(binding.Reason(_text(value[0])), stored, _wanted(req)))
-        decoded = await self._with_handoff(_entry_decoder.decode(value[0]))
+        decoded = _handed_off(_entry_decoder.decode(value[0]), _text(value[1]) == "1")
         return decoded, _text(outcome) == "accepted"
 
     async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None:
-        await self.r.srem(self.keys.pending_handoff(account), key)
-        return await self.lookup(account, key)
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.srem(self.keys.pending_handoff(account), key)
+            pipe.get(self.keys.idempotency(account, key))
+            _, raw = await pipe.execute()
+        return None if raw is None else _handed_off(_entry_decoder.decode(raw), False)
 
     async def pending(self) -> list[LedgerEntry]:
         entries = []

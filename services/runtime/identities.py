@@ -226,7 +226,7 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
                     f"{ns}:accounts",
                 ),
                 "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +rpush +ltrim +llen +lrange "
-                "+smembers +watch +unwatch +multi +exec +discard",
+                f"+smembers +watch +unwatch +multi +exec +discard {scripts}",
             )
         case "ledger":
             return (

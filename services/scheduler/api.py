@@ -39,7 +39,7 @@ from contracts.api import (
 from contracts.audit import AuditRequest, AuditTrail
 from contracts.booking import BookingState
 from contracts.errors import ErrorCode
-from contracts.internal import ConfirmationCreate, LedgerAccept, LedgerEntry
+from contracts.internal import ConfirmationCreate, EligibilityBody, LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
@@ -220,6 +220,18 @@ class Api:
             )
         )
 
+    async def _refreshed(
+        self, account: str, booking_id: str, manifest: Manifest, planned_on: EligibilityBody
+    ) -> EligibilityBody:
+        body = await self.backends.verified_eligibility(account, booking_id, manifest)
+        if body.booking_version != planned_on.booking_version:
+            raise Refusal(
+                ErrorCode.eligibility_stale,
+                f"the booking changed (version {planned_on.booking_version} -> {body.booking_version}) "
+                "while the request was checked; plan and confirm again",
+            )
+        return body
+
     async def _replay(self, entry: LedgerEntry, fp: str) -> tuple[RunAccepted, str]:
         if entry.fingerprint != fp:
             raise key_conflict()
@@ -251,10 +263,9 @@ class Api:
         if winner is not None:
             return await trail.gate("replay", self._replay(winner, fp))
         if not self.backends.still_fresh(body, datetime.now(UTC)):
-            # re-fetched, never stretched: the gate is checked again at the moment of creation
-            body = await trail.gate(
-                "eligibility_refresh", self.backends.verified_eligibility(account, req.booking_id, manifest)
-            )
+            # Re-fetched, never stretched: the gate is checked again at the moment of creation,
+            # and the plan holds only for the booking version it was made on.
+            await trail.gate("eligibility_refresh", self._refreshed(account, req.booking_id, manifest, body))
         work = self._work(trail.request_id, account, req, manifest, digest, p)
         entry = await trail.gate("ledger_accept", self._reserve(account, req, fp, work))
         if entry.run_id != work.run_id:  # a concurrent request with the same key won the reservation

@@ -16,6 +16,7 @@ from contracts.api import Action, CleanupOrder, CleanupResult, ConfirmationIssue
 from contracts.endpoints import Endpoint
 from contracts.errors import ErrorCode
 from contracts.internal import (
+    BookingRelease,
     BookingsAnswer,
     BookingsQuery,
     ConfirmationCreate,
@@ -28,7 +29,6 @@ from contracts.internal import (
     LedgerHandedOff,
     LedgerLookup,
     LedgerPending,
-    BookingRelease,
 )
 from contracts.manifest import Manifest
 from services.runtime import bus, codec

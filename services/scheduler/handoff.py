@@ -86,30 +86,33 @@ class Handoff:
         )
 
     async def hand_off(self, entry: LedgerEntry) -> RunView:
+        """Steps that do not depend on each other run side by side: the view and the run's
+        creation event; then the work items (after both: the item's history starts with its
+        creation); then the move to `queued` and the ledger's hand-off mark."""
         view = self.view_from(entry)
-        await self.runs.create(view)
         plan = view.plan
-        await self.events.publish(
-            RunCreated(  # before the work item: its history starts here
-                **self.events.base(view.run_id),
-                account=view.account,
-                booking_id=view.booking_id,
-                region=plan.region if plan else "",
-                gpu_model=plan.gpu_model if plan else "",
-                gpus=plan.cost.gpus if plan else 1,
-                accepted_at=view.created_at,
-            ),
-            f"{view.run_id}:created",
+        created = RunCreated(
+            **self.events.base(view.run_id),
+            account=view.account,
+            booking_id=view.booking_id,
+            region=plan.region if plan else "",
+            gpu_model=plan.gpu_model if plan else "",
+            gpus=plan.cost.gpus if plan else 1,
+            accepted_at=view.created_at,
         )
-        await self.runs.remember(view.account, view.run_id, "work", entry.work)  # for an approved restart
+        await asyncio.gather(
+            self.runs.create(view, work=entry.work),  # the item kept for an approved restart
+            self.events.publish(created, f"{view.run_id}:created"),
+        )
         await self.backends.publish_work(entry.run_id, entry.work, entry.run_id)
         for share, msg_id in node_shares(_work_decoder.decode(entry.work))[1:]:
             await self.backends.publish_work(entry.run_id, msgspec.json.encode(share), msg_id)
-
-        updated, _ = await self.runs.move(  # unless the trainer already moved it on
-            entry.account, entry.run_id, RunState.queued, allowed_from=frozenset({RunState.accepted})
+        (updated, _), _ = await asyncio.gather(
+            self.runs.move(  # unless the trainer already moved it on
+                entry.account, entry.run_id, RunState.queued, allowed_from=frozenset({RunState.accepted})
+            ),
+            self.backends.ledger_handed_off(entry.account, entry.idempotency_key),
         )
-        await self.backends.ledger_handed_off(entry.account, entry.idempotency_key)
         return updated or view
 
     async def reconcile_once(self) -> int:

@@ -35,11 +35,13 @@ class InMemoryRuns:
         self.points: dict[tuple[str, str], list[Metrics]] = {}
         self.saved: dict[tuple[str, str], list[CheckpointSaved]] = {}
 
-    async def create(self, view: RunView) -> bool:
+    async def create(self, view: RunView, work: bytes | None = None) -> bool:
         if (view.account, view.run_id) in self.views:
             return False
         self.views[(view.account, view.run_id)] = view
         self.owners[view.run_id] = view.account
+        if work is not None:
+            self.kept.setdefault((view.account, view.run_id, "work"), bytes(work))
         return True
 
     async def owner(self, run_id: str) -> str | None:

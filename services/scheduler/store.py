@@ -2,7 +2,7 @@
 
 A run view changes only through `move()` (its state, by `lifecycle.move`: the one writer of that
 fact) and `update()` (anything but its state: `lifecycle.NotAMove` otherwise), both an optimistic
-WATCH/MULTI transaction around a pure function, so concurrent writers (the event consumer, cancel,
+compare-and-set (CAS_LUA) around a pure function, so concurrent writers (the event consumer, cancel,
 the watcher) never lose each other's changes.
 """
 
@@ -127,7 +127,7 @@ class RunRecords(Runs, Protocol):
     the `Runs` port plus creation, the answers kept beside a run, and its logs, metrics and
     checkpoints. RunStore in Redis, memory.InMemoryRuns in handler tests."""
 
-    async def create(self, view: RunView) -> bool: ...
+    async def create(self, view: RunView, work: bytes | None = None) -> bool: ...
     async def remember(self, account: str, run_id: str, field: str, value: bytes) -> None: ...
     async def recall(self, account: str, run_id: str, field: str) -> bytes | None: ...
     async def log_count(self, account: str, run_id: str) -> int: ...
@@ -140,21 +140,43 @@ class RunRecords(Runs, Protocol):
     async def forget_checkpoints(self, account: str, run_id: str) -> None: ...
 
 
+CAS_FIELDS = ("view", "last_seq", "last_epoch", "lease_epoch")
+CAS_LUA = """
+local cur = redis.call('HMGET', KEYS[1], 'view', 'last_seq', 'last_epoch', 'lease_epoch')
+for i = 1, 4 do
+  if (cur[i] or '') ~= ARGV[i] then return 0 end
+end
+redis.call('HSET', KEYS[1], 'view', ARGV[5])
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'last_seq', ARGV[6], 'last_epoch', ARGV[7]) end
+return 1
+"""
+"""Write a run's new view only if the fields it was computed from are unchanged (compare and set,
+one round trip after the read; the caller retries on a lost race, as a WATCH would make it)."""
+
+
+def _bytes(raw: bytes | str | None) -> bytes:
+    return b"" if raw is None else raw.encode() if isinstance(raw, str) else raw
+
+
 class RunStore:
     def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
         self.r = r
         self.keys = keys
+        self._cas = r.register_script(CAS_LUA)
 
-    async def create(self, view: RunView) -> bool:
-        """Create the run view if absent (idempotent); returns whether it was created."""
+    async def create(self, view: RunView, work: bytes | None = None) -> bool:
+        """Create the run view if absent, with its work item kept beside it (for an approved
+        restart): one round trip, every command idempotent (the reconciler repeats it with the
+        same view). Returns whether it was created."""
         key = self.keys.run(view.account, view.run_id)
-        created = await self.r.hsetnx(key, "view", msgspec.json.encode(view))
-        if created:
-            async with self.r.pipeline(transaction=False) as pipe:
-                pipe.hset(key, "last_seq", 0)
-                pipe.set(self.keys.run_owner(view.run_id), view.account)
-                pipe.zadd(self.keys.runs(view.account), {view.run_id: view.created_at.timestamp()})
-                await pipe.execute()
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.hsetnx(key, "view", msgspec.json.encode(view))
+            pipe.hsetnx(key, "last_seq", 0)
+            if work is not None:
+                pipe.hsetnx(key, "work", work)
+            pipe.set(self.keys.run_owner(view.run_id), view.account)
+            pipe.zadd(self.keys.runs(view.account), {view.run_id: view.created_at.timestamp()})
+            created, *_ = await pipe.execute()
         return bool(created)
 
     async def owner(self, run_id: str) -> str | None:
@@ -213,34 +235,31 @@ class RunStore:
         applied (epoch, seq) (a redelivery or duplicate is skipped) and never more than
         MAX_SEQ_GAP ahead of it (a forged far-future seq would block every later event). No wall
         clock is involved, so a trainer whose clock is off still has every event applied in order.
-        The scheduler's own transitions come without either and go through the same WATCH/MULTI,
+        The scheduler's own transitions come without either and go through the same compare-and-set,
         so they are serialized with the events. `applied` is False when skipped."""
         key = self.keys.run(account, run_id)
         for _ in range(UPDATE_RETRIES):
-            async with self.r.pipeline(transaction=True) as pipe:
-                try:
-                    await pipe.watch(key)
-                    raw, last, last_epoch, lease_epoch = await pipe.hmget(
-                        key, ["view", "last_seq", "last_epoch", "lease_epoch"]
-                    )
-                    if raw is None:
-                        return None, False
-                    view = _view_decoder.decode(raw)
-                    if holder_epoch is not None and not (0 < int(lease_epoch or 0) == holder_epoch):
-                        return view, False
-                    if seq is not None and not in_order(
-                        holder_epoch or 0, seq, int(last_epoch or 0), int(last or 0)
-                    ):
-                        return view, False
-                    new = change(view)
-                    pipe.multi()
-                    pipe.hset(key, "view", msgspec.json.encode(new))
-                    if seq is not None:
-                        pipe.hset(key, mapping={"last_seq": seq, "last_epoch": holder_epoch or 0})
-                    await pipe.execute()
-                    return new, True
-                except WatchError:
-                    continue
+            raw, last, last_epoch, lease_epoch = await self.r.hmget(key, list(CAS_FIELDS))
+            if raw is None:
+                return None, False
+            view = _view_decoder.decode(raw)
+            if holder_epoch is not None and not (0 < int(lease_epoch or 0) == holder_epoch):
+                return view, False
+            if seq is not None and not in_order(holder_epoch or 0, seq, int(last_epoch or 0), int(last or 0)):
+                return view, False
+            new = change(view)
+            seen = [_bytes(v) for v in (raw, last, last_epoch, lease_epoch)]
+            written = await self._cas(
+                keys=[key],
+                args=[
+                    *seen,
+                    msgspec.json.encode(new),
+                    "" if seq is None else seq,
+                    "" if seq is None else holder_epoch or 0,
+                ],
+            )
+            if written:
+                return new, True
         raise RuntimeError(f"run {run_id}: too much contention updating the view")
 
     async def append_log(self, account: str, run_id: str, line: LogLineView) -> None:
