@@ -58,6 +58,8 @@ class RunEvents:
         if refused is not None:
             log.warning("run %s: event refused (%s)", event.run_id, refused)
             return
+        if not from_trainer(event):  # the scheduler's own: for the run's history, never its view
+            return
         account = await self.runs.owner(event.run_id)
         if account is None:
             log.error("event for unknown run %s ignored", event.run_id)

@@ -1,8 +1,13 @@
 """Server-side manifest verification: recompute the digest over the exact bytes, parse them
 strictly, refuse secrets, and refuse what the trainer could not run (the same `plan_run` it
-calls). The client's digest is compared, never trusted alone."""
+calls). The client's digest is compared, never trusted alone.
+
+The checks are a pure function of the bytes, so a manifest that passed them is remembered by its
+SHA-256 (the digest recomputed here) and not parsed and scanned again: a person confirms, then
+trains, with the same reviewed manifest."""
 
 import hashlib
+from collections import OrderedDict
 
 import msgspec
 
@@ -15,6 +20,8 @@ from services.scheduler.secret_scan import find_secret
 MAX_MANIFEST_BYTES = 1024 * 1024  # 1 MiB, the same cap the client enforces before sending
 
 _decoder = msgspec.json.Decoder(Manifest)
+VERIFIED_KEPT = 256  # manifests whose checks are remembered by digest (confirm, then train, replays)
+_verified: "OrderedDict[str, Manifest]" = OrderedDict()
 
 
 def digest_of(data: bytes) -> str:
@@ -32,6 +39,19 @@ def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -
         raise Refusal(
             ErrorCode.manifest_digest_mismatch, "the manifest bytes do not match the digest the client sent"
         )
+    known = _verified.get(digest)
+    if known is not None:  # these exact bytes passed every check below before: they pass again
+        _verified.move_to_end(digest)
+        return known, digest
+    manifest = _checked(data)
+    _verified[digest] = manifest
+    if len(_verified) > VERIFIED_KEPT:
+        _verified.popitem(last=False)
+    return manifest, digest
+
+
+def _checked(data: bytes) -> Manifest:
+    """Parse strictly, refuse secrets and what cannot run: a pure function of the bytes."""
     try:
         untyped = msgspec.json.decode(data)
     except msgspec.DecodeError:
@@ -49,4 +69,4 @@ def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -
         plan_run(manifest)  # accepted here means runnable there: the trainer's own guard is this call
     except ValueError as exc:
         raise Refusal(ErrorCode.manifest_invalid, f"the manifest cannot run: {exc}") from None
-    return manifest, digest
+    return manifest

@@ -58,7 +58,9 @@ def test_a_statement_is_fresh_until_its_expiry_and_not_a_moment_longer(at, fresh
 
 async def test_a_refreshed_statement_of_the_same_version_is_used():
     statements = Statements(body(3))
-    assert (await api(statements)._refreshed("acme", "bk", None, body(3, expires_in_s=0))).booking_version == 3
+    assert (
+        await api(statements)._refreshed("acme", "bk", None, body(3, expires_in_s=0))
+    ).booking_version == 3
     assert statements.calls == 1
 
 

@@ -416,3 +416,35 @@ def test_mutated_manifests_are_a_manifest_or_a_refusal(mutation):
     else:
         node[path[-1]] = value
     check_outcome(json.dumps(doc))
+
+
+def test_a_manifest_that_passed_is_not_parsed_and_scanned_again(monkeypatch):
+    """The checks are a pure function of the bytes: remembered by the recomputed SHA-256."""
+    from services.scheduler import manifests
+
+    scans: list[int] = []
+    real = manifests.find_secret
+    monkeypatch.setattr(manifests, "find_secret", lambda value: scans.append(1) or real(value))
+    monkeypatch.setattr(manifests, "_verified", manifests.OrderedDict())
+    text = json.dumps({**VALID, "name": "cached-run"})
+    first, digest = verify(text, digest_of(text.encode()))
+    again, _ = verify(text, digest)
+    assert again is first and len(scans) == 1
+    other = json.dumps({**VALID, "name": "another-run"})
+    verify(other, digest_of(other.encode()))
+    assert len(scans) == 2  # other bytes are checked in full
+    with pytest.raises(Refusal) as refused:  # a known digest never stands in for other bytes
+        verify(other, digest)
+    assert refused.value.code is ErrorCode.manifest_digest_mismatch
+
+
+def test_a_refused_manifest_is_refused_every_time(monkeypatch):
+    from services.scheduler import manifests
+
+    monkeypatch.setattr(manifests, "_verified", manifests.OrderedDict())
+    bad = json.dumps({**VALID, "model": {"size": "no-such-size"}})
+    for _ in range(2):
+        with pytest.raises(Refusal) as refused:
+            verify(bad, digest_of(bad.encode()))
+        assert refused.value.code is ErrorCode.manifest_invalid
+    assert not manifests._verified
