@@ -95,6 +95,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, u
     "checkpoint_tiny": [
         ("checkpoint_bytes", "B"),
         ("async_stall_s", "s"),
+        ("first_stall_s", "s"),
+        ("staging_wait_s", "s"),
         ("sync_torch_save_s", "s"),
         ("stall_ratio", "x"),
         ("checkpoint_write_mb_s", "MB/s"),
@@ -104,6 +106,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, u
     "checkpoint_150M": [
         ("checkpoint_bytes", "B"),
         ("async_stall_s", "s"),
+        ("first_stall_s", "s"),
+        ("staging_wait_s", "s"),
         ("sync_torch_save_s", "s"),
         ("stall_ratio", "x"),
         ("checkpoint_write_mb_s", "MB/s"),

@@ -10,6 +10,16 @@ A directory without COMMITTED is a save that is still running or that died: it i
 never loaded, and the next commit deletes it. At most one save is in flight: `save` first waits for
 the previous one, so a slow disk slows the loop instead of piling up staged copies in memory.
 
+Staging, the copy of the state that the background write then serialises, is what a save costs the
+loop. One `DefaultStager` per Checkpointer, made at its first save, serves every save: its host
+buffers are allocated once (about the size of the model and optimizer state, held until `close`)
+instead of once per save, and with `overlap_staging` it copies in a thread of its own while the
+loop runs the next forward and backward. The loop then calls `wait_staged` right before the next
+optimizer step, the first thing that changes what is being copied; without `overlap_staging`, `save`
+waits for the copy itself before it returns. Either way a save holds the state at its call, and its
+`stall_s` counts every moment the loop was blocked by it: the call, the wait for the previous save
+inside it, and the wait for its copy.
+
 Loss-spike restarts also live here. Beside the step directories, `SKIP.json` holds an approved
 restart's window of batches to skip, in data positions (the batch count the sidecar records), never
 in steps: once one skip has happened a step's data position is no longer its step number, so only
@@ -43,18 +53,21 @@ import shutil
 import time
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from contracts.manifest import CheckpointPolicy
 from services.trainer import distributed
@@ -80,7 +93,8 @@ class CheckpointInfo:
     step: int
     path: str
     bytes: int
-    stall_s: float  # how long the training loop was blocked by this save (incl. waiting on the previous)
+    stall_s: float  # how long the loop was blocked by this save: the call (incl. waiting on the
+    # previous save) and the wait for its staging copy (`wait_staged`, or inside the call)
     save_s: float  # from the start of the save to the data being durable on disk
 
 
@@ -176,26 +190,53 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([as_tensor(s) for s in cuda])
 
 
+def staging_options() -> StagingOptions:
+    """How a Checkpointer's stager copies the state: in a thread of its own (the loop goes on
+    meanwhile); into pinned host memory with non-blocking copies when there is an accelerator to copy
+    from (DefaultStager refuses non-blocking copies without one, and pinning needs cuda); never into
+    shared memory, which only a writer in another process would need (DCP's writer is a thread here)."""
+    return StagingOptions(
+        use_pinned_memory=torch.cuda.is_available(),
+        use_shared_memory=False,
+        use_async_staging=True,
+        use_non_blocking_copy=torch.accelerator.is_available(),
+    )
+
+
 class Checkpointer:
     """Saves asynchronously into `directory`, one save in flight, and commits finished saves.
 
     The loop calls `save` at its checkpoint steps and `poll` every step; both `poll` and `wait`
     return the outcomes (CheckpointInfo or CheckpointFailed) finished since the last call, so the
-    caller can report each commit once, from its own thread.
+    caller can report each commit once, from its own thread. With `overlap_staging`, the caller
+    also calls `wait_staged` before anything changes the parameters or the optimizer state (the loop:
+    right before `optimizer.step`). `close` when done: it frees the staging buffers.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep_last: int = CHECKPOINT_DEFAULTS.keep_last):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep_last: int = CHECKPOINT_DEFAULTS.keep_last,
+        overlap_staging: bool = False,
+    ):
         if keep_last < 1:
             raise ValueError("keep_last needs to be at least 1 checkpoint.")
         self.directory = Path(directory)
         self.keep_last = keep_last
+        # False by default: a caller that does not know to call `wait_staged` gets a save that returns
+        # with the state copied, instead of a checkpoint that silently holds a later step's state.
+        self.overlap_staging = overlap_staging
         # Training goes on here: a pin left by an earlier attempt belongs to a restart that was never
         # carried out (a carried-out one was unpinned by `rewind`), and would hold its checkpoint forever.
         if distributed.is_rank0():
             unpin(self.directory)
-        self._future: Future | None = None
+        self._future: Future | None = None  # the in-flight save's write
+        self._staging: Future | None = None  # its staging copy, until someone has waited for it
         self._pending: dict | None = None  # step, path, started, stall_s, done_at of the in-flight save
         self._outcomes: list[CheckpointInfo | CheckpointFailed] = []
+        self._stager: DefaultStager | None = None  # made at the first save, reused by every save
+        self._closed = False
 
     @property
     def in_flight(self) -> bool:
@@ -210,8 +251,10 @@ class Checkpointer:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         data_position: int = 0,
     ) -> None:
-        """Snapshot the state now and write it in the background. Blocks only to wait for the
-        previous save and to copy the state into staging memory."""
+        """Snapshot the state now and write it in the background. Blocks to wait for the previous
+        save and, without `overlap_staging`, for the copy of the state into staging memory."""
+        if self._closed:
+            raise RuntimeError("This Checkpointer is closed: a new one saves again.")
         entered = time.perf_counter()
         self._finish(block=True)
         path = step_dir(self.directory, step)
@@ -232,18 +275,61 @@ class Checkpointer:
             _write_json_atomic(path / SIDECAR, sidecar)
         distributed.barrier()  # the directory exists before any rank writes into it
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        future = dcp.async_save(
+        # Reusing the stager's buffers is safe: the previous save, the only reader of the last copy,
+        # finished in `_finish` above.
+        response = dcp.async_save(
             {"model": model_sd, "optimizer": optim_sd},
             checkpoint_id=str(path),
             process_group=distributed.checkpoint_group(),
             no_dist=not distributed.initialized(),
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            async_stager=self._ready_stager(),
         )
-        # A Future unless an async stager is passed (we pass none); its other form has no callback.
-        assert isinstance(future, Future), "dcp.async_save without a stager returns a Future"
+        # A stager that stages in the background makes DCP answer with both futures.
+        assert isinstance(response, AsyncSaveResponse), "dcp.async_save with an async stager"
+        future = response.upload_completion
         pending = {"step": step, "path": path, "started": started, "done_at": None}
         future.add_done_callback(lambda _: pending.__setitem__("done_at", time.perf_counter()))
         pending["stall_s"] = time.perf_counter() - entered
-        self._future, self._pending = future, pending
+        self._future, self._pending, self._staging = future, pending, response.staging_completion
+        if not self.overlap_staging:
+            self.wait_staged()
+
+    def _ready_stager(self) -> DefaultStager:
+        if self._stager is None:
+            # Made here, not in __init__: a Checkpointer that never saves holds no thread, and on an
+            # accelerator the stager's stream is made after the training stream is in use (as
+            # DefaultStager asks).
+            self._stager = DefaultStager(staging_options())
+        # On an accelerator the copy runs on the stager's own stream, which does not wait for the
+        # training stream by itself: the optimizer step just queued there may not have run yet.
+        stream = getattr(self._stager, "_staging_stream", None)
+        if stream is not None:
+            stream.wait_stream(torch.accelerator.current_stream())
+        return self._stager
+
+    def wait_staged(self) -> float:
+        """Block until the in-flight save's copy of the state is complete; the seconds waited,
+        which count in that save's stall. Call it before anything changes the parameters or the
+        optimizer state. Local to this rank: no collective."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return 0.0
+        started = time.perf_counter()
+        wait_for([staging])  # a failed copy fails the save's write too, and `_finish` reports that
+        waited = time.perf_counter() - started
+        if self._pending is not None:
+            self._pending["stall_s"] += waited
+        return waited
+
+    def close(self) -> None:
+        """Free the staging buffers and thread. Commits nothing and takes no collective, so it is
+        safe on an error path: call `wait` first to commit the save in flight (a save still writing
+        keeps its own reference to the copy until it is done)."""
+        self._closed = True
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()  # waits for a copy still running before it drops the buffers
 
     def poll(self) -> list[CheckpointInfo | CheckpointFailed]:
         """Commit the in-flight save if it has finished; never blocks on it."""
@@ -266,7 +352,8 @@ class Checkpointer:
         # Every rank's part must be written before any rank commits; all ranks agree on "done".
         if not block and not distributed.all_true(future.done()):
             return
-        self._future, self._pending = None, None
+        # A finished write had its staging copy finished first: nothing left to wait for.
+        self._future, self._pending, self._staging = None, None, None
         error: str | None = None
         try:
             future.result()

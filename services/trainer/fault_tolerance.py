@@ -4,8 +4,8 @@ data-parallel replicas are torchft replica groups (`ReplicaGroup`), and the Ligh
 This module owns one replica group's torchft `Manager` (its per-group TCPStore, `ProcessGroupGloo`,
 the Lighthouse address, the state a healing peer receives) and the hooks the one training loop calls
 around its step; it has no loop of its own. Per optimizer step the loop calls:
-  start_step()            before the forward pass: `Manager.start_quorum`, waited for (and, when
-                          this group heals, the peer's state loaded)
+  start_step(before_heal) before the forward pass: `Manager.start_quorum`, waited for (and, when
+                          this group heals, `before_heal()` and then the peer's state loaded)
   reduce_gradients(ps)    after backward: every gradient averaged over the quorum with
                           `Manager.allreduce` (a failed all-reduce is recorded in the Manager, never
                           raised, so a peer dying mid-step does not kill this group)
@@ -54,6 +54,7 @@ as the replicate dimension).
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -212,6 +213,7 @@ class ReplicaGroup:
         self.group_rank = gang.rank
         self.expected_groups = expected_groups
         self._meet_quorums = MEET_QUORUMS  # spent at the first step
+        self._before_heal: Callable[[], object] = lambda: None  # set by each `start_step`
         timeout = timedelta(seconds=timeout_s)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
@@ -239,8 +241,9 @@ class ReplicaGroup:
 
     # --- the loop's hooks (loop.FaultTolerance)
 
-    def start_step(self) -> int | None:
+    def start_step(self, *, before_heal: Callable[[], object] = lambda: None) -> int | None:
         before = self.step
+        self._before_heal = before_heal  # `_load_peer_state` calls it, within this call
         self.manager.start_quorum()
         # The first step of this process: more quorums (no step taken) until every expected group
         # is in one. A group joining a stage already under way finds the others at once.
@@ -324,6 +327,7 @@ class ReplicaGroup:
         }
 
     def _load_peer_state(self, state: dict[str, Any]) -> None:
+        self._before_heal()  # e.g. a checkpoint still copying the state this overwrites
         model = get_model_state_dict(self.model)  # this rank's tensors: the layout to put shards back in
         set_model_state_dict(
             self.model, {name: _like(value, model.get(name)) for name, value in state["model"].items()}

@@ -59,9 +59,11 @@ class FaultTolerance(Protocol):
     """The hooks of replica-group fault tolerance around one optimizer step, in the order the loop
     calls them (`fault_tolerance.ReplicaGroup` implements them with torchft)."""
 
-    def start_step(self) -> int | None:
+    def start_step(self, *, before_heal: Callable[[], object]) -> int | None:
         """Before the forward pass: this step's quorum. The step to train when the group has just
-        healed from a peer (it jumps to the peer's), else None."""
+        healed from a peer (it jumps to the peer's), else None. `before_heal` is called before a
+        peer's state is loaded into the model and optimizer (the loop waits there for the copy a
+        checkpoint is taking of them)."""
         ...
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
@@ -263,21 +265,22 @@ def run_loop(
         fault_tolerance=fault_tolerance,
     )
     model.train()
-    try:
-        while loop.step < settings.steps:
-            # Any rank's stop request stops every rank at this step (a flag all-reduced on the host).
-            if any_true(should_stop()):
-                loop.stopped = True
-                break
-            loop.train_step(step_fn)
-        loop.read_all()
-    except TrainingError:
-        raise  # a diverged read: the steps after it are not worth reporting
-    except BaseException:
-        with contextlib.suppress(Exception):  # the steps that did finish still report, then the error
+    with contextlib.closing(loop.checkpointer):  # its staging buffers go with this call, error or not
+        try:
+            while loop.step < settings.steps:
+                # Any rank's stop request stops every rank at this step (a flag all-reduced on the host).
+                if any_true(should_stop()):
+                    loop.stopped = True
+                    break
+                loop.train_step(step_fn)
             loop.read_all()
-        raise
-    return loop.finish()
+        except TrainingError:
+            raise  # a diverged read: the steps after it are not worth reporting
+        except BaseException:
+            with contextlib.suppress(Exception):  # the steps that did finish still report, then the error
+                loop.read_all()
+            raise
+        return loop.finish()
 
 
 class _Loop:
@@ -297,7 +300,11 @@ class _Loop:
     ) -> None:
         self.settings, self.model, self.optimizer, self.scheduler = settings, model, optimizer, scheduler
         self.report, self.position, self.ft = report, position, fault_tolerance
-        self.checkpointer = Checkpointer(settings.checkpoint_dir, keep_last=settings.keep_last)
+        # A save copies the state in the background while the next step's forward and backward run;
+        # `train_step` waits for the copy right before anything changes what is being copied.
+        self.checkpointer = Checkpointer(
+            settings.checkpoint_dir, keep_last=settings.keep_last, overlap_staging=True
+        )
         self.log_every = settings.log_interval or max(1, settings.steps // 10)
         device = next(model.parameters()).device
         self.lag = settings.read_lag if settings.read_lag is not None else (0 if device.type == "cpu" else 1)
@@ -316,7 +323,10 @@ class _Loop:
         tolerance, an attempt that may not commit leaves the step where it was."""
         started = time.perf_counter()
         ft = self.ft
-        if ft is not None and (healed := ft.start_step()) is not None:
+        if (
+            ft is not None
+            and (healed := ft.start_step(before_heal=self.checkpointer.wait_staged)) is not None
+        ):
             self.step = healed  # the peer's step: train its batch, not the one this group left off at
         out = step_fn(self.step)
         learning_rate = float(self.scheduler.get_last_lr()[0])  # the LR this step uses
@@ -330,6 +340,7 @@ class _Loop:
             grad_norm = clip_grad_norm(self.params, self.settings.grad_clip, tp=self.tp)
             committed = ft is None or ft.should_commit()
             if committed:
+                self.checkpointer.wait_staged()  # the last save's copy is complete before the step changes it
                 self.optimizer.step()
                 values, ready = _send_to_host(out, grad_norm)
         elif ft is not None:
@@ -370,6 +381,7 @@ class _Loop:
             report_checkpoints(self.report, self.checkpointer.poll())
 
     def save(self) -> None:
+        self.checkpointer.wait_staged()  # nothing to wait for after a step; `checkpoint_module` writes
         saved = self.model if self.ft is None else self.ft.checkpoint_module()
         self.checkpointer.save(
             self.step, saved, self.optimizer, scheduler=self.scheduler, data_position=self.position()

@@ -99,7 +99,7 @@ class ScriptedReplicaGroup:
         self.attempt = 0
         self.committed = 0
 
-    def start_step(self) -> None:
+    def start_step(self, *, before_heal) -> None:
         self.attempt += 1
         self.calls.append("start")
 
