@@ -1,10 +1,12 @@
 """The canonical API: every `ecc ito` verb, gated in a fixed order that fails closed.
 
-Train: authenticate -> key format -> manifest (digest, parse, secrets) -> ledger lookup (a replay
-answers here) -> eligibility (signed, fresh) -> plan and gate-5 checks -> confirmation resolve ->
-eligibility still fresh -> ledger accept (consumes the confirmation and reserves the key, one
-atomic step) -> hand-off to the trainer. Nothing is written before the accept; every gate's
-decision goes to the audit stream.
+Train: authenticate -> key format -> manifest (digest, parse, secrets) -> eligibility (signed,
+fresh) -> plan and gate-5 checks -> a confirmation reference given -> eligibility still fresh (of
+the same booking version) -> ledger accept (one atomic script: the key's existing run answers a
+replay; else the confirmation's binding is checked, the confirmation consumed and the key
+reserved) -> hand-off to the trainer. A request refused by a gate is answered with its key's run
+when the key already has one (a replay answers whatever changed since). Nothing is written before
+the accept; every gate's decision goes to the audit stream, as one record per request.
 """
 
 import logging
@@ -98,6 +100,17 @@ def accepted(view: RunView, replay: bool = False) -> RunAccepted:
         manifest_digest=view.manifest_digest,
         idempotency_key=view.idempotency_key,
     )
+
+
+CONFIRMATION_REFUSALS = frozenset(
+    {
+        ErrorCode.confirmation_not_found,
+        ErrorCode.confirmation_expired,
+        ErrorCode.confirmation_consumed,
+        ErrorCode.confirmation_mismatch,
+    }
+)
+"""The codes of a confirmation's binding (services/domain/binding.py): the confirmation gate's."""
 
 
 def plan_refusal_message(p: Plan) -> str:
@@ -248,32 +261,88 @@ class Api:
             await self.auditor.publish(trail)
 
     async def _train(self, req: TrainRequest, account: str, trail: Trail) -> tuple[RunAccepted, str | None]:
-        """The gates in their fixed order; each step below records its own decisions."""
+        """The gates in their fixed order; each step below records its own decisions. A replay
+        is answered by the ledger: its accept script looks the key up before anything else, and
+        a request refused by a gate is answered with its key's run when the key has one."""
         trail.record("authenticate", True)
         trail.check("idempotency_key_format", key_refusal(req.idempotency_key))
         manifest, digest = self._manifest(req, trail)
         fp = fingerprint(Action.train, account, req.booking_id, digest)
-        existing = await trail.gate(
-            "ledger_lookup", self.backends.ledger_lookup(account, req.idempotency_key)
-        )
-        if existing is not None:
+        try:
+            return await self._create(req, account, manifest, digest, fp, trail)
+        except Refusal:
+            existing = await self._existing(account, req.idempotency_key, trail)
+            if existing is None:
+                raise
             return await trail.gate("replay", self._replay(existing, fp))
+
+    async def _create(
+        self, req: TrainRequest, account: str, manifest: Manifest, digest: str, fp: str, trail: Trail
+    ) -> tuple[RunAccepted, str | None]:
         p, body = await self._planned(account, req.booking_id, manifest, digest, trail)
-        winner = await self._confirmed(account, req, digest, p.cost.total_usd, trail)
-        if winner is not None:
-            return await trail.gate("replay", self._replay(winner, fp))
+        if not req.confirmation_ref:
+            trail.refuse(
+                "confirmation",
+                Refusal(
+                    ErrorCode.confirmation_required,
+                    "run `ecc ito confirm --action train` first and pass --confirmation-ref",
+                ),
+            )
         if not self.backends.still_fresh(body, datetime.now(UTC)):
             # Re-fetched, never stretched: the gate is checked again at the moment of creation,
             # and the plan holds only for the booking version it was made on.
             await trail.gate("eligibility_refresh", self._refreshed(account, req.booking_id, manifest, body))
         work = self._work(trail.request_id, account, req, manifest, digest, p)
-        entry = await trail.gate("ledger_accept", self._reserve(account, req, fp, work))
-        if entry.run_id != work.run_id:  # a concurrent request with the same key won the reservation
+        entry = await self._accepted(account, req, fp, work, trail)
+        if entry.run_id != work.run_id:  # the key already has a run (or a concurrent request won it)
             return await trail.gate("replay", self._replay(entry, fp))
         faults.crash_here(faults.SCHEDULER_AFTER_ACCEPT)
         view = await trail.gate("hand_off", self.handoff.hand_off(entry))
         log.info("run %s accepted for account %s on booking %s", work.run_id, account, req.booking_id)
         return accepted(view), None
+
+    async def _existing(self, account: str, key: str, trail: Trail) -> LedgerEntry | None:
+        """The entry of a key whose request a gate refused (a replay answers with its run); None
+        when the key has none, or when the ledger cannot say (the refusal then stands)."""
+        try:
+            return await trail.gate("ledger_lookup", self.backends.ledger_lookup(account, key))
+        except Refusal:
+            return None
+
+    async def _accepted(
+        self, account: str, req: TrainRequest, fp: str, work: TrainWork, trail: Trail
+    ) -> LedgerEntry:
+        """The ledger's one atomic step: look the key up, check the confirmation's binding,
+        consume it and reserve the key. Its decisions are recorded as the gates they are."""
+        try:
+            entry = await self._reserve(account, req, fp, work)
+        except Refusal as refusal:
+            if refusal.code in CONFIRMATION_REFUSALS:
+                trail.refuse("confirmation", await self._precise(account, req, work, refusal))
+            trail.refuse("ledger_accept", refusal)
+        if entry.run_id == work.run_id:
+            trail.record("ledger_lookup", True)  # the key had no run: the script looked first
+            trail.record("confirmation", True)
+        trail.record("ledger_accept", True)
+        return entry
+
+    async def _precise(self, account: str, req: TrainRequest, work: TrainWork, refusal: Refusal) -> Refusal:
+        """An unknown reference may be another account's: the confirmation service can tell
+        (its owner index); any other binding refusal is already precise."""
+        if refusal.code is not ErrorCode.confirmation_not_found or not req.confirmation_ref:
+            return refusal
+        try:
+            await self.backends.resolve_confirmation(
+                account,
+                req.confirmation_ref,
+                Action.train,
+                req.booking_id,
+                work.manifest_digest,
+                work.plan.cost.total_usd,
+            )
+        except Refusal as precise:
+            return precise if precise.code in CONFIRMATION_REFUSALS else refusal
+        return refusal
 
     @staticmethod
     def _manifest(req: TrainRequest, trail: Trail) -> tuple[Manifest, str]:
@@ -295,33 +364,6 @@ class Api:
         if first is not None:
             raise Refusal(first[0], plan_refusal_message(p))
         return p, body
-
-    async def _confirmed(
-        self, account: str, req: TrainRequest, digest: str, cost: float, trail: Trail
-    ) -> LedgerEntry | None:
-        """Resolve the confirmation; the winning entry when a concurrent request with the same key
-        consumed it a moment ago (that is a replay), else None."""
-        ref = req.confirmation_ref
-        if not ref:
-            trail.refuse(
-                "confirmation",
-                Refusal(
-                    ErrorCode.confirmation_required,
-                    "run `ecc ito confirm --action train` first and pass --confirmation-ref",
-                ),
-            )
-        try:
-            await trail.gate(
-                "confirmation",
-                self.backends.resolve_confirmation(account, ref, Action.train, req.booking_id, digest, cost),
-            )
-        except Refusal as refusal:
-            if refusal.code is ErrorCode.confirmation_consumed:
-                winner = await self.backends.ledger_lookup(account, req.idempotency_key)
-                if winner is not None:
-                    return winner
-            raise
-        return None
 
     def _work(
         self, run_id: str, account: str, req: TrainRequest, manifest: Manifest, digest: str, p: Plan
