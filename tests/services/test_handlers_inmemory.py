@@ -303,3 +303,31 @@ async def test_memory_param_never_touches_redis(bus, request):
     _, run = await confirmed_run(bus, "b4", "k1")
     assert run.state is RunState.queued
     assert bus.touched_redis == []
+
+
+async def test_a_replay_answers_its_run_whatever_a_gate_says_now(bus):
+    """The ledger answers a replay (its accept script looks the key up first); a replay refused
+    by a gate on the way (no reference, a booking no longer eligible) is still its key's run, and
+    the key with another manifest is a conflict, never a second run."""
+    await login(bus)
+    train, run = await confirmed_run(bus, "b3", "k-replay")
+    without_ref = msgspec.structs.replace(train, confirmation_ref=None)
+    again = data(await call(bus, subjects.API_TRAIN, without_ref), RunAccepted)
+    assert again.run_id == run.run_id and again.replay
+    await publish_booking(bus, booking_event("acme", "b3", "revoked", version=2))
+    again = data(await call(bus, subjects.API_TRAIN, train), RunAccepted)
+    assert again.run_id == run.run_id and again.replay
+    text = train.manifest_text.replace('"name": "', '"name": "x', 1)
+    other = msgspec.structs.replace(train, manifest_text=text, manifest_digest=digest_of(text.encode()))
+    assert code(await call(bus, subjects.API_TRAIN, other)) is ErrorCode.idempotency_key_conflict
+
+
+async def test_another_accounts_reference_is_a_mismatch_not_an_unknown_one(bus):
+    await login(bus)
+    await login(bus, "globex")
+    await publish_booking(bus, booking_event("globex", "g1"))
+    train, _ = await confirmed_run(bus, "b4", "k-acme")
+    theirs = msgspec.structs.replace(train, booking_id="g1", idempotency_key="k-globex")
+    assert code(await call(bus, subjects.API_TRAIN, theirs, "globex")) is ErrorCode.confirmation_mismatch
+    unknown = msgspec.structs.replace(theirs, confirmation_ref="cf_no_such_reference")
+    assert code(await call(bus, subjects.API_TRAIN, unknown, "globex")) is ErrorCode.confirmation_not_found
