@@ -22,7 +22,6 @@ stopped right after (never the machine's shared servers).
 
 import asyncio
 import json
-import logging
 import os
 import pathlib
 import random
@@ -56,11 +55,9 @@ REFERENCE = {"nats_request_reply": 6, "jetstream_publish": 1, "redis": 4}
 # uses REFERENCE.
 NATS_ROUND_TRIPS = {
     "client -> scheduler (api.train)": 1,
-    "ledger lookup": 1,
     "entitlement eligibility": 1,
-    "confirmation resolve": 1,
-    "ledger accept": 1,
-    "ledger handed_off (side by side with the move to queued)": 1,
+    "ledger accept (looks the key up, checks and consumes the confirmation, reserves the key)": 1,
+    "ledger handed_off": 1,
 }
 JETSTREAM_ROUND_TRIPS = {
     "run created event (side by side with the view's creation)": 1,
@@ -69,20 +66,15 @@ JETSTREAM_ROUND_TRIPS = {
 }
 REDIS_ROUND_TRIPS = {
     "scheduler authenticate: HGETALL apikeys:<account>": 1,
-    "ledger lookup: pipeline(GET idem, SISMEMBER pending)": 1,
     "entitlement eligibility: HGET booking": 1,
-    "confirmation resolve: pipeline(HGETALL conf, TIME)": 1,
     "ledger accept: EVALSHA accept script": 1,
-    "hand-off RunStore.create: pipeline(HSETNX view, HSETNX last_seq, HSETNX work, SET owner, ZADD)": 1,
-    "hand-off RunStore.move: HMGET, EVALSHA compare-and-set": 2,
+    "hand-off RunStore.create (queued): pipeline(HSETNX view, HSETNX last_seq, HSETNX work, SET owner, ZADD)": 1,
     "ledger handed_off: pipeline(SREM pending, GET idem)": 1,
 }
 # Subjects of the needed hops above, as the wildcard tap sees them (the work item carries the run id).
 NEEDED_SUBJECTS = {
     "v1.api.train",
-    "v1.ledger.lookup",
     "v1.entitlement.eligibility",
-    "v1.confirmation.resolve",
     "v1.ledger.accept",
     "v1.ledger.handed_off",
     "v1.work.train.*",

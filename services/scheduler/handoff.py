@@ -1,8 +1,9 @@
 """Hand an accepted run to the trainer's work queue, exactly once, and finish lost hand-offs.
 
 The ledger entry carries the encoded work item, so the request path and the reconciler share this
-one code path: create the run view (idempotent), publish with Nats-Msg-Id = run id (JetStream
-drops a duplicate inside its window), move the run to `queued`, and tell the ledger. If the
+one code path: create the run view `queued` (idempotent: never over a view that moved on),
+publish with Nats-Msg-Id = run id (JetStream drops a duplicate inside its window), and tell the
+ledger. If the
 scheduler dies anywhere in between, the reconciler finds the key still pending and repeats the
 steps; each is idempotent, so no run is lost and none is duplicated.
 
@@ -86,10 +87,12 @@ class Handoff:
         )
 
     async def hand_off(self, entry: LedgerEntry) -> RunView:
-        """Steps that do not depend on each other run side by side: the view and the run's
-        creation event; then the work items (after both: the item's history starts with its
-        creation); then the move to `queued` and the ledger's hand-off mark."""
-        view = self.view_from(entry)
+        """The view is created `queued`: its work item reaches the queue now, or through the
+        reconciler if this process dies first (the ledger keeps the key pending until the mark
+        below). Steps that do not depend on each other run side by side: the view and the run's
+        creation event; then the work items (after both: the trainer leases against the view,
+        and the run's history starts with its creation); then the ledger's hand-off mark."""
+        view = msgspec.structs.replace(self.view_from(entry), state=RunState.queued)
         plan = view.plan
         created = RunCreated(
             **self.events.base(view.run_id),
@@ -100,20 +103,17 @@ class Handoff:
             gpus=plan.cost.gpus if plan else 1,
             accepted_at=view.created_at,
         )
-        await asyncio.gather(
+        fresh, _ = await asyncio.gather(
             self.runs.create(view, work=entry.work),  # the item kept for an approved restart
             self.events.publish(created, f"{view.run_id}:created"),
         )
         await self.backends.publish_work(entry.run_id, entry.work, entry.run_id)
         for share, msg_id in node_shares(_work_decoder.decode(entry.work))[1:]:
             await self.backends.publish_work(entry.run_id, msgspec.json.encode(share), msg_id)
-        (updated, _), _ = await asyncio.gather(
-            self.runs.move(  # unless the trainer already moved it on
-                entry.account, entry.run_id, RunState.queued, allowed_from=frozenset({RunState.accepted})
-            ),
-            self.backends.ledger_handed_off(entry.account, entry.idempotency_key),
-        )
-        return updated or view
+        await self.backends.ledger_handed_off(entry.account, entry.idempotency_key)
+        if fresh:
+            return view
+        return await self.runs.get(entry.account, entry.run_id) or view  # a reconciled one moved on
 
     async def reconcile_once(self) -> int:
         """Finish the hand-offs the ledger still holds as pending after RECONCILE_AFTER_S."""

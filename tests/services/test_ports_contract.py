@@ -134,3 +134,27 @@ async def test_run_records_keep_answers_logs_and_checkpoints(adapters, namespace
         account, run_id, RunState.queued, allowed_from=frozenset({RunState.accepted})
     )
     assert applied and moved is not None and moved.state is RunState.queued
+
+
+async def test_creation_keeps_the_work_item_and_never_overwrites_a_view(adapters, namespace):
+    """The hand-off creates the view with its work item in one step, repeatable by the
+    reconciler: a second creation changes nothing, neither a view that moved on nor its item."""
+    _, _, runs = adapters
+    account, run_id = "acct-" + namespace, "run_w" + namespace
+    view = RunView(
+        run_id=run_id,
+        account=account,
+        booking_id="b",
+        manifest_digest="d",
+        idempotency_key="k",
+        state=RunState.queued,
+        created_at=NOW,
+        updated_at=NOW,
+    )
+    assert await runs.create(view, work=b'{"item": 1}')
+    await runs.move(account, run_id, RunState.running)
+    assert not await runs.create(view, work=b'{"item": 2}')
+    stored = await runs.get(account, run_id)
+    assert stored is not None and stored.state is RunState.running
+    assert await runs.recall(account, run_id, "work") == b'{"item": 1}'
+    assert await runs.owner(run_id) == account
