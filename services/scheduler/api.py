@@ -297,7 +297,7 @@ class Api:
         if entry.run_id != work.run_id:  # the key already has a run (or a concurrent request won it)
             return await trail.gate("replay", self._replay(entry, fp))
         faults.crash_here(faults.SCHEDULER_AFTER_ACCEPT)
-        view = await trail.gate("hand_off", self.handoff.hand_off(entry))
+        view = await trail.gate("hand_off", self.handoff.hand_off(entry, wait_for_mark=False))
         log.info("run %s accepted for account %s on booking %s", work.run_id, account, req.booking_id)
         return accepted(view), None
 

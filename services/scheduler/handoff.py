@@ -17,6 +17,8 @@ rendezvous endpoint (`rendezvous`) that node 0 hosts and the others join.
 import asyncio
 import logging
 import socket
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 
@@ -61,6 +63,18 @@ class Handoff:
         self.runs = runs
         self.backends = backends
         self.events = RunEventPublisher(bus, settings)
+        self._marks: set[asyncio.Task] = set()
+
+    def _in_background(self, mark: Coroutine[Any, Any, object], run_id: str) -> None:
+        async def marked() -> None:
+            try:
+                await mark  # bounded: a backend call has the request timeout
+            except Exception:
+                log.warning("run %s: the hand-off mark did not land; the reconciler repeats it", run_id)
+
+        task = asyncio.create_task(marked())
+        self._marks.add(task)  # a reference until it ends, so that it is not collected mid-flight
+        task.add_done_callback(self._marks.discard)
 
     def rendezvous(self, nodes: int) -> str:
         """Where node 0 of a multi-node run hosts its rendezvous store ("" for one node): the
@@ -86,12 +100,15 @@ class Handoff:
             nodes=work.nodes,
         )
 
-    async def hand_off(self, entry: LedgerEntry) -> RunView:
+    async def hand_off(self, entry: LedgerEntry, wait_for_mark: bool = True) -> RunView:
         """The view is created `queued`: its work item reaches the queue now, or through the
         reconciler if this process dies first (the ledger keeps the key pending until the mark
         below). Steps that do not depend on each other run side by side: the view and the run's
         creation event; then the work items (after both: the trainer leases against the view,
-        and the run's history starts with its creation); then the ledger's hand-off mark."""
+        and the run's history starts with its creation); then the ledger's hand-off mark, which
+        the request path does not wait for (`wait_for_mark=False`): the mark only tells the
+        reconciler there is nothing left to do, and a mark that never lands has it repeat these
+        steps, each idempotent (the work item's id dedups it in the stream)."""
         view = msgspec.structs.replace(self.view_from(entry), state=RunState.queued)
         plan = view.plan
         created = RunCreated(
@@ -110,7 +127,11 @@ class Handoff:
         await self.backends.publish_work(entry.run_id, entry.work, entry.run_id)
         for share, msg_id in node_shares(_work_decoder.decode(entry.work))[1:]:
             await self.backends.publish_work(entry.run_id, msgspec.json.encode(share), msg_id)
-        await self.backends.ledger_handed_off(entry.account, entry.idempotency_key)
+        mark = self.backends.ledger_handed_off(entry.account, entry.idempotency_key)
+        if wait_for_mark:
+            await mark
+        else:
+            self._in_background(mark, entry.run_id)
         if fresh:
             return view
         return await self.runs.get(entry.account, entry.run_id) or view  # a reconciled one moved on
