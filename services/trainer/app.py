@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 
+import msgspec
 from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, NatsMessage, PullSub
 
@@ -14,7 +15,7 @@ from contracts import endpoints, subjects
 from services.runtime import settings as settings_mod
 from services.runtime import streams
 from services.runtime.service import Wiring, build_app, configure_logging, scheduler_verifier
-from services.trainer.worker import WORK_ACK_WAIT_S, Worker
+from services.trainer.worker import WORK_ACK_WAIT_S, Worker, decode_work
 
 
 def register(w: Wiring) -> None:
@@ -41,7 +42,13 @@ def register(w: Wiring) -> None:
             )
             await msg.raw_message.term()
             return
-        await worker.handle(msg)
+        try:  # decoded here, at the edge, only once the signature over these bytes held
+            work, manifest = decode_work(msg.body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.error("work item rejected (terminated, not trained): %s", exc)
+            await msg.raw_message.term()
+            return
+        await worker.handle(msg, work, manifest)
 
     @w.broker.subscriber(s.subject(subjects.CONTROL_CANCEL) + ".*")
     async def on_cancel(msg: NatsMessage) -> None:

@@ -251,6 +251,12 @@ class NodeLog:
             self._file.close()
 
 
+def decode_work(body: bytes) -> tuple[TrainWork, Manifest]:
+    """A work item and the manifest it carries, or msgspec's error (the item is then terminated)."""
+    work = work_decoder.decode(body)
+    return work, manifest_decoder.decode(work.manifest_text.encode())
+
+
 class Worker:
     def __init__(self, broker: NatsBroker, settings: Settings) -> None:
         self.broker = broker
@@ -346,14 +352,9 @@ class Worker:
                 log.info("run %s: lease withdrawn (%s); stopping", run_id, answer.state)
                 stop.set(StopReason.cancelled if cancelled else StopReason.fenced)
 
-    async def handle(self, msg: NatsMessage) -> None:
-        try:
-            work = work_decoder.decode(msg.body)
-            manifest = manifest_decoder.decode(work.manifest_text.encode())
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            log.error("work item rejected (terminated, not trained): %s", exc)
-            await msg.raw_message.term()
-            return
+    async def handle(self, msg: NatsMessage, work: TrainWork, manifest: Manifest) -> None:
+        """Train one work item, decoded and its signature checked at the edge (app.on_work); `msg`
+        is kept for its acknowledgement."""
         answer = await self.lease(work.run_id, work=work)  # a new lease: epoch 0 asks for the next epoch
         if answer is None:
             log.warning(
