@@ -205,6 +205,19 @@ class RunView(Internal, frozen=True, kw_only=True):
     gang_requeues: int = 0
 
 
+def accepted(view: RunView, replay: bool = False) -> RunAccepted:
+    """The train answer for a run: its stable identifiers and state (the scheduler's first answer
+    and replays, and `ecc`'s answer found by idempotency key after a lost one, alike)."""
+    return RunAccepted(
+        run_id=view.run_id,
+        state=view.state,
+        replay=replay,
+        booking_id=view.booking_id,
+        manifest_digest=view.manifest_digest,
+        idempotency_key=view.idempotency_key,
+    )
+
+
 class LogLineView(Internal, frozen=True, kw_only=True):
     index: int
     at: datetime

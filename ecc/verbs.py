@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from contracts.api import (
     Action,
     ApproveRequest,
@@ -23,6 +25,7 @@ from contracts.api import (
     RunView,
     StatusRequest,
     TrainRequest,
+    accepted,
 )
 from contracts.audit import AuditRequest
 from contracts.endpoints import API, Endpoint
@@ -79,13 +82,8 @@ async def _call_train(args: argparse.Namespace, request: TrainRequest) -> Envelo
             ok=True,
             live_api_contacted=True,
             notice="the answer was lost in transit; this run was found by its idempotency key",
-            data=RunAccepted(
-                run_id=view.run_id,
-                state=view.state,
-                replay=True,
-                booking_id=view.booking_id,
-                manifest_digest=view.manifest_digest,
-                idempotency_key=request.idempotency_key,
+            data=accepted(
+                msgspec.structs.replace(view, idempotency_key=request.idempotency_key), replay=True
             ),
         )
     return local_error(

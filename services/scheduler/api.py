@@ -37,6 +37,7 @@ from contracts.api import (
     RunView,
     StatusRequest,
     TrainRequest,
+    accepted,
 )
 from contracts.audit import AuditRequest, AuditTrail
 from contracts.booking import BookingState
@@ -88,18 +89,6 @@ def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, 
             f"checkpoints need ~{needed / 1e9:.1f} GB; the storage has {free / 1e9:.1f} GB free"
         )
     return None
-
-
-def accepted(view: RunView, replay: bool = False) -> RunAccepted:
-    """The train answer: the run's stable identifiers and state (first answer and replay alike)."""
-    return RunAccepted(
-        run_id=view.run_id,
-        state=view.state,
-        replay=replay,
-        booking_id=view.booking_id,
-        manifest_digest=view.manifest_digest,
-        idempotency_key=view.idempotency_key,
-    )
 
 
 CONFIRMATION_REFUSALS = frozenset(

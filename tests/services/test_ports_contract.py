@@ -104,19 +104,23 @@ async def test_bookings_are_versioned(adapters, namespace, versions, outcomes, k
     assert await bookings.counted("stale_ignored") == before + 1
 
 
-async def test_run_records_keep_answers_logs_and_checkpoints(adapters, namespace):
-    _, _, runs = adapters
-    account, run_id = "acct-" + namespace, "run_" + namespace
-    view = RunView(
+def new_view(account: str, run_id: str, state: RunState) -> RunView:
+    return RunView(
         run_id=run_id,
         account=account,
         booking_id="b",
         manifest_digest="d",
         idempotency_key="k",
-        state=RunState.accepted,
+        state=state,
         created_at=NOW,
         updated_at=NOW,
     )
+
+
+async def test_run_records_keep_answers_logs_and_checkpoints(adapters, namespace):
+    _, _, runs = adapters
+    account, run_id = "acct-" + namespace, "run_" + namespace
+    view = new_view(account, run_id, RunState.accepted)
     assert await runs.create(view) and not await runs.create(view)  # idempotent
     assert await runs.owner(run_id) == account
     assert await runs.recall(account, run_id, "work") is None
@@ -141,16 +145,7 @@ async def test_creation_keeps_the_work_item_and_never_overwrites_a_view(adapters
     reconciler: a second creation changes nothing, neither a view that moved on nor its item."""
     _, _, runs = adapters
     account, run_id = "acct-" + namespace, "run_w" + namespace
-    view = RunView(
-        run_id=run_id,
-        account=account,
-        booking_id="b",
-        manifest_digest="d",
-        idempotency_key="k",
-        state=RunState.queued,
-        created_at=NOW,
-        updated_at=NOW,
-    )
+    view = new_view(account, run_id, RunState.queued)
     assert await runs.create(view, work=b'{"item": 1}')
     await runs.move(account, run_id, RunState.running)
     assert not await runs.create(view, work=b'{"item": 2}')
