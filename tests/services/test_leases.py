@@ -100,8 +100,6 @@ def test_event_order_is_epoch_then_counter(epoch, seq, last_epoch, last_seq, ok)
 async def test_a_trainer_clock_ten_minutes_off_still_has_every_event_applied(runs):
     """No wall clock orders events: a trainer whose clock is 10 minutes behind (or ahead) reports
     a run's whole life and every event applies, in order, duplicates dropped."""
-    import msgspec
-
     from contracts.runs import LogLine, RunCreated, StateChanged
     from services.scheduler.events import RunEvents
     from services.scheduler.publish import seq_now
