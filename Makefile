@@ -37,8 +37,9 @@ bench: install
 chaos: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m services.ops.chaos
 
+# ITO_CLUSTER=1 (here and for `make demo`): a 3-node NATS cluster and two instances of every service.
 up: install
-	$(VENV)/bin/ito-training up --detach
+	$(VENV)/bin/ito-training up --detach $(if $(filter 1,$(ITO_CLUSTER)),--cluster)
 
 down:
 	$(VENV)/bin/ito-training down

@@ -28,7 +28,13 @@ from contracts.endpoints import Endpoint
 from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode
 from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
-from services.runtime.settings import DEFAULT_NAMESPACE, DEFAULT_NATS_URL, ENV_NAMESPACE, ENV_NATS_URL
+from services.runtime.settings import (
+    DEFAULT_NAMESPACE,
+    DEFAULT_NATS_URL,
+    ENV_NAMESPACE,
+    ENV_NATS_URL,
+    nats_servers,
+)
 
 if TYPE_CHECKING:  # nats loads on demand: `--help` must not import it
     from nats.aio.client import Client as NatsClient
@@ -121,7 +127,7 @@ class Client:
 
         if self._nc is None:
             nc = await nats.connect(
-                self.url,
+                nats_servers(self.url),  # a cluster's URLs: a node that is down is skipped
                 connect_timeout=min(self.connect_timeout_s, max(self.remaining(), 0.1)),
                 allow_reconnect=False,
                 max_reconnect_attempts=0,

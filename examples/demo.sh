@@ -12,7 +12,10 @@ KEY="demo-$(date +%s)-$$"
 json() { python3 -c "import json,sys; print(json.load(sys.stdin)$1)"; }
 
 echo "== 1. infra and services"
-UP=$(ito-training up --detach --json)
+UP_ARGS=(--detach --json)
+# ITO_CLUSTER=1: a 3-node NATS cluster (streams R3) and two instances of every service
+if [ "${ITO_CLUSTER:-0}" = 1 ]; then UP_ARGS+=(--cluster); fi
+UP=$(ito-training up "${UP_ARGS[@]}")
 trap 'echo "== shutting down"; ito-training down' EXIT
 export ITO_NATS_URL=$(echo "$UP" | json '["nats_url"]')
 export ITO_REDIS_URL=$(echo "$UP" | json '["redis_url"]')

@@ -25,7 +25,7 @@ from services.runtime.identities import (
     redis_acl,
 )
 from services.runtime.secrets import Secrets
-from services.runtime.settings import Settings
+from services.runtime.settings import Settings, nats_servers
 
 RELOAD_TIMEOUT_S = 10.0
 NATS_CONFIG = "nats.conf"
@@ -38,7 +38,7 @@ def secrets(s: Settings) -> Secrets:
     return sec
 
 
-def _write_private(path: pathlib.Path, text: str) -> None:
+def write_private(path: pathlib.Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -48,7 +48,7 @@ def _write_private(path: pathlib.Path, text: str) -> None:
 
 
 @contextmanager
-def _config_lock(s: Settings):
+def config_lock(s: Settings):
     """One writer of the config at a time (two `accounts create` at once must not lose a tenant)."""
     with open(s.secrets_dir / ".lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -61,7 +61,7 @@ def _config_lock(s: Settings):
 def write_redis_acl(s: Settings) -> pathlib.Path:
     sec = secrets(s)
     path = s.secrets_dir / REDIS_ACL
-    _write_private(path, redis_acl(s, {i: sec.password(i) for i in REDIS_IDENTITIES}))
+    write_private(path, redis_acl(s, {i: sec.password(i) for i in REDIS_IDENTITIES}))
     return path
 
 
@@ -78,7 +78,7 @@ def write_nats_config(
         store.mkdir(parents=True, exist_ok=True, mode=0o700)
         store_dir = str(store)
     path = s.secrets_dir / NATS_CONFIG
-    _write_private(
+    write_private(
         path,
         nats_config(
             s,
@@ -94,8 +94,12 @@ def write_nats_config(
 
 def write_for_containers(s: Settings, tenants: list[tuple[str, str]]) -> list[pathlib.Path]:
     """compose.yaml's secrets: the credentials, plus a nats.conf listening on every interface of the
-    container with its store on the /data volume, and the Redis ACL file."""
+    container with its store on the /data volume, the Redis ACL file, and the `cluster` profile's
+    nats-1..3.conf (services/ops/nats_cluster.py: routes by service name)."""
+    from services.ops import nats_cluster  # it builds on this module
+
     written = [write_nats_config(s, 4222, tenants, host="0.0.0.0", store_dir="/data"), write_redis_acl(s)]
+    written += nats_cluster.write_configs(s, nats_cluster.container_nodes(), tenants)
     return written
 
 
@@ -126,7 +130,8 @@ async def connect(s: Settings, identity: str, url: str | None = None, **options)
 
     from services.runtime.connections import nats_auth
 
-    nc = await nats.connect(url or s.nats_url, connect_timeout=2, **nats_auth(s, identity), **options)
+    servers = nats_servers(url or s.nats_url)  # a cluster's URLs: the client's server pool
+    nc = await nats.connect(servers, connect_timeout=2, **nats_auth(s, identity), **options)
     if not nc._server_info.get("auth_required"):
         await nc.close()
         raise RuntimeError(
@@ -146,7 +151,7 @@ def start_nats(s: Settings, log_dir: pathlib.Path, redis_url: str, port: int | N
     tenants = asyncio.run(active_tenants(s, redis_url))
 
     def start(p: int) -> infra.Started:
-        with _config_lock(s):
+        with config_lock(s):
             config = write_nats_config(s, p, tenants)
         return infra.start_nats(config, p, log_dir / "nats.log")
 
@@ -167,7 +172,7 @@ def start_infra(s: Settings, log_dir: pathlib.Path) -> tuple[infra.Started, infr
     return nats, redis
 
 
-def _reloads_logged(log_path: pathlib.Path) -> int:
+def reloads_logged(log_path: pathlib.Path) -> int:
     try:
         return log_path.read_text(errors="replace").count("Reloaded server configuration")
     except OSError:
@@ -179,12 +184,12 @@ def apply_tenants(
 ) -> None:
     """Rewrite the config with these tenants and reload the running server; returns once the
     server says it reloaded (bounded)."""
-    with _config_lock(s):
-        before = _reloads_logged(log_path)
+    with config_lock(s):
+        before = reloads_logged(log_path)
         write_nats_config(s, port, tenants)
         os.kill(nats_pid, signal.SIGHUP)
         deadline = time.monotonic() + RELOAD_TIMEOUT_S
-        while _reloads_logged(log_path) <= before:
+        while reloads_logged(log_path) <= before:
             if time.monotonic() > deadline:
                 raise RuntimeError("nats-server did not confirm the config reload; see its log")
             time.sleep(0.05)

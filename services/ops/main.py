@@ -33,6 +33,7 @@ def resolve_settings() -> settings_mod.Settings:
             secrets_dir=pathlib.Path(
                 os.environ.get(ENV_SECRETS_DIR) or state.get("secrets_dir") or s.secrets_dir
             ),
+            nats_replicas=state.get("nats_replicas", s.nats_replicas),
         )
     return s
 
@@ -56,6 +57,11 @@ def _stack_commands(cmds: Commands) -> None:
     p.add_argument("service", choices=SERVICES)
     p = cmds.add_parser("up", help="infra (reused or embedded) and all services")
     p.add_argument("--detach", action="store_true", help="return once everything is ready")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a 3-node NATS cluster (streams R3) and two instances of every service",
+    )
     p.add_argument(
         "--services", default=",".join(SERVICES), help="comma-separated subset to start (default: all five)"
     )
@@ -187,7 +193,7 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     unknown = set(chosen) - set(SERVICES)
     if unknown or not chosen:
         raise ValueError(f"--services takes names from {', '.join(SERVICES)}")
-    state = stack.up(s, log, chosen)
+    state = stack.up(s, log, chosen, cluster=args.cluster)
     _print(
         args,
         {
@@ -195,6 +201,9 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
             "redis_url": state["redis_url"],
             "namespace": state["namespace"],
             "data_dir": str(s.data_dir),
+            "cluster": bool(state.get("cluster")),
+            "services": sorted(state["services"]),
+            "ready_s": state["ready_s"],
         },
         f"NATS {state['nats_url']}\nRedis {state['redis_url']}",
     )

@@ -1,8 +1,16 @@
 """`up` and `down`: our own authenticated infra plus all services as processes, with state in
 `<data_dir>/up.json`. `up` never uses a server it did not start: the machine's NATS and Redis on
-the standard ports have no authentication."""
+the standard ports have no authentication.
+
+`up --cluster`: a 3-node NATS cluster (services/ops/nats_cluster.py, every stream R3) and
+CLUSTER_INSTANCES instances of every service (`scheduler-1`, `scheduler-2`, ...), each with the
+whole server pool. The instances of a service share its requests (one queue group per service) and
+its durable consumers (one message in flight per durable: services/runtime/service.py); `up`
+returns once every instance has answered a health check itself.
+"""
 
 import asyncio
+import dataclasses
 import json
 import os
 import pathlib
@@ -14,20 +22,26 @@ from collections.abc import Callable
 from typing import Any
 
 from contracts.subjects import HEALTH, SERVICES
-from services.ops import authority
+from services.ops import authority, nats_cluster
 from services.runtime import infra
+from services.runtime.bus import INSTANCE_HEADER
 from services.runtime.identities import OPERATOR
 from services.runtime.settings import (
     ENV_DATA_DIR,
+    ENV_INSTANCE,
     ENV_NAMESPACE,
+    ENV_NATS_REPLICAS,
     ENV_NATS_URL,
     ENV_REDIS_URL,
     ENV_SECRETS_DIR,
     Settings,
     entitlement_key,
+    nats_servers,
 )
 
 SERVICES_READY_TIMEOUT_S = 90.0  # the trainer imports torch; a cold 2-core machine is slow
+CLUSTER_INSTANCES = 2  # of every service under `up --cluster`: one may die, the other serves
+HEALTH_ASKS_PER_NODE = 3  # per service and node: a queue group picks one instance per request
 
 Log = Callable[[str], None]
 """Where progress lines go: stdout for a person, stderr under --json."""
@@ -59,47 +73,112 @@ def write_state(settings: Settings, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def service_of(name: str) -> str:
+    """The service an instance runs: `scheduler-2` -> `scheduler` (service names have no '-')."""
+    return name.split("-", 1)[0]
+
+
 async def _healthy(settings: Settings, nats_url: str, names: list[str]) -> set[str]:
+    """Which of `names` (services, or instances that name themselves in their answers) answered
+    their service's health check. Asked through every server of the pool, several times on a
+    cluster: a queue group hands each request to one instance, one on the asking node first."""
     ok: set[str] = set()
-    nc = await authority.connect(settings, OPERATOR, nats_url, allow_reconnect=False)
-    try:
-        for name in names:
-            try:
-                reply = await nc.request(settings.subject(f"{HEALTH}.{name}"), b"{}", timeout=0.5)
-                if json.loads(reply.data).get("data", {}).get("ok"):
-                    ok.add(name)
-            except Exception:  # not ready yet
-                pass
-    finally:
-        await nc.close()
-    return ok
+    servers = nats_servers(nats_url)
+    asks = HEALTH_ASKS_PER_NODE if len(servers) > 1 else 1
+    for url in servers:
+        nc = await authority.connect(settings, OPERATOR, url, allow_reconnect=False)
+        try:
+            for service in sorted({service_of(n) for n in names}):
+                for _ in range(asks):
+                    try:
+                        reply = await nc.request(settings.subject(f"{HEALTH}.{service}"), b"{}", timeout=0.5)
+                    except Exception:  # not ready yet
+                        break
+                    if json.loads(reply.data).get("data", {}).get("ok"):
+                        ok.add((reply.headers or {}).get(INSTANCE_HEADER, service))
+        finally:
+            await nc.close()
+    return ok & set(names)
 
 
-def up(settings: Settings, log: Log, services: tuple[str, ...] = SERVICES) -> dict[str, Any]:
-    """Infra of our own, then each service as a process; returns the recorded state once every
-    service answers its health check (or stops everything and raises)."""
+def up(
+    settings: Settings, log: Log, services: tuple[str, ...] = SERVICES, cluster: bool = False
+) -> dict[str, Any]:
+    """Infra of our own, then each service as a process (CLUSTER_INSTANCES of each on a cluster);
+    returns the recorded state once every one answers its health check (or stops everything and
+    raises)."""
     existing = read_state(settings)
     if existing and any(_alive(p) for p in existing.get("services", {}).values()):
         raise RuntimeError(f"already up (see {state_path(settings)}); run `ito-training down` first")
     logs = settings.data_dir / "logs"
-    nats, redis = authority.start_infra(settings, logs)
-    for started in (nats, redis):
-        log(f"{started.name}: {started.url} (started with authentication, pid {started.pid})")
+    began = time.monotonic()
+    state = _start_cluster_infra(settings, logs) if cluster else _start_infra(settings, logs)
+    for name, pid in state["infra"].items():
+        log(f"{name}: started with authentication, pid {pid}")
+    log(f"NATS {state['nats_url']}; Redis {state['redis_url']}")
     entitlement_key(settings)  # created once, before any service reads it
-    env = _service_env(settings, nats.url, redis.url)
-    pids = {name: _spawn(name, env, logs) for name in services}
-    state: dict[str, Any] = {
+    env = _service_env(settings, state["nats_url"], state["redis_url"])
+    if cluster:
+        env[ENV_NATS_REPLICAS] = str(state["nats_replicas"])
+        names = {f"{s}-{i + 1}": s for s in services for i in range(CLUSTER_INSTANCES)}
+    else:
+        names = {s: s for s in services}
+    state["services"] = {name: _spawn(name, service, env, logs) for name, service in names.items()}
+    write_state(settings, state)
+    _wait_ready(settings, log, state["nats_url"], state["services"], logs)
+    state["ready_s"] = round(time.monotonic() - began, 2)
+    write_state(settings, state)
+    return state
+
+
+def _start_infra(settings: Settings, logs: pathlib.Path) -> dict[str, Any]:
+    """One nats-server and one redis-server; the state `up` records of them."""
+    nats, redis = authority.start_infra(settings, logs)
+    return {
         "nats_url": nats.url,
         "redis_url": redis.url,
         "namespace": settings.namespace,
         "secrets_dir": str(settings.secrets_dir),
         "logs": str(logs),
         "infra": {s.name: s.pid for s in (nats, redis) if s.pid},
-        "services": pids,
     }
-    write_state(settings, state)
-    _wait_ready(settings, log, nats.url, pids, logs)
-    return state
+
+
+def _start_redis(settings: Settings, logs: pathlib.Path) -> tuple[str, dict[str, int]]:
+    """Redis for the cluster: (URL for ITO_REDIS_URL, pids by name). One server until the Redis
+    Cluster (services/runtime/redis_cluster.py) plugs in here."""
+    redis = authority.start_redis(settings, logs)
+    return redis.url, ({redis.name: redis.pid} if redis.pid else {})
+
+
+def _start_cluster_infra(settings: Settings, logs: pathlib.Path) -> dict[str, Any]:
+    """Redis, then the 3-node NATS cluster with every stream declared R3; the state `up`
+    records of them (the nodes' ports: to restart one, to reload their configs)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    redis_url, redis_pids = _start_redis(settings, logs)
+    try:
+        nodes, started = nats_cluster.start(settings, logs, redis_url)
+        pool = nats_cluster.pool_url(nodes)
+        replicated = dataclasses.replace(settings, nats_replicas=nats_cluster.CLUSTER_SIZE)
+        try:
+            asyncio.run(nats_cluster.declare_streams(replicated, pool))
+        except Exception:
+            infra.stop_pids([s.pid for s in started if s.pid is not None])
+            raise
+    except Exception:
+        infra.stop_pids(list(redis_pids.values()))
+        raise
+    return {
+        "cluster": True,
+        "nats_url": pool,
+        "redis_url": redis_url,
+        "nats_replicas": replicated.nats_replicas,
+        "nats_nodes": nats_cluster.nodes_to_state(nodes),
+        "namespace": settings.namespace,
+        "secrets_dir": str(settings.secrets_dir),
+        "logs": str(logs),
+        "infra": {**{s.name: s.pid for s in started if s.pid}, **redis_pids},
+    }
 
 
 def _service_env(settings: Settings, nats_url: str, redis_url: str) -> dict[str, str]:
@@ -116,12 +195,13 @@ def _service_env(settings: Settings, nats_url: str, redis_url: str) -> dict[str,
     )
 
 
-def _spawn(name: str, env: dict[str, str], logs: pathlib.Path) -> int:
-    """`ito-training serve <name>` in a session of its own, logging to `<logs>/<name>.log`."""
+def _spawn(name: str, service: str, env: dict[str, str], logs: pathlib.Path) -> int:
+    """`ito-training serve <service>` in a session of its own, logging to `<logs>/<name>.log`;
+    an instance (`name` is not the service's) knows its name (ITO_INSTANCE)."""
     out = open(logs / f"{name}.log", "ab")  # the child keeps it open; ours closes when `up` exits
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.ops.main", "serve", name],
-        env=env,
+        [sys.executable, "-m", "services.ops.main", "serve", service],
+        env={**env, ENV_INSTANCE: name if name != service else ""},
         stdout=out,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -191,12 +271,16 @@ def _port(url: str) -> int:
 
 
 def restart_infra(settings: Settings, name: str) -> infra.Started:
-    """Start `name` ("nats" or "redis") again on its port from its config (after a crash, say)."""
+    """Start `name` ("nats", "redis", or a cluster's "nats-2") again on its port from its config
+    (after a crash, say)."""
     state = read_state(settings)
     if state is None:
         raise RuntimeError("not up")
     logs = pathlib.Path(state["logs"])
-    if name == "nats":
+    if "nats_nodes" in state and name.startswith("nats-"):
+        nodes = nats_cluster.nodes_from_state(state["nats_nodes"])
+        started = nats_cluster.start_node(settings, logs, state["redis_url"], nodes, name)
+    elif name == "nats":
         started = authority.start_nats(settings, logs, state["redis_url"], port=_port(state["nats_url"]))
     else:
         started = authority.start_redis(settings, logs, port=_port(state["redis_url"]))
@@ -209,6 +293,14 @@ def apply_tenants(settings: Settings) -> bool:
     """After an account change: the running nats-server accepts exactly the active credentials.
     False when nothing is up here (the next `up` writes the config from the registry anyway)."""
     state = read_state(settings)
+    if state is not None and "nats_nodes" in state:  # a cluster: every node's config, reloaded
+        pids = state.get("infra", {})
+        nodes = nats_cluster.nodes_from_state(state["nats_nodes"])
+        if not any(n.name in pids and _alive(pids[n.name]) for n in nodes):
+            return False
+        tenants = asyncio.run(authority.active_tenants(settings, state["redis_url"]))
+        nats_cluster.apply_tenants(settings, nodes, pids, tenants, pathlib.Path(state["logs"]))
+        return True
     if state is None or "nats" not in state.get("infra", {}) or not _alive(state["infra"]["nats"]):
         return False
     tenants = asyncio.run(authority.active_tenants(settings, state["redis_url"]))

@@ -110,9 +110,16 @@ class Router:
         return await route.handler(body, account)
 
 
-async def serve(nc: NatsClient, router: Router, queue: str, limit: int = REQUEST_CONCURRENCY) -> list[Any]:
+INSTANCE_HEADER = "Ito-Instance"
+"""On every answer of a named instance (`up --cluster`): which of a service's instances answered."""
+
+
+async def serve(
+    nc: NatsClient, router: Router, queue: str, limit: int = REQUEST_CONCURRENCY, instance: str = ""
+) -> list[Any]:
     """Subscribe every route of `router` in queue group `queue` (several instances share the
-    load); at most `limit` handlers run at once, the rest wait in the subscription."""
+    load); at most `limit` handlers run at once, the rest wait in the subscription. A named
+    `instance` says so in a header of each answer (the envelope stays the same)."""
     slots = asyncio.Semaphore(limit)
     running: set[asyncio.Task] = set()
 
@@ -120,7 +127,9 @@ async def serve(nc: NatsClient, router: Router, queue: str, limit: int = REQUEST
         try:
             answer = await router.handle(msg.subject, msg.data, msg.reply, msg.headers)
             if answer is not None and msg.reply:
-                await msg.respond(answer)
+                # as Msg.respond does (the request's headers come back), plus the instance's name
+                headers = {**(msg.headers or {}), INSTANCE_HEADER: instance} if instance else msg.headers
+                await nc.publish(msg.reply, answer, headers=headers)
         except Exception:  # a dropped connection mid-answer: the caller times out and asks again
             log.exception("answering %s failed", msg.subject)
         finally:

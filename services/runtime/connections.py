@@ -46,8 +46,8 @@ def make_broker(settings: Settings, service: str) -> NatsBroker:
         log.warning("NATS error: %s", exc)
 
     return NatsBroker(
-        settings.nats_url,
-        name=f"ito-{service}",
+        settings.nats_servers,  # a cluster's pool: nats-py picks one at random and fails over
+        name=f"ito-{settings.instance or service}",
         connect_timeout=NATS_CONNECT_TIMEOUT_S,
         reconnect_time_wait=NATS_RECONNECT_WAIT_S,
         max_reconnect_attempts=NATS_MAX_RECONNECTS,

@@ -30,6 +30,8 @@ from services.runtime.signing import Verifier
 
 log = logging.getLogger("ito.service")
 
+IN_ORDER_MAX_ACK_PENDING = 1  # one message in flight per durable, whatever the number of instances
+
 
 @dataclass(slots=True)
 class Wiring:
@@ -99,7 +101,12 @@ def consume_in_order(
     typed value (and its subject, `with_subject`). A malformed message would be redelivered for
     ever: it is acked, logged and counted (`on_malformed`), never applied. Acked after `handler`
     returns; an exception NAKs for redelivery, so handlers must be idempotent. A late or restarted
-    service replays what it missed."""
+    service replays what it missed.
+
+    Several instances of a service pull from the one durable: `max_ack_pending=1` keeps a single
+    message in flight across all of them, so the order holds there too (the run store refuses an
+    event older than the last applied one); the others wait, and take over when the holder dies
+    (its message comes back after `ack_wait_s`)."""
     from faststream import AckPolicy
     from faststream.nats import ConsumerConfig, PullSub
 
@@ -129,7 +136,7 @@ def consume_in_order(
         stream=streams.ref(s, stream),
         durable=f"{s.namespace}-{consumer}",
         pull_sub=PullSub(batch_size=1, timeout=0.5),
-        config=ConsumerConfig(ack_wait=ack_wait_s),
+        config=ConsumerConfig(ack_wait=ack_wait_s, max_ack_pending=IN_ORDER_MAX_ACK_PENDING),
         ack_policy=AckPolicy.NACK_ON_ERROR,
         inbox_prefix=w.inbox_prefix(),
     )(consume)
@@ -167,7 +174,12 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
     async def start_tasks() -> None:
         # Core request/reply on the broker's own connection; one queue group per service, so that
         # several instances of it share the requests.
-        await serve(await broker.connect(), wiring.router, queue=f"{settings.namespace}-{service}")
+        await serve(
+            await broker.connect(),
+            wiring.router,
+            queue=f"{settings.namespace}-{service}",
+            instance=settings.instance,
+        )
         running.extend(asyncio.create_task(task()) for task in wiring.tasks)
 
     @app.on_shutdown

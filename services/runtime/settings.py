@@ -18,8 +18,11 @@ ENV_REQUEST_TIMEOUT_S = "ITO_REQUEST_TIMEOUT_S"
 ENV_TRAINER_THREADS = "ITO_TRAINER_THREADS"
 ENV_PLAN_SMALL_MODEL_GANGS = "ITO_PLAN_SMALL_MODEL_GANGS"
 ENV_RENDEZVOUS_HOST = "ITO_RENDEZVOUS_HOST"
+ENV_NATS_REPLICAS = "ITO_NATS_REPLICAS"
+ENV_INSTANCE = "ITO_INSTANCE"
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # or a comma-separated list: a cluster's server pool
+DEFAULT_NATS_REPLICAS = 1  # 3 on a 3-node cluster (`ito-training up --cluster`): every stream R3
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_NAMESPACE = "ito"
 DEFAULT_DATA_DIR = ".ito"  # relative to the working directory; state of embedded infra and runs
@@ -47,7 +50,8 @@ def _float(env: dict[str, str], name: str, default: float) -> float:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     nats_url: str
-    """NATS server (JetStream on) that carries every request and event."""
+    """NATS server (JetStream on) that carries every request and event; several, comma-separated,
+    for a cluster (the clients' server pool: `nats_servers`)."""
     redis_url: str
     """Redis holding confirmations, idempotency reservations, projections and run records."""
     namespace: str
@@ -65,10 +69,21 @@ class Settings:
     of the gang on CPU, where each "GPU" is a process). Off in production: it only adds traffic."""
     rendezvous_host: str = DEFAULT_RENDEZVOUS_HOST
     """Where a multi-node run's node 0 hosts its rendezvous store (the scheduler picks the port)."""
+    nats_replicas: int = DEFAULT_NATS_REPLICAS
+    """Replicas of every JetStream stream (the operator declares them with this); at most the
+    number of JetStream servers in the cluster."""
+    instance: str = ""
+    """This process's name among several instances of its service (`scheduler-2`); "" for one."""
 
     def __post_init__(self) -> None:
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"The namespace must be letters, digits, '-' or '_', got {self.namespace!r}.")
+        if not 1 <= self.nats_replicas <= 5:
+            raise ValueError(f"Stream replicas need to be between 1 and 5, got {self.nats_replicas}.")
+
+    @property
+    def nats_servers(self) -> list[str]:
+        return nats_servers(self.nats_url)
 
     @property
     def stream_prefix(self) -> str:
@@ -87,6 +102,14 @@ class Settings:
         return DESK_TELEMETRY if self.namespace == DEFAULT_NAMESPACE else f"{self.namespace}.{DESK_TELEMETRY}"
 
 
+def nats_servers(url: str) -> list[str]:
+    """The server pool of a NATS URL setting: one URL, or several separated by commas."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"{ENV_NATS_URL} names no server: {url!r}.")
+    return servers
+
+
 def load(env: dict[str, str] | None = None) -> Settings:
     env = dict(os.environ) if env is None else env
     data_dir = pathlib.Path(env.get(ENV_DATA_DIR) or DEFAULT_DATA_DIR).absolute()
@@ -102,6 +125,8 @@ def load(env: dict[str, str] | None = None) -> Settings:
         request_timeout_s=_float(env, ENV_REQUEST_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S),
         small_model_gangs=env.get(ENV_PLAN_SMALL_MODEL_GANGS, "") == "1",
         rendezvous_host=env.get(ENV_RENDEZVOUS_HOST) or DEFAULT_RENDEZVOUS_HOST,
+        nats_replicas=int(env.get(ENV_NATS_REPLICAS) or DEFAULT_NATS_REPLICAS),
+        instance=env.get(ENV_INSTANCE, ""),
     )
 
 

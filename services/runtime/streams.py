@@ -1,7 +1,8 @@
 """JetStream stream definitions, declared by the operator identity when the stack starts (idempotent).
 
 Subscribers refer to them by name with `JStream(name, declare=False)`, so the config lives here
-only. Request/reply subjects stay out of every filter (see contracts.subjects).
+only. Request/reply subjects stay out of every filter (see contracts.subjects). Every stream has
+`settings.nats_replicas` replicas: 1 on one server, 3 on the cluster `up --cluster` starts.
 """
 
 import logging
@@ -27,6 +28,7 @@ def configs(settings: Settings) -> list[StreamConfig]:
             subjects=[f"{subject_root}.>"],
             storage=StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=settings.nats_replicas,  # R3 on a 3-node cluster: any one server may die
             **extra,
         )
 

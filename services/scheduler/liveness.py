@@ -16,6 +16,7 @@ the new one can start. The timers and their ordering: services/runtime/liveness.
 import asyncio
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from contracts.api import LeaseAnswer, LeaseQuery, RunView
@@ -125,15 +126,27 @@ async def silent_for(runs: Runs, run_id: str, account: str, now: float) -> float
 async def interrupt(
     runs: Runs, run_id: str, account: str, silent: float, now: float, events: RunEventPublisher | None
 ) -> bool:
-    """Move a silent run to `interrupted` and record why; False when it moved on meanwhile."""
+    """Move a silent run to `interrupted` and record why; False when it moved on meanwhile.
+
+    Every scheduler instance runs a watcher. When two find the same silent run, the store's
+    compare-and-set lets one move it; the other's move finds it interrupted already and leaves it
+    as it is, yet is answered with the view: only the watcher whose own move (its `at`) the view
+    carries records the interruption and publishes its event, so there is one of each."""
+    at = datetime.now(UTC)
     updated, applied = await runs.move(
         account,
         run_id,
         RunState.interrupted,
         allowed_from=_RUNNING,
+        at=at,
         message=f"trainer silent for {silent:.1f}s; resuming from the last checkpoint",
     )
-    if not applied or updated is None or updated.state is not RunState.interrupted:
+    if (
+        not applied
+        or updated is None
+        or updated.state is not RunState.interrupted
+        or updated.updated_at != at
+    ):
         return False
     record: dict[str, Any] = {
         "detected_at": now,

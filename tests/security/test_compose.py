@@ -38,3 +38,39 @@ def test_each_service_mounts_only_its_own_credentials():
 def test_no_secret_value_is_inline():
     for name, spec in COMPOSE["secrets"].items():
         assert set(spec) == {"file"}, name
+
+
+CLUSTER = {name: spec for name, spec in COMPOSE["services"].items() if "cluster" in spec.get("profiles", [])}
+
+
+def test_the_cluster_profile_has_three_nats_nodes_six_redis_nodes_and_two_of_each_service():
+    assert {f"nats-{i}" for i in (1, 2, 3)} | {f"redis-{i}" for i in range(1, 7)} <= set(CLUSTER)
+    assert "redis-cluster-init" in CLUSTER
+    for name in SERVICE_IDENTITIES:
+        for i in (1, 2):
+            spec = CLUSTER[f"{name}-{i}"]
+            assert spec["command"] == ["serve", name] and spec["environment"]["ITO_INSTANCE"] == f"{name}-{i}"
+            assert targets(f"{name}-{i}") == targets(name)  # its own credentials only, as the single one
+            servers = spec["environment"]["ITO_NATS_URL"].split(",")
+            assert servers == [f"nats://nats-{n}:4222" for n in (1, 2, 3)]
+            assert spec["environment"]["ITO_NATS_REPLICAS"] == "3"
+
+
+def test_the_cluster_publishes_one_client_port_and_no_route_redis_or_monitoring_port():
+    published = {name: spec["ports"] for name, spec in CLUSTER.items() if "ports" in spec}
+    assert published == {"nats-1": ["4223:4222"]}
+    for i in (1, 2, 3):
+        node = CLUSTER[f"nats-{i}"]
+        assert node["command"] == ["-c", f"/run/secrets/nats_{i}_conf"]  # nkeys, permissions, route auth
+        assert node["secrets"] == [f"nats_{i}_conf"]
+
+
+def test_the_cluster_redis_nodes_run_with_acls_and_aof_always_and_take_passwords_from_files():
+    for i in range(1, 7):
+        script = CLUSTER[f"redis-{i}"]["command"][-1]
+        assert "--aclfile /run/secrets/redis_acl" in script and "--appendfsync always" in script
+        assert "--cluster-enabled yes" in script
+        assert "$$(cat /run/secrets/redis_admin)" in script  # read from its file, into a 0600 config
+        assert "--masterauth" not in script  # never an argument
+    init = CLUSTER["redis-cluster-init"]["command"][-1]
+    assert "REDISCLI_AUTH=" in init and "$$(cat /run/secrets/redis_admin)" in init and " -a " not in init
