@@ -20,7 +20,7 @@ from tests.support import confirm_and_train, eventually, run_state, run_status
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 240  # long enough on this machine to kill a node mid-run, short enough to stay well under 3 min
+STEPS = 400  # long enough on this machine to kill a node mid-run (~30 steps/s warm), short enough for CI
 
 
 def start_cluster(data_dir: pathlib.Path) -> tuple[Stack, dict]:
@@ -143,6 +143,8 @@ def test_cluster_trains_through_the_loss_of_a_nats_node(tmp_path_factory, manife
         time.sleep(1.0)
         busy = max(trainers, key=lambda pid: cpu_ticks(pid) - before[pid])
         victim = next(n for n in nodes if n.client_port in connected_ports(busy))
+        rc, before_kill = s.ecc("status", run_id, env=env)
+        assert rc == 0 and before_kill["data"]["state"] == "running", before_kill  # mid-run, not after
         killed_at = time.monotonic()
         os.kill(st["infra"][victim.name], signal.SIGKILL)
 
@@ -153,12 +155,11 @@ def test_cluster_trains_through_the_loss_of_a_nats_node(tmp_path_factory, manife
         eventually(answers, timeout=30, interval=0.1, what="a request answered after the node kill")
         recovered_s = time.monotonic() - killed_at
         assert all(answers() for _ in range(5))  # and keep answering, whichever node ecc picks
-        mid = run_state(s, env, run_id, {"running", "succeeded", "failed", "interrupted"}, timeout=30)
         final = run_state(s, env, run_id, {"succeeded", "failed"}, timeout=150)
-        assert final["state"] == "succeeded", (final, mid)
+        assert final["state"] == "succeeded", final
         print(
             f"cluster ready in {st['ready_s']} s; requests answered {recovered_s:.2f} s after "
-            f"killing {victim.name}; step at kill+: {mid['step']}/{mid['total_steps']}"
+            f"killing {victim.name} at step {before_kill['data']['step']}/{STEPS}"
         )
     finally:
         down = s.run("ito-training", "down", "--json", timeout=90)
