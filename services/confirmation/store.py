@@ -5,13 +5,15 @@ consumes them (services/domain/binding.py defines their fields and checks for bo
 outlive their TTL by a day so that an expired confirmation is told apart from an unknown one.
 """
 
+import asyncio
 import secrets
 import time
 from typing import Protocol
 
-import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from services.domain.binding import FIELDS, Stored
+from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 
 RETAIN_AFTER_EXPIRY_S = 24 * 3600
@@ -44,9 +46,12 @@ def _text(raw: bytes | str) -> str:
 
 
 class ConfirmationStore:
-    """Confirmations in Redis: one hash per record (FIELDS), plus a ref -> account index."""
+    """Confirmations in Redis: one hash per record (FIELDS), plus a ref -> account index. The two
+    live in different slots (the index is found by ref alone), so they are written side by side,
+    not in one transaction: a record whose index entry is missing, or the reverse, can only be a
+    reference that was never handed out (`create` returns after both)."""
 
-    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, r: RedisClient, keys: Keys) -> None:
         self.r = r
         self.keys = keys
 
@@ -57,20 +62,33 @@ class ConfirmationStore:
     async def create(self, ref: str, stored: Stored) -> None:
         key = self.keys.confirmation(stored.account, ref)
         ttl = int(stored.expires_at - await self.now()) + RETAIN_AFTER_EXPIRY_S
-        async with self.r.pipeline(transaction=True) as pipe:
+        await asyncio.gather(
+            self._write_record(key, stored, ttl),
+            self.r.set(self.keys.confirmation_owner(ref), stored.account, ex=ttl),
+        )
+
+    async def _write_record(self, key: str, stored: Stored, ttl: int) -> None:
+        async with self.r.pipeline(transaction=True) as pipe:  # one key: a record never lacks its TTL
             pipe.hset(key, items=[x for pair in stored.fields().items() for x in pair])
             pipe.expire(key, ttl)
-            pipe.set(self.keys.confirmation_owner(ref), stored.account, ex=ttl)
             await pipe.execute()
 
     async def get(self, account: str, ref: str) -> Stored | None:
         return (await self.get_at(account, ref))[0]
 
     async def get_at(self, account: str, ref: str) -> tuple[Stored | None, float]:
-        async with self.r.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self.keys.confirmation(account, ref))  # (its ACL user's commands)
-            pipe.time()
-            raw, (seconds, micros) = await pipe.execute()
+        key = self.keys.confirmation(account, ref)
+        if isinstance(self.r, RedisCluster):
+            # TIME names no key, and a cluster pipeline refuses it: ask the node that holds the
+            # record, whose clock the ledger's script reads too, side by side with the read
+            raw, (seconds, micros) = await asyncio.gather(
+                self.r.hgetall(key), self.r.time(target_nodes=self.r.get_node_from_key(key))
+            )
+        else:
+            async with self.r.pipeline(transaction=False) as pipe:
+                pipe.hgetall(key)  # (its ACL user's commands)
+                pipe.time()
+                raw, (seconds, micros) = await pipe.execute()
         record = {_text(k): _text(v) for k, v in raw.items()}
         stored = Stored.from_fields([record[f] for f in FIELDS]) if record else None
         return stored, float(seconds) + float(micros) / 1e6

@@ -9,11 +9,11 @@ the projection's, so duplicates and redeliveries change nothing and older events
 from typing import Protocol
 
 import msgspec
-import redis.asyncio as aioredis
 
 from contracts.booking import Booking, BookingEvent
 from services.entitlement.projection import Outcome, apply_outcome
 from services.runtime.codec import redis_text
+from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 
 APPLY_LUA = """
@@ -56,7 +56,7 @@ class Bookings(Protocol):
 
 
 class BookingStore:
-    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, r: RedisClient, keys: Keys) -> None:
         self.r = r
         self.keys = keys
         self._apply = r.register_script(APPLY_LUA)
@@ -100,10 +100,14 @@ class BookingStore:
         await self.r.delete(self.keys.booking_parked(booking_id))
 
     async def count(self, what: str) -> None:
-        await self.r.hincrby(self.keys.booking_stats(), what, 1)
+        await self.r.hincrby(self.keys.booking_stats(), what, 1)  # a random shard of the counters
 
     async def counted(self, what: str) -> int:
-        return int(await self.r.hget(self.keys.booking_stats(), what) or 0)
+        async with self.r.pipeline(transaction=False) as pipe:
+            for key in self.keys.booking_stats_shards():
+                pipe.hget(key, what)
+            shards = await pipe.execute()
+        return sum(int(n or 0) for n in shards)
 
 
 class InMemoryBookings:

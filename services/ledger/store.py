@@ -15,11 +15,12 @@ import time
 from typing import Protocol
 
 import msgspec
-import redis.asyncio as aioredis
 
 from contracts.internal import LedgerAccept, LedgerEntry
 from services.domain import binding
+from services.runtime import accounts
 from services.runtime.codec import Refusal
+from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 
 ACCEPT_LUA = (
@@ -83,7 +84,7 @@ def _text(raw: bytes | str) -> str:
 
 
 class LedgerStore:
-    def __init__(self, r: aioredis.Redis, keys: Keys, retention_s: float) -> None:
+    def __init__(self, r: RedisClient, keys: Keys, retention_s: float) -> None:
         self.r = r
         self.keys = keys
         self.retention_ms = int(retention_s * 1000)
@@ -133,7 +134,7 @@ class LedgerStore:
 
     async def pending(self) -> list[LedgerEntry]:
         entries = []
-        for account in sorted(_text(a) for a in await self.r.smembers(self.keys.accounts())):
+        for account in await accounts.names(self.r, self.keys):
             for key in sorted(_text(k) for k in await self.r.smembers(self.keys.pending_handoff(account))):
                 entry = await self.lookup(account, key)
                 if entry is None:  # retention ran out: nothing left to hand off

@@ -7,7 +7,10 @@ authority: an authenticated caller still needs a booking, a manifest and a confi
 anything is created.
 
 Redis layout: `<ns>:apikeys:<account>` maps each public nkey of the account to its KeyRecord (one
-read authenticates a request); `<ns>:accounts` is the set of account names. Only the `accounts` identity (operator tooling) writes them; the scheduler reads.
+read authenticates a request); the account names are a set split in shards (`<ns>:accounts:<n>`,
+services/runtime/keys.py), so that no one key, hence no one Redis Cluster slot, takes every
+account. Only the `accounts` identity (operator tooling) writes them; the scheduler reads the keys,
+the ledger the names.
 
 The scheduler reads them through the `Credentials` port (`RedisAccounts` here, `InMemoryAccounts`
 in handler tests); operator tooling calls the module functions, which the Redis adapter wraps.
@@ -17,11 +20,11 @@ import time
 from typing import Protocol
 
 import msgspec
-import redis.asyncio as aioredis
 
 from contracts.api import AuthInfo
 from contracts.errors import ErrorCode
 from services.runtime.codec import Refusal, redis_text
+from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 from services.runtime.secrets import new_nkey_seed, nkey_public
 
@@ -71,31 +74,43 @@ def new_credential(account: str) -> tuple[str, KeyRecord]:
     return KEY_PREFIX + seed.decode(), record
 
 
-async def create(r: aioredis.Redis, keys: Keys, account: str) -> tuple[str, str, str]:
+async def create(r: RedisClient, keys: Keys, account: str) -> tuple[str, str, str]:
     """A new credential for `account` (created if new): (api_key, key_id, public nkey). The key is
-    shown once; only its public half is kept."""
+    shown once; only its public half is kept.
+
+    Two keys in two slots, so no transaction: the name goes into the index first (a name without
+    a key authenticates nobody), then the key (a key whose account is in the index from the start
+    is never missing from the server config)."""
     api_key, record = new_credential(account)
     public = record.nkey
-    async with r.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.api_keys(account), public, msgspec.json.encode(record))
-        pipe.sadd(keys.accounts(), account)
-        await pipe.execute()
+    await r.sadd(keys.accounts_shard(account), account)
+    await r.hset(keys.api_keys(account), public, msgspec.json.encode(record))
     return api_key, record.key_id, public
 
 
-async def records(r: aioredis.Redis, keys: Keys, account: str) -> list[KeyRecord]:
+async def records(r: RedisClient, keys: Keys, account: str) -> list[KeyRecord]:
     return [_record_decoder.decode(raw) for raw in (await r.hgetall(keys.api_keys(account))).values()]
 
 
-async def active_tenants(r: aioredis.Redis, keys: Keys) -> list[tuple[str, str]]:
+async def names(r: RedisClient, keys: Keys) -> list[str]:
+    """Every account name: each shard of the index, read in one pipeline (on a cluster, one round
+    trip to each node that holds a shard)."""
+    async with r.pipeline(transaction=False) as pipe:
+        for key in keys.accounts_shards():
+            pipe.smembers(key)
+        shards = await pipe.execute()
+    return sorted({redis_text(a) for members in shards for a in members})
+
+
+async def active_tenants(r: RedisClient, keys: Keys) -> list[tuple[str, str]]:
     """(account, public nkey) of every credential the NATS server should accept."""
     active = []
-    for account in sorted(redis_text(a) for a in await r.smembers(keys.accounts())):
+    for account in await names(r, keys):
         active += [(k.account, k.nkey) for k in await records(r, keys, account) if not k.revoked and k.nkey]
     return sorted(active)
 
 
-async def revoke(r: aioredis.Redis, keys: Keys, account: str) -> int:
+async def revoke(r: RedisClient, keys: Keys, account: str) -> int:
     """Revoke every key of `account`; returns how many were active."""
     revoked = 0
     for record in await records(r, keys, account):
@@ -136,7 +151,7 @@ class RedisAccounts:
     """The registry in Redis (the layout above): `Credentials` for the scheduler, and the
     operator's create and revoke."""
 
-    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, r: RedisClient, keys: Keys) -> None:
         self.r = r
         self.keys = keys
 

@@ -5,11 +5,13 @@ and its own inbox prefix, Redis with the identity's ACL user and password file. 
 anonymous path: a missing secret file is an error at start, never a fallback."""
 
 import logging
+from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
 from fast_depends.msgspec import MsgSpecSerializer
 from faststream.nats import NatsBroker
 from faststream.nats.security import NatsNKey
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
@@ -23,6 +25,10 @@ NATS_MAX_RECONNECTS = 120  # ~2 minutes of outage before a service gives up and 
 REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_SOCKET_TIMEOUT_S = 5.0
 REDIS_RETRIES = 5
+
+RedisClient = aioredis.Redis | RedisCluster
+"""What the stores take: one server, or a cluster (every store command and script touches the keys
+of one slot, so both run them alike)."""
 
 
 def nats_auth(settings: Settings, identity: str) -> dict:
@@ -62,14 +68,43 @@ def make_broker(settings: Settings, service: str) -> NatsBroker:
     )
 
 
-def make_redis(settings: Settings, identity: str) -> aioredis.Redis:
+def redis_nodes(url: str) -> list[tuple[str, int]]:
+    """(host, port) of every node a Redis URL setting names (`redis://h:p[/0]`, comma-separated)."""
+    nodes = []
+    for part in (u.strip() for u in url.split(",")):
+        if part:
+            parsed = urlparse(part if "://" in part else f"redis://{part}")
+            nodes.append((parsed.hostname or "127.0.0.1", parsed.port or 6379))
+    if not nodes:
+        raise ValueError(f"The Redis URL names no server: {url!r}.")
+    return nodes
+
+
+def make_redis(settings: Settings, identity: str) -> RedisClient:
+    """A client as `identity`: to the one server of `redis_url`, or with `redis_cluster` to the
+    cluster those nodes belong to (the client reads the slot map from the first that answers)."""
+    password = Secrets(settings.secrets_dir).password(identity)
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), REDIS_RETRIES)
+    if settings.redis_cluster:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in redis_nodes(settings.redis_url)],
+            username=identity,
+            password=password,
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+            socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+            retry=retry,  # its count bounds the retries after a MOVED, a lost node or a failover
+            # a shard between its primary's death and its replica's promotion fails its own keys
+            # only: the client still starts and serves the other shards meanwhile
+            require_full_coverage=False,
+            decode_responses=False,
+        )
     return aioredis.Redis.from_url(
         settings.redis_url,
         username=identity,
-        password=Secrets(settings.secrets_dir).password(identity),
+        password=password,
         socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
         socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), REDIS_RETRIES),
+        retry=retry,
         retry_on_timeout=True,
         decode_responses=False,
     )

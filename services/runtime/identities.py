@@ -27,9 +27,10 @@ NATS_IDENTITIES = (*SERVICE_IDENTITIES, COMPUTE, DESK, OPERATOR)
 
 ACCOUNTS = "accounts"  # `ito-training accounts`: the account registry only
 ADMIN = "admin"  # operator's break-glass and the test suite's eyes; no service uses it
+REPLICATION = "replication"  # a Redis Cluster replica, as it syncs from its primary; nothing else
 REDIS_SERVICES = ("entitlement", "confirmation", "ledger", "scheduler", "telemetry")
 """The trainer keeps no state in Redis and gets no Redis credential at all."""
-REDIS_IDENTITIES = (*REDIS_SERVICES, ACCOUNTS, ADMIN)
+REDIS_IDENTITIES = (*REDIS_SERVICES, ACCOUNTS, ADMIN, REPLICATION)
 
 TRAINER_EVENT_KINDS = (
     "state",
@@ -203,6 +204,10 @@ def nats_config(
 # --- Redis ---
 
 _REDIS_CONNECT = "+ping +hello +auth"  # redis-py ignores a refused CLIENT SETINFO
+_REDIS_CLUSTER_CLIENT = "+cluster|slots +command"
+"""What redis-py's cluster client sends before any command: the slot map, and the command table it
+finds a command's keys in (without them it fails with a misleading "Cluster mode is not enabled").
+Both only describe the server; a single server answers CLUSTER SLOTS with an error."""
 
 
 def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
@@ -221,16 +226,16 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
                     f"{acct}:run:*",
                     f"{acct}:runs",
                     f"{ns}:run-owner:*",
-                    f"{ns}:leased",
+                    f"{ns}:leased:*",
+                    f"{ns}:leased",  # the lease index before it was split: read and released only
                     f"{ns}:apikeys:*",
-                    f"{ns}:accounts",
                 ),
                 "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +rpush +ltrim +llen +lrange "
-                f"+smembers +watch +unwatch +multi +exec +discard {scripts}",
+                f"+multi +exec +discard {scripts}",
             )
         case "ledger":
             return (
-                (f"{acct}:idem:*", f"{acct}:conf:*", f"{acct}:pending", f"{ns}:accounts"),
+                (f"{acct}:idem:*", f"{acct}:conf:*", f"{acct}:pending", f"{ns}:accounts:*", f"{ns}:accounts"),
                 f"+get +set +hmget +hset +sadd +srem +sismember +smembers +time {scripts}",
             )
         case "confirmation":
@@ -245,6 +250,7 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
                     f"{acct}:bookings",
                     f"{ns}:booking-owner:*",
                     f"{ns}:booking-parked:*",
+                    f"{ns}:booking-stats:*",
                     f"{ns}:booking-stats",
                 ),
                 f"+get +set +del +hget +hset +hincrby +sadd +smembers +rpush +lrange {scripts}",
@@ -256,11 +262,13 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
             )
         case "accounts":
             return (
-                (f"{ns}:apikeys:*", f"{ns}:accounts"),
-                "+hget +hset +hgetall +sadd +smembers +multi +exec +discard",
+                (f"{ns}:apikeys:*", f"{ns}:accounts:*", f"{ns}:accounts"),
+                "+hget +hset +hgetall +sadd +smembers",
             )
         case "admin":
             return (("*",), "+@all")
+        case "replication":
+            return ((), "+psync +replconf")  # no key, no command that reads or writes one
     raise ValueError(f"unknown Redis identity {identity!r}")
 
 
@@ -270,8 +278,10 @@ def redis_acl(s: Settings, passwords: dict[str, str]) -> str:
     for identity in sorted(passwords):
         patterns, commands = redis_rules(identity, s)
         digest = hashlib.sha256(passwords[identity].encode()).hexdigest()
-        keys = " ".join(f"~{p}" for p in patterns)
-        lines.append(
-            f"user {identity} on #{digest} resetkeys {keys} resetchannels -@all {_REDIS_CONNECT} {commands}"
+        rights = " ".join(
+            [*(f"~{p}" for p in patterns), "resetchannels -@all", _REDIS_CONNECT]
+            + ([] if identity == REPLICATION else [_REDIS_CLUSTER_CLIENT])
+            + [commands]
         )
+        lines.append(f"user {identity} on #{digest} resetkeys {rights}")
     return "\n".join(lines) + "\n"

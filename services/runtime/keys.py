@@ -2,9 +2,30 @@
 
 Per-account keys carry the account as a hash tag (`<ns>:{<account>}:...`), so every key that one
 atomic script touches lives in one Redis Cluster slot.
+
+No key takes every account's writes: on Redis Cluster such a key is one slot, so one primary, for
+the whole desk. The account index, the lease index and the booking counters are split in SHARDS
+keys (a name's shard is a hash of it; a counter's is random) that land on different slots; readers
+read every shard in one pipeline. The keys that remain global are one per id (`run-owner:<run>`,
+`conf-owner:<ref>`, `booking-owner:<booking>`, `booking-parked:<booking>`, `apikeys:<account>`,
+`telemetry:events:<run>`, `desk:<by>:<key>`): each is written by that id's events only, and the ids
+themselves spread over the slots.
 """
 
+import random
+import zlib
+
 from services.runtime.settings import Settings
+
+SHARDS = 16
+"""How many keys an index or a counter is split in: enough to spread over the primaries of any
+cluster up to ~16 shards; raise it with the cluster (every read visits each shard). Changing it
+moves names between shards: a deployment with data keeps it, or migrates."""
+
+
+def shard(name: str) -> int:
+    """The shard a name (an account, a run id) belongs to: stable across processes and versions."""
+    return zlib.crc32(name.encode()) % SHARDS
 
 
 class Keys:
@@ -18,8 +39,13 @@ class Keys:
     def api_keys(self, account: str) -> str:  # hash: public nkey -> encoded key record, one per account
         return f"{self.ns}:apikeys:{account}"
 
-    def accounts(self) -> str:  # set of account names
-        return f"{self.ns}:accounts"
+    def accounts_shard(self, account: str) -> str:  # set of account names, one shard of them
+        return f"{self.ns}:accounts:{shard(account)}"
+
+    def accounts_shards(self) -> list[str]:
+        """Every shard of the account index, and the single set that held it before it was split
+        (read, never written: accounts created then must keep their credentials)."""
+        return [f"{self.ns}:accounts:{i}" for i in range(SHARDS)] + [f"{self.ns}:accounts"]
 
     # entitlement projection
     def booking(self, account: str, booking_id: str) -> str:
@@ -34,8 +60,11 @@ class Keys:
     def booking_parked(self, booking_id: str) -> str:  # events that came before `completed`
         return f"{self.ns}:booking-parked:{booking_id}"
 
-    def booking_stats(self) -> str:  # hash of counters (stale events ignored, parked, ...)
-        return f"{self.ns}:booking-stats"
+    def booking_stats(self) -> str:  # hash of counters (stale events ignored, parked, ...): a random shard
+        return f"{self.ns}:booking-stats:{random.randrange(SHARDS)}"
+
+    def booking_stats_shards(self) -> list[str]:  # a counter is the sum over these (and the old single hash)
+        return [f"{self.ns}:booking-stats:{i}" for i in range(SHARDS)] + [f"{self.ns}:booking-stats"]
 
     # confirmations
     def confirmation(self, account: str, ref: str) -> str:
@@ -70,8 +99,11 @@ class Keys:
     def run_interruptions(self, account: str, run_id: str) -> str:
         return f"{self.account(account)}:run:{run_id}:interruptions"
 
-    def leased(self) -> str:  # hash: run id -> account, for every run a trainer has held
-        return f"{self.ns}:leased"
+    def leased(self, run_id: str) -> str:  # hash: run id -> account, for every run a trainer has held
+        return f"{self.ns}:leased:{shard(run_id)}"
+
+    def leased_shards(self) -> list[str]:  # the whole lease index (and the old single hash, read only)
+        return [f"{self.ns}:leased:{i}" for i in range(SHARDS)] + [f"{self.ns}:leased"]
 
     # desk telemetry
     def telemetry_events(self, run_id: str) -> str:  # hash: seq -> encoded event

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 from faststream import FastStream
 from faststream.nats import NatsBroker, NatsMessage
 
@@ -39,7 +38,7 @@ class Wiring:
 
     settings: Settings
     broker: NatsBroker
-    redis: aioredis.Redis | None
+    redis: connections.RedisClient | None
     """None for the trainer: it keeps no state in Redis and holds no Redis credential."""
     keys: Keys
     tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
@@ -60,7 +59,7 @@ class Wiring:
     def inbox_prefix(self) -> bytes:
         return (service_inbox(self.service) + ".").encode()
 
-    def require_redis(self) -> aioredis.Redis:
+    def require_redis(self) -> connections.RedisClient:
         """The Redis connection of a service that keeps state (every one but the trainer)."""
         if self.redis is None:
             raise RuntimeError(f"the {self.service} service holds no Redis credential")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 ENV_NATS_URL = "ITO_NATS_URL"
 ENV_REDIS_URL = "ITO_REDIS_URL"
+ENV_REDIS_CLUSTER = "ITO_REDIS_CLUSTER"
 ENV_NAMESPACE = "ITO_NAMESPACE"
 ENV_DATA_DIR = "ITO_DATA_DIR"
 ENV_SECRETS_DIR = "ITO_SECRETS_DIR"
@@ -53,7 +54,8 @@ class Settings:
     """NATS server (JetStream on) that carries every request and event; several, comma-separated,
     for a cluster (the clients' server pool: `nats_servers`)."""
     redis_url: str
-    """Redis holding confirmations, idempotency reservations, projections and run records."""
+    """Redis holding confirmations, idempotency reservations, projections and run records. With
+    `redis_cluster`, one or more of the cluster's nodes, comma-separated (the client finds the rest)."""
     namespace: str
     """Prefix of every subject, stream and Redis key; tests use a unique one per run."""
     data_dir: pathlib.Path
@@ -69,6 +71,9 @@ class Settings:
     of the gang on CPU, where each "GPU" is a process). Off in production: it only adds traffic."""
     rendezvous_host: str = DEFAULT_RENDEZVOUS_HOST
     """Where a multi-node run's node 0 hosts its rendezvous store (the scheduler picks the port)."""
+    redis_cluster: bool = False
+    """`redis_url` names the nodes of a Redis Cluster (`ITO_REDIS_CLUSTER=1`): the services speak to
+    it with redis-py's cluster client, which follows slot moves and failovers by itself."""
     nats_replicas: int = DEFAULT_NATS_REPLICAS
     """Replicas of every JetStream stream (the operator declares them with this); at most the
     number of JetStream servers in the cluster."""
@@ -127,6 +132,7 @@ def load(env: dict[str, str] | None = None) -> Settings:
         rendezvous_host=env.get(ENV_RENDEZVOUS_HOST) or DEFAULT_RENDEZVOUS_HOST,
         nats_replicas=int(env.get(ENV_NATS_REPLICAS) or DEFAULT_NATS_REPLICAS),
         instance=env.get(ENV_INSTANCE, ""),
+        redis_cluster=env.get(ENV_REDIS_CLUSTER, "") == "1",
     )
 
 

@@ -3,7 +3,9 @@
 A run view changes only through `move()` (its state, by `lifecycle.move`: the one writer of that
 fact) and `update()` (anything but its state: `lifecycle.NotAMove` otherwise), both an optimistic
 compare-and-set (CAS_LUA) around a pure function, so concurrent writers (the event consumer, cancel,
-the watcher) never lose each other's changes.
+the watcher) never lose each other's changes. A lease is a compare-and-set too (LEASE_LUA). Every
+script touches the run's own key only, so it runs unchanged on Redis Cluster; the lease index is
+split by run id (services/runtime/keys.py) and written beside the grant, idempotently.
 """
 
 import logging
@@ -13,12 +15,11 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import msgspec
-import redis.asyncio as aioredis
-from redis.exceptions import WatchError
 
 from contracts.api import LogLineView, RunView
 from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import RunState
+from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 from services.scheduler import lifecycle
 
@@ -154,15 +155,29 @@ return 1
 one round trip after the read; the caller retries on a lost race, as a WATCH would make it)."""
 
 
+LEASE_LUA = """
+local cur = redis.call('HMGET', KEYS[1], 'view', ARGV[1], ARGV[2], ARGV[3])
+for i = 1, 4 do
+  if (cur[i] or '') ~= ARGV[i + 3] then return 0 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[8], ARGV[2], ARGV[9], ARGV[3], ARGV[10])
+return 1
+"""
+"""Write a node's lease (ARGV[1..3]: its epoch, holder and seen fields) only if the view and the
+lease it was decided on (ARGV[4..7], as read) are unchanged; the new epoch, holder and heartbeat
+are ARGV[8..10]. A repeat after a lost reply finds the heartbeat moved and writes nothing."""
+
+
 def _bytes(raw: bytes | str | None) -> bytes:
     return b"" if raw is None else raw.encode() if isinstance(raw, str) else raw
 
 
 class RunStore:
-    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, r: RedisClient, keys: Keys) -> None:
         self.r = r
         self.keys = keys
         self._cas = r.register_script(CAS_LUA)
+        self._lease = r.register_script(LEASE_LUA)
 
     async def create(self, view: RunView, work: bytes | None = None) -> bool:
         """Create the run view if absent, with its work item kept beside it (for an approved
@@ -305,9 +320,6 @@ class RunStore:
         raw = await self.r.hget(self.keys.run(account, run_id), field)
         return raw.encode() if isinstance(raw, str) else raw
 
-    async def accounts(self) -> list[str]:
-        return sorted(_text(a) for a in await self.r.smembers(self.keys.accounts()))
-
     # --- leases: which trainer may train a run, fenced by a growing epoch ---
 
     async def lease(
@@ -322,44 +334,64 @@ class RunStore:
         node: int = 0,
     ) -> tuple[bool, RunView | None, int]:
         """Grant (epoch 0) or renew (the held epoch) a run's lease: (granted, view, epoch); the
-        decision is `lease_decision`'s, applied in one WATCH/MULTI transaction. Node n > 0 of a
-        multi-node run has its own fields (`lease_epoch:n`, ...) and stays out of the watcher's index."""
+        decision is `lease_decision`'s, written by a compare-and-set on the run key (LEASE_LUA;
+        a lost race reads and decides again). Node n > 0 of a multi-node run has its own fields
+        (`lease_epoch:n`, ...) and stays out of the watcher's index.
+
+        A new lease of node 0 enters the run in the lease index (another slot) before the grant is
+        written: the entry is idempotent, and an entry whose grant then loses the race is harmless
+        (the watcher finds the run not running, or releases it once finished), while a grant
+        without its entry would leave a lost trainer unnoticed."""
         key = self.keys.run(account, run_id)
         epoch_f, holder_f, seen_f = lease_fields(node)
+        indexed = False
         for _ in range(UPDATE_RETRIES):
-            async with self.r.pipeline(transaction=True) as pipe:
-                try:
-                    await pipe.watch(key)
-                    raw, cur, holder, seen = await pipe.hmget(key, ["view", epoch_f, holder_f, seen_f])
-                    if raw is None:
-                        return False, None, 0
-                    view = _view_decoder.decode(raw)
-                    held = LeaseHeld(int(cur or 0), _text(holder), float(seen or 0))
-                    grant = lease_decision(view, held, trainer_id, epoch, now, silence_s, leasable)
-                    if grant is None:
-                        return False, view, held.epoch
-                    pipe.multi()
-                    if grant == held.epoch:  # a renewal: only the heartbeat moves
-                        pipe.hset(key, seen_f, now)
-                    else:
-                        pipe.hset(key, mapping={epoch_f: grant, holder_f: trainer_id, seen_f: now})
-                        if node == 0:
-                            pipe.hset(self.keys.leased(), run_id, account)
-                    await pipe.execute()
-                    return True, view, grant
-                except WatchError:
-                    continue
+            raw, cur, holder, seen = await self.r.hmget(key, ["view", epoch_f, holder_f, seen_f])
+            if raw is None:
+                return False, None, 0
+            view = _view_decoder.decode(raw)
+            held = LeaseHeld(int(cur or 0), _text(holder), float(seen or 0))
+            grant = lease_decision(view, held, trainer_id, epoch, now, silence_s, leasable)
+            if grant is None:
+                return False, view, held.epoch
+            renewal = grant == held.epoch  # a renewal: only the heartbeat moves
+            if node == 0 and not renewal and not indexed:
+                await self.r.hset(self.keys.leased(run_id), run_id, account)
+                indexed = True
+            written = await self._lease(
+                keys=[key],
+                args=[
+                    epoch_f,
+                    holder_f,
+                    seen_f,
+                    *(_bytes(v) for v in (raw, cur, holder, seen)),
+                    grant,
+                    held.holder if renewal else trainer_id,
+                    repr(now),
+                ],
+            )
+            if written:
+                return True, view, grant
         raise RuntimeError(f"run {run_id}: too much contention on its lease")
 
     async def leased(self) -> dict[str, str]:
-        return {_text(k): _text(v) for k, v in (await self.r.hgetall(self.keys.leased())).items()}
+        """Every run in the lease index (run id -> account): each shard, in one pipeline."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for name in self.keys.leased_shards():
+                pipe.hgetall(name)
+            shards = await pipe.execute()
+        return {_text(k): _text(v) for entries in shards for k, v in entries.items()}
 
     async def lease_seen(self, account: str, run_id: str) -> float | None:
         raw = await self.r.hget(self.keys.run(account, run_id), "lease_seen")
         return None if raw is None else float(raw)
 
     async def release_lease(self, run_id: str) -> None:
-        await self.r.hdel(self.keys.leased(), run_id)
+        legacy = self.keys.leased_shards()[-1]  # the index before it was split may still hold the run
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.hdel(self.keys.leased(run_id), run_id)
+            pipe.hdel(legacy, run_id)
+            await pipe.execute()
 
     async def record_interruption(self, account: str, run_id: str, record: dict) -> None:
         await self.r.rpush(self.keys.run_interruptions(account, run_id), msgspec.json.encode(record))

@@ -4,10 +4,10 @@ rollup key. The port (`Telemetry`), its Redis adapter and an in-memory one for h
 from typing import Protocol
 
 import msgspec
-import redis.asyncio as aioredis
 
 from contracts.runs import RunEvent
 from contracts.telemetry import RunTelemetry
+from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 
 EVENTS_TTL_S = 7 * 24 * 3600  # a run's raw events are kept a week after its last one
@@ -32,13 +32,13 @@ class Telemetry(Protocol):
 
 
 class TelemetryStore:
-    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, r: RedisClient, keys: Keys) -> None:
         self.r = r
         self.keys = keys
 
     async def add_event(self, event: RunEvent) -> None:
         key = self.keys.telemetry_events(event.run_id)
-        async with self.r.pipeline(transaction=True) as pipe:
+        async with self.r.pipeline(transaction=True) as pipe:  # one key, so one slot on a cluster
             pipe.hset(key, event_name(event), msgspec.json.encode(event))
             pipe.expire(key, EVENTS_TTL_S)
             await pipe.execute()

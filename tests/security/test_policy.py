@@ -143,6 +143,28 @@ def test_redis_acl_default_off_and_each_user_confined():
             )
 
 
+def test_redis_cluster_adds_only_what_its_client_and_replicas_need():
+    """A replica logs in to its primary with PSYNC/REPLCONF and no key; a service's cluster client
+    may read the slot map and the command table, not change the cluster."""
+    by_user = {
+        line.split()[1]: line.split()
+        for line in ids.redis_acl(S, {i: "pw" for i in ids.REDIS_IDENTITIES}).splitlines()
+    }
+    replication = by_user[ids.REPLICATION]
+    assert "+psync" in replication and "+replconf" in replication
+    assert not [t for t in replication if t.startswith("~") or t in ("+get", "+@all", "+cluster|slots")]
+    for user in (*ids.REDIS_SERVICES, ids.ACCOUNTS):
+        rights = by_user[user]
+        assert "+cluster|slots" in rights and "+command" in rights
+        assert not [t for t in rights if t.startswith("+cluster") and t != "+cluster|slots"]
+        assert "+readonly" not in rights and "+asking" not in rights
+    keys = {user: [t for t in line if t.startswith("~")] for user, line in by_user.items()}
+    # the indexes and counters every account writes are sharded (the single keys of before stay
+    # listed where data written then is still read); the scheduler no longer reads the accounts
+    assert "~ito:leased:*" in keys["scheduler"] and "~ito:accounts" not in keys["scheduler"]
+    assert "~ito:booking-stats:*" in keys["entitlement"] and "~ito:accounts:*" in keys["ledger"]
+
+
 def test_signatures_bind_subject_body_and_time():
     from nacl.signing import SigningKey
 

@@ -1,7 +1,8 @@
 """The confirmation and ledger handlers as a table, on both adapters of their ports: in memory
-(milliseconds, no Redis) and Redis (the ledger's Lua script). The same rows must give the same
-error code and the same typed reason on both, and the ledger's refusal must be the confirmation
-service's own, word for word: the binding is defined once (services/domain/binding.py)."""
+(milliseconds, no Redis) and Redis (the ledger's Lua script), on one server and on a Redis
+Cluster. The same rows must give the same error code and the same typed reason on both, and the
+ledger's refusal must be the confirmation service's own, word for word: the binding is defined
+once (services/domain/binding.py)."""
 
 import dataclasses
 import uuid
@@ -44,7 +45,7 @@ class Services:
     records: InMemoryConfirmations | ConfirmationStore
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def services(request):
     if request.param == "memory":
         records = InMemoryConfirmations()
@@ -54,7 +55,7 @@ async def services(request):
             records,
         )
         return
-    infra = request.getfixturevalue("redis_infra")
+    infra = request.getfixturevalue("redis_infra" if request.param == "redis" else "cluster_infra")
     rc, rl = infra.redis("confirmation"), infra.redis("ledger")  # each service's own ACL user
     keys = Keys(infra.settings)
     store = ConfirmationStore(rc, keys)

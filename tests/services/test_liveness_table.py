@@ -1,6 +1,6 @@
 """The trainer's lease, its heartbeat and the watcher, as tables on both adapters of the run
-store's port: in memory (no Redis) and Redis (`RunStore`, the scheduler's own ACL user). Every
-state change goes through `move`; `update` cannot write one."""
+store's port: in memory (no Redis) and Redis (`RunStore`, the scheduler's own ACL user), on one
+server and on a Redis Cluster. Every state change goes through `move`; `update` cannot write one."""
 
 import uuid
 from datetime import UTC, datetime
@@ -28,12 +28,12 @@ def redis_infra(tmp_path_factory):
     i.stop()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def runs(request):
     if request.param == "memory":
         yield InMemoryRuns()
         return
-    infra = request.getfixturevalue("redis_infra")
+    infra = request.getfixturevalue("redis_infra" if request.param == "redis" else "cluster_infra")
     r = infra.redis("scheduler")
     yield RunStore(r, Keys(infra.settings))
     await r.aclose()

@@ -1,6 +1,7 @@
 """The ports the bootstraps take (accounts' `Credentials`, entitlement's `Bookings`, the scheduler's
 `RunRecords`) as tables on both adapters: in memory (what the handler tests run on) and Redis
-(what the services run on). A row that differs between them is a fake that lies."""
+(what the services run on), on one server and on a Redis Cluster (tests/services/conftest.py). A
+row that differs between them is a fake that lies."""
 
 from datetime import UTC, datetime, timedelta
 
@@ -29,13 +30,13 @@ def redis_infra(tmp_path_factory):
     i.stop()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def adapters(request):
     """(accounts registry, bookings, runs) of one kind; Redis as each service's own ACL user."""
     if request.param == "memory":
         yield accounts.InMemoryAccounts(), InMemoryBookings(), InMemoryRuns()
         return
-    infra = request.getfixturevalue("redis_infra")
+    infra = request.getfixturevalue("redis_infra" if request.param == "redis" else "cluster_infra")
     keys = Keys(infra.settings)
     clients = [infra.redis(identity) for identity in ("accounts", "entitlement", "scheduler")]
     ra, re, rs = clients
