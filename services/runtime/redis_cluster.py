@@ -16,7 +16,8 @@ again as it was (same ports; the nodes find each other from those files).
 Failover is the cluster's own: `cluster-node-timeout` (NODE_TIMEOUT_MS) after a primary stops
 answering, the others mark it failed and its replica is elected in its place; `fail_over` kills a
 primary and measures that. `ito-training up --cluster` (services/ops) calls `start_cluster` and
-`stop_cluster` and hands `Cluster.url` to the services with `ITO_REDIS_CLUSTER=1`.
+`stop_cluster` and hands `Cluster.url` to the services with `ITO_REDIS_CLUSTER=1`; after a
+credential rotation, `apply_credentials` gives every node the new ACL file and replication login.
 """
 
 import functools
@@ -438,6 +439,49 @@ def _replica_now(cluster: Cluster, primary: Node, password: str) -> Node:
         raise ClusterError(f"the node on {primary.port} is not a primary with a replica now")
     port = int(info["slave0"]["port"])
     return next(n for n in cluster.nodes if n.port == port)
+
+
+def replicas_in_sync(cluster: Cluster) -> int:
+    """How many nodes are replicas whose link to their primary is up now."""
+    password = Secrets(cluster.secrets_dir).password(ADMIN)
+    count = 0
+    for node in cluster.nodes:
+        r = _admin(node.port, password)
+        try:
+            count += _replica_up(r)
+        except (redis.RedisError, OSError):
+            pass  # a node down is no replica in sync
+        finally:
+            r.close()
+    return count
+
+
+def apply_credentials(cluster: Cluster, aclfile: pathlib.Path, admin_password: str | None = None) -> int:
+    """Make the running nodes use the credentials as they are now, after a rotation rewrote the
+    password files and `aclfile`: each node's config file is written again, its replication login
+    set (`CONFIG SET masterauth`: a link that is up stays up, the next login uses it), then every
+    node loads the ACL file (`ACL LOAD` drops the connections of a changed user; redis-py
+    reconnects). `admin_password`: the one the nodes know, when the admin's own was rotated.
+    A node that does not answer is skipped (it reads both files when it starts); returns how many
+    took them."""
+    secrets = Secrets(cluster.secrets_dir)
+    replication = secrets.password(REPLICATION)
+    clients = []
+    for node in cluster.nodes:
+        _write_private(node.store / CONFIG, node_config(node.port, node.store, aclfile, replication))
+        r = _admin(node.port, admin_password or secrets.password(ADMIN))
+        try:
+            r.config_set("masterauth", replication)
+            clients.append(r)
+        except (redis.RedisError, OSError):
+            r.close()
+    try:
+        for r in clients:  # after every masterauth: a link dropped by the load logs in anew at once
+            r.execute_command("ACL LOAD")
+    finally:
+        for r in clients:
+            r.close()
+    return len(clients)
 
 
 def restart_node(cluster: Cluster, node: Node) -> Cluster:

@@ -252,6 +252,39 @@ async def test_confirmation_clock_telemetry_and_run_records_on_the_cluster(store
     assert len(await stores.telemetry.events(run_id)) == 1
 
 
+async def test_rotated_credentials_reach_every_node_and_the_replicas_log_in_anew(cluster_infra):
+    """A rotation (as `ito-training` rotates: new password files, the ACL file written again),
+    then `apply_credentials`: the new password works on every shard, the old one nowhere, and the
+    replicas, made to log in again, do so with the new replication password."""
+    from services.ops import authority
+
+    cluster, s = cluster_infra.cluster, cluster_infra.settings
+    secrets = Secrets(s.secrets_dir)
+    old = secrets.password("telemetry")
+    secrets.rotate_redis("telemetry")
+    secrets.rotate_redis(REPLICATION)
+    assert redis_cluster.apply_credentials(cluster, authority.write_redis_acl(s)) == len(cluster.nodes)
+    for node in cluster.nodes:
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=node.port, username="telemetry", password=old, retry=ONCE).ping()
+        if redis_cluster.role(cluster, node) == "master":
+            admin(cluster, node).execute_command("CLIENT KILL TYPE slave")  # its replica logs in again
+
+    async def in_sync() -> bool:
+        return redis_cluster.replicas_in_sync(cluster) == PRIMARIES
+
+    await eventually_async(in_sync, timeout=redis_cluster.FORM_TIMEOUT_S, what="every replica in sync again")
+    client = cluster_infra.redis("telemetry")
+    try:
+        store = TelemetryStore(client, Keys(s))
+        for i in range(2 * PRIMARIES):  # runs on every shard, most likely
+            event = LogLine(run_id=f"run_rot{i}", seq=1, at=NOW, epoch=1, level="info", message="m")
+            await store.add_event(event)
+            assert len(await store.events(event.run_id)) == 1
+    finally:
+        await client.aclose()
+
+
 def metrics(run_id: str, step: int) -> Metrics:
     return Metrics(
         run_id=run_id,
