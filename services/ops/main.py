@@ -34,6 +34,7 @@ def resolve_settings() -> settings_mod.Settings:
                 os.environ.get(ENV_SECRETS_DIR) or state.get("secrets_dir") or s.secrets_dir
             ),
             nats_replicas=state.get("nats_replicas", s.nats_replicas),
+            redis_cluster=state.get("redis_cluster", s.redis_cluster),
         )
     return s
 

@@ -32,6 +32,7 @@ from services.runtime.settings import (
     ENV_NAMESPACE,
     ENV_NATS_REPLICAS,
     ENV_NATS_URL,
+    ENV_REDIS_CLUSTER,
     ENV_REDIS_URL,
     ENV_SECRETS_DIR,
     Settings,
@@ -120,6 +121,7 @@ def up(
     env = _service_env(settings, state["nats_url"], state["redis_url"])
     if cluster:
         env[ENV_NATS_REPLICAS] = str(state["nats_replicas"])
+        env[ENV_REDIS_CLUSTER] = "1"
         names = {f"{s}-{i + 1}": s for s in services for i in range(CLUSTER_INSTANCES)}
     else:
         names = {s: s for s in services}
@@ -144,18 +146,24 @@ def _start_infra(settings: Settings, logs: pathlib.Path) -> dict[str, Any]:
     }
 
 
-def _start_redis(settings: Settings, logs: pathlib.Path) -> tuple[str, dict[str, int]]:
-    """Redis for the cluster: (URL for ITO_REDIS_URL, pids by name). One server until the Redis
-    Cluster (services/runtime/redis_cluster.py) plugs in here."""
-    redis = authority.start_redis(settings, logs)
-    return redis.url, ({redis.name: redis.pid} if redis.pid else {})
+def _start_redis_cluster(settings: Settings, logs: pathlib.Path) -> tuple[str, dict[str, int]]:
+    """The Redis Cluster (services/runtime/redis_cluster.py: 3 primaries, a replica each, the
+    same ACL file on every node): (ITO_REDIS_URL, every node, pids by name `redis-1`..)."""
+    from services.runtime import redis_cluster
+
+    aclfile = authority.write_redis_acl(settings)
+    cluster = redis_cluster.start_cluster(
+        settings.data_dir / "redis-cluster", aclfile, settings.secrets_dir, logs
+    )
+    return cluster.url, {f"redis-{n.index + 1}": n.pid for n in cluster.nodes}
 
 
 def _start_cluster_infra(settings: Settings, logs: pathlib.Path) -> dict[str, Any]:
-    """Redis, then the 3-node NATS cluster with every stream declared R3; the state `up`
-    records of them (the nodes' ports: to restart one, to reload their configs)."""
+    """The Redis Cluster, then the 3-node NATS cluster with every stream declared R3; the state
+    `up` records of them (the NATS nodes' ports: to restart one, to reload their configs)."""
     logs.mkdir(parents=True, exist_ok=True)
-    redis_url, redis_pids = _start_redis(settings, logs)
+    settings = dataclasses.replace(settings, redis_cluster=True)  # the registry is read through it
+    redis_url, redis_pids = _start_redis_cluster(settings, logs)
     try:
         nodes, started = nats_cluster.start(settings, logs, redis_url)
         pool = nats_cluster.pool_url(nodes)
@@ -170,6 +178,7 @@ def _start_cluster_infra(settings: Settings, logs: pathlib.Path) -> dict[str, An
         raise
     return {
         "cluster": True,
+        "redis_cluster": True,
         "nats_url": pool,
         "redis_url": redis_url,
         "nats_replicas": replicated.nats_replicas,
@@ -270,16 +279,24 @@ def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
+def _as_recorded(settings: Settings, state: dict[str, Any]) -> Settings:
+    """`settings` speaking to Redis as `up` started it: one server, or a cluster."""
+    return dataclasses.replace(settings, redis_cluster=bool(state.get("redis_cluster")))
+
+
 def restart_infra(settings: Settings, name: str) -> infra.Started:
     """Start `name` ("nats", "redis", or a cluster's "nats-2") again on its port from its config
     (after a crash, say)."""
     state = read_state(settings)
     if state is None:
         raise RuntimeError("not up")
+    settings = _as_recorded(settings, state)
     logs = pathlib.Path(state["logs"])
     if "nats_nodes" in state and name.startswith("nats-"):
         nodes = nats_cluster.nodes_from_state(state["nats_nodes"])
         started = nats_cluster.start_node(settings, logs, state["redis_url"], nodes, name)
+    elif state.get("redis_cluster") and name.startswith("redis"):
+        raise RuntimeError("a Redis Cluster node restarts with services.runtime.redis_cluster.restart_node")
     elif name == "nats":
         started = authority.start_nats(settings, logs, state["redis_url"], port=_port(state["nats_url"]))
     else:
@@ -293,6 +310,8 @@ def apply_tenants(settings: Settings) -> bool:
     """After an account change: the running nats-server accepts exactly the active credentials.
     False when nothing is up here (the next `up` writes the config from the registry anyway)."""
     state = read_state(settings)
+    if state is not None:
+        settings = _as_recorded(settings, state)
     if state is not None and "nats_nodes" in state:  # a cluster: every node's config, reloaded
         pids = state.get("infra", {})
         nodes = nats_cluster.nodes_from_state(state["nats_nodes"])
@@ -324,8 +343,9 @@ def reload_redis_acl(settings: Settings, admin_password: str) -> None:
     if state is None:
         raise RuntimeError("not up")
     authority.write_redis_acl(settings)
-    r = redis.Redis.from_url(state["redis_url"], username="admin", password=admin_password, socket_timeout=5)
-    try:
-        r.execute_command("ACL", "LOAD")
-    finally:
-        r.close()
+    for url in state["redis_url"].split(","):  # a cluster's nodes each load the file themselves
+        r = redis.Redis.from_url(url, username="admin", password=admin_password, socket_timeout=5)
+        try:
+            r.execute_command("ACL", "LOAD")
+        finally:
+            r.close()

@@ -1,7 +1,7 @@
-"""`ito-training up --cluster` on this machine: a 3-node NATS cluster (streams R3) and two
-instances of every service. Both instances of each service answer; a run trains through `ecc`;
-the NATS node the training agent is connected to is killed mid-run: requests answer again within
-seconds, the run still reaches `succeeded`, and `down` stops everything."""
+"""`ito-training up --cluster` on this machine: a 3-node NATS cluster (streams R3), a Redis
+Cluster and two instances of every service. Both instances of each service answer; a run trains
+through `ecc`; the NATS node the training agent is connected to is killed mid-run: requests
+answer again within seconds, the run still reaches `succeeded`, and `down` stops everything."""
 
 import asyncio
 import json
@@ -47,10 +47,10 @@ def state_of(s: Stack) -> dict:
 
 
 def alive(pid: int) -> bool:
+    """Running, not a zombie (the node restarted here is this process's child until reaped)."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
         return False
 
 
@@ -111,6 +111,9 @@ def test_cluster_trains_through_the_loss_of_a_nats_node(tmp_path_factory, manife
         nodes = nats_cluster.nodes_from_state(st["nats_nodes"])
         assert sorted(st["services"]) == sorted(f"{n}-{i}" for n in SERVICES for i in (1, 2))
         assert started["cluster"] and len(s.settings.nats_servers) == 3
+        assert st["redis_cluster"] and sorted(n for n in st["infra"] if n.startswith("redis")) == [
+            f"redis-{i}" for i in range(1, 7)
+        ]  # 3 primaries and their replicas
 
         # the route secret: in 0600 files only, in no server's arguments and no log line
         secret = (s.settings.secrets_dir / nats_cluster.ROUTE_SECRET).read_text().strip()
@@ -157,6 +160,11 @@ def test_cluster_trains_through_the_loss_of_a_nats_node(tmp_path_factory, manife
         assert all(answers() for _ in range(5))  # and keep answering, whichever node ecc picks
         final = run_state(s, env, run_id, {"succeeded", "failed"}, timeout=150)
         assert final["state"] == "succeeded", final
+
+        # the killed node starts again on its ports, rejoins, and requests through it are answered
+        s.restart_infra(victim.name)
+        assert asyncio.run(instances_answering(s, [victim]))["scheduler"]
+        st = state_of(s)
         print(
             f"cluster ready in {st['ready_s']} s; requests answered {recovered_s:.2f} s after "
             f"killing {victim.name} at step {before_kill['data']['step']}/{STEPS}"
