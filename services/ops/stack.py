@@ -146,16 +146,18 @@ def _start_infra(settings: Settings, logs: pathlib.Path) -> dict[str, Any]:
     }
 
 
-def _start_redis_cluster(settings: Settings, logs: pathlib.Path) -> tuple[str, dict[str, int]]:
+def _redis_name(index: int) -> str:
+    return f"redis-{index + 1}"
+
+
+def _start_redis_cluster(settings: Settings, logs: pathlib.Path) -> dict[str, Any]:
     """The Redis Cluster (services/runtime/redis_cluster.py: 3 primaries, a replica each, the
-    same ACL file on every node): (ITO_REDIS_URL, every node, pids by name `redis-1`..)."""
+    same ACL file on every node), as `up` records it (`Cluster.as_dict`: no secret in it)."""
     from services.runtime import redis_cluster
 
     aclfile = authority.write_redis_acl(settings)
-    cluster = redis_cluster.start_cluster(
-        settings.data_dir / "redis-cluster", aclfile, settings.secrets_dir, logs
-    )
-    return cluster.url, {f"redis-{n.index + 1}": n.pid for n in cluster.nodes}
+    root = settings.data_dir / "redis-cluster"
+    return redis_cluster.start_cluster(root, aclfile, settings.secrets_dir, logs).as_dict()
 
 
 def _start_cluster_infra(settings: Settings, logs: pathlib.Path) -> dict[str, Any]:
@@ -163,9 +165,10 @@ def _start_cluster_infra(settings: Settings, logs: pathlib.Path) -> dict[str, An
     `up` records of them (the NATS nodes' ports: to restart one, to reload their configs)."""
     logs.mkdir(parents=True, exist_ok=True)
     settings = dataclasses.replace(settings, redis_cluster=True)  # the registry is read through it
-    redis_url, redis_pids = _start_redis_cluster(settings, logs)
+    redis = _start_redis_cluster(settings, logs)
+    redis_pids = {_redis_name(i): int(n["pid"]) for i, n in enumerate(redis["nodes"])}
     try:
-        nodes, started = nats_cluster.start(settings, logs, redis_url)
+        nodes, started = nats_cluster.start(settings, logs, redis["url"])
         pool = nats_cluster.pool_url(nodes)
         replicated = dataclasses.replace(settings, nats_replicas=nats_cluster.CLUSTER_SIZE)
         try:
@@ -179,8 +182,9 @@ def _start_cluster_infra(settings: Settings, logs: pathlib.Path) -> dict[str, An
     return {
         "cluster": True,
         "redis_cluster": True,
+        "redis_nodes": redis,
         "nats_url": pool,
-        "redis_url": redis_url,
+        "redis_url": redis["url"],
         "nats_replicas": replicated.nats_replicas,
         "nats_nodes": nats_cluster.nodes_to_state(nodes),
         "namespace": settings.namespace,
@@ -295,8 +299,8 @@ def restart_infra(settings: Settings, name: str) -> infra.Started:
     if "nats_nodes" in state and name.startswith("nats-"):
         nodes = nats_cluster.nodes_from_state(state["nats_nodes"])
         started = nats_cluster.start_node(settings, logs, state["redis_url"], nodes, name)
-    elif state.get("redis_cluster") and name.startswith("redis"):
-        raise RuntimeError("a Redis Cluster node restarts with services.runtime.redis_cluster.restart_node")
+    elif "redis_nodes" in state and name.startswith("redis-"):
+        started = _restart_redis_node(state, name)
     elif name == "nats":
         started = authority.start_nats(settings, logs, state["redis_url"], port=_port(state["nats_url"]))
     else:
@@ -304,6 +308,17 @@ def restart_infra(settings: Settings, name: str) -> infra.Started:
     state["infra"][name] = started.pid
     write_state(settings, state)
     return started
+
+
+def _restart_redis_node(state: dict[str, Any], name: str) -> infra.Started:
+    """A Redis Cluster node again from its directory, on its port (a failed-over primary rejoins
+    as a replica); the recorded cluster gets its new pid."""
+    from services.runtime import redis_cluster
+
+    cluster = redis_cluster.Cluster.from_dict(state["redis_nodes"])
+    node = next(n for n in cluster.nodes if _redis_name(n.index) == name)
+    state["redis_nodes"] = redis_cluster.restart_node(cluster, node).as_dict()
+    return infra.Started(name, node.url, int(state["redis_nodes"]["nodes"][node.index]["pid"]))
 
 
 def apply_tenants(settings: Settings) -> bool:
@@ -342,10 +357,16 @@ def reload_redis_acl(settings: Settings, admin_password: str) -> None:
     state = read_state(settings)
     if state is None:
         raise RuntimeError("not up")
-    authority.write_redis_acl(settings)
-    for url in state["redis_url"].split(","):  # a cluster's nodes each load the file themselves
-        r = redis.Redis.from_url(url, username="admin", password=admin_password, socket_timeout=5)
-        try:
-            r.execute_command("ACL", "LOAD")
-        finally:
-            r.close()
+    aclfile = authority.write_redis_acl(settings)
+    if "redis_nodes" in state:  # every node: its replication login and the ACL file
+        from services.runtime import redis_cluster
+
+        redis_cluster.apply_credentials(
+            redis_cluster.Cluster.from_dict(state["redis_nodes"]), aclfile, admin_password
+        )
+        return
+    r = redis.Redis.from_url(state["redis_url"], username="admin", password=admin_password, socket_timeout=5)
+    try:
+        r.execute_command("ACL", "LOAD")
+    finally:
+        r.close()

@@ -164,7 +164,13 @@ def test_cluster_trains_through_the_loss_of_a_nats_node(tmp_path_factory, manife
         # the killed node starts again on its ports, rejoins, and requests through it are answered
         s.restart_infra(victim.name)
         assert asyncio.run(instances_answering(s, [victim]))["scheduler"]
+        # so does a Redis node (a replica as formed: no failover to wait for)
+        os.kill(st["infra"]["redis-6"], signal.SIGKILL)
+        s.restart_infra("redis-6")
         st = state_of(s)
+        assert (
+            alive(st["infra"]["redis-6"]) and st["redis_nodes"]["nodes"][5]["pid"] == st["infra"]["redis-6"]
+        )
         print(
             f"cluster ready in {st['ready_s']} s; requests answered {recovered_s:.2f} s after "
             f"killing {victim.name} at step {before_kill['data']['step']}/{STEPS}"
