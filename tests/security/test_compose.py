@@ -70,7 +70,7 @@ def test_the_cluster_redis_nodes_run_with_acls_and_aof_always_and_take_passwords
         script = CLUSTER[f"redis-{i}"]["command"][-1]
         assert "--aclfile /run/secrets/redis_acl" in script and "--appendfsync always" in script
         assert "--cluster-enabled yes" in script
-        assert "$$(cat /run/secrets/redis_admin)" in script  # read from its file, into a 0600 config
+        assert "$$(cat /run/secrets/redis_replication)" in script  # from its file, into a 0600 config
         assert "--masterauth" not in script  # never an argument
     init = CLUSTER["redis-cluster-init"]["command"][-1]
     assert "REDISCLI_AUTH=" in init and "$$(cat /run/secrets/redis_admin)" in init and " -a " not in init
