@@ -6,7 +6,9 @@ node 1's agent of a run on two agents (two nodes, torchft replica groups) SIGKIL
 replaced, node 0 training on;
 the scheduler killed between the ledger's reservation and the hand-off; NATS killed and restarted, then Redis, during a stream of train
 requests. For each: detection time, resume time, runs lost, duplicate runs, steps lost (work redone
-since the last checkpoint).
+since the last checkpoint). The cluster section (services/ops/chaos_cluster.py, `--only cluster`):
+exactly-once bursts on `up --cluster` through a NATS node, a Redis primary and a scheduler instance
+killed.
 
 Authentication is on throughout: each scenario's stack is `ito-training up` with its own
 nats-server (nkeys, allow-lists) and redis-server (ACL users) on loopback, stopped by `down`; the
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 from contracts import subjects
 from services.runtime import faults
@@ -54,7 +57,9 @@ class Stack:
     """`ito-training up` (its own authenticated NATS and Redis) under a fresh namespace and data
     dir, one tenant account logged in for `ecc`."""
 
-    def __init__(self, root: pathlib.Path, services: str | None = None, env: dict | None = None) -> None:
+    def __init__(
+        self, root: pathlib.Path, services: str | None = None, env: dict | None = None, cluster: bool = False
+    ) -> None:
         self.ns = "chaos" + uuid.uuid4().hex[:8]
         self.dir = root / self.ns
         self.env = {
@@ -69,6 +74,7 @@ class Stack:
         for name in (ENV_NATS_URL, ENV_REDIS_URL):  # `up` starts its own servers; never the machine's
             self.env.pop(name, None)
         args = ["up", "--detach", "--json"] + (["--services", services] if services else [])
+        args += ["--cluster"] if cluster else []  # services/ops/chaos_cluster.py
         started = self.cli("ito-training", *args, timeout=UP_TIMEOUT_S)
         # Every later CLI and service process of this stack talks to these servers.
         self.env[ENV_NATS_URL], self.env[ENV_REDIS_URL] = started["nats_url"], started["redis_url"]
@@ -517,7 +523,7 @@ async def _tenant_connection(stack):
     seed = seed_of(stack.key)
     assert seed is not None, "the stack's tenant key is an ito-training API key"
     return await nats.connect(
-        stack.env[ENV_NATS_URL],
+        settings_mod.nats_servers(stack.env[ENV_NATS_URL]),  # a cluster's pool: nats-py fails over
         connect_timeout=2,
         nkeys_seed_str=seed.decode(),
         inbox_prefix=tenant_inbox(stack.account),
@@ -576,6 +582,22 @@ async def _burst(nc, stack, booking, text, digest):
     return results
 
 
+def record(rows: list[dict], whole: bool) -> None:
+    """bench/chaos.json: the whole table after a full run; after `--only`, the rows of the
+    scenarios that ran replace their earlier rows (so the cluster section can be run by itself)."""
+    out = REPO / "bench" / "chaos.json"
+    out.parent.mkdir(exist_ok=True)
+    if not whole:
+        try:
+            kept = [
+                r for r in json.loads(out.read_text()) if r["scenario"] not in {x["scenario"] for x in rows}
+            ]
+        except (OSError, ValueError):
+            kept = []
+        rows = kept + rows
+    out.write_text(json.dumps(rows, indent=2))
+
+
 def fmt(value) -> str:
     return "-" if value is None else (f"{value:.1f}" if isinstance(value, float) else str(value))
 
@@ -589,12 +611,15 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="TEXT",
-        help="run only the scenarios whose name contains TEXT (repeatable); bench/chaos.json is then left as is",
+        help="run only the scenarios whose name contains TEXT (repeatable, e.g. `--only cluster`); "
+        "their rows replace theirs in bench/chaos.json, the others are kept",
     )
     args = parser.parse_args(argv)
+    from services.ops import chaos_cluster  # it builds on this module's Stack and burst client
+
     root = pathlib.Path(tempfile.mkdtemp(prefix="ito-chaos-"))
-    rows = []
-    scenarios = [
+    rows: list[dict] = []
+    scenarios: list[tuple[str, Callable[[], dict | list[dict]]]] = [
         ("trainer SIGKILL mid-stage", lambda: trainer_killed(root)),
         ("2-rank gang, rank SIGKILL (launcher restart)", lambda: gang_rank_killed(root, max_restarts=2)),
         ("2-rank gang, rank SIGKILL (requeue)", lambda: gang_rank_killed(root, max_restarts=0)),
@@ -602,15 +627,19 @@ def main(argv: list[str] | None = None) -> int:
         ("scheduler SIGKILL after reservation", lambda: scheduler_killed(root)),
         ("nats restart during a burst", lambda: restarted_during_burst(root, "nats")),
         ("redis restart during a burst", lambda: restarted_during_burst(root, "redis")),
+        *chaos_cluster.scenarios(root),
     ]
     if args.only:
         scenarios = [(n, s) for n, s in scenarios if any(text in n for text in args.only)]
     for name, scenario in scenarios:
         try:
-            rows.append(scenario())
+            out = scenario()  # the cluster section: one row per fault, all on one cluster
+            new: list[dict] = out if isinstance(out, list) else [out]
         except Exception as exc:  # one failed scenario is reported, the others still run
-            rows.append({"scenario": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
-        print(json.dumps(rows[-1]), flush=True)
+            new = [{"scenario": name, "error": f"{type(exc).__name__}: {exc}"[:200]}]
+        rows.extend(new)
+        for row in new:
+            print(json.dumps(row), flush=True)
     if any(r.get("error") for r in rows):
         print(f"logs of the stacks: {root}/*/logs", file=sys.stderr)
     else:  # every stack is down; what is left is their data, logs and secrets
@@ -623,10 +652,8 @@ def main(argv: list[str] | None = None) -> int:
             + (f"  ({row['note']})" if row.get("note") else "")
             + (f"  ERROR {row['error']}" if row.get("error") else "")
         )
-    if not args.only:  # the recorded table is the whole one
-        out = REPO / "bench" / "chaos.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(rows, indent=2))
+    chaos_cluster.print_table(rows)
+    record(rows, whole=not args.only)
     return 1 if any(r.get("error") or r.get("runs_lost") or r.get("duplicate_runs") for r in rows) else 0
 
 
