@@ -60,9 +60,9 @@ WORK_SETTLE_S = 60.0  # until every run's work item is on the stream (a killed i
 RESTART_ATTEMPTS, RESTART_BACKOFF_S = 10, 1.0  # restarting a node: past a Redis failover (~4 s)
 READY_TIMEOUT_S = 60.0  # the replacement scheduler answering its health check
 RETRYABLE = {"timeout", "transport_ambiguous", "backend_unavailable", "idempotency_in_progress", "internal"}
-"""Answers sent again. `internal` too: a service answers it for a Redis connection error while a
-primary fails over (services/runtime/codec.py: "changed nothing that was not committed"), and the
-same idempotency key makes a retry safe whatever was committed."""
+"""Answers sent again. A lost Redis node answers `backend_unavailable` (codec.STORE_UNAVAILABLE);
+`internal` is retried too, defensively: the same idempotency key makes a retry safe whatever was
+committed."""
 FINAL_CODES = {c.value for c in ErrorCode} - RETRYABLE
 """Refusals a client takes as the answer; anything else (a transport error too) is sent again."""
 REPLACEMENT = "scheduler-3"

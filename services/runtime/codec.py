@@ -5,6 +5,7 @@ import logging
 from typing import Any, TypeVar
 
 import msgspec
+import redis.exceptions
 
 from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode
@@ -15,6 +16,17 @@ log = logging.getLogger("ito.codec")
 
 _encoder = msgspec.json.Encoder()
 _envelope_decoder = msgspec.json.Decoder(Envelope)
+
+
+STORE_UNAVAILABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.MasterDownError,
+)
+"""Redis could not be reached or its cluster is electing a primary: `backend_unavailable`, as
+silence from a service is; never `internal`, which would tell a client not to retry."""
 
 
 class Refusal(Exception):
@@ -93,6 +105,12 @@ async def answer(handler, raw: bytes, decoder) -> bytes:
         result = await handler(request)
     except Refusal as refusal:
         return fail(refusal.code, refusal.message)
+    except STORE_UNAVAILABLE:  # a Redis node lost, a failover under way: a retry is the answer
+        log.warning("request failed: the store did not answer", exc_info=True)
+        return fail(
+            ErrorCode.backend_unavailable,
+            "the store did not answer in time; retry with the same idempotency key",
+        )
     except Exception:  # an unexpected fault must still answer, without leaking internals
         log.exception("request failed")
         return fail(ErrorCode.internal, "internal error; the request changed nothing that was not committed")

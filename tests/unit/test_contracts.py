@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import msgspec
 import pytest
+import redis
 
 import contracts
 from contracts import (
@@ -899,3 +900,22 @@ def test_contract_files_found():
         "runs.py",
         "states.py",
     }
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        redis.exceptions.ConnectionError("connection refused"),
+        redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"),
+        redis.exceptions.TimeoutError("timed out"),
+    ],
+)
+async def test_a_store_that_does_not_answer_is_backend_unavailable_not_internal(fault):
+    """A Redis node lost or a failover under way: the client is told to retry (same key)."""
+    from services.runtime import codec
+
+    async def handler(request):
+        raise fault
+
+    out = codec.decode_envelope(await codec.answer(handler, b"{}", msgspec.json.Decoder(base.Internal)))
+    assert out.error is not None and out.error.code is errors.ErrorCode.backend_unavailable
