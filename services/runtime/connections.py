@@ -15,6 +15,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from services.runtime.bus import REQUEST_CONCURRENCY
 from services.runtime.identities import service_inbox
 from services.runtime.secrets import Secrets
 from services.runtime.settings import Settings
@@ -25,6 +26,10 @@ NATS_MAX_RECONNECTS = 120  # ~2 minutes of outage before a service gives up and 
 REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_SOCKET_TIMEOUT_S = 5.0
 REDIS_RETRIES = 5
+REDIS_MAX_CONNECTIONS = 4 * REQUEST_CONCURRENCY
+"""Connections one client may hold (redis-py's default is 100): a service runs up to
+REQUEST_CONCURRENCY handlers at once, each with a few commands or pipelines in flight, plus its
+consumers and background loops."""
 
 RedisClient = aioredis.Redis | RedisCluster
 """What the stores take: one server, or a cluster (every store command and script touches the keys
@@ -96,10 +101,14 @@ def make_redis(settings: Settings, identity: str) -> RedisClient:
             # a shard between its primary's death and its replica's promotion fails its own keys
             # only: the client still starts and serves the other shards meanwhile
             require_full_coverage=False,
+            max_connections=REDIS_MAX_CONNECTIONS,  # per node
             decode_responses=False,
         )
-    return aioredis.Redis.from_url(
+    # A handler past the pool's size waits (bounded) for a connection instead of failing.
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=REDIS_MAX_CONNECTIONS,
+        timeout=REDIS_SOCKET_TIMEOUT_S,
         username=identity,
         password=password,
         socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
@@ -108,3 +117,4 @@ def make_redis(settings: Settings, identity: str) -> RedisClient:
         retry_on_timeout=True,
         decode_responses=False,
     )
+    return aioredis.Redis(connection_pool=pool)
