@@ -229,10 +229,21 @@ def _decisions(trail: AuditTrail) -> str:
     )
 
 
+def _degrees(degrees: dict[str, int]) -> str:
+    """A plan's parallel degrees in words: `dp_replicate 2 x dp_shard 2 (4 ranks)`."""
+    used = {dim: size for dim, size in degrees.items() if size > 1}
+    if not used:
+        return "one process"
+    ranks = 1
+    for size in used.values():
+        ranks *= size
+    return " x ".join(f"{dim} {size}" for dim, size in used.items()) + f" ({ranks} ranks)"
+
+
 def _plan(plan: Plan) -> str:
     cost = plan.cost
     rows = [
-        f"strategy {plan.strategy} {plan.degrees} precision {plan.precision}",
+        f"strategy {plan.strategy}, {_degrees(plan.degrees)}, precision {plan.precision}",
         f"estimate {cost.total_usd:.4f} USD ({cost.gpu_hours:.4f} GPU-h at {cost.price_per_gpu_hour_usd} USD)",
     ]
     rows += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.reason}" for c in plan.checks]

@@ -134,7 +134,7 @@ EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
     "plan": (
         PLAN,
         [
-            "strategy ddp {'dp': 2} precision bf16",
+            "strategy ddp, dp 2 (2 ranks), precision bf16",
             "estimate 0.0307 USD (0.0123 GPU-h at 2.5 USD)",
             "  [ok] memory: fits in 141 GB",
             "  [FAIL] budget: over 1 USD",
@@ -467,3 +467,16 @@ def test_a_lost_train_answer_is_found_by_its_key_with_the_same_fields(monkeypatc
         "idempotency_key": "key-1",
     }
     assert render.text(env.data) == "run run-1: awaiting_approval"
+
+
+@pytest.mark.parametrize(
+    "degrees, words",
+    [
+        ({}, "one process"),
+        ({"dp_replicate": 1}, "one process"),
+        ({"dp_replicate": 2}, "dp_replicate 2 (2 ranks)"),
+        ({"dp_replicate": 2, "dp_shard": 2, "tp": 1}, "dp_replicate 2 x dp_shard 2 (4 ranks)"),
+    ],
+)
+def test_a_plans_degrees_read_as_words_not_a_python_dict(degrees, words):
+    assert render._degrees(degrees) == words
