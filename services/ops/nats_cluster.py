@@ -234,7 +234,7 @@ def apply_tenants(
     """Every node's config rewritten with these tenants and reloaded (SIGHUP); returns once each
     running node says it reloaded (bounded). A node that is down reads the new config at start."""
     with authority.config_lock(s):
-        running = {n.name: pids[n.name] for n in nodes if n.name in pids and _alive(pids[n.name])}
+        running = {n.name: pids[n.name] for n in nodes if n.name in pids and infra.alive(pids[n.name])}
         logs = {name: log_dir / f"{name}.log" for name in running}
         before = {name: authority.reloads_logged(path) for name, path in logs.items()}
         write_configs(s, nodes, tenants)
@@ -245,14 +245,6 @@ def apply_tenants(
             if time.monotonic() > deadline:
                 raise RuntimeError("a nats-server did not confirm the config reload; see its log")
             time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def nodes_from_state(entries: list[dict]) -> list[Node]:

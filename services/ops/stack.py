@@ -59,14 +59,6 @@ def read_state(settings: Settings) -> dict[str, Any] | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def write_state(settings: Settings, state: dict[str, Any]) -> None:
     path = state_path(settings)
     tmp = path.with_suffix(".tmp")
@@ -109,7 +101,7 @@ def up(
     returns the recorded state once every one answers its health check (or stops everything and
     raises)."""
     existing = read_state(settings)
-    if existing and any(_alive(p) for p in existing.get("services", {}).values()):
+    if existing and any(infra.alive(p) for p in existing.get("services", {}).values()):
         raise RuntimeError(f"already up (see {state_path(settings)}); run `ito-training down` first")
     logs = settings.data_dir / "logs"
     began = time.monotonic()
@@ -236,7 +228,7 @@ def _wait_ready(
         if ready == set(services):
             log(f"services ready: {', '.join(services)} (logs in {logs})")
             return
-        dead = [n for n, pid in pids.items() if not _alive(pid) or _reaped(pid)]
+        dead = [n for n, pid in pids.items() if not infra.alive(pid) or _reaped(pid)]
         if dead:
             down(settings, log)
             raise RuntimeError(f"service(s) {', '.join(dead)} exited at start; see {logs}")
@@ -330,12 +322,12 @@ def apply_tenants(settings: Settings) -> bool:
     if state is not None and "nats_nodes" in state:  # a cluster: every node's config, reloaded
         pids = state.get("infra", {})
         nodes = nats_cluster.nodes_from_state(state["nats_nodes"])
-        if not any(n.name in pids and _alive(pids[n.name]) for n in nodes):
+        if not any(n.name in pids and infra.alive(pids[n.name]) for n in nodes):
             return False
         tenants = asyncio.run(authority.active_tenants(settings, state["redis_url"]))
         nats_cluster.apply_tenants(settings, nodes, pids, tenants, pathlib.Path(state["logs"]))
         return True
-    if state is None or "nats" not in state.get("infra", {}) or not _alive(state["infra"]["nats"]):
+    if state is None or "nats" not in state.get("infra", {}) or not infra.alive(state["infra"]["nats"]):
         return False
     tenants = asyncio.run(authority.active_tenants(settings, state["redis_url"]))
     authority.apply_tenants(

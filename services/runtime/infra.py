@@ -181,6 +181,15 @@ def start_redis(store: pathlib.Path, aclfile: pathlib.Path, port: int, log_path:
     return Started("redis", url, proc.pid)
 
 
+def alive(pid: int) -> bool:
+    """Does process `pid` exist (a zombie counts: reap it to know it ended)?"""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def stop_pid(pid: int, timeout: float = 10.0) -> None:
     """SIGTERM, wait, then SIGKILL. A pid that is gone already is fine."""
     stop_pids([pid], timeout)
