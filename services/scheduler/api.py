@@ -46,6 +46,7 @@ from contracts.internal import ConfirmationCreate, EligibilityBody, LedgerAccept
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
+from services.domain import binding
 from services.runtime import faults
 from services.runtime.accounts import Credentials
 from services.runtime.checkpoint_paths import run_dir
@@ -91,15 +92,8 @@ def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, 
     return None
 
 
-CONFIRMATION_REFUSALS = frozenset(
-    {
-        ErrorCode.confirmation_not_found,
-        ErrorCode.confirmation_expired,
-        ErrorCode.confirmation_consumed,
-        ErrorCode.confirmation_mismatch,
-    }
-)
-"""The codes of a confirmation's binding (services/domain/binding.py): the confirmation gate's."""
+CONFIRMATION_REFUSALS = frozenset(binding.CODES.values())
+"""The codes of a confirmation's binding: the confirmation gate's."""
 
 
 def plan_refusal_message(p: Plan) -> str:
