@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo lint test bench chaos up down clean
+.PHONY: install sysdeps demo lint test bench chaos up down clean
 
 install: $(STAMP)
 
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
+# chromium and tmux for the browser and terminal tests, as root on Debian when missing.
+sysdeps:
+	bash .ci/system-deps
+
 demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
 
@@ -25,7 +29,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: install lint
+test: install sysdeps lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest
 
 # Writes bench/results.json and prints a table; `make bench BENCH_ARGS=--quick` runs tiny sizes.
