@@ -37,6 +37,7 @@ from contracts.api import (
     TrainRequest,
 )
 from contracts.audit import AuditRequest, AuditTrail
+from contracts.desk import DeskRun, DeskRunRequest, DeskRuns, DeskRunsRequest
 from contracts.internal import (
     BookingsAnswer,
     BookingsQuery,
@@ -109,6 +110,12 @@ LEDGER_HANDED_OFF: Endpoint[LedgerHandedOff, LedgerEntry] = Endpoint(
 LEDGER_PENDING: Endpoint[LedgerPending, LedgerPendingAnswer] = Endpoint(
     subjects.LEDGER_PENDING, LedgerPending, LedgerPendingAnswer
 )
+DESK: dict[str, Endpoint[Any, Any]] = {
+    "runs": Endpoint(subjects.DESK_RUNS, DeskRunsRequest, DeskRuns),
+    "run": Endpoint(subjects.DESK_RUN, DeskRunRequest, DeskRun),
+}
+"""The desk's reads of the scheduler (only the desk identity may ask; answered to its inbox only)."""
+
 RUN_LEASE: Endpoint[LeaseQuery, LeaseAnswer] = Endpoint(subjects.RUN_LEASE, LeaseQuery, LeaseAnswer)
 TRAINER_CLEANUP: Endpoint[CleanupOrder, CleanupResult] = Endpoint(
     subjects.TRAINER_CLEANUP, CleanupOrder, CleanupResult

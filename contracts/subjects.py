@@ -22,6 +22,10 @@ API_CANCEL = "v1.api.cancel"
 API_CLEANUP = "v1.api.cleanup"
 API_APPROVE = "v1.api.approve"
 
+# --- desk -> scheduler (core NATS request/reply): every run, and one in detail (contracts/desk.py) ---
+DESK_RUNS = "v1.desk.runs"
+DESK_RUN = "v1.desk.run"
+
 # --- trainer <-> scheduler (core NATS) ---
 RUN_LEASE = "v1.scheduler.lease"  # a trainer asks whether a run may (still) be trained
 CONTROL_CANCEL = "v1.control.cancel"  # `<ns>.v1.control.cancel.<run_id>`: stop within seconds
@@ -60,6 +64,9 @@ STREAM_AUDIT = "AUDIT"
 # namespace; tests use `<ns>.desk.telemetry.>`).
 DESK_TELEMETRY = "desk.telemetry"
 STREAM_DESK = "DESK"
+# Live progress of running runs for the desk (core NATS, not kept: the stream has the finished
+# runs): `desk.live.<run_id>`, or `<ns>.desk.live.<run_id>` outside the default namespace.
+DESK_LIVE = "desk.live"
 
 # Durable consumer names.
 CONSUMER_ENTITLEMENT = "entitlement-bookings"

@@ -88,6 +88,12 @@ def _desk_commands(cmds: Commands) -> None:
     q = desk.add_parser("telemetry", help="goodput, badput, interruptions and checkpoint bandwidth rollups")
     q.add_argument("--follow", action="store_true", help="keep printing updates")
     q.add_argument("--json", action="store_true")
+    q = desk.add_parser(
+        "serve", help="the desk's web dashboard (runs, one run, the desk) behind an operator token"
+    )
+    q.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    q.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: a free one)")
+    q.add_argument("--json", action="store_true")
     cmds.add_parser("manifest-schema", help="print the manifest's JSON Schema (generated from the contract)")
     p = cmds.add_parser(
         "secrets",
@@ -222,6 +228,10 @@ def _down(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
 
 
 def _desk(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
+    if args.view == "serve":
+        from services.desk import app
+
+        return app.main(s, args.host, args.port, args.json)
     from services.ops import desk
 
     return desk.main(s, args.follow, args.json)

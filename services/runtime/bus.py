@@ -50,6 +50,7 @@ class _Route:
     handler: Callable[[bytes, str], Awaitable[bytes]]  # (body, the subject's last token) -> envelope
     verifier: Verifier | None  # internal: the scheduler's signature is required (None: not checked)
     tenant: bool  # an API verb: the last subject token is the authenticated caller's account
+    reply_prefix: str = ""  # internal: answered only to replies under this inbox ("" = any)
 
 
 @dataclass(slots=True)
@@ -62,14 +63,24 @@ class Router:
     def _subject(self, suffix: str) -> str:
         return f"{self.namespace}.{suffix}"
 
-    def serve(self, endpoint: Endpoint, handler: Handler, verifier: Verifier | None = None) -> None:
-        """An internal endpoint; with a verifier only what the scheduler signed (recently) is answered."""
+    def serve(
+        self,
+        endpoint: Endpoint,
+        handler: Handler,
+        verifier: Verifier | None = None,
+        reply_prefix: str = "",
+    ) -> None:
+        """An internal endpoint; with a verifier only what the scheduler signed (recently) is
+        answered; with a `reply_prefix` only a request whose answer goes to that inbox (one
+        identity's: the server lets nobody else subscribe there) is answered at all."""
         decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(endpoint.request)
 
         async def call(body: bytes, _last: str) -> bytes:
             return await codec.answer(handler, body, decoder)
 
-        self._add(self._subject(endpoint.subject), _Route(call, verifier, tenant=False))
+        self._add(
+            self._subject(endpoint.subject), _Route(call, verifier, tenant=False, reply_prefix=reply_prefix)
+        )
 
     def serve_tenant(self, endpoint: Endpoint, handler: TenantHandler) -> None:
         """An API verb on `<ns>.<verb>.<account>`, called as handler(account, request)."""
@@ -95,6 +106,11 @@ class Router:
         then not acted on either)."""
         route = self.routes.get(subject)
         if route is not None and not route.tenant:
+            if route.reply_prefix and not reply.startswith(route.reply_prefix):
+                log.warning(
+                    "a request on %s asked for its answer outside %s; unanswered", subject, route.reply_prefix
+                )
+                return None
             if route.verifier is not None and not route.verifier.valid(subject, body, dict(headers or {})):
                 log.warning("refused an unsigned or stale request on %s", subject)
                 return codec.fail(ErrorCode.forbidden, "only the scheduler may call this service")

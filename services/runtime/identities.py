@@ -21,7 +21,7 @@ from services.runtime.settings import Settings
 SERVICE_IDENTITIES = subjects.SERVICES
 """Each service connects to NATS as itself."""
 COMPUTE = "compute"  # the upstream ito-compute publisher of booking events
-DESK = "desk"  # desk subscribers: read-only telemetry
+DESK = "desk"  # desk subscribers and the desk app: read-only telemetry and the scheduler's desk reads
 OPERATOR = "operator"  # declares streams, reloads config; never used by a service
 NATS_IDENTITIES = (*SERVICE_IDENTITIES, COMPUTE, DESK, OPERATOR)
 
@@ -117,7 +117,14 @@ def nats_permissions(identity: str, s: Settings) -> Permissions:
                     *_durable(st(subjects.STREAM_RUNS), f"{s.namespace}-{subjects.CONSUMER_SCHEDULER_RUNS}"),
                     *_reader(st(subjects.STREAM_AUDIT)),
                 ),
-                subscribe=(ns("v1.api.*.*"), ns(subjects.RUN_LEASE), health, inbox),
+                subscribe=(
+                    ns("v1.api.*.*"),
+                    ns(subjects.RUN_LEASE),
+                    ns(subjects.DESK_RUNS),
+                    ns(subjects.DESK_RUN),
+                    health,
+                    inbox,
+                ),
                 responses=True,
             )
         case "entitlement":
@@ -144,6 +151,7 @@ def nats_permissions(identity: str, s: Settings) -> Permissions:
             return Permissions(
                 publish=(
                     s.desk_subject_root() + ".>",
+                    s.desk_live_root() + ".*",
                     *_durable(st(subjects.STREAM_RUNS), f"{s.namespace}-{subjects.CONSUMER_TELEMETRY}"),
                 ),
                 subscribe=(health, inbox),
@@ -155,8 +163,10 @@ def nats_permissions(identity: str, s: Settings) -> Permissions:
                 subscribe=(ns(subjects.BOOKING_RELEASE_REQUESTS), inbox),
             )
         case "desk":
+            # Read-only: replay DESK, hear live progress, and ask the scheduler's two desk reads.
             return Permissions(
-                publish=_reader(st(subjects.STREAM_DESK)), subscribe=(s.desk_subject_root() + ".>", inbox)
+                publish=(*_reader(st(subjects.STREAM_DESK)), ns(subjects.DESK_RUNS), ns(subjects.DESK_RUN)),
+                subscribe=(s.desk_subject_root() + ".>", s.desk_live_root() + ".*", inbox),
             )
         case "operator":
             return Permissions(publish=(">",), subscribe=(">",), responses=True)
@@ -229,8 +239,9 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
                     f"{ns}:leased:*",
                     f"{ns}:leased",  # the lease index before it was split: read and released only
                     f"{ns}:apikeys:*",
+                    f"{ns}:run-index:*",  # every run by creation time, split in shards: the desk's list
                 ),
-                "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +rpush +ltrim +llen +lrange "
+                "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +zrevrange +rpush +ltrim +llen +lrange "
                 f"+multi +exec +discard {scripts}",
             )
         case "ledger":

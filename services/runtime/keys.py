@@ -99,6 +99,15 @@ class Keys:
     def run_interruptions(self, account: str, run_id: str) -> str:
         return f"{self.account(account)}:run:{run_id}:interruptions"
 
+    def run_states(self, account: str, run_id: str) -> str:  # list: the run's state moves, in order
+        return f"{self.account(account)}:run:{run_id}:states"
+
+    def run_index(self, run_id: str) -> str:  # zset `<account>:<run id>` by creation time, one shard
+        return f"{self.ns}:run-index:{shard(run_id)}"
+
+    def run_index_shards(self) -> list[str]:  # every run of every account: the desk's list
+        return [f"{self.ns}:run-index:{i}" for i in range(SHARDS)]
+
     def leased(self, run_id: str) -> str:  # hash: run id -> account, for every run a trainer has held
         return f"{self.ns}:leased:{shard(run_id)}"
 

@@ -5,7 +5,8 @@ Layout (`ITO_SECRETS_DIR`, default `<data dir>/secrets`):
   the wire; the server config holds only the public key);
 - `redis/<identity>.pw`: the identity's Redis ACL password (the ACL file holds only its SHA-256);
 - `signing/scheduler.ed25519`: the scheduler's Ed25519 seed; it signs work items, cancel notices
-  and internal requests. `signing/scheduler.pub` is the public half that verifiers read.
+  and internal requests. `signing/scheduler.pub` is the public half that verifiers read;
+- `tokens/<name>.token`: bearer tokens of the HTTP endpoints (`desk`: the desk app's operator token).
 
 Nothing here is ever logged, put in an argument, an event or an answer. Files are created with
 O_EXCL at mode 0600, so a second writer cannot swap one in; a file with group or other bits set is
@@ -21,6 +22,9 @@ PASSWORD_DIR = "redis"
 SIGNING_DIR = "signing"
 SCHEDULER_SIGNING_KEY = "scheduler.ed25519"
 SCHEDULER_VERIFY_KEY = "scheduler.pub"
+TOKEN_DIR = "tokens"
+DESK_TOKEN = "desk"  # the desk app's operator token (services/desk/web.py)
+TOKENS = (DESK_TOKEN,)
 
 
 class SecretError(Exception):
@@ -82,6 +86,12 @@ class Secrets:
     def password_path(self, identity: str) -> pathlib.Path:
         return self.root / PASSWORD_DIR / f"{identity}.pw"
 
+    def token_path(self, name: str) -> pathlib.Path:
+        return self.root / TOKEN_DIR / f"{name}.token"
+
+    def token(self, name: str) -> str:
+        return read_private(self.token_path(name)).decode()
+
     def seed(self, identity: str) -> bytes:
         return read_private(self.seed_path(identity))
 
@@ -111,6 +121,8 @@ class Secrets:
             write_once(self.seed_path(identity), new_nkey_seed())
         for identity in redis_identities:
             write_once(self.password_path(identity), _random.token_urlsafe(32).encode())
+        for name in TOKENS:
+            write_once(self.token_path(name), _random.token_urlsafe(32).encode())
         seed = _random.token_bytes(32)
         if write_once(self.root / SIGNING_DIR / SCHEDULER_SIGNING_KEY, seed.hex().encode()):
             public = SigningKey(seed).verify_key.encode().hex()

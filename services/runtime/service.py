@@ -70,11 +70,14 @@ def scheduler_verifier(settings: Settings) -> Verifier:
     return Verifier(Secrets(settings.secrets_dir).verify_key())
 
 
-def serve_requests(w: "Wiring", routes: Sequence[tuple[Endpoint, Handler]], signed: bool = True) -> None:
-    """Internal endpoints. `signed`: only requests the scheduler signed are answered."""
+def serve_requests(
+    w: "Wiring", routes: Sequence[tuple[Endpoint, Handler]], signed: bool = True, reply_prefix: str = ""
+) -> None:
+    """Internal endpoints. `signed`: only requests the scheduler signed are answered;
+    `reply_prefix`: only requests whose answer goes to that (one identity's) inbox."""
     verifier = scheduler_verifier(w.settings) if signed else None
     for endpoint, handler in routes:
-        w.router.serve(endpoint, handler, verifier)
+        w.router.serve(endpoint, handler, verifier, reply_prefix)
 
 
 def serve_tenant_requests(w: "Wiring", routes: Sequence[tuple[Endpoint, TenantHandler]]) -> None:

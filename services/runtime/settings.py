@@ -106,6 +106,13 @@ class Settings:
 
         return DESK_TELEMETRY if self.namespace == DEFAULT_NAMESPACE else f"{self.namespace}.{DESK_TELEMETRY}"
 
+    def desk_live_root(self) -> str:
+        """Where telemetry publishes running runs' progress for the desk (core NATS), by the same
+        rule as `desk_subject_root`."""
+        from contracts.subjects import DESK_LIVE
+
+        return DESK_LIVE if self.namespace == DEFAULT_NAMESPACE else f"{self.namespace}.{DESK_LIVE}"
+
 
 def nats_servers(url: str) -> list[str]:
     """The server pool of a NATS URL setting: one URL, or several separated by commas."""

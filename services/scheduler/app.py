@@ -12,6 +12,7 @@ from contracts import endpoints, subjects
 from contracts.runs import RunEvent
 from services.runtime import settings as settings_mod
 from services.runtime.accounts import Credentials, RedisAccounts
+from services.runtime.identities import DESK, service_inbox
 from services.runtime.secrets import Secrets
 from services.runtime.service import (
     Wiring,
@@ -26,6 +27,7 @@ from services.scheduler import liveness, planning
 from services.scheduler.api import Api
 from services.scheduler.audit import Auditor
 from services.scheduler.backends import Backends
+from services.scheduler.desk import DeskReads
 from services.scheduler.events import RunEvents
 from services.scheduler.handoff import Handoff
 from services.scheduler.mutations import Mutations
@@ -67,6 +69,7 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
         small_model_gangs=s.small_model_gangs,
     )
     run_events = RunEvents(runs)
+    auditor = api.auditor
 
     mutations = Mutations(credentials, backends, runs)
     serve_tenant_requests(
@@ -76,6 +79,14 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
     )
     # Only trainers may publish lease queries (NATS permissions); the answer is checked against the run.
     serve_requests(w, [(endpoints.RUN_LEASE, liveness.Heartbeats(runs).heartbeat)], signed=False)
+    # Only the desk may ask these (NATS permissions), and only its own inbox hears the answer.
+    desk = DeskReads(runs, auditor, api.prices)
+    serve_requests(
+        w,
+        [(endpoints.DESK["runs"], desk.runs), (endpoints.DESK["run"], desk.run)],
+        signed=False,
+        reply_prefix=service_inbox(DESK) + ".",
+    )
 
     consume_in_order(
         w,

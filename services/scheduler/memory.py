@@ -11,10 +11,19 @@ from datetime import UTC, datetime
 from typing import Any
 
 from contracts.api import LogLineView, RunView
+from contracts.desk import StateRecord
 from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import RunState
 from services.scheduler import lifecycle
-from services.scheduler.store import MAX_LOG_LINES, MAX_METRIC_POINTS, LeaseHeld, in_order, lease_decision
+from services.scheduler.store import (
+    MAX_LOG_LINES,
+    MAX_METRIC_POINTS,
+    MAX_STATE_RECORDS,
+    LeaseHeld,
+    in_order,
+    lease_decision,
+    state_record,
+)
 
 
 def _page(items: list[Any], since: int, limit: int) -> list[Any]:
@@ -34,6 +43,7 @@ class InMemoryRuns:
         self.log_lines: dict[tuple[str, str], list[LogLineView]] = {}
         self.points: dict[tuple[str, str], list[Metrics]] = {}
         self.saved: dict[tuple[str, str], list[CheckpointSaved]] = {}
+        self.moves: dict[tuple[str, str], list[StateRecord]] = {}
 
     async def create(self, view: RunView, work: bytes | None = None) -> bool:
         if (view.account, view.run_id) in self.views:
@@ -100,6 +110,11 @@ class InMemoryRuns:
             return view, False
         new = change(view)
         self.views[(account, run_id)] = new
+        moved = state_record(view, new)
+        if moved is not None:
+            history = self.moves.setdefault((account, run_id), [])
+            history.append(moved)
+            del history[:-MAX_STATE_RECORDS]
         if seq is not None:
             self.order[run_id] = (holder_epoch or 0, seq)
         return new, True
@@ -178,3 +193,9 @@ class InMemoryRuns:
 
     async def forget_checkpoints(self, account: str, run_id: str) -> None:
         self.saved.pop((account, run_id), None)
+
+    async def states(self, account: str, run_id: str) -> list[StateRecord]:
+        return list(self.moves.get((account, run_id), []))
+
+    async def newest(self, limit: int) -> list[RunView]:
+        return sorted(self.views.values(), key=lambda v: v.created_at, reverse=True)[:limit]

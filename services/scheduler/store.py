@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import msgspec
 
 from contracts.api import LogLineView, RunView
+from contracts.desk import StateRecord
 from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import RunState
 from services.runtime.connections import RedisClient
@@ -25,6 +26,7 @@ from services.scheduler import lifecycle
 
 MAX_LOG_LINES = 10_000  # per run; older lines are trimmed
 MAX_METRIC_POINTS = 10_000
+MAX_STATE_RECORDS = 1_000  # a run's state moves kept for the desk; a run makes a handful
 UPDATE_RETRIES = 20
 log = logging.getLogger("ito.scheduler.store")
 
@@ -32,6 +34,7 @@ _view_decoder = msgspec.json.Decoder(RunView)
 _log_decoder = msgspec.json.Decoder(LogLineView)
 _metrics_decoder = msgspec.json.Decoder(Metrics)
 _checkpoint_decoder = msgspec.json.Decoder(CheckpointSaved)
+_state_decoder = msgspec.json.Decoder(StateRecord)
 
 
 MAX_SEQ_GAP = 100_000  # events lost in transit leave small gaps; a jump this large is forged
@@ -139,6 +142,9 @@ class RunRecords(Runs, Protocol):
     async def append_checkpoint(self, account: str, run_id: str, c: CheckpointSaved) -> None: ...
     async def checkpoints(self, account: str, run_id: str) -> list[CheckpointSaved]: ...
     async def forget_checkpoints(self, account: str, run_id: str) -> None: ...
+    async def interruptions(self, account: str, run_id: str) -> list[dict[str, Any]]: ...
+    async def states(self, account: str, run_id: str) -> list[StateRecord]: ...
+    async def newest(self, limit: int) -> list[RunView]: ...
 
 
 CAS_FIELDS = ("view", "last_seq", "last_epoch", "lease_epoch")
@@ -149,10 +155,16 @@ for i = 1, 4 do
 end
 redis.call('HSET', KEYS[1], 'view', ARGV[5])
 if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'last_seq', ARGV[6], 'last_epoch', ARGV[7]) end
+if ARGV[8] ~= '' and KEYS[2] then
+  redis.call('RPUSH', KEYS[2], ARGV[8])
+  redis.call('LTRIM', KEYS[2], -tonumber(ARGV[9]), -1)
+end
 return 1
 """
 """Write a run's new view only if the fields it was computed from are unchanged (compare and set,
-one round trip after the read; the caller retries on a lost race, as a WATCH would make it)."""
+one round trip after the read; the caller retries on a lost race, as a WATCH would make it). A
+write that moves the state appends its StateRecord (ARGV[8]) to the run's state history (KEYS[2],
+same slot) in the same step, so the history is exactly the moves that were applied."""
 
 
 LEASE_LUA = """
@@ -166,6 +178,18 @@ return 1
 """Write a node's lease (ARGV[1..3]: its epoch, holder and seen fields) only if the view and the
 lease it was decided on (ARGV[4..7], as read) are unchanged; the new epoch, holder and heartbeat
 are ARGV[8..10]. A repeat after a lost reply finds the heartbeat moved and writes nothing."""
+
+
+def state_record(old: RunView, new: RunView) -> StateRecord | None:
+    """The history entry of a write: one when it moves the state, else None."""
+    if new.state == old.state:
+        return None
+    return StateRecord(state=new.state, at=new.updated_at, message=new.message)
+
+
+def index_member(view: RunView) -> str:
+    """A run's entry in the desk's run index: `<account>:<run id>` (run ids hold no ':')."""
+    return f"{view.account}:{view.run_id}"
 
 
 def _bytes(raw: bytes | str | None) -> bytes:
@@ -191,6 +215,7 @@ class RunStore:
                 pipe.hsetnx(key, "work", work)
             pipe.set(self.keys.run_owner(view.run_id), view.account)
             pipe.zadd(self.keys.runs(view.account), {view.run_id: view.created_at.timestamp()})
+            pipe.zadd(self.keys.run_index(view.run_id), {index_member(view): view.created_at.timestamp()})
             created, *_ = await pipe.execute()
         return bool(created)
 
@@ -264,13 +289,16 @@ class RunStore:
                 return view, False
             new = change(view)
             seen = [_bytes(v) for v in (raw, last, last_epoch, lease_epoch)]
+            moved = state_record(view, new)
             written = await self._cas(
-                keys=[key],
+                keys=[key, self.keys.run_states(account, run_id)],
                 args=[
                     *seen,
                     msgspec.json.encode(new),
                     "" if seq is None else seq,
                     "" if seq is None else holder_epoch or 0,
+                    b"" if moved is None else msgspec.json.encode(moved),
+                    MAX_STATE_RECORDS,
                 ],
             )
             if written:
@@ -401,3 +429,28 @@ class RunStore:
             msgspec.json.decode(x)
             for x in await self.r.lrange(self.keys.run_interruptions(account, run_id), 0, -1)
         ]
+
+    # --- the desk's reads: every run, and a run's history ---
+
+    async def states(self, account: str, run_id: str) -> list[StateRecord]:
+        raw = await self.r.lrange(self.keys.run_states(account, run_id), 0, -1)
+        return [_state_decoder.decode(x) for x in raw]
+
+    async def newest(self, limit: int) -> list[RunView]:
+        """The newest `limit` runs of every account (each index shard's newest, merged), oldest
+        last. Runs created before the index existed are not in it."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for name in self.keys.run_index_shards():
+                pipe.zrevrange(name, 0, limit - 1, withscores=True)
+            shards = await pipe.execute()
+        entries = sorted(
+            ((score, _text(member)) for shard in shards for member, score in shard), reverse=True
+        )[:limit]
+        if not entries:
+            return []
+        async with self.r.pipeline(transaction=False) as pipe:
+            for _, member in entries:
+                account, _, run_id = member.rpartition(":")
+                pipe.hget(self.keys.run(account, run_id), "view")
+            raws = await pipe.execute()
+        return [_view_decoder.decode(raw) for raw in raws if raw is not None]

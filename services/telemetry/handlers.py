@@ -1,13 +1,16 @@
-"""Fold run events; when a run ends, account it and publish the run and its rollups."""
+"""Fold run events; when a run ends, account it and publish the run and its rollups. While a run
+goes, its goodput so far is published live for the desk (core NATS `desk.live.<run>`, not kept: at
+most every LIVE_EVERY_S per run, and at once when its state or stage moves)."""
 
 import logging
+import time
 from datetime import UTC, datetime
 
 import msgspec
 from faststream.nats import NatsBroker
 
 from contracts import subjects
-from contracts.runs import RunCreated, RunEvent, StateChanged
+from contracts.runs import EvalResult, Interruption, RunCreated, RunEvent, StageStarted, StateChanged
 from contracts.states import TERMINAL_STATES
 from services.runtime.publishing import publish_once
 from services.runtime.settings import Settings
@@ -16,6 +19,8 @@ from services.telemetry.store import Telemetry
 
 log = logging.getLogger("ito.telemetry")
 ROLLUPS = ("booking", "region", "gpu_model")
+LIVE_EVERY_S = 2.0  # a live snapshot re-reads the run's events: often enough for a person watching
+LIVE_AT_ONCE = (StateChanged, StageStarted, EvalResult, Interruption)  # moves a person wants to see now
 
 
 class TelemetryHandlers:
@@ -23,6 +28,7 @@ class TelemetryHandlers:
         self.store = store
         self.broker = broker
         self.settings = settings
+        self._live_at: dict[str, float] = {}  # run -> when its last live snapshot went out (monotonic)
 
     async def _publish(self, suffix: str, body, msg_id: str) -> None:
         await publish_once(
@@ -37,7 +43,33 @@ class TelemetryHandlers:
     async def on_event(self, event: RunEvent) -> None:
         await self.store.add_event(event)
         if isinstance(event, StateChanged) and event.state in TERMINAL_STATES:
+            self._live_at.pop(event.run_id, None)
             await self.finish(event.run_id, event.at, event.state.value)
+        elif self._live_due(event, time.monotonic()):
+            await self.live(event.run_id)
+
+    def _live_due(self, event: RunEvent, now: float) -> bool:
+        last = self._live_at.get(event.run_id)
+        if isinstance(event, LIVE_AT_ONCE) or last is None or now - last >= LIVE_EVERY_S:
+            self._live_at[event.run_id] = now
+            return True
+        return False
+
+    async def live(self, run_id: str) -> None:
+        """The run's accounting up to now, for the desk's live pages; a failure is logged only
+        (the run's final accounting does not depend on it)."""
+        events = await self.store.events(run_id)
+        created = next((e for e in events if isinstance(e, RunCreated)), None)
+        if created is None:
+            return
+        moves = sorted((e for e in events if isinstance(e, StateChanged)), key=lambda e: (e.at, e.seq))
+        state = moves[-1].state.value if moves else "queued"
+        now = datetime.now(UTC)
+        run = accounting.account(created, [e for e in events if not isinstance(e, RunCreated)], now, state)
+        try:
+            await self.broker.publish(msgspec.json.encode(run), f"{self.settings.desk_live_root()}.{run_id}")
+        except Exception:  # a lost snapshot is replaced by the next one
+            log.warning("run %s: live telemetry not published", run_id)
 
     async def finish(self, run_id: str, ended_at: datetime, state: str) -> None:
         events = await self.store.events(run_id)

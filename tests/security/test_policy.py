@@ -59,6 +59,9 @@ SERVICES_AND_UPSTREAM = [i for i in ids.NATS_IDENTITIES if i != ids.OPERATOR]
         ("ito.v1.scheduler.lease", {"trainer"}),
         ("ito.compute.v1.booking.completed", {"compute"}),
         ("desk.telemetry.rollup.region.x", {"telemetry"}),
+        ("desk.live.run_1", {"telemetry"}),
+        ("ito.v1.desk.runs", {"desk"}),  # the desk's reads of the scheduler: the desk (and operator) only
+        ("ito.v1.desk.run", {"desk"}),
         ("$JS.API.STREAM.PURGE.ITO_AUDIT", set()),
         ("$JS.API.STREAM.DELETE.ITO_AUDIT", set()),
         ("$JS.API.STREAM.CREATE.ITO_EVIL", set()),
@@ -85,6 +88,9 @@ def test_only_the_owner_may_publish(subject, only):
         ("ito.v1.control.cancel.run_1", {"trainer"}),
         ("ito.compute.v1.requests.release", {"compute"}),
         ("desk.telemetry.run.x", {"desk"}),
+        ("desk.live.run_1", {"desk"}),
+        ("ito.v1.desk.runs", {"scheduler"}),
+        ("ito.v1.desk.run", {"scheduler"}),
         ("_INBOX_t_acme.abc", set()),
         ("ito.v1.run.run_1.state", set()),
     ],
@@ -105,6 +111,8 @@ def test_a_tenant_publishes_its_own_requests_and_reads_its_own_inbox_only():
         "ito.v1.control.cancel.r",
         "ito.v1.trainer.cleanup",
         "ito.v1.audit.r",
+        "ito.v1.desk.runs",
+        "ito.v1.desk.run",
         "$JS.API.STREAM.PURGE.ITO_AUDIT",
         "ito.v1.api.train.acme.x",
     ):

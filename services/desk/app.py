@@ -1,0 +1,60 @@
+"""`ito-training desk serve`: the desk's web app on uvicorn. Config, build, run, close.
+
+It reads its operator token from the secrets dir (a 0600 file; never an argument) and connects to
+NATS as the desk identity. It prints where it listens once it does; the token stays in its file
+(a login link with the token in its fragment is the caller's to make: see examples/demo.sh).
+"""
+
+import asyncio
+import json
+
+from services.runtime.secrets import DESK_TOKEN, Secrets
+from services.runtime.settings import Settings
+
+DEFAULT_HOST = "127.0.0.1"  # loopback: put TLS and a real address in front for anything else
+DEFAULT_PORT = 8765
+GRACEFUL_S = 3  # open event streams are cut after this long on shutdown
+
+
+def main(settings: Settings, host: str, port: int, as_json: bool) -> int:
+    import uvicorn
+
+    from services.desk.source import DeskSource
+    from services.desk.web import build
+    from services.runtime import infra
+
+    secrets = Secrets(settings.secrets_dir)
+    token = secrets.token(DESK_TOKEN)
+    port = port or infra.free_port()
+    app = build(DeskSource(settings), token)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,  # a request line is no secret, but nothing here needs a log of them
+            lifespan="on",
+            timeout_graceful_shutdown=GRACEFUL_S,
+        )
+    )
+
+    async def run() -> None:
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            url = f"http://{host}:{port}"
+            where = {
+                "url": url + "/",
+                "login": url + "/login",
+                "token_file": str(secrets.token_path(DESK_TOKEN)),
+            }
+            print(
+                json.dumps(where) if as_json else f"desk: {url}/ (operator token in {where['token_file']})",
+                flush=True,
+            )
+        await serving
+
+    asyncio.run(run())
+    return 0 if server.started else 1

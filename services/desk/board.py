@@ -1,0 +1,235 @@
+"""What the desk's pages show, computed from what the desk may read: pure functions and one cache.
+
+Inputs are the scheduler's desk answers (contracts/desk.py: run views, a run's history) and the
+telemetry service's records (contracts/telemetry.py: a finished run's accounting on the DESK
+stream, a running run's live one, the rollups). Nothing here does I/O; services/desk/source.py
+feeds it and services/desk/pages.py renders it.
+"""
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from contracts.api import LogLineView, RunView
+from contracts.audit import GateDecision
+from contracts.desk import DeskRun, InterruptionRecord, StateRecord
+from contracts.runs import CheckpointSaved, Metrics
+from contracts.states import TERMINAL_STATES
+from contracts.telemetry import BADPUT, Rollup, RunTelemetry
+
+MAX_LOG_LINES = 200  # a run page shows the newest lines; `ecc ito logs` has them all
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    """One line of the runs page."""
+
+    run_id: str
+    account: str
+    booking_id: str
+    state: str
+    stage: str
+    step: int
+    total_steps: int
+    goodput: float | None  # None until telemetry has accounted any of the run
+    cost_so_far_usd: float
+    estimate_usd: float
+    gpu_model: str
+    gpus: int
+    updated_at: datetime
+
+
+def elapsed_s(view: RunView, now: datetime) -> float:
+    """The run's wall time so far: accepted -> its last change when it has ended, -> now otherwise."""
+    end = view.updated_at if view.state in TERMINAL_STATES else now
+    return max(0.0, (end - view.created_at).total_seconds())
+
+
+def cost_so_far(view: RunView, now: datetime) -> float:
+    """GPU-hours held so far at the plan's price: what the run has used of its booking."""
+    if view.plan is None:
+        return 0.0
+    cost = view.plan.cost
+    return elapsed_s(view, now) / 3600.0 * cost.gpus * cost.price_per_gpu_hour_usd
+
+
+def run_row(view: RunView, telemetry: RunTelemetry | None, now: datetime) -> RunRow:
+    plan = view.plan
+    return RunRow(
+        run_id=view.run_id,
+        account=view.account,
+        booking_id=view.booking_id,
+        state=view.state.value,
+        stage=view.stage or "",
+        step=view.step,
+        total_steps=view.total_steps,
+        goodput=None if telemetry is None else telemetry.goodput,
+        cost_so_far_usd=cost_so_far(view, now),
+        estimate_usd=0.0 if plan is None else plan.cost.total_usd,
+        gpu_model=plan.gpu_model if plan else "",
+        gpus=plan.cost.gpus if plan else 0,
+        updated_at=view.updated_at,
+    )
+
+
+def run_rows(views: list[RunView], telemetry: dict[str, RunTelemetry], now: datetime) -> list[RunRow]:
+    """The runs page, newest first: each run with the telemetry the desk has of it (final or live)."""
+    return [run_row(v, telemetry.get(v.run_id), now) for v in views]
+
+
+def finite(x: float) -> bool:
+    return not (math.isnan(x) or math.isinf(x))
+
+
+@dataclass(frozen=True, slots=True)
+class StageLoss:
+    """One stage's loss curve: every metric point's (step, loss) in order, and the held-out figures
+    its gate measured (name, value, threshold)."""
+
+    stage: str
+    points: list[tuple[int, float]]
+    held_out: list[tuple[str, float, float | None]]
+
+
+HELD_OUT = ("held_out_loss", "short_context_loss", "held_out_loss_with_custom", "held_out_loss_reference")
+"""Gate metrics that are a held-out loss (the same unit as the training loss, so on the same axis)."""
+
+
+def stage_losses(detail: "RunDetail") -> list[StageLoss]:
+    """Per stage in the order it started: training loss per step, and its gate's held-out losses."""
+    order: list[str] = []
+    points: dict[str, list[tuple[int, float]]] = {}
+    for m in detail.metrics:
+        if m.stage not in points:
+            order.append(m.stage)
+            points[m.stage] = []
+        points[m.stage].append((m.step, m.loss))
+    gates = {g.stage: g for g in detail.view.gates}
+    for stage in gates:
+        if stage not in points:
+            order.append(stage)
+            points[stage] = []
+    return [
+        StageLoss(
+            stage=s,
+            points=points[s],
+            held_out=[
+                (m.name, m.value, m.threshold)
+                for m in (gates[s].metrics if s in gates else [])
+                if m.name in HELD_OUT and finite(m.value)
+            ],
+        )
+        for s in order
+    ]
+
+
+@dataclass(slots=True)
+class RunDetail:
+    """What the desk holds of one run: the newest view and history, and every metric point and
+    the newest log lines so far (the scheduler is asked only for what is new: `merge`)."""
+
+    view: RunView
+    metrics: list[Metrics] = field(default_factory=list)
+    metrics_next: int = 0
+    checkpoints: list[CheckpointSaved] = field(default_factory=list)
+    states: list[StateRecord] = field(default_factory=list)
+    interruptions: list[InterruptionRecord] = field(default_factory=list)
+    logs: list[LogLineView] = field(default_factory=list)
+    logs_next: int = 0
+    audit: list[GateDecision] | None = None
+    audit_state: str = ""  # the run's state when the audit trail was read: read again when it moves
+
+    def merge(self, page: DeskRun) -> None:
+        self.view = page.view
+        self.metrics.extend(page.metrics)
+        self.metrics_next = page.metrics_next
+        self.checkpoints = page.checkpoints
+        self.states = page.states
+        self.interruptions = page.interruptions
+        self.logs = (self.logs + page.logs)[-MAX_LOG_LINES:]
+        self.logs_next = page.logs_next
+        if page.audit is not None:
+            self.audit = page.audit
+            self.audit_state = page.view.state.value
+
+    def audit_due(self) -> bool:
+        return self.audit is None or self.audit_state != self.view.state.value
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """One rollup row of the desk page: where its GPU-hours went, as shares of its wall GPU-hours."""
+
+    by: str
+    key: str
+    runs: int
+    wall_gpu_hours: float
+    goodput: float
+    shares: dict[str, float]  # every BADPUT category's share of the wall GPU-hours
+    interruptions: int
+    interruptions_per_1000_gpu_hours: float
+    causes: dict[str, int]
+    checkpoint_p50: float | None  # bytes/s
+    checkpoint_min: float | None
+    implied_usd_per_useful_gpu_hour: float | None  # None when no goodput or no price is known
+
+
+def implied_price(runs: list[RunTelemetry], prices: dict[str, float]) -> float | None:
+    """What a useful GPU-hour cost: the booked GPU-hours at the desk's price over the GPU-hours of
+    goodput (a run on a GPU model with no price is left out of both sums)."""
+    paid = useful = 0.0
+    for r in runs:
+        price = prices.get(r.gpu_model)
+        if price is None:
+            continue
+        paid += r.gpu_hours * price
+        useful += r.goodput_s * r.gpus / 3600.0
+    return paid / useful if useful > 0 else None
+
+
+def rollup_key(run: RunTelemetry, by: str) -> str | None:
+    """The key a finished run is rolled up under by `by` (the telemetry service's rule), or None
+    for a `by` the desk does not know."""
+    match by:
+        case "booking":
+            return run.booking_id
+        case "region":
+            return run.region
+        case "gpu_model":
+            return run.gpu_model
+    return None
+
+
+def breakdowns(
+    rollups: dict[tuple[str, str], Rollup], finished: dict[str, RunTelemetry], prices: dict[str, float]
+) -> list[Breakdown]:
+    """Every rollup (by booking, region, GPU model), ordered by `by` then key."""
+    rows = []
+    for (by, key), r in sorted(rollups.items()):
+        wall = r.wall_gpu_hours
+        shares = {c: (r.badput_gpu_hours.get(c, 0.0) / wall if wall > 0 else 0.0) for c in BADPUT}
+        runs = [t for t in finished.values() if rollup_key(t, by) == key]
+        rows.append(
+            Breakdown(
+                by=by,
+                key=key,
+                runs=r.runs,
+                wall_gpu_hours=wall,
+                goodput=r.goodput,
+                shares=shares,
+                interruptions=r.interruptions,
+                interruptions_per_1000_gpu_hours=r.interruptions_per_1000_gpu_hours,
+                causes=dict(r.interruption_causes),
+                checkpoint_p50=r.checkpoint_bytes_per_s_p50,
+                checkpoint_min=r.checkpoint_bytes_per_s_min,
+                implied_usd_per_useful_gpu_hour=implied_price(runs, prices),
+            )
+        )
+    return rows
+
+
+def states_count(views: list[RunView]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for v in views:
+        counts[v.state.value] = counts.get(v.state.value, 0) + 1
+    return counts
