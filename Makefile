@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps demo lint test bench chaos up down clean
+.PHONY: install sysdeps demo desk lint test bench chaos up down clean
 
 install: $(STAMP)
 
@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 sysdeps:
 	bash .ci/system-deps
 
+# DEMO_ARGS=--keep leaves the stack and the desk's dashboard up at the end (`make down` stops them).
+DEMO_ARGS ?=
 demo: install
-	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh $(DEMO_ARGS)
+
+# The desk's dashboard in the foreground, on a stack `make up` started (`up --desk` starts it too).
+desk: install
+	$(VENV)/bin/ito-training desk serve
 
 # Lint, format check and type check (config in pyproject.toml); `make test` runs them first.
 lint: install

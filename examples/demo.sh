@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# The main job, end to end on embedded infra: up -> account -> booking -> plan -> confirm ->
-# train -> follow to `succeeded` -> summary -> down. Run it with `make demo`.
+# The main job, end to end on embedded infra: up (with the desk's dashboard) -> account -> booking
+# -> plan -> confirm -> train -> follow to `succeeded` -> summary -> down. Run it with `make demo`;
+# `make demo DEMO_ARGS=--keep` (or ITO_DEMO_KEEP=1) leaves everything up to look at the dashboard.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+KEEP="${ITO_DEMO_KEEP:-0}"
+for arg in "$@"; do
+  case "$arg" in
+    --keep) KEEP=1 ;;
+    *) echo "usage: examples/demo.sh [--keep]" >&2; exit 2 ;;
+  esac
+done
 
 export ITO_DATA_DIR="${ITO_DATA_DIR:-$PWD/.ito}"
 export ECC_CONFIG_DIR="${ECC_CONFIG_DIR:-$ITO_DATA_DIR/ecc-demo}"
@@ -12,13 +20,24 @@ KEY="demo-$(date +%s)-$$"
 json() { python3 -c "import json,sys; print(json.load(sys.stdin)$1)"; }
 
 echo "== 1. infra and services"
-UP_ARGS=(--detach --json)
+UP_ARGS=(--detach --json --desk)
 # ITO_CLUSTER=1: a 3-node NATS cluster (streams R3) and two instances of every service
 if [ "${ITO_CLUSTER:-0}" = 1 ]; then UP_ARGS+=(--cluster); fi
 UP=$(ito-training up "${UP_ARGS[@]}")
-trap 'echo "== shutting down"; ito-training down' EXIT
+if [ "$KEEP" = 1 ]; then
+  trap 'echo "== left up (--keep): the dashboard stays at $DESK_URL; \`ito-training down\` (or \`make down\`) stops it all"' EXIT
+else
+  trap 'echo "== shutting down"; ito-training down' EXIT
+fi
 export ITO_NATS_URL=$(echo "$UP" | json '["nats_url"]')
 export ITO_REDIS_URL=$(echo "$UP" | json '["redis_url"]')
+DESK_URL=$(echo "$UP" | json '["desk_url"]')
+TOKEN_FILE="${ITO_SECRETS_DIR:-$ITO_DATA_DIR/secrets}/tokens/desk.token"
+echo "== the desk's dashboard: $DESK_URL (operator token in $TOKEN_FILE, mode 0600)"
+if [ -t 1 ]; then  # a person's terminal, not a log file: the one link that logs in (the token rides
+  # in the fragment, which the browser never sends to the server)
+  echo "   open: ${DESK_URL}login#token=$(cat "$TOKEN_FILE")"
+fi
 
 echo "== 2. an account, and a login (the key goes through stdin, never an argument)"
 ito-training accounts create demo --json | json '["api_key"]' | ecc ito login --account demo

@@ -66,6 +66,7 @@ def _stack_commands(cmds: Commands) -> None:
     p.add_argument(
         "--services", default=",".join(SERVICES), help="comma-separated subset to start (default: all five)"
     )
+    p.add_argument("--desk", action="store_true", help="also the desk's web dashboard (`desk serve`)")
     p.add_argument("--json", action="store_true")
     p = cmds.add_parser("down", help="stop what `up` started")
     p.add_argument("--json", action="store_true")
@@ -200,7 +201,7 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     unknown = set(chosen) - set(SERVICES)
     if unknown or not chosen:
         raise ValueError(f"--services takes names from {', '.join(SERVICES)}")
-    state = stack.up(s, log, chosen, cluster=args.cluster)
+    state = stack.up(s, log, chosen, cluster=args.cluster, desk=args.desk)
     _print(
         args,
         {
@@ -211,6 +212,7 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
             "cluster": bool(state.get("cluster")),
             "services": sorted(state["services"]),
             "ready_s": state["ready_s"],
+            **({"desk_url": state["desk"]["url"]} if "desk" in state else {}),
         },
         f"NATS {state['nats_url']}\nRedis {state['redis_url']}",
     )

@@ -28,6 +28,7 @@ from services.runtime.bus import INSTANCE_HEADER
 from services.runtime.identities import OPERATOR
 from services.runtime.settings import (
     ENV_DATA_DIR,
+    ENV_DESK_PORT,
     ENV_INSTANCE,
     ENV_NAMESPACE,
     ENV_NATS_REPLICAS,
@@ -95,11 +96,15 @@ async def _healthy(settings: Settings, nats_url: str, names: list[str]) -> set[s
 
 
 def up(
-    settings: Settings, log: Log, services: tuple[str, ...] = SERVICES, cluster: bool = False
+    settings: Settings,
+    log: Log,
+    services: tuple[str, ...] = SERVICES,
+    cluster: bool = False,
+    desk: bool = False,
 ) -> dict[str, Any]:
-    """Infra of our own, then each service as a process (CLUSTER_INSTANCES of each on a cluster);
-    returns the recorded state once every one answers its health check (or stops everything and
-    raises)."""
+    """Infra of our own, then each service as a process (CLUSTER_INSTANCES of each on a cluster)
+    and, with `desk`, the desk's web app; returns the recorded state once every one answers its
+    health check (or stops everything and raises)."""
     existing = read_state(settings)
     if existing and any(infra.alive(p) for p in existing.get("services", {}).values()):
         raise RuntimeError(f"already up (see {state_path(settings)}); run `ito-training down` first")
@@ -120,6 +125,16 @@ def up(
     state["services"] = {name: _spawn(name, service, env, logs) for name, service in names.items()}
     write_state(settings, state)
     _wait_ready(settings, log, state["nats_url"], state["services"], logs)
+    if desk:
+        try:
+            state["desk"] = _start_desk(env, logs)
+        except Exception:
+            down(settings, log)
+            raise
+        write_state(settings, state)
+        log(
+            f"desk: {state['desk']['url']} (operator token in {settings.secrets_dir / 'tokens' / 'desk.token'})"
+        )
     state["ready_s"] = round(time.monotonic() - began, 2)
     write_state(settings, state)
     return state
@@ -239,6 +254,41 @@ def _wait_ready(
     )
 
 
+DESK_PORT = 8765  # the desk app's port when free (else any free one): `ITO_DESK_PORT` chooses another
+DESK_READY_TIMEOUT_S = 30.0
+
+
+def _start_desk(env: dict[str, str], logs: pathlib.Path) -> dict[str, Any]:
+    """`ito-training desk serve` as a process of its own, once its /healthz answers: its pid and URL."""
+    import urllib.request
+
+    port = infra.free_port(int(env.get(ENV_DESK_PORT) or DESK_PORT))
+    out = open(logs / "desk.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.ops.main", "desk", "serve", "--port", str(port)],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + DESK_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the desk app exited at start; see {logs / 'desk.log'}")
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=1) as answer:
+                if answer.status == 200:
+                    return {"pid": proc.pid, "url": url + "/"}
+        except OSError:  # not listening yet
+            time.sleep(0.2)
+    infra.stop_pid(proc.pid)
+    raise RuntimeError(
+        f"the desk app did not answer within {DESK_READY_TIMEOUT_S:.0f}s; see {logs / 'desk.log'}"
+    )
+
+
 def _reaped(pid: int) -> bool:
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
@@ -255,6 +305,9 @@ def down(settings: Settings, log: Log) -> dict[str, list[str]]:
     # The services together (each finishes its in-flight work on SIGTERM), then NATS and Redis
     # together, once nothing is left to talk to them.
     services, servers = state.get("services", {}), state.get("infra", {})
+    if "desk" in state:  # it reads from the services: first to go
+        infra.stop_pid(state["desk"]["pid"])
+        services = {"desk": state["desk"]["pid"], **services}
     infra.stop_pids(list(services.values()))
     infra.stop_pids(list(servers.values()))
     stopped = [*services, *servers]

@@ -21,6 +21,7 @@ ENV_PLAN_SMALL_MODEL_GANGS = "ITO_PLAN_SMALL_MODEL_GANGS"
 ENV_RENDEZVOUS_HOST = "ITO_RENDEZVOUS_HOST"
 ENV_NATS_REPLICAS = "ITO_NATS_REPLICAS"
 ENV_INSTANCE = "ITO_INSTANCE"
+ENV_DESK_PORT = "ITO_DESK_PORT"  # the desk app's port under `up --desk` (default 8765 when free)
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # or a comma-separated list: a cluster's server pool
 DEFAULT_NATS_REPLICAS = 1  # 3 on a 3-node cluster (`ito-training up --cluster`): every stream R3

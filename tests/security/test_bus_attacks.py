@@ -14,6 +14,7 @@ import redis
 
 from contracts import subjects
 from contracts.api import Action
+from contracts.desk import DeskRunsRequest
 from contracts.internal import ConfirmationCreate, LedgerAccept
 from services.ops import booking_sim
 from tests.security.conftest import settle
@@ -424,3 +425,50 @@ def test_clients_refuse_a_server_without_authentication(tmp_path):
         assert not (tmp_path / "ecc" / "credentials.json").exists()
     finally:
         infra.stop_pid(server.pid)
+
+
+def test_the_desk_reads_every_run_and_no_one_else_may_ask(stack, as_tenant, as_identity):
+    """The scheduler's desk reads list every account's runs: a tenant may not ask them (the server
+    drops the request), another service may not either, and an answer aimed at an inbox that is not
+    the desk's own is never sent (the server does not check reply subjects)."""
+    ns = stack.env["ITO_NAMESPACE"]
+    account, key, _ = stack.account()
+    body = msgspec.json.encode(DeskRunsRequest(limit=5))
+
+    async def attack():
+        t = await as_tenant(stack, account, key)
+        try:
+            await t.nc.request(f"{ns}.{subjects.DESK_RUNS}", body, timeout=1)
+            tenant_answered = True
+        except Exception:
+            tenant_answered = False
+        await settle(t)
+        entitlement = await as_identity(stack, "entitlement")
+        try:
+            await entitlement.nc.request(f"{ns}.{subjects.DESK_RUNS}", body, timeout=1)
+            service_answered = True
+        except Exception:
+            service_answered = False
+        await settle(entitlement)
+        desk = await as_identity(stack, "desk")
+        # A subject the desk may hear but that is not its inbox: the scheduler's answer (a list of
+        # every account's runs) would land there for any listener.
+        elsewhere = f"{ns}.desk.live.elsewhere"
+        trap = await desk.nc.subscribe(elsewhere)
+        await desk.nc.publish(f"{ns}.{subjects.DESK_RUNS}", body, reply=elsewhere)
+        await desk.nc.flush()
+        try:
+            aimed = await trap.next_msg(timeout=1.5)
+        except Exception:
+            aimed = None
+        answer = await desk.nc.request(f"{ns}.{subjects.DESK_RUNS}", body, timeout=5)
+        await settle(desk)
+        for w in (t, entitlement, desk):
+            await w.close()
+        return tenant_answered, t, service_answered, entitlement, aimed, answer
+
+    tenant_answered, t, service_answered, entitlement, aimed, answer = asyncio.run(attack())
+    assert not tenant_answered and t.denied(f"{ns}.{subjects.DESK_RUNS}")
+    assert not service_answered and entitlement.denied(f"{ns}.{subjects.DESK_RUNS}")
+    assert aimed is None
+    assert json.loads(answer.data)["ok"] is True  # the desk itself is answered, in its own inbox

@@ -5,6 +5,7 @@ row that differs between them is a fake that lies."""
 
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import pytest
 
 from contracts.api import LogLineView, RunView
@@ -154,3 +155,35 @@ async def test_creation_keeps_the_work_item_and_never_overwrites_a_view(adapters
     assert stored is not None and stored.state is RunState.running
     assert await runs.recall(account, run_id, "work") == b'{"item": 1}'
     assert await runs.owner(run_id) == account
+
+
+async def test_the_desk_lists_every_accounts_newest_runs_and_each_runs_moves(adapters, namespace):
+    """The desk's reads: the newest runs of every account (the run index, across its shards), and
+    a run's history, which is exactly the moves applied (an update that keeps the state adds
+    nothing; a refused move adds nothing)."""
+    _, _, runs = adapters
+    made = []
+    for i, account in enumerate(["acct-a" + namespace, "acct-b" + namespace, "acct-a" + namespace]):
+        view = msgspec.structs.replace(
+            new_view(account, f"run_{i}{namespace}", RunState.queued), created_at=NOW + timedelta(seconds=i)
+        )
+        assert await runs.create(view)
+        made.append(view)
+    newest = [v.run_id for v in await runs.newest(1000) if v.run_id.endswith(namespace)]
+    assert newest == [made[2].run_id, made[1].run_id, made[0].run_id]
+    assert [v.run_id for v in await runs.newest(2)][:2] == [made[2].run_id, made[1].run_id]
+    account, run_id = made[0].account, made[0].run_id
+    assert await runs.states(account, run_id) == []
+    at = NOW + timedelta(seconds=10)
+    await runs.move(account, run_id, RunState.running, at=at, message="training started")
+    await runs.update(account, run_id, None, lambda v: msgspec.structs.replace(v, step=3))
+    await runs.move(
+        account, run_id, RunState.cancelled, allowed_from=frozenset({RunState.queued})
+    )  # too late
+    await runs.move(account, run_id, RunState.succeeded, at=at + timedelta(seconds=1))
+    history = await runs.states(account, run_id)
+    assert [(r.state, r.message) for r in history] == [
+        (RunState.running, "training started"),
+        (RunState.succeeded, None),
+    ]
+    assert [r.at for r in history] == [at, at + timedelta(seconds=1)]
