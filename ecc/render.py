@@ -3,6 +3,10 @@
 Every answer arrives decoded into its type (contracts/endpoints.py names each verb's); `text`
 picks its renderer by that type with `match`, never by the keys it happens to have. The two
 answers `ecc` makes itself (logout's, and the end of `logs --follow`) are typed here.
+
+A person at a terminal (`on_terminal`: stdout is a TTY and no --json) gets pictures: a followed
+run's bars (ecc/progress.py, the only module that loads rich) and each stage's loss sparkline
+(ecc/charts.py). A pipe gets the plain lines scripts parse, unchanged; --json its events.
 """
 
 import argparse
@@ -10,7 +14,7 @@ import asyncio
 import sys
 import time
 from datetime import datetime
-from typing import Any, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
 import msgspec
 
@@ -22,6 +26,7 @@ from contracts.api import (
     LogLineView,
     LogPage,
     LogsRequest,
+    MetricsRequest,
     MutationResult,
     Plan,
     RunAccepted,
@@ -31,12 +36,17 @@ from contracts.api import (
 from contracts.audit import AuditTrail
 from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
-from contracts.evals import EvalMetric
-from contracts.runs import CheckpointList, EvalList, MetricsPage
+from contracts.evals import EvalMetric, StageGate
+from contracts.runs import CheckpointList, EvalList, Metrics, MetricsPage
 from contracts.states import TERMINAL_STATES
+from ecc import charts
 from ecc.transport import Client, SentButUnanswered
 
+if TYPE_CHECKING:  # ecc.progress (and rich) load only when a terminal follows a run
+    from ecc.progress import Screen
+
 POLL_EVERY_S = 1.0
+METRIC_PAGES_PER_TICK = 5  # a terminal joining a long run catches up 5 pages (5,000 points) a second
 _encoder = msgspec.json.Encoder()
 
 
@@ -84,11 +94,12 @@ def show(args: argparse.Namespace, env: Envelope[Any]) -> None:
         return
     if env.notice:
         print(f"note: {env.notice}")
-    print(text(env.data))
+    print(text(env.data, terminal=on_terminal(args)))
 
 
-def text(answer: Answer | None) -> str:
-    """An answer as lines for a person, by its type."""
+def text(answer: Answer | None, terminal: bool = False) -> str:
+    """An answer as lines for a person, by its type. `terminal`: a person reads them, not a script:
+    metrics are a loss sparkline per stage (ecc/charts.py) instead of one line per point."""
     match answer:
         case AuthInfo():
             return f"logged in as {answer.account} (key {answer.key_id})"
@@ -107,7 +118,7 @@ def text(answer: Answer | None) -> str:
         case AuditTrail():
             return _decisions(answer)
         case MetricsPage():
-            return _points(answer)
+            return _curves(answer) if terminal else _points(answer)
         case CheckpointList():
             return _checkpoints(answer)
         case EvalList():
@@ -136,6 +147,13 @@ def _bound(metric: EvalMetric) -> str:
     return f"gate {metric.op} {metric.threshold:.4f}"
 
 
+def gate_line(gate: StageGate) -> str:
+    """A stage's gate verdict in one line: `gate pretrain: passed: held_out_loss 2.1000 (gate <= 4.0000)`."""
+    verdict = "passed" if gate.passed else "FAILED"
+    numbers = ", ".join(f"{m.name} {m.value:.4f} ({_bound(m)})" for m in gate.metrics)
+    return f"gate {gate.stage}: {verdict}: {numbers}"
+
+
 def _bookings(views: list[BookingView]) -> str:
     rows = []
     for v in views:
@@ -159,9 +177,7 @@ def _run(view: RunView) -> str:
     if view.message:
         line += f"\n  {view.message}"
     for gate in view.gates:
-        verdict = "passed" if gate.passed else "FAILED"
-        numbers = ", ".join(f"{m.name} {m.value:.4f} ({_bound(m)})" for m in gate.metrics)
-        line += f"\n  gate {gate.stage}: {verdict}: {numbers}"
+        line += f"\n  {gate_line(gate)}"
     if view.provenance:
         steps = ", ".join(f"{s.name} {s.before}->{s.after}" for s in view.provenance.steps)
         line += f"\n  data: {steps}"
@@ -192,6 +208,10 @@ def _points(page: MetricsPage) -> str:
         )
         or "(none)"
     )
+
+
+def _curves(page: MetricsPage) -> str:
+    return "\n".join(charts.stage_lines(page.points)) or "(none)"
 
 
 def _checkpoints(listed: CheckpointList) -> str:
@@ -273,9 +293,43 @@ def _progress(view: RunView, started: float, first_step: int) -> str:
     return line
 
 
+def on_terminal(args: argparse.Namespace) -> bool:
+    """Whether a person reads stdout: bars and sparklines then; otherwise the plain lines scripts parse."""
+    return not getattr(args, "json", False) and sys.stdout.isatty()
+
+
 async def follow(args: argparse.Namespace, req: StatusRequest) -> Envelope[RunView]:
-    """Poll until the run ends. Any refusal (credential revoked included) stops at once."""
-    started, first_step, last_line, since = time.monotonic(), None, None, 0
+    """Poll until the run ends. Any refusal (credential revoked included) stops at once.
+
+    On a terminal the progress is bars that update in place (ecc/progress.py, rich loads there);
+    otherwise one plain line per change, or one JSON event per poll with --json."""
+    if not on_terminal(args):
+        return await _follow(args, req, None)
+    from ecc import progress
+
+    with progress.Screen() as screen:
+        return await _follow(args, req, screen)
+
+
+async def _new_points(args: argparse.Namespace, run_id: str, since: int) -> tuple[list[Metrics], int]:
+    """The metric points after `since` (a few pages at most per tick) and where the next read starts."""
+    points: list[Metrics] = []
+    for _ in range(METRIC_PAGES_PER_TICK):
+        req = MetricsRequest(run_id=run_id, since=since)
+        env = await _call(args, API["metrics"], req)
+        if env is None or not env.ok:
+            break  # tokens/s waits for the next tick; the bars still move with the status
+        page = env.data
+        assert isinstance(page, MetricsPage), "metrics answers a MetricsPage"
+        points += page.points
+        since = page.next
+        if len(page.points) < req.limit:
+            break
+    return points, since
+
+
+async def _follow(args: argparse.Namespace, req: StatusRequest, screen: "Screen | None") -> Envelope[RunView]:
+    started, first_step, last_line, since, points_since = time.monotonic(), None, None, 0, 0
     while True:
         env = await _call(args, API["status"], req)
         if env is None:
@@ -295,16 +349,22 @@ async def follow(args: argparse.Namespace, req: StatusRequest) -> Envelope[RunVi
                     print(
                         _encoder.encode({"event": "log", **msgspec.structs.asdict(ln)}).decode(), flush=True
                     )
+                elif screen is not None:
+                    screen.log(ln.message)
                 else:
                     print(f"  log: {ln.message}", flush=True)
-        if first_step is None:
-            first_step = view.step
-        line = _progress(view, started, first_step)
-        if args.json:
-            print(_encoder.encode({"event": "status", "run": view}).decode(), flush=True)
-        elif line != last_line:
-            print(line, flush=True)
-            last_line = line
+        if screen is not None:
+            points, points_since = await _new_points(args, view.run_id, points_since)
+            screen.update(view, points, time.monotonic())
+        else:
+            if first_step is None:
+                first_step = view.step
+            line = _progress(view, started, first_step)
+            if args.json:
+                print(_encoder.encode({"event": "status", "run": view}).decode(), flush=True)
+            elif line != last_line:
+                print(line, flush=True)
+                last_line = line
         if view.state in TERMINAL_STATES:
             return env
         await asyncio.sleep(POLL_EVERY_S)

@@ -31,6 +31,7 @@ from contracts.audit import AuditRequest
 from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
+from contracts.runs import Metrics, MetricsPage
 from ecc import credentials, render
 from ecc.manifest_file import ManifestError, read_manifest
 from ecc.transport import Client, SentButUnanswered, local_error, seed_of
@@ -202,8 +203,36 @@ def _status(args: argparse.Namespace) -> Envelope[Any]:
     return asyncio.run(_read(args, API["status"], req))
 
 
+CHART_PAGES = 20  # a terminal's sparkline reads up to 20 pages (20,000 points): a long run's curve, bounded
+
+
+async def _chart_points(args: argparse.Namespace, req: MetricsRequest) -> Envelope[Any]:
+    """Every point from `req.since` (CHART_PAGES pages at most), as one page: a curve drawn from the
+    first page alone would stop at step 1,000. A refusal or timeout on any page is the answer."""
+    points: list[Metrics] = []
+    since, notice = req.since, None
+    for _ in range(CHART_PAGES):
+        env = await _read(args, API["metrics"], msgspec.structs.replace(req, since=since))
+        if not env.ok:
+            return env
+        page = env.data
+        assert isinstance(page, MetricsPage), "metrics answers a MetricsPage"
+        points += page.points
+        since, notice = page.next, env.notice
+        if len(page.points) < req.limit:
+            break
+    else:
+        notice = f"the first {len(points)} points from {req.since}; `--since {since}` shows any after them"
+    page = MetricsPage(run_id=req.run_id, points=points, next=since)
+    return Envelope(ok=True, live_api_contacted=True, notice=notice, data=page)
+
+
 def _metrics(args: argparse.Namespace) -> Envelope[Any]:
+    """Text on a terminal is a sparkline per stage over the whole run; JSON and pipes get the one
+    page asked for (`--since`), byte for byte what the server answered."""
     req = MetricsRequest(run_id=args.run, since=args.since)
+    if render.on_terminal(args):
+        return asyncio.run(_chart_points(args, req))
     return asyncio.run(_read(args, API["metrics"], req))
 
 

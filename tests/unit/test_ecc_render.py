@@ -5,6 +5,7 @@ the server's answer says (a typed re-encode is the server's own bytes)."""
 import argparse
 import asyncio
 import json
+import sys
 import typing
 from datetime import UTC, datetime
 
@@ -480,3 +481,68 @@ def test_a_lost_train_answer_is_found_by_its_key_with_the_same_fields(monkeypatc
 )
 def test_a_plans_degrees_read_as_words_not_a_python_dict(degrees, words):
     assert render._degrees(degrees) == words
+
+
+def _point(stage: str, step: int, total: int, loss: float, tok: float) -> Metrics:
+    return Metrics(
+        run_id="run-1",
+        seq=step,
+        at=AT,
+        stage=stage,
+        step=step,
+        total_steps=total,
+        loss=loss,
+        learning_rate=0.003,
+        tokens_per_s=tok,
+        grad_norm=1.0,
+    )
+
+
+def test_metrics_on_a_terminal_are_a_sparkline_per_stage_not_numbers():
+    """The defect: `ecc ito metrics` printed only numbers, one line per point, to a person too.
+    A pipe still gets those lines (scripts parse them); a terminal gets each stage's curve."""
+    points = [_point("pretrain", s, 8, 4.0 - s * 0.25, 9000.0 + s) for s in range(1, 9)]
+    points += [_point("sft", s, 3, 1.5 - s * 0.25, 800.0) for s in range(1, 4)]
+    page = MetricsPage(run_id="run-1", points=points, next=len(points))
+    assert render.text(page, terminal=True).splitlines() == [
+        "pretrain " + "█▇▆▅▄▃▂▁".ljust(48) + " loss 3.7500 -> 2.0000, min 2.0000, steps 1-8/8, 9008 tok/s",
+        "sft      " + "█▅▁".ljust(48) + " loss 1.2500 -> 0.7500, min 0.7500, steps 1-3/3, 800 tok/s",
+    ]
+    assert render.text(page).splitlines()[0] == "pretrain step 1/8 loss 3.7500 lr 3.00e-03 9001 tok/s"
+    assert render.text(MetricsPage(run_id="r", points=[], next=0), terminal=True) == "(none)"
+
+
+def test_follow_on_a_terminal_draws_bars_in_place_of_a_line_per_step(monkeypatch, capsys):
+    """The defect: on a terminal `status --follow` printed a new line for every step and every ETA
+        change. Now the terminal gets one bar per stage (drawn by rich, here in its non-terminal mode,
+        which prints the bars once, as they end); the log line, the state and the verdict are printed
+    above, each once."""
+    ticks = [
+        msgspec.structs.replace(VIEW, state=RunState.running, step=s, gates=[], message=None)
+        for s in (10, 20, 30)
+    ]
+    done = msgspec.structs.replace(VIEW, state=RunState.succeeded, step=100, gates=[GATE])
+    _scripted_calls(
+        monkeypatch,
+        {
+            "status": [*ticks, done],
+            "logs": [
+                LogPage(run_id="run-1", lines=[LINE], next=1),
+                LogPage(run_id="run-1", lines=[], next=1),
+            ],
+            "metrics": [
+                MetricsPage(run_id="run-1", points=[_point("pretrain", 10, 100, 2.7, 4321.0)], next=1),
+                MetricsPage(run_id="run-1", points=[], next=1),
+            ],
+        },
+    )
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # a person's terminal, as ecc sees it
+    monkeypatch.setenv("TTY_COMPATIBLE", "0")  # rich draws once, at the end, into the captured output
+    monkeypatch.setenv("COLUMNS", "120")
+    env = asyncio.run(render.follow(_follow_args(False), StatusRequest(run_id="run-1")))
+    assert env.ok and env.data == done
+    out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert not any(ln.startswith("[") for ln in out), out  # no `[running] pretrain step ...` lines
+    assert out[:3] == ["  log: step 40", "  state: running", render.gate_line(GATE)]
+    (bar,) = out[3:]
+    assert bar.startswith("pretrain ") and bar.endswith("100/100  loss 2.5000  4321 tok/s  done"), bar
