@@ -268,3 +268,24 @@ def test_a_result_is_the_envelope_its_output_schema_describes(name, env):
     assert json.loads(text) == structured
     assert text == msgspec.json.encode(env).decode()  # the line `ecc ito --json` prints
     jsonschema.validate(structured, tools.output_schema(tools.TOOLS[name]))
+
+
+@pytest.mark.parametrize(
+    "name, arguments, code",
+    [
+        (
+            "cancel",
+            {"run_id": "run-1", "idempotency_key": "k", "confirmation_ref": "cf_1"},
+            "transport_ambiguous",
+        ),
+        ("approve", {"run_id": "run-1", "idempotency_key": "k", "reject": True}, "transport_ambiguous"),
+        ("status", {"run_id": "run-1"}, "timeout"),  # a read changed nothing: it says so
+    ],
+)
+def test_a_lost_answer_is_the_clis_rule_for_the_verb(logged_in, monkeypatch, name, arguments, code):
+    async def call(self, endpoint, request):
+        raise transport.SentButUnanswered()
+
+    monkeypatch.setattr(transport.Client, "call", call)
+    env = asyncio.run(tools.call(name, arguments, BOUNDS))
+    assert not env.ok and env.live_api_contacted and env.error.code == code
