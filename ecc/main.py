@@ -1,13 +1,15 @@
 """`ecc` entry point: parse, dispatch, print, exit 0 only when the answer is ok.
 
-Argument parsing is all that runs for `--help`: the verbs (and NATS, msgspec) load on demand.
-The parser is built one verb group at a time, in the order `--help` lists the verbs.
+Argument parsing is all that runs for `--help`: the verbs (and NATS, msgspec) load on demand, and
+the MCP SDK only for `ecc mcp`. The parser is built one verb group at a time, in the order `--help`
+lists the verbs; every help string comes from `ecc.verb_help`, which the MCP tools read too.
 """
 
 import argparse
 import sys
 
 from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
+from ecc.verb_help import OPTION_HELP, VERB_HELP
 
 CONNECT_TIMEOUT_HELP = f"seconds to wait for the connection (default {DEFAULT_CONNECT_TIMEOUT_S:g})"
 TIMEOUT_HELP = f"overall seconds for the call (default {DEFAULT_TIMEOUT_S:g})"
@@ -27,30 +29,28 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _session_verbs(verbs: Verbs) -> None:
     """Who I am and what I booked: login, logout, auth, find."""
-    p = verbs.add_parser("login", help="store an API key (read from stdin or a prompt, never an argument)")
+    p = verbs.add_parser("login", help=VERB_HELP["login"])
     p.add_argument("--account", required=True)
     _common(p)
-    _common(verbs.add_parser("logout", help="forget the stored API key"))
-    _common(verbs.add_parser("auth", help="who am I"))
-    _common(verbs.add_parser("find", help="list your bookings and what they allow"))
+    _common(verbs.add_parser("logout", help=VERB_HELP["logout"]))
+    _common(verbs.add_parser("auth", help=VERB_HELP["auth"]))
+    _common(verbs.add_parser("find", help=VERB_HELP["find"]))
 
 
 def _creation_verbs(verbs: Verbs) -> None:
     """From a reviewed manifest to a run: plan, confirm, train."""
-    p = verbs.add_parser("plan", help="plan a run on a booking; creates nothing")
+    p = verbs.add_parser("plan", help=VERB_HELP["plan"])
     p.add_argument("--booking", required=True)
-    p.add_argument("--manifest", required=True, help="absolute path of the reviewed manifest")
+    p.add_argument("--manifest", required=True, help=OPTION_HELP["plan"]["manifest"])
     _common(p)
-    p = verbs.add_parser("confirm", help="confirm an action; returns an opaque confirmation_ref")
+    p = verbs.add_parser("confirm", help=VERB_HELP["confirm"])
     p.add_argument("--action", required=True, choices=CONFIRM_ACTIONS)
     p.add_argument("--booking")
     p.add_argument("--run")
     p.add_argument("--manifest")
-    p.add_argument(
-        "--max-cost", type=float, help="the most you confirm to spend, in USD (default: the plan's estimate)"
-    )
+    p.add_argument("--max-cost", type=float, help=OPTION_HELP["confirm"]["max_cost"])
     _common(p)
-    p = verbs.add_parser("train", help="create a training run (needs a confirmation and an idempotency key)")
+    p = verbs.add_parser("train", help=VERB_HELP["train"])
     p.add_argument("--booking", required=True)
     p.add_argument("--manifest", required=True)
     p.add_argument("--confirmation-ref", required=True)
@@ -60,65 +60,53 @@ def _creation_verbs(verbs: Verbs) -> None:
 
 def _view_verbs(verbs: Verbs) -> None:
     """Reads of one run's progress: status, metrics, checkpoints, evals."""
-    p = verbs.add_parser("status", help="a run's state, by run id or by idempotency key")
+    p = verbs.add_parser("status", help=VERB_HELP["status"])
     p.add_argument("run", nargs="?")
-    p.add_argument("--idempotency-key")
-    p.add_argument("--follow", action="store_true", help="follow until the run ends")
+    p.add_argument("--idempotency-key", help=OPTION_HELP["status"]["idempotency_key"])
+    p.add_argument("--follow", action="store_true", help=OPTION_HELP["status"]["follow"])
     _common(p)
-    p = verbs.add_parser("metrics", help="a run's per-step metrics")
+    p = verbs.add_parser("metrics", help=VERB_HELP["metrics"])
     p.add_argument("run")
-    p.add_argument("--since", type=int, default=0, help="index of the first point")
+    p.add_argument("--since", type=int, default=0, help=OPTION_HELP["metrics"]["since"])
     _common(p)
-    p = verbs.add_parser("checkpoints", help="a run's committed checkpoints (step, size, loop stall)")
+    p = verbs.add_parser("checkpoints", help=VERB_HELP["checkpoints"])
     p.add_argument("run")
     _common(p)
-    p = verbs.add_parser("evals", help="each stage's eval battery: every metric, its threshold, pass/fail")
+    p = verbs.add_parser("evals", help=VERB_HELP["evals"])
     p.add_argument("run")
     _common(p)
 
 
 def _change_verbs(verbs: Verbs) -> None:
     """Mutations of one run, each with its own confirmation and idempotency key: cancel, cleanup, approve."""
-    p = verbs.add_parser("cancel", help="stop a run (needs its own cancel confirmation and idempotency key)")
+    p = verbs.add_parser("cancel", help=VERB_HELP["cancel"])
     p.add_argument("run")
     p.add_argument("--confirmation-ref", required=True)
     p.add_argument("--idempotency-key", required=True)
     _common(p)
-    p = verbs.add_parser(
-        "cleanup", help="remove a finished run's artifacts; the booking is untouched unless --release-booking"
-    )
+    p = verbs.add_parser("cleanup", help=VERB_HELP["cleanup"])
     p.add_argument("run")
     p.add_argument("--confirmation-ref", required=True)
     p.add_argument("--idempotency-key", required=True)
-    p.add_argument(
-        "--release-booking",
-        action="store_true",
-        help="also ask ito-compute to release the booking (needs --release-confirmation-ref)",
-    )
-    p.add_argument(
-        "--release-confirmation-ref", help="a `release_booking` confirmation for the run's booking"
-    )
+    p.add_argument("--release-booking", action="store_true", help=OPTION_HELP["cleanup"]["release_booking"])
+    p.add_argument("--release-confirmation-ref", help=OPTION_HELP["cleanup"]["release_confirmation_ref"])
     _common(p)
-    p = verbs.add_parser(
-        "approve",
-        help="decide a paused run's restart proposal (loss spike): approve with a "
-        "restart_from_checkpoint confirmation, or --reject",
-    )
+    p = verbs.add_parser("approve", help=VERB_HELP["approve"])
     p.add_argument("run")
     p.add_argument("--confirmation-ref")
     p.add_argument("--idempotency-key", required=True)
-    p.add_argument("--reject", action="store_true", help="keep the run paused; nothing restarts")
+    p.add_argument("--reject", action="store_true", help=OPTION_HELP["approve"]["reject"])
     _common(p)
 
 
 def _record_verbs(verbs: Verbs) -> None:
     """A run's records: audit, logs."""
-    p = verbs.add_parser("audit", help="a run's gate decisions (who, which gate, pass/fail and code)")
+    p = verbs.add_parser("audit", help=VERB_HELP["audit"])
     p.add_argument("run")
     _common(p)
-    p = verbs.add_parser("logs", help="a run's log lines")
+    p = verbs.add_parser("logs", help=VERB_HELP["logs"])
     p.add_argument("run")
-    p.add_argument("--since", type=int, default=0, help="index of the first line")
+    p.add_argument("--since", type=int, default=0, help=OPTION_HELP["logs"]["since"])
     p.add_argument("--follow", action="store_true")
     _common(p)
 
@@ -130,11 +118,33 @@ def parser() -> argparse.ArgumentParser:
     verbs = ito.add_subparsers(dest="verb", required=True)
     for add_group in (_session_verbs, _creation_verbs, _view_verbs, _change_verbs, _record_verbs):
         add_group(verbs)
+    _agents_door(groups)
     return top
+
+
+def _agents_door(groups: Verbs) -> None:
+    """`ecc mcp`: the verbs as MCP tools on stdio, for an agent; each call bounded like a verb's."""
+    p = groups.add_parser(
+        "mcp",
+        help="serve the ito verbs to an agent as MCP tools on stdio "
+        "(no confirm, no login: a person does those)",
+        description="An MCP server on stdio: the `ecc ito` verbs as tools for an agent, with the "
+        "login that `ecc ito login` stored. An agent can find, plan, train, watch, cancel and clean up; "
+        "it never confirms (`ecc ito confirm` is a person's) and never sees a key. Register it with "
+        'an MCP client as {"command": "ecc", "args": ["mcp"]}.',
+    )
+    p.add_argument(
+        "--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S, help=CONNECT_TIMEOUT_HELP
+    )
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help=TIMEOUT_HELP)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.group == "mcp":  # the SDK loads only here (~0.7 s): never for `ecc ito` or `--help`
+        from ecc import mcp_server
+
+        return mcp_server.serve(args.connect_timeout, args.timeout)
     from ecc import verbs
 
     return verbs.dispatch(args)

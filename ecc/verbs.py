@@ -1,11 +1,17 @@
-"""The `ecc ito` verbs: read local inputs safely, make one bounded call, print the answer."""
+"""The `ecc ito` verbs: read local inputs safely, make one bounded call, print the answer.
+
+Each verb's work is `answer(verb, request, bounds)`: a typed API request in, an Envelope out, with
+the verb's rule for a lost answer (a read says nothing changed; `train` asks status by its
+idempotency key; a mutation answers `transport_ambiguous`). The argparse handlers below and the MCP
+tools (`ecc.tools`) both build the request (`load_manifest` reads a manifest for either) and call it.
+"""
 
 import argparse
 import asyncio
 import getpass
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -37,13 +43,30 @@ from ecc.manifest_file import ManifestError, read_manifest
 from ecc.transport import Client, SentButUnanswered, local_error, seed_of
 
 
+class Bounds(NamedTuple):
+    """One call's connect and overall timeouts (`--connect-timeout`, `--timeout`; `ecc mcp`'s own)."""
+
+    connect_timeout_s: float
+    timeout_s: float
+
+
+def bounds_of(args: argparse.Namespace) -> Bounds:
+    return Bounds(args.connect_timeout, args.timeout)
+
+
+MUTATIONS = frozenset({"cancel", "cleanup", "approve"})
+"""The verbs besides `train` that change a run: each takes a confirmation and an idempotency key."""
+
+
 def _logged_in() -> Envelope[Any] | None:
     if credentials.load() is None:
         return local_error(ErrorCode.unauthenticated, "not logged in; run `ecc ito login --account ACCOUNT`")
     return None
 
 
-def _manifest(path: str) -> tuple[str, str] | Envelope[Any]:
+def load_manifest(path: str) -> tuple[str, str] | Envelope[Any]:
+    """(text, SHA-256 hex) of the manifest at `path`, read by the safe reader (one descriptor,
+    O_NOFOLLOW, owner and mode checked, size capped, hashed exactly), or why not."""
     try:
         data, digest = read_manifest(path)
     except ManifestError as exc:
@@ -54,8 +77,17 @@ def _manifest(path: str) -> tuple[str, str] | Envelope[Any]:
         return local_error(ErrorCode.manifest_invalid, "the manifest is not UTF-8 text")
 
 
-async def _read(args: argparse.Namespace, endpoint: Endpoint[Any, Any], request: Any) -> Envelope[Any]:
-    async with Client(args.connect_timeout, args.timeout) as client:
+async def answer(verb: str, request: Any, bounds: Bounds) -> Envelope[Any]:
+    """One API verb's bounded call with its rule for a lost answer."""
+    if verb == "train":
+        return await _call_train(bounds, request)
+    if verb in MUTATIONS:
+        return await _mutate(bounds, API[verb], request)
+    return await _read(bounds, API[verb], request)
+
+
+async def _read(bounds: Bounds, endpoint: Endpoint[Any, Any], request: Any) -> Envelope[Any]:
+    async with Client(*bounds) as client:
         try:
             return await client.call(endpoint, request)
         except SentButUnanswered:
@@ -64,14 +96,14 @@ async def _read(args: argparse.Namespace, endpoint: Endpoint[Any, Any], request:
             )
 
 
-async def _call_train(args: argparse.Namespace, request: TrainRequest) -> Envelope[RunAccepted]:
+async def _call_train(bounds: Bounds, request: TrainRequest) -> Envelope[RunAccepted]:
     """A train whose answer is lost is resolved by asking status by its idempotency key first."""
-    async with Client(args.connect_timeout, args.timeout) as client:
+    async with Client(*bounds) as client:
         try:
             return await client.call(API["train"], request)
         except SentButUnanswered:
             pass
-    async with Client(args.connect_timeout, max(args.timeout / 2, 5.0)) as client:
+    async with Client(bounds.connect_timeout_s, max(bounds.timeout_s / 2, 5.0)) as client:
         try:
             status = await client.call(API["status"], StatusRequest(idempotency_key=request.idempotency_key))
         except SentButUnanswered:
@@ -95,9 +127,9 @@ async def _call_train(args: argparse.Namespace, request: TrainRequest) -> Envelo
     )
 
 
-async def _mutate(args: argparse.Namespace, endpoint: Endpoint[Any, Any], request: Any) -> Envelope[Any]:
+async def _mutate(bounds: Bounds, endpoint: Endpoint[Any, Any], request: Any) -> Envelope[Any]:
     """A lost answer to a mutation is not retried blindly: its key makes a retry safe, so say so."""
-    async with Client(args.connect_timeout, args.timeout) as client:
+    async with Client(*bounds) as client:
         try:
             return await client.call(endpoint, request)
         except SentButUnanswered:
@@ -107,6 +139,10 @@ async def _mutate(args: argparse.Namespace, endpoint: Endpoint[Any, Any], reques
                 "--idempotency-key: it is applied at most once",
                 contacted=True,
             )
+
+
+def _run(verb: str, request: Any, args: argparse.Namespace) -> Envelope[Any]:
+    return asyncio.run(answer(verb, request, bounds_of(args)))
 
 
 def _login(args: argparse.Namespace) -> Envelope[Any]:
@@ -143,25 +179,26 @@ def _logout(args: argparse.Namespace) -> Envelope[Any]:
 
 
 def _auth(args: argparse.Namespace) -> Envelope[Any]:
-    return asyncio.run(_read(args, API["auth"], AuthRequest()))
+    return _run("auth", AuthRequest(), args)
 
 
 def _find(args: argparse.Namespace) -> Envelope[Any]:
-    return asyncio.run(_read(args, API["find"], FindRequest()))
+    return _run("find", FindRequest(), args)
 
 
 def _plan(args: argparse.Namespace) -> Envelope[Any]:
-    m = _manifest(args.manifest)
+    m = load_manifest(args.manifest)
     if isinstance(m, Envelope):
         return m
     text, digest = m
-    req = PlanRequest(booking_id=args.booking, manifest_text=text, manifest_digest=digest)
-    return asyncio.run(_read(args, API["plan"], req))
+    return _run(
+        "plan", PlanRequest(booking_id=args.booking, manifest_text=text, manifest_digest=digest), args
+    )
 
 
 def _train(args: argparse.Namespace) -> Envelope[Any]:
     """The manifest read here, then a call whose lost answer `_call_train` resolves."""
-    m = _manifest(args.manifest)
+    m = load_manifest(args.manifest)
     if isinstance(m, Envelope):
         return m
     text, digest = m
@@ -172,14 +209,14 @@ def _train(args: argparse.Namespace) -> Envelope[Any]:
         confirmation_ref=args.confirmation_ref,
         idempotency_key=args.idempotency_key,
     )
-    return asyncio.run(_call_train(args, req))
+    return _run("train", req, args)
 
 
 def _confirm(args: argparse.Namespace) -> Envelope[Any]:
     text: str | None = None
     digest: str | None = None
     if args.manifest:
-        m = _manifest(args.manifest)
+        m = load_manifest(args.manifest)
         if isinstance(m, Envelope):
             return m
         text, digest = m
@@ -191,7 +228,7 @@ def _confirm(args: argparse.Namespace) -> Envelope[Any]:
         manifest_digest=digest,
         max_cost_usd=args.max_cost,
     )
-    return asyncio.run(_read(args, API["confirm"], req))
+    return _run("confirm", req, args)
 
 
 def _status(args: argparse.Namespace) -> Envelope[Any]:
@@ -200,7 +237,7 @@ def _status(args: argparse.Namespace) -> Envelope[Any]:
     req = StatusRequest(run_id=args.run, idempotency_key=args.idempotency_key)
     if args.follow:
         return asyncio.run(render.follow(args, req))
-    return asyncio.run(_read(args, API["status"], req))
+    return _run("status", req, args)
 
 
 CHART_PAGES = 20  # a terminal's sparkline reads up to 20 pages (20,000 points): a long run's curve, bounded
@@ -212,7 +249,7 @@ async def _chart_points(args: argparse.Namespace, req: MetricsRequest) -> Envelo
     points: list[Metrics] = []
     since, notice = req.since, None
     for _ in range(CHART_PAGES):
-        env = await _read(args, API["metrics"], msgspec.structs.replace(req, since=since))
+        env = await _read(bounds_of(args), API["metrics"], msgspec.structs.replace(req, since=since))
         if not env.ok:
             return env
         page = env.data
@@ -233,22 +270,22 @@ def _metrics(args: argparse.Namespace) -> Envelope[Any]:
     req = MetricsRequest(run_id=args.run, since=args.since)
     if render.on_terminal(args):
         return asyncio.run(_chart_points(args, req))
-    return asyncio.run(_read(args, API["metrics"], req))
+    return _run("metrics", req, args)
 
 
 def _checkpoints(args: argparse.Namespace) -> Envelope[Any]:
-    return asyncio.run(_read(args, API["checkpoints"], RunItemsRequest(run_id=args.run)))
+    return _run("checkpoints", RunItemsRequest(run_id=args.run), args)
 
 
 def _evals(args: argparse.Namespace) -> Envelope[Any]:
-    return asyncio.run(_read(args, API["evals"], RunItemsRequest(run_id=args.run)))
+    return _run("evals", RunItemsRequest(run_id=args.run), args)
 
 
 def _cancel(args: argparse.Namespace) -> Envelope[Any]:
     req = CancelRequest(
         run_id=args.run, confirmation_ref=args.confirmation_ref, idempotency_key=args.idempotency_key
     )
-    return asyncio.run(_mutate(args, API["cancel"], req))
+    return _run("cancel", req, args)
 
 
 def _cleanup(args: argparse.Namespace) -> Envelope[Any]:
@@ -259,7 +296,7 @@ def _cleanup(args: argparse.Namespace) -> Envelope[Any]:
         release_booking=args.release_booking,
         release_confirmation_ref=args.release_confirmation_ref,
     )
-    return asyncio.run(_mutate(args, API["cleanup"], req))
+    return _run("cleanup", req, args)
 
 
 def _approve(args: argparse.Namespace) -> Envelope[Any]:
@@ -269,18 +306,18 @@ def _approve(args: argparse.Namespace) -> Envelope[Any]:
         idempotency_key=args.idempotency_key,
         reject=args.reject,
     )
-    return asyncio.run(_mutate(args, API["approve"], req))
+    return _run("approve", req, args)
 
 
 def _audit(args: argparse.Namespace) -> Envelope[Any]:
-    return asyncio.run(_read(args, API["audit"], AuditRequest(run_id=args.run)))
+    return _run("audit", AuditRequest(run_id=args.run), args)
 
 
 def _logs(args: argparse.Namespace) -> Envelope[Any]:
     req = LogsRequest(run_id=args.run, since=args.since)
     if args.follow:
         return asyncio.run(render.follow_logs(args, req))
-    return asyncio.run(_read(args, API["logs"], req))
+    return _run("logs", req, args)
 
 
 Verb = Callable[[argparse.Namespace], Envelope[Any]]

@@ -1,5 +1,6 @@
-"""`ecc` stays light: no torch, no faststream, `--help` needs neither NATS nor msgspec, and rich (the
-progress bars) loads only when a terminal follows a run: never for --json, a pipe, or --help."""
+"""`ecc` stays light: no torch, no faststream, `--help` needs neither NATS nor msgspec, rich (the
+progress bars) loads only when a terminal follows a run (never for --json, a pipe, or --help), and
+the MCP SDK loads for `ecc mcp` only (the tools' own rules, ecc/tools.py, need none of it)."""
 
 import subprocess
 import sys
@@ -21,9 +22,9 @@ def modules_after(code: str) -> set[str]:
 
 def test_every_client_module_imports_without_heavy_packages():
     loaded = modules_after(
-        "import ecc.main, ecc.verbs, ecc.render, ecc.transport, ecc.manifest_file, ecc.charts, ecc.progress"
+        "import ecc.main, ecc.verbs, ecc.render, ecc.transport, ecc.manifest_file, ecc.charts, ecc.progress, ecc.tools"
     )
-    assert not {m for m in loaded if m.split(".")[0] in (*HEAVY, "rich")}
+    assert not {m for m in loaded if m.split(".")[0] in (*HEAVY, "rich", "mcp", "mcp_types", "pydantic")}
 
 
 # `ecc ito status --follow` of a run that has ended, with the network cut out (`render._call` answers).
@@ -68,12 +69,20 @@ def test_rich_loads_only_when_a_terminal_follows_a_run(terminal, as_json, draws)
     assert ("ecc.progress" in loaded) is draws
 
 
+def test_the_mcp_server_imports_without_heavy_packages():
+    loaded = modules_after("import ecc.mcp_server")
+    assert "mcp.server.lowlevel" in loaded
+    assert not {m for m in loaded if m.split(".")[0] in HEAVY}
+
+
 def test_help_imports_neither_nats_nor_msgspec():
     loaded = modules_after(
         "import contextlib, io\n"
         "from ecc.main import main\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-        "    main(['--help'])"
+        "    main(['--help'])\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['mcp', '--help'])"
     )
     assert "ecc.main" in loaded
-    assert not {m for m in loaded if m.split(".")[0] in (*HEAVY, "nats", "msgspec", "rich")}
+    assert not {m for m in loaded if m.split(".")[0] in (*HEAVY, "nats", "msgspec", "rich", "mcp")}

@@ -455,7 +455,7 @@ def test_a_lost_train_answer_is_found_by_its_key_with_the_same_fields(monkeypatc
 
     monkeypatch.setattr(transport.Client, "call", call)
     req = TrainRequest(booking_id="bk-1", manifest_text="m", manifest_digest="d", idempotency_key="key-1")
-    env = asyncio.run(verbs._call_train(_follow_args(True), req))
+    env = asyncio.run(verbs.answer("train", req, verbs.Bounds(1.0, 1.0)))
     assert (
         env.ok and env.notice == "the answer was lost in transit; this run was found by its idempotency key"
     )

@@ -1,0 +1,68 @@
+"""What each verb and option does, in words: the one table `ecc ito --help` and the MCP tools read.
+
+`ecc.main` builds the parser's help from here and `ecc.tools` builds each tool's description and
+its arguments' descriptions from the same strings, so a person and an agent read the same words.
+This module imports nothing: `--help` stays free of NATS, msgspec and the MCP SDK.
+"""
+
+VERB_HELP: dict[str, str] = {
+    "login": "store an API key (read from stdin or a prompt, never an argument)",
+    "logout": "forget the stored API key",
+    "auth": "who am I",
+    "find": "list your bookings and what they allow",
+    "plan": "plan a run on a booking; creates nothing",
+    "confirm": "confirm an action; returns an opaque confirmation_ref",
+    "train": "create a training run (needs a confirmation and an idempotency key)",
+    "status": "a run's state, by run id or by idempotency key",
+    "metrics": "a run's per-step metrics",
+    "checkpoints": "a run's committed checkpoints (step, size, loop stall)",
+    "evals": "each stage's eval battery: every metric, its threshold, pass/fail",
+    "cancel": "stop a run (needs its own cancel confirmation and idempotency key)",
+    "cleanup": "remove a finished run's artifacts; the booking is untouched unless --release-booking",
+    "approve": "decide a paused run's restart proposal (loss spike): approve with a "
+    "restart_from_checkpoint confirmation, or --reject",
+    "audit": "a run's gate decisions (who, which gate, pass/fail and code)",
+    "logs": "a run's log lines",
+}
+"""One line per `ecc ito` verb (its `--help` entry; the first line of its MCP tool's description)."""
+
+OPTION_HELP: dict[str, dict[str, str]] = {
+    "plan": {"manifest": "absolute path of the reviewed manifest"},
+    "confirm": {"max_cost": "the most you confirm to spend, in USD (default: the plan's estimate)"},
+    "status": {
+        "follow": "follow until the run ends",
+        "idempotency_key": "the idempotency key the run's train was sent with",
+    },
+    "metrics": {"since": "index of the first point"},
+    "cleanup": {
+        "release_booking": "also ask ito-compute to release the booking (needs --release-confirmation-ref)",
+        "release_confirmation_ref": "a `release_booking` confirmation for the run's booking",
+    },
+    "approve": {"reject": "keep the run paused; nothing restarts"},
+    "logs": {"since": "index of the first line"},
+}
+"""Per verb, the help of the options that have one, by field name (`--release-booking` is
+`release_booking`)."""
+
+FIELD_HELP: dict[str, str] = {
+    "booking_id": "the booking's id (from find)",
+    "run_id": "the run's id (from train's answer)",
+    "manifest": OPTION_HELP["plan"]["manifest"],
+    "confirmation_ref": "the opaque reference a person created with `ecc ito confirm`",
+    "idempotency_key": "your key for this request: reuse it on a retry, never for another request",
+    "limit": "the most items in one answer",
+}
+"""What an argument means wherever a verb has no more specific help for it (the MCP tools' argument
+descriptions; the CLI spells these as its flags)."""
+
+
+def option_help(verb: str, field: str) -> str | None:
+    """The words for one verb's option: its own, else the field's general meaning."""
+    return OPTION_HELP.get(verb, {}).get(field) or FIELD_HELP.get(field)
+
+
+def for_tools(words: str) -> str:
+    """Help written for the CLI as a tool's argument names read: `--release-booking` -> `release_booking`."""
+    import re  # here, not at the top: `--help` needs no regular expression
+
+    return re.sub(r"--([a-z][a-z-]*)", lambda m: m[1].replace("-", "_"), words)

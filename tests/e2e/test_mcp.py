@@ -1,0 +1,169 @@
+"""The agents' door with a real MCP client (the SDK's stdio client) against `ecc mcp` and a real
+stack: the tools are the verbs but confirm and login; plan creates nothing; train without a person's
+confirmation is `confirmation_required` with the command the person runs; with the reference they
+hand over, a run that reaches `succeeded`, replayed by its key; a revoked credential stops a wait.
+Every result and the tool list are scanned for the API key and a planted token."""
+
+import contextlib
+import json
+import re
+import shlex
+from collections.abc import AsyncIterator
+
+import jsonschema
+import pytest
+from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+from ecc.transport import KEY_PREFIX
+from tests.conftest import BIN
+
+pytestmark = pytest.mark.e2e
+TOOLS = {"auth", "find", "plan", "train", "status", "wait", "logs", "metrics", "checkpoints", "evals"}
+TOOLS |= {"audit", "cancel", "cleanup", "approve"}
+TERMINAL = {"succeeded", "failed", "gate_failed", "cancelled"}
+LONG = {"tokens": 4000 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
+PLANTED = "hf_" + "Zq7" * 12  # looks like a Hugging Face token: the server refuses the manifest
+
+
+class Agent:
+    """One MCP session with `ecc mcp`, keeping every text it received for the secrets scan."""
+
+    def __init__(self, session: ClientSession, instructions: str | None) -> None:
+        self.session = session
+        self.instructions = instructions
+        self.seen: list[str] = []
+        self.schemas: dict[str, dict] = {}
+
+    async def tools(self) -> list:
+        listed = await self.session.list_tools()
+        self.seen.append(listed.model_dump_json())
+        self.schemas = {t.name: t.output_schema for t in listed.tools}
+        return listed.tools
+
+    async def __call__(self, name: str, wait_s: float = 60, **arguments) -> dict:
+        """The envelope a tool answered: structured content, the same JSON as text, and `isError`
+        exactly when it is not ok; an ok one the SDK has validated against the output schema."""
+        result = await self.session.call_tool(name, arguments, read_timeout_seconds=wait_s + 30)
+        self.seen.append(result.model_dump_json())
+        env = result.structured_content
+        assert [json.loads(c.text) for c in result.content] == [env]
+        assert result.is_error is (not env["ok"]), env
+        jsonschema.validate(env, self.schemas[name])  # the failed ones too (the SDK checks ok ones)
+        return env
+
+
+@contextlib.asynccontextmanager
+async def agent(env: dict) -> AsyncIterator[Agent]:
+    params = StdioServerParameters(command=str(BIN / "ecc"), args=["mcp"], env=env)
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        init = await session.initialize()
+        a = Agent(session, init.instructions)
+        await a.tools()
+        yield a
+
+
+def person_runs(stack, env: dict, message: str) -> str:
+    """What a person does with `confirmation_required`: runs the command it names, exactly; the
+    confirmation_ref they hand back."""
+    (command,) = re.findall(r"`(ecc ito confirm [^`]*)`", message)
+    exe, *args = shlex.split(command)
+    proc = stack.run(exe, *args, "--json", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])["data"]["confirmation_ref"]
+
+
+def scan(seen: list[str], *secrets: str) -> None:
+    for text in seen:
+        for secret in secrets:
+            assert secret not in text
+
+
+async def test_an_agent_takes_a_run_from_find_to_succeeded_given_only_a_persons_ref(stack, manifest):
+    account, key, env = stack.account()
+    booking = stack.booking(account)
+    m, leaky = str(manifest()), str(manifest(name=f"run {PLANTED}"))
+    async with agent({**stack.env, **env}) as a:
+        assert {t.name for t in await a.tools()} == TOOLS  # no confirm, no login, no logout
+        found = await a("find")
+        assert [v["booking"]["booking_id"] for v in found["data"]] == [booking]
+
+        plan = await a("plan", booking_id=booking, manifest=m)
+        assert plan["ok"] and plan["data"]["ok"], plan
+        refused = await a("plan", booking_id=booking, manifest=leaky)
+        assert refused["error"]["code"] == "manifest_contains_secret"
+        assert (await a("status", idempotency_key="mcp-1"))["error"]["code"] == "run_not_found"
+
+        asked = await a("train", booking_id=booking, manifest=m, idempotency_key="mcp-1")
+        assert asked["error"]["code"] == "confirmation_required" and not asked["live_api_contacted"]
+        assert (await a("status", idempotency_key="mcp-1"))["error"]["code"] == "run_not_found"
+        ref = person_runs(stack, env, asked["error"]["message"])
+
+        train = await a(
+            "train", booking_id=booking, manifest=m, idempotency_key="mcp-1", confirmation_ref=ref
+        )
+        assert train["ok"] and train["data"]["replay"] is False, train
+        run_id = train["data"]["run_id"]
+        assert train["data"]["manifest_digest"] == plan["data"]["manifest_digest"]
+        again = await a(
+            "train", booking_id=booking, manifest=m, idempotency_key="mcp-1", confirmation_ref=ref
+        )
+        assert again["data"]["run_id"] == run_id and again["data"]["replay"] is True
+
+        for _ in range(6):  # each wait is bounded; the agent keeps control between them
+            waited = await a("wait", run_id=run_id, max_wait_s=60)
+            assert waited["ok"], waited
+            if waited["data"]["state"] in TERMINAL:
+                break
+        assert waited["data"]["state"] == "succeeded", waited
+        assert waited["data"]["step"] == waited["data"]["total_steps"] == 30
+        assert (await a("status", idempotency_key="mcp-1"))["data"]["run_id"] == run_id
+        logs = await a("logs", run_id=run_id)
+        assert any("pretrain finished" in ln["message"] for ln in logs["data"]["lines"])
+        for name in ("metrics", "checkpoints", "evals", "audit"):
+            assert (await a(name, run_id=run_id))["ok"], name
+
+        asked = await a("cleanup", run_id=run_id, idempotency_key="mcp-clean")
+        assert asked["error"]["code"] == "confirmation_required"
+        ref = person_runs(stack, env, asked["error"]["message"])
+        cleaned = await a("cleanup", run_id=run_id, idempotency_key="mcp-clean", confirmation_ref=ref)
+        assert cleaned["ok"] and cleaned["data"]["removed"], cleaned
+    scan(a.seen, key, key.removeprefix(KEY_PREFIX), PLANTED)
+
+
+async def test_a_revoked_credential_stops_a_wait_and_a_new_login_is_a_persons(stack, manifest):
+    import asyncio
+
+    from tests.support import confirm_and_train
+
+    account, key, env = stack.account()
+    booking = stack.booking(account)
+    run_id = confirm_and_train(stack, env, booking, str(manifest(target=LONG)), "mcp-long")["data"]["run_id"]
+    async with agent({**stack.env, **env}) as a:
+        waiting = asyncio.create_task(a("wait", run_id=run_id, max_wait_s=120))
+        await asyncio.sleep(2)
+        assert not waiting.done()
+        stack.ito("accounts", "revoke", account)
+        stopped = await asyncio.wait_for(waiting, timeout=60)  # well inside max_wait_s: it stopped
+        assert stopped["error"]["code"] == "credential_revoked", stopped
+        assert (await a("auth"))["error"]["code"] == "credential_revoked"
+
+        # a person logs in again; the same server uses the new login, and the run stops by the lifecycle
+        new_key = stack.ito("accounts", "create", account)["api_key"]
+        rc, out = stack.ecc("login", "--account", account, input=new_key + "\n", env=env)
+        assert rc == 0, out
+        asked = await a("cancel", run_id=run_id, idempotency_key="mcp-stop")
+        assert asked["error"]["code"] == "confirmation_required"
+        ref = person_runs(stack, env, asked["error"]["message"])
+        cancelled = await a("cancel", run_id=run_id, idempotency_key="mcp-stop", confirmation_ref=ref)
+        assert cancelled["ok"] and cancelled["data"]["state"] in ("cancelling", "cancelled"), cancelled
+    scan(a.seen, key, new_key, key.removeprefix(KEY_PREFIX), new_key.removeprefix(KEY_PREFIX))
+
+
+async def test_without_a_login_every_tool_says_a_person_must_log_in(tmp_path):
+    async with agent({"ECC_CONFIG_DIR": str(tmp_path)}) as a:
+        assert "you can never authorise spending" in a.instructions
+        for name in sorted(TOOLS):
+            env = await a(name)
+            assert env["error"]["code"] == "unauthenticated" and not env["live_api_contacted"], (name, env)
+            assert "a person must run `ecc ito login" in env["error"]["message"]
