@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps demo desk lint test bench chaos up down clean
+.PHONY: install sysdeps demo desk screenshots lint test bench chaos up down clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ sysdeps:
 DEMO_ARGS ?=
 demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh $(DEMO_ARGS)
+
+# The README's screenshots of the desk, taken by the browser test's own code path.
+screenshots: install sysdeps
+	ITO_SCREENSHOT_DIR="$(abspath docs/screenshots)" PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q tests/e2e/test_desk_browser.py
 
 # The desk's dashboard in the foreground, on a stack `make up` started (`up --desk` starts it too).
 desk: install
