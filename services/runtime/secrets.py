@@ -5,7 +5,10 @@ Layout (`ITO_SECRETS_DIR`, default `<data dir>/secrets`):
   the wire; the server config holds only the public key);
 - `redis/<identity>.pw`: the identity's Redis ACL password (the ACL file holds only its SHA-256);
 - `signing/scheduler.ed25519`: the scheduler's Ed25519 seed; it signs work items, cancel notices
-  and internal requests. `signing/scheduler.pub` is the public half that verifiers read.
+  and internal requests. `signing/scheduler.pub` is the public half that verifiers read;
+- `metrics-token`: the bearer token every `/metrics` endpoint asks for (services/runtime/metrics.py),
+  one for the whole stack, in a file of its own so that Prometheus can read it
+  (`authorization: {credentials_file: ...}`).
 
 Nothing here is ever logged, put in an argument, an event or an answer. Files are created with
 O_EXCL at mode 0600, so a second writer cannot swap one in; a file with group or other bits set is
@@ -21,6 +24,7 @@ PASSWORD_DIR = "redis"
 SIGNING_DIR = "signing"
 SCHEDULER_SIGNING_KEY = "scheduler.ed25519"
 SCHEDULER_VERIFY_KEY = "scheduler.pub"
+METRICS_TOKEN = "metrics-token"
 
 
 class SecretError(Exception):
@@ -91,6 +95,16 @@ class Secrets:
     def public_nkey(self, identity: str) -> str:
         return nkey_public(self.seed(identity))
 
+    def metrics_token_path(self) -> pathlib.Path:
+        return self.root / METRICS_TOKEN
+
+    def metrics_token(self) -> str:
+        """The bearer token of the `/metrics` endpoints; refused when missing, empty or unsafe."""
+        token = read_private(self.metrics_token_path()).decode()
+        if not token:
+            raise SecretError(f"secret file {self.metrics_token_path()} is empty")
+        return token
+
     def signing_key(self) -> bytes:
         return bytes.fromhex(read_private(self.root / SIGNING_DIR / SCHEDULER_SIGNING_KEY).decode())
 
@@ -111,6 +125,7 @@ class Secrets:
             write_once(self.seed_path(identity), new_nkey_seed())
         for identity in redis_identities:
             write_once(self.password_path(identity), _random.token_urlsafe(32).encode())
+        write_once(self.metrics_token_path(), _random.token_urlsafe(32).encode())
         seed = _random.token_bytes(32)
         if write_once(self.root / SIGNING_DIR / SCHEDULER_SIGNING_KEY, seed.hex().encode()):
             public = SigningKey(seed).verify_key.encode().hex()
