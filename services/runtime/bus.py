@@ -6,9 +6,9 @@ scheduler's signature on internal endpoints; the account the NATS server authent
 endpoints, whose answer must go to that account's own inbox), decodes the request at the edge,
 calls the handler and turns the outcome into the Envelope (`codec.answer`, the one place a refusal
 becomes an envelope). With a `ServiceMetrics` it also times each answer and counts each refusal by
-its code (services/runtime/metrics.py), through children made once per endpoint. `serve` subscribes a router's subjects on a nats-py connection in a queue
-group, with a bounded number of handlers running at once; tests call `Router.handle` with no
-broker at all.
+its code (services/runtime/metrics.py), through children made once per endpoint. `serve`
+subscribes a router's subjects on a nats-py connection in a queue group, with a bounded number of
+handlers running at once; tests call `Router.handle` with no broker at all.
 
 The `Bus` port is what a service sends with: a request awaiting its reply, a core publish, and a
 JetStream publish with its dedup id (`NatsBus` on nats-py; FastStream stays for the JetStream

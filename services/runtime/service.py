@@ -105,9 +105,9 @@ def consume_in_order(
     `message_type` (a tagged union where one stream carries several kinds) and the handler gets the
     typed value (and its subject, `with_subject`). A malformed message would be redelivered for
     ever: it is acked, logged and counted (`ito_malformed_messages_total`, and `on_malformed`),
-    never applied; the durable's lag is watched (`ito_consumer_pending_messages`). Acked after `handler`
-    returns; an exception NAKs for redelivery, so handlers must be idempotent. A late or restarted
-    service replays what it missed.
+    never applied. Acked after `handler` returns; an exception NAKs for redelivery, so handlers
+    must be idempotent. A late or restarted service replays what it missed. The durable's lag is
+    watched (`ito_consumer_pending_messages`).
 
     Several instances of a service pull from the one durable: `max_ack_pending=1` keeps a single
     message in flight across all of them, so the order holds there too (the run store refuses an
