@@ -213,8 +213,12 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
             "services": sorted(state["services"]),
             "ready_s": state["ready_s"],
             **({"desk_url": state["desk"]["url"]} if "desk" in state else {}),
+            "metrics": state["metrics"],
+            "metrics_token_file": state["metrics_token_file"],
         },
-        f"NATS {state['nats_url']}\nRedis {state['redis_url']}",
+        f"NATS {state['nats_url']}\nRedis {state['redis_url']}\n"
+        f"Metrics (bearer token in {state['metrics_token_file']}): "
+        + ", ".join(f"{name} {addr}" for name, addr in sorted(state["metrics"].items())),
     )
     if not args.detach:
         stack.wait_for_signal()

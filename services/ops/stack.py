@@ -7,6 +7,10 @@ CLUSTER_INSTANCES instances of every service (`scheduler-1`, `scheduler-2`, ...)
 whole server pool. The instances of a service share its requests (one queue group per service) and
 its durable consumers (one message in flight per durable: services/runtime/service.py); `up`
 returns once every instance has answered a health check itself.
+
+Every service process (every instance) serves Prometheus' `/metrics` on a free loopback port of its
+own (`ITO_METRICS_PORT`); up.json records them under `metrics` (`"scheduler": "127.0.0.1:PORT"`),
+beside the bearer token's file (`metrics_token_file`), for a scrape config (README).
 """
 
 import asyncio
@@ -30,6 +34,8 @@ from services.runtime.settings import (
     ENV_DATA_DIR,
     ENV_DESK_PORT,
     ENV_INSTANCE,
+    ENV_METRICS_HOST,
+    ENV_METRICS_PORT,
     ENV_NAMESPACE,
     ENV_NATS_REPLICAS,
     ENV_NATS_URL,
@@ -44,6 +50,7 @@ from services.runtime.settings import (
 SERVICES_READY_TIMEOUT_S = 90.0  # the trainer imports torch; a cold 2-core machine is slow
 CLUSTER_INSTANCES = 2  # of every service under `up --cluster`: one may die, the other serves
 HEALTH_ASKS_PER_NODE = 3  # per service and node: a queue group picks one instance per request
+METRICS_HOST = "127.0.0.1"  # every /metrics of a stack on this machine: loopback only
 
 Log = Callable[[str], None]
 """Where progress lines go: stdout for a person, stderr under --json."""
@@ -122,7 +129,13 @@ def up(
         names = {f"{s}-{i + 1}": s for s in services for i in range(CLUSTER_INSTANCES)}
     else:
         names = {s: s for s in services}
-    state["services"] = {name: _spawn(name, service, env, logs) for name, service in names.items()}
+    ports = metrics_ports(list(names))
+    state["metrics"] = {name: f"{METRICS_HOST}:{port}" for name, port in ports.items()}
+    state["metrics_token_file"] = str(authority.secrets(settings).metrics_token_path())
+    state["services"] = {
+        name: _spawn(name, service, {**env, ENV_METRICS_PORT: str(ports[name])}, logs)
+        for name, service in names.items()
+    }
     write_state(settings, state)
     _wait_ready(settings, log, state["nats_url"], state["services"], logs)
     if desk:
@@ -201,6 +214,18 @@ def _start_cluster_infra(settings: Settings, logs: pathlib.Path) -> dict[str, An
     }
 
 
+def metrics_ports(names: list[str]) -> dict[str, int]:
+    """A free loopback port for each process's `/metrics`, no two alike (a port the kernel hands
+    out twice in a row would stop the second service at start)."""
+    ports: dict[str, int] = {}
+    for name in names:
+        port = infra.free_port()
+        while port in ports.values():
+            port = infra.free_port()
+        ports[name] = port
+    return ports
+
+
 def _service_env(settings: Settings, nats_url: str, redis_url: str) -> dict[str, str]:
     """The environment every service starts with: where the infra is, its namespace and dirs."""
     return dict(
@@ -211,6 +236,7 @@ def _service_env(settings: Settings, nats_url: str, redis_url: str) -> dict[str,
             ENV_NAMESPACE: settings.namespace,
             ENV_DATA_DIR: str(settings.data_dir),
             ENV_SECRETS_DIR: str(settings.secrets_dir),
+            ENV_METRICS_HOST: METRICS_HOST,
         },
     )
 

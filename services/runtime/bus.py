@@ -5,9 +5,10 @@ each one's request and answer types). A `Router` holds them: it checks who may c
 scheduler's signature on internal endpoints; the account the NATS server authenticated on API
 endpoints, whose answer must go to that account's own inbox), decodes the request at the edge,
 calls the handler and turns the outcome into the Envelope (`codec.answer`, the one place a refusal
-becomes an envelope). `serve` subscribes a router's subjects on a nats-py connection in a queue
-group, with a bounded number of handlers running at once; tests call `Router.handle` with no
-broker at all.
+becomes an envelope). With a `ServiceMetrics` it also times each answer and counts each refusal by
+its code (services/runtime/metrics.py), through children made once per endpoint. `serve`
+subscribes a router's subjects on a nats-py connection in a queue group, with a bounded number of
+handlers running at once; tests call `Router.handle` with no broker at all.
 
 The `Bus` port is what a service sends with: a request awaiting its reply, a core publish, and a
 JetStream publish with its dedup id (`NatsBus` on nats-py; FastStream stays for the JetStream
@@ -16,9 +17,10 @@ consumers, where its acking and retry policies earn their place).
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from faststream.nats import NatsBroker
@@ -35,6 +37,9 @@ from services.runtime.identities import tenant_inbox
 from services.runtime.publishing import headers_for
 from services.runtime.signing import Verifier
 
+if TYPE_CHECKING:  # the request path needs only the children it is handed
+    from services.runtime.metrics import EndpointStats, ServiceMetrics
+
 log = logging.getLogger("ito.bus")
 
 REQUEST_CONCURRENCY = 64
@@ -45,12 +50,17 @@ Handler = Callable[[Any], Awaitable[Any]]
 TenantHandler = Callable[[str, Any], Awaitable[Any]]
 
 
+Answer = tuple[bytes, ErrorCode | None]
+"""An envelope and its refusal's code (None: ok), as `codec.answer_coded` builds them."""
+
+
 @dataclass(slots=True)
 class _Route:
-    handler: Callable[[bytes, str], Awaitable[bytes]]  # (body, the subject's last token) -> envelope
+    handler: Callable[[bytes, str], Awaitable[Answer]]  # (body, the subject's last token) -> envelope
     verifier: Verifier | None  # internal: the scheduler's signature is required (None: not checked)
     tenant: bool  # an API verb: the last subject token is the authenticated caller's account
     reply_prefix: str = ""  # internal: answered only to replies under this inbox ("" = any)
+    stats: "EndpointStats | None" = None  # its latency and refusals (None: not counted)
 
 
 @dataclass(slots=True)
@@ -59,6 +69,8 @@ class Router:
 
     namespace: str
     routes: dict[str, _Route] = field(default_factory=dict)
+    metrics: "ServiceMetrics | None" = None
+    """Where each endpoint's latency and refusals are counted; None: nowhere (tests, bench)."""
 
     def _subject(self, suffix: str) -> str:
         return f"{self.namespace}.{suffix}"
@@ -75,8 +87,8 @@ class Router:
         identity's: the server lets nobody else subscribe there) is answered at all."""
         decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(endpoint.request)
 
-        async def call(body: bytes, _last: str) -> bytes:
-            return await codec.answer(handler, body, decoder)
+        async def call(body: bytes, _last: str) -> Answer:
+            return await codec.answer_coded(handler, body, decoder)
 
         self._add(
             self._subject(endpoint.subject), _Route(call, verifier, tenant=False, reply_prefix=reply_prefix)
@@ -86,14 +98,16 @@ class Router:
         """An API verb on `<ns>.<verb>.<account>`, called as handler(account, request)."""
         decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(endpoint.request)
 
-        async def call(body: bytes, account: str) -> bytes:
-            return await codec.answer(lambda req: handler(account, req), body, decoder)
+        async def call(body: bytes, account: str) -> Answer:
+            return await codec.answer_coded(lambda req: handler(account, req), body, decoder)
 
         self._add(self._subject(endpoint.subject), _Route(call, None, tenant=True))
 
     def _add(self, subject: str, route: _Route) -> None:
         if subject in self.routes:
             raise ValueError(f"{subject} is served twice")
+        if self.metrics is not None:
+            route.stats = self.metrics.endpoint(self.namespace, subject)
         self.routes[subject] = route
 
     def subscriptions(self) -> list[str]:
@@ -110,11 +124,19 @@ class Router:
                 log.warning(
                     "a request on %s asked for its answer outside %s; unanswered", subject, route.reply_prefix
                 )
+                if route.stats is not None:
+                    route.stats.unanswered()
                 return None
+            started = time.perf_counter()
             if route.verifier is not None and not route.verifier.valid(subject, body, dict(headers or {})):
                 log.warning("refused an unsigned or stale request on %s", subject)
-                return codec.fail(ErrorCode.forbidden, "only the scheduler may call this service")
-            return await route.handler(body, "")
+                answer: Answer = (
+                    codec.fail(ErrorCode.forbidden, "only the scheduler may call this service"),
+                    ErrorCode.forbidden,
+                )
+            else:
+                answer = await route.handler(body, "")
+            return _counted(route, answer, started)
         prefix, _, account = subject.rpartition(".")
         route = self.routes.get(prefix)
         if route is None or not route.tenant:
@@ -122,8 +144,17 @@ class Router:
         # The server does not check reply subjects: another tenant could aim our answer at a victim.
         if reply and not reply.startswith(tenant_inbox(account) + "."):
             log.warning("a request of account %s asked for its answer in another inbox; unanswered", account)
+            if route.stats is not None:
+                route.stats.unanswered()
             return None
-        return await route.handler(body, account)
+        started = time.perf_counter()
+        return _counted(route, await route.handler(body, account), started)
+
+
+def _counted(route: _Route, answer: Answer, started: float) -> bytes:
+    if route.stats is not None:
+        route.stats.observe(time.perf_counter() - started, answer[1])
+    return answer[0]
 
 
 INSTANCE_HEADER = "Ito-Instance"
@@ -138,6 +169,8 @@ async def serve(
     `instance` says so in a header of each answer (the envelope stays the same)."""
     slots = asyncio.Semaphore(limit)
     running: set[asyncio.Task] = set()
+    if router.metrics is not None:
+        router.metrics.in_flight(lambda: len(running))
 
     async def one(msg: Msg) -> None:
         try:

@@ -100,21 +100,29 @@ def unwrap(raw: bytes, data_type: Any) -> Any:
 
 async def answer(handler, raw: bytes, decoder) -> bytes:
     """Run `handler(request)` on a decoded request; every outcome becomes an Envelope."""
+    return (await answer_coded(handler, raw, decoder))[0]
+
+
+async def answer_coded(handler, raw: bytes, decoder) -> tuple[bytes, ErrorCode | None]:
+    """`answer`, and the refusal's code beside the envelope (None when it is ok): the code is known
+    here, where the envelope is built, so a counter of refusals never decodes an answer again."""
     try:
         request = decode_request(raw, decoder)
         result = await handler(request)
     except Refusal as refusal:
-        return fail(refusal.code, refusal.message)
+        return fail(refusal.code, refusal.message), refusal.code
     except STORE_UNAVAILABLE:  # a Redis node lost, a failover under way: a retry is the answer
         log.warning("request failed: the store did not answer", exc_info=True)
         return fail(
             ErrorCode.backend_unavailable,
             "the store did not answer in time; retry with the same idempotency key",
-        )
+        ), ErrorCode.backend_unavailable
     except Exception:  # an unexpected fault must still answer, without leaking internals
         log.exception("request failed")
-        return fail(ErrorCode.internal, "internal error; the request changed nothing that was not committed")
+        return fail(
+            ErrorCode.internal, "internal error; the request changed nothing that was not committed"
+        ), ErrorCode.internal
     if isinstance(result, tuple):
         data, notice = result
-        return ok(data, notice)
-    return ok(result)
+        return ok(data, notice), None
+    return ok(result), None

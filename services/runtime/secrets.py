@@ -6,7 +6,9 @@ Layout (`ITO_SECRETS_DIR`, default `<data dir>/secrets`):
 - `redis/<identity>.pw`: the identity's Redis ACL password (the ACL file holds only its SHA-256);
 - `signing/scheduler.ed25519`: the scheduler's Ed25519 seed; it signs work items, cancel notices
   and internal requests. `signing/scheduler.pub` is the public half that verifiers read;
-- `tokens/<name>.token`: bearer tokens of the HTTP endpoints (`desk`: the desk app's operator token).
+- `tokens/<name>.token`: bearer tokens of the HTTP endpoints (`desk`: the desk app's operator
+  token; `metrics`: the one every `/metrics` endpoint asks for, services/runtime/metrics.py, in a
+  file of its own so that Prometheus can read it: `authorization: {credentials_file: ...}`).
 
 Nothing here is ever logged, put in an argument, an event or an answer. Files are created with
 O_EXCL at mode 0600, so a second writer cannot swap one in; a file with group or other bits set is
@@ -24,7 +26,8 @@ SCHEDULER_SIGNING_KEY = "scheduler.ed25519"
 SCHEDULER_VERIFY_KEY = "scheduler.pub"
 TOKEN_DIR = "tokens"
 DESK_TOKEN = "desk"  # the desk app's operator token (services/desk/web.py)
-TOKENS = (DESK_TOKEN,)
+METRICS_TOKEN = "metrics"  # every service's /metrics (services/runtime/metrics.py)
+TOKENS = (DESK_TOKEN, METRICS_TOKEN)
 
 
 class SecretError(Exception):
@@ -100,6 +103,16 @@ class Secrets:
 
     def public_nkey(self, identity: str) -> str:
         return nkey_public(self.seed(identity))
+
+    def metrics_token_path(self) -> pathlib.Path:
+        return self.token_path(METRICS_TOKEN)
+
+    def metrics_token(self) -> str:
+        """The bearer token of the `/metrics` endpoints; refused when missing, empty or unsafe."""
+        token = read_private(self.metrics_token_path()).decode()
+        if not token:
+            raise SecretError(f"secret file {self.metrics_token_path()} is empty")
+        return token
 
     def signing_key(self) -> bytes:
         return bytes.fromhex(read_private(self.root / SIGNING_DIR / SCHEDULER_SIGNING_KEY).decode())

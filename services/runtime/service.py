@@ -1,7 +1,8 @@
 """What every service's entry point shares: build a FastStream app with a health answer, serve
 request/reply endpoints on nats-py (services/runtime/bus.py: internal ones only when the scheduler
 signed the request; tenant ones with the account the NATS server authenticated), consume JetStream
-streams through FastStream, and close Redis on the way out.
+streams through FastStream, serve Prometheus' `/metrics` on `ITO_METRICS_PORT` (services/runtime/
+metrics.py: each endpoint's latency and refusals, each durable's lag), and close Redis on the way out.
 
 Streams are declared by the operator identity (`ito-training up`), never by a service: services
 have no right to create, change, purge or delete a stream."""
@@ -23,6 +24,7 @@ from services.runtime import connections
 from services.runtime.bus import Bus, Handler, NatsBus, Router, TenantHandler, serve
 from services.runtime.identities import REDIS_SERVICES, service_inbox
 from services.runtime.keys import Keys
+from services.runtime.metrics import MetricsServer, ServiceMetrics, metrics_app
 from services.runtime.secrets import Secrets
 from services.runtime.settings import Settings
 from services.runtime.signing import Verifier
@@ -49,10 +51,14 @@ class Wiring:
     """Its request/reply endpoints, served on nats-py once the broker is connected (bus.serve)."""
     bus: Bus = None  # type: ignore[assignment]  # set in __post_init__
     """What it sends requests and publishes with (NatsBus on the broker's connection)."""
+    metrics: ServiceMetrics = None  # type: ignore[assignment]  # set in __post_init__
+    """Its Prometheus registry and counters; the router counts every endpoint's answers on it."""
 
     def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = ServiceMetrics(self.service)
         if self.router is None:
-            self.router = Router(self.settings.namespace)
+            self.router = Router(self.settings.namespace, metrics=self.metrics)
         if self.bus is None:
             self.bus = NatsBus(self.broker)
 
@@ -101,9 +107,10 @@ def consume_in_order(
     runs a fetched batch concurrently, so the batch is one). Each message is decoded here into
     `message_type` (a tagged union where one stream carries several kinds) and the handler gets the
     typed value (and its subject, `with_subject`). A malformed message would be redelivered for
-    ever: it is acked, logged and counted (`on_malformed`), never applied. Acked after `handler`
-    returns; an exception NAKs for redelivery, so handlers must be idempotent. A late or restarted
-    service replays what it missed.
+    ever: it is acked, logged and counted (`ito_malformed_messages_total`, and `on_malformed`),
+    never applied. Acked after `handler` returns; an exception NAKs for redelivery, so handlers
+    must be idempotent. A late or restarted service replays what it missed. The durable's lag is
+    watched (`ito_consumer_pending_messages`).
 
     Several instances of a service pull from the one durable: `max_ack_pending=1` keeps a single
     message in flight across all of them, so the order holds there too (the run store refuses an
@@ -116,6 +123,9 @@ def consume_in_order(
 
     s = w.settings
     decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(message_type)
+    durable = f"{s.namespace}-{consumer}"
+    malformed = w.metrics.malformed_messages(durable)
+    w.metrics.watch_consumer(s.stream(stream), durable)
 
     async def consume(msg: NatsMessage) -> None:
         try:
@@ -124,6 +134,7 @@ def consume_in_order(
             log.error(
                 "%s: message on %s rejected (acked, not applied): %s", consumer, msg.raw_message.subject, exc
             )
+            malformed()
             if on_malformed is not None:
                 await on_malformed()
             return
@@ -136,7 +147,7 @@ def consume_in_order(
     w.broker.subscriber(
         s.subject(subject_suffix) + ".>",
         stream=streams.ref(s, stream),
-        durable=f"{s.namespace}-{consumer}",
+        durable=durable,
         pull_sub=PullSub(batch_size=1, timeout=0.5),
         config=ConsumerConfig(ack_wait=ack_wait_s, max_ack_pending=IN_ORDER_MAX_ACK_PENDING),
         ack_policy=AckPolicy.NACK_ON_ERROR,
@@ -161,6 +172,9 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
     wiring.router.serve(Endpoint(f"{HEALTH}.{service}", HealthQuery, Health), health)
 
     app = FastStream(broker, logger=logging.getLogger(f"ito.{service}"))
+    # Read before anything connects: a configured endpoint without its token does not start.
+    scrape_token = Secrets(settings.secrets_dir).metrics_token() if settings.metrics_port else ""
+    metrics_server: list[MetricsServer] = []
 
     @app.on_startup
     async def refuse_open_servers() -> None:
@@ -183,9 +197,23 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
             instance=settings.instance,
         )
         running.extend(asyncio.create_task(task()) for task in wiring.tasks)
+        if settings.metrics_port:
+            await start_metrics()
+
+    async def start_metrics() -> None:
+        server = MetricsServer(
+            metrics_app(wiring.metrics.registry, scrape_token), settings.metrics_host, settings.metrics_port
+        )
+        await server.start()
+        metrics_server.append(server)
+        if wiring.metrics.consumers:  # each durable's lag, on this identity's own CONSUMER.INFO right
+            js = (await broker.connect()).jetstream(timeout=settings.request_timeout_s)
+            running.append(asyncio.create_task(wiring.metrics.refresh_forever(js)))
 
     @app.on_shutdown
     async def stop_tasks() -> None:
+        for server in metrics_server:
+            await server.stop()
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)

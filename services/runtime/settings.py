@@ -22,6 +22,8 @@ ENV_RENDEZVOUS_HOST = "ITO_RENDEZVOUS_HOST"
 ENV_NATS_REPLICAS = "ITO_NATS_REPLICAS"
 ENV_INSTANCE = "ITO_INSTANCE"
 ENV_DESK_PORT = "ITO_DESK_PORT"  # the desk app's port under `up --desk` (default 8765 when free)
+ENV_METRICS_PORT = "ITO_METRICS_PORT"
+ENV_METRICS_HOST = "ITO_METRICS_HOST"
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # or a comma-separated list: a cluster's server pool
 DEFAULT_NATS_REPLICAS = 1  # 3 on a 3-node cluster (`ito-training up --cluster`): every stream R3
@@ -36,6 +38,9 @@ DEFAULT_RENDEZVOUS_HOST = (
     "127.0.0.1"  # node 0's address as the other nodes reach it; a routable one across hosts
 )
 
+DEFAULT_METRICS_PORT = 0  # no /metrics endpoint; `ito-training up` gives each service a free port
+DEFAULT_METRICS_HOST = "127.0.0.1"  # loopback; a container's address where Prometheus runs elsewhere
+
 MAX_REQUEST_BYTES = 2 * 1024 * 1024  # an API request; the manifest inside is capped at 1 MiB
 
 
@@ -47,6 +52,16 @@ def _float(env: dict[str, str], name: str, default: float) -> float:
     if value <= 0:
         raise ValueError(f"{name} needs to be a positive number of seconds, got {raw!r}.")
     return value
+
+
+def _port(env: dict[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} needs to be a port number (0: none), got {raw!r}.") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,12 +95,19 @@ class Settings:
     number of JetStream servers in the cluster."""
     instance: str = ""
     """This process's name among several instances of its service (`scheduler-2`); "" for one."""
+    metrics_port: int = DEFAULT_METRICS_PORT
+    """Where this process serves Prometheus' `/metrics` (services/runtime/metrics.py, bearer token
+    required); 0: not at all."""
+    metrics_host: str = DEFAULT_METRICS_HOST
+    """The address `/metrics` listens on."""
 
     def __post_init__(self) -> None:
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"The namespace must be letters, digits, '-' or '_', got {self.namespace!r}.")
         if not 1 <= self.nats_replicas <= 5:
             raise ValueError(f"Stream replicas need to be between 1 and 5, got {self.nats_replicas}.")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"The metrics port needs to be between 0 and 65535, got {self.metrics_port}.")
 
     @property
     def nats_servers(self) -> list[str]:
@@ -141,6 +163,8 @@ def load(env: dict[str, str] | None = None) -> Settings:
         nats_replicas=int(env.get(ENV_NATS_REPLICAS) or DEFAULT_NATS_REPLICAS),
         instance=env.get(ENV_INSTANCE, ""),
         redis_cluster=env.get(ENV_REDIS_CLUSTER, "") == "1",
+        metrics_port=_port(env, ENV_METRICS_PORT, DEFAULT_METRICS_PORT),
+        metrics_host=env.get(ENV_METRICS_HOST) or DEFAULT_METRICS_HOST,
     )
 
 

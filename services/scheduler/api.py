@@ -14,6 +14,7 @@ import os
 import pathlib
 import secrets
 import shutil
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -112,8 +113,10 @@ class Api:
         checkpoint_root: pathlib.Path,
         *,
         small_model_gangs: bool = False,
+        count_accepted: Callable[[], None] = lambda: None,
     ) -> None:
         self.auditor = auditor
+        self.count_accepted = count_accepted  # `ito_runs_accepted_total` (services/runtime/metrics.py)
         self.small_model_gangs = small_model_gangs  # settings.Settings.small_model_gangs
         self.credentials = credentials
         self.backends = backends
@@ -281,6 +284,7 @@ class Api:
             return await trail.gate("replay", self._replay(entry, fp))
         faults.crash_here(faults.SCHEDULER_AFTER_ACCEPT)
         view = await trail.gate("hand_off", self.handoff.hand_off(entry, wait_for_mark=False))
+        self.count_accepted()
         log.info("run %s accepted for account %s on booking %s", work.run_id, account, req.booking_id)
         return accepted(view), None
 

@@ -67,6 +67,7 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
         planning.load_prices(),
         s.data_dir / "checkpoints",
         small_model_gangs=s.small_model_gangs,
+        count_accepted=w.metrics.runs_accepted(),
     )
     run_events = RunEvents(runs)
     auditor = api.auditor

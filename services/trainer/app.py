@@ -23,11 +23,18 @@ def register(w: Wiring) -> None:
     worker = Worker(w.broker, s)
     verifier = scheduler_verifier(s)
     log = logging.getLogger("ito.trainer")
+    durable = f"{s.namespace}-{subjects.CONSUMER_TRAINER}"
+    w.metrics.watch_consumer(s.stream(subjects.STREAM_WORK), durable)
+    unsigned_work, malformed_work = (
+        w.metrics.unsigned_messages(durable),
+        w.metrics.malformed_messages(durable),
+    )
+    unsigned_cancel = w.metrics.unsigned_messages("cancel")
 
     @w.broker.subscriber(
         s.subject(subjects.WORK_TRAIN) + ".>",
         stream=streams.ref(s, subjects.STREAM_WORK),
-        durable=f"{s.namespace}-{subjects.CONSUMER_TRAINER}",
+        durable=durable,
         pull_sub=PullSub(batch_size=1, timeout=1.0),
         config=ConsumerConfig(ack_wait=WORK_ACK_WAIT_S),
         ack_policy=AckPolicy.MANUAL,
@@ -40,12 +47,14 @@ def register(w: Wiring) -> None:
                 "work item without the scheduler's signature on %s: terminated, not trained",
                 msg.raw_message.subject,
             )
+            unsigned_work()
             await msg.raw_message.term()
             return
         try:  # decoded here, at the edge, only once the signature over these bytes held
             work, manifest = decode_work(msg.body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             log.error("work item rejected (terminated, not trained): %s", exc)
+            malformed_work()
             await msg.raw_message.term()
             return
         await worker.handle(msg, work, manifest)
@@ -54,6 +63,7 @@ def register(w: Wiring) -> None:
     async def on_cancel(msg: NatsMessage) -> None:
         if not verifier.valid(msg.raw_message.subject, msg.body, msg.headers):
             log.warning("cancel notice without the scheduler's signature ignored")
+            unsigned_cancel()
             return
         await worker.cancel(msg.raw_message.subject.rsplit(".", 1)[-1])
 

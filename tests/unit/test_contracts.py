@@ -19,6 +19,7 @@ from contracts import (
     audit,
     base,
     booking,
+    desk,
     envelope,
     errors,
     evals,
@@ -527,6 +528,28 @@ MANIFEST_STAGE_SAMPLES = {
     ),
 }
 SAMPLES.update(MANIFEST_STAGE_SAMPLES)
+SAMPLES.update(
+    {
+        desk.DeskRunsRequest: desk.DeskRunsRequest(limit=50),
+        desk.DeskRuns: desk.DeskRuns(runs=[SAMPLES[api.RunView]], prices={"H200": 3.5}, at=T0),
+        desk.StateRecord: desk.StateRecord(state=RunState.running, at=T0, message="training started"),
+        desk.InterruptionRecord: desk.InterruptionRecord(
+            detected_at=T0.timestamp(), silent_s=12.5, cause="trainer_lost", step=40, stage="pretrain"
+        ),
+        desk.DeskRunRequest: desk.DeskRunRequest(run_id="run_1", metrics_since=10, logs_since=2, audit=True),
+        desk.DeskRun: desk.DeskRun(
+            view=SAMPLES[api.RunView],
+            metrics=[SAMPLES[runs.Metrics]],
+            metrics_next=11,
+            checkpoints=[SAMPLES[runs.CheckpointSaved]],
+            states=[desk.StateRecord(state=RunState.running, at=T0)],
+            interruptions=[],
+            logs=[SAMPLES[api.LogLineView]],
+            logs_next=3,
+            audit=[GATE_DECISION],
+        ),
+    }
+)
 
 STRUCTS = defined_structs()
 RUN_EVENT_CLASSES = [
