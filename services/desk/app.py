@@ -8,7 +8,7 @@ NATS as the desk identity. It prints where it listens once it does; the token st
 import asyncio
 import json
 
-from services.runtime.secrets import DESK_TOKEN, Secrets
+from services.runtime.secrets import DESK_TOKEN, SecretError, Secrets
 from services.runtime.settings import Settings
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: put TLS and a real address in front for anything else
@@ -25,8 +25,12 @@ def main(settings: Settings, host: str, port: int, as_json: bool) -> int:
 
     secrets = Secrets(settings.secrets_dir)
     token = secrets.token(DESK_TOKEN)
+    try:  # a container that mounts no metrics token scrapes with the desk's alone
+        scrape_token = secrets.metrics_token()
+    except SecretError:
+        scrape_token = ""
     port = port or infra.free_port()
-    app = build(DeskSource(settings), token)
+    app = build(DeskSource(settings), token, scrape_token)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -16,7 +16,7 @@ import json
 import logging
 import pathlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from html import escape
@@ -31,6 +31,7 @@ from starlette.staticfiles import StaticFiles
 from services.desk import board, pages
 from services.desk.gauges import exposition
 from services.desk.source import DeskSource, NotFound, Unavailable
+from services.runtime.metrics import authorized as bearer
 
 log = logging.getLogger("ito.desk.web")
 
@@ -54,13 +55,15 @@ def session_value(token: str) -> str:
     return hmac.new(token.encode(), b"ito-desk-session", hashlib.sha256).hexdigest()
 
 
-def authorized(headers: dict[str, str], cookies: dict[str, str], token: str) -> bool:
-    """Bearer token or session cookie, compared in constant time; anything else is refused."""
-    auth = headers.get("authorization", "")
-    if auth.startswith("Bearer ") and hmac.compare_digest(auth[len("Bearer ") :].encode(), token.encode()):
+def authorized(headers: Mapping[str, str], cookies: Mapping[str, str], token: str) -> bool:
+    """Bearer token (services/runtime/metrics.py's check) or session cookie, compared in constant
+    time; anything else is refused."""
+    if bearer(headers, token):
         return True
     cookie = cookies.get(COOKIE, "")
-    return bool(cookie) and hmac.compare_digest(cookie.encode(), session_value(token).encode())
+    return (
+        bool(token) and bool(cookie) and hmac.compare_digest(cookie.encode(), session_value(token).encode())
+    )
 
 
 def _html(text: str, status: int = 200) -> HTMLResponse:
@@ -71,11 +74,14 @@ def _sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def build(source: DeskSource, token: str) -> Starlette:
-    """The app over `source`; `token` is the operator token (from its 0600 file)."""
+def build(source: DeskSource, token: str, scrape_token: str = "") -> Starlette:
+    """The app over `source`; `token` is the operator token (from its 0600 file); `scrape_token`,
+    the stack's metrics token, is let in to /metrics too (one credential scrapes every target)."""
 
     def refused(request: Request) -> Response | None:
-        if authorized(dict(request.headers), dict(request.cookies), token):
+        if authorized(request.headers, request.cookies, token):
+            return None
+        if request.url.path == "/metrics" and bearer(request.headers, scrape_token):
             return None
         if request.url.path in ("/metrics",) or request.url.path.startswith("/events/"):
             return PlainTextResponse("unauthenticated", status_code=401, headers=HEADERS)

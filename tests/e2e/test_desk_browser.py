@@ -189,6 +189,9 @@ def test_a_person_watches_a_run_on_the_desk(desk, stack, tmp_path):
 
     status, body = http(base + "/metrics", {"Authorization": f"Bearer {token}"})
     assert status == 200
+    scrape = Secrets(stack.settings.secrets_dir).metrics_token()  # the stack's one scrape credential
+    assert http(base + "/metrics", {"Authorization": f"Bearer {scrape}"})[0] == 200
+    assert http(base + "/", {"Authorization": f"Bearer {scrape}"})[0] == 401  # a scrape token opens no page
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(body)

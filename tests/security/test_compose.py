@@ -35,6 +35,13 @@ def test_each_service_mounts_only_its_own_credentials():
         assert COMPOSE["services"][name]["environment"]["ITO_SECRETS_DIR"] == "/run/secrets"
 
 
+def test_the_desk_mounts_its_read_only_identity_and_its_token_only():
+    desk = COMPOSE["services"]["desk"]
+    assert targets("desk") == {"nats/desk.nk", "tokens/desk.token"}  # no Redis, no signing key
+    assert desk["command"][:2] == ["desk", "serve"]
+    assert desk["ports"] == ["127.0.0.1:8765:8765"]  # plain HTTP: loopback only, TLS goes in front
+
+
 def test_no_secret_value_is_inline():
     for name, spec in COMPOSE["secrets"].items():
         assert set(spec) == {"file"}, name
