@@ -144,6 +144,8 @@ def up(
         except Exception:
             down(settings, log)
             raise
+        # its /metrics takes the same scrape token: one more target for Prometheus
+        state["metrics"]["desk"] = state["desk"]["url"].removeprefix("http://").rstrip("/")
         write_state(settings, state)
         log(
             f"desk: {state['desk']['url']} (operator token in {settings.secrets_dir / 'tokens' / 'desk.token'})"
