@@ -200,6 +200,15 @@ def _timeline(d: RunDetail, now: datetime) -> str:
     )
 
 
+def _table(heads: list[str], body: str, cls: str = "") -> str:
+    """A table that scrolls sideways in its card on a narrow screen; `body` is its rows' HTML."""
+    head = "".join(f"<th>{h}</th>" for h in heads)
+    klass = f' class="{cls}"' if cls else ""
+    return (
+        f'<div class="scroll"><table{klass}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+    )
+
+
 def _checkpoints(d: RunDetail) -> str:
     if not d.checkpoints:
         return '<h2>Checkpoints</h2><p class="empty">None committed yet.</p>'
@@ -209,10 +218,7 @@ def _checkpoints(d: RunDetail) -> str:
         f'<td class="num">{(c.bytes / c.save_s / 1e6 if c.save_s > 0 else 0):.1f} MB/s</td></tr>'
         for c in d.checkpoints
     )
-    return (
-        '<h2>Checkpoints</h2><div class="scroll"><table><thead><tr><th>step</th><th>size</th>'
-        f"<th>loop stall</th><th>save</th><th>bandwidth</th></tr></thead><tbody>{rows}</tbody></table></div>"
-    )
+    return "<h2>Checkpoints</h2>" + _table(["step", "size", "loop stall", "save", "bandwidth"], rows)
 
 
 def _provenance(d: RunDetail) -> str:
@@ -225,9 +231,9 @@ def _provenance(d: RunDetail) -> str:
         for s in p.steps
     )
     return (
-        '<h2>Data provenance</h2><div class="scroll"><table><thead><tr><th>step</th><th>before</th>'
-        f"<th>after</th><th>detail</th></tr></thead><tbody>{rows}</tbody></table></div>"
-        f'<p class="meta">input <code>{escape(p.input_digest[:16])}…</code> → output '
+        "<h2>Data provenance</h2>"
+        + _table(["step", "before", "after", "detail"], rows)
+        + f'<p class="meta">input <code>{escape(p.input_digest[:16])}…</code> → output '
         f"<code>{escape(p.output_digest[:16])}…</code></p>"
     )
 
@@ -240,10 +246,7 @@ def _audit(d: RunDetail) -> str:
         f"<td>{'pass' if x.ok else 'FAIL ' + escape(x.code or '')}</td></tr>"
         for x in d.audit
     )
-    return (
-        '<h2>Audit trail</h2><div class="scroll"><table class="audit"><thead><tr><th>at</th><th>action</th>'
-        f"<th>gate</th><th>decision</th></tr></thead><tbody>{rows}</tbody></table></div>"
-    )
+    return "<h2>Audit trail</h2>" + _table(["at", "action", "gate", "decision"], rows, "audit")
 
 
 def _logs(d: RunDetail) -> str:
