@@ -33,7 +33,8 @@ RUNS_EVERY_S = 1.0  # the run list is asked again this often (one request for ev
 DETAIL_EVERY_S = 0.5  # an open run's detail at most this often, whatever the number of viewers
 DETAIL_IDLE_S = 300.0  # a run nobody has looked at for this long is dropped from memory
 MAX_DETAILS = 100
-RUN_LIST_LIMIT = 500
+RUN_LIST_LIMIT = 200  # the runs page's newest runs (each a whole view: ~2-5 KB to read and decode)
+WANTED_S = 10.0  # the run list is kept fresh while a page, a stream or a scrape asked within this long
 
 
 class Unavailable(Exception):
@@ -67,6 +68,7 @@ class DeskSource:
         self._locks: dict[str, asyncio.Lock] = {}
         self._nc: Any = None
         self._tasks: list[asyncio.Task] = []
+        self._wanted = 0.0  # when a reader last needed the run list (monotonic)
 
     async def start(self) -> None:
         import nats
@@ -144,7 +146,10 @@ class DeskSource:
             )
         except (NoRespondersError, NatsTimeout, TimeoutError):
             raise Unavailable("the scheduler did not answer in time") from None
-        env = decoder.decode(reply.data)
+        try:
+            env = decoder.decode(reply.data)
+        except (msgspec.ValidationError, msgspec.DecodeError, AssertionError):
+            raise Unavailable("the scheduler's answer could not be read") from None
         if not env.ok:
             if env.error.code is ErrorCode.run_not_found:
                 raise NotFound(env.error.message)
@@ -158,9 +163,19 @@ class DeskSource:
         except Unavailable as exc:
             self.problem = str(exc)
 
+    def runs_stale(self) -> bool:
+        """No run list yet, or nobody asked for it lately (so the loop has not kept it fresh)."""
+        return self.runs is None or time.monotonic() - self._wanted >= WANTED_S
+
+    def want_runs(self) -> None:
+        """A reader needs the run list: keep it fresh for the next WANTED_S."""
+        self._wanted = time.monotonic()
+
     async def _refresh_runs_forever(self) -> None:
+        """One request every RUNS_EVERY_S, whoever is looking; none while nobody is."""
         while True:
-            await self.refresh_runs()
+            if time.monotonic() - self._wanted < WANTED_S:
+                await self.refresh_runs()
             await asyncio.sleep(RUNS_EVERY_S)
 
     async def detail(self, run_id: str) -> RunDetail:

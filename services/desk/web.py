@@ -91,6 +91,7 @@ def build(source: DeskSource, token: str, scrape_token: str = "") -> Starlette:
         return datetime.now(UTC)
 
     async def runs_sections() -> pages.Sections:
+        source.want_runs()
         views = source.runs.runs if source.runs else []
         telemetry = {v.run_id: t for v in views if (t := source.telemetry(v.run_id)) is not None}
         sections = pages.runs_sections(board.run_rows(views, telemetry, now()))
@@ -107,13 +108,14 @@ def build(source: DeskSource, token: str, scrape_token: str = "") -> Starlette:
         return sections
 
     async def desk_sections() -> pages.Sections:
+        source.want_runs()
         prices = source.runs.prices if source.runs else {}
         return pages.desk_sections(board.breakdowns(source.rollups, source.finished, prices), prices)
 
     async def runs_page(request: Request) -> Response:
         if (no := refused(request)) is not None:
             return no
-        if source.runs is None:
+        if source.runs_stale():
             await source.refresh_runs()
         return _html(pages.layout("Runs", await runs_sections(), pages.RUNS_ORDER, "/events/runs", "Runs"))
 
@@ -142,7 +144,7 @@ def build(source: DeskSource, token: str, scrape_token: str = "") -> Starlette:
     async def desk_page(request: Request) -> Response:
         if (no := refused(request)) is not None:
             return no
-        if source.runs is None:
+        if source.runs_stale():
             await source.refresh_runs()
         return _html(
             pages.layout("Desk", await desk_sections(), pages.DESK_ORDER, "/events/desk", "The desk")
@@ -185,6 +187,9 @@ def build(source: DeskSource, token: str, scrape_token: str = "") -> Starlette:
     async def metrics(request: Request) -> Response:
         if (no := refused(request)) is not None:
             return no
+        if source.runs_stale():
+            await source.refresh_runs()  # a scrape after a quiet spell reads the list itself
+        source.want_runs()
         body, content_type = exposition(source)
         return Response(body, media_type=content_type, headers=HEADERS)
 
