@@ -20,6 +20,10 @@ BADPUT = (
 )
 
 
+ROLLUP_BY: dict[str, str] = {"booking": "booking_id", "region": "region", "gpu_model": "gpu_model"}
+"""A rollup's `by` -> the RunTelemetry field whose value is its key (what runs are rolled up by)."""
+
+
 class RunTelemetry(Internal, frozen=True, kw_only=True):
     """`desk.telemetry.run.<run_id>`: one finished run."""
 

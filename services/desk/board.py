@@ -15,7 +15,7 @@ from contracts.audit import GateDecision
 from contracts.desk import DeskRun, InterruptionRecord, StateRecord
 from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import TERMINAL_STATES
-from contracts.telemetry import BADPUT, Rollup, RunTelemetry
+from contracts.telemetry import BADPUT, ROLLUP_BY, Rollup, RunTelemetry
 
 MAX_LOG_LINES = 200  # a run page shows the newest lines; `ecc ito logs` has them all
 
@@ -77,10 +77,6 @@ def run_rows(views: list[RunView], telemetry: dict[str, RunTelemetry], now: date
     return [run_row(v, telemetry.get(v.run_id), now) for v in views]
 
 
-def finite(x: float) -> bool:
-    return not (math.isnan(x) or math.isinf(x))
-
-
 @dataclass(frozen=True, slots=True)
 class StageLoss:
     """One stage's loss curve: every metric point's (step, loss) in order, and the held-out figures
@@ -116,7 +112,7 @@ def stage_losses(detail: "RunDetail") -> list[StageLoss]:
             held_out=[
                 (m.name, m.value, m.threshold)
                 for m in (gates[s].metrics if s in gates else [])
-                if m.name in HELD_OUT and finite(m.value)
+                if m.name in HELD_OUT and math.isfinite(m.value)
             ],
         )
         for s in order
@@ -188,16 +184,10 @@ def implied_price(runs: list[RunTelemetry], prices: dict[str, float]) -> float |
 
 
 def rollup_key(run: RunTelemetry, by: str) -> str | None:
-    """The key a finished run is rolled up under by `by` (the telemetry service's rule), or None
-    for a `by` the desk does not know."""
-    match by:
-        case "booking":
-            return run.booking_id
-        case "region":
-            return run.region
-        case "gpu_model":
-            return run.gpu_model
-    return None
+    """The key a finished run is rolled up under by `by` (the telemetry service's rule,
+    contracts.telemetry.ROLLUP_BY), or None for a `by` the desk does not know."""
+    field = ROLLUP_BY.get(by)
+    return None if field is None else getattr(run, field)
 
 
 def breakdowns(
@@ -226,10 +216,3 @@ def breakdowns(
             )
         )
     return rows
-
-
-def states_count(views: list[RunView]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for v in views:
-        counts[v.state.value] = counts.get(v.state.value, 0) + 1
-    return counts

@@ -6,12 +6,13 @@ from outside is escaped; every number is finite before it becomes a coordinate. 
 classes (and `data-` counts) that services/desk/static/desk.css colours and the browser tests read.
 """
 
+import math
 from datetime import datetime
 from html import escape
 
 from contracts.states import TERMINAL_STATES, RunState
 from contracts.telemetry import BADPUT
-from services.desk.board import RunDetail, StageLoss, finite
+from services.desk.board import RunDetail, StageLoss
 
 W, H = 640, 220  # a loss chart's viewBox; it is drawn at the width of its box
 PAD_L, PAD_R, PAD_T, PAD_B = 52, 14, 12, 30
@@ -34,9 +35,9 @@ def _fmt(v: float) -> str:
 def loss_chart(s: StageLoss) -> str:
     """One stage's training loss over its steps (a polyline with a point per metric event) and its
     gate's held-out losses (a marker each at the stage's last step, a dashed line at a threshold)."""
-    pts = [(step, loss) for step, loss in s.points if finite(loss)]
+    pts = [(step, loss) for step, loss in s.points if math.isfinite(loss)]
     values = [v for _, v in pts] + [v for _, v, _ in s.held_out]
-    values += [t for _, _, t in s.held_out if t is not None and finite(t)]
+    values += [t for _, _, t in s.held_out if t is not None and math.isfinite(t)]
     label = f"{s.stage}: training loss over {len(pts)} steps"
     if not values:
         return (
@@ -70,7 +71,7 @@ def loss_chart(s: StageLoss) -> str:
     coords = " ".join(f"{_num(x(step))},{_num(y(loss))}" for step, loss in pts)
     parts.append(f'<polyline class="train-loss" data-points="{len(pts)}" points="{coords}"/>')
     for name, value, threshold in s.held_out:
-        if threshold is not None and finite(threshold):
+        if threshold is not None and math.isfinite(threshold):
             parts.append(
                 f'<line class="threshold" x1="{PAD_L}" x2="{W - PAD_R}" y1="{_num(y(threshold))}" '
                 f'y2="{_num(y(threshold))}"><title>{escape(name)} threshold {threshold:.4f}</title></line>'
@@ -160,7 +161,7 @@ def stacked_bar(goodput: float, shares: dict[str, float]) -> str:
     ]
     x = 0.0
     for name, share in [("goodput", goodput), *((c, shares.get(c, 0.0)) for c in BADPUT)]:
-        share = share if finite(share) and share > 0 else 0.0
+        share = share if math.isfinite(share) and share > 0 else 0.0
         width = share * BAR_W
         if width <= 0:
             continue

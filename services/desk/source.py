@@ -19,10 +19,11 @@ import msgspec
 from contracts import subjects
 from contracts.desk import DeskRun, DeskRunRequest, DeskRuns, DeskRunsRequest
 from contracts.endpoints import DESK, Endpoint
-from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from contracts.telemetry import Rollup, RunTelemetry
 from services.desk.board import RunDetail
+from services.runtime import codec
+from services.runtime.codec import Refusal
 from services.runtime.connections import nats_auth
 from services.runtime.identities import DESK as DESK_IDENTITY
 from services.runtime.settings import Settings, nats_servers
@@ -45,12 +46,6 @@ class NotFound(Exception):
     """No such run."""
 
 
-def _decoder(endpoint: Endpoint[Any, Any]) -> "msgspec.json.Decoder[Envelope[Any]]":
-    return msgspec.json.Decoder(Envelope[endpoint.answer])  # type: ignore[name-defined]  # a type held in a value
-
-
-_runs_decoder = _decoder(DESK["runs"])
-_run_decoder = _decoder(DESK["run"])
 _rollup = msgspec.json.Decoder(Rollup)
 _telemetry = msgspec.json.Decoder(RunTelemetry)
 
@@ -136,7 +131,7 @@ class DeskSource:
     def telemetry(self, run_id: str) -> RunTelemetry | None:
         return self.finished.get(run_id) or self.live.get(run_id)
 
-    async def _ask(self, endpoint: Endpoint[Any, Any], request: Any, decoder: Any) -> Any:
+    async def _ask(self, endpoint: Endpoint[Any, Any], request: Any) -> Any:
         from nats.errors import NoRespondersError
         from nats.errors import TimeoutError as NatsTimeout
 
@@ -147,18 +142,17 @@ class DeskSource:
         except (NoRespondersError, NatsTimeout, TimeoutError):
             raise Unavailable("the scheduler did not answer in time") from None
         try:
-            env = decoder.decode(reply.data)
+            return codec.unwrap(reply.data, endpoint.answer)
         except (msgspec.ValidationError, msgspec.DecodeError, AssertionError):
             raise Unavailable("the scheduler's answer could not be read") from None
-        if not env.ok:
-            if env.error.code is ErrorCode.run_not_found:
-                raise NotFound(env.error.message)
-            raise Unavailable(f"the scheduler refused: {env.error.code.value}")
-        return env.data
+        except Refusal as refusal:
+            if refusal.code is ErrorCode.run_not_found:
+                raise NotFound(refusal.message) from None
+            raise Unavailable(f"the scheduler refused: {refusal.code.value}") from None
 
     async def refresh_runs(self) -> None:
         try:
-            self.runs = await self._ask(DESK["runs"], DeskRunsRequest(limit=RUN_LIST_LIMIT), _runs_decoder)
+            self.runs = await self._ask(DESK["runs"], DeskRunsRequest(limit=RUN_LIST_LIMIT))
             self.problem = ""
         except Unavailable as exc:
             self.problem = str(exc)
@@ -196,7 +190,6 @@ class DeskSource:
                     logs_since=current.logs_next if current else 0,
                     audit=current.audit_due() if current else True,
                 ),
-                _run_decoder,
             )
             detail = current or RunDetail(view=page.view)
             detail.merge(page)

@@ -30,6 +30,7 @@ from services.ops import authority, nats_cluster
 from services.runtime import infra
 from services.runtime.bus import INSTANCE_HEADER
 from services.runtime.identities import OPERATOR
+from services.runtime.secrets import DESK_TOKEN, Secrets
 from services.runtime.settings import (
     ENV_DATA_DIR,
     ENV_DESK_PORT,
@@ -148,7 +149,7 @@ def up(
         state["metrics"]["desk"] = state["desk"]["url"].removeprefix("http://").rstrip("/")
         write_state(settings, state)
         log(
-            f"desk: {state['desk']['url']} (operator token in {settings.secrets_dir / 'tokens' / 'desk.token'})"
+            f"desk: {state['desk']['url']} (operator token in {Secrets(settings.secrets_dir).token_path(DESK_TOKEN)})"
         )
     state["ready_s"] = round(time.monotonic() - began, 2)
     write_state(settings, state)

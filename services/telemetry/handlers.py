@@ -12,13 +12,14 @@ from faststream.nats import NatsBroker
 from contracts import subjects
 from contracts.runs import EvalResult, Interruption, RunCreated, RunEvent, StageStarted, StateChanged
 from contracts.states import TERMINAL_STATES
+from contracts.telemetry import ROLLUP_BY
 from services.runtime.publishing import publish_once
 from services.runtime.settings import Settings
 from services.telemetry import accounting
 from services.telemetry.store import Telemetry
 
 log = logging.getLogger("ito.telemetry")
-ROLLUPS = ("booking", "region", "gpu_model")
+ROLLUPS = tuple(ROLLUP_BY)
 LIVE_EVERY_S = 2.0  # a live snapshot re-reads the run's events: often enough for a person watching
 LIVE_AT_ONCE = (StateChanged, StageStarted, EvalResult, Interruption)  # moves a person wants to see now
 
@@ -83,7 +84,7 @@ class TelemetryHandlers:
         await self._publish(f"run.{run_id}", run, f"run:{run_id}")
         now = datetime.now(UTC)
         for by in ROLLUPS:
-            key = getattr(run, {"booking": "booking_id"}.get(by, by))
+            key = getattr(run, ROLLUP_BY[by])
             runs = await self.store.put_run(by, key, run)
             await self._publish(
                 f"rollup.{by}.{_token(key)}",
