@@ -2,6 +2,9 @@
 
 import enum
 from datetime import datetime
+from typing import Annotated
+
+import msgspec
 
 from contracts.base import Contract, Internal
 from contracts.booking import Booking
@@ -27,6 +30,8 @@ class Action(enum.StrEnum):
     release_booking = "release_booking"
     restart_from_checkpoint = "restart_from_checkpoint"
 
+
+DOWNLOAD_CHUNK_MAX = 512 * 1024  # bytes per download chunk: well under NATS's 1 MiB payload once base64
 
 # --- requests ---
 
@@ -332,3 +337,137 @@ class ApproveRequest(Contract, frozen=True, kw_only=True):
     idempotency_key: str
     confirmation_ref: str | None = None
     reject: bool = False
+
+
+# --- models, exports, samples (Hugging Face base models in, trained models out) ---
+
+
+class ModelsRequest(Contract, frozen=True, kw_only=True):
+    """`ecc ito models`: the base models this account may name in a manifest."""
+
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
+
+
+class ModelView(Internal, frozen=True, kw_only=True):
+    name: str
+    digest: str  # put it in the manifest's model.revision
+    family: str
+    architecture: str
+    parameters: int
+    vocab_size: int
+    max_seq_len: int
+    tokenizer: bool
+    chat_template: bool
+    bytes: int
+
+
+class ModelList(Internal, frozen=True, kw_only=True):
+    models: list[ModelView]
+
+
+class ExportFormat(enum.StrEnum):
+    hf = "hf"  # a Hugging Face directory: safetensors, config.json, tokenizer files, model card
+    peft = "peft"  # a LoRA stage's adapter alone: adapter_config.json + adapter_model.safetensors
+
+
+class ExportRequest(Contract, frozen=True, kw_only=True):
+    """Export a run's committed checkpoint (the last trained stage's unless `stage` names one).
+    Idempotent: asking again answers the same export (pending until it is written)."""
+
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
+    run_id: str
+    stage: str | None = None
+    format: ExportFormat = ExportFormat.hf
+
+
+class ExportFile(Internal, frozen=True, kw_only=True):
+    path: str  # relative to the export's directory
+    bytes: int
+    sha256: str
+
+
+class ExportView(Internal, frozen=True, kw_only=True):
+    run_id: str
+    stage: str
+    format: ExportFormat
+    state: str  # "pending", "ready" or "failed"
+    export_id: str = ""  # "<stage>-<format>", what download names
+    digest: str = ""  # "sha256:<hex>" over the files' sha256 lines, once ready
+    files: list[ExportFile] = []
+    bytes: int = 0
+    step: int = 0  # the checkpoint step exported
+    message: str | None = None
+
+
+class DownloadRequest(Contract, frozen=True, kw_only=True):
+    """One bounded chunk of one file of a ready export (resume by asking from an offset)."""
+
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
+    run_id: str
+    export_id: str
+    path: str
+    offset: Annotated[int, msgspec.Meta(ge=0)] = 0
+    length: Annotated[int, msgspec.Meta(ge=1, le=DOWNLOAD_CHUNK_MAX)] = DOWNLOAD_CHUNK_MAX
+
+
+class DownloadChunk(Internal, frozen=True, kw_only=True):
+    run_id: str
+    export_id: str
+    path: str
+    offset: int
+    data: bytes
+    size: int  # the whole file's size
+    sha256: str  # the whole file's digest, to check once every chunk is in
+
+
+class SampleRequest(Contract, frozen=True, kw_only=True):
+    """Generate from a run's committed checkpoint (`ecc ito sample RUN --prompt ...`)."""
+
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
+    run_id: str
+    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=8192)]
+    stage: str | None = None
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=512)] = 64
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0  # 0: greedy
+    seed: int = 0
+    chat: bool = False  # render the prompt as one user message with the tokenizer's chat template
+
+
+class SampleResult(Internal, frozen=True, kw_only=True):
+    run_id: str
+    stage: str
+    step: int
+    text: str  # the completion alone
+    tokens: int
+
+
+class ExportOrder(Internal, frozen=True, kw_only=True):
+    """scheduler -> trainer: export (or report) a run's checkpoint (-> ExportView)."""
+
+    account: str
+    run_id: str
+    stage: str | None
+    format: ExportFormat
+    manifest_digest: str
+    storage: str = "local"
+
+
+class DownloadOrder(Internal, frozen=True, kw_only=True):
+    """scheduler -> trainer: one chunk of an export's file (-> DownloadChunk)."""
+
+    account: str
+    run_id: str
+    export_id: str
+    path: str
+    offset: int
+    length: int
+    storage: str = "local"
+
+
+class SampleOrder(Internal, frozen=True, kw_only=True):
+    """scheduler -> trainer: generate from a committed checkpoint (-> SampleResult)."""
+
+    account: str
+    run_id: str
+    request: SampleRequest
+    storage: str = "local"

@@ -21,18 +21,29 @@ from contracts.api import (
     CleanupResult,
     ConfirmationIssued,
     ConfirmRequest,
+    DownloadChunk,
+    DownloadOrder,
+    DownloadRequest,
+    ExportOrder,
+    ExportRequest,
+    ExportView,
     FindRequest,
     LeaseAnswer,
     LeaseQuery,
     LogPage,
     LogsRequest,
     MetricsRequest,
+    ModelList,
+    ModelsRequest,
     MutationResult,
     Plan,
     PlanRequest,
     RunAccepted,
     RunItemsRequest,
     RunView,
+    SampleOrder,
+    SampleRequest,
+    SampleResult,
     StatusRequest,
     TrainRequest,
 )
@@ -83,6 +94,10 @@ API: dict[str, Endpoint[Any, Any]] = {
     "cancel": Endpoint(subjects.API_CANCEL, CancelRequest, MutationResult),
     "cleanup": Endpoint(subjects.API_CLEANUP, CleanupRequest, CleanupResult),
     "approve": Endpoint(subjects.API_APPROVE, ApproveRequest, MutationResult),
+    "models": Endpoint(subjects.API_MODELS, ModelsRequest, ModelList),
+    "export": Endpoint(subjects.API_EXPORT, ExportRequest, ExportView),
+    "download": Endpoint(subjects.API_DOWNLOAD, DownloadRequest, DownloadChunk),
+    "sample": Endpoint(subjects.API_SAMPLE, SampleRequest, SampleResult),
 }
 """The canonical API, by `ecc ito` verb (login and logout are local: they call `auth`)."""
 
@@ -120,6 +135,13 @@ RUN_LEASE: Endpoint[LeaseQuery, LeaseAnswer] = Endpoint(subjects.RUN_LEASE, Leas
 TRAINER_CLEANUP: Endpoint[CleanupOrder, CleanupResult] = Endpoint(
     subjects.TRAINER_CLEANUP, CleanupOrder, CleanupResult
 )
+TRAINER_EXPORT: Endpoint[ExportOrder, ExportView] = Endpoint(subjects.TRAINER_EXPORT, ExportOrder, ExportView)
+TRAINER_DOWNLOAD: Endpoint[DownloadOrder, DownloadChunk] = Endpoint(
+    subjects.TRAINER_DOWNLOAD, DownloadOrder, DownloadChunk
+)
+TRAINER_SAMPLE: Endpoint[SampleOrder, SampleResult] = Endpoint(
+    subjects.TRAINER_SAMPLE, SampleOrder, SampleResult
+)
 
 INTERNAL: tuple[Endpoint[Any, Any], ...] = (
     ELIGIBILITY,
@@ -132,5 +154,8 @@ INTERNAL: tuple[Endpoint[Any, Any], ...] = (
     LEDGER_PENDING,
     RUN_LEASE,
     TRAINER_CLEANUP,
+    TRAINER_EXPORT,
+    TRAINER_DOWNLOAD,
+    TRAINER_SAMPLE,
 )
 """Service-to-service endpoints (signed by the scheduler where the service checks it)."""

@@ -53,6 +53,17 @@ class ErrorCode(enum.StrEnum):
     run_not_finished = "run_not_finished"
     # Added with loss-spike approvals: approve/reject on a run that has no pending proposal.
     proposal_not_found = "proposal_not_found"
+    # Added with base models and the field's data formats: refused at plan time, before anything is
+    # reserved, each with the manifest's field path in the message.
+    model_not_found = "model_not_found"  # no such model in the store, or not for this account
+    model_digest_mismatch = "model_digest_mismatch"  # model.revision is not the stored copy's digest
+    model_unsupported = "model_unsupported"  # an architecture or setting the trainer cannot train
+    tokenizer_mismatch = "tokenizer_mismatch"  # the tokenizer does not fit the embeddings, or is missing
+    data_schema_invalid = "data_schema_invalid"  # a data file's columns are not what its stage reads
+    data_digest_mismatch = "data_digest_mismatch"  # a data file's bytes are not its declared digest
+    # Added with exports: the run (or stage) has no committed checkpoint to export or sample, or the
+    # export asked for is not (yet) there.
+    export_not_found = "export_not_found"
 
 
 class ApiError(Internal, frozen=True, kw_only=True):

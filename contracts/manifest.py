@@ -36,8 +36,18 @@ class ModelSize(enum.StrEnum):
 
 
 class ModelSpec(Contract, frozen=True, kw_only=True):
-    size: ModelSize
+    """Either a size from the table (a from-scratch run) or a base model from the model store.
+
+    A base model is named by `base` and pinned by `revision`, its content digest ("sha256:<hex>",
+    as `ecc ito models` lists it): a store whose copy does not have that digest refuses the run.
+    For a from-scratch run `revision` is a free label."""
+
+    size: ModelSize | None = None  # exactly one of size and base
     revision: str
+    base: Name | None = None  # a model store name (`ecc ito models`)
+    # "bytes" (UTF-8 bytes, 256 tokens: the tiny demo's), or "sha256:<hex>" of a tokenizer.json in
+    # the model store. None: the base model's own tokenizer, or bytes for a from-scratch tiny run.
+    tokenizer: str | None = None
 
 
 class Decontamination(Contract, frozen=True, kw_only=True):
@@ -53,11 +63,24 @@ class DataRole(enum.StrEnum):
     eval = "eval"
 
 
+class DataFormat(enum.StrEnum):
+    text = "text"  # UTF-8 text, documents separated by blank lines
+    jsonl = "jsonl"  # one JSON object per line, read with pyarrow
+    parquet = "parquet"
+
+
 class DataRef(Contract, frozen=True, kw_only=True):
+    """A data source. JSONL and Parquet files are read by column, with the schemas people already
+    use: `text` (next-token stages), `messages` (SFT: a list of {role, content}), `prompt` /
+    `chosen` / `rejected` (DPO), `prompt` + `answer` with a named `verifier` (RLVR)."""
+
     name: str
     source: str  # "builtin:pydoc_topics", "generated:arithmetic", "file:/abs/path"
     role: DataRole = DataRole.train
     decontamination: Decontamination | None = None
+    format: DataFormat | None = None  # None: from the file's suffix (.jsonl, .parquet), else text
+    digest: str | None = None  # "sha256:<hex>" of the file's bytes: required for jsonl and parquet
+    verifier: str | None = None  # RLVR rows: "exact" (stripped equality) or "number" (last number)
 
 
 class Target(Contract, frozen=True, kw_only=True):
@@ -159,14 +182,30 @@ class Stages(Contract, frozen=True, kw_only=True):
     long_context: LongContextStage | None = None
 
 
+class Lora(Contract, frozen=True, kw_only=True):
+    """Low-rank adapters (Hu et al.): the base stays frozen and only A and B train; checkpoints hold
+    the adapters alone; the export is a merged model or a PEFT adapter (`--format peft`)."""
+
+    rank: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
+    alpha: PositiveFloat = 16.0  # the update is scaled by alpha / rank
+    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+    # Hugging Face module names; the MLP's are gate_proj, up_proj and down_proj.
+    target_modules: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=16)] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+
 class SftStage(Contract, frozen=True, kw_only=True):
-    """Supervised fine-tuning on the verifiable tasks; loss on response tokens only."""
+    """Supervised fine-tuning; loss on response tokens only. On the verifiable tasks, or on chat
+    JSONL/Parquet (`messages`) rendered with the tokenizer's chat template, loss on the assistant's
+    tokens only."""
 
     steps: Positive = 100
     batch_size: Positive = 32
     learning_rate: PositiveFloat = 1e-3  # tiny models; ~1e-5 for 1B+
     data: RefNames = []  # names of generated task refs; [] = every generated training ref
     gate: Gate = Gate()
+    lora: Lora | None = None  # None: full fine-tuning
 
 
 class DpoStage(Contract, frozen=True, kw_only=True):
@@ -178,6 +217,7 @@ class DpoStage(Contract, frozen=True, kw_only=True):
     beta: PositiveFloat = 0.1  # Rafailov et al.; higher keeps the policy closer to the reference
     data: RefNames = []
     gate: Gate = Gate()
+    lora: Lora | None = None  # None: full fine-tuning
 
 
 class RlvrStage(Contract, frozen=True, kw_only=True):
@@ -197,6 +237,7 @@ class RlvrStage(Contract, frozen=True, kw_only=True):
     max_sampling_rounds: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4  # dynamic-sampling refills per step
     data: RefNames = []
     gate: Gate = Gate()
+    lora: Lora | None = None  # None: full fine-tuning
 
 
 class PostTraining(Contract, frozen=True, kw_only=True):

@@ -8,6 +8,7 @@ import msgspec
 from contracts.api import Plan, RestartProposal
 from contracts.base import Internal
 from contracts.evals import EvalMetric, ProvenanceStep, StageGate
+from contracts.models import BaseModel
 from contracts.states import RunState
 
 
@@ -28,6 +29,9 @@ class TrainWork(Internal, frozen=True, kw_only=True):
     node_rank: int = 0
     nodes: int = 1
     rendezvous: str = ""
+    # The base model the manifest names, as the scheduler resolved it from the model store at plan
+    # time (its digest checked); the trainer reads its weights from the store by this digest.
+    base: BaseModel | None = None
 
 
 class LogLevel(enum.StrEnum):

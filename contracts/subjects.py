@@ -21,6 +21,10 @@ API_EVALS = "v1.api.evals"
 API_CANCEL = "v1.api.cancel"
 API_CLEANUP = "v1.api.cleanup"
 API_APPROVE = "v1.api.approve"
+API_MODELS = "v1.api.models"
+API_EXPORT = "v1.api.export"
+API_DOWNLOAD = "v1.api.download"
+API_SAMPLE = "v1.api.sample"
 
 # --- desk -> scheduler (core NATS request/reply): every run, and one in detail (contracts/desk.py) ---
 DESK_RUNS = "v1.desk.runs"
@@ -30,6 +34,9 @@ DESK_RUN = "v1.desk.run"
 RUN_LEASE = "v1.scheduler.lease"  # a trainer asks whether a run may (still) be trained
 CONTROL_CANCEL = "v1.control.cancel"  # `<ns>.v1.control.cancel.<run_id>`: stop within seconds
 TRAINER_CLEANUP = "v1.trainer.cleanup"  # any trainer (queue group) removes a finished run's artifacts
+TRAINER_EXPORT = "v1.trainer.export"  # any trainer writes (or reports) a run's export
+TRAINER_DOWNLOAD = "v1.trainer.download"  # any trainer reads one chunk of an export
+TRAINER_SAMPLE = "v1.trainer.sample"  # any trainer generates from a run's committed checkpoint
 TRAINER_QUEUE = "trainers"
 # To ito-compute: `<ns>.compute.v1.requests.release` asks upstream to release a booking.
 BOOKING_RELEASE_REQUESTS = "compute.v1.requests.release"

@@ -24,7 +24,7 @@ from contracts.manifest import (
     RlvrStage,
     SftStage,
 )
-from contracts.models import MODEL_SHAPES, ModelShape
+from contracts.models import MODEL_SHAPES, BaseModel, ModelShape
 from services.domain import gates
 
 POST_STAGES = ("sft", "dpo", "rlvr")
@@ -83,6 +83,8 @@ class RunPlan:
     data_prep: DataPrepStage | None
     ladder: LadderPlan | None
     stages: tuple[LmPlan | PostPlan, ...]
+    shape: ModelShape | None = None  # the model the run starts from (the base model's, or the size's)
+    base: BaseModel | None = None  # the base model it fine-tunes; None: from scratch
 
     def rules(self, stage: "LmPlan | PostPlan") -> list[gates.Rule]:
         """The gate `stage` is judged on: the backend's battery, tightened by the manifest."""
@@ -135,12 +137,30 @@ class _Refs:
         return any(src in TASK_SOURCES for src in self.evals.values())
 
 
-def plan_run(manifest: Manifest) -> RunPlan:
+def model_shape(manifest: Manifest, base: BaseModel | None = None) -> ModelShape:
+    """The shape a run starts from: the size table's for a from-scratch run, the base model's (as
+    the model store resolved it) for a fine-tune; ValueError when neither or both are named, or the
+    named base was not resolved."""
+    spec = manifest.model
+    if (spec.size is None) == (spec.base is None):
+        raise ValueError(
+            "model: name either a size (a from-scratch run: tiny, 150M, 1B, 8B, 70B) or a base model "
+            "(`ecc ito models` lists them), not both and not neither."
+        )
+    if spec.size is not None:
+        return MODEL_SHAPES[spec.size.value]
+    if base is None or base.name != spec.base:
+        raise ValueError(f"model.base {spec.base!r} was not resolved from the model store.")
+    return base.shape
+
+
+def plan_run(manifest: Manifest, base: BaseModel | None = None) -> RunPlan:
     """The stages `manifest` runs, or ValueError with what to change. Checks run in a fixed order
     (refs, pre-training stages in run order, the recipe, the ladder, data prep), so a manifest with
-    several faults is always told about the same one first."""
+    several faults is always told about the same one first. `base` is the manifest's base model as
+    the model store resolved it (None for a from-scratch run)."""
     refs = _refs(manifest)
-    base_shape = MODEL_SHAPES[manifest.model.size.value]
+    base_shape = model_shape(manifest, base)
     lm = _lm_plans(manifest, refs, base_shape)
     last = lm[-1] if lm else None
     shape = last.shape if last is not None and last.name == "long_context" else base_shape
@@ -153,7 +173,13 @@ def plan_run(manifest: Manifest) -> RunPlan:
             "The manifest trains nothing: no pre-training stage and an empty post-training recipe."
         )
     return RunPlan(
-        train_refs=refs.train, eval_refs=refs.evals, data_prep=data_prep, ladder=ladder, stages=tuple(plans)
+        train_refs=refs.train,
+        eval_refs=refs.evals,
+        data_prep=data_prep,
+        ladder=ladder,
+        stages=tuple(plans),
+        shape=base_shape,
+        base=base,
     )
 
 
@@ -321,7 +347,9 @@ def _ladder_plan(manifest: Manifest, refs: _Refs, lm: list[LmPlan]) -> LadderPla
     return LadderPlan(
         proxy_steps=min(lad.proxy_steps, max(1, bound)),
         max_loss_regression=lad.max_loss_regression,
-        proxy_shape=MODEL_SHAPES[PROXY_SIZE.get(manifest.model.size.value, "150M")],
+        proxy_shape=MODEL_SHAPES[
+            PROXY_SIZE.get(manifest.model.size.value if manifest.model.size else "", "150M")
+        ],
         reference=reference,
         custom=custom,
     )

@@ -45,9 +45,9 @@ from contracts.booking import BookingState
 from contracts.errors import ErrorCode
 from contracts.internal import ConfirmationCreate, EligibilityBody, LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
-from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from services.domain import binding
+from services.domain.curriculum import model_shape
 from services.runtime import faults
 from services.runtime.accounts import Credentials
 from services.runtime.checkpoint_paths import run_dir
@@ -83,7 +83,7 @@ def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, 
             ErrorCode.checkpoint_storage_unavailable,
             "the checkpoint storage does not exist or is not writable",
         )
-    params = planning.parameter_count(MODEL_SHAPES[manifest.model.size.value])
+    params = planning.parameter_count(model_shape(manifest))
     needed = params * planning.BYTES_PER_PARAM_CHECKPOINT * policy.keep_last
     free = shutil.disk_usage(target).free
     if free < needed:

@@ -15,8 +15,8 @@ from contracts.booking import Fabric
 from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
 from contracts.manifest import DataRole, Manifest
-from contracts.models import MODEL_SHAPES, ModelShape
-from services.domain.curriculum import plan_run
+from contracts.models import BaseModel, ModelShape
+from services.domain.curriculum import model_shape, plan_run
 
 PRICES_PATH = pathlib.Path(__file__).with_name("desk_prices.json")
 ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "file:/")  # no remote URLs at run time
@@ -288,10 +288,11 @@ def plan(
     storage_refusal: tuple[ErrorCode, str] | None,
     *,
     small_model_gangs: bool = False,
+    base: BaseModel | None = None,
 ) -> Plan:
     """The plan and its checks, in a fixed order: price, fabric, parallelism, data policy,
     checkpoint storage, budget cap, incremental cost."""
-    shape = MODEL_SHAPES[manifest.model.size.value]
+    shape = model_shape(manifest, base)
     params = parameter_count(shape)
     topo = statement.topology
     gpu, price_check = desk_gpu(prices, statement)

@@ -536,7 +536,8 @@ def run_pipeline(
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     plan = plan_run(manifest)  # ValueError, in a sentence, before anything trains
-    report.log(f"plan: {' -> '.join(plan.stage_names)} on {manifest.model.size.value}")
+    model = manifest.model.base or (manifest.model.size.value if manifest.model.size else "")
+    report.log(f"plan: {' -> '.join(plan.stage_names)} on {model}")
     trainers = train_lm if isinstance(train_lm, Trainers) else Trainers(lm=train_lm)
     return _Run(
         manifest,

@@ -551,6 +551,130 @@ SAMPLES.update(
     }
 )
 
+TINY_HF_SHAPE = models.ModelShape(
+    n_layer=2,
+    d_model=64,
+    n_head=4,
+    n_kv_head=2,
+    d_ff=128,
+    vocab_size=300,
+    max_seq_len=256,
+    rope_base=500_000.0,
+    head_dim=32,
+    qk_norm=False,
+    attention_bias=True,
+    tie_embeddings=True,
+    norm_eps=1e-5,
+    rope_scaling=models.RopeScaling(
+        kind="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    ),
+)
+BASE_MODEL = models.BaseModel(
+    name="tiny-llama",
+    digest="sha256:" + "ab" * 32,
+    family="llama",
+    architecture="LlamaForCausalLM",
+    shape=TINY_HF_SHAPE,
+    parameters=93_504,
+    tokenizer_vocab=300,
+    chat_template=True,
+    eos_token="</s>",
+    bytes=400_000,
+    accounts=["acct_a"],
+    added_at="2026-12-03T00:00:00+00:00",
+)
+SAMPLE_REQUEST = api.SampleRequest(
+    credential=CREDENTIAL,
+    run_id="run_1",
+    prompt="2+2=",
+    stage="sft",
+    max_new_tokens=8,
+    temperature=0.5,
+    seed=3,
+    chat=True,
+)
+EXPORT_FILE = api.ExportFile(path="model.safetensors", bytes=1024, sha256="cd" * 32)
+SAMPLES.update(
+    {
+        models.RopeScaling: TINY_HF_SHAPE.rope_scaling,
+        models.BaseModel: BASE_MODEL,
+        manifest.Lora: manifest.Lora(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "v_proj"]),
+        api.ModelsRequest: api.ModelsRequest(credential=CREDENTIAL),
+        api.ModelView: api.ModelView(
+            name="tiny-llama",
+            digest=BASE_MODEL.digest,
+            family="llama",
+            architecture="LlamaForCausalLM",
+            parameters=93_504,
+            vocab_size=300,
+            max_seq_len=256,
+            tokenizer=True,
+            chat_template=True,
+            bytes=400_000,
+        ),
+        api.ModelList: api.ModelList(models=[]),
+        api.ExportRequest: api.ExportRequest(
+            credential=CREDENTIAL, run_id="run_1", stage="dpo", format=api.ExportFormat.peft
+        ),
+        api.ExportFile: EXPORT_FILE,
+        api.ExportView: api.ExportView(
+            run_id="run_1",
+            stage="dpo",
+            format=api.ExportFormat.hf,
+            state="ready",
+            export_id="dpo-hf",
+            digest="sha256:" + "ef" * 32,
+            files=[EXPORT_FILE],
+            bytes=1024,
+            step=20,
+            message="exported",
+        ),
+        api.DownloadRequest: api.DownloadRequest(
+            credential=CREDENTIAL,
+            run_id="run_1",
+            export_id="dpo-hf",
+            path="config.json",
+            offset=10,
+            length=100,
+        ),
+        api.DownloadChunk: api.DownloadChunk(
+            run_id="run_1",
+            export_id="dpo-hf",
+            path="config.json",
+            offset=10,
+            data=b"{}",
+            size=12,
+            sha256="01" * 32,
+        ),
+        api.SampleRequest: SAMPLE_REQUEST,
+        api.SampleResult: api.SampleResult(run_id="run_1", stage="sft", step=60, text="4", tokens=1),
+        api.ExportOrder: api.ExportOrder(
+            account="acct_a",
+            run_id="run_1",
+            stage="sft",
+            format=api.ExportFormat.hf,
+            manifest_digest="ab" * 32,
+            storage="/mnt/ckpt",
+        ),
+        api.DownloadOrder: api.DownloadOrder(
+            account="acct_a",
+            run_id="run_1",
+            export_id="sft-hf",
+            path="config.json",
+            offset=0,
+            length=100,
+            storage="/mnt/ckpt",
+        ),
+        api.SampleOrder: api.SampleOrder(
+            account="acct_a", run_id="run_1", request=SAMPLE_REQUEST, storage="local"
+        ),
+    }
+)
+
 STRUCTS = defined_structs()
 RUN_EVENT_CLASSES = [
     runs.StateChanged,
