@@ -32,12 +32,12 @@ import torch
 
 from contracts.evals import EvalMetric, ProvenanceStep
 from contracts.manifest import DataPrepStage, DpoStage, LongContextGate, Manifest, RlvrStage, SftStage
-from contracts.models import ModelShape
+from contracts.models import BaseModel, ModelShape
 from contracts.runs import LogLevel, Outcome
 from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan, plan_run
 from services.domain.gates import threshold
 from services.trainer import dataprep
-from services.trainer.checkpoint import load_weights
+from services.trainer.checkpoint import is_hf_model_dir, load_weights
 from services.trainer.data import (
     join_documents,
     load_documents,
@@ -139,13 +139,18 @@ class _Run:
         train_lm: TrainLm = train_stage,
         train_post: TrainPost = train_post,
         decide_ladder: DecideLadder = run_ladder,
+        *,
+        base_dir: pathlib.Path | None = None,
     ):
         self.manifest, self.plan, self.root = manifest, plan, root
+        self.base_dir = base_dir  # a base model's HF directory: the first stage starts from it
         self.report, self.should_stop, self.threads = report, should_stop, threads
         self.train_lm, self.train_post, self.decide_ladder = train_lm, train_post, decide_ladder
         self.sources = dict(plan.train_refs)  # ref name -> what to load: raw source, or the prepared file
         self.eval_sources = list(plan.eval_refs.values())
-        self.previous: str | None = None  # the last trained stage's checkpoint dir
+        # The last trained stage's checkpoint dir; before the first, the base model's HF directory
+        # (checkpoint.load_weights reads either), or None for a from-scratch run.
+        self.previous: str | None = str(base_dir) if base_dir is not None else None
         self.parts: list[str] = []
         self.note = ""  # what the stage that just trained did, for the summary
         self.final_loss: float | None = None
@@ -529,17 +534,24 @@ def run_pipeline(
     should_stop: Callable[[], bool],
     threads: int,
     train_lm: TrainLm | Trainers = train_stage,
+    *,
+    base: BaseModel | None = None,
+    base_dir: pathlib.Path | None = None,
 ) -> PipelineResult:
     """`train_lm` trains each next-token stage (default: in this process), or, as `Trainers`, every
     training stage (a gang's, for a run on several ranks); post-training stages otherwise train in
-    this process."""
+    this process. `base` / `base_dir`: the manifest's base model as the scheduler resolved it, and
+    its Hugging Face directory in the model store: the first stage starts from its weights and the
+    run tokenizes with its tokenizer."""
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    plan = plan_run(manifest)  # ValueError, in a sentence, before anything trains
+    plan = plan_run(manifest, base)  # ValueError, in a sentence, before anything trains
+    if base is not None and (base_dir is None or not is_hf_model_dir(base_dir)):
+        raise ValueError(f"The base model {base.name} ({base.digest}) is not in this trainer's model store.")
     model = manifest.model.base or (manifest.model.size.value if manifest.model.size else "")
     report.log(f"plan: {' -> '.join(plan.stage_names)} on {model}")
     trainers = train_lm if isinstance(train_lm, Trainers) else Trainers(lm=train_lm)
-    return _Run(
+    run = _Run(
         manifest,
         plan,
         checkpoint_dir,
@@ -549,4 +561,6 @@ def run_pipeline(
         trainers.lm,
         trainers.post,
         trainers.ladder,
-    ).execute()
+        base_dir=base_dir if base is not None else None,
+    )
+    return run.execute()
