@@ -193,6 +193,28 @@ def longest_sequence(cfg: "PostConfig") -> int:
     return max(lengths)
 
 
+@torch.no_grad()
+def response_loss(
+    model: Transformer, examples: Sequence[TokenExample], pad_id: int, batch_size: int = 16
+) -> float | None:
+    """Mean negative log-likelihood of the learnt tokens of `examples` (a chat eval split: the
+    assistant's tokens), over all of them together; None without any. The same every call."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0.0
+    for first in range(0, len(examples), batch_size):
+        inputs, targets, mask = token_batch(
+            examples[first : first + batch_size], pad_id, model.shape.max_seq_len
+        )
+        logprobs = sequence_logprobs(model, inputs, targets, device)
+        local = to_device(mask, device)
+        total += float(-(logprobs * local).sum())
+        count += float(local.sum())
+    model.train(was_training)
+    return total / count if count else None
+
+
 def dims_of(cfg: PostConfig) -> ParallelDims:
     return cfg.parallel or ParallelDims.for_world(world_size())
 
