@@ -23,7 +23,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -185,7 +185,7 @@ def compile_chat_template(template: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationTracker(jinja2.ext.Extension):
-        tags: ClassVar[set[str]] = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain attribute)
 
         def __init__(self, environment: jinja2.Environment):
             super().__init__(environment)
