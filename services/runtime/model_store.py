@@ -306,6 +306,9 @@ def _write(path: pathlib.Path, data: bytes) -> None:
         raise
 
 
+Files = list[StoredFile]  # named outside the class, where `list` is still the builtin
+
+
 class ModelStore:
     """Base models and tokenizers under `root`, by content digest (see the module docstring)."""
 
@@ -468,9 +471,7 @@ class ModelStore:
         assert stored is not None, "just stored"
         return stored
 
-    def _copy_in(
-        self, src: pathlib.Path, files: list[StoredFile], dest: pathlib.Path, record: str, data: bytes
-    ) -> None:
+    def _copy_in(self, src: pathlib.Path, files: Files, dest: pathlib.Path, record: str, data: bytes) -> None:
         """Copy `files` into a temporary directory beside `dest`, check each copy's hash, write the
         record, and rename the directory into place."""
         tmp = pathlib.Path(tempfile.mkdtemp(dir=dest.parent, prefix=".adding-"))
