@@ -252,17 +252,19 @@ def _write(
 ) -> TokenIndex:
     dtype = np.dtype(want.dtype)
     writer = _ShardWriter(tmp, dtype, want.shard_tokens)
-    head = np.array([] if tokenizer.bos_id is None else [tokenizer.bos_id], dtype=np.int64)
-    tail = np.array([tokenizer.eos_id], dtype=np.int64)
+    head = np.array([] if tokenizer.bos_id is None else [tokenizer.bos_id], dtype=dtype)
+    tail = np.array([tokenizer.eos_id], dtype=dtype)
     count = tokens = 0
     batch: list[str] = []
 
     def flush() -> None:
         nonlocal tokens
-        pieces = [part for ids in _encode(tokenizer, batch) for part in (head, ids, tail)]
-        joined = np.concatenate(pieces).astype(np.int64, copy=False)
-        if len(joined) and (joined.min() < 0 or joined.max() >= want.vocab_size):
-            raise ValueError("The tokenizer produced an id outside its vocabulary.")
+        pieces = []
+        for ids in _encode(tokenizer, batch):
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= want.vocab_size):
+                raise ValueError("The tokenizer produced an id outside its vocabulary.")
+            pieces += [head, ids.astype(dtype, copy=False), tail]
+        joined = np.concatenate(pieces)
         writer.write(joined)
         tokens += len(joined)
         batch.clear()
