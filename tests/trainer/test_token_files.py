@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from contracts.manifest import DataFormat
-from services.trainer.data import BatchIterator, eval_batches, split_held_out
+from services.trainer.data import BatchIterator, eval_batches, split_documents, split_held_out
 from services.trainer.distributed import batch_rows
 from services.trainer.token_files import (
     INDEX_FILE,
@@ -77,11 +77,14 @@ def test_jsonl_and_parquet_tokenize_to_the_same_shards(tmp_path: Path) -> None:
 
 
 def test_text_files_stream_blank_line_documents(tmp_path: Path) -> None:
-    text = "\n\n".join(DOCS) + "\n\n\n  \n"
+    seps = ["\n\n", "\n \n", "\n\t \n\n  ", "\n\n\n"]
+    text = "  \n" + "".join(d + seps[i % 4] for i, d in enumerate(DOCS)) + "tail\nline  \n \n"
     path = tmp_path / "t.txt"
     path.write_text(text, encoding="utf-8")
+    whole = split_documents(f"file:{path}", text)
+    assert len(whole) == len(DOCS) + 1
     for chunk in (1, 3, 7, 64, 1 << 20):  # chunks split documents, separators and characters
-        assert list(iter_text_documents(path, chunk_bytes=chunk)) == DOCS
+        assert list(iter_text_documents(path, chunk_bytes=chunk)) == whole
     path.write_bytes(b"ok\n\n\xff\xfe")
     with pytest.raises(ValueError, match="UTF-8"):
         list(iter_text_documents(path))
