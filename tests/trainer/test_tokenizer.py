@@ -71,6 +71,35 @@ def test_prefix_rendering_finds_the_same_turns_without_generation_tags(bpe_dir: 
         assert plain.chat(conversation) == tagged.chat(conversation)
 
 
+# Qwen3's habit: an empty think block only in the assistant turns after the last user message,
+# so a conversation's prefix does not render as a prefix of it
+THINKING = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last_user %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_turns_of_a_template_that_renders_the_last_turn_differently(bpe_dir: Path, tmp_path: Path) -> None:
+    d = tmp_path / "thinking"
+    d.mkdir()
+    (d / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "chat_template": THINKING})
+    )
+    tok = HfTokenizer.from_dir(d)
+    ids, mask = tok.chat(CONVERSATIONS[1])
+    assert tok.decode(ids).count("<think>") == 1
+    masked = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert masked == "Seven.<|im_end|><think>\n\n</think>\n\nEleven,\nand thirteen.<|im_end|>\n"
+
+
 def test_template_errors_and_special_tokens_reach_the_template(bpe_dir: Path, tmp_path: Path) -> None:
     d = tmp_path / "t"
     d.mkdir()
