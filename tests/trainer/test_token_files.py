@@ -191,3 +191,17 @@ def test_hf_tokenizer_documents_get_bos_and_eos(tmp_path: Path) -> None:
     index = write_token_files(tmp_path / "c", ["ab", "c"], tok, sources={"d": "x"})
     assert index.tokenizer == tok.id and tok.id.startswith("sha256:")
     assert TokenCorpus(tmp_path / "c").read(0, index.tokens).tolist() == [97, 98, 10, 99, 10]
+
+
+def test_bpe_documents_are_batch_encoded_with_bos_and_eos(tmp_path: Path) -> None:
+    from tests.trainer.tokenizer_fixtures import CHATML, train_bpe
+
+    tok = HfTokenizer.from_dir(train_bpe(tmp_path / "bpe", template=CHATML, bos=True))
+    assert tok.bos_id is not None
+    docs = DOCS[:40]
+    index = write_token_files(
+        tmp_path / "c", docs, tok, sources={"d": "x"}, shard_tokens=100, batch_documents=16
+    )
+    expected = [t for d in docs for t in [tok.bos_id, *tok.encode(d), tok.eos_id]]
+    assert index.tokens == len(expected) and index.bos_id == tok.bos_id and index.dtype == "uint16"
+    assert TokenCorpus(tmp_path / "c").read(0, len(expected)).tolist() == expected
