@@ -5,8 +5,8 @@ directory): `<run dir>/exports/<stage>-<format>/` holds the exported files and, 
 atomically, `EXPORT.json` (stage, format, step, every file's size and SHA-256, the digest). An
 export without `EXPORT.json` is not ready and nothing of it can be downloaded.
 
-The export digest is "sha256:" over the sorted "<path>\\0<sha256>\\n" lines of its files, so it
-names the export's content whatever order its files were written in.
+The export digest, the export id and the path rule are services/domain/export_files.py's (the
+client checks the same).
 
 The job: the first order of an export starts it in a background thread and answers "pending";
 later orders answer "pending" while it runs, then "ready" (from EXPORT.json) or "failed" (once,
@@ -48,6 +48,7 @@ from contracts.api import (
 from contracts.errors import ErrorCode
 from contracts.evals import StageGate
 from contracts.manifest import Manifest
+from services.domain.export_files import export_digest, export_id, parse_export_id, safe_relative
 from services.runtime.codec import Refusal
 from services.trainer import restore
 from services.trainer.restore import StageSource, Unavailable
@@ -60,7 +61,6 @@ FAILED = "FAILED.json"
 CLAIM = "JOB"
 STALE_CLAIM_S = 120.0  # a claim not renewed this long is a dead trainer's (renewed every RENEW_CLAIM_S)
 RENEW_CLAIM_S = 15.0
-MAX_PATH_CHARS = 512  # an export's file names are a handful of short names; anything longer is not one
 READ_BUFFER = 1 << 20
 
 
@@ -78,34 +78,6 @@ class ExportRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _record_decoder = msgspec.json.Decoder(ExportRecord)
-
-
-def export_id(stage: str, fmt: ExportFormat) -> str:
-    return f"{stage}-{fmt.value}"
-
-
-def parse_export_id(value: str) -> tuple[str, ExportFormat] | None:
-    """(stage, format) of "<stage>-<format>", or None when it is not one."""
-    stage, sep, fmt = value.rpartition("-")
-    if not sep or not stage or not all(c.islower() or c == "_" for c in stage):
-        return None
-    try:
-        return stage, ExportFormat(fmt)
-    except ValueError:
-        return None
-
-
-def export_digest(files: list[ExportFile]) -> str:
-    lines = "".join(f"{f.path}\0{f.sha256}\n" for f in sorted(files, key=lambda f: f.path))
-    return "sha256:" + hashlib.sha256(lines.encode()).hexdigest()
-
-
-def safe_relative(path: str) -> bool:
-    """Is `path` a plain relative path below a directory: no absolute path, no `..` or `.`, no
-    empty part, no backslash or NUL, not over MAX_PATH_CHARS?"""
-    if not path or len(path) > MAX_PATH_CHARS or "\0" in path or "\\" in path or path.startswith("/"):
-        return False
-    return all(part not in ("", ".", "..") for part in path.split("/"))
 
 
 def sha256_file(path: pathlib.Path) -> str:
