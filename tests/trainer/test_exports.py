@@ -59,7 +59,7 @@ def run(tmp_path):
 def fake_writer(calls: list[str], fail: bool = False):
     """Writes what the real writer is given (the parameter names, the card, the tokenizer files)."""
 
-    def write(state, shape, out_dir, *, family=None, tokenizer_files={}, card=None, eos_token_id=None, **_):
+    def write(state, shape, out_dir, *, family=None, tokenizer_files=None, card=None, eos_token_id=None, **_):
         calls.append(str(out_dir))
         if fail:
             raise RuntimeError("disk full at /secret/path")
@@ -69,7 +69,10 @@ def fake_writer(calls: list[str], fail: bool = False):
         sub = out_dir / "tok"
         sub.mkdir(exist_ok=True)
         (sub / "tokenizer.json").write_bytes(b"x" * (DOWNLOAD_CHUNK_MAX + 10))  # two chunks
-        return [ExportFile(path=p, bytes=0, sha256="") for p in ("weights.json", "README.md", "tok/tokenizer.json")]
+        return [
+            ExportFile(path=p, bytes=0, sha256="")
+            for p in ("weights.json", "README.md", "tok/tokenizer.json")
+        ]
 
     return write
 
@@ -124,7 +127,9 @@ def test_the_restored_model_has_the_checkpoints_weights(run):
 def test_one_job_per_export_and_the_record_written_last(run):
     _, run_dir, manifest, _ = run
     calls: list[str] = []
-    ex = exports.Exports(run_dir, "trainer-1", exports.Writers(hf=fake_writer(calls), tokenizer_files=no_tokenizer))
+    ex = exports.Exports(
+        run_dir, "trainer-1", exports.Writers(hf=fake_writer(calls), tokenizer_files=no_tokenizer)
+    )
     j = job(run_dir, manifest)
     first = ex.order(j)
     assert (first.state, first.export_id, first.step) == ("pending", "pretrain-hf", 8)
@@ -159,7 +164,9 @@ def test_a_claim_held_by_another_live_trainer_is_pending_and_a_stale_one_is_take
 def test_a_failed_export_says_so_once_safely_then_starts_again(run):
     _, run_dir, manifest, _ = run
     calls: list[str] = []
-    ex = exports.Exports(run_dir, "t", exports.Writers(hf=fake_writer(calls, fail=True), tokenizer_files=no_tokenizer))
+    ex = exports.Exports(
+        run_dir, "t", exports.Writers(hf=fake_writer(calls, fail=True), tokenizer_files=no_tokenizer)
+    )
     j = job(run_dir, manifest)
     failed = until_ready(ex, j)
     assert failed.state == "failed" and "RuntimeError" in failed.message and "/secret" not in failed.message
@@ -204,7 +211,9 @@ def test_chunks_of_a_listed_file_are_bounded_and_cover_it(ready):
     entry = next(f for f in view.files if f.path == "tok/tokenizer.json")
     first = exports.read_chunk(directory, "run_1", "pretrain-hf", entry.path, 0, 10 * DOWNLOAD_CHUNK_MAX)
     assert len(first.data) == DOWNLOAD_CHUNK_MAX and (first.size, first.sha256) == (entry.bytes, entry.sha256)
-    rest = exports.read_chunk(directory, "run_1", "pretrain-hf", entry.path, DOWNLOAD_CHUNK_MAX, DOWNLOAD_CHUNK_MAX)
+    rest = exports.read_chunk(
+        directory, "run_1", "pretrain-hf", entry.path, DOWNLOAD_CHUNK_MAX, DOWNLOAD_CHUNK_MAX
+    )
     assert len(rest.data) == 10
     past = exports.read_chunk(directory, "run_1", "pretrain-hf", entry.path, entry.bytes, 100)
     assert past.data == b""
@@ -288,7 +297,13 @@ def test_generation_stops_at_eos_and_at_the_deadline(run):
         model, [1, 2, 3], max_new_tokens=5, temperature=0, seed=0, eos_id=None, deadline=time.monotonic() + 60
     )
     stopped = sampling.generate(
-        model, [1, 2, 3], max_new_tokens=5, temperature=0, seed=0, eos_id=free[0], deadline=time.monotonic() + 60
+        model,
+        [1, 2, 3],
+        max_new_tokens=5,
+        temperature=0,
+        seed=0,
+        eos_id=free[0],
+        deadline=time.monotonic() + 60,
     )
     assert len(free) == 5 and stopped == []
     late = sampling.generate(model, [1], max_new_tokens=5, temperature=0, seed=0, eos_id=None, deadline=0.0)
