@@ -163,11 +163,13 @@ def restore_model(src: StageSource, data_dir: pathlib.Path) -> tuple[Transformer
     seq_len = max(shape.max_seq_len, src.manifest.target.seq_len)
     torch.manual_seed(src.manifest.seed)  # LoRA's A matrices are seeded as in training; B loads anyway
     model = build_model(shape, seq_len=seq_len, rope_base=stage.rope_base, device=CPU)
+    adapters_only: dict[str, Any] = {}
     if src.lora is not None:
         lora_mod = optional("services.trainer.lora", "has no LoRA support")
         _load_incoming(model, src, data_dir)
         lora_mod.apply_lora(model, src.lora)
-    info = load_weights(src.stage_dir, model)
+        adapters_only["model_keys"] = lora_mod.is_adapter_key  # the stage's checkpoint holds only these
+    info = load_weights(src.stage_dir, model, **adapters_only)
     if info is None:  # pruned between locate and load: the run was cleaned up meanwhile
         raise Refusal(ErrorCode.export_not_found, f"stage {stage.name} has no committed checkpoint")
     model.eval()
@@ -178,10 +180,11 @@ def restore_model(src: StageSource, data_dir: pathlib.Path) -> tuple[Transformer
 
 
 class ByteCodec:
-    """UTF-8 bytes, as the tiny demo trains (services/trainer/data.py): the fallback when the
-    tokenizer module is not installed; it has no chat template and no end-of-sequence token."""
+    """UTF-8 bytes, as the tiny demo trains: the fallback when the tokenizer module is not
+    installed, encoding as its ByteTokenizer does (eos is byte 10, the newline that ends a task
+    answer); no chat rendering."""
 
-    eos_id: int | None = None
+    eos_id: int | None = 10
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -218,8 +221,15 @@ def tokenizer_files(src: StageSource, data_dir: pathlib.Path) -> dict[str, bytes
     spec = tokenizer_spec(src)
     if spec == BYTES:
         return dict(tok.byte_tokenizer_files())
-    digest = spec if spec is not None else (src.base.digest if src.base is not None else "")
-    return dict(tok.tokenizer_files(store_dir(data_dir, digest)))
+    if (
+        spec is not None
+    ):  # a tokenizer entry of the store: `<store>/tokenizers/<hex>/` (load_tokenizer's rule)
+        return dict(
+            tok.tokenizer_files(model_store_root(data_dir) / "tokenizers" / spec.removeprefix("sha256:"))
+        )
+    if src.base is None:
+        raise Unavailable("the run names no tokenizer")
+    return dict(tok.tokenizer_files(store_dir(data_dir, src.base.digest)))
 
 
 def eos_id_of(tokenizer: Any) -> int | None:

@@ -42,16 +42,16 @@ def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     the generation prompt (a tokenizer without a template refuses it)."""
     if not chat:
         return list(tokenizer.encode(prompt))
-    messages = [{"role": "user", "content": prompt}]
-    for name in ("encode_chat", "apply_chat_template"):
-        render = getattr(tokenizer, name, None)
-        if render is None:
-            continue
-        out = render(messages, add_generation_prompt=True)
-        return list(tokenizer.encode(out)) if isinstance(out, str) else list(out)
-    raise Refusal(
-        ErrorCode.request_invalid, "this run's tokenizer has no chat template; sample without --chat"
-    )
+    render = getattr(tokenizer, "chat", None)  # services.trainer.tokenizer's: (ids, assistant mask)
+    if render is None:
+        raise Refusal(
+            ErrorCode.request_invalid, "this run's tokenizer renders no chat; sample without --chat"
+        )
+    try:
+        ids, _mask = render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    except ValueError as exc:  # a tokenizer without a chat template says so
+        raise Refusal(ErrorCode.request_invalid, f"{exc} Sample without --chat.") from None
+    return list(ids)
 
 
 @torch.no_grad()

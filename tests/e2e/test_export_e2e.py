@@ -29,7 +29,7 @@ def test_export_download_sample(stack, manifest, tmp_path):
 
     rc, sample = stack.ecc("sample", run_id, "--prompt", "12+35=", "--max-new-tokens", "8", env=env)
     assert rc == 0 and sample["ok"], sample
-    assert (sample["data"]["stage"], sample["data"]["tokens"]) == ("pretrain", 8)
+    assert sample["data"]["stage"] == "pretrain" and 0 <= sample["data"]["tokens"] <= 8
     rc, again = stack.ecc("sample", run_id, "--prompt", "12+35=", "--max-new-tokens", "8", env=env)
     assert again["data"]["text"] == sample["data"]["text"]  # greedy: the same text
     _, _, other_env = stack.account()

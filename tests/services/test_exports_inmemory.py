@@ -120,7 +120,7 @@ async def test_export_download_sample_of_the_callers_run(stack):
         await call(bus, subjects.API_SAMPLE, SampleRequest(run_id=run_id, prompt="12+35=", max_new_tokens=4)),
         SampleResult,
     )
-    assert (sample.run_id, sample.stage, sample.step, sample.tokens) == (run_id, "pretrain", 8, 4)
+    assert (sample.run_id, sample.stage, sample.step) == (run_id, "pretrain", 8) and sample.tokens <= 4
     assert isinstance(sample.text, str) and worker.sampler.loads == 1
 
 

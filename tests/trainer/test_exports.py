@@ -281,7 +281,8 @@ def test_sampling_is_greedy_or_seeded_and_keeps_the_loaded_model(run):
     src = restore.locate(run_dir, "run_1", manifest, None, None)
     greedy = SampleRequest(run_id="run_1", prompt="12+35=", max_new_tokens=6)
     a, b = sampler.sample(src, greedy), sampler.sample(src, greedy)
-    assert a == b and a.tokens == 6 and (a.stage, a.step) == ("pretrain", 8)
+    assert a == b and 0 <= a.tokens <= 6 and (a.stage, a.step) == ("pretrain", 8)
+    assert "\n" not in a.text  # the byte tokenizer's eos (a newline) ends the completion
     assert sampler.loads == 1  # the second prompt to the same checkpoint loaded nothing
     hot = msgspec.structs.replace(greedy, temperature=1.5, seed=7)
     assert sampler.sample(src, hot) == sampler.sample(src, hot)  # seeded: the same request, the same text
