@@ -3,9 +3,11 @@ sample`, `ecc ito export` until ready, `ecc ito download` into a fresh directory
 SHA-256 and the export digest checked), and the download loaded by transformers, whose logits
 match the trainer's model on the same checkpoint (max abs diff <= 1e-4 in fp32)."""
 
+import asyncio
 import hashlib
 import importlib.util
 import json
+import pathlib
 import stat
 
 import pytest
@@ -32,6 +34,10 @@ def test_export_download_sample(stack, manifest, tmp_path):
     assert sample["data"]["stage"] == "pretrain" and 0 <= sample["data"]["tokens"] <= 8
     rc, again = stack.ecc("sample", run_id, "--prompt", "12+35=", "--max-new-tokens", "8", env=env)
     assert again["data"]["text"] == sample["data"]["text"]  # greedy: the same text
+    by_agent = asyncio.run(
+        _agent_calls({**stack.env, **env}, "sample", run_id=run_id, prompt="12+35=", max_new_tokens=8)
+    )
+    assert by_agent["data"]["text"] == sample["data"]["text"]  # the MCP tool: the same call
     _, _, other_env = stack.account()
     rc, theirs = stack.ecc("export", run_id, env=other_env)
     assert rc == 1 and theirs["error"]["code"] == "run_not_found"
@@ -63,7 +69,22 @@ def test_export_download_sample(stack, manifest, tmp_path):
     card = (out / "README.md").read_text()
     assert run_id in card and train["manifest_digest"] in card  # the model card names the run and manifest
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 256
+    by_agent = asyncio.run(
+        _agent_calls({**stack.env, **env}, "download", run_id=run_id, to=str(tmp_path / "agent"))
+    )
+    assert by_agent["ok"] and by_agent["data"]["digest"] == view["digest"], by_agent
+    assert sorted(p.name for p in (tmp_path / "agent").rglob("*") if p.is_file()) == sorted(
+        pathlib.PurePath(f["path"]).name for f in view["files"]
+    )
     _logits_match(stack.data_dir / "checkpoints" / account / run_id, manifest_path, out)
+
+
+async def _agent_calls(env: dict, tool: str, **arguments) -> dict:
+    from tests.e2e.test_mcp import agent
+
+    async with agent(env) as a:
+        await a.tools()
+        return await a(tool, **arguments)
 
 
 def _logits_match(run_dir, manifest_path, out) -> None:
