@@ -309,3 +309,52 @@ def test_generation_stops_at_eos_and_at_the_deadline(run):
     assert len(free) == 5 and stopped == []
     late = sampling.generate(model, [1], max_new_tokens=5, temperature=0, seed=0, eos_id=None, deadline=0.0)
     assert late == []
+
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def lora_run(run_dir: pathlib.Path):
+    """A run whose SFT stage trained LoRA adapters on the pretrain stage's weights: the adapters'
+    checkpoint (adapters only, as the lora helper saves it) and the merged weights expected."""
+    lora = pytest.importorskip("services.trainer.lora")
+    if "model_keys" not in Checkpointer.__init__.__code__.co_varnames:
+        pytest.skip("the checkpointer does not save adapters only yet (the lora helper's)")
+    manifest = tiny_manifest(post_training={"recipe": ["sft"], "sft": {"steps": 2, "lora": LORA}})
+    pretrained = commit_checkpoint(run_dir / "pretrain", manifest, 8)
+    torch.manual_seed(3)
+    model = lora.apply_lora(pretrained, manifest.post_training.sft.lora)
+    for _, layer in lora.lora_layers(model):
+        torch.nn.init.normal_(layer.lora_B.weight)  # trained adapters are not zero
+    ckpt = Checkpointer(run_dir / "sft", keep_last=2, model_keys=lora.is_adapter_key)
+    ckpt.save(2, model, torch.optim.AdamW(lora.trainable_parameters(model)))
+    ckpt.wait()
+    ckpt.close()
+    merged = {
+        k: v.clone()
+        for k, v in lora.merge_state_dict(model.state_dict(), manifest.post_training.sft.lora).items()
+    }
+    return manifest, merged
+
+
+def test_a_lora_stage_exports_merged_weights_and_a_peft_adapter(tmp_path):
+    run_dir = tmp_path / "acme" / "run_1"
+    manifest, merged = lora_run(run_dir)
+    src = restore.locate(run_dir, "run_1", manifest, None, None)
+    assert (src.stage.name, src.incoming_dir, src.lora is not None) == ("sft", run_dir / "pretrain", True)
+    states: list[dict] = []
+
+    def keep(state, shape, out_dir, **_):
+        states.append(state)
+        (pathlib.Path(out_dir) / "weights.json").write_text("{}")
+        return [ExportFile(path="weights.json", bytes=0, sha256="")]
+
+    ex = exports.Exports(run_dir, "t", exports.Writers(hf=keep, tokenizer_files=no_tokenizer))
+    assert until_ready(ex, job(run_dir, manifest)).state == "ready"
+    (state,) = states
+    assert set(state) == set(merged)  # our names, no adapter keys left
+    for key, value in merged.items():
+        assert torch.allclose(state[key], value, atol=1e-6), key
+    peft = until_ready(ex, job(run_dir, manifest, fmt=ExportFormat.peft))
+    assert peft.state == "ready", peft.message
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {f.path for f in peft.files}
