@@ -326,7 +326,8 @@ def lora_run(run_dir: pathlib.Path):
     model = lora.apply_lora(pretrained, manifest.post_training.sft.lora)
     for _, layer in lora.lora_layers(model):
         torch.nn.init.normal_(layer.lora_B.weight)  # trained adapters are not zero
-    ckpt = Checkpointer(run_dir / "sft", keep_last=2, model_keys=lora.is_adapter_key)
+    adapters_only: dict = {"model_keys": lora.is_adapter_key}  # the lora helper's keyword
+    ckpt = Checkpointer(run_dir / "sft", keep_last=2, **adapters_only)
     ckpt.save(2, model, torch.optim.AdamW(lora.trainable_parameters(model)))
     ckpt.wait()
     ckpt.close()
