@@ -191,9 +191,11 @@ async def export_view(client: Client, run_id: str, export: str | None) -> Export
 async def download(
     run_id: str, export: str | None, to: str, connect_timeout_s: float, timeout_s: float
 ) -> Envelope[Any]:
+    contacted = False
     try:
         target = prepare_directory(to)
         async with Client(connect_timeout_s, timeout_s) as client:
+            contacted = True
             view = await export_view(client, run_id, export)
             fetcher = Fetcher(client, timeout_s, run_id, view.export_id)
             fetched = 0
@@ -209,9 +211,13 @@ async def download(
                 ErrorCode.internal, f"the files' digest {digest} is not the export's {view.digest}"
             )
     except DownloadFailed as exc:
-        return local_error(exc.code, exc.message, contacted=True)
+        return local_error(exc.code, exc.message, contacted=contacted)
     except OSError as exc:
-        return local_error(ErrorCode.forbidden, f"cannot write the download: {exc.strerror} ({exc.filename})")
+        return local_error(
+            ErrorCode.forbidden,
+            f"cannot write the download: {exc.strerror} ({exc.filename})",
+            contacted=contacted,
+        )
     done = Downloaded(
         run_id=run_id,
         export_id=view.export_id,
