@@ -96,6 +96,26 @@ def describe(directory: pathlib.Path, paths: list[str]) -> list[ExportFile]:
     ]
 
 
+CONTROL_FILES = frozenset({RECORD, FAILED, CLAIM})
+
+
+def written_files(directory: pathlib.Path) -> list[str]:
+    """Every regular file below `directory` (relative, sorted) but the export's own control files
+    and temporaries; a link is never listed (nor followed)."""
+    found = []
+    for here, dirs, names in os.walk(directory, followlinks=False):
+        rel = pathlib.Path(here).relative_to(directory)
+        dirs[:] = [d for d in dirs if not (pathlib.Path(here) / d).is_symlink()]
+        for name in names:
+            path = pathlib.Path(here) / name
+            if path.is_symlink() or not path.is_file() or name.endswith(".tmp"):
+                continue
+            if rel == pathlib.Path(".") and name in CONTROL_FILES:
+                continue
+            found.append(str(rel / name) if rel != pathlib.Path(".") else name)
+    return sorted(found)
+
+
 def _write_atomic(path: pathlib.Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -292,7 +312,11 @@ def write_export(
             card=card,
             eos_token_id=eos,
         )
-    files = describe(job.directory, [f.path for f in written])  # our own sums of what is on disk
+    on_disk = written_files(job.directory)
+    missing = sorted({f.path for f in written} - set(on_disk))
+    if missing:
+        raise RuntimeError(f"the writer listed files it did not write: {missing}")
+    files = describe(job.directory, on_disk)  # every file written, with our own sums
     record = ExportRecord(
         run_id=src.run_id,
         stage=src.stage.name,

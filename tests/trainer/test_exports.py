@@ -69,6 +69,7 @@ def fake_writer(calls: list[str], fail: bool = False):
         sub = out_dir / "tok"
         sub.mkdir(exist_ok=True)
         (sub / "tokenizer.json").write_bytes(b"x" * (DOWNLOAD_CHUNK_MAX + 10))  # two chunks
+        (out_dir / "generation_config.json").write_text("{}")  # written, not returned: listed all the same
         return [
             ExportFile(path=p, bytes=0, sha256="")
             for p in ("weights.json", "README.md", "tok/tokenizer.json")
@@ -136,7 +137,12 @@ def test_one_job_per_export_and_the_record_written_last(run):
     view = until_ready(ex, j)
     assert calls == [str(j.directory)]  # asked many times, written once
     assert view.state == "ready" and view.step == 8 and view.export_id == "pretrain-hf"
-    assert [f.path for f in view.files] == ["README.md", "tok/tokenizer.json", "weights.json"]
+    assert [f.path for f in view.files] == [
+        "README.md",
+        "generation_config.json",
+        "tok/tokenizer.json",
+        "weights.json",
+    ]
     assert view.digest == export_digest(view.files) and view.bytes == sum(f.bytes for f in view.files)
     record = json.loads((j.directory / exports.RECORD).read_text())
     assert record["digest"] == view.digest and not (j.directory / exports.CLAIM).exists()
