@@ -39,10 +39,16 @@ from contracts import subjects
 from contracts.api import (
     CleanupOrder,
     CleanupResult,
+    DownloadChunk,
+    DownloadOrder,
+    ExportOrder,
+    ExportView,
     LeaseAnswer,
     LeaseQuery,
     RemovedArtifact,
     RestartProposal,
+    SampleOrder,
+    SampleResult,
 )
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
@@ -55,7 +61,7 @@ from services.runtime.codec import Refusal
 from services.runtime.liveness import TIMERS
 from services.runtime.model_store import ModelStore
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
-from services.trainer import nodes, shares, spikes
+from services.trainer import exports, nodes, sampling, shares, spikes
 from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.distributed import ParallelismError
 from services.trainer.emitter import Emitter
@@ -269,6 +275,8 @@ class Worker:
         self.epochs: dict[str, int] = {}
         self.node_ranks: dict[str, int] = {}  # a multi-node run's share this agent holds (0 otherwise)
         self.checkpoint_root = settings.data_dir / "checkpoints"
+        self.exports = exports.Exports(settings.data_dir, self.trainer_id)
+        self.sampler = sampling.Sampler(settings.data_dir)
 
     async def cancel(self, run_id: str) -> None:
         """A (signed) cancel notice is a hint to look now: the lease says whether the run really
@@ -611,3 +619,14 @@ class Worker:
             shutil.rmtree(path)
         log.info("run %s: cleanup removed %d artifacts", order.run_id, len(removed))
         return CleanupResult(run_id=order.run_id, removed=removed)
+
+    # Exports, downloads and samples (services/trainer/exports.py, sampling.py): thin handlers.
+
+    async def export(self, order: ExportOrder) -> ExportView:
+        return await asyncio.to_thread(exports.answer_export, self.exports, self.checkpoint_root, order)
+
+    async def download(self, order: DownloadOrder) -> DownloadChunk:
+        return await asyncio.to_thread(exports.answer_download, self.checkpoint_root, order)
+
+    async def sample(self, order: SampleOrder) -> SampleResult:
+        return await asyncio.to_thread(sampling.answer_sample, self.sampler, self.checkpoint_root, order)
