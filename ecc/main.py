@@ -111,12 +111,24 @@ def _record_verbs(verbs: Verbs) -> None:
     _common(p)
 
 
+def _model_verbs(verbs: Verbs) -> None:
+    """What a manifest may name: models."""
+    _common(verbs.add_parser("models", help=VERB_HELP["models"]))
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ecc", description="Itô compute client.")
     groups = top.add_subparsers(dest="group", required=True)
     ito = groups.add_parser("ito", help="managed training on booked Itô GPU compute")
     verbs = ito.add_subparsers(dest="verb", required=True)
-    for add_group in (_session_verbs, _creation_verbs, _view_verbs, _change_verbs, _record_verbs):
+    for add_group in (
+        _session_verbs,
+        _model_verbs,
+        _creation_verbs,
+        _view_verbs,
+        _change_verbs,
+        _record_verbs,
+    ):
         add_group(verbs)
     _agents_door(groups)
     return top

@@ -27,6 +27,7 @@ from contracts.api import (
     LogPage,
     LogsRequest,
     MetricsRequest,
+    ModelList,
     MutationResult,
     Plan,
     RunAccepted,
@@ -78,6 +79,7 @@ Answer = (
     | EvalList
     | MutationResult
     | CleanupResult
+    | ModelList
     | LoggedOut
     | LogsFollowed
 )
@@ -125,6 +127,8 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
             return _evals(answer)
         case CleanupResult():
             return _cleanup(answer)
+        case ModelList():
+            return _models(answer)
         case LoggedOut() | LogsFollowed() | None:  # no words to add: their JSON says it all
             return _encoder.encode(answer).decode()
         case _:
@@ -240,6 +244,18 @@ def _cleanup(result: CleanupResult) -> str:
         f"{result.booking_release_requested}"
     )
     return "\n".join(rows)
+
+
+def _models(listed: ModelList) -> str:
+    rows = [
+        f"{m.name}: {m.digest} ({m.architecture}, {m.parameters:,} parameters, vocab {m.vocab_size:,}, "
+        f"context {m.max_seq_len:,}"
+        + ("" if m.tokenizer else ", no tokenizer")
+        + (", chat template" if m.chat_template else "")
+        + ")"
+        for m in listed.models
+    ]
+    return "\n".join(rows) or "(no models for this account)"
 
 
 def _decisions(trail: AuditTrail) -> str:

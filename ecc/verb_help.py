@@ -23,6 +23,7 @@ VERB_HELP: dict[str, str] = {
     "restart_from_checkpoint confirmation, or --reject",
     "audit": "a run's gate decisions (who, which gate, pass/fail and code)",
     "logs": "a run's log lines",
+    "models": "the base models your account may fine-tune (put the digest in model.revision)",
 }
 """One line per `ecc ito` verb (its `--help` entry; the first line of its MCP tool's description)."""
 

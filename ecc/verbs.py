@@ -25,6 +25,7 @@ from contracts.api import (
     FindRequest,
     LogsRequest,
     MetricsRequest,
+    ModelsRequest,
     PlanRequest,
     RunAccepted,
     RunItemsRequest,
@@ -186,6 +187,10 @@ def _find(args: argparse.Namespace) -> Envelope[Any]:
     return _run("find", FindRequest(), args)
 
 
+def _models(args: argparse.Namespace) -> Envelope[Any]:
+    return _run("models", ModelsRequest(), args)
+
+
 def _plan(args: argparse.Namespace) -> Envelope[Any]:
     m = load_manifest(args.manifest)
     if isinstance(m, Envelope):
@@ -339,6 +344,7 @@ LOGGED_IN: dict[str, Verb] = {
     "approve": _approve,
     "audit": _audit,
     "logs": _logs,
+    "models": _models,
 }
 """Verbs that need a stored credential: without one they answer `unauthenticated` and call nothing."""
 

@@ -22,6 +22,8 @@ from contracts.api import (
     LogLineView,
     LogPage,
     LogsRequest,
+    ModelList,
+    ModelView,
     MutationResult,
     Parallelism,
     Plan,
@@ -260,6 +262,29 @@ EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
     "approve": (
         MutationResult(run_id="run-1", action=Action.restart_from_checkpoint, state=RunState.queued),
         ["run run-1: queued"],
+    ),
+    "models": (
+        ModelList(
+            models=[
+                ModelView(
+                    name="tiny-llama",
+                    digest="sha256:" + "ab" * 32,
+                    family="llama",
+                    architecture="LlamaForCausalLM",
+                    parameters=45_600,
+                    vocab_size=320,
+                    max_seq_len=128,
+                    tokenizer=True,
+                    chat_template=True,
+                    bytes=190_000,
+                )
+            ]
+        ),
+        [
+            "tiny-llama: sha256:"
+            + "ab" * 32
+            + " (LlamaForCausalLM, 45,600 parameters, vocab 320, context 128, chat template)"
+        ],
     ),
 }
 

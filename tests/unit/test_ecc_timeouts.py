@@ -26,6 +26,7 @@ VERBS = {
     "approve": ["r", "--idempotency-key", "k"],
     "audit": ["r"],
     "logs": ["r"],
+    "models": [],
 }
 
 
