@@ -80,6 +80,7 @@ def test_only_the_owner_may_publish(subject, only):
     "subject, only",
     [
         ("ito.v1.api.train.acme", {"scheduler"}),
+        ("ito.v1.api.models.acme", {"scheduler"}),  # the model store's list: the scheduler answers it
         ("ito.v1.ledger.accept", {"ledger"}),
         (
             "ito.v1.work.train.run_1",
@@ -102,8 +103,10 @@ def test_only_the_owner_may_subscribe(subject, only):
 def test_a_tenant_publishes_its_own_requests_and_reads_its_own_inbox_only():
     p = ids.tenant_permissions("acme", S)
     assert allows(p.publish, "ito.v1.api.train.acme") and allows(p.publish, "ito.v1.api.status.acme")
+    assert allows(p.publish, "ito.v1.api.models.acme")
     for subject in (
         "ito.v1.api.train.victim",
+        "ito.v1.api.models.victim",  # another account's model list
         "ito.v1.ledger.accept",
         "ito.v1.confirmation.create",
         "ito.compute.v1.booking.completed",
