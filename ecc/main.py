@@ -134,6 +134,11 @@ def _output_verbs(verbs: Verbs) -> None:
     _common(p)
 
 
+def _model_verbs(verbs: Verbs) -> None:
+    """What a manifest may name: models."""
+    _common(verbs.add_parser("models", help=VERB_HELP["models"]))
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ecc", description="Itô compute client.")
     groups = top.add_subparsers(dest="group", required=True)
@@ -141,6 +146,7 @@ def parser() -> argparse.ArgumentParser:
     verbs = ito.add_subparsers(dest="verb", required=True)
     for add_group in (
         _session_verbs,
+        _model_verbs,
         _creation_verbs,
         _view_verbs,
         _change_verbs,

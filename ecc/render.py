@@ -30,6 +30,7 @@ from contracts.api import (
     LogPage,
     LogsRequest,
     MetricsRequest,
+    ModelList,
     MutationResult,
     Plan,
     RunAccepted,
@@ -98,6 +99,7 @@ Answer = (
     | ExportView
     | DownloadChunk
     | SampleResult
+    | ModelList
     | LoggedOut
     | LogsFollowed
     | Downloaded
@@ -154,6 +156,8 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
             return answer.text
         case Downloaded():
             return _downloaded(answer)
+        case ModelList():
+            return _models(answer)
         case LoggedOut() | LogsFollowed() | None:  # no words to add: their JSON says it all
             return _encoder.encode(answer).decode()
         case _:
@@ -291,6 +295,18 @@ def _downloaded(done: Downloaded) -> str:
         f"({done.fetched_bytes} fetched), digest {done.digest} verified"
     )
     return "\n".join(rows)
+
+
+def _models(listed: ModelList) -> str:
+    rows = [
+        f"{m.name}: {m.digest} ({m.architecture}, {m.parameters:,} parameters, vocab {m.vocab_size:,}, "
+        f"context {m.max_seq_len:,}"
+        + ("" if m.tokenizer else ", no tokenizer")
+        + (", chat template" if m.chat_template else "")
+        + ")"
+        for m in listed.models
+    ]
+    return "\n".join(rows) or "(no models for this account)"
 
 
 def _decisions(trail: AuditTrail) -> str:

@@ -94,6 +94,7 @@ AGENT_NOTES: dict[str, str] = {
     "checkpoints": "",
     "evals": "",
     "audit": "",
+    "models": "Each model's digest is what a manifest's model.revision must be; model.base is its name.",
     "cancel": MUTATION_NOTE,
     "cleanup": "release_booking needs its own release_booking confirmation. " + MUTATION_NOTE,
     "approve": "reject needs no confirmation; an approval needs a restart_from_checkpoint one. "
@@ -164,6 +165,7 @@ TOOLS: dict[str, Tool] = {
         _tool("checkpoints", reads_manifest=False),
         _tool("evals", reads_manifest=False),
         _tool("audit", reads_manifest=False),
+        _tool("models", reads_manifest=False),
         _tool("cancel", reads_manifest=False, mutation=True, destructive=True),
         _tool("cleanup", reads_manifest=False, mutation=True, destructive=True),
         _tool("approve", reads_manifest=False, mutation=True, destructive=True),

@@ -29,6 +29,7 @@ VERB_HELP: dict[str, str] = {
     "download": "fetch a ready export into a directory on this machine (resumable, digest-checked). "
     "No confirmation: it only reads",
     "sample": "generate text from a run's committed checkpoint. No confirmation: it only reads",
+    "models": "the base models your account may fine-tune (put the digest in model.revision)",
 }
 """One line per `ecc ito` verb (its `--help` entry; the first line of its MCP tool's description)."""
 

@@ -27,6 +27,7 @@ from contracts.api import (
     FindRequest,
     LogsRequest,
     MetricsRequest,
+    ModelsRequest,
     PlanRequest,
     RunAccepted,
     RunItemsRequest,
@@ -187,6 +188,10 @@ def _auth(args: argparse.Namespace) -> Envelope[Any]:
 
 def _find(args: argparse.Namespace) -> Envelope[Any]:
     return _run("find", FindRequest(), args)
+
+
+def _models(args: argparse.Namespace) -> Envelope[Any]:
+    return _run("models", ModelsRequest(), args)
 
 
 def _plan(args: argparse.Namespace) -> Envelope[Any]:
@@ -377,6 +382,7 @@ LOGGED_IN: dict[str, Verb] = {
     "export": _export,
     "download": _download,
     "sample": _sample,
+    "models": _models,
 }
 """Verbs that need a stored credential: without one they answer `unauthenticated` and call nothing."""
 

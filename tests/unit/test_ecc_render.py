@@ -26,6 +26,8 @@ from contracts.api import (
     LogLineView,
     LogPage,
     LogsRequest,
+    ModelList,
+    ModelView,
     MutationResult,
     Parallelism,
     Plan,
@@ -298,6 +300,29 @@ EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
         [f"config.json: 2 bytes at 0 of 2 (sha256 {'ef' * 32})"],
     ),
     "sample": (SampleResult(run_id="run-1", stage="sft", step=40, text="12+35=47", tokens=5), ["12+35=47"]),
+    "models": (
+        ModelList(
+            models=[
+                ModelView(
+                    name="tiny-llama",
+                    digest="sha256:" + "ab" * 32,
+                    family="llama",
+                    architecture="LlamaForCausalLM",
+                    parameters=45_600,
+                    vocab_size=320,
+                    max_seq_len=128,
+                    tokenizer=True,
+                    chat_template=True,
+                    bytes=190_000,
+                )
+            ]
+        ),
+        [
+            "tiny-llama: sha256:"
+            + "ab" * 32
+            + " (LlamaForCausalLM, 45,600 parameters, vocab 320, context 128, chat template)"
+        ],
+    ),
 }
 
 

@@ -29,6 +29,7 @@ VERBS = {
     "export": ["r"],
     "download": ["r", "--to", "/tmp/x"],
     "sample": ["r", "--prompt", "2+2="],
+    "models": [],
 }
 
 
