@@ -92,11 +92,22 @@ class RunPlan:
     stages: tuple[LmPlan | PostPlan, ...]
     shape: ModelShape | None = None  # the model the run starts from (the base model's, or the size's)
     base: BaseModel | None = None  # the base model it fine-tunes; None: from scratch
+    row_refs: frozenset[str] = frozenset()  # training refs read as JSONL / Parquet rows
+    chat_evals: tuple[str, ...] = ()  # eval refs read as rows (a chat eval split)
 
     def rules(self, stage: "LmPlan | PostPlan") -> list[gates.Rule]:
         """The gate `stage` is judged on: the backend's battery, tightened by the manifest."""
         has_tasks = any(src in TASK_SOURCES for src in self.eval_refs.values())
-        return gates.rules(stage.name, stage.gate, has_tasks=has_tasks, has_held_out=bool(self.eval_refs))
+        chat_eval = (
+            bool(self.chat_evals) and isinstance(stage, PostPlan) and bool(set(stage.data) & self.row_refs)
+        )
+        return gates.rules(
+            stage.name,
+            stage.gate,
+            has_tasks=has_tasks,
+            has_held_out=bool(self.eval_refs),
+            chat_eval=chat_eval,
+        )
 
     @property
     def stage_names(self) -> list[str]:
@@ -188,6 +199,8 @@ def plan_run(manifest: Manifest, base: BaseModel | None = None) -> RunPlan:
         stages=tuple(plans),
         shape=base_shape,
         base=base,
+        row_refs=frozenset(r.name for r in manifest.data if r.role is DataRole.train and reads_rows(r)),
+        chat_evals=tuple(r.name for r in manifest.data if r.role is DataRole.eval and reads_rows(r)),
     )
 
 

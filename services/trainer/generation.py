@@ -51,8 +51,10 @@ def complete(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     kv_cache: bool = True,
+    end_token: int = END_TOKEN,
 ) -> list[Completion]:
-    """One completion per prompt, in prompt order. temperature 0 is greedy; otherwise tokens are
+    """One completion per prompt, in prompt order (each ends at `end_token`: the byte newline, or a
+    real tokenizer's id of it). temperature 0 is greedy; otherwise tokens are
     sampled from softmax(logits / temperature) with `generator` (CPU), so a seed fixes the result
     (on CPU the same tokens as ever; on cuda a device generator seeded from it draws them)."""
     device = next(model.parameters()).device
@@ -68,7 +70,9 @@ def complete(
         for first in range(0, len(indices), MAX_BATCH):
             rows = indices[first : first + MAX_BATCH]
             batch = torch.tensor([list(prompts[i]) for i in rows], dtype=torch.long, device=device)
-            completions = _complete_batch(model, batch, max_new_tokens, temperature, sampler, kv_cache)
+            completions = _complete_batch(
+                model, batch, max_new_tokens, temperature, sampler, kv_cache, end_token
+            )
             for i, completion in zip(rows, completions, strict=True):
                 results[i] = completion
     model.train(was_training)
@@ -157,6 +161,7 @@ def _complete_batch(
     temperature: float,
     generator: torch.Generator | None,
     kv_cache: bool,
+    end_token: int = END_TOKEN,
 ) -> list[Completion]:
     device = idx.device
     rows, prompt_length = idx.shape
@@ -177,7 +182,7 @@ def _complete_batch(
         nxt, logp = _sample(logits.float(), temperature, generator)
         tokens[:, t] = nxt
         logprobs[:, t] = logp.gather(-1, nxt[:, None]).squeeze(-1)
-        ended = (nxt == END_TOKEN) & ~done
+        ended = (nxt == end_token) & ~done
         lengths.masked_fill_(ended, t + 1)  # not lengths[ended] = ...: a boolean index syncs
         done |= ended
         if (t + 1) % check_every == 0 and bool(done.all()):
