@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from contracts.api import ExportFile
 from contracts.manifest import Lora
 from services.runtime.data_files import sha256_file
+from services.trainer.model import Transformer
 
 # Hugging Face projection names (what a manifest's target_modules and peft speak) -> ours, in the block.
 HF_TARGETS: Final[dict[str, str]] = {
@@ -245,12 +246,12 @@ class BaseModelView(nn.Module):
     model (DPO's): forwards run the same (possibly sharded) model with its adapters off and no
     gradients. Holds the model outside its own parameters, so it adds nothing to any state dict."""
 
-    _model: nn.Module
+    _model: Transformer
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: Transformer):
         super().__init__()
         object.__setattr__(self, "_model", model)  # not a submodule: no second copy in state dicts
-        self.shape = getattr(model, "shape", None)
+        self.shape = model.shape
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad(), adapters_disabled(self._model):

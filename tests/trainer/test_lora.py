@@ -2,6 +2,7 @@
 checkpoints, and the PEFT-format export loaded by peft onto a Hugging Face model."""
 
 import json
+import math
 import stat
 from pathlib import Path
 
@@ -13,10 +14,13 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from safetensors.torch import load_file
 
 from contracts.manifest import Lora
-from contracts.models import ModelShape
+from contracts.models import MODEL_SHAPES, ModelShape
+from contracts.runs import LogLine
 from services.trainer import lora
-from services.trainer.checkpoint import Checkpointer, load_latest, load_weights
+from services.trainer.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights
 from services.trainer.model import Transformer
+from services.trainer.posttrain import PostConfig, train_dpo, train_sft
+from services.trainer.reporting import Recorder
 
 SHAPE = ModelShape(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, vocab_size=97, max_seq_len=32)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -388,3 +392,86 @@ def test_the_peft_export_loads_into_peft_and_merges_the_same(tmp_path: Path):
     assert set(merged) == set(merged_hf)
     for key, value in merged.items():
         torch.testing.assert_close(value, merged_hf[key], rtol=0, atol=1e-6)
+
+
+# ---- LoRA post-training stages (SFT, DPO) in one process ----------------------------------------------
+
+PROBLEMS = [(f"{a}+{b}=", str(a + b)) for a in range(12) for b in range(12)]
+
+
+def _previous_stage(directory: Path) -> Transformer:
+    """A previous stage's final checkpoint (a whole model, as every stage saves today)."""
+    torch.manual_seed(21)
+    model = Transformer(MODEL_SHAPES["tiny"])
+    ckpt = Checkpointer(directory)
+    ckpt.save(1, model, torch.optim.AdamW(model.parameters()))
+    ckpt.wait()
+    ckpt.close()
+    return model
+
+
+def _post(stage: str, root: Path, tag: str, init_from: Path, steps: int = 6) -> PostConfig:
+    return PostConfig(
+        stage=stage,
+        shape=MODEL_SHAPES["tiny"],
+        rope_base=None,
+        problems=PROBLEMS,
+        steps=steps,
+        batch_size=4,
+        learning_rate=1e-2,
+        seed=0,
+        checkpoint_dir=str(root / tag),
+        checkpoint_interval=1000,
+        init_from=str(init_from),
+        lora=Lora(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"]),
+    )
+
+
+class _StopAfter:
+    def __init__(self, calls: int):
+        self.calls = calls
+
+    def __call__(self) -> bool:
+        self.calls -= 1
+        return self.calls < 0
+
+
+def _never() -> bool:
+    return False
+
+
+def test_a_lora_sft_stage_trains_adapters_checkpoints_them_and_resumes_exactly(tmp_path: Path):
+    previous = _previous_stage(tmp_path / "pre")
+    alone = train_sft(_post("sft", tmp_path, "alone", tmp_path / "pre"), Recorder(), _never)
+    assert alone.model is not None and alone.final_step == 6
+    base = {k: v for k, v in alone.model.state_dict().items() if not lora.is_adapter_key(k)}
+    assert all(torch.equal(v, previous.state_dict()[k]) for k, v in base.items())  # the incoming, frozen
+    [info] = list_checkpoints(tmp_path / "alone")
+    saved = dcp.FileSystemReader(info.path).read_metadata().state_dict_metadata
+    assert {k.removeprefix("model.") for k in saved if k.startswith("model.")} == set(
+        lora.adapter_state_dict(alone.model)
+    )
+    # Stopped after 3 steps (saved on stop), then resumed: the base again from init_from, the
+    # adapters and their optimizer from the stage's own checkpoint, ending where one run ends.
+    cfg = _post("sft", tmp_path, "resumed", tmp_path / "pre")
+    first = train_sft(cfg, Recorder(), _StopAfter(3))
+    assert first.stopped and 0 < first.final_step < 6
+    report = Recorder()
+    second = train_sft(cfg, report, _never)
+    assert second.final_step == 6 and second.model is not None
+    assert any("Resuming" in line.message for line in report.of(LogLine))
+    for key, value in lora.adapter_state_dict(alone.model).items():
+        torch.testing.assert_close(lora.adapter_state_dict(second.model)[key], value, rtol=0, atol=1e-6)
+
+
+def test_a_lora_dpo_stage_uses_the_base_with_adapters_off_as_its_reference(tmp_path: Path):
+    previous = _previous_stage(tmp_path / "pre")
+    result = train_dpo(_post("dpo", tmp_path, "dpo", tmp_path / "pre", steps=3), Recorder(), _never)
+    # B starts at zero, so the policy is the reference at the first step: the sigmoid loss is log 2.
+    assert result.first_loss == pytest.approx(math.log(2), abs=1e-6)
+    assert result.final_loss != pytest.approx(math.log(2), abs=1e-6)  # the policy moved off it
+    assert result.model is not None
+    assert any(v.any() for k, v in lora.adapter_state_dict(result.model).items() if "lora_B" in k)
+    for key, value in result.model.state_dict().items():
+        if not lora.is_adapter_key(key):
+            assert torch.equal(value, previous.state_dict()[key]), key
