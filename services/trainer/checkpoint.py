@@ -444,12 +444,29 @@ def _latest(directory: str | os.PathLike) -> CheckpointInfo | None:
     return distributed.broadcast_object(checkpoints[-1] if checkpoints else None)
 
 
+def is_hf_model_dir(directory: str | os.PathLike) -> bool:
+    """A Hugging Face checkpoint (a base model of the model store): config.json and safetensors."""
+    path = Path(directory)
+    return (path / "config.json").is_file() and (
+        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    )
+
+
 def load_weights(
     directory: str | os.PathLike, model: torch.nn.Module, *, model_keys: ModelKeys | None = None
 ) -> CheckpointInfo | None:
     """Load only the model weights of the newest committed checkpoint, in place: how a stage starts
     from the previous stage's result with its own fresh optimizer. None (nothing touched) if none.
-    `model_keys`: only those keys (a LoRA stage's frozen base, from a checkpoint of a whole model)."""
+    `model_keys`: only those keys (a LoRA stage's frozen base, from a checkpoint of a whole model).
+
+    A base model's Hugging Face directory is a checkpoint too (step 0): the run's first stage starts
+    from it the way later stages start from the stage before (each rank reads only its shards). It
+    holds no adapter, so a LoRA model's adapters keep their initialisation."""
+    if is_hf_model_dir(directory):
+        from services.trainer.hf_load import load_hf_weights  # safetensors / DCP's HF reader
+
+        load_hf_weights(model, Path(directory))
+        return CheckpointInfo(step=0, path=str(directory), bytes=0, stall_s=0.0, save_s=0.0)
     latest = _latest(directory)
     if latest is None:
         return None

@@ -1,4 +1,4 @@
-"""The trainer's data: a byte-level tokenizer, corpora named by source strings, and a
+"""The trainer's data: corpora named by source strings, and a
 deterministic, resumable batch iterator.
 
 Sources (the `source` field of a manifest's data refs):
@@ -15,7 +15,9 @@ A source is also a list of documents (`load_documents`), the unit data preparati
 and decontaminates: a pydoc topic, a generated line, a blank-line-separated paragraph of a file.
 
 Tokens are kept as uint8 (one byte per token) so a 64 MiB corpus costs 64 MiB, not 512 MiB;
-batches are widened to int64 on the way out.
+batches are widened to int64 on the way out. The byte tokenizer lives in
+services/trainer/tokenizer.py (with the Hugging Face one); corpora larger than memory are token
+files (services/trainer/token_files.py).
 """
 
 import random
@@ -24,6 +26,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+
+# moved to services.trainer.tokenizer; still imported from here
+from services.trainer.tokenizer import ByteTokenizer as ByteTokenizer
 
 VOCAB_SIZE = 256  # bytes; every model shape trained on this data needs vocab_size >= 256
 FILE_CAP_BYTES = 64 * 1024 * 1024  # the input cap for file: sources; raise with the host's memory
@@ -57,26 +62,6 @@ NEEDLE_WORDS = (
     "of",
 )
 TASK_SEPARATORS = ("=", ">")  # arithmetic "12+35=47", reverse "abc>cba": prompt ends with the separator
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: no training, no files, every string round-trips."""
-
-    vocab_size = VOCAB_SIZE
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_tensor(self, text: str) -> torch.Tensor:
-        """uint8 tensor of the text's bytes (copy of the buffer, so it is writable)."""
-        data = bytearray(text.encode("utf-8"))
-        return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-    def decode(self, tokens: Sequence[int] | torch.Tensor) -> str:
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.tolist()
-        # A model can emit a byte sequence that is not valid UTF-8: show it, don't fail.
-        return bytes(tokens).decode("utf-8", errors="replace")
 
 
 def _pydoc_topics() -> str:

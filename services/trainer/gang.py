@@ -189,6 +189,9 @@ def post_job(
         shape=cfg.shape,
         rope_base=cfg.rope_base,
         problems_path=str(directory / "problems.json"),
+        examples_path=str(directory / "examples.json") if cfg.examples else None,
+        pairs_path=str(directory / "pairs.json") if cfg.pairs else None,
+        pad_id=cfg.pad_id,
         steps=cfg.steps,
         batch_size=cfg.batch_size,
         learning_rate=cfg.learning_rate,
@@ -292,9 +295,15 @@ class Gang:
         directory = self.run_dir / "gang" / cfg.stage
         directory.mkdir(parents=True, exist_ok=True)
         job = post_job(cfg, self.dims, directory, self.replica_group)
-        problems = pathlib.Path(job.problems_path)
-        problems.with_name(problems.name + ".tmp").write_bytes(msgspec.json.encode(cfg.problems))
-        os.replace(problems.with_name(problems.name + ".tmp"), problems)
+        for path, rows in (
+            (job.problems_path, cfg.problems),
+            (job.examples_path, cfg.examples),
+            (job.pairs_path, cfg.pairs),
+        ):
+            if path is not None:
+                target = pathlib.Path(path)
+                target.with_name(target.name + ".tmp").write_bytes(msgspec.json.encode(rows))
+                os.replace(target.with_name(target.name + ".tmp"), target)
         summary = self._run_job(job, report, should_stop)
         if summary is None:
             return PostResult(final_step=0, first_loss=None, final_loss=None, stopped=True)

@@ -20,6 +20,7 @@ evaluates its own stages, and node 0 alone runs the ladder's proxies (the others
 """
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -32,12 +33,12 @@ import torch
 
 from contracts.evals import EvalMetric, ProvenanceStep
 from contracts.manifest import DataPrepStage, DpoStage, LongContextGate, Manifest, RlvrStage, SftStage
-from contracts.models import ModelShape
+from contracts.models import BaseModel, ModelShape
 from contracts.runs import LogLevel, Outcome
 from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan, plan_run
 from services.domain.gates import threshold
-from services.trainer import dataprep
-from services.trainer.checkpoint import load_weights
+from services.trainer import dataprep, rows
+from services.trainer.checkpoint import is_hf_model_dir, load_weights
 from services.trainer.data import (
     join_documents,
     load_documents,
@@ -58,7 +59,7 @@ from services.trainer.evals import (
 from services.trainer.ladder import LadderDecision, run_ladder
 from services.trainer.loop import pick_device
 from services.trainer.model import Transformer
-from services.trainer.posttrain import PostConfig, PostResult
+from services.trainer.posttrain import PostConfig, PostResult, TokenExample, TokenPair, response_loss
 from services.trainer.pretrain import (
     StageConfig,
     StageResult,
@@ -71,6 +72,7 @@ from services.trainer.pretrain import (
 )
 from services.trainer.reporting import Reporter
 from services.trainer.rlvr import RlvrConfig, RlvrResult, train_post
+from services.trainer.tokenizer import Tokenizer, load_tokenizer
 
 GATE_RECORD = "GATE.json"
 PROVENANCE_RECORD = "provenance.json"
@@ -139,13 +141,23 @@ class _Run:
         train_lm: TrainLm = train_stage,
         train_post: TrainPost = train_post,
         decide_ladder: DecideLadder = run_ladder,
+        *,
+        base_dir: pathlib.Path | None = None,
+        store_root: pathlib.Path | None = None,
     ):
         self.manifest, self.plan, self.root = manifest, plan, root
+        self.base_dir = base_dir  # a base model's HF directory: the first stage starts from it
+        self.store_root = store_root  # the model store (tokenizer entries by digest)
         self.report, self.should_stop, self.threads = report, should_stop, threads
         self.train_lm, self.train_post, self.decide_ladder = train_lm, train_post, decide_ladder
         self.sources = dict(plan.train_refs)  # ref name -> what to load: raw source, or the prepared file
-        self.eval_sources = list(plan.eval_refs.values())
-        self.previous: str | None = None  # the last trained stage's checkpoint dir
+        self.refs = {ref.name: ref for ref in manifest.data}
+        self.structured = {ref.name for ref in manifest.data if rows.is_structured(ref)}  # JSONL / Parquet
+        # Text eval suites (generated, builtin, text files): the held-out text of the LM batteries.
+        self.eval_sources = [src for name, src in plan.eval_refs.items() if name not in self.structured]
+        # The last trained stage's checkpoint dir; before the first, the base model's HF directory
+        # (checkpoint.load_weights reads either), or None for a from-scratch run.
+        self.previous: str | None = str(base_dir) if base_dir is not None else None
         self.parts: list[str] = []
         self.note = ""  # what the stage that just trained did, for the summary
         self.final_loss: float | None = None
@@ -189,8 +201,19 @@ class _Run:
         """Deduplicate and decontaminate the training refs; write one prepared file per ref; the
         record (JSON) of what was done."""
         seed = self.manifest.seed
-        sources = {name: load_documents(src, seed=seed) for name, src in self.plan.train_refs.items()}
-        suites = {name: load_eval_suite(src, seed=seed) for name, src in self.plan.eval_refs.items()}
+        table = {
+            name: rows.read_rows(self.refs[name]) for name in self.plan.train_refs if name in self.structured
+        }
+        sources = {
+            name: [rows.row_text(r) for r in table[name]] if name in table else load_documents(src, seed=seed)
+            for name, src in self.plan.train_refs.items()
+        }
+        suites = {
+            name: self._structured_eval_texts(name)
+            if name in self.structured
+            else load_eval_suite(src, seed=seed)
+            for name, src in self.plan.eval_refs.items()
+        }
         suites.update(self._battery_suites())
         prepared = dataprep.prepare(
             sources,
@@ -205,8 +228,12 @@ class _Run:
         )
         files = {}
         for i, (name, src) in enumerate(self.plan.train_refs.items()):
-            path = directory / f"{i:02d}.txt"
-            path.write_text(join_documents(src, prepared.documents[name]), encoding="utf-8")
+            if name in table:  # the surviving rows, as JSONL: the stages read them like the original
+                path = directory / f"{i:02d}.jsonl"
+                rows.write_rows(path, rows.kept_rows(table[name], sources[name], prepared.documents[name]))
+            else:
+                path = directory / f"{i:02d}.txt"
+                path.write_text(join_documents(src, prepared.documents[name]), encoding="utf-8")
             files[name] = str(path)
         return {
             "files": files,
@@ -214,6 +241,10 @@ class _Run:
             "output_digest": prepared.output_digest,
             "steps": [dataclasses.asdict(s) for s in prepared.steps],
         }
+
+    def _structured_eval_texts(self, name: str) -> list[str]:
+        """An eval ref's split as documents: its first EVAL_ROWS rows' texts."""
+        return [rows.row_text(r) for r in rows.read_rows(self.refs[name])[: rows.EVAL_ROWS]]
 
     def _battery_suites(self) -> dict[str, list[str]]:
         """Eval text the batteries generate themselves (the needle trials), decontaminated against too."""
@@ -384,7 +415,23 @@ class _Run:
     def _train_post(self, stage: PostPlan, directory: pathlib.Path) -> PostResult | RlvrResult:
         """Train SFT, DPO or RLVR, as the stage's manifest section says."""
         seed = self.manifest.seed
-        problems = [p for name in stage.data for p in task_problems(load_text(self.sources[name], seed=seed))]
+        structured = [name for name in stage.data if name in self.structured]
+        problems = [
+            p
+            for name in stage.data
+            if name not in self.structured
+            for p in task_problems(load_text(self.sources[name], seed=seed))
+        ]
+        examples: list[TokenExample] = []
+        pairs: list[TokenPair] = []
+        if structured:
+            table = [r for name in structured for r in self._rows(name)]
+            if isinstance(stage.section, SftStage):
+                examples = rows.sft_examples(self.tokenizer, table)
+            elif isinstance(stage.section, DpoStage):
+                pairs = rows.dpo_pairs(self.tokenizer, table)
+            else:
+                raise ValueError(f"{stage.name} does not train on JSONL or Parquet rows yet.")
         section = stage.section
         common = PostConfig(
             stage=stage.name,
@@ -399,6 +446,9 @@ class _Run:
             checkpoint_interval=self.manifest.checkpoint.interval_steps,
             keep_last=self.manifest.checkpoint.keep_last,
             init_from=self.previous,
+            examples=examples,
+            pairs=pairs,
+            pad_id=self.tokenizer.pad_id,
         )
         match section:
             case SftStage():
@@ -442,10 +492,24 @@ class _Run:
                 max_batches=EVAL_MAX_BATCHES,
                 device=pick_device(),
             )
+        chat_eval = [name for name in self.plan.eval_refs if name in self.structured]
+        if chat_eval:  # the eval split of chat rows: loss on the assistant's tokens, as SFT trains it
+            table = [r for name in chat_eval for r in self._rows(name)[: rows.EVAL_ROWS] if "messages" in r]
+            held = response_loss(model, rows.sft_examples(self.tokenizer, table), self.tokenizer.pad_id)
         return {
             "held_out_loss": held,
             "task_accuracy": task_accuracy(model, self._problems(stage.gate.task_samples)),
         }
+
+    def _rows(self, name: str) -> list[rows.Row]:
+        """A JSONL / Parquet ref's rows: the prepared file's once data prep ran, else the original."""
+        source = self.sources.get(name, self.refs[name].source)
+        return rows.read_rows(self.refs[name], source=source)
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The run's tokenizer: the manifest's, else the base model's, else bytes."""
+        return load_tokenizer(self.manifest.model.tokenizer, self.base_dir, self.store_root)
 
     def _noted(self, name: str, step: int, first: float | None, final: float | None) -> None:
         if first is None or final is None:  # a redelivered run that had already trained this stage
@@ -529,17 +593,25 @@ def run_pipeline(
     should_stop: Callable[[], bool],
     threads: int,
     train_lm: TrainLm | Trainers = train_stage,
+    *,
+    base: BaseModel | None = None,
+    base_dir: pathlib.Path | None = None,
+    store_root: pathlib.Path | None = None,
 ) -> PipelineResult:
     """`train_lm` trains each next-token stage (default: in this process), or, as `Trainers`, every
     training stage (a gang's, for a run on several ranks); post-training stages otherwise train in
-    this process."""
+    this process. `base` / `base_dir`: the manifest's base model as the scheduler resolved it, and
+    its Hugging Face directory in the model store: the first stage starts from its weights and the
+    run tokenizes with its tokenizer."""
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    plan = plan_run(manifest)  # ValueError, in a sentence, before anything trains
+    plan = plan_run(manifest, base)  # ValueError, in a sentence, before anything trains
+    if base is not None and (base_dir is None or not is_hf_model_dir(base_dir)):
+        raise ValueError(f"The base model {base.name} ({base.digest}) is not in this trainer's model store.")
     model = manifest.model.base or (manifest.model.size.value if manifest.model.size else "")
     report.log(f"plan: {' -> '.join(plan.stage_names)} on {model}")
     trainers = train_lm if isinstance(train_lm, Trainers) else Trainers(lm=train_lm)
-    return _Run(
+    run = _Run(
         manifest,
         plan,
         checkpoint_dir,
@@ -549,4 +621,7 @@ def run_pipeline(
         trainers.lm,
         trainers.post,
         trainers.ladder,
-    ).execute()
+        base_dir=base_dir if base is not None else None,
+        store_root=store_root,
+    )
+    return run.execute()

@@ -60,6 +60,12 @@ from services.trainer.pretrain import ReplicaJoin, Replicas, build_model, join_r
 from services.trainer.reporting import Reporter, rank0_only
 
 Problem = tuple[str, str]
+TokenExample = tuple[list[int], list[int]]
+"""An SFT example already rendered and tokenized (a chat's template applied): its token ids and, per
+token, 1 where the model learns that token (the assistant's) and 0 elsewhere."""
+TokenPair = tuple[list[int], list[int], list[int]]
+"""A DPO pair already tokenized: prompt ids (the chat template's generation prompt included), the
+chosen completion's and the rejected completion's ids (each ending with the end-of-turn token)."""
 WARMUP_FRACTION = 0.05
 MIN_LR_RATIO = 0.1
 PAD_TOKEN = 0  # never attended to as context (padding sits to the right) and masked out of losses
@@ -75,7 +81,8 @@ class PostConfig:
     shape: ModelShape
     rope_base: float | None
     problems: list[Problem]
-    """Training tasks, already prepared (deduplicated, decontaminated)."""
+    """Training tasks, already prepared (deduplicated, decontaminated); empty when the stage trains
+    on tokenized examples or pairs instead."""
     steps: int
     batch_size: int
     learning_rate: float
@@ -94,11 +101,18 @@ class PostConfig:
     """Low-rank adapters (services/trainer/lora.py): the incoming model frozen, only the adapters
     train and are checkpointed; DPO's reference is then the same model with its adapters off.
     None: full fine-tuning. Not yet with `replicas` (torchft groups heal whole models)."""
+    examples: list[TokenExample] = field(default_factory=list)
+    """SFT on the field's chat data (`messages` rows through the tokenizer's chat template)."""
+    pairs: list[TokenPair] = field(default_factory=list)
+    """DPO on the field's preference data (`prompt` / `chosen` / `rejected` rows)."""
+    pad_id: int = 0
+    """The tokenizer's padding id (never a target: padding is masked out of every loss)."""
 
     def __post_init__(self) -> None:
-        if not self.problems:
+        if not (self.problems or self.examples or self.pairs):
             raise ValueError(
-                f"{self.stage} needs verifiable task data (a generated:arithmetic or generated:reverse ref)."
+                f"{self.stage} needs training data: verifiable tasks (a generated:arithmetic or "
+                "generated:reverse ref), chat rows (messages) or preference rows (prompt/chosen/rejected)."
             )
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"{self.stage} needs at least 1 step and a batch of at least 1.")
@@ -147,6 +161,64 @@ def response_batch(
         targets[i, : len(seq) - 1] = seq[1:]
         mask[i, len(p) - 1 : len(seq) - 1] = 1.0
     return inputs, targets, mask
+
+
+def token_batch(
+    rows: Sequence[TokenExample], pad_id: int, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets, mask) of tokenized examples, truncated to `max_len` + 1 tokens and
+    right-padded with `pad_id`: mask is 1 where the target token is one the example learns."""
+    cut = [(ids[: max_len + 1], learn[: max_len + 1]) for ids, learn in rows]
+    width = max(2, max(len(ids) for ids, _ in cut)) - 1
+    inputs = torch.full((len(cut), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(cut), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(cut), width))
+    for i, (ids, learn) in enumerate(cut):
+        n = len(ids) - 1
+        if n < 1:
+            continue
+        inputs[i, :n] = torch.tensor(ids[:-1])
+        targets[i, :n] = torch.tensor(ids[1:])
+        mask[i, :n] = torch.tensor(learn[1:], dtype=torch.float32)
+    return inputs, targets, mask
+
+
+def pair_examples(pairs: Sequence[TokenPair]) -> list[TokenExample]:
+    """The chosen rows of `pairs`, then their rejected rows, each prompt + completion with the
+    completion's tokens learnt (DPO's log-probabilities are summed over them)."""
+    chosen = [(p + c, [0] * len(p) + [1] * len(c)) for p, c, _ in pairs]
+    rejected = [(p + r, [0] * len(p) + [1] * len(r)) for p, _, r in pairs]
+    return chosen + rejected
+
+
+def longest_sequence(cfg: "PostConfig") -> int:
+    """The longest training sequence of the stage, in tokens (its model's RoPE tables cover it)."""
+    lengths = [len(p.encode()) + len(a.encode()) + 1 for p, a in cfg.problems]
+    lengths += [len(ids) for ids, _ in cfg.examples]
+    lengths += [len(p) + max(len(c), len(r)) for p, c, r in cfg.pairs]
+    return max(lengths)
+
+
+@torch.no_grad()
+def response_loss(
+    model: Transformer, examples: Sequence[TokenExample], pad_id: int, batch_size: int = 16
+) -> float | None:
+    """Mean negative log-likelihood of the learnt tokens of `examples` (a chat eval split: the
+    assistant's tokens), over all of them together; None without any. The same every call."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0.0
+    for first in range(0, len(examples), batch_size):
+        inputs, targets, mask = token_batch(
+            examples[first : first + batch_size], pad_id, model.shape.max_seq_len
+        )
+        logprobs = sequence_logprobs(model, inputs, targets, device)
+        local = to_device(mask, device)
+        total += float(-(logprobs * local).sum())
+        count += float(local.sum())
+    model.train(was_training)
+    return total / count if count else None
 
 
 def dims_of(cfg: PostConfig) -> ParallelDims:
@@ -254,7 +326,7 @@ class _Stage:
 def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) -> _Stage:
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    longest = max(len(p.encode()) + len(a.encode()) + 1 for p, a in cfg.problems)
+    longest = longest_sequence(cfg)
     model = build_model(
         cfg.shape,
         seq_len=min(longest, cfg.shape.max_seq_len),
@@ -309,8 +381,12 @@ def train_sft(
 
     def step_fn(step: int) -> StepOutput:
         rng = batch_rng(cfg.seed, cfg.stage, step)
-        batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
-        inputs, targets, mask = response_batch([p for p, _ in batch], [a for _, a in batch])
+        if cfg.examples:
+            rows_of = [rng.choice(cfg.examples) for _ in range(cfg.batch_size)]
+            inputs, targets, mask = token_batch(rows_of, cfg.pad_id, model.shape.max_seq_len)
+        else:
+            batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
+            inputs, targets, mask = response_batch([p for p, _ in batch], [a for _, a in batch])
         tokens = float(mask.sum())  # the global batch's response tokens (a host tensor: no sync)
         logprobs = sequence_logprobs(model, inputs[rows], targets[rows], device)
         local = to_device(mask[rows], device)
@@ -325,8 +401,12 @@ def train_sft(
 
 def dpo_batch(cfg: PostConfig, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step `step`'s preference pairs as one batch, a function of (seed, stage, step): the
-    `batch_size` chosen rows (right answers), then their rejected rows (nearby wrong answers)."""
+    `batch_size` chosen rows (right answers), then their rejected rows (nearby wrong answers).
+    With tokenized `pairs` (the field's preference rows) the pairs are drawn the same way."""
     rng = batch_rng(cfg.seed, cfg.stage, step)
+    if cfg.pairs:
+        drawn = [rng.choice(cfg.pairs) for _ in range(cfg.batch_size)]
+        return token_batch(pair_examples(drawn), cfg.pad_id, cfg.shape.max_seq_len)
     batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
     prompts = [p for p, _ in batch] * 2
     responses = [a for _, a in batch] + [wrong_answer(a, rng) for _, a in batch]

@@ -22,7 +22,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Annotated, TextIO
+from typing import Annotated, Any, TextIO
 
 import msgspec
 import torch
@@ -107,6 +107,12 @@ class PostJob(msgspec.Struct, tag="post", frozen=True, kw_only=True, forbid_unkn
     rope_base: float | None = None
     problems_path: str
     """The stage's prepared tasks: a JSON list of [prompt, answer] pairs, read by every rank."""
+    examples_path: str | None = None
+    """SFT on chat rows: a JSON list of [token ids, learnt mask] (posttrain.TokenExample)."""
+    pairs_path: str | None = None
+    """DPO on preference rows: a JSON list of [prompt ids, chosen ids, rejected ids]."""
+    pad_id: int = 0
+    """The tokenizer's padding id."""
     steps: Annotated[int, msgspec.Meta(ge=1)]
     batch_size: Annotated[int, msgspec.Meta(ge=1)]
     """The global batch (SFT's rows, DPO's pairs, RLVR's prompts_per_step x group_size)."""
@@ -180,6 +186,17 @@ def read_problems(path: str) -> list[Problem]:
     return msgspec.json.decode(data, type=list[tuple[str, str]])
 
 
+def read_tokens_file(path: str | None, kind: Any) -> list[Any]:
+    """A post stage's tokenized examples or pairs (written by the agent), capped like the tasks."""
+    if path is None:
+        return []
+    with open(path, "rb") as f:
+        data = f.read(PROBLEMS_CAP_BYTES + 1)
+    if len(data) > PROBLEMS_CAP_BYTES:
+        raise ValueError(f"The examples file is over {PROBLEMS_CAP_BYTES} bytes.")
+    return msgspec.json.decode(data, type=list[kind])
+
+
 def post_config(job: PostJob, dims: ParallelDims, device: str) -> PostConfig:
     """The stage's PostConfig (an RlvrConfig for rlvr) on this rank."""
     shape = job.shape if isinstance(job.shape, ModelShape) else MODEL_SHAPES.get(job.shape)
@@ -201,6 +218,9 @@ def post_config(job: PostJob, dims: ParallelDims, device: str) -> PostConfig:
         beta=job.beta,
         device=device,
         parallel=dims,
+        examples=read_tokens_file(job.examples_path, tuple[list[int], list[int]]),
+        pairs=read_tokens_file(job.pairs_path, tuple[list[int], list[int], list[int]]),
+        pad_id=job.pad_id,
     )
     if job.stage != "rlvr":
         return cfg
