@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from contracts.manifest import Lora
@@ -64,6 +65,8 @@ def main(out: Path) -> None:
         torch.equal(local(p), base_before[n]) for n, p in model.named_parameters() if n in base_before
     )
     trained = lora.adapter_state_dict(model)  # collective: every rank
+    # The merged export of a sharded model: the whole state gathered (to rank 0), then merged.
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # The DPO reference under LoRA: the same sharded model with its adapters off is the base.
     torch.manual_seed(0)
@@ -114,6 +117,7 @@ def main(out: Path) -> None:
     if distributed.is_rank0():
         save_file(trained, out / "adapters.safetensors")
         save_file(reloaded, out / "reloaded.safetensors")
+        save_file(lora.merge_state_dict(whole, CFG), out / "merged.safetensors")
         lora.write_peft_adapter_state(trained, CFG, out / "peft", base_model="tiny")
     distributed.close()
 

@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 
 from services.trainer import lora
 from services.trainer.checkpoint import list_checkpoints
+from services.trainer.model import Transformer
 from tests.distributed import torchrun
+from tests.distributed.lora_fsdp_probe import SHAPE
 
 PROBE = Path(__file__).with_name("lora_fsdp_probe.py")
 
@@ -46,6 +48,12 @@ def test_lora_under_fsdp2_trains_only_adapters_and_checkpoints_them(tmp_path: Pa
     assert any(v.abs().sum() > 0 for k, v in two.items() if "lora_B" in k)  # B left zero: it trained
     reloaded = load_file(tmp_path / "gang" / "reloaded.safetensors")
     assert all(torch.equal(reloaded[k], two[k]) for k in two)
+    # Merged from the gathered shards: the plain model's names, the single process's weights.
+    merged_one = load_file(tmp_path / "one" / "merged.safetensors")
+    merged_two = load_file(tmp_path / "gang" / "merged.safetensors")
+    assert set(merged_two) == set(Transformer(SHAPE).state_dict()) == set(merged_one)
+    for key in merged_one:
+        torch.testing.assert_close(merged_two[key], merged_one[key], rtol=0, atol=1e-6)
 
     # The checkpoint the gang wrote holds adapters (and their moments) only.
     [info] = list_checkpoints(tmp_path / "gang" / "ckpt")
