@@ -13,6 +13,7 @@ from contracts.runs import RunEvent
 from services.runtime import settings as settings_mod
 from services.runtime.accounts import Credentials, RedisAccounts
 from services.runtime.identities import DESK, service_inbox
+from services.runtime.model_store import ModelStore
 from services.runtime.secrets import Secrets
 from services.runtime.service import (
     Wiring,
@@ -45,6 +46,7 @@ ROUTES = {  # API verb -> Api method name (contracts/endpoints.py: the verb's su
     "metrics": "metrics",
     "checkpoints": "checkpoints",
     "evals": "evals",
+    "models": "models",
 }
 MUTATIONS = ("cancel", "cleanup", "approve")  # API verbs Mutations serves
 
@@ -68,6 +70,7 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
         s.data_dir / "checkpoints",
         small_model_gangs=s.small_model_gangs,
         count_accepted=w.metrics.runs_accepted(),
+        model_store=ModelStore(s.model_store),
     )
     run_events = RunEvents(runs)
     auditor = api.auditor
