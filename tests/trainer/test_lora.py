@@ -156,6 +156,15 @@ def test_apply_keeps_names_and_freezes_all_but_the_adapters():
         lora.apply_lora(model, Lora())
 
 
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ALL, ["o_proj", "down_proj", "o_proj"]])
+def test_the_planners_adapter_count_is_the_built_models(targets):
+    from services.scheduler.planning import lora_parameters
+
+    cfg = Lora(rank=3, target_modules=targets)
+    model = lora_model(cfg)
+    assert sum(p.numel() for p in lora.trainable_parameters(model)) == lora_parameters(SHAPE, cfg)
+
+
 def test_our_model_equals_peft_wrapping_our_own_modules():
     cfg = Lora(rank=4, alpha=8.0, target_modules=ALL)
     ours = lora_model(cfg)
