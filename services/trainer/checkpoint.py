@@ -73,6 +73,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from contracts.manifest import CheckpointPolicy
 from services.trainer import distributed
+from services.trainer.lora import plain_linears
 
 MARKER = "COMMITTED"
 SIDECAR = "trainer_state.json"
@@ -465,7 +466,8 @@ def load_weights(
     if is_hf_model_dir(directory):
         from services.trainer.hf_load import load_hf_weights  # safetensors / DCP's HF reader
 
-        load_hf_weights(model, Path(directory))
+        with plain_linears(model):  # a LoRA model's adapters are not in a base model's files
+            load_hf_weights(model, Path(directory))
         return CheckpointInfo(step=0, path=str(directory), bytes=0, stall_s=0.0, save_s=0.0)
     latest = _latest(directory)
     if latest is None:

@@ -241,6 +241,33 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
             layer.adapter_enabled = enabled
 
 
+def _plain(layer: LoraLinear) -> nn.Linear:
+    """An nn.Linear holding `layer`'s own base weight and bias (the same Parameters)."""
+    plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    plain.weight = layer.weight
+    plain.bias = layer.bias
+    return plain
+
+
+@contextmanager
+def plain_linears(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside, every adapted projection is a plain `nn.Linear` holding the very same base weight
+    (the same Parameter, sharded or not): the model looks like one without LoRA to code that walks
+    its state dict by name, such as a loader of Hugging Face weights, which fills the base in place.
+    The adapters are back on exit. A no-op for a model without adapters."""
+    swapped = []
+    for name, layer in list(lora_layers(model)):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, _plain(layer))
+        swapped.append((parent, child, layer))
+    try:
+        yield model
+    finally:
+        for parent, child, layer in swapped:
+            setattr(parent, child, layer)
+
+
 class BaseModelView(nn.Module):
     """The frozen base of a LoRA model, as a module of its own for code that wants a reference
     model (DPO's): forwards run the same (possibly sharded) model with its adapters off and no
@@ -271,11 +298,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
         if isinstance(layer.weight, DTensor):
             raise ValueError("merge_lora needs a whole model; merge a gathered state with merge_state_dict.")
         layer.weight.add_(layer.delta_weight().to(layer.weight.dtype))
-        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-        plain.weight = layer.weight
-        plain.bias = layer.bias
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, plain)
+        setattr(model.get_submodule(parent_name), child, _plain(layer))
     model.requires_grad_(True)
     return model
 

@@ -4,6 +4,7 @@ an adapter-only checkpoint saved and loaded into a fresh model. Rank 0 writes th
 the step (`<out>/adapters.safetensors`), the reloaded ones (`reloaded.safetensors`) and the facts
 it saw (`rank<r>.json` on every rank)."""
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,8 +16,9 @@ from torch.distributed.tensor import DTensor
 
 from contracts.manifest import Lora
 from contracts.models import ModelShape
+from services.domain.model_shapes import hf_config_from_shape
 from services.trainer import distributed, lora
-from services.trainer.checkpoint import Checkpointer, load_latest
+from services.trainer.checkpoint import Checkpointer, load_latest, load_weights
 from services.trainer.distributed import ParallelDims, batch_rows
 from services.trainer.model import Transformer
 
@@ -41,6 +43,37 @@ def build(adapter_seed: int) -> Transformer:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def hf_base_loads_under_the_adapters(out: Path, base: dict[str, torch.Tensor]) -> bool | None:
+    """A LoRA stage starting from a base model: the adapters on and the model sharded first, then
+    the Hugging Face files loaded (each rank its shards). None until the hfmodel helper's loader
+    (services.trainer.hf_load) is there."""
+    if importlib.util.find_spec("services.trainer.hf_load") is None:
+        return None
+    from services.trainer.hf_adapter import to_hf
+
+    hf_dir = out / "hf-base"
+    if distributed.is_rank0():
+        torch.manual_seed(3)
+        source = Transformer(SHAPE)
+        hf_dir.mkdir()
+        (hf_dir / "config.json").write_text(json.dumps(hf_config_from_shape(SHAPE)))
+        save_file(
+            {k: v.contiguous() for k, v in to_hf(source.state_dict(), SHAPE).items()},
+            hf_dir / "model.safetensors",
+        )
+        torch.save(source.state_dict(), out / "hf-source.pt")
+    distributed.barrier()
+    model = build(adapter_seed=1)
+    adapters = lora.adapter_state_dict(model)
+    load_weights(hf_dir, model, model_keys=lora.is_base_key)
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    source_state = torch.load(out / "hf-source.pt")
+    base_ok = all(torch.equal(whole[k], v) for k, v in source_state.items())
+    adapters_ok = all(torch.equal(lora.adapter_state_dict(model)[k], v) for k, v in adapters.items())
+    changed = any(not torch.equal(source_state[k], v) for k, v in base.items() if k in source_state)
+    return base_ok and adapters_ok and changed
 
 
 def main(out: Path) -> None:
@@ -112,6 +145,7 @@ def main(out: Path) -> None:
         "fresh_base_equal": fresh_base_equal,
         "pushed_equal": all(torch.equal(pushed[k], v) for k, v in trained.items()),
         "optimizer_steps": [int(s["step"]) for s in fresh_opt.state_dict()["state"].values()][:1],
+        "hf_base": hf_base_loads_under_the_adapters(out, {n: local(p) for n, p in model.named_parameters()}),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(facts))
     if distributed.is_rank0():

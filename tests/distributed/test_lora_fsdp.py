@@ -1,6 +1,7 @@
 """LoRA under FSDP2 on 2 ranks (gloo): the frozen base shards and never changes, only adapters get
 gradients, the step equals one process's, and an adapter-only checkpoint saves and reloads."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def test_lora_under_fsdp2_trains_only_adapters_and_checkpoints_them(tmp_path: Pa
         assert facts["committed"] == [1]
         assert facts["differs_before"] and facts["resumed_step"] == 1 and facts["pushed_equal"]
         assert facts["optimizer_steps"] == [1]
+        if importlib.util.find_spec("services.trainer.hf_load") is not None:
+            assert facts["hf_base"] is True, facts
     assert all(f["world"] == 2 and f["sharded"] for f in gang)
 
     # The sharded step is the single process's step.

@@ -217,6 +217,23 @@ def test_training_changes_only_the_adapters_and_merging_keeps_the_function():
     torch.testing.assert_close(fresh(idx)[0], adapted, rtol=0, atol=1e-5)
 
 
+def test_inside_plain_linears_the_model_looks_unadapted_and_loads_its_base():
+    cfg = Lora(rank=2, target_modules=["q_proj", "down_proj"])
+    model = lora_model(cfg)
+    randomize_adapters(model)
+    adapters = lora.adapter_state_dict(model)
+    source = base_model(seed=4).state_dict()
+    with lora.plain_linears(model):
+        assert set(model.state_dict()) == set(source)
+        assert not any(isinstance(m, lora.LoraLinear) for m in model.modules())
+        model.load_state_dict(source)  # strict: exactly the plain model's keys
+    assert isinstance(model.blocks[0].attn.wq, lora.LoraLinear)
+    assert torch.equal(model.blocks[1].attn.wq.weight, source["blocks.1.attn.wq.weight"])
+    assert torch.equal(model.blocks[1].mlp.w_down.weight, source["blocks.1.mlp.w_down.weight"])
+    assert all(torch.equal(lora.adapter_state_dict(model)[k], v) for k, v in adapters.items())
+    assert not model.blocks[0].attn.wq.weight.requires_grad
+
+
 def test_adapter_state_round_trip_and_its_checks():
     cfg = Lora(rank=2, target_modules=["q_proj", "up_proj"])
     trained = lora_model(cfg)
@@ -484,3 +501,66 @@ def test_a_lora_dpo_stage_uses_the_base_with_adapters_off_as_its_reference(tmp_p
     for key, value in result.model.state_dict().items():
         if not lora.is_adapter_key(key):
             assert torch.equal(value, previous.state_dict()[key]), key
+
+
+# ---- a Hugging Face Llama loaded through hf_load: LoRA, the PEFT export, merge_and_unload --------------
+
+
+def test_a_llama_base_adapted_here_is_what_peft_computes(tmp_path: Path):
+    hf_load = pytest.importorskip("services.trainer.hf_load", reason="the hfmodel helper's loader")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.domain.model_shapes import shape_from_hf_config
+
+    config = LlamaConfig(
+        vocab_size=SHAPE.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "base")
+    shape = shape_from_hf_config(json.loads((tmp_path / "base" / "config.json").read_text())).shape
+    assert not shape.qk_norm
+    ours = Transformer(shape)
+    hf_load.load_hf_weights(ours, tmp_path / "base")
+    idx = torch.randint(0, SHAPE.vocab_size, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], hf(idx).logits, rtol=0, atol=1e-4)
+    base = {k: v.clone() for k, v in ours.state_dict().items()}
+
+    cfg = Lora(rank=4, alpha=16.0, target_modules=ALL)
+    lora.apply_lora(ours, cfg)
+    sgd_steps(ours)
+    ours.eval()
+    for key, value in ours.state_dict().items():
+        assert lora.is_adapter_key(key) or torch.equal(value, base[key]), f"the frozen {key} changed"
+    # The sharded order (adapters on, then the base loaded, as a LoRA stage starting from a base
+    # model does) gives the same base under untouched adapters.
+    later = Transformer(shape)
+    lora.apply_lora(later, cfg)
+    adapters = lora.adapter_state_dict(later)
+    assert load_weights(tmp_path / "base", later, model_keys=lora.is_base_key) is not None
+    assert all(torch.equal(later.state_dict()[k], v) for k, v in base.items())
+    assert all(torch.equal(lora.adapter_state_dict(later)[k], v) for k, v in adapters.items())
+
+    lora.write_peft_adapter(ours, cfg, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(idx).logits, ours(idx)[0], rtol=0, atol=1e-4)
+    merged_hf = peft_model.merge_and_unload().state_dict()
+    merged = lora.merge_lora(ours).state_dict()
+    for key, value in merged.items():
+        hf_key = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(key)
+        if hf_key is None and key.startswith("blocks."):
+            _, i, rest = key.split(".", 2)
+            module, _, param = rest.rpartition(".")
+            hf_key = f"model.layers.{i}.{_HF_NAMES[module]}.{param}"
+        torch.testing.assert_close(value, merged_hf[hf_key or key], rtol=0, atol=1e-6)
