@@ -564,3 +564,77 @@ def test_a_llama_base_adapted_here_is_what_peft_computes(tmp_path: Path):
             module, _, param = rest.rpartition(".")
             hf_key = f"model.layers.{i}.{_HF_NAMES[module]}.{param}"
         torch.testing.assert_close(value, merged_hf[hf_key or key], rtol=0, atol=1e-6)
+
+
+def test_a_lora_rlvr_stage_feeds_its_rollout_worker_merged_weights(tmp_path: Path):
+    from contracts.manifest import RlvrStage
+    from services.trainer.generation import Completion
+    from services.trainer.rlvr import RlvrConfig, train_rlvr
+    from services.trainer.rollout import RolloutBatch
+
+    published: list[dict[str, torch.Tensor]] = []
+
+    class Worker:
+        """Fresh rollouts, alternately right and wrong (no group is uniform); keeps what it is sent."""
+
+        def __init__(self, shape, rope_base, *, threads, device):
+            self.version, self.pending = -1, {}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def publish(self, version, state_dict):
+            self.version = version
+            published.append({k: v.clone() for k, v in state_dict.items()})
+
+        def request(self, request):
+            self.pending[request.request_id] = request
+
+        def collect(self, request_id):
+            request = self.pending.pop(request_id)
+            groups = [
+                [
+                    Completion(tokens=list(t.encode()), logprobs=[-1.0] * len(t), finished=True)
+                    for t in ("3\n" if i % 2 else "x\n" for i in range(request.group_size))
+                ]
+                for _ in request.prompts
+            ]
+            return RolloutBatch(
+                request_id=request_id, version=self.version, prompts=request.prompts, groups=groups
+            )
+
+    previous = _previous_stage(tmp_path / "pre")
+    cfg = Lora(rank=4, alpha=8.0, target_modules=["q_proj", "o_proj", "up_proj"])
+    rlvr = RlvrStage(max_response_tokens=8, overlong_buffer_tokens=3, prompts_per_step=2, group_size=4)
+    config = RlvrConfig(
+        stage="rlvr",
+        shape=MODEL_SHAPES["tiny"],
+        rope_base=None,
+        problems=[("1+2=", "3")],
+        steps=3,
+        batch_size=8,
+        learning_rate=1e-2,
+        seed=0,
+        checkpoint_dir=str(tmp_path / "rlvr"),
+        checkpoint_interval=1000,
+        init_from=str(tmp_path / "pre"),
+        rlvr=rlvr,
+        threads=1,
+        lora=cfg,
+    )
+    result = train_rlvr(config, Recorder(), _never, worker_factory=Worker)
+    assert result.final_step == 3 and result.model is not None
+    plain = set(previous.state_dict())
+    assert published and all(set(p) == plain for p in published)  # the plain model's names
+    assert torch.equal(
+        published[0]["blocks.0.attn.wq.weight"], previous.state_dict()["blocks.0.attn.wq.weight"]
+    )
+    # Later versions carry the trained adapters folded in; the policy's own base never moved.
+    assert not torch.equal(published[-1]["blocks.0.attn.wq.weight"], published[0]["blocks.0.attn.wq.weight"])
+    assert torch.equal(result.model.blocks[0].attn.wq.weight, previous.blocks[0].attn.wq.weight)
+    [info] = list_checkpoints(tmp_path / "rlvr")
+    saved = dcp.FileSystemReader(info.path).read_metadata().state_dict_metadata
+    assert all(lora.is_adapter_key(k.removeprefix("model.")) for k in saved if k.startswith("model."))
