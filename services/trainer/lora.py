@@ -9,10 +9,13 @@ adapter adds two children, `lora_A` (rank x in, kaiming-uniform a=sqrt(5), as nn
 initialise it) and `lora_B` (out x rank, zeros: the adapted model starts as the base), and the
 forward is peft's `base(x) + lora_B(lora_A(dropout(x))) * alpha / rank`.
 
-Order under FSDP2: build the plain model, `apply_lora`, then `distributed.parallelize`; the frozen
-base shards like any parameter, and since only the adapters get gradients, FSDP's reduce-scatter
-moves only theirs. Tensor parallelism is refused (`check_parallel`): its plans split each
-projection's own parameters and have no rule for an adapter inside it.
+Order under FSDP2: build the plain model, `apply_lora`, then `distributed.parallelize` (what
+`pretrain.build_model(..., lora=)` does); the frozen base shards like any parameter, and since only
+the adapters get gradients, FSDP's reduce-scatter moves only theirs. Tensor parallelism is refused
+(`check_parallel`): its plans split each projection's own parameters and have no rule for an
+adapter inside it. The base is then loaded into the sharded model: from a whole-model checkpoint
+with `load_weights(..., model_keys=is_base_key)`, from a Hugging Face directory inside
+`plain_linears` (the loader sees the plain model's names; `load_weights` does this itself).
 
 Checkpoints of a LoRA stage hold only the adapters: `is_adapter_key` is the filter to give
 `checkpoint.Checkpointer(model_keys=...)` / `load_latest(model_keys=...)`; the optimizer is made
@@ -22,7 +25,8 @@ complement filter (`is_base_key`).
 
 DPO's reference under LoRA is the same model with its adapters switched off (`adapters_disabled`,
 or `BaseModelView` where a module is wanted), as peft's `disable_adapter()` does: the frozen base is
-exactly the incoming model, so no second copy of the weights is kept.
+exactly the incoming model, so no second copy of the weights is kept. RLVR's rollout worker runs a
+plain model: it is sent `merge_state_dict` of the policy's gathered state.
 
 Exports: `merge_lora` (a plain model) or `merge_state_dict` (a full state dict, e.g. gathered from
 FSDP shards) fold B @ A * scale into the base weights and give the original names back;
