@@ -493,6 +493,29 @@ def _load_options(keys: ModelKeys | None) -> StateDictOptions | None:
     return None if keys is None else StateDictOptions(strict=False)
 
 
+def write_weights(directory: str | os.PathLike, step: int, state: dict[str, torch.Tensor]) -> CheckpointInfo:
+    """Write whole (unsharded) model weights as a committed checkpoint `<directory>/step-N` that
+    `load_weights` reads on any number of ranks (DCP reshards on load): how a LoRA stage hands its
+    merged model to the next stage. Rank 0 alone, synchronously; no optimizer, no sidecar."""
+    started = time.perf_counter()
+    path = step_dir(directory, step)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
+    info = CheckpointInfo(
+        step=step,
+        path=str(path),
+        bytes=_dir_bytes(path),
+        stall_s=0.0,
+        save_s=round(time.perf_counter() - started, 6),
+    )
+    _write_json_atomic(
+        path / MARKER, {"step": step, "bytes": info.bytes, "stall_s": info.stall_s, "save_s": info.save_s}
+    )
+    return info
+
+
 def committed_positions(directory: str | os.PathLike) -> dict[int, int]:
     """Committed step -> the data position (batches served) its sidecar recorded, oldest first."""
     positions = {}

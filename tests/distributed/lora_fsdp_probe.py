@@ -111,6 +111,12 @@ def main(out: Path) -> None:
         reference_diff = float((reference - plain(probe)[0]).abs().max())
         adapted_diff = float((adapted - plain(probe)[0]).abs().max())
 
+    lora.write_merged_checkpoint(model, CFG, out / "merged-ckpt", step=1)
+    merged_plain = Transformer(SHAPE)
+    load_weights(out / "merged-ckpt", merged_plain)  # every rank, whole: the next stage's start
+    with torch.no_grad():
+        merged_diff = float((merged_plain(probe)[0] - adapted).abs().max())
+
     ckpt = Checkpointer(out / "ckpt", model_keys=lora.is_adapter_key)
     ckpt.save(1, model, opt)
     outcomes = ckpt.wait()
@@ -139,6 +145,7 @@ def main(out: Path) -> None:
         "base_unchanged": base_unchanged,
         "reference_diff": reference_diff,
         "adapted_diff": adapted_diff,
+        "merged_diff": merged_diff,
         "committed": [getattr(o, "step", None) for o in outcomes],
         "differs_before": differs_before,
         "resumed_step": resumed.step if resumed else None,

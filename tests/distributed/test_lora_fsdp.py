@@ -33,6 +33,7 @@ def test_lora_under_fsdp2_trains_only_adapters_and_checkpoints_them(tmp_path: Pa
         assert facts["adapter_grads"] == 2 * 7 * 2
         assert facts["base_unchanged"] and facts["fresh_base_equal"]
         assert facts["reference_diff"] <= 1e-5 < facts["adapted_diff"], facts
+        assert facts["merged_diff"] <= 1e-5, facts  # the merged checkpoint is the adapted model
         assert facts["committed"] == [1]
         assert facts["differs_before"] and facts["resumed_step"] == 1 and facts["pushed_equal"]
         assert facts["optimizer_steps"] == [1]

@@ -490,6 +490,25 @@ def test_a_lora_sft_stage_trains_adapters_checkpoints_them_and_resumes_exactly(t
         torch.testing.assert_close(lora.adapter_state_dict(second.model)[key], value, rtol=0, atol=1e-6)
 
 
+def test_the_merged_checkpoint_starts_a_following_full_stage(tmp_path: Path):
+    _previous_stage(tmp_path / "pre")
+    sft = train_sft(_post("sft", tmp_path, "sft", tmp_path / "pre", steps=3), Recorder(), _never)
+    assert sft.model is not None
+    cfg = _post("sft", tmp_path, "sft", tmp_path / "pre").lora
+    assert cfg is not None
+    idx = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        adapted = sft.model(idx)[0]
+    lora.write_merged_checkpoint(sft.model, cfg, tmp_path / "merged", step=3)
+    [info] = list_checkpoints(tmp_path / "merged")
+    assert info.step == 3
+    # A full fine-tuning stage after it starts from the merged weights with load_weights, as usual.
+    following = Transformer(MODEL_SHAPES["tiny"])
+    assert load_weights(tmp_path / "merged", following) is not None
+    with torch.no_grad():
+        torch.testing.assert_close(following(idx)[0], adapted, rtol=0, atol=1e-5)
+
+
 def test_a_lora_dpo_stage_uses_the_base_with_adapters_off_as_its_reference(tmp_path: Path):
     previous = _previous_stage(tmp_path / "pre")
     result = train_dpo(_post("dpo", tmp_path, "dpo", tmp_path / "pre", steps=3), Recorder(), _never)
