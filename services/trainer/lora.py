@@ -40,7 +40,7 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import torch
 import torch.nn.functional as F
@@ -332,7 +332,8 @@ def write_merged_checkpoint(model: nn.Module, cfg: Lora, directory: Path, step: 
     from services.trainer import checkpoint  # here, not at the top: checkpoint imports this module
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    whole = get_model_state_dict(model, options=options)  # filled on rank 0 under several ranks
+    # Filled on rank 0 under several ranks; a model's state (unlike an optimizer's) is all tensors.
+    whole = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
     if distributed.is_rank0():
         checkpoint.write_weights(directory, step, merge_state_dict(whole, cfg))
     distributed.barrier()
