@@ -67,3 +67,16 @@ def save_tiny(
     if tokenizer_vocab is not None:
         train_tokenizer(out, tokenizer_vocab)
     return out
+
+
+def word_tokenizer(out: pathlib.Path, vocab_size: int) -> pathlib.Path:
+    """A tokenizer.json with exactly `vocab_size` tokens (a word-level vocabulary, built, not
+    trained): the stored tokenizer a from-scratch size's vocab_size needs in a test."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0} | {f"w{i}": i for i in range(1, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out

@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import struct
 import tempfile
@@ -59,6 +60,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # a safetensors JSON header; real ones are
 MAX_CONFIG_BYTES = 1024 * 1024  # config.json, tokenizer_config.json, an index
 WEIGHT_DTYPES = ("F32", "F16", "BF16")  # what the trainer loads; quantized checkpoints are refused
 DIR_MODE, FILE_MODE = 0o700, 0o600
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,255}")  # what manifests name as model.base
 
 
 class ModelStoreError(ValueError):
@@ -411,6 +413,10 @@ class ModelStore:
         if src.is_symlink() or not src.is_dir():
             raise ModelStoreError(f"{src} is not a directory.")
         name = name or src.resolve().name
+        if not NAME_RE.fullmatch(name):
+            raise ModelStoreError(
+                f"name {name!r}: use 1-256 letters, digits and . _ - / (as `--name` or the directory's name)."
+            )
         files = _record_files(src, RECORD)
         if not (src / "config.json").is_file():
             raise ModelStoreError("no config.json: a base model is a Hugging Face directory.")

@@ -11,6 +11,7 @@ when the key already has one (a replay answers whatever changed since). Nothing 
 the accept; every gate's decision goes to the audit stream, as one record per request.
 """
 
+import asyncio
 import logging
 import os
 import pathlib
@@ -67,7 +68,7 @@ from services.scheduler.audit import Auditor, Trail
 from services.scheduler.backends import Backends
 from services.scheduler.handoff import Handoff
 from services.scheduler.inputs import ManifestInputs
-from services.scheduler.manifests import parsed, verify_runnable
+from services.scheduler.manifests import parsed
 from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.api")
@@ -187,6 +188,16 @@ class Api:
         )
         return p, body
 
+    async def _verified(
+        self, account: str, text: str, client_digest: str
+    ) -> tuple[Manifest, str, BaseModel | None]:
+        """The manifest gate: the bytes (remembered by digest), then its inputs and its plan, every
+        time (services/scheduler/inputs.py), in a worker thread: hashing a new data file must not
+        stall every other request on the event loop."""
+        manifest, digest = parsed(text, client_digest)
+        _plan, base = await asyncio.to_thread(self.inputs.runnable, manifest, account)
+        return manifest, digest, base
+
     async def models(self, caller: str, req: ModelsRequest) -> ModelList:
         """The base models this account may name (never another account's)."""
         account = await self._account(caller, req)
@@ -196,7 +207,7 @@ class Api:
     async def plan(self, caller: str, req: PlanRequest) -> Plan:
         """Creates nothing: no run, no confirmation, no ledger entry, nothing on the queue."""
         account = await self._account(caller, req)
-        manifest, digest, base = verify_runnable(req.manifest_text, req.manifest_digest, self.inputs, account)
+        manifest, digest, base = await self._verified(account, req.manifest_text, req.manifest_digest)
         p, _ = await self._plan(account, req.booking_id, manifest, digest, base)
         refusal = planning.first_refusal(p)
         if refusal is not None:
@@ -235,7 +246,7 @@ class Api:
     async def _confirm_train(self, account: str, req: ConfirmRequest) -> ConfirmationIssued:
         if req.booking_id is None or req.manifest_text is None or req.manifest_digest is None:
             raise Refusal(ErrorCode.request_invalid, "confirm --action train needs --booking and --manifest")
-        manifest, digest, base = verify_runnable(req.manifest_text, req.manifest_digest, self.inputs, account)
+        manifest, digest, base = await self._verified(account, req.manifest_text, req.manifest_digest)
         p, _ = await self._plan(account, req.booking_id, manifest, digest, base)
         refusal = planning.first_refusal(p)
         if refusal is not None:
@@ -303,7 +314,7 @@ class Api:
         self, req: TrainRequest, account: str, manifest: Manifest, digest: str, fp: str, trail: Trail
     ) -> tuple[RunAccepted, str | None]:
         try:  # the store and the files may have changed since the bytes were checked: every time
-            _plan, base = self.inputs.runnable(manifest, account)
+            _plan, base = await asyncio.to_thread(self.inputs.runnable, manifest, account)
         except Refusal as refusal:
             trail.refuse("manifest_inputs", refusal)
         trail.record("manifest_inputs", True)

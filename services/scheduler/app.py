@@ -30,6 +30,7 @@ from services.scheduler.audit import Auditor
 from services.scheduler.backends import Backends
 from services.scheduler.desk import DeskReads
 from services.scheduler.events import RunEvents
+from services.scheduler.exports import Outputs
 from services.scheduler.handoff import Handoff
 from services.scheduler.mutations import Mutations
 from services.scheduler.store import RunRecords, RunStore
@@ -49,6 +50,7 @@ ROUTES = {  # API verb -> Api method name (contracts/endpoints.py: the verb's su
     "models": "models",
 }
 MUTATIONS = ("cancel", "cleanup", "approve")  # API verbs Mutations serves
+OUTPUTS = ("export", "download", "sample")  # API verbs Outputs serves (no confirmation: they spend nothing)
 
 
 def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials | None = None) -> None:
@@ -76,10 +78,12 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
     auditor = api.auditor
 
     mutations = Mutations(credentials, backends, runs)
+    outputs = Outputs(credentials, backends, runs)
     serve_tenant_requests(
         w,
         [(endpoints.API[verb], getattr(api, method)) for verb, method in ROUTES.items()]
-        + [(endpoints.API[verb], getattr(mutations, verb)) for verb in MUTATIONS],
+        + [(endpoints.API[verb], getattr(mutations, verb)) for verb in MUTATIONS]
+        + [(endpoints.API[verb], getattr(outputs, verb)) for verb in OUTPUTS],
     )
     # Only trainers may publish lease queries (NATS permissions); the answer is checked against the run.
     serve_requests(w, [(endpoints.RUN_LEASE, liveness.Heartbeats(runs).heartbeat)], signed=False)

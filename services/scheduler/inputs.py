@@ -12,6 +12,7 @@ unchanged file is hashed once.
 import json
 import os
 import pathlib
+import threading
 from collections import OrderedDict
 
 from contracts.errors import ErrorCode
@@ -38,6 +39,7 @@ class ManifestInputs:
 
     def __init__(self, store: ModelStore | None) -> None:
         self.store = store
+        self._lock = threading.Lock()  # the API checks inputs in worker threads
         self._files: OrderedDict[tuple[str, int, int, int, DataFormat | None], plan_inputs.FileFacts] = (
             OrderedDict()
         )
@@ -99,10 +101,11 @@ class ManifestInputs:
         except OSError:
             return plan_inputs.FileFacts(digest=None)
         key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, fmt)
-        known = self._files.get(key)
-        if known is not None:
-            self._files.move_to_end(key)
-            return known
+        with self._lock:
+            known = self._files.get(key)
+            if known is not None:
+                self._files.move_to_end(key)
+                return known
         try:
             digest = sha256_file(path)
         except OSError:
@@ -113,7 +116,8 @@ class ManifestInputs:
                 facts = plan_inputs.FileFacts(digest=digest, columns=schema_of(path, fmt).columns)
             except ValueError as exc:
                 facts = plan_inputs.FileFacts(digest=digest, unreadable=str(exc))
-        self._files[key] = facts
-        if len(self._files) > FILES_KEPT:
-            self._files.popitem(last=False)
+        with self._lock:
+            self._files[key] = facts
+            if len(self._files) > FILES_KEPT:
+                self._files.popitem(last=False)
         return facts

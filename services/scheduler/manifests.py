@@ -5,9 +5,9 @@ calls). The client's digest is compared, never trusted alone.
 Parsing and the secret scan are a pure function of the bytes, so a manifest that passed them is
 remembered by its SHA-256 (the digest recomputed here) and not parsed and scanned again: a person
 confirms, then trains, with the same reviewed manifest. Whether it can run is not: a base model in
-the store or a data file can change between two requests, so `verify_runnable` checks them (and
-plans the run) every time, through `ManifestInputs`, which is cheap (small files; data-file digests
-remembered while the file is unchanged)."""
+the store or a data file can change between two requests, so the API checks them (and plans the
+run) every time, through `ManifestInputs` (services/scheduler/inputs.py), which is cheap (small
+files; data-file digests remembered while the file is unchanged)."""
 
 import hashlib
 from collections import OrderedDict
@@ -16,10 +16,8 @@ import msgspec
 
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
-from contracts.models import BaseModel
 from services.domain.curriculum import plan_run
 from services.runtime.codec import Refusal
-from services.scheduler.inputs import ManifestInputs
 from services.scheduler.secret_scan import find_secret
 
 MAX_MANIFEST_BYTES = 1024 * 1024  # 1 MiB, the same cap the client enforces before sending
@@ -35,23 +33,13 @@ def digest_of(data: bytes) -> str:
 
 def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -> tuple[Manifest, str]:
     """The parsed manifest and its digest, refused unless it can run as a from-scratch run with no
-    inputs to check (the table tests' form; the API calls `verify_runnable`)."""
+    inputs to check (the table tests' form; the API checks the inputs too: `Api._verified`)."""
     manifest, digest = parsed(text, client_digest, max_bytes)
     try:
         plan_run(manifest)  # accepted here means runnable there: the trainer's own guard is this call
     except ValueError as exc:
         raise Refusal(ErrorCode.manifest_invalid, f"the manifest cannot run: {exc}") from None
     return manifest, digest
-
-
-def verify_runnable(
-    text: str, client_digest: str, inputs: ManifestInputs, account: str, max_bytes: int = MAX_MANIFEST_BYTES
-) -> tuple[Manifest, str, BaseModel | None]:
-    """The manifest, its digest and its base model as the store resolved it for `account`, or the
-    Refusal of the first gate that fails: the bytes, then the inputs and the plan (every time)."""
-    manifest, digest = parsed(text, client_digest, max_bytes)
-    _plan, base = inputs.runnable(manifest, account)
-    return manifest, digest, base
 
 
 def parsed(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -> tuple[Manifest, str]:

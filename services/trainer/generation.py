@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from services.trainer.loop import autocast
-from services.trainer.model import Block, Transformer, apply_rope
+from services.trainer.model import Block, Transformer
 
 END_TOKEN = ord("\n")  # a task answer ends with a newline, as every generated task line does
 MAX_BATCH = 256  # rows per forward pass; lower it if a long-context eval runs out of memory
@@ -133,11 +133,7 @@ class _Cached:
     ) -> torch.Tensor:
         """`Attention.forward` for positions pos..pos+T-1, their keys and values kept for later ones."""
         B, T, _ = x.shape
-        q = attn.wq(x).view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)
-        k = attn.wk(x).view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
-        v = attn.wv(x).view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
-        q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = attn.project(x, cos, sin)
         if layer == len(self.keys):  # first call: room for every position this batch will reach
             self.keys.append(k.new_empty(B, attn.n_kv_head, self.length, attn.head_dim))
             self.values.append(v.new_empty(B, attn.n_kv_head, self.length, attn.head_dim))

@@ -100,26 +100,26 @@ def read_index(directory: Path) -> TokenIndex | None:
 
 
 def iter_text_documents(path: Path, chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[str]:
-    """A UTF-8 text file's blank-line-separated documents, read `chunk_bytes` at a time."""
+    """A UTF-8 text file's blank-line-separated documents, read `chunk_bytes` at a time: the
+    documents `data.split_documents` finds in the whole text. Trailing whitespace of a chunk waits
+    for the next one, since a separator there may go on."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     carry = ""
     try:
         with Path(path).open("rb") as f:
-            while True:
-                raw = f.read(chunk_bytes)
-                carry += decoder.decode(raw, final=not raw)
-                parts = _BLANK_LINE.split(carry)
-                carry = parts.pop() if raw else ""  # the last part may go on in the next chunk
-                for doc in parts:
-                    if doc.strip():
-                        yield doc
+            while raw := f.read(chunk_bytes):
+                carry += decoder.decode(raw)
+                ready = len(carry.rstrip())
+                *done, last = _BLANK_LINE.split(carry[:ready])
+                carry = last + carry[ready:]
+                yield from (doc for doc in done if doc.strip())
                 while len(carry) > MAX_DOCUMENT_CHARS:
                     yield carry[:MAX_DOCUMENT_CHARS]
                     carry = carry[MAX_DOCUMENT_CHARS:]
-                if not raw:
-                    return
+            carry += decoder.decode(b"", final=True)
     except UnicodeDecodeError:
         raise ValueError(f"The file {Path(path).name} is not valid UTF-8 text.") from None
+    yield from (doc for doc in _BLANK_LINE.split(carry) if doc.strip())
 
 
 def iter_column_documents(
@@ -252,17 +252,19 @@ def _write(
 ) -> TokenIndex:
     dtype = np.dtype(want.dtype)
     writer = _ShardWriter(tmp, dtype, want.shard_tokens)
-    head = np.array([] if tokenizer.bos_id is None else [tokenizer.bos_id], dtype=np.int64)
-    tail = np.array([tokenizer.eos_id], dtype=np.int64)
+    head = np.array([] if tokenizer.bos_id is None else [tokenizer.bos_id], dtype=dtype)
+    tail = np.array([tokenizer.eos_id], dtype=dtype)
     count = tokens = 0
     batch: list[str] = []
 
     def flush() -> None:
         nonlocal tokens
-        pieces = [part for ids in _encode(tokenizer, batch) for part in (head, ids, tail)]
-        joined = np.concatenate(pieces).astype(np.int64, copy=False)
-        if len(joined) and (joined.min() < 0 or joined.max() >= want.vocab_size):
-            raise ValueError("The tokenizer produced an id outside its vocabulary.")
+        pieces = []
+        for ids in _encode(tokenizer, batch):
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= want.vocab_size):
+                raise ValueError("The tokenizer produced an id outside its vocabulary.")
+            pieces += [head, ids.astype(dtype, copy=False), tail]
+        joined = np.concatenate(pieces)
         writer.write(joined)
         tokens += len(joined)
         batch.clear()

@@ -56,6 +56,7 @@ Message = Mapping[str, Any]
 
 @runtime_checkable
 class Tokenizer(Protocol):
+    id: str  # "bytes", or "sha256:<hex>" (the store's digest, or `files_digest` of the files)
     vocab_size: int
     eos_id: int
     bos_id: int | None  # prepended to each document when the tokenizer adds one (Llama), else None
@@ -89,7 +90,7 @@ class ByteTokenizer:
     bos_id: int | None = None
     pad_id = BYTE_PAD
     has_chat_template = False
-    id = "bytes"
+    id = "bytes"  # the manifest's `tokenizer: bytes`
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

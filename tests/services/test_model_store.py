@@ -147,3 +147,9 @@ def test_a_tokenizer_directory_is_stored_by_the_digest_of_its_files(tmp_path):
     assert store.tokenizer(tok.digest) == tok
     assert store.add_tokenizer(tmp_path / "tok").digest == tok.digest
     assert store.tokenizer("sha256:" + "0" * 64) is None and store.tokenizer("nonsense") is None
+
+
+def test_a_name_a_manifest_cannot_spell_is_refused(checkpoint, tmp_path):
+    with pytest.raises(ModelStoreError, match="name 'has space'"):
+        ModelStore(tmp_path / "store").add(checkpoint, "has space", [])
+    assert ModelStore(tmp_path / "store").add(checkpoint, "org/Model-1.5B_v2", []).name == "org/Model-1.5B_v2"

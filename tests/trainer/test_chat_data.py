@@ -29,12 +29,12 @@ from services.trainer.chat_data import (
 )
 from services.trainer.posttrain import response_batch
 from services.trainer.tokenizer import ByteTokenizer, HfTokenizer
-from tests.trainer.test_tokenizer import CHATML, CONVERSATIONS, _train_bpe
+from tests.trainer.tokenizer_fixtures import CHATML, CONVERSATIONS, train_bpe
 
 
 @pytest.fixture(scope="module")
 def chatml(tmp_path_factory: pytest.TempPathFactory) -> HfTokenizer:
-    return HfTokenizer.from_dir(_train_bpe(tmp_path_factory.mktemp("bpe"), template=CHATML))
+    return HfTokenizer.from_dir(train_bpe(tmp_path_factory.mktemp("bpe"), template=CHATML))
 
 
 def test_sft_labels_are_only_the_assistant_tokens(chatml: HfTokenizer) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from contracts.manifest import DataFormat
-from services.trainer.data import BatchIterator, eval_batches, split_held_out
+from services.trainer.data import BatchIterator, eval_batches, split_documents, split_held_out
 from services.trainer.distributed import batch_rows
 from services.trainer.token_files import (
     INDEX_FILE,
@@ -77,11 +77,14 @@ def test_jsonl_and_parquet_tokenize_to_the_same_shards(tmp_path: Path) -> None:
 
 
 def test_text_files_stream_blank_line_documents(tmp_path: Path) -> None:
-    text = "\n\n".join(DOCS) + "\n\n\n  \n"
+    seps = ["\n\n", "\n \n", "\n\t \n\n  ", "\n\n\n"]
+    text = "  \n" + "".join(d + seps[i % 4] for i, d in enumerate(DOCS)) + "tail\nline  \n \n"
     path = tmp_path / "t.txt"
     path.write_text(text, encoding="utf-8")
+    whole = split_documents(f"file:{path}", text)
+    assert len(whole) == len(DOCS) + 1
     for chunk in (1, 3, 7, 64, 1 << 20):  # chunks split documents, separators and characters
-        assert list(iter_text_documents(path, chunk_bytes=chunk)) == DOCS
+        assert list(iter_text_documents(path, chunk_bytes=chunk)) == whole
     path.write_bytes(b"ok\n\n\xff\xfe")
     with pytest.raises(ValueError, match="UTF-8"):
         list(iter_text_documents(path))
@@ -188,3 +191,17 @@ def test_hf_tokenizer_documents_get_bos_and_eos(tmp_path: Path) -> None:
     index = write_token_files(tmp_path / "c", ["ab", "c"], tok, sources={"d": "x"})
     assert index.tokenizer == tok.id and tok.id.startswith("sha256:")
     assert TokenCorpus(tmp_path / "c").read(0, index.tokens).tolist() == [97, 98, 10, 99, 10]
+
+
+def test_bpe_documents_are_batch_encoded_with_bos_and_eos(tmp_path: Path) -> None:
+    from tests.trainer.tokenizer_fixtures import CHATML, train_bpe
+
+    tok = HfTokenizer.from_dir(train_bpe(tmp_path / "bpe", template=CHATML, bos=True))
+    assert tok.bos_id is not None
+    docs = DOCS[:40]
+    index = write_token_files(
+        tmp_path / "c", docs, tok, sources={"d": "x"}, shard_tokens=100, batch_documents=16
+    )
+    expected = [t for d in docs for t in [tok.bos_id, *tok.encode(d), tok.eos_id]]
+    assert index.tokens == len(expected) and index.bos_id == tok.bos_id and index.dtype == "uint16"
+    assert TokenCorpus(tmp_path / "c").read(0, len(expected)).tolist() == expected
