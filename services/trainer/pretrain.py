@@ -24,9 +24,10 @@ import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from contracts.manifest import Manifest
+from contracts.manifest import Lora, Manifest
 from contracts.models import ModelShape
 from services.domain.curriculum import LmPlan, plan_run
+from services.trainer import lora as lora_adapters
 from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, batches_to_skip, load_weights, skip_window
 from services.trainer.data import (
     VOCAB_SIZE,
@@ -232,17 +233,22 @@ def build_model(
     z_loss: float = 0.0,
     device: torch.device | None = None,
     parallel: ParallelDims | None = None,
+    lora: Lora | None = None,
 ) -> Transformer:
     """The model for a stage: max_seq_len grown to seq_len when a stage trains longer sequences
     (RoPE tables are derived, not weights, so the same weights load), parallelized as `parallel`
     says (None: as `ParallelDims.for_world`) when distributed. Every rank builds the same weights
-    from the same seed before they are split."""
+    from the same seed before they are split. With `lora`, the adapters go on before the model is
+    sharded (services/trainer/lora.py) and everything else is frozen."""
     if seq_len > shape.max_seq_len:
         shape = msgspec.structs.replace(shape, max_seq_len=seq_len)
     device = device or pick_device()
     dims = parallel or ParallelDims.for_world(world_size())
     dims.check_model(shape)
     model = Transformer(shape, rope_base=rope_base, z_loss=z_loss).to(device)
+    if lora is not None:
+        lora_adapters.check_parallel(dims.tp)
+        lora_adapters.apply_lora(model, lora)
     return parallelize(model, dims, build_mesh(dims, device.type))
 
 
