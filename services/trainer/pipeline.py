@@ -39,7 +39,7 @@ from contracts.runs import LogLevel, Outcome
 from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan, plan_run
 from services.domain.gates import threshold
 from services.runtime import data_files
-from services.trainer import dataprep, rows
+from services.trainer import dataprep, lora, rows
 from services.trainer.checkpoint import is_hf_model_dir, load_weights
 from services.trainer.data import (
     join_documents,
@@ -79,6 +79,7 @@ from services.trainer.token_files import iter_source_documents, write_token_file
 from services.trainer.tokenizer import Tokenizer, load_tokenizer
 
 GATE_RECORD = "GATE.json"
+MERGED = "merged"  # a LoRA stage's adapters merged into its base: the next stage's starting weights
 PROVENANCE_RECORD = "provenance.json"
 EVAL_MAX_BATCHES = 8  # held-out loss of post-training stages: the same windows as the LM stages
 TrainLm = Callable[[StageConfig, Reporter, Callable[[], bool]], StageResult]
@@ -450,6 +451,11 @@ class _Run:
             return [], True
         self._noted(stage.name, result.final_step, result.first_loss, result.final_loss)
         self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
+        if stage.section.lora is not None and result.model is not None:
+            # The stage committed its adapters alone; what follows starts from the merged model.
+            lora.write_merged_checkpoint(
+                result.model, stage.section.lora, directory / MERGED, result.final_step
+            )
         return self._checks(stage, self._post_measures(result.model, stage), incoming), False
 
     def _train_post(self, stage: PostPlan, directory: pathlib.Path) -> PostResult | RlvrResult:
@@ -489,6 +495,7 @@ class _Run:
             examples=examples,
             pairs=pairs,
             pad_id=self.tokenizer.pad_id,
+            lora=section.lora,
         )
         match section:
             case SftStage():
@@ -590,7 +597,8 @@ class _Run:
                 return self.result(stage.name, Outcome.gate_failed, summary=line)
             self.parts.append(f"{self.note or stage.name}, {line.split(': ', 1)[-1]}")
             self.note = ""
-            self.previous = str(self.root / stage.name)
+            lora_stage = isinstance(stage, PostPlan) and stage.section.lora is not None
+            self.previous = str(self.root / stage.name / MERGED if lora_stage else self.root / stage.name)
         return self.result(last, Outcome.succeeded)
 
     def _verdict(self, stage: LmPlan | PostPlan) -> tuple[list[EvalMetric], bool] | None:
