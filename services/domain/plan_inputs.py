@@ -176,9 +176,15 @@ def data_refusal(i: int, ref: DataRef, readers: list[str], facts: FileFacts) -> 
         return ErrorCode.data_schema_invalid, f"data[{i}]: {facts.unreadable}"
     columns = facts.columns or {}
     for stage in readers:
-        problem = schema_problem(stage if stage in STAGE_SCHEMA else "pretrain", columns)
-        if problem is not None and stage not in STAGE_SCHEMA:  # an eval ref: held-out loss reads text
-            problem = problem.replace("pretrain", "the held-out eval", 1)
+        if stage not in STAGE_SCHEMA:  # an eval ref: held-out loss on `text` rows, or a chat eval split
+            chat = schema_problem("sft", columns) is None
+            problem = None if chat else schema_problem("pretrain", columns)
+            if problem is not None:
+                problem = problem.replace(
+                    "pretrain", "the held-out eval (text, or messages for a chat split)", 1
+                )
+        else:
+            problem = schema_problem(stage, columns)
         if problem is not None:
             return ErrorCode.data_schema_invalid, f"data[{i}]: {problem}"
         if stage == "rlvr" and (why := verifier_problem(ref.verifier)) is not None:

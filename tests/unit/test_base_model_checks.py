@@ -239,12 +239,13 @@ def ref(path="file:/d/chat.jsonl", **fields) -> DataRef:
             "data[3]: dpo needs",
         ),
         (ref(), ["pretrain"], pi.FileFacts(DIGEST, {"text": "string"}), None, None),
+        (ref(), ["eval"], pi.FileFacts(DIGEST, CHAT), None, None),  # a chat eval split
         (
             ref(),
             ["eval"],
-            pi.FileFacts(DIGEST, CHAT),
+            pi.FileFacts(DIGEST, PREFS),
             ErrorCode.data_schema_invalid,
-            "data[3]: the held-out eval reads",
+            "data[3]: the held-out eval (text, or messages for a chat split) reads",
         ),
         (
             ref(),
