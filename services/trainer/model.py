@@ -185,9 +185,18 @@ class Transformer(nn.Module):
         s = self.shape
         return rope_tables(model_shapes.head_dim(s), s.max_seq_len, self.rope_base, s.rope_scaling)
 
+    def materialize(self, device: torch.device | str) -> None:
+        """Give a model built on the meta device (and parallelized there, each rank then holding
+        only its shards) real storage on `device`: the RoPE tables recomputed, the tied head tied
+        again. The weights are uninitialized until loaded (or `reset_parameters`)."""
+        self.to_empty(device=device)
+        if self.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
+            # to_empty gives a plain parameter new storage per module (FSDP2's DTensors keep one)
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_buffers()
+
     def reset_buffers(self) -> None:
-        """Recompute the RoPE tables in place: after `to_empty` (a model built on the meta device,
-        parallelized, then given real storage) they hold garbage."""
+        """Recompute the RoPE tables in place (after `to_empty` they hold garbage)."""
         cos, sin = self._rope_tables()
         with torch.no_grad():
             self.rope_cos.copy_(cos)

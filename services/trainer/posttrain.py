@@ -31,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import msgspec
 import torch
@@ -38,7 +39,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.manifest import Lora
 from contracts.models import ModelShape
-from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, load_weights
+from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, is_hf_model_dir, load_weights
 from services.trainer.data import ByteTokenizer
 from services.trainer.distributed import ParallelDims, batch_rows, rank, replica_batch_rows, world_size
 from services.trainer.generation import END_TOKEN
@@ -327,6 +328,9 @@ def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) 
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     longest = longest_sequence(cfg)
+    # A base model (an HF directory) starting a full fine-tune: built on the meta device and each
+    # rank given only its shards of the checkpoint, never a whole random copy first.
+    from_hf = cfg.init_from if cfg.init_from and cfg.lora is None and is_hf_model_dir(cfg.init_from) else None
     model = build_model(
         cfg.shape,
         seq_len=min(longest, cfg.shape.max_seq_len),
@@ -334,6 +338,7 @@ def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) 
         device=device,
         parallel=dims_of(cfg),
         lora=cfg.lora,
+        init_from_hf=Path(from_hf) if from_hf is not None and replicas is None else None,
     )
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
@@ -342,7 +347,10 @@ def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) 
     )
     settings = loop_settings(cfg)
     if replicas is None:
-        resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
+        init_from = None if from_hf is not None else cfg.init_from  # already loaded by build_model
+        resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=init_from)
+        if resumed is None and from_hf is not None:
+            report.log(f"{cfg.stage} starts from {from_hf}.")
         return _Stage(model, optimizer, scheduler, settings, resumed.step if resumed else 0, device)
     if cfg.lora is not None:
         raise ValueError(f"{cfg.stage} with LoRA does not run as torchft replica groups yet.")

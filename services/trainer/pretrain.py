@@ -49,6 +49,7 @@ from services.trainer.distributed import (
     replica_batch_rows,
     world_size,
 )
+from services.trainer.hf_load import load_hf_weights
 from services.trainer.loop import (
     FaultTolerance,
     LoopSettings,
@@ -234,22 +235,39 @@ def build_model(
     device: torch.device | None = None,
     parallel: ParallelDims | None = None,
     lora: Lora | None = None,
+    init_from_hf: Path | None = None,
 ) -> Transformer:
     """The model for a stage: max_seq_len grown to seq_len when a stage trains longer sequences
     (RoPE tables are derived, not weights, so the same weights load), parallelized as `parallel`
     says (None: as `ParallelDims.for_world`) when distributed. Every rank builds the same weights
     from the same seed before they are split. With `lora`, the adapters go on before the model is
-    sharded (services/trainer/lora.py) and everything else is frozen."""
+    sharded (services/trainer/lora.py) and everything else is frozen.
+
+    `init_from_hf`: a Hugging Face directory (config.json + safetensors; the model store's
+    `ModelStore.path(digest)`) whose weights start the stage instead of a random init. `shape`
+    must be the checkpoint's (`model_shapes.shape_from_hf_config` of its config.json). The model is
+    then built on the meta device and parallelized there, so each rank allocates only its shards
+    and reads only those (hf_load.load_hf_weights); no rank ever holds a full random copy. A
+    checkpoint that does not fit the shape raises ValueError naming the tensor. Collective when
+    distributed: every rank calls it."""
     if seq_len > shape.max_seq_len:
         shape = msgspec.structs.replace(shape, max_seq_len=seq_len)
     device = device or pick_device()
     dims = parallel or ParallelDims.for_world(world_size())
     dims.check_model(shape)
-    model = Transformer(shape, rope_base=rope_base, z_loss=z_loss).to(device)
-    if lora is not None:
-        lora_adapters.check_parallel(dims.tp)
-        lora_adapters.apply_lora(model, lora)
-    return parallelize(model, dims, build_mesh(dims, device.type))
+    if init_from_hf is None or lora is not None:
+        # (A LoRA model's base loads after its adapters are on: checkpoint.load_weights does it.)
+        model = Transformer(shape, rope_base=rope_base, z_loss=z_loss).to(device)
+        if lora is not None:
+            lora_adapters.check_parallel(dims.tp)
+            lora_adapters.apply_lora(model, lora)
+        return parallelize(model, dims, build_mesh(dims, device.type))
+    with torch.device("meta"):
+        model = Transformer(shape, rope_base=rope_base, z_loss=z_loss)
+    model = parallelize(model, dims, build_mesh(dims, device.type))
+    model.materialize(device)
+    load_hf_weights(model, Path(init_from_hf))
+    return model
 
 
 def build_optimizer(model: torch.nn.Module, cfg: StageConfig) -> torch.optim.AdamW:
