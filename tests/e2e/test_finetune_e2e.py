@@ -82,15 +82,19 @@ def _export(stack, env, run_id: str, *args: str) -> dict:
     return eventually(ready, timeout=180, what="export ready")
 
 
-def _our_logits(run_dir: pathlib.Path, manifest_path: pathlib.Path, ids, stage: str | None = None):
+def _our_logits(stack, account: str, run_id: str, name: str, manifest_path: pathlib.Path, ids):
+    """The trainer's model on the run's last committed checkpoint (as export and sample load it)."""
     import msgspec
     import torch
 
     from contracts.manifest import Manifest
+    from services.runtime.model_store import ModelStore
     from services.trainer import restore
 
     manifest = msgspec.json.decode(manifest_path.read_bytes(), type=Manifest)
-    ours, _ = restore.restore_model(restore.locate(run_dir, run_dir.name, manifest, stage, None), run_dir)
+    base = ModelStore(stack.data_dir / "models").resolve(name, account)
+    run_dir = stack.data_dir / "checkpoints" / account / run_id
+    ours, _ = restore.restore_model(restore.locate(run_dir, run_id, manifest, base, None), stack.data_dir)
     with torch.no_grad():
         logits, _ = ours(ids)
     return logits.float()
@@ -134,13 +138,14 @@ def test_a_llama_fine_tunes_on_chat_jsonl_and_comes_out_for_transformers(stack, 
     assert run_id in card and digest in card  # the model card names the run and the base model
 
     tok = transformers.AutoTokenizer.from_pretrained(out)  # the base model's tokenizer came along
-    ids = torch.tensor(
-        [tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True)]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False
     )
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(ids).logits.float()
-    mine = _our_logits(stack.data_dir / "checkpoints" / account / run_id, manifest_path, ids)
+    mine = _our_logits(stack, account, run_id, name, manifest_path, ids)
     assert (theirs - mine).abs().max().item() <= 1e-4
 
 
@@ -186,5 +191,5 @@ def test_a_qwen2_fine_tunes_with_lora_on_a_two_rank_gang_and_its_adapter_loads_i
     ids = torch.tensor([[1, 85, 91, 85, 2, 201, 1, 67]])
     with torch.no_grad():
         theirs = adapted(ids).logits.float()
-    mine = _our_logits(stack.data_dir / "checkpoints" / account / run_id, manifest_path, ids)
+    mine = _our_logits(stack, account, run_id, name, manifest_path, ids)
     assert (theirs - mine).abs().max().item() <= 1e-4
