@@ -145,13 +145,19 @@ def git_commit() -> str | None:
     """HEAD's commit, read from .git without running git (the working tree may differ from it)."""
     git = REPO / ".git"
     try:
+        if git.is_file():  # a worktree: .git names its own dir; refs live in the common one
+            git = (REPO / git.read_text().strip().removeprefix("gitdir: ")).resolve()
+        common = (
+            (git / (git / "commondir").read_text().strip()).resolve() if (git / "commondir").exists() else git
+        )
         head = (git / "HEAD").read_text().strip()
         if not head.startswith("ref: "):
             return head
         ref = head.removeprefix("ref: ")
-        if (git / ref).exists():
-            return (git / ref).read_text().strip()
-        for line in (git / "packed-refs").read_text().splitlines():
+        for root in (git, common):
+            if (root / ref).exists():
+                return (root / ref).read_text().strip()
+        for line in (common / "packed-refs").read_text().splitlines():
             if line.endswith(" " + ref):
                 return line.split()[0]
     except OSError:
