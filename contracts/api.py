@@ -9,6 +9,7 @@ import msgspec
 from contracts.base import Contract, Internal
 from contracts.booking import Booking
 from contracts.evals import Provenance, StageGate
+from contracts.models import BaseModel
 from contracts.states import RunState
 
 
@@ -450,6 +451,12 @@ class ExportOrder(Internal, frozen=True, kw_only=True):
     format: ExportFormat
     manifest_digest: str
     storage: str = "local"
+    # What the trainer needs to rebuild the stage's model and write its card (the scheduler's
+    # stored work item and run view): the reviewed manifest, the resolved base model, the gates.
+    manifest_text: str = ""
+    base: BaseModel | None = None
+    gates: list[StageGate] = []
+    checkpoint_dir: str = ""  # informational: the trainer derives the directory from its own root
 
 
 class DownloadOrder(Internal, frozen=True, kw_only=True):
@@ -471,3 +478,6 @@ class SampleOrder(Internal, frozen=True, kw_only=True):
     run_id: str
     request: SampleRequest
     storage: str = "local"
+    manifest_text: str = ""  # the reviewed manifest: the stage's shape and tokenizer
+    base: BaseModel | None = None  # the resolved base model (its tokenizer is in the model store)
+    checkpoint_dir: str = ""  # informational: the trainer derives the directory from its own root

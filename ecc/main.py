@@ -111,12 +111,48 @@ def _record_verbs(verbs: Verbs) -> None:
     _common(p)
 
 
+def _output_verbs(verbs: Verbs) -> None:
+    """A trained model out (no confirmation: they spend nothing): export, download, sample."""
+    p = verbs.add_parser("export", help=VERB_HELP["export"])
+    p.add_argument("run")
+    p.add_argument("--stage", help=OPTION_HELP["export"]["stage"])
+    p.add_argument("--format", choices=["hf", "peft"], default="hf", help=OPTION_HELP["export"]["format"])
+    _common(p)
+    p = verbs.add_parser("download", help=VERB_HELP["download"])
+    p.add_argument("run")
+    p.add_argument("--export", help=OPTION_HELP["download"]["export"])
+    p.add_argument("--to", required=True, help=OPTION_HELP["download"]["to"])
+    _common(p)
+    p = verbs.add_parser("sample", help=VERB_HELP["sample"])
+    p.add_argument("run")
+    p.add_argument("--prompt", required=True, help=OPTION_HELP["sample"]["prompt"])
+    p.add_argument("--stage", help=OPTION_HELP["sample"]["stage"])
+    p.add_argument("--max-new-tokens", type=int, default=64, help=OPTION_HELP["sample"]["max_new_tokens"])
+    p.add_argument("--temperature", type=float, default=0.0, help=OPTION_HELP["sample"]["temperature"])
+    p.add_argument("--seed", type=int, default=0, help=OPTION_HELP["sample"]["seed"])
+    p.add_argument("--chat", action="store_true", help=OPTION_HELP["sample"]["chat"])
+    _common(p)
+
+
+def _model_verbs(verbs: Verbs) -> None:
+    """What a manifest may name: models."""
+    _common(verbs.add_parser("models", help=VERB_HELP["models"]))
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ecc", description="Itô compute client.")
     groups = top.add_subparsers(dest="group", required=True)
     ito = groups.add_parser("ito", help="managed training on booked Itô GPU compute")
     verbs = ito.add_subparsers(dest="verb", required=True)
-    for add_group in (_session_verbs, _creation_verbs, _view_verbs, _change_verbs, _record_verbs):
+    for add_group in (
+        _session_verbs,
+        _model_verbs,
+        _creation_verbs,
+        _view_verbs,
+        _change_verbs,
+        _record_verbs,
+        _output_verbs,
+    ):
         add_group(verbs)
     _agents_door(groups)
     return top

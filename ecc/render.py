@@ -23,14 +23,19 @@ from contracts.api import (
     BookingView,
     CleanupResult,
     ConfirmationIssued,
+    DownloadChunk,
+    ExportFile,
+    ExportView,
     LogLineView,
     LogPage,
     LogsRequest,
     MetricsRequest,
+    ModelList,
     MutationResult,
     Plan,
     RunAccepted,
     RunView,
+    SampleResult,
     StatusRequest,
 )
 from contracts.audit import AuditTrail
@@ -64,6 +69,19 @@ class LogsFollowed(msgspec.Struct, frozen=True, kw_only=True):
     next: int
 
 
+class Downloaded(msgspec.Struct, frozen=True, kw_only=True):
+    """`ecc ito download`'s answer (ecc/download.py): where the export is now, and that its
+    digest, recomputed from the files on disk, is the export's."""
+
+    run_id: str
+    export_id: str
+    directory: str
+    digest: str
+    files: list[ExportFile]
+    bytes: int
+    fetched_bytes: int  # sent over the wire by this call (the rest was on disk already)
+
+
 Answer = (
     AuthInfo
     | list[BookingView]
@@ -78,10 +96,15 @@ Answer = (
     | EvalList
     | MutationResult
     | CleanupResult
+    | ExportView
+    | DownloadChunk
+    | SampleResult
+    | ModelList
     | LoggedOut
     | LogsFollowed
+    | Downloaded
 )
-"""Every answer `ecc` shows: each API verb's (`API[verb].answer`) and its own two."""
+"""Every answer `ecc` shows: each API verb's (`API[verb].answer`) and its own three."""
 
 
 def show(args: argparse.Namespace, env: Envelope[Any]) -> None:
@@ -125,6 +148,16 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
             return _evals(answer)
         case CleanupResult():
             return _cleanup(answer)
+        case ExportView():
+            return _export(answer)
+        case DownloadChunk():
+            return f"{answer.path}: {len(answer.data)} bytes at {answer.offset} of {answer.size} (sha256 {answer.sha256})"
+        case SampleResult():
+            return answer.text
+        case Downloaded():
+            return _downloaded(answer)
+        case ModelList():
+            return _models(answer)
         case LoggedOut() | LogsFollowed() | None:  # no words to add: their JSON says it all
             return _encoder.encode(answer).decode()
         case _:
@@ -240,6 +273,40 @@ def _cleanup(result: CleanupResult) -> str:
         f"{result.booking_release_requested}"
     )
     return "\n".join(rows)
+
+
+def _export(view: ExportView) -> str:
+    line = f"export {view.export_id or view.stage + '-' + view.format}: {view.state}"
+    if view.step:
+        line += f" (stage {view.stage}, step {view.step})"
+    if view.message:
+        line += f"\n  {view.message}"
+    if view.state == "ready":
+        line += f"\n  digest {view.digest}, {len(view.files)} files, {view.bytes} bytes"
+        line += "".join(f"\n  {f.path} ({f.bytes} bytes)" for f in view.files)
+        line += f"\n  fetch it with `ecc ito download {view.run_id} --export {view.export_id} --to DIR`"
+    return line
+
+
+def _downloaded(done: Downloaded) -> str:
+    rows = [f"{f.path} ({f.bytes} bytes)" for f in done.files]
+    rows.append(
+        f"export {done.export_id} in {done.directory}: {len(done.files)} files, {done.bytes} bytes "
+        f"({done.fetched_bytes} fetched), digest {done.digest} verified"
+    )
+    return "\n".join(rows)
+
+
+def _models(listed: ModelList) -> str:
+    rows = [
+        f"{m.name}: {m.digest} ({m.architecture}, {m.parameters:,} parameters, vocab {m.vocab_size:,}, "
+        f"context {m.max_seq_len:,}"
+        + ("" if m.tokenizer else ", no tokenizer")
+        + (", chat template" if m.chat_template else "")
+        + ")"
+        for m in listed.models
+    ]
+    return "\n".join(rows) or "(no models for this account)"
 
 
 def _decisions(trail: AuditTrail) -> str:

@@ -31,7 +31,7 @@ from contracts.endpoints import API
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from contracts.states import TERMINAL_STATES, RunState
-from ecc import credentials, verbs
+from ecc import credentials, render, verbs
 from ecc.transport import KEY_PREFIX, local_error
 from ecc.verb_help import OPTION_HELP, VERB_HELP, for_tools, option_help
 
@@ -54,6 +54,15 @@ class WaitRequest(StatusRequest, frozen=True, kw_only=True):
             f"at most {MAX_WAIT_S:g}) and answer the run as it is",
         ),
     ] = DEFAULT_WAIT_S
+
+
+class DownloadToolRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`download`'s arguments: the whole ready export into a directory the agent names (the CLI's
+    `ecc ito download`, chunked, resumable and digest-checked), not one chunk."""
+
+    run_id: str
+    to: str
+    export_id: str | None = None
 
 
 LOGIN_NOTE = (
@@ -85,16 +94,23 @@ AGENT_NOTES: dict[str, str] = {
     "checkpoints": "",
     "evals": "",
     "audit": "",
+    "models": "Each model's digest is what a manifest's model.revision must be; model.base is its name.",
     "cancel": MUTATION_NOTE,
     "cleanup": "release_booking needs its own release_booking confirmation. " + MUTATION_NOTE,
     "approve": "reject needs no confirmation; an approval needs a restart_from_checkpoint one. "
     + MUTATION_NOTE,
+    "export": "Idempotent: call again with the same arguments until state is ready (or failed, with "
+    "a message); then download it by its export_id.",
+    "download": "to: a directory on this machine (made 0700 when new); an interrupted download "
+    "resumes when called again with the same arguments. Answers the files and the verified digest.",
+    "sample": "Deterministic for the same arguments (seed). The answer's text is the completion alone.",
 }
 """What an agent must know beyond the CLI's help line, by tool."""
 
 INSTRUCTIONS = (
     "ito-training: managed LLM training on booked GPU compute. You can find bookings, plan, train, "
-    "watch, cancel and clean up runs; you can never authorise spending. A person logs in (`ecc ito "
+    "watch, cancel and clean up runs, and export, download and sample a trained model; you can never "
+    "authorise spending. A person logs in (`ecc ito "
     "login`) and creates each confirmation (`ecc ito confirm ...`) and hands you "
     "its opaque confirmation_ref: a mutation without one answers confirmation_required with the "
     "command to ask them to run. Every answer is {ok, live_api_contacted, notice, data | "
@@ -149,12 +165,23 @@ TOOLS: dict[str, Tool] = {
         _tool("checkpoints", reads_manifest=False),
         _tool("evals", reads_manifest=False),
         _tool("audit", reads_manifest=False),
+        _tool("models", reads_manifest=False),
         _tool("cancel", reads_manifest=False, mutation=True, destructive=True),
         _tool("cleanup", reads_manifest=False, mutation=True, destructive=True),
         _tool("approve", reads_manifest=False, mutation=True, destructive=True),
+        _tool("export", reads_manifest=False, mutation=True),  # writes the export; spends nothing
+        Tool(
+            "download",
+            "download",
+            DownloadToolRequest,
+            render.Downloaded,
+            reads_manifest=False,
+            read_only=False,
+        ),
+        _tool("sample", reads_manifest=False),
     )
 }
-"""Every tool: the API verbs but `confirm` (a person's), and `wait`."""
+"""Every tool: the API verbs but `confirm` (a person's), and `wait`; `download` fetches a whole export."""
 
 
 def _inline_root(schema: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -300,6 +327,14 @@ async def call(name: str, arguments: dict[str, Any], bounds: verbs.Bounds) -> En
         return _invalid("give run_id or idempotency_key")
     if tool.name == "wait":
         return guarded(await wait(request, bounds))
+    if tool.name == "download":
+        from ecc import download
+
+        return guarded(
+            await download.download(
+                request.run_id, request.export_id, request.to, bounds.connect_timeout_s, bounds.timeout_s
+            )
+        )
     return guarded(await verbs.answer(tool.verb, request, bounds))
 
 

@@ -23,6 +23,13 @@ VERB_HELP: dict[str, str] = {
     "restart_from_checkpoint confirmation, or --reject",
     "audit": "a run's gate decisions (who, which gate, pass/fail and code)",
     "logs": "a run's log lines",
+    # A trained model out: none of these spends a booking or changes a run, so none needs a confirmation.
+    "export": "export a run's committed checkpoint as a Hugging Face directory (or a LoRA stage's PEFT "
+    "adapter); ask again until ready. No confirmation: it spends nothing and changes no run",
+    "download": "fetch a ready export into a directory on this machine (resumable, digest-checked). "
+    "No confirmation: it only reads",
+    "sample": "generate text from a run's committed checkpoint. No confirmation: it only reads",
+    "models": "the base models your account may fine-tune (put the digest in model.revision)",
 }
 """One line per `ecc ito` verb (its `--help` entry; the first line of its MCP tool's description)."""
 
@@ -40,6 +47,23 @@ OPTION_HELP: dict[str, dict[str, str]] = {
     },
     "approve": {"reject": "keep the run paused; nothing restarts"},
     "logs": {"since": "index of the first line"},
+    "export": {
+        "stage": "the stage to export (default: the last stage with a committed checkpoint)",
+        "format": "hf: a Hugging Face directory; peft: a LoRA stage's adapter alone",
+    },
+    "download": {
+        "export": "the export id, <stage>-<format> (default: the last stage's hf export)",
+        "export_id": "the export id, <stage>-<format> (default: the last stage's hf export)",
+        "to": "the directory to write the files into (made 0700 when new; files 0600)",
+    },
+    "sample": {
+        "prompt": "the text to continue",
+        "stage": "the stage whose checkpoint to sample (default: the last with a committed checkpoint)",
+        "max_new_tokens": "the most tokens to generate (at most 512)",
+        "temperature": "0 is greedy; higher samples more freely (seeded: the same request, the same text)",
+        "seed": "the sampling seed",
+        "chat": "render the prompt as one user message with the tokenizer's chat template",
+    },
 }
 """Per verb, the help of the options that have one, by field name (`--release-booking` is
 `release_booking`)."""

@@ -22,13 +22,17 @@ from contracts.api import (
     CancelRequest,
     CleanupRequest,
     ConfirmRequest,
+    ExportFormat,
+    ExportRequest,
     FindRequest,
     LogsRequest,
     MetricsRequest,
+    ModelsRequest,
     PlanRequest,
     RunAccepted,
     RunItemsRequest,
     RunView,
+    SampleRequest,
     StatusRequest,
     TrainRequest,
     accepted,
@@ -186,6 +190,10 @@ def _find(args: argparse.Namespace) -> Envelope[Any]:
     return _run("find", FindRequest(), args)
 
 
+def _models(args: argparse.Namespace) -> Envelope[Any]:
+    return _run("models", ModelsRequest(), args)
+
+
 def _plan(args: argparse.Namespace) -> Envelope[Any]:
     m = load_manifest(args.manifest)
     if isinstance(m, Envelope):
@@ -320,6 +328,38 @@ def _logs(args: argparse.Namespace) -> Envelope[Any]:
     return _run("logs", req, args)
 
 
+def _export(args: argparse.Namespace) -> Envelope[Any]:
+    req = ExportRequest(run_id=args.run, stage=args.stage, format=ExportFormat(args.format))
+    return _run("export", req, args)
+
+
+def _download(args: argparse.Namespace) -> Envelope[Any]:
+    from ecc import download  # its hashing and file writing load only for this verb
+
+    return asyncio.run(download.download(args.run, args.export, args.to, args.connect_timeout, args.timeout))
+
+
+def _sample(args: argparse.Namespace) -> Envelope[Any]:
+    try:
+        req = msgspec.convert(
+            {
+                "run_id": args.run,
+                "prompt": args.prompt,
+                "stage": args.stage,
+                "max_new_tokens": args.max_new_tokens,
+                "temperature": args.temperature,
+                "seed": args.seed,
+                "chat": args.chat,
+            },
+            SampleRequest,
+        )
+    except (
+        msgspec.ValidationError
+    ) as exc:  # the contract's bounds: prompt length, max_new_tokens, temperature
+        return local_error(ErrorCode.request_invalid, f"invalid arguments: {exc}")
+    return _run("sample", req, args)
+
+
 Verb = Callable[[argparse.Namespace], Envelope[Any]]
 
 WITHOUT_LOGIN: dict[str, Verb] = {"login": _login, "logout": _logout}
@@ -339,6 +379,10 @@ LOGGED_IN: dict[str, Verb] = {
     "approve": _approve,
     "audit": _audit,
     "logs": _logs,
+    "export": _export,
+    "download": _download,
+    "sample": _sample,
+    "models": _models,
 }
 """Verbs that need a stored credential: without one they answer `unauthenticated` and call nothing."""
 

@@ -8,6 +8,12 @@ recipe in the order listed. Token budget: `target.tokens` is the whole pre-train
 the planner prices it; midtrain and long_context take their `tokens` out of it and pretrain trains
 on the rest. The ladder's two proxy runs are bounded to `max_budget_fraction` of the pre-training
 steps. Post-training is sized in steps.
+
+Data: next-token stages read any training ref (text files as documents, JSONL/Parquet files by
+their `text` column); a post-training stage reads the generated verifiable tasks or JSONL/Parquet
+files (sft: `messages`, dpo: `prompt`/`chosen`/`rejected`, rlvr: `prompt`/`answer` + a verifier).
+Formats are decided from the manifest alone (`DataRef.format`, else the suffix): the columns
+themselves are the scheduler's plan-time check (services/scheduler/inputs.py), not this function's.
 """
 
 from dataclasses import dataclass
@@ -26,6 +32,7 @@ from contracts.manifest import (
 )
 from contracts.models import MODEL_SHAPES, BaseModel, ModelShape
 from services.domain import gates
+from services.domain.data_schemas import ROW_FORMATS, file_format, reads_rows
 
 POST_STAGES = ("sft", "dpo", "rlvr")
 TASK_SOURCES = (
@@ -85,11 +92,22 @@ class RunPlan:
     stages: tuple[LmPlan | PostPlan, ...]
     shape: ModelShape | None = None  # the model the run starts from (the base model's, or the size's)
     base: BaseModel | None = None  # the base model it fine-tunes; None: from scratch
+    row_refs: frozenset[str] = frozenset()  # training refs read as JSONL / Parquet rows
+    chat_evals: tuple[str, ...] = ()  # eval refs read as rows (a chat eval split)
 
     def rules(self, stage: "LmPlan | PostPlan") -> list[gates.Rule]:
         """The gate `stage` is judged on: the backend's battery, tightened by the manifest."""
         has_tasks = any(src in TASK_SOURCES for src in self.eval_refs.values())
-        return gates.rules(stage.name, stage.gate, has_tasks=has_tasks, has_held_out=bool(self.eval_refs))
+        chat_eval = (
+            bool(self.chat_evals) and isinstance(stage, PostPlan) and bool(set(stage.data) & self.row_refs)
+        )
+        return gates.rules(
+            stage.name,
+            stage.gate,
+            has_tasks=has_tasks,
+            has_held_out=bool(self.eval_refs),
+            chat_eval=chat_eval,
+        )
 
     @property
     def stage_names(self) -> list[str]:
@@ -131,6 +149,7 @@ class _Refs:
 
     train: dict[str, str]
     evals: dict[str, str]
+    rows: frozenset[str] = frozenset()  # training refs that are JSONL/Parquet files (read by column)
 
     @property
     def has_tasks(self) -> bool:
@@ -180,6 +199,8 @@ def plan_run(manifest: Manifest, base: BaseModel | None = None) -> RunPlan:
         stages=tuple(plans),
         shape=base_shape,
         base=base,
+        row_refs=frozenset(r.name for r in manifest.data if r.role is DataRole.train and reads_rows(r)),
+        chat_evals=tuple(r.name for r in manifest.data if r.role is DataRole.eval and reads_rows(r)),
     )
 
 
@@ -187,11 +208,18 @@ def _refs(manifest: Manifest) -> _Refs:
     names = [ref.name for ref in manifest.data]
     if len(set(names)) != len(names):
         raise ValueError("Data ref names must be unique: stages refer to data by name.")
+    for i, ref in enumerate(manifest.data):
+        if file_format(ref) in ROW_FORMATS and not ref.source.startswith("file:"):
+            raise ValueError(
+                f"data[{i}].format is {file_format(ref).value}, which only a file: source has "
+                f"(source {ref.source!r})."
+            )
     train = {ref.name: ref.source for ref in manifest.data if ref.role is DataRole.train}
     evals = {ref.name: ref.source for ref in manifest.data if ref.role is DataRole.eval}
+    rows = frozenset(ref.name for ref in manifest.data if ref.role is DataRole.train and reads_rows(ref))
     if not train:
         raise ValueError("The manifest names no training data.")
-    return _Refs(train, evals)
+    return _Refs(train, evals, rows)
 
 
 def _lm_plans(manifest: Manifest, refs: _Refs, base_shape: ModelShape) -> list[LmPlan]:
@@ -304,22 +332,23 @@ def _long_context_plan(
 def _post_plans(
     manifest: Manifest, refs: _Refs, shape: ModelShape, rope_base: float | None
 ) -> list[PostPlan]:
-    """The post-training recipe in the order listed, each on verifiable task data."""
+    """The post-training recipe in the order listed, each on verifiable task data or on JSONL/Parquet
+    files (`[]`: every training ref a post-training stage can read)."""
     recipe = manifest.post_training.recipe
     unknown = [r for r in recipe if r not in POST_STAGES]
     if unknown or len(set(recipe)) != len(recipe):
         raise ValueError(
             f"post_training.recipe lists {recipe}; use each of {', '.join(POST_STAGES)} at most once."
         )
-    tasks = {name: src for name, src in refs.train.items() if src in TASK_SOURCES}
+    readable = {n: src for n, src in refs.train.items() if src in TASK_SOURCES or n in refs.rows}
     plans = []
     for name in recipe:
         section: SftStage | DpoStage | RlvrStage = getattr(manifest.post_training, name)
-        data = _names(name, section.data, tasks if not section.data else refs.train)
-        if not data or any(refs.train[n] not in TASK_SOURCES for n in data):
+        data = _names(name, section.data, readable if not section.data else refs.train)
+        if not data or any(n not in readable for n in data):
             raise ValueError(
-                f"{name} trains on verifiable tasks: name training refs with source "
-                f"{' or '.join(TASK_SOURCES)}."
+                f"{name} trains on verifiable tasks or on JSONL/Parquet files: name training refs "
+                f"with source {' or '.join(TASK_SOURCES)}, or file: refs in jsonl or parquet."
             )
         _check_gate(name, section.gate, has_tasks=refs.has_tasks, has_held_out=bool(refs.evals))
         plans.append(

@@ -10,6 +10,10 @@
 
 from dataclasses import dataclass
 
+from contracts.manifest import DataFormat, DataRef
+
+ROW_FORMATS = (DataFormat.jsonl, DataFormat.parquet)
+"""The formats read by column (a schema per stage); text files are read as documents."""
 VERIFIERS = ("exact", "number")
 """RLVR verifiers a data ref may name: exact (stripped string equality), number (the last number in
 the response equals the answer's)."""
@@ -35,6 +39,24 @@ STAGE_SCHEMA = {
     "dpo": PREFERENCE,
     "rlvr": VERIFIABLE,
 }
+
+
+def file_format(ref: DataRef) -> DataFormat:
+    """The ref's declared format, else the file suffix's (.jsonl/.json/.ndjson -> jsonl,
+    .parquet/.pq -> parquet), else text. Pure: the planner decides from the manifest alone."""
+    if ref.format is not None:
+        return ref.format
+    path = ref.source.removeprefix("file:")
+    if path.endswith((".jsonl", ".json", ".ndjson")):
+        return DataFormat.jsonl
+    if path.endswith((".parquet", ".pq")):
+        return DataFormat.parquet
+    return DataFormat.text
+
+
+def reads_rows(ref: DataRef) -> bool:
+    """A `file:` ref in JSONL or Parquet: read by column, with the schema of the stages reading it."""
+    return ref.source.startswith("file:") and file_format(ref) in ROW_FORMATS
 
 
 def _is_string(type_text: str) -> bool:

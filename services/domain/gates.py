@@ -9,7 +9,11 @@ manifest may tighten with absolute bounds but never loosen or remove.
   bound DEFAULT_MAX_SHORT_LOSS_INCREASE) of the incoming model's;
 - sft, dpo, rlvr: task accuracy at most POST_MAX_ACCURACY_DROP below the incoming model's (held-out
   loss is measured and reported: narrow post-training moves general loss by design, measured here
-  at x1.8 after SFT on arithmetic at the tiny size; a manifest may still bound it absolutely).
+  at x1.8 after SFT on arithmetic at the tiny size; a manifest may still bound it absolutely);
+- sft and dpo on the field's chat data judged on a chat eval split (held-out loss on the eval
+  split's assistant tokens, the SFT objective on data it never trained on): SFT must lower it
+  below the incoming model's (SFT_MIN_IMPROVEMENT), DPO may not raise it by more than
+  DPO_MAX_REGRESSION (preference tuning trades a little likelihood for the preferred answers).
 
 Pure: `rules` says what a stage is judged on (shown by `ecc ito plan`), `thresholds` turns the rules
 and the incoming model's measured values into the numbers the gate compares with (shown by
@@ -25,6 +29,8 @@ PRETRAIN_MIN_IMPROVEMENT = 0.01  # 1 % below the initial loss: any model that le
 LM_MAX_REGRESSION = 0.10  # midtrain / long-context may cost a little general loss, not more (tiny: +6 % seen)
 POST_MAX_ACCURACY_DROP = 0.05  # post-training must not unlearn the verifiable tasks (5 points)
 DEFAULT_MAX_SHORT_LOSS_INCREASE = 0.25  # nats/byte; the manifest may only lower it
+SFT_MIN_IMPROVEMENT = 0.01  # SFT on chat data: the eval split's assistant-token loss falls >= 1 %
+DPO_MAX_REGRESSION = 0.10  # DPO on chat data: at most 10 % above the incoming (SFT) model's
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +59,16 @@ class Rule:
 LM_STAGES = ("pretrain", "midtrain", "long_context")
 
 
-def rules(stage: str, gate: Gate | LongContextGate, *, has_tasks: bool, has_held_out: bool) -> list[Rule]:
-    """The battery `stage` is judged on (its defaults and the manifest's tightenings)."""
+def rules(
+    stage: str,
+    gate: Gate | LongContextGate,
+    *,
+    has_tasks: bool,
+    has_held_out: bool,
+    chat_eval: bool = False,
+) -> list[Rule]:
+    """The battery `stage` is judged on (its defaults and the manifest's tightenings). `chat_eval`:
+    the held-out data is a chat eval split, which SFT and DPO on chat data are judged on."""
     out: list[Rule] = []
     if stage in LM_STAGES:
         factor = 1 - PRETRAIN_MIN_IMPROVEMENT if stage == "pretrain" else 1 + LM_MAX_REGRESSION
@@ -74,7 +88,10 @@ def rules(stage: str, gate: Gate | LongContextGate, *, has_tasks: bool, has_held
             if gate.min_needle_accuracy is not None:
                 out.append(Rule("needle_accuracy", ">=", None, 0.0, gate.min_needle_accuracy))
         return out
-    if gate.max_held_out_loss is not None:
+    if chat_eval and stage in ("sft", "dpo"):
+        factor = 1 - SFT_MIN_IMPROVEMENT if stage == "sft" else 1 + DPO_MAX_REGRESSION
+        out.append(Rule("held_out_loss", "<=", "ratio", factor, gate.max_held_out_loss))
+    elif gate.max_held_out_loss is not None:
         out.append(Rule("held_out_loss", "<=", None, 0.0, gate.max_held_out_loss))
     if has_tasks:
         out.append(Rule("task_accuracy", ">=", "delta", -POST_MAX_ACCURACY_DROP, gate.min_task_accuracy))

@@ -1,4 +1,4 @@
-"""`ito-training` entry point: serve, up, down, accounts, simulate-booking."""
+"""`ito-training` entry point: serve, up, down, accounts, models, simulate-booking."""
 
 import argparse
 import asyncio
@@ -111,6 +111,29 @@ def _desk_commands(cmds: Commands) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _model_commands(cmds: Commands) -> None:
+    """The model store: models add, models list."""
+    p = cmds.add_parser("models", help="the model store: base models and tokenizers tenants may name")
+    verbs = p.add_subparsers(dest="action", required=True)
+    q = verbs.add_parser(
+        "add",
+        help="check a Hugging Face directory (config.json, safetensors, tokenizer files) and store it "
+        "by content digest; a directory with only a tokenizer.json becomes a tokenizer entry",
+    )
+    q.add_argument("path")
+    q.add_argument("--name", help="the name manifests use (default: the directory's name)")
+    q.add_argument(
+        "--account",
+        action="append",
+        default=[],
+        metavar="A",
+        help="an account that may use it (repeatable; none: every account)",
+    )
+    q.add_argument("--json", action="store_true")
+    q = verbs.add_parser("list", help="every stored model and its digest")
+    q.add_argument("--json", action="store_true")
+
+
 def _simulation_commands(cmds: Commands) -> None:
     """Stand-ins for ito-compute: simulate-booking."""
     p = cmds.add_parser("simulate-booking", help="publish an ito-compute booking event")
@@ -132,7 +155,7 @@ def _simulation_commands(cmds: Commands) -> None:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ito-training", description="ito-training services and operations")
     cmds = top.add_subparsers(dest="cmd", required=True)
-    for add_group in (_stack_commands, _desk_commands, _simulation_commands):
+    for add_group in (_stack_commands, _desk_commands, _model_commands, _simulation_commands):
         add_group(cmds)
     return top
 
@@ -257,6 +280,34 @@ def _accounts_command(s: settings_mod.Settings, args: argparse.Namespace, log: L
     return 0
 
 
+def _models(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
+    import msgspec
+
+    from services.runtime.model_store import ModelStore
+
+    store = ModelStore(s.model_store)
+    if args.action == "list":
+        models = store.list()
+        data: dict[str, Any] = {"store": str(store.root), "models": msgspec.to_builtins(models)}
+        human = "\n".join(
+            f"{m.name}: {m.digest} ({m.architecture}, {m.parameters:,} parameters"
+            + (f", accounts {', '.join(m.accounts)})" if m.accounts else ", every account)")
+            for m in models
+        )
+        _print(args, data, human or "(no models)")
+        return 0
+    path = pathlib.Path(args.path)
+    if not (path / "config.json").exists() and (path / "tokenizer.json").is_file():
+        tok = store.add_tokenizer(path)
+        data = {"digest": tok.digest, "tokenizer": msgspec.to_builtins(tok)}
+        _print(args, data, f"tokenizer {tok.digest} ({tok.vocab} tokens): name it as model.tokenizer")
+        return 0
+    entry = store.add(path, args.name, args.account)
+    data = {"digest": entry.digest, "model": msgspec.to_builtins(entry)}
+    _print(args, data, f"{entry.name}: {entry.digest} (put it in the manifest's model.revision)")
+    return 0
+
+
 def _simulate_booking(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     from services.ops import booking_sim
 
@@ -283,6 +334,7 @@ COMMANDS: dict[str, Callable[[settings_mod.Settings, argparse.Namespace, Log], i
     "secrets": _secrets,
     "desk": _desk,
     "accounts": _accounts_command,
+    "models": _models,
     "simulate-booking": _simulate_booking,
 }
 """The commands that act on the resolved settings: (settings, arguments, progress log) -> exit code."""

@@ -17,7 +17,8 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from contracts.manifest import DataFormat, DataRef
+from contracts.manifest import DataFormat
+from services.domain.data_schemas import file_format as file_format  # re-exported: the rule is pure
 
 HASH_CHUNK = 4 * 1024 * 1024  # bytes read per step while hashing
 JSONL_BLOCK = 1 << 20  # pyarrow's JSON block size: a row (one line) must fit in one block
@@ -32,19 +33,6 @@ class FileSchema:
 
     columns: dict[str, str]
     rows: int | None  # known for Parquet (the footer); None for JSONL until read
-
-
-def file_format(ref: DataRef) -> DataFormat:
-    """The ref's declared format, else the file suffix's (.jsonl/.json -> jsonl, .parquet -> parquet),
-    else text."""
-    if ref.format is not None:
-        return ref.format
-    path = ref.source.removeprefix("file:")
-    if path.endswith((".jsonl", ".json", ".ndjson")):
-        return DataFormat.jsonl
-    if path.endswith((".parquet", ".pq")):
-        return DataFormat.parquet
-    return DataFormat.text
 
 
 def sha256_file(path: pathlib.Path) -> str:

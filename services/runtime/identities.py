@@ -109,6 +109,10 @@ def nats_permissions(identity: str, s: Settings) -> Permissions:
                     ns("v1.confirmation.>"),
                     ns("v1.ledger.>"),
                     ns(subjects.TRAINER_CLEANUP),
+                    # exports, downloads and samples: orders to any trainer (signed)
+                    ns(subjects.TRAINER_EXPORT),
+                    ns(subjects.TRAINER_DOWNLOAD),
+                    ns(subjects.TRAINER_SAMPLE),
                     ns(f"{subjects.CONTROL_CANCEL}.*"),
                     ns(f"{subjects.WORK_TRAIN}.>"),
                     ns(f"{subjects.AUDIT}.>"),
@@ -144,7 +148,16 @@ def nats_permissions(identity: str, s: Settings) -> Permissions:
                     *(ns(f"{subjects.RUN_EVENTS}.*.{k}") for k in TRAINER_EVENT_KINDS),
                     *_durable(st(subjects.STREAM_WORK), f"{s.namespace}-{subjects.CONSUMER_TRAINER}"),
                 ),
-                subscribe=(ns(f"{subjects.CONTROL_CANCEL}.*"), ns(subjects.TRAINER_CLEANUP), health, inbox),
+                subscribe=(
+                    ns(f"{subjects.CONTROL_CANCEL}.*"),
+                    ns(subjects.TRAINER_CLEANUP),
+                    # exports, downloads and samples: the scheduler's orders
+                    ns(subjects.TRAINER_EXPORT),
+                    ns(subjects.TRAINER_DOWNLOAD),
+                    ns(subjects.TRAINER_SAMPLE),
+                    health,
+                    inbox,
+                ),
                 responses=True,
             )
         case "telemetry":

@@ -9,6 +9,7 @@ ENV_REDIS_URL = "ITO_REDIS_URL"
 ENV_REDIS_CLUSTER = "ITO_REDIS_CLUSTER"
 ENV_NAMESPACE = "ITO_NAMESPACE"
 ENV_DATA_DIR = "ITO_DATA_DIR"
+ENV_MODEL_STORE = "ITO_MODEL_STORE"  # base models and tokenizers (services/runtime/model_store.py)
 ENV_SECRETS_DIR = "ITO_SECRETS_DIR"
 ENV_ENTITLEMENT_KEY = "ITO_ENTITLEMENT_KEY"
 ENV_ENTITLEMENT_KEY_FILE = "ITO_ENTITLEMENT_KEY_FILE"
@@ -78,6 +79,8 @@ class Settings:
     """Embedded infra state, logs, checkpoints."""
     secrets_dir: pathlib.Path
     """Credentials, one 0600 file each (services/runtime/secrets.py); default `<data_dir>/secrets`."""
+    model_store_dir: pathlib.Path | None = None
+    """The model store (`ITO_MODEL_STORE`); None: `<data_dir>/models` (`model_store`)."""
     confirmation_ttl_s: float
     eligibility_ttl_s: float
     idempotency_retention_s: float
@@ -108,6 +111,11 @@ class Settings:
             raise ValueError(f"Stream replicas need to be between 1 and 5, got {self.nats_replicas}.")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"The metrics port needs to be between 0 and 65535, got {self.metrics_port}.")
+
+    @property
+    def model_store(self) -> pathlib.Path:
+        """Where base models and tokenizers live (services/runtime/model_store.py)."""
+        return self.model_store_dir or self.data_dir / "models"
 
     @property
     def nats_servers(self) -> list[str]:
@@ -154,6 +162,7 @@ def load(env: dict[str, str] | None = None) -> Settings:
         namespace=env.get(ENV_NAMESPACE) or DEFAULT_NAMESPACE,
         data_dir=data_dir,
         secrets_dir=pathlib.Path(env.get(ENV_SECRETS_DIR) or data_dir / "secrets").absolute(),
+        model_store_dir=pathlib.Path(env[ENV_MODEL_STORE]).absolute() if env.get(ENV_MODEL_STORE) else None,
         confirmation_ttl_s=_float(env, ENV_CONFIRMATION_TTL_S, DEFAULT_CONFIRMATION_TTL_S),
         eligibility_ttl_s=_float(env, ENV_ELIGIBILITY_TTL_S, DEFAULT_ELIGIBILITY_TTL_S),
         idempotency_retention_s=_float(env, ENV_IDEMPOTENCY_RETENTION_S, DEFAULT_IDEMPOTENCY_RETENTION_S),

@@ -1,6 +1,8 @@
 """The canonical API: every `ecc ito` verb, gated in a fixed order that fails closed.
 
-Train: authenticate -> key format -> manifest (digest, parse, secrets) -> eligibility (signed,
+Train: authenticate -> key format -> manifest (digest, parse, secrets) -> manifest inputs (the base
+model in the model store, the tokenizer, the data files' digests and columns; the run's plan) ->
+eligibility (signed,
 fresh) -> plan and gate-5 checks -> a confirmation reference given -> eligibility still fresh (of
 the same booking version) -> ledger accept (one atomic script: the key's existing run answers a
 replay; else the confirmation's binding is checked, the confirmation consumed and the key
@@ -9,6 +11,7 @@ when the key already has one (a replay answers whatever changed since). Nothing 
 the accept; every gate's decision goes to the audit stream, as one record per request.
 """
 
+import asyncio
 import logging
 import os
 import pathlib
@@ -31,6 +34,9 @@ from contracts.api import (
     LogPage,
     LogsRequest,
     MetricsRequest,
+    ModelList,
+    ModelsRequest,
+    ModelView,
     Plan,
     PlanRequest,
     RunAccepted,
@@ -45,6 +51,7 @@ from contracts.booking import BookingState
 from contracts.errors import ErrorCode
 from contracts.internal import ConfirmationCreate, EligibilityBody, LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
+from contracts.models import BaseModel
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from services.domain import binding
 from services.domain.curriculum import model_shape
@@ -52,6 +59,7 @@ from services.runtime import faults
 from services.runtime.accounts import Credentials
 from services.runtime.checkpoint_paths import run_dir
 from services.runtime.codec import Refusal
+from services.runtime.model_store import ModelStore
 from services.scheduler import planning
 from services.scheduler.admission import MAX_IDEMPOTENCY_KEY as MAX_IDEMPOTENCY_KEY  # re-exported
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
@@ -59,14 +67,18 @@ from services.scheduler.admission import valid_idempotency_key as valid_idempote
 from services.scheduler.audit import Auditor, Trail
 from services.scheduler.backends import Backends
 from services.scheduler.handoff import Handoff
-from services.scheduler.manifests import verify
+from services.scheduler.inputs import ManifestInputs
+from services.scheduler.manifests import parsed
 from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.api")
 
 
-def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, str] | None:
-    """Does the checkpoint target exist, accept writes and have room for keep_last checkpoints?"""
+def storage_refusal(
+    root: pathlib.Path, manifest: Manifest, base: BaseModel | None = None
+) -> tuple[ErrorCode, str] | None:
+    """Does the checkpoint target exist, accept writes and have room for keep_last checkpoints
+    (of the largest stage's: a LoRA stage checkpoints its adapters alone)?"""
     policy = manifest.checkpoint
     if policy.storage == "local":
         target = root
@@ -83,14 +95,28 @@ def storage_refusal(root: pathlib.Path, manifest: Manifest) -> tuple[ErrorCode, 
             ErrorCode.checkpoint_storage_unavailable,
             "the checkpoint storage does not exist or is not writable",
         )
-    params = planning.parameter_count(model_shape(manifest))
-    needed = params * planning.BYTES_PER_PARAM_CHECKPOINT * policy.keep_last
+    needed = planning.checkpoint_bytes(manifest, model_shape(manifest, base)) * policy.keep_last
     free = shutil.disk_usage(target).free
     if free < needed:
         return ErrorCode.checkpoint_storage_unavailable, (
             f"checkpoints need ~{needed / 1e9:.1f} GB; the storage has {free / 1e9:.1f} GB free"
         )
     return None
+
+
+def model_view(m: BaseModel) -> ModelView:
+    return ModelView(
+        name=m.name,
+        digest=m.digest,
+        family=m.family,
+        architecture=m.architecture,
+        parameters=m.parameters,
+        vocab_size=m.shape.vocab_size,
+        max_seq_len=m.shape.max_seq_len,
+        tokenizer=m.tokenizer_vocab is not None,
+        chat_template=m.chat_template,
+        bytes=m.bytes,
+    )
 
 
 CONFIRMATION_REFUSALS = frozenset(binding.CODES.values())
@@ -114,6 +140,7 @@ class Api:
         *,
         small_model_gangs: bool = False,
         count_accepted: Callable[[], None] = lambda: None,
+        model_store: ModelStore | None = None,
     ) -> None:
         self.auditor = auditor
         self.count_accepted = count_accepted  # `ito_runs_accepted_total` (services/runtime/metrics.py)
@@ -124,6 +151,8 @@ class Api:
         self.handoff = handoff
         self.prices = prices
         self.checkpoint_root = checkpoint_root
+        self.model_store = model_store  # None: no base model resolves (every one is model_not_found)
+        self.inputs = ManifestInputs(model_store)
 
     async def _account(self, caller: str, req) -> str:
         return (await authenticate(self.credentials, caller, req)).account
@@ -143,7 +172,9 @@ class Api:
             views.append(BookingView(booking=b, allows_training=allows, reason=reason))
         return views
 
-    async def _plan(self, account: str, booking_id: str, manifest: Manifest, digest: str):
+    async def _plan(
+        self, account: str, booking_id: str, manifest: Manifest, digest: str, base: BaseModel | None
+    ):
         body = await self.backends.verified_eligibility(account, booking_id, manifest)
         root = self.checkpoint_root / account
         p = planning.plan(
@@ -151,16 +182,33 @@ class Api:
             digest,
             body,
             self.prices,
-            storage_refusal(root, manifest),
+            storage_refusal(root, manifest, base),
             small_model_gangs=self.small_model_gangs,
+            base=base,
         )
         return p, body
+
+    async def _verified(
+        self, account: str, text: str, client_digest: str
+    ) -> tuple[Manifest, str, BaseModel | None]:
+        """The manifest gate: the bytes (remembered by digest), then its inputs and its plan, every
+        time (services/scheduler/inputs.py), in a worker thread: hashing a new data file must not
+        stall every other request on the event loop."""
+        manifest, digest = parsed(text, client_digest)
+        _plan, base = await asyncio.to_thread(self.inputs.runnable, manifest, account)
+        return manifest, digest, base
+
+    async def models(self, caller: str, req: ModelsRequest) -> ModelList:
+        """The base models this account may name (never another account's)."""
+        account = await self._account(caller, req)
+        listed = self.model_store.list(account) if self.model_store is not None else []
+        return ModelList(models=[model_view(m) for m in listed])
 
     async def plan(self, caller: str, req: PlanRequest) -> Plan:
         """Creates nothing: no run, no confirmation, no ledger entry, nothing on the queue."""
         account = await self._account(caller, req)
-        manifest, digest = verify(req.manifest_text, req.manifest_digest)
-        p, _ = await self._plan(account, req.booking_id, manifest, digest)
+        manifest, digest, base = await self._verified(account, req.manifest_text, req.manifest_digest)
+        p, _ = await self._plan(account, req.booking_id, manifest, digest, base)
         refusal = planning.first_refusal(p)
         if refusal is not None:
             raise Refusal(refusal[0], plan_refusal_message(p))
@@ -198,8 +246,8 @@ class Api:
     async def _confirm_train(self, account: str, req: ConfirmRequest) -> ConfirmationIssued:
         if req.booking_id is None or req.manifest_text is None or req.manifest_digest is None:
             raise Refusal(ErrorCode.request_invalid, "confirm --action train needs --booking and --manifest")
-        manifest, digest = verify(req.manifest_text, req.manifest_digest)
-        p, _ = await self._plan(account, req.booking_id, manifest, digest)
+        manifest, digest, base = await self._verified(account, req.manifest_text, req.manifest_digest)
+        p, _ = await self._plan(account, req.booking_id, manifest, digest, base)
         refusal = planning.first_refusal(p)
         if refusal is not None:
             raise Refusal(refusal[0], plan_refusal_message(p))
@@ -265,7 +313,12 @@ class Api:
     async def _create(
         self, req: TrainRequest, account: str, manifest: Manifest, digest: str, fp: str, trail: Trail
     ) -> tuple[RunAccepted, str | None]:
-        p, body = await self._planned(account, req.booking_id, manifest, digest, trail)
+        try:  # the store and the files may have changed since the bytes were checked: every time
+            _plan, base = await asyncio.to_thread(self.inputs.runnable, manifest, account)
+        except Refusal as refusal:
+            trail.refuse("manifest_inputs", refusal)
+        trail.record("manifest_inputs", True)
+        p, body = await self._planned(account, req.booking_id, manifest, digest, base, trail)
         if not req.confirmation_ref:
             trail.refuse(
                 "confirmation",
@@ -278,7 +331,7 @@ class Api:
             # Re-fetched, never stretched: the gate is checked again at the moment of creation,
             # and the plan holds only for the booking version it was made on.
             await trail.gate("eligibility_refresh", self._refreshed(account, req.booking_id, manifest, body))
-        work = self._work(trail.request_id, account, req, manifest, digest, p)
+        work = self._work(trail.request_id, account, req, manifest, digest, p, base)
         entry = await self._accepted(account, req, fp, work, trail)
         if entry.run_id != work.run_id:  # the key already has a run (or a concurrent request won it)
             return await trail.gate("replay", self._replay(entry, fp))
@@ -334,7 +387,7 @@ class Api:
     @staticmethod
     def _manifest(req: TrainRequest, trail: Trail) -> tuple[Manifest, str]:
         try:
-            manifest, digest = verify(req.manifest_text, req.manifest_digest)
+            manifest, digest = parsed(req.manifest_text, req.manifest_digest)
         except Refusal as refusal:
             trail.refuse("manifest", refusal)
         trail.digest = digest
@@ -342,9 +395,15 @@ class Api:
         return manifest, digest
 
     async def _planned(
-        self, account: str, booking_id: str, manifest: Manifest, digest: str, trail: Trail
+        self,
+        account: str,
+        booking_id: str,
+        manifest: Manifest,
+        digest: str,
+        base: BaseModel | None,
+        trail: Trail,
     ) -> tuple[Plan, Any]:
-        p, body = await trail.gate("eligibility", self._plan(account, booking_id, manifest, digest))
+        p, body = await trail.gate("eligibility", self._plan(account, booking_id, manifest, digest, base))
         for check in p.checks:
             trail.record(f"plan.{check.name}", check.ok, check.code)
         first = planning.first_refusal(p)
@@ -353,7 +412,14 @@ class Api:
         return p, body
 
     def _work(
-        self, run_id: str, account: str, req: TrainRequest, manifest: Manifest, digest: str, p: Plan
+        self,
+        run_id: str,
+        account: str,
+        req: TrainRequest,
+        manifest: Manifest,
+        digest: str,
+        p: Plan,
+        base: BaseModel | None,
     ) -> TrainWork:
         return TrainWork(
             run_id=run_id,
@@ -365,6 +431,7 @@ class Api:
             checkpoint_dir=str(run_dir(self.checkpoint_root, manifest.checkpoint.storage, account, run_id)),
             nodes=manifest.resources.nodes,
             rendezvous=self.handoff.rendezvous(manifest.resources.nodes),
+            base=base,  # resolved once, here: the trainer reads the weights by this digest
         )
 
     async def _reserve(self, account: str, req: TrainRequest, fp: str, work: TrainWork) -> LedgerEntry:

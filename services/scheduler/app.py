@@ -13,6 +13,7 @@ from contracts.runs import RunEvent
 from services.runtime import settings as settings_mod
 from services.runtime.accounts import Credentials, RedisAccounts
 from services.runtime.identities import DESK, service_inbox
+from services.runtime.model_store import ModelStore
 from services.runtime.secrets import Secrets
 from services.runtime.service import (
     Wiring,
@@ -29,6 +30,7 @@ from services.scheduler.audit import Auditor
 from services.scheduler.backends import Backends
 from services.scheduler.desk import DeskReads
 from services.scheduler.events import RunEvents
+from services.scheduler.exports import Outputs
 from services.scheduler.handoff import Handoff
 from services.scheduler.mutations import Mutations
 from services.scheduler.store import RunRecords, RunStore
@@ -45,8 +47,10 @@ ROUTES = {  # API verb -> Api method name (contracts/endpoints.py: the verb's su
     "metrics": "metrics",
     "checkpoints": "checkpoints",
     "evals": "evals",
+    "models": "models",
 }
 MUTATIONS = ("cancel", "cleanup", "approve")  # API verbs Mutations serves
+OUTPUTS = ("export", "download", "sample")  # API verbs Outputs serves (no confirmation: they spend nothing)
 
 
 def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials | None = None) -> None:
@@ -68,15 +72,18 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
         s.data_dir / "checkpoints",
         small_model_gangs=s.small_model_gangs,
         count_accepted=w.metrics.runs_accepted(),
+        model_store=ModelStore(s.model_store),
     )
     run_events = RunEvents(runs)
     auditor = api.auditor
 
     mutations = Mutations(credentials, backends, runs)
+    outputs = Outputs(credentials, backends, runs)
     serve_tenant_requests(
         w,
         [(endpoints.API[verb], getattr(api, method)) for verb, method in ROUTES.items()]
-        + [(endpoints.API[verb], getattr(mutations, verb)) for verb in MUTATIONS],
+        + [(endpoints.API[verb], getattr(mutations, verb)) for verb in MUTATIONS]
+        + [(endpoints.API[verb], getattr(outputs, verb)) for verb in OUTPUTS],
     )
     # Only trainers may publish lease queries (NATS permissions); the answer is checked against the run.
     serve_requests(w, [(endpoints.RUN_LEASE, liveness.Heartbeats(runs).heartbeat)], signed=False)

@@ -12,7 +12,18 @@ from typing import Any, TypeVar, cast
 import msgspec
 
 from contracts import endpoints, subjects
-from contracts.api import Action, CleanupOrder, CleanupResult, ConfirmationIssued
+from contracts.api import (
+    Action,
+    CleanupOrder,
+    CleanupResult,
+    ConfirmationIssued,
+    DownloadChunk,
+    DownloadOrder,
+    ExportOrder,
+    ExportView,
+    SampleOrder,
+    SampleResult,
+)
 from contracts.endpoints import Endpoint
 from contracts.errors import ErrorCode
 from contracts.internal import (
@@ -39,6 +50,9 @@ from services.runtime.signing import Signer
 
 T = TypeVar("T")
 CLEANUP_TIMEOUT_S = 30.0  # removing a large checkpoint tree takes longer than one control hop
+EXPORT_TIMEOUT_S = 30.0  # an export order only looks and starts a job; the job itself runs in the background
+DOWNLOAD_TIMEOUT_S = 30.0  # one chunk (DOWNLOAD_CHUNK_MAX) read from the shared storage
+SAMPLE_TIMEOUT_S = 60.0  # loading a checkpoint and generating up to 512 tokens on the trainer's CPU
 CLOCK_SKEW = timedelta(seconds=5)  # hosts' clocks may differ a little; never stretches expires_at
 
 
@@ -148,6 +162,15 @@ class Backends:
 
     async def trainer_cleanup(self, order: CleanupOrder) -> CleanupResult:
         return await self._call(endpoints.TRAINER_CLEANUP, order, "trainer", timeout=CLEANUP_TIMEOUT_S)
+
+    async def trainer_export(self, order: ExportOrder) -> ExportView:
+        return await self._call(endpoints.TRAINER_EXPORT, order, "trainer", timeout=EXPORT_TIMEOUT_S)
+
+    async def trainer_download(self, order: DownloadOrder) -> DownloadChunk:
+        return await self._call(endpoints.TRAINER_DOWNLOAD, order, "trainer", timeout=DOWNLOAD_TIMEOUT_S)
+
+    async def trainer_sample(self, order: SampleOrder) -> SampleResult:
+        return await self._call(endpoints.TRAINER_SAMPLE, order, "trainer", timeout=SAMPLE_TIMEOUT_S)
 
     async def notify_cancel(self, run_id: str) -> None:
         """Core NATS, fire and forget: trainers also poll the lease, so a lost notice only delays."""

@@ -2,9 +2,12 @@
 strictly, refuse secrets, and refuse what the trainer could not run (the same `plan_run` it
 calls). The client's digest is compared, never trusted alone.
 
-The checks are a pure function of the bytes, so a manifest that passed them is remembered by its
-SHA-256 (the digest recomputed here) and not parsed and scanned again: a person confirms, then
-trains, with the same reviewed manifest."""
+Parsing and the secret scan are a pure function of the bytes, so a manifest that passed them is
+remembered by its SHA-256 (the digest recomputed here) and not parsed and scanned again: a person
+confirms, then trains, with the same reviewed manifest. Whether it can run is not: a base model in
+the store or a data file can change between two requests, so the API checks them (and plans the
+run) every time, through `ManifestInputs` (services/scheduler/inputs.py), which is cheap (small
+files; data-file digests remembered while the file is unchanged)."""
 
 import hashlib
 from collections import OrderedDict
@@ -20,7 +23,7 @@ from services.scheduler.secret_scan import find_secret
 MAX_MANIFEST_BYTES = 1024 * 1024  # 1 MiB, the same cap the client enforces before sending
 
 _decoder = msgspec.json.Decoder(Manifest)
-VERIFIED_KEPT = 256  # manifests whose checks are remembered by digest (confirm, then train, replays)
+VERIFIED_KEPT = 256  # manifests whose byte checks are remembered by digest (confirm, then train, replays)
 _verified: "OrderedDict[str, Manifest]" = OrderedDict()
 
 
@@ -29,6 +32,18 @@ def digest_of(data: bytes) -> str:
 
 
 def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -> tuple[Manifest, str]:
+    """The parsed manifest and its digest, refused unless it can run as a from-scratch run with no
+    inputs to check (the table tests' form; the API checks the inputs too: `Api._verified`)."""
+    manifest, digest = parsed(text, client_digest, max_bytes)
+    try:
+        plan_run(manifest)  # accepted here means runnable there: the trainer's own guard is this call
+    except ValueError as exc:
+        raise Refusal(ErrorCode.manifest_invalid, f"the manifest cannot run: {exc}") from None
+    return manifest, digest
+
+
+def parsed(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -> tuple[Manifest, str]:
+    """Size, digest, strict parse and secret scan; remembered by digest."""
     data = text.encode("utf-8")
     if len(data) > max_bytes:
         raise Refusal(
@@ -51,7 +66,7 @@ def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -
 
 
 def _checked(data: bytes) -> Manifest:
-    """Parse strictly, refuse secrets and what cannot run: a pure function of the bytes."""
+    """Parse strictly and refuse secrets: a pure function of the bytes."""
     try:
         untyped = msgspec.json.decode(data)
     except msgspec.DecodeError:
@@ -65,8 +80,4 @@ def _checked(data: bytes) -> Manifest:
         manifest = _decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise Refusal(ErrorCode.manifest_invalid, f"invalid manifest: {exc}") from None
-    try:
-        plan_run(manifest)  # accepted here means runnable there: the trainer's own guard is this call
-    except ValueError as exc:
-        raise Refusal(ErrorCode.manifest_invalid, f"the manifest cannot run: {exc}") from None
     return manifest

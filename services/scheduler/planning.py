@@ -14,14 +14,16 @@ from contracts.api import CostEstimate, Plan, PlanCheck, StageGatePlan
 from contracts.booking import Fabric
 from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
-from contracts.manifest import DataRole, Manifest
+from contracts.manifest import DataRole, Lora, Manifest
 from contracts.models import BaseModel, ModelShape
 from services.domain.curriculum import model_shape, plan_run
+from services.domain.model_shapes import count_parameters, head_dim
 
 PRICES_PATH = pathlib.Path(__file__).with_name("desk_prices.json")
 ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "file:/")  # no remote URLs at run time
 BYTES_PER_PARAM_TRAINING = 16  # bf16 weights + bf16 grads + fp32 master + two fp32 Adam moments
 BYTES_PER_PARAM_CHECKPOINT = 12  # fp32 weights + two fp32 Adam moments
+BYTES_PER_PARAM_FROZEN = 2  # a LoRA stage's base: bf16 weights, no gradients, no optimizer state
 ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM = 34  # Korthikanti et al., no recompute, flash attention
 USABLE_MEMORY_FRACTION = 0.9  # leave room for the allocator, NCCL buffers and fragmentation
 SMALL_MODEL_PARAMS = 50e6  # below this, more than one GPU only adds communication
@@ -56,12 +58,65 @@ def load_prices(path: pathlib.Path = PRICES_PATH) -> PriceTable:
 
 
 def parameter_count(shape: ModelShape) -> int:
-    """Exact for the trainer's model: untied embeddings, GQA attention with QK-norm, SwiGLU."""
-    d, head_dim = shape.d_model, shape.d_model // shape.n_head
-    attn = d * d + 2 * d * head_dim * shape.n_kv_head + d * d + 2 * head_dim
-    mlp = 3 * d * shape.d_ff
-    per_layer = attn + mlp + 2 * d
-    return 2 * shape.vocab_size * d + shape.n_layer * per_layer + d
+    """Exact for the trainer's model of `shape` (services/domain/model_shapes.count_parameters:
+    GQA, head_dim, q/k/v biases, QK-norm and tied embeddings as the shape has them)."""
+    return count_parameters(shape)
+
+
+def lora_parameters(shape: ModelShape, lora: Lora) -> int:
+    """The adapters' parameters: rank r adds A (r x in) and B (out x r), r * (in + out), to each
+    targeted Linear of every layer (Hugging Face module names; an unknown name adds nothing)."""
+    d, q, kv = shape.d_model, shape.n_head * head_dim(shape), shape.n_kv_head * head_dim(shape)
+    dims = {
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (q, d),
+        "gate_proj": (d, shape.d_ff),
+        "up_proj": (d, shape.d_ff),
+        "down_proj": (shape.d_ff, d),
+    }
+    per_layer = sum(lora.rank * sum(dims[m]) for m in set(lora.target_modules) if m in dims)
+    return shape.n_layer * per_layer
+
+
+def stage_loras(manifest: Manifest) -> list[Lora | None]:
+    """Each training stage's adapters (None: the whole model trains), in no particular order:
+    the next-token stages train everything; a post-training stage may train adapters alone."""
+    full: list[Lora | None] = []
+    st = manifest.stages
+    if st.pretrain is not None or st.midtrain is not None or st.long_context is not None:
+        full.append(None)
+    for name in manifest.post_training.recipe:
+        section = getattr(manifest.post_training, name, None)
+        full.append(getattr(section, "lora", None))
+    return full or [None]
+
+
+def training_state_bytes(manifest: Manifest, shape: ModelShape) -> float:
+    """Weights, gradients and optimizer state of the most demanding stage: a full stage's
+    BYTES_PER_PARAM_TRAINING per parameter; a LoRA stage's frozen bf16 base plus the adapters'
+    full training state (their gradients, fp32 master and Adam's two moments)."""
+    params = count_parameters(shape)
+    worst = 0.0
+    for lora in stage_loras(manifest):
+        if lora is None:
+            worst = max(worst, params * BYTES_PER_PARAM_TRAINING)
+        else:
+            adapters = lora_parameters(shape, lora)
+            worst = max(worst, params * BYTES_PER_PARAM_FROZEN + adapters * BYTES_PER_PARAM_TRAINING)
+    return worst
+
+
+def checkpoint_bytes(manifest: Manifest, shape: ModelShape) -> int:
+    """One checkpoint of the largest stage: weights and Adam's moments in fp32, of the whole model,
+    or of the adapters alone for a LoRA stage (the frozen base is the store's, not checkpointed)."""
+    params = count_parameters(shape)
+    sizes = [
+        (params if lora is None else lora_parameters(shape, lora)) * BYTES_PER_PARAM_CHECKPOINT
+        for lora in stage_loras(manifest)
+    ]
+    return max(sizes)
 
 
 def _check(name: str, refusal: tuple[ErrorCode, str] | None, passed: str) -> PlanCheck:
@@ -135,7 +190,7 @@ def strategy(
     nodes, gpn = manifest.resources.nodes, manifest.resources.gpus_per_node
     gpus = nodes * gpn
     usable = gpu.memory_gb * 1e9 * USABLE_MEMORY_FRACTION
-    state = params * BYTES_PER_PARAM_TRAINING
+    state = training_state_bytes(manifest, shape)
     activations = (
         shape.n_layer * manifest.target.seq_len * shape.d_model * ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM
     )
@@ -167,6 +222,7 @@ def cost(
     prices: PriceTable,
     booked_gpu_hours: float,
     window_hours: float,
+    shape: ModelShape | None = None,
 ) -> CostEstimate:
     tokens = manifest.target.tokens
     flops = 6.0 * params * tokens
@@ -177,7 +233,8 @@ def cost(
     gpus = manifest.resources.nodes * manifest.resources.gpus_per_node
     gpu_hours = flops / (gpu.peak_bf16_tflops * 1e12 * gpu.assumed_mfu) / 3600.0
     compute = gpu_hours * gpu.price_per_gpu_hour_usd
-    storage_gb = params * BYTES_PER_PARAM_CHECKPOINT * manifest.checkpoint.keep_last / 1e9
+    one = checkpoint_bytes(manifest, shape) if shape is not None else params * BYTES_PER_PARAM_CHECKPOINT
+    storage_gb = one * manifest.checkpoint.keep_last / 1e9
     storage = storage_gb * prices.storage_usd_per_gb_month * max(window_hours / 730.0, 1.0)
     incremental = max(0.0, gpu_hours - booked_gpu_hours) * gpu.price_per_gpu_hour_usd
     return CostEstimate(
@@ -208,11 +265,11 @@ def data_policy(manifest: Manifest) -> tuple[ErrorCode, str] | None:
     return None
 
 
-def stage_gates(manifest: Manifest) -> list[StageGatePlan]:
+def stage_gates(manifest: Manifest, base: BaseModel | None = None) -> list[StageGatePlan]:
     """Every stage's gate as the trainer will judge it (services/domain/gates.py), in run order;
     empty for a manifest that cannot run (the manifest gate refuses it before planning)."""
     try:
-        run = plan_run(manifest)
+        run = plan_run(manifest, base)
     except ValueError:
         return []
     return [
@@ -301,7 +358,7 @@ def plan(
     checks += layout_checks(chosen, manifest, statement.fabric)
     window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
     booked = topo.nodes * topo.gpus_per_node * window_hours
-    estimate = cost(params, manifest, gpu, prices, booked, window_hours)
+    estimate = cost(params, manifest, gpu, prices, booked, window_hours, shape)
     checks.append(
         _check("data_policy", data_policy(manifest), "every source allowed, decontamination declared")
     )
@@ -315,7 +372,7 @@ def plan(
         precision=chosen.precision,
         cost=estimate,
         checks=checks,
-        gates=stage_gates(manifest),
+        gates=stage_gates(manifest, base),
         ok=all(c.ok for c in checks),
         gpu_model=topo.gpu_model,
         region=statement.region,

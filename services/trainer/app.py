@@ -69,6 +69,9 @@ def register(w: Wiring) -> None:
 
     # Any one trainer answers (the trainers' queue group): checkpoint storage is shared by them.
     w.router.serve(endpoints.TRAINER_CLEANUP, worker.cleanup, verifier)
+    w.router.serve(endpoints.TRAINER_EXPORT, worker.export, verifier)
+    w.router.serve(endpoints.TRAINER_DOWNLOAD, worker.download, verifier)
+    w.router.serve(endpoints.TRAINER_SAMPLE, worker.sample, verifier)
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

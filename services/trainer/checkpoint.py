@@ -52,6 +52,7 @@ import random
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -71,6 +73,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from contracts.manifest import CheckpointPolicy
 from services.trainer import distributed
+from services.trainer.lora import plain_linears
 
 MARKER = "COMMITTED"
 SIDECAR = "trainer_state.json"
@@ -84,6 +87,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # The manifest's checkpoint policy owns the defaults (every 50 steps, keep the last 2); every stage's
 # config, the loop and the checkpointer take theirs from here rather than repeating the numbers.
 CHECKPOINT_DEFAULTS = CheckpointPolicy()
+
+
+ModelKeys = Callable[[str], bool]
+"""Which model state-dict keys a checkpoint holds (True: saved and loaded). A LoRA stage passes
+`lora.is_adapter_key`: its frozen base is not saved again at every checkpoint, only the adapters
+(the optimizer holds only the adapters already); None, every key, is what every other stage uses."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,6 +228,7 @@ class Checkpointer:
         *,
         keep_last: int = CHECKPOINT_DEFAULTS.keep_last,
         overlap_staging: bool = False,
+        model_keys: ModelKeys | None = None,
     ):
         if keep_last < 1:
             raise ValueError("keep_last needs to be at least 1 checkpoint.")
@@ -227,6 +237,7 @@ class Checkpointer:
         # False by default: a caller that does not know to call `wait_staged` gets a save that returns
         # with the state copied, instead of a checkpoint that silently holds a later step's state.
         self.overlap_staging = overlap_staging
+        self.model_keys = model_keys  # None: the whole model; a LoRA stage: only its adapters
         # Training goes on here: a pin left by an earlier attempt belongs to a restart that was never
         # carried out (a carried-out one was unpinned by `rewind`), and would hold its checkpoint forever.
         if distributed.is_rank0():
@@ -275,6 +286,7 @@ class Checkpointer:
             _write_json_atomic(path / SIDECAR, sidecar)
         distributed.barrier()  # the directory exists before any rank writes into it
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd = _only(model_sd, self.model_keys)
         # Reusing the stager's buffers is safe: the previous save, the only reader of the last copy,
         # finished in `_finish` above.
         response = dcp.async_save(
@@ -398,9 +410,11 @@ def load_latest(
     *,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     restore_rng: bool = True,
+    model_keys: ModelKeys | None = None,
 ) -> ResumeState | None:
     """Restore model, optimizer, scheduler and RNG from the newest committed checkpoint, in place.
-    Returns None (and touches nothing) when there is none."""
+    Returns None (and touches nothing) when there is none. `model_keys`: only those model keys are
+    loaded (a checkpoint saved with the same filter); the rest of the model is left as it is."""
     latest = _latest(directory)
     if latest is None:
         return None
@@ -409,9 +423,15 @@ def load_latest(
     # get_state_dict on a fresh optimizer materialises its state (a zero-LR step), giving DCP the
     # template of shapes it loads into.
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+    state: dict[str, Any] = {"model": _only(model_sd, model_keys), "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_load_options(model_keys),
+    )
     if scheduler is not None and sidecar["scheduler"] is not None:
         scheduler.load_state_dict(sidecar["scheduler"])
     if restore_rng:
@@ -433,25 +453,67 @@ def is_hf_model_dir(directory: str | os.PathLike) -> bool:
     )
 
 
-def load_weights(directory: str | os.PathLike, model: torch.nn.Module) -> CheckpointInfo | None:
+def load_weights(
+    directory: str | os.PathLike, model: torch.nn.Module, *, model_keys: ModelKeys | None = None
+) -> CheckpointInfo | None:
     """Load only the model weights of the newest committed checkpoint, in place: how a stage starts
     from the previous stage's result with its own fresh optimizer. None (nothing touched) if none.
+    `model_keys`: only those keys (a LoRA stage's frozen base, from a checkpoint of a whole model).
 
     A base model's Hugging Face directory is a checkpoint too (step 0): the run's first stage starts
-    from it the way later stages start from the stage before (each rank reads only its shards)."""
+    from it the way later stages start from the stage before (each rank reads only its shards). It
+    holds no adapter, so a LoRA model's adapters keep their initialisation."""
     if is_hf_model_dir(directory):
         from services.trainer.hf_load import load_hf_weights  # safetensors / DCP's HF reader
 
-        load_hf_weights(model, Path(directory))
+        with plain_linears(model):  # a LoRA model's adapters are not in a base model's files
+            load_hf_weights(model, Path(directory))
         return CheckpointInfo(step=0, path=str(directory), bytes=0, stall_s=0.0, save_s=0.0)
     latest = _latest(directory)
     if latest is None:
         return None
-    model_sd = get_model_state_dict(model)
+    model_sd = _only(get_model_state_dict(model), model_keys)
     state = {"model": model_sd}
     dcp.load(state, checkpoint_id=latest.path, no_dist=not distributed.initialized())
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_load_options(model_keys))
     return latest
+
+
+def _only(model_sd: dict[str, Any], keys: ModelKeys | None) -> dict[str, Any]:
+    if keys is None:
+        return model_sd
+    kept = {k: v for k, v in model_sd.items() if keys(k)}
+    if not kept:
+        raise ValueError("The checkpoint's key filter leaves no model weight to save or load.")
+    return kept
+
+
+def _load_options(keys: ModelKeys | None) -> StateDictOptions | None:
+    # A filtered state names only part of the model: the rest stays as it is, not "missing".
+    return None if keys is None else StateDictOptions(strict=False)
+
+
+def write_weights(directory: str | os.PathLike, step: int, state: dict[str, torch.Tensor]) -> CheckpointInfo:
+    """Write whole (unsharded) model weights as a committed checkpoint `<directory>/step-N` that
+    `load_weights` reads on any number of ranks (DCP reshards on load): how a LoRA stage hands its
+    merged model to the next stage. Rank 0 alone, synchronously; no optimizer, no sidecar."""
+    started = time.perf_counter()
+    path = step_dir(directory, step)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
+    info = CheckpointInfo(
+        step=step,
+        path=str(path),
+        bytes=_dir_bytes(path),
+        stall_s=0.0,
+        save_s=round(time.perf_counter() - started, 6),
+    )
+    _write_json_atomic(
+        path / MARKER, {"step": step, "bytes": info.bytes, "stall_s": info.stall_s, "save_s": info.save_s}
+    )
+    return info
 
 
 def committed_positions(directory: str | os.PathLike) -> dict[int, int]:

@@ -372,27 +372,26 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
     tp = tp_mesh.size()
     for block in model.get_submodule("blocks").children():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attn.wq": ColwiseParallel(),
-                "attn.wk": ColwiseParallel(),
-                "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel(),
-                # QK-norm's weights are shared by every head, but each tp rank holds only its own
-                # heads: as replicated DTensors over the head dim their gradients are summed over
-                # the tp ranks (as torchtitan's Qwen3 does); as plain tensors each rank would
-                # step them with its own heads' part of the gradient and the ranks would drift.
-                "attn.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
-                "attn.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
-                "mlp.w_gate": ColwiseParallel(),
-                "mlp.w_up": ColwiseParallel(),
-                "mlp.w_down": RowwiseParallel(),
-            },
-        )
         attn = block.get_submodule("attn")
         assert isinstance(attn, Attention), f"a block's attn is an Attention, not {type(attn).__name__}"
+        plan: dict[str, Any] = {
+            # Colwise splits q/k/v's biases (Qwen2) with their rows: each rank keeps its heads'.
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(),
+            "mlp.w_gate": ColwiseParallel(),
+            "mlp.w_up": ColwiseParallel(),
+            "mlp.w_down": RowwiseParallel(),
+        }
+        if attn.q_norm is not None:
+            # QK-norm's weights are shared by every head, but each tp rank holds only its own
+            # heads: as replicated DTensors over the head dim their gradients are summed over
+            # the tp ranks (as torchtitan's Qwen3 does); as plain tensors each rank would
+            # step them with its own heads' part of the gradient and the ranks would drift.
+            plan["attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+            plan["attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
         attn.n_head //= tp  # the local heads: forward reshapes by these
         attn.n_kv_head //= tp
 

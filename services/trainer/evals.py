@@ -14,6 +14,7 @@ from contracts.evals import EvalMetric
 from services.trainer.data import ByteTokenizer, load_eval_suite, needle_document, split_task_line
 from services.trainer.generation import complete
 from services.trainer.model import Transformer
+from services.trainer.tokenizer import Tokenizer
 
 TASK_ANSWER_SLACK = 2  # decode a couple of tokens past the longest answer, so "47\n" vs "47\n" is fair
 
@@ -88,13 +89,20 @@ def task_suite(eval_sources: Sequence[str], *, seed: int, limit: int) -> list[tu
     return mixed[:limit]
 
 
-def task_accuracy(model: Transformer, problems: Sequence[tuple[str, str]]) -> float | None:
-    """Exact-match accuracy of greedy answers (the text before the first newline)."""
+def task_accuracy(
+    model: Transformer, problems: Sequence[tuple[str, str]], tokenizer: Tokenizer | None = None
+) -> float | None:
+    """Exact-match accuracy of greedy answers (the text before the first newline), the prompts
+    encoded with the run's tokenizer (bytes by default)."""
     if not problems:
         return None
-    tok = ByteTokenizer()
+    tok: Tokenizer = tokenizer or ByteTokenizer()
+    newline = tok.encode("\n")
+    end = newline[-1] if len(newline) == 1 else tok.eos_id
     max_new = max(len(answer.encode()) for _, answer in problems) + TASK_ANSWER_SLACK
-    completions = complete(model, [tok.encode(prompt) for prompt, _ in problems], max_new_tokens=max_new)
+    completions = complete(
+        model, [tok.encode(prompt) for prompt, _ in problems], max_new_tokens=max_new, end_token=end
+    )
     right = sum(
         tok.decode(c.tokens).split("\n", 1)[0] == answer
         for c, (_, answer) in zip(completions, problems, strict=True)

@@ -39,13 +39,14 @@ import msgspec
 import torch
 
 from contracts.api import Plan
-from contracts.manifest import DpoStage, Manifest, SftStage
+from contracts.manifest import DpoStage, Lora, Manifest, SftStage
 from contracts.models import ModelShape
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted, RunEvent, StageStarted
 from services.domain.curriculum import LmPlan, RunPlan
 from services.trainer.checkpoint import load_weights
 from services.trainer.distributed import ParallelDims, ParallelismError
 from services.trainer.loop import pick_device
+from services.trainer.lora import is_adapter_key, is_base_key
 from services.trainer.model import Transformer
 from services.trainer.posttrain import PostConfig, PostResult
 from services.trainer.pretrain import StageConfig, StageResult, build_model
@@ -192,6 +193,7 @@ def post_job(
         examples_path=str(directory / "examples.json") if cfg.examples else None,
         pairs_path=str(directory / "pairs.json") if cfg.pairs else None,
         pad_id=cfg.pad_id,
+        lora=cfg.lora,
         steps=cfg.steps,
         batch_size=cfg.batch_size,
         learning_rate=cfg.learning_rate,
@@ -308,7 +310,13 @@ class Gang:
         if summary is None:
             return PostResult(final_step=0, first_loss=None, final_loss=None, stopped=True)
         model = self._trained_model(
-            cfg.stage, cfg.checkpoint_dir, cfg.shape, cfg.shape.max_seq_len, cfg.rope_base
+            cfg.stage,
+            cfg.checkpoint_dir,
+            cfg.shape,
+            cfg.shape.max_seq_len,
+            cfg.rope_base,
+            lora=cfg.lora,
+            init_from=cfg.init_from,
         )
         final_step = int(summary["final_step"])
         first_loss, final_loss = summary.get("first_loss"), summary.get("final_loss")
@@ -401,8 +409,13 @@ class Gang:
         rope_base: float | None,
         z_loss: float = 0.0,
         device: str | None = None,
+        *,
+        lora: Lora | None = None,
+        init_from: str | None = None,
     ) -> Transformer:
-        """The weights the gang committed last, loaded in the agent (one process), for the eval battery."""
+        """The weights the gang committed last, loaded in the agent (one process), for the eval
+        battery. A LoRA stage committed its adapters alone: the frozen base comes from the stage's
+        `init_from` (the incoming model), the adapters from the checkpoint."""
         model = build_model(
             shape,
             seq_len=seq_len,
@@ -410,8 +423,12 @@ class Gang:
             z_loss=z_loss,
             device=pick_device(device),
             parallel=ParallelDims(),
+            lora=lora,
         )
-        if load_weights(checkpoint_dir, model) is None:
+        if lora is not None and init_from is not None:
+            load_weights(init_from, model, model_keys=is_base_key)
+        keys = is_adapter_key if lora is not None else None
+        if load_weights(checkpoint_dir, model, model_keys=keys) is None:
             raise GangFailed(f"The gang finished {stage} but committed no checkpoint.")
         return model
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from services.trainer.loop import autocast
-from services.trainer.model import Block, Transformer, apply_rope
+from services.trainer.model import Block, Transformer
 
 END_TOKEN = ord("\n")  # a task answer ends with a newline, as every generated task line does
 MAX_BATCH = 256  # rows per forward pass; lower it if a long-context eval runs out of memory
@@ -51,8 +51,10 @@ def complete(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     kv_cache: bool = True,
+    end_token: int = END_TOKEN,
 ) -> list[Completion]:
-    """One completion per prompt, in prompt order. temperature 0 is greedy; otherwise tokens are
+    """One completion per prompt, in prompt order (each ends at `end_token`: the byte newline, or a
+    real tokenizer's id of it). temperature 0 is greedy; otherwise tokens are
     sampled from softmax(logits / temperature) with `generator` (CPU), so a seed fixes the result
     (on CPU the same tokens as ever; on cuda a device generator seeded from it draws them)."""
     device = next(model.parameters()).device
@@ -68,7 +70,9 @@ def complete(
         for first in range(0, len(indices), MAX_BATCH):
             rows = indices[first : first + MAX_BATCH]
             batch = torch.tensor([list(prompts[i]) for i in rows], dtype=torch.long, device=device)
-            completions = _complete_batch(model, batch, max_new_tokens, temperature, sampler, kv_cache)
+            completions = _complete_batch(
+                model, batch, max_new_tokens, temperature, sampler, kv_cache, end_token
+            )
             for i, completion in zip(rows, completions, strict=True):
                 results[i] = completion
     model.train(was_training)
@@ -133,11 +137,7 @@ class _Cached:
     ) -> torch.Tensor:
         """`Attention.forward` for positions pos..pos+T-1, their keys and values kept for later ones."""
         B, T, _ = x.shape
-        q = attn.wq(x).view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)
-        k = attn.wk(x).view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
-        v = attn.wv(x).view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
-        q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = attn.project(x, cos, sin)
         if layer == len(self.keys):  # first call: room for every position this batch will reach
             self.keys.append(k.new_empty(B, attn.n_kv_head, self.length, attn.head_dim))
             self.values.append(v.new_empty(B, attn.n_kv_head, self.length, attn.head_dim))
@@ -161,6 +161,7 @@ def _complete_batch(
     temperature: float,
     generator: torch.Generator | None,
     kv_cache: bool,
+    end_token: int = END_TOKEN,
 ) -> list[Completion]:
     device = idx.device
     rows, prompt_length = idx.shape
@@ -181,7 +182,7 @@ def _complete_batch(
         nxt, logp = _sample(logits.float(), temperature, generator)
         tokens[:, t] = nxt
         logprobs[:, t] = logp.gather(-1, nxt[:, None]).squeeze(-1)
-        ended = (nxt == END_TOKEN) & ~done
+        ended = (nxt == end_token) & ~done
         lengths.masked_fill_(ended, t + 1)  # not lengths[ended] = ...: a boolean index syncs
         done |= ended
         if (t + 1) % check_every == 0 and bool(done.all()):

@@ -45,6 +45,7 @@ from services.trainer.checkpoint import (
     Checkpointer,
     CheckpointFailed,
     CheckpointInfo,
+    ModelKeys,
     ResumeState,
     load_latest,
     load_weights,
@@ -137,6 +138,10 @@ class LoopSettings:
     save_on_stop: bool = True
     log_interval: int = 0
     """A progress log line every this many steps; 0 means about ten per stage."""
+    model_keys: ModelKeys | None = None
+    """Which model state-dict keys the stage's checkpoints hold; None: all. A LoRA stage passes
+    `lora.is_adapter_key`: its checkpoints hold the adapters alone, and its frozen base comes from
+    where it started (`init_from`, or a base model loaded before the loop), on resume too."""
     read_lag: int | None = None
     """Steps the host reads a step's loss and grad norm behind the device. None: 1 on an accelerator
     (the host queues the next step while the device finishes this one), 0 on CPU, where reading is
@@ -182,11 +187,17 @@ def resume_or_init(
 ) -> ResumeState | None:
     """Restore this stage's latest committed checkpoint; failing that, start from the weights of
     the previous stage's final checkpoint (`init_from`) with a fresh optimizer."""
-    resumed = load_latest(settings.checkpoint_dir, model, optimizer, scheduler=scheduler)
+    keys = settings.model_keys
+    if keys is not None and init_from is not None:
+        # Adapter-only checkpoints: the frozen base they adapt is loaded first, resumed or not.
+        if load_weights(init_from, model, model_keys=lambda k: not keys(k)) is None:
+            raise TrainingError(f"{settings.stage} adapts {init_from}, which holds no committed checkpoint.")
+        report.log(f"{settings.stage} adapts the weights of {init_from}.")
+    resumed = load_latest(settings.checkpoint_dir, model, optimizer, scheduler=scheduler, model_keys=keys)
     if resumed is not None:
         report.log(f"Resuming {settings.stage} from step {resumed.step} ({resumed.path}).")
         return resumed
-    if init_from is not None:
+    if init_from is not None and keys is None:
         source = load_weights(init_from, model)
         if source is None:
             raise TrainingError(
@@ -303,7 +314,10 @@ class _Loop:
         # A save copies the state in the background while the next step's forward and backward run;
         # `train_step` waits for the copy right before anything changes what is being copied.
         self.checkpointer = Checkpointer(
-            settings.checkpoint_dir, keep_last=settings.keep_last, overlap_staging=True
+            settings.checkpoint_dir,
+            keep_last=settings.keep_last,
+            overlap_staging=True,
+            model_keys=settings.model_keys,
         )
         self.log_every = settings.log_interval or max(1, settings.steps // 10)
         device = next(model.parameters()).device

@@ -21,6 +21,7 @@ evaluates its own stages, and node 0 alone runs the ladder's proxies (the others
 
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import pathlib
@@ -37,7 +38,8 @@ from contracts.models import BaseModel, ModelShape
 from contracts.runs import LogLevel, Outcome
 from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan, plan_run
 from services.domain.gates import threshold
-from services.trainer import dataprep, rows
+from services.runtime import data_files
+from services.trainer import dataprep, lora, rows
 from services.trainer.checkpoint import is_hf_model_dir, load_weights
 from services.trainer.data import (
     join_documents,
@@ -61,6 +63,7 @@ from services.trainer.loop import pick_device
 from services.trainer.model import Transformer
 from services.trainer.posttrain import PostConfig, PostResult, TokenExample, TokenPair, response_loss
 from services.trainer.pretrain import (
+    TOKENS_SOURCE,
     StageConfig,
     StageResult,
     build_model,
@@ -72,9 +75,11 @@ from services.trainer.pretrain import (
 )
 from services.trainer.reporting import Reporter
 from services.trainer.rlvr import RlvrConfig, RlvrResult, train_post
+from services.trainer.token_files import iter_source_documents, write_token_files
 from services.trainer.tokenizer import Tokenizer, load_tokenizer
 
 GATE_RECORD = "GATE.json"
+MERGED = "merged"  # a LoRA stage's adapters merged into its base: the next stage's starting weights
 PROVENANCE_RECORD = "provenance.json"
 EVAL_MAX_BATCHES = 8  # held-out loss of post-training stages: the same windows as the LM stages
 TrainLm = Callable[[StageConfig, Reporter, Callable[[], bool]], StageResult]
@@ -242,6 +247,36 @@ class _Run:
             "steps": [dataclasses.asdict(s) for s in prepared.steps],
         }
 
+    def _tokenized(self, names: tuple[str, ...]) -> bool:
+        """Whether a next-token stage reads token files: anything but the byte tokenizer on raw
+        sources (the tiny demo's path, where a source is its bytes)."""
+        return self.tokenizer.id != "bytes" or any(n in self.structured for n in names)
+
+    def _token_files(self, key: str, names: tuple[str, ...]) -> str:
+        """`names`' documents tokenized once into `<run>/tokens/<key>/` (reused when complete for the
+        same tokenizer and inputs): a `tokens:` source the stage memory-maps."""
+        fmt = {n: data_files.file_format(self.refs[n]) for n in names}
+        documents = itertools.chain.from_iterable(
+            iter_source_documents(self.sources[n], fmt[n], seed=self.manifest.seed) for n in names
+        )
+        inputs = {n: self.refs[n].digest or self.sources[n] for n in names}
+        directory = self.root / "tokens" / key
+        write_token_files(directory, documents, self.tokenizer, sources=inputs)
+        return f"{TOKENS_SOURCE}{directory}"
+
+    def _eval_token_files(self) -> str:
+        """The text eval suites (the same documents the byte path reads), tokenized once."""
+        seed = self.manifest.seed
+        names = [n for n in self.plan.eval_refs if n not in self.structured]
+        documents = itertools.chain.from_iterable(
+            load_eval_suite(self.plan.eval_refs[n], seed=seed) for n in names
+        )
+        directory = self.root / "tokens" / "eval"
+        write_token_files(
+            directory, documents, self.tokenizer, sources={n: self.plan.eval_refs[n] for n in names}
+        )
+        return f"{TOKENS_SOURCE}{directory}"
+
     def _structured_eval_texts(self, name: str) -> list[str]:
         """An eval ref's split as documents: its first EVAL_ROWS rows' texts."""
         return [rows.row_text(r) for r in rows.read_rows(self.refs[name])[: rows.EVAL_ROWS]]
@@ -309,12 +344,16 @@ class _Run:
 
     def lm_stage(self, stage: LmPlan, directory: pathlib.Path) -> tuple[list[Check], bool]:
         """Train a next-token stage; (its battery, stopped)."""
+        train_sources, eval_sources = [self.sources[n] for n in stage.data], self.eval_sources
+        if self._tokenized(stage.data):  # a real tokenizer, or JSONL/Parquet text: token files
+            train_sources = [self._token_files(stage.name, stage.data)]
+            eval_sources = [self._eval_token_files()] if self.eval_sources else []
         cfg = lm_stage_config(
             stage,
             self.manifest,
             directory,
-            train_sources=[self.sources[n] for n in stage.data],
-            eval_sources=self.eval_sources,
+            train_sources=train_sources,
+            eval_sources=eval_sources,
             init_from=self.previous,
         )
         _, held = load_stage_data(cfg)
@@ -327,7 +366,9 @@ class _Run:
         self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
         measured = {
             "held_out_loss": result.held_out_loss,
-            "task_accuracy": task_accuracy(result.model, self._problems(stage.gate.task_samples)),
+            "task_accuracy": task_accuracy(
+                result.model, self._problems(stage.gate.task_samples), self.tokenizer
+            ),
         }
         measured |= self._long_context_measures(stage, cfg, held, result.model)
         return self._checks(stage, measured, incoming), False
@@ -410,6 +451,11 @@ class _Run:
             return [], True
         self._noted(stage.name, result.final_step, result.first_loss, result.final_loss)
         self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
+        if stage.section.lora is not None and result.model is not None:
+            # The stage committed its adapters alone; what follows starts from the merged model.
+            lora.write_merged_checkpoint(
+                result.model, stage.section.lora, directory / MERGED, result.final_step
+            )
         return self._checks(stage, self._post_measures(result.model, stage), incoming), False
 
     def _train_post(self, stage: PostPlan, directory: pathlib.Path) -> PostResult | RlvrResult:
@@ -449,6 +495,7 @@ class _Run:
             examples=examples,
             pairs=pairs,
             pad_id=self.tokenizer.pad_id,
+            lora=section.lora,
         )
         match section:
             case SftStage():
@@ -498,7 +545,7 @@ class _Run:
             held = response_loss(model, rows.sft_examples(self.tokenizer, table), self.tokenizer.pad_id)
         return {
             "held_out_loss": held,
-            "task_accuracy": task_accuracy(model, self._problems(stage.gate.task_samples)),
+            "task_accuracy": task_accuracy(model, self._problems(stage.gate.task_samples), self.tokenizer),
         }
 
     def _rows(self, name: str) -> list[rows.Row]:
@@ -550,7 +597,8 @@ class _Run:
                 return self.result(stage.name, Outcome.gate_failed, summary=line)
             self.parts.append(f"{self.note or stage.name}, {line.split(': ', 1)[-1]}")
             self.note = ""
-            self.previous = str(self.root / stage.name)
+            lora_stage = isinstance(stage, PostPlan) and stage.section.lora is not None
+            self.previous = str(self.root / stage.name / MERGED if lora_stage else self.root / stage.name)
         return self.result(last, Outcome.succeeded)
 
     def _verdict(self, stage: LmPlan | PostPlan) -> tuple[list[EvalMetric], bool] | None:

@@ -36,6 +36,7 @@ import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from contracts.manifest import Lora
 from contracts.models import ModelShape
 from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, load_weights
 from services.trainer.data import ByteTokenizer
@@ -52,6 +53,7 @@ from services.trainer.loop import (
     run_loop,
     to_device,
 )
+from services.trainer.lora import BaseModelView, is_adapter_key, trainable_parameters
 from services.trainer.model import Transformer
 from services.trainer.objectives import dpo_loss, sft_loss, token_logprobs
 from services.trainer.pretrain import ReplicaJoin, Replicas, build_model, join_replica, lr_factor
@@ -95,6 +97,10 @@ class PostConfig:
     parallel: ParallelDims | None = None
     """The plan's strategy and degrees; None: one process alone (or FSDP2 over every started rank,
     as for a next-token stage). `batch_size` is the global batch, one slice per data-parallel rank."""
+    lora: Lora | None = None
+    """Low-rank adapters (services/trainer/lora.py): the incoming model frozen, only the adapters
+    train and are checkpointed; DPO's reference is then the same model with its adapters off.
+    None: full fine-tuning. Not yet with `replicas` (torchft groups heal whole models)."""
     examples: list[TokenExample] = field(default_factory=list)
     """SFT on the field's chat data (`messages` rows through the tokenizer's chat template)."""
     pairs: list[TokenPair] = field(default_factory=list)
@@ -245,7 +251,7 @@ def global_token_mean(
 
 
 def sequence_logprobs(
-    model: Transformer,
+    model: Transformer | BaseModelView,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     device: torch.device,
@@ -262,8 +268,11 @@ def sequence_logprobs(
 
 def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
     # No weight decay in post-training: it would pull the weights toward zero, away from the
-    # pretrained model the small post-training steps are meant to stay near.
-    return torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    # pretrained model the small post-training steps are meant to stay near. Over the trainable
+    # parameters: every one in full fine-tuning, the adapters alone under LoRA.
+    return torch.optim.AdamW(
+        trainable_parameters(model), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0
+    )
 
 
 def loop_settings(cfg: PostConfig) -> LoopSettings:
@@ -273,6 +282,7 @@ def loop_settings(cfg: PostConfig) -> LoopSettings:
         checkpoint_dir=cfg.checkpoint_dir,
         checkpoint_interval=cfg.checkpoint_interval,
         keep_last=cfg.keep_last,
+        model_keys=is_adapter_key if cfg.lora is not None else None,
     )
 
 
@@ -323,6 +333,7 @@ def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) 
         rope_base=cfg.rope_base,
         device=device,
         parallel=dims_of(cfg),
+        lora=cfg.lora,
     )
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
@@ -333,6 +344,8 @@ def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) 
     if replicas is None:
         resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
         return _Stage(model, optimizer, scheduler, settings, resumed.step if resumed else 0, device)
+    if cfg.lora is not None:
+        raise ValueError(f"{cfg.stage} with LoRA does not run as torchft replica groups yet.")
     group = replicas.join(model, optimizer, scheduler)
     try:
         join_replica(group, cfg.stage, cfg.checkpoint_dir, model, cfg.init_from, report)
@@ -422,7 +435,7 @@ class ReferenceLogprobs:
 
     def __init__(
         self,
-        reference: Transformer,
+        reference: Transformer | BaseModelView,
         batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         steps: int,
         device: torch.device,
@@ -497,7 +510,13 @@ def train_dpo(
         )
 
     try:
-        reference = _frozen_reference(cfg, model.shape.max_seq_len, device)
+        # Under LoRA the frozen base is the incoming model itself: the adapters switched off (as
+        # peft's disable_adapter), sharded as the policy is, with no second copy of the weights.
+        reference = (
+            BaseModelView(model)
+            if cfg.lora is not None
+            else _frozen_reference(cfg, model.shape.max_seq_len, device)
+        )
         references = ReferenceLogprobs(reference, batch_of, cfg.steps, device)
 
         def step_fn(step: int) -> StepOutput:

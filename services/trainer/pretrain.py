@@ -17,15 +17,17 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from contracts.manifest import Manifest
+from contracts.manifest import Lora, Manifest
 from contracts.models import ModelShape
 from services.domain.curriculum import LmPlan, plan_run
+from services.trainer import lora as lora_adapters
 from services.trainer.checkpoint import CHECKPOINT_DEFAULTS, batches_to_skip, load_weights, skip_window
 from services.trainer.data import (
     VOCAB_SIZE,
@@ -60,6 +62,7 @@ from services.trainer.loop import (
 )
 from services.trainer.model import Transformer, count_parameters
 from services.trainer.reporting import Reporter, rank0_only
+from services.trainer.token_files import CorpusBatchIterator, TokenCorpus
 
 __all__ = [
     "StageConfig",
@@ -141,7 +144,8 @@ class StageConfig:
             )
         if self.decay not in ("cosine", "linear"):
             raise ValueError(f"The LR decay must be cosine or linear, not {self.decay!r}.")
-        if self.shape.vocab_size < VOCAB_SIZE:
+        raw = not any(src.startswith(TOKENS_SOURCE) for src in self.train_sources)
+        if raw and self.shape.vocab_size < VOCAB_SIZE:  # raw sources are read as bytes
             raise ValueError(
                 f"The model's vocabulary ({self.shape.vocab_size}) is smaller than the {VOCAB_SIZE} bytes."
             )
@@ -229,17 +233,22 @@ def build_model(
     z_loss: float = 0.0,
     device: torch.device | None = None,
     parallel: ParallelDims | None = None,
+    lora: Lora | None = None,
 ) -> Transformer:
     """The model for a stage: max_seq_len grown to seq_len when a stage trains longer sequences
     (RoPE tables are derived, not weights, so the same weights load), parallelized as `parallel`
     says (None: as `ParallelDims.for_world`) when distributed. Every rank builds the same weights
-    from the same seed before they are split."""
+    from the same seed before they are split. With `lora`, the adapters go on before the model is
+    sharded (services/trainer/lora.py) and everything else is frozen."""
     if seq_len > shape.max_seq_len:
         shape = msgspec.structs.replace(shape, max_seq_len=seq_len)
     device = device or pick_device()
     dims = parallel or ParallelDims.for_world(world_size())
     dims.check_model(shape)
     model = Transformer(shape, rope_base=rope_base, z_loss=z_loss).to(device)
+    if lora is not None:
+        lora_adapters.check_parallel(dims.tp)
+        lora_adapters.apply_lora(model, lora)
     return parallelize(model, dims, build_mesh(dims, device.type))
 
 
@@ -254,8 +263,36 @@ def build_optimizer(model: torch.nn.Module, cfg: StageConfig) -> torch.optim.Ada
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas)
 
 
-def load_stage_data(cfg: StageConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train tokens, held-out tokens)."""
+TOKENS_SOURCE = "tokens:"  # a directory of token files (services/trainer/token_files.py), memory-mapped
+HELD_OUT_CAP_TOKENS = 1 << 22  # held-out tokens read from token files into memory (~4M: 16 MiB as int32)
+
+
+def _token_dir(sources: list[str]) -> Path | None:
+    """The one token directory `sources` names, None for raw sources; ValueError for a mix."""
+    dirs = [s.removeprefix(TOKENS_SOURCE) for s in sources if s.startswith(TOKENS_SOURCE)]
+    if not dirs:
+        return None
+    if len(dirs) != len(sources) or len(dirs) > 1:
+        raise ValueError("A stage reads one token directory, or raw sources, not both.")
+    return Path(dirs[0])
+
+
+def _in_memory(corpus: TokenCorpus) -> torch.Tensor:
+    """The first HELD_OUT_CAP_TOKENS tokens of a corpus (held-out windows are read from the start)."""
+    return torch.from_numpy(corpus.read(0, min(len(corpus), HELD_OUT_CAP_TOKENS)).astype("int64"))
+
+
+def load_stage_data(cfg: StageConfig) -> tuple[torch.Tensor | TokenCorpus, torch.Tensor]:
+    """(train tokens, held-out tokens). Token files (a `tokens:<dir>` source) stay on disk, memory-
+    mapped: a corpus larger than memory trains; its held-out part is read up to a cap."""
+    directory = _token_dir(cfg.train_sources)
+    if directory is not None:
+        corpus = TokenCorpus(directory)
+        held_dir = _token_dir(cfg.eval_sources) if cfg.eval_sources else None
+        if held_dir is not None:
+            return corpus, _in_memory(TokenCorpus(held_dir))
+        train_part, held_part = corpus.split_held_out(cfg.held_out_fraction)
+        return train_part, _in_memory(held_part)
     train = load_tokens(cfg.train_sources, seed=cfg.seed)
     if cfg.eval_sources:
         # The eval suites: generated with another seed, so they are not the training lines.
@@ -397,8 +434,9 @@ def train_stage(
     optimizer = build_optimizer(model, cfg)
     scheduler = _schedule(optimizer, cfg)
     # Every rank draws the same global batch and trains on its data-parallel slice of it.
-    batches = BatchIterator(
-        train_tokens,
+    iterator = CorpusBatchIterator if isinstance(train_tokens, TokenCorpus) else BatchIterator
+    batches = iterator(
+        train_tokens,  # type: ignore[arg-type]  # each iterator takes its own kind of tokens
         seq_len=cfg.seq_len,
         batch_size=cfg.batch_size,
         seed=cfg.seed,
@@ -454,7 +492,7 @@ def _train_replica(
     model: Transformer,
     optimizer: torch.optim.Optimizer,
     scheduler: LambdaLR,
-    batches: BatchIterator,
+    batches: BatchIterator | CorpusBatchIterator,
     held_out: torch.Tensor,
     report: Reporter,
     should_stop: Callable[[], bool],
@@ -543,7 +581,7 @@ def _resume(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: LambdaLR,
-    batches: BatchIterator,
+    batches: BatchIterator | CorpusBatchIterator,
     report: Reporter,
     device: torch.device,
 ) -> int:

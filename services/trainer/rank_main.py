@@ -28,7 +28,7 @@ import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from contracts.manifest import RlvrStage
+from contracts.manifest import Lora, RlvrStage
 from contracts.models import MODEL_SHAPES, ModelShape
 from contracts.runs import Metrics, RunEvent
 from services.trainer import distributed
@@ -113,6 +113,8 @@ class PostJob(msgspec.Struct, tag="post", frozen=True, kw_only=True, forbid_unkn
     """DPO on preference rows: a JSON list of [prompt ids, chosen ids, rejected ids]."""
     pad_id: int = 0
     """The tokenizer's padding id."""
+    lora: Lora | None = None
+    """The stage's LoRA adapters (the manifest's section); None: full fine-tuning."""
     steps: Annotated[int, msgspec.Meta(ge=1)]
     batch_size: Annotated[int, msgspec.Meta(ge=1)]
     """The global batch (SFT's rows, DPO's pairs, RLVR's prompts_per_step x group_size)."""
@@ -221,6 +223,7 @@ def post_config(job: PostJob, dims: ParallelDims, device: str) -> PostConfig:
         examples=read_tokens_file(job.examples_path, tuple[list[int], list[int]]),
         pairs=read_tokens_file(job.pairs_path, tuple[list[int], list[int], list[int]]),
         pad_id=job.pad_id,
+        lora=job.lora,
     )
     if job.stage != "rlvr":
         return cfg

@@ -54,6 +54,7 @@ from services.trainer.loop import (
     resume_or_init,
     run_loop,
 )
+from services.trainer.lora import merge_state_dict
 from services.trainer.model import Transformer
 from services.trainer.objectives import (
     DUAL_CLIP_C,
@@ -365,6 +366,8 @@ def train_rlvr(
         resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
         start = resumed.step if resumed else 0
     else:
+        if cfg.lora is not None:
+            raise ValueError("rlvr with LoRA does not run as torchft replica groups yet.")
         if cfg.rlvr.prompts_per_step % replicas.groups:
             raise ValueError(
                 f"rlvr's {cfg.rlvr.prompts_per_step} prompts per step do not split over {replicas.groups} replica groups."
@@ -477,7 +480,7 @@ def _policy(cfg: RlvrConfig, device: torch.device) -> tuple[Transformer, torch.o
     torch.manual_seed(cfg.seed)
     longest_prompt = max(len(p.encode()) for p, _ in cfg.problems)
     seq_len = min(longest_prompt + cfg.rlvr.max_response_tokens, cfg.shape.max_seq_len)
-    model = build_model(cfg.shape, seq_len=seq_len, rope_base=cfg.rope_base, device=device)
+    model = build_model(cfg.shape, seq_len=seq_len, rope_base=cfg.rope_base, device=device, lora=cfg.lora)
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
     scheduler = LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=1.0))
@@ -515,6 +518,8 @@ def rl_step(
     sampled: tuple[Kept, StepStats] | None = None
     if worker is not None and sampler is not None:
         st = StepStats(step=step + 1)
+        if cfg.lora is not None:  # the worker's model is a plain one: the adapters folded in
+            weights = merge_state_dict(weights, cfg.lora)
         worker.publish(step, weights)
         first = sampler.request(step, 0, prompts)
         if cfg.rlvr.max_staleness >= 1 and step + 1 < cfg.steps:

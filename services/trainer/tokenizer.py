@@ -56,6 +56,7 @@ Message = Mapping[str, Any]
 
 @runtime_checkable
 class Tokenizer(Protocol):
+    id: str  # "bytes", or "sha256:<hex>" (the store's digest, or `files_digest` of the files)
     vocab_size: int
     eos_id: int
     bos_id: int | None  # prepended to each document when the tokenizer adds one (Llama), else None
@@ -89,7 +90,7 @@ class ByteTokenizer:
     bos_id: int | None = None
     pad_id = BYTE_PAD
     has_chat_template = False
-    id = "bytes"
+    id = "bytes"  # the manifest's `tokenizer: bytes`
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -341,7 +342,7 @@ class HfTokenizer:
         id: str = "",
     ):
         self.raw = raw
-        self.id = id  # the store digest "sha256:<hex>" or the directory it came from
+        self.id = id  # the store's digest "sha256:<hex>", else `files_digest` of its files
         self.vocab_size = int(raw.get_vocab_size(with_added_tokens=True))
         self.special_tokens = {
             name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None
@@ -382,7 +383,7 @@ class HfTokenizer:
             RawTokenizer.from_file(str(file)),
             config,
             chat_template=_chat_template(path, config),
-            id=id if id is not None else str(path),
+            id=id if id is not None else files_digest(tokenizer_files(path)),
         )
 
     def encode(self, text: str) -> list[int]:
@@ -454,6 +455,19 @@ class HfTokenizer:
 
 
 # --- which tokenizer a run reads -----------------------------------------------------------------
+
+
+def files_digest(files: Mapping[str, bytes]) -> str:
+    """sha256 over the tokenizer files, names and lengths included, in name order: the id of a
+    tokenizer read from a model directory (token files record it)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(files):
+        for part in (name.encode("utf-8"), files[name]):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    return "sha256:" + h.hexdigest()
 
 
 def tokenizer_files(model_dir: Path) -> dict[str, bytes]:

@@ -29,7 +29,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Final
+from functools import partial
+from typing import Any, Final
 
 import msgspec
 from faststream.nats import NatsBroker, NatsMessage
@@ -38,10 +39,16 @@ from contracts import subjects
 from contracts.api import (
     CleanupOrder,
     CleanupResult,
+    DownloadChunk,
+    DownloadOrder,
+    ExportOrder,
+    ExportView,
     LeaseAnswer,
     LeaseQuery,
     RemovedArtifact,
     RestartProposal,
+    SampleOrder,
+    SampleResult,
 )
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
@@ -52,8 +59,9 @@ from services.runtime import codec, faults
 from services.runtime.checkpoint_paths import inside, run_dir, storage_root
 from services.runtime.codec import Refusal
 from services.runtime.liveness import TIMERS
+from services.runtime.model_store import ModelStore
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
-from services.trainer import nodes, shares, spikes
+from services.trainer import exports, nodes, sampling, shares, spikes
 from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.distributed import ParallelismError
 from services.trainer.emitter import Emitter
@@ -267,6 +275,8 @@ class Worker:
         self.epochs: dict[str, int] = {}
         self.node_ranks: dict[str, int] = {}  # a multi-node run's share this agent holds (0 otherwise)
         self.checkpoint_root = settings.data_dir / "checkpoints"
+        self.exports = exports.Exports(settings.data_dir, self.trainer_id)
+        self.sampler = sampling.Sampler(settings.data_dir)
 
     async def cancel(self, run_id: str) -> None:
         """A (signed) cancel notice is a hint to look now: the lease says whether the run really
@@ -450,7 +460,13 @@ class Worker:
         report = emitter.reporter().with_sink(watch.send)
         try:
             result = await asyncio.to_thread(
-                run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads, train_lm
+                partial(run_pipeline, **self._inputs(work)),
+                manifest,
+                checkpoint_dir,
+                report,
+                stop.is_set,
+                self.threads,
+                train_lm,
             )
         finally:
             if share is not None:
@@ -468,6 +484,13 @@ class Worker:
         await emitter.state(final, stage=result.last_stage, message=message)
         return final
 
+    def _inputs(self, work: TrainWork) -> dict[str, Any]:
+        """What the pipeline reads from the model store: the base model the scheduler resolved (its
+        Hugging Face directory, by digest) and the store's root (tokenizer entries)."""
+        store = ModelStore(self.settings.model_store)
+        base_dir = store.path(work.base.digest) if work.base is not None else None
+        return {"base": work.base, "base_dir": base_dir, "store_root": store.root}
+
     def _train_lm(
         self, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path
     ) -> tuple[TrainLm | Trainers, nodes.NodeShare | None]:
@@ -475,7 +498,7 @@ class Worker:
         this node's ranks for more (post-training too), as this node's replica group for a multi-node run
         (then with the share to close); ParallelismError for a plan the node cannot realise."""
         if manifest.resources.nodes > 1 or work.nodes > 1:
-            refused = nodes.refusal(work, manifest, plan_run(manifest))
+            refused = nodes.refusal(work, manifest, plan_run(manifest, work.base))
             if refused is not None:
                 raise ParallelismError(refused)
             share = nodes.NodeShare(work, checkpoint_dir, self.threads)
@@ -483,7 +506,7 @@ class Worker:
         dims = gang_dims(work.plan)
         if dims is None:
             return train_stage, None
-        refused = refusal(dims, manifest, plan_run(manifest))
+        refused = refusal(dims, manifest, plan_run(manifest, work.base))
         if refused is not None:
             raise ParallelismError(refused)
         gang = Gang(dims, checkpoint_dir, self.threads)
@@ -507,14 +530,20 @@ class Worker:
         failure: str | None = None
         try:
             if work.restart is not None:
-                names = plan_run(manifest).stage_names
+                names = plan_run(manifest, work.base).stage_names
                 later = names[names.index(work.restart.stage) + 1 :] if work.restart.stage in names else []
                 report.log(shares.rewind_share(checkpoint_dir, work.restart, later))
             train_lm, share = self._train_lm(work, manifest, checkpoint_dir)
             if faults.active(faults.TRAINER_SHARE_FAILS):  # fault injection (tests, make chaos)
                 raise RuntimeError("planted fault: this node's share fails")
             result = await asyncio.to_thread(
-                run_pipeline, manifest, checkpoint_dir, report, stop.is_set, self.threads, train_lm
+                partial(run_pipeline, **self._inputs(work)),
+                manifest,
+                checkpoint_dir,
+                report,
+                stop.is_set,
+                self.threads,
+                train_lm,
             )
             report.log(f"node {work.node_rank}: {result.outcome.value}: {result.summary}")
         except Exception as exc:  # a stop explains a failure on the way out; anything else fails the run
@@ -590,3 +619,14 @@ class Worker:
             shutil.rmtree(path)
         log.info("run %s: cleanup removed %d artifacts", order.run_id, len(removed))
         return CleanupResult(run_id=order.run_id, removed=removed)
+
+    # Exports, downloads and samples (services/trainer/exports.py, sampling.py): thin handlers.
+
+    async def export(self, order: ExportOrder) -> ExportView:
+        return await asyncio.to_thread(exports.answer_export, self.exports, self.checkpoint_root, order)
+
+    async def download(self, order: DownloadOrder) -> DownloadChunk:
+        return await asyncio.to_thread(exports.answer_download, self.checkpoint_root, order)
+
+    async def sample(self, order: SampleOrder) -> SampleResult:
+        return await asyncio.to_thread(sampling.answer_sample, self.sampler, self.checkpoint_root, order)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from services.runtime import faults
+from tests.hf_checkpoints import word_tokenizer
 from tests.support import eventually
 
 pytestmark = pytest.mark.e2e
@@ -40,11 +41,16 @@ def test_every_booking_code(stack, manifest):
     assert code_of(stack, env, window_over, m) == "booking_expired"
 
 
-def test_modified_to_fewer_gpus_no_longer_fits(stack, manifest):
+def test_modified_to_fewer_gpus_no_longer_fits(stack, manifest, tmp_path):
     account, _, env = stack.account()
     booking = stack.booking(account, nodes=2, gpus_per_node=8)
+    tokenizer = stack.ito("models", "add", str(word_tokenizer(tmp_path / "tok-32k", 32_000)))["digest"]
     big = manifest(
-        model={"size": "150M", "revision": "r"},
+        model={
+            "size": "150M",
+            "revision": "r",
+            "tokenizer": tokenizer,
+        },  # bytes would fill 256 of 32,000 rows
         resources={"nodes": 1, "gpus_per_node": 8},
         target={"tokens": 10**9, "seq_len": 2048, "batch_size": 8},
         budget_cap_usd=10**6,

@@ -49,6 +49,9 @@ SERVICES_AND_UPSTREAM = [i for i in ids.NATS_IDENTITIES if i != ids.OPERATOR]
         ("ito.v1.confirmation.create", {"scheduler"}),
         ("ito.v1.entitlement.eligibility", {"scheduler"}),
         ("ito.v1.trainer.cleanup", {"scheduler"}),
+        ("ito.v1.trainer.export", {"scheduler"}),
+        ("ito.v1.trainer.download", {"scheduler"}),
+        ("ito.v1.trainer.sample", {"scheduler"}),
         ("ito.v1.control.cancel.run_1", {"scheduler"}),
         ("ito.v1.work.train.run_1", {"scheduler"}),
         ("ito.v1.audit.run_1", {"scheduler"}),
@@ -80,6 +83,13 @@ def test_only_the_owner_may_publish(subject, only):
     "subject, only",
     [
         ("ito.v1.api.train.acme", {"scheduler"}),
+        ("ito.v1.api.export.acme", {"scheduler"}),
+        ("ito.v1.api.download.acme", {"scheduler"}),
+        ("ito.v1.api.sample.acme", {"scheduler"}),
+        ("ito.v1.trainer.export", {"trainer"}),
+        ("ito.v1.trainer.download", {"trainer"}),
+        ("ito.v1.trainer.sample", {"trainer"}),
+        ("ito.v1.api.models.acme", {"scheduler"}),  # the model store's list: the scheduler answers it
         ("ito.v1.ledger.accept", {"ledger"}),
         (
             "ito.v1.work.train.run_1",
@@ -102,14 +112,23 @@ def test_only_the_owner_may_subscribe(subject, only):
 def test_a_tenant_publishes_its_own_requests_and_reads_its_own_inbox_only():
     p = ids.tenant_permissions("acme", S)
     assert allows(p.publish, "ito.v1.api.train.acme") and allows(p.publish, "ito.v1.api.status.acme")
+    for verb in ("export", "download", "sample"):  # its own account's only
+        assert allows(p.publish, f"ito.v1.api.{verb}.acme") and not allows(
+            p.publish, f"ito.v1.api.{verb}.victim"
+        )
+    assert allows(p.publish, "ito.v1.api.models.acme")
     for subject in (
         "ito.v1.api.train.victim",
+        "ito.v1.api.models.victim",  # another account's model list
         "ito.v1.ledger.accept",
         "ito.v1.confirmation.create",
         "ito.compute.v1.booking.completed",
         "ito.v1.run.r.state",
         "ito.v1.control.cancel.r",
         "ito.v1.trainer.cleanup",
+        "ito.v1.trainer.export",
+        "ito.v1.trainer.download",
+        "ito.v1.trainer.sample",
         "ito.v1.audit.r",
         "ito.v1.desk.runs",
         "ito.v1.desk.run",

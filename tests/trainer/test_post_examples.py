@@ -65,7 +65,7 @@ def test_dpo_batch_of_pairs_is_a_function_of_the_step(tmp_path):
     cfg = _cfg(tmp_path, stage="dpo", pairs=pairs, batch_size=4)
     a, b = dpo_batch(cfg, 3), dpo_batch(cfg, 3)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    inputs, _, mask = a
+    inputs, _, _mask = a
     assert inputs.shape[0] == 8  # 4 chosen rows, then their 4 rejected rows
     assert longest_sequence(cfg) == 4
 

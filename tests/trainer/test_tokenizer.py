@@ -15,82 +15,14 @@ from services.trainer.tokenizer import (
     load_tokenizer,
     tokenizer_files,
 )
+from tests.trainer.tokenizer_fixtures import CHATML, CHATML_NL, CONVERSATIONS, PLAIN_CHATML, train_bpe
 
 transformers = pytest.importorskip("transformers")
-
-CHATML = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{{ '\\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-# the same with the turn's closing newline inside the generation block: what a prefix render marks
-CHATML_NL = CHATML.replace(
-    "'<|im_end|>' }}{% endgeneration %}{{ '\\n' }}", "'<|im_end|>\\n' }}{% endgeneration %}"
-)
-PLAIN_CHATML = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}],
-    [
-        {"role": "system", "content": "You answer briefly."},
-        {"role": "user", "content": "Name a prime."},
-        {"role": "assistant", "content": "Seven."},
-        {"role": "user", "content": "Another one, with ünïcödé 🙂?"},
-        {"role": "assistant", "content": "Eleven,\nand thirteen."},
-    ],
-    [
-        {"role": "user", "content": "Say nothing."},
-        {"role": "assistant", "content": ""},
-        {"role": "user", "content": "Now say 'for x in range(3):'"},
-        {"role": "assistant", "content": "for x in range(3):"},
-    ],
-]
-
-
-def _train_bpe(path: Path, *, template: str, bos: bool = False) -> Path:
-    from pydoc_data.topics import topics
-
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    texts = [topics[k] for k in sorted(topics)][:60]
-    raw.train_from_iterator(texts, trainer=trainer)
-    if bos:  # as Llama's tokenizer.json does; transformers ignores the config's add_bos_token
-        from tokenizers.processors import TemplateProcessing
-
-        raw.post_processor = TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))]
-        )
-    path.mkdir(parents=True, exist_ok=True)
-    raw.save(str(path / "tokenizer.json"))
-    config: dict[str, object] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "chat_template": template,
-    }
-    if bos:
-        config |= {"bos_token": {"__type": "AddedToken", "content": "<s>", "special": True}}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _train_bpe(tmp_path_factory.mktemp("bpe"), template=CHATML)
+    return train_bpe(tmp_path_factory.mktemp("bpe"), template=CHATML)
 
 
 @pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
@@ -139,6 +71,35 @@ def test_prefix_rendering_finds_the_same_turns_without_generation_tags(bpe_dir: 
         assert plain.chat(conversation) == tagged.chat(conversation)
 
 
+# Qwen3's habit: an empty think block only in the assistant turns after the last user message,
+# so a conversation's prefix does not render as a prefix of it
+THINKING = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last_user %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_turns_of_a_template_that_renders_the_last_turn_differently(bpe_dir: Path, tmp_path: Path) -> None:
+    d = tmp_path / "thinking"
+    d.mkdir()
+    (d / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "chat_template": THINKING})
+    )
+    tok = HfTokenizer.from_dir(d)
+    ids, mask = tok.chat(CONVERSATIONS[1])
+    assert tok.decode(ids).count("<think>") == 1
+    masked = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert masked == "Seven.<|im_end|><think>\n\n</think>\n\nEleven,\nand thirteen.<|im_end|>\n"
+
+
 def test_template_errors_and_special_tokens_reach_the_template(bpe_dir: Path, tmp_path: Path) -> None:
     d = tmp_path / "t"
     d.mkdir()
@@ -160,7 +121,7 @@ def test_template_errors_and_special_tokens_reach_the_template(bpe_dir: Path, tm
 
 
 def test_bos_and_special_ids_follow_the_config(tmp_path: Path) -> None:
-    d = _train_bpe(tmp_path / "llama", template=CHATML, bos=True)
+    d = train_bpe(tmp_path / "llama", template=CHATML, bos=True)
     ours = HfTokenizer.from_dir(d)
     theirs = transformers.AutoTokenizer.from_pretrained(d)
     assert ours.bos_id == theirs.bos_token_id is not None
@@ -168,7 +129,7 @@ def test_bos_and_special_ids_follow_the_config(tmp_path: Path) -> None:
     assert theirs.encode("hello there")[1:] == ours.encode("hello there")
     assert (ours.eos_id, ours.pad_id) == (theirs.eos_token_id, theirs.pad_token_id)
     assert ours.vocab_size == len(theirs)
-    plain = _train_bpe(tmp_path / "qwen", template=CHATML)
+    plain = train_bpe(tmp_path / "qwen", template=CHATML)
     assert HfTokenizer.from_dir(plain).bos_id is None
     assert isinstance(ours, Tokenizer)
 

@@ -659,6 +659,10 @@ SAMPLES.update(
             format=api.ExportFormat.hf,
             manifest_digest="ab" * 32,
             storage="/mnt/ckpt",
+            manifest_text='{"schema_version": 1}',
+            base=BASE_MODEL,
+            gates=[STAGE_GATE],
+            checkpoint_dir="/mnt/ckpt/acct_a/run_1",
         ),
         api.DownloadOrder: api.DownloadOrder(
             account="acct_a",
@@ -670,7 +674,13 @@ SAMPLES.update(
             storage="/mnt/ckpt",
         ),
         api.SampleOrder: api.SampleOrder(
-            account="acct_a", run_id="run_1", request=SAMPLE_REQUEST, storage="local"
+            account="acct_a",
+            run_id="run_1",
+            request=SAMPLE_REQUEST,
+            storage="local",
+            manifest_text='{"schema_version": 1}',
+            base=BASE_MODEL,
+            checkpoint_dir="/data/checkpoints/acct_a/run_1",
         ),
     }
 )

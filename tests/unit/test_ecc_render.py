@@ -19,9 +19,15 @@ from contracts.api import (
     CleanupResult,
     ConfirmationIssued,
     CostEstimate,
+    DownloadChunk,
+    ExportFile,
+    ExportFormat,
+    ExportView,
     LogLineView,
     LogPage,
     LogsRequest,
+    ModelList,
+    ModelView,
     MutationResult,
     Parallelism,
     Plan,
@@ -30,6 +36,7 @@ from contracts.api import (
     RestartProposal,
     RunAccepted,
     RunView,
+    SampleResult,
     StageGatePlan,
     StatusRequest,
 )
@@ -261,6 +268,61 @@ EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
         MutationResult(run_id="run-1", action=Action.restart_from_checkpoint, state=RunState.queued),
         ["run run-1: queued"],
     ),
+    "export": (
+        ExportView(
+            run_id="run-1",
+            stage="sft",
+            format=ExportFormat.hf,
+            state="ready",
+            export_id="sft-hf",
+            digest="sha256:" + "ab" * 32,
+            files=[ExportFile(path="config.json", bytes=512, sha256="cd" * 32)],
+            bytes=512,
+            step=40,
+        ),
+        [
+            "export sft-hf: ready (stage sft, step 40)",
+            f"  digest sha256:{'ab' * 32}, 1 files, 512 bytes",
+            "  config.json (512 bytes)",
+            "  fetch it with `ecc ito download run-1 --export sft-hf --to DIR`",
+        ],
+    ),
+    "download": (
+        DownloadChunk(
+            run_id="run-1",
+            export_id="sft-hf",
+            path="config.json",
+            offset=0,
+            data=b"{}",
+            size=2,
+            sha256="ef" * 32,
+        ),
+        [f"config.json: 2 bytes at 0 of 2 (sha256 {'ef' * 32})"],
+    ),
+    "sample": (SampleResult(run_id="run-1", stage="sft", step=40, text="12+35=47", tokens=5), ["12+35=47"]),
+    "models": (
+        ModelList(
+            models=[
+                ModelView(
+                    name="tiny-llama",
+                    digest="sha256:" + "ab" * 32,
+                    family="llama",
+                    architecture="LlamaForCausalLM",
+                    parameters=45_600,
+                    vocab_size=320,
+                    max_seq_len=128,
+                    tokenizer=True,
+                    chat_template=True,
+                    bytes=190_000,
+                )
+            ]
+        ),
+        [
+            "tiny-llama: sha256:"
+            + "ab" * 32
+            + " (LlamaForCausalLM, 45,600 parameters, vocab 320, context 128, chat template)"
+        ],
+    ),
 }
 
 
@@ -276,7 +338,7 @@ def test_every_api_answer_type_has_a_renderer():
     (mypy's exhaustiveness check on `assert_never` holds the second half)."""
     shown = set(typing.get_args(render.Answer))
     assert {API[verb].answer for verb in API} <= shown
-    assert {render.LoggedOut, render.LogsFollowed} <= shown
+    assert {render.LoggedOut, render.LogsFollowed, render.Downloaded} <= shown
 
 
 @pytest.mark.parametrize("verb", sorted(EXAMPLES))

@@ -26,6 +26,10 @@ VERBS = {
     "approve": ["r", "--idempotency-key", "k"],
     "audit": ["r"],
     "logs": ["r"],
+    "export": ["r"],
+    "download": ["r", "--to", "/tmp/x"],
+    "sample": ["r", "--prompt", "2+2="],
+    "models": [],
 }
 
 
