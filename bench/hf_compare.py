@@ -20,7 +20,10 @@ Same work on both sides: the same starting weights, the same batches in the same
 dataset is the rows ours draws, step after step, read with the sequential sampler), the same batch
 size, maximum length, learning rate, AdamW betas and gradient clipping, fp32 (bf16/fp16 off), no
 gradient checkpointing, no evaluation, no saving, no reporting, no dataloader workers, and the torch
-threads of this one process. The figures say whether the token ids agree (`same_tokens`).
+threads of this one process. Ours starts from the base's HF directory (`PostConfig.init_from`, read
+by checkpoint.load_weights through hf_load), TRL from `from_pretrained` of it. The figures say
+whether the token ids agree (`same_tokens`) and whether the first step's losses do
+(`same_first_loss`: same weights, same batch, same loss).
 
 Timing is as in bench/trainer_steps.py: a step ends when its end-of-step hook runs (our loop's
 "metrics" emit; a TrainerCallback's `on_step_end` for TRL); the durations after warm-up steps, over
@@ -98,75 +101,12 @@ def _read_jsonl(path: pathlib.Path) -> list[dict]:
 
 
 def _optional(module: str) -> Any:
-    """A trainer module another part of issue 25 adds (the HF adapter, loader, exporter), or None
+    """A trainer module another part of issue 25 adds (the HF exporter), or None
     while it is not there: the bench then does the same work itself and says so in its figures."""
     import importlib
     import importlib.util
 
     return importlib.import_module(module) if importlib.util.find_spec(module) else None
-
-
-# --- our model from the base's weights -----------------------------------------------------------
-
-
-def _hf_to_ours(hf: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
-    """The HF checkpoint's tensors under our parameter names (services/trainer/hf_adapter.from_hf
-    when it is there; the same renaming here until then: RoPE needs no permutation)."""
-    adapter = _optional("services.trainer.hf_adapter")
-    if adapter is not None:
-        return dict(adapter.from_hf(hf, shape))
-    names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "mlp_norm",
-        "self_attn.q_proj": "attn.wq",
-        "self_attn.k_proj": "attn.wk",
-        "self_attn.v_proj": "attn.wv",
-        "self_attn.o_proj": "attn.wo",
-        "self_attn.q_norm": "attn.q_norm",
-        "self_attn.k_norm": "attn.k_norm",
-        "mlp.gate_proj": "mlp.w_gate",
-        "mlp.up_proj": "mlp.w_up",
-        "mlp.down_proj": "mlp.w_down",
-    }
-    out = {}
-    for key, value in hf.items():
-        if key == "model.embed_tokens.weight":
-            out["tok_emb.weight"] = value
-        elif key == "model.norm.weight":
-            out["norm.weight"] = value
-        elif key == "lm_head.weight":
-            out["lm_head.weight"] = value
-        else:
-            _, _, i, rest = key.split(".", 3)
-            module, _, leaf = rest.rpartition(".")
-            out[f"blocks.{i}.{names[module]}.{leaf}"] = value
-    if "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["tok_emb.weight"]
-    return out
-
-
-def _init_from(assets: Assets, shape) -> tuple[str, str]:
-    """(PostConfig.init_from, how the weights get there): the base's HF directory itself when the
-    trainer reads HF directories (services/trainer/hf_load.py); until then a step-0 checkpoint of
-    our model with the base's weights, written once here."""
-    if _optional("services.trainer.hf_load") is not None:
-        return str(assets.base), "hf_dir"
-    from safetensors.torch import load_file
-
-    from services.trainer.checkpoint import Checkpointer
-    from services.trainer.model import Transformer
-
-    model = Transformer(shape)
-    state = _hf_to_ours(load_file(str(assets.base / "model.safetensors")), shape)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected, unexpected
-    assert all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing), missing
-    directory = assets.root / "ours-step0"
-    saver = Checkpointer(directory)
-    saver.save(0, model, torch.optim.AdamW(model.parameters()))
-    saver.wait()
-    saver.close()
-    return str(directory), "converted_checkpoint"
 
 
 def _hf_model(assets: Assets):
@@ -317,7 +257,7 @@ def sft(assets: Assets, sizes: Sizes) -> dict:
 
     total = sizes.warmup + sizes.steps
     shape = _shape(assets.base)
-    init_from, init_how = _init_from(assets, shape)
+    init_from = str(assets.base)  # checkpoint.load_weights reads the HF directory (hf_load)
     tok = HfTokenizer.from_dir(assets.base)
     table = _read_jsonl(assets.sft)
     examples = rows.sft_examples(tok, table)
@@ -366,7 +306,8 @@ def sft(assets: Assets, sizes: Sizes) -> dict:
         "tiny HF Llama base",
         **figures,
         "same_tokens": same,
-        "ours_init": init_how,
+        # Same weights and the same first batch: the first losses agree.
+        "same_first_loss": abs(figures["ours_first_loss"] - figures["trl_first_loss"]) < 1e-4,
     }
 
 
@@ -382,7 +323,7 @@ def dpo(assets: Assets, sizes: Sizes) -> dict:
 
     total = sizes.warmup + sizes.steps
     shape = _shape(assets.base)
-    init_from, init_how = _init_from(assets, shape)
+    init_from = str(assets.base)  # checkpoint.load_weights reads the HF directory (hf_load)
     tok = HfTokenizer.from_dir(assets.base)
     table = _read_jsonl(assets.dpo)
     pairs = rows.dpo_pairs(tok, table)
@@ -445,7 +386,8 @@ def dpo(assets: Assets, sizes: Sizes) -> dict:
         "tiny HF Llama base",
         **figures,
         "same_tokens": same,
-        "ours_init": init_how,
+        # Same weights and the same first batch: the first losses agree.
+        "same_first_loss": abs(figures["ours_first_loss"] - figures["trl_first_loss"]) < 1e-4,
         "reference": "computed ahead on both sides (ours: ReferenceLogprobs chunks; TRL: precompute_ref_log_probs)",
     }
 
@@ -467,26 +409,17 @@ def write_corpus(path: pathlib.Path, rows: int) -> int:
 
 
 def _ours_tokenize(corpus: pathlib.Path, base: pathlib.Path, out: pathlib.Path) -> tuple[int, int]:
-    """The JSONL's text column streamed (services/runtime/data_files.iter_batches), tokenized
-    (HfTokenizer.encode_batch, eos after each document) and appended to a uint16 token file, then
-    opened as a memmap: (rows, tokens)."""
-    import numpy as np
-
+    """Data prep's path (services/trainer/token_files.py): the JSONL's text column streamed,
+    tokenized with the base's tokenizer (eos after each document) into sharded, memory-mapped
+    uint16 token files: (rows, tokens)."""
     from contracts.manifest import DataFormat
-    from services.runtime.data_files import iter_batches
+    from services.trainer.token_files import iter_column_documents, write_token_files
     from services.trainer.tokenizer import HfTokenizer
 
     tok = HfTokenizer.from_dir(base)
-    assert tok.vocab_size < 1 << 16
-    n_rows = 0
-    with out.open("wb") as f:
-        for batch in iter_batches(corpus, DataFormat.jsonl, ["text"]):
-            ids = tok.encode_batch([str(r["text"]) for r in batch])
-            flat = [t for doc in ids for t in (*doc, tok.eos_id)]
-            np.asarray(flat, dtype=np.uint16).tofile(f)
-            n_rows += len(batch)
-    tokens = np.memmap(out, dtype=np.uint16, mode="r")
-    return n_rows, int(tokens.shape[0])
+    documents = iter_column_documents(corpus, DataFormat.jsonl)
+    index = write_token_files(out, documents, tok, sources={"corpus": "bench"})
+    return index.documents, index.tokens
 
 
 def _datasets_tokenize(corpus: pathlib.Path, base: pathlib.Path, cache: pathlib.Path) -> tuple[int, int]:
@@ -524,14 +457,14 @@ def tokenization(assets: Assets, sizes: Sizes) -> dict:
             with tempfile.TemporaryDirectory(prefix="ito-bench-tok-", dir=assets.root) as directory:
                 started = time.perf_counter()
                 if side == "ours":
-                    counts[side] = _ours_tokenize(corpus, assets.base, pathlib.Path(directory) / "tokens.bin")
+                    counts[side] = _ours_tokenize(corpus, assets.base, pathlib.Path(directory) / "tokens")
                 else:
                     counts[side] = _datasets_tokenize(corpus, assets.base, pathlib.Path(directory))
                 times[side].append(time.perf_counter() - started)
     ours_s, theirs_s = stats.median(times["ours"]), stats.median(times["datasets"])
     rows, tokens = counts["ours"]
     return {
-        "what": f"{rows:,} JSONL text rows -> uint16 token file, vs datasets.load_dataset('json').map(batched)",
+        "what": f"{rows:,} JSONL text rows -> uint16 token files, vs datasets.load_dataset('json').map(batched)",
         "rows": rows,
         "tokens": tokens,
         "corpus_bytes": size,
@@ -543,7 +476,7 @@ def tokenization(assets: Assets, sizes: Sizes) -> dict:
         "datasets_tokens_per_s": round(counts["datasets"][1] / theirs_s),
         "rate": round(theirs_s / ours_s, 3),
         "same_token_count": counts["ours"] == counts["datasets"],
-        "ours_impl": "data_files.iter_batches + HfTokenizer.encode_batch + uint16 file",
+        "ours_impl": "token_files.write_token_files(iter_column_documents)",
     }
 
 
@@ -564,9 +497,9 @@ def _ours_export(state: dict[str, torch.Tensor], shape, base: pathlib.Path, out:
     from safetensors.torch import save_file
 
     from services.domain.model_shapes import hf_config_from_shape
+    from services.trainer.hf_adapter import to_hf
 
-    ours_to_hf = {v: k for k, v in _hf_names(shape).items()}
-    hf = {ours_to_hf[k]: v.contiguous() for k, v in state.items() if k in ours_to_hf}
+    hf = {k: v.contiguous() for k, v in to_hf(state, shape).items()}
     out.mkdir(parents=True)
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config_from_shape(shape, family="llama"), indent=2))
@@ -575,31 +508,13 @@ def _ours_export(state: dict[str, torch.Tensor], shape, base: pathlib.Path, out:
     return "bench stand-in (safetensors.save_file + config.json; hf_export.py not on main yet)"
 
 
-def _hf_names(shape) -> dict[str, str]:
-    """HF name -> our name, for every HF tensor of the shape."""
-    keys = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    for i in range(shape.n_layer):
-        for part in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        ):
-            keys.append(f"model.layers.{i}.{part}.weight")
-    fake = {k: torch.empty(0) for k in keys}
-    return {hf: ours for hf, ours in zip(keys, _hf_to_ours(fake, shape), strict=True)}
-
-
 def export(assets: Assets, sizes: Sizes) -> dict:
     from safetensors.torch import load_file
 
+    from services.trainer.hf_adapter import from_hf
+
     shape = _shape(assets.base)
-    state = _hf_to_ours(load_file(str(assets.base / "model.safetensors")), shape)
+    state = from_hf(load_file(str(assets.base / "model.safetensors")), shape)
     model = _hf_model(assets)
     hf_tok = _hf_tokenizer(assets)
     times: dict[str, list[float]] = {"ours": [], "save_pretrained": []}

@@ -54,6 +54,7 @@ TARGETS = [
     # their time / ours: >= 1.0 means ours is no slower).
     Target("hf_sft", "rate", ">=", 1.0, "SFT step no slower than trl.SFTTrainer"),
     Target("hf_sft", "same_tokens", "==", True, "both sides train on the same token ids"),
+    Target("hf_sft", "same_first_loss", "==", True, "same weights, same first batch, same loss"),
     Target("hf_dpo", "rate", ">=", 1.0, "DPO step no slower than trl.DPOTrainer"),
     Target("hf_dpo", "same_tokens", "==", True, "both sides train on the same token ids"),
 ]
