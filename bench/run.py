@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from bench import report
 from bench.checkpoint_io import Sizes as CheckpointSizes
+from bench.hf_compare import Sizes as HfSizes
 from bench.trainer_steps import Sizes as TrainerSizes
 
-GROUPS = ("control_plane", "cli", "trainer", "checkpoint")
+GROUPS = ("control_plane", "cli", "trainer", "checkpoint", "hf")
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results.json"
 
 
@@ -41,6 +42,8 @@ class Config:
     checkpoint: CheckpointSizes
     cli_runs: int
     """Launches per CLI figure (median)."""
+    hf: HfSizes
+    """Ours against TRL / datasets / save_pretrained on the tiny HF-format model (bench/hf_compare.py)."""
 
 
 def full() -> Config:
@@ -53,6 +56,7 @@ def full() -> Config:
         trainer=TrainerSizes(steps=40, warmup=5, repeats=8),
         checkpoint=CheckpointSizes(shapes=("tiny", "150M"), repeats=3),  # 150M: ~1.6 GB of state
         cli_runs=9,
+        hf=HfSizes(steps=30, warmup=5, repeats=6, corpus_rows=30_000, export_repeats=5),
     )
 
 
@@ -66,6 +70,7 @@ def quick() -> Config:
         trainer=TrainerSizes(steps=6, warmup=2, repeats=2),
         checkpoint=CheckpointSizes(shapes=("tiny",), repeats=1),
         cli_runs=3,
+        hf=HfSizes(steps=4, warmup=2, repeats=2, corpus_rows=2000, export_repeats=2),
     )
 
 
@@ -175,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         benchmarks |= _measured(
             lambda: checkpoint_io.run_all(cfg.checkpoint), [f"checkpoint_{s}" for s in cfg.checkpoint.shapes]
         )
+    if "hf" in groups:
+        from bench import hf_compare
+
+        benchmarks |= _measured(lambda: hf_compare.run_all(cfg.hf), list(hf_compare.BENCHMARKS))
     report.write(args.out, env, benchmarks)
     report.print_table(env, benchmarks)
     print(f"\nresults: {args.out}")

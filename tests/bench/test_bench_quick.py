@@ -12,7 +12,7 @@ import pytest
 
 from bench.report import HEADLINES, figure
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(540)]  # the fixture runs the whole bench
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 QUICK_BENCHMARKS = {
     "control_plane_latency",
@@ -23,6 +23,10 @@ QUICK_BENCHMARKS = {
     "trainer_dpo",
     "trainer_grpo",
     "checkpoint_tiny",
+    "hf_sft",
+    "hf_dpo",
+    "hf_tokenize",
+    "hf_export",
 }
 ENVIRONMENT_FIELDS = {"mode", "cpu_count", "python", "torch", "git_commit", "infra"}
 
@@ -39,7 +43,7 @@ def results(tmp_path_factory) -> dict:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=480,  # the hf rows (TRL's trainers) add ~1 min on 2 busy cores
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ratio_p50_to_bare_sum" in proc.stdout  # the table was printed
@@ -74,3 +78,5 @@ def test_quick_mode_compares_the_same_training_work(results):
         entry = results["benchmarks"][name]
         if entry["status"] == "ok":
             assert entry["figures"]["same_first_loss"], (name, entry["figures"])
+    for name in ("hf_sft", "hf_dpo"):  # ours and TRL train on the same token ids
+        assert results["benchmarks"][name]["figures"]["same_tokens"], results["benchmarks"][name]
