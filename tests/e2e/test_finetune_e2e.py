@@ -2,7 +2,7 @@
 Hugging Face checkpoint (`ito-training models add`), the account sees it (`ecc ito models`), a
 manifest names it by digest with chat JSONL data (SFT on `messages`, DPO on `prompt` / `chosen` /
 `rejected`, a chat eval split), and `ecc ito train` fine-tunes it to `succeeded`: a Llama on one
-process, a Qwen2 on a 2-rank FSDP2 gang with LoRA SFT. Then `ecc ito export` + `ecc ito download`
+process, a Qwen2 on a 2-rank FSDP2 gang with LoRA SFT then DPO (which starts from the merged model). Then `ecc ito export` + `ecc ito download`
 give a directory that transformers loads with the trainer's logits (max abs diff <= 1e-4 fp32), and
 the LoRA stage's PEFT adapter loads in peft."""
 
@@ -82,7 +82,7 @@ def _export(stack, env, run_id: str, *args: str) -> dict:
     return eventually(ready, timeout=180, what="export ready")
 
 
-def _our_logits(stack, account: str, run_id: str, name: str, manifest_path: pathlib.Path, ids):
+def _our_logits(stack, account: str, run_id: str, name: str, manifest_path: pathlib.Path, ids, stage=None):
     """The trainer's model on the run's last committed checkpoint (as export and sample load it)."""
     import msgspec
     import torch
@@ -94,7 +94,7 @@ def _our_logits(stack, account: str, run_id: str, name: str, manifest_path: path
     manifest = msgspec.json.decode(manifest_path.read_bytes(), type=Manifest)
     base = ModelStore(stack.data_dir / "models").resolve(name, account)
     run_dir = stack.data_dir / "checkpoints" / account / run_id
-    ours, _ = restore.restore_model(restore.locate(run_dir, run_id, manifest, base, None), stack.data_dir)
+    ours, _ = restore.restore_model(restore.locate(run_dir, run_id, manifest, base, stage), stack.data_dir)
     with torch.no_grad():
         logits, _ = ours(ids)
     return logits.float()
@@ -149,7 +149,9 @@ def test_a_llama_fine_tunes_on_chat_jsonl_and_comes_out_for_transformers(stack, 
     assert (theirs - mine).abs().max().item() <= 1e-4
 
 
-def test_a_qwen2_fine_tunes_with_lora_on_a_two_rank_gang_and_its_adapter_loads_in_peft(stack, tmp_path):
+def test_a_qwen2_fine_tunes_with_lora_then_dpo_on_a_two_rank_gang_and_its_adapter_loads_in_peft(
+    stack, tmp_path
+):
     import peft
     import torch
     import transformers
@@ -164,7 +166,8 @@ def test_a_qwen2_fine_tunes_with_lora_on_a_two_rank_gang_and_its_adapter_loads_i
         data,
         resources={"nodes": 1, "gpus_per_node": 2},
         post_training={
-            "recipe": ["sft"],
+            "recipe": ["sft", "dpo"],
+            "dpo": {"steps": 10, "batch_size": 8, "learning_rate": 0.0001, "beta": 0.1, "data": ["prefs"]},
             "sft": {
                 "steps": 20,
                 "batch_size": 8,
@@ -181,7 +184,7 @@ def test_a_qwen2_fine_tunes_with_lora_on_a_two_rank_gang_and_its_adapter_loads_i
     assert final["state"] == "succeeded", final
     assert final["parallelism"]["world_size"] == 2, final["parallelism"]
 
-    view = _export(stack, env, run_id, "--format", "peft")
+    view = _export(stack, env, run_id, "--stage", "sft", "--format", "peft")
     assert {f["path"] for f in view["files"]} >= {"adapter_config.json", "adapter_model.safetensors"}
     out = tmp_path / "adapter"
     rc, done = stack.ecc("download", run_id, "--export", view["export_id"], "--to", str(out), env=env)
@@ -191,5 +194,5 @@ def test_a_qwen2_fine_tunes_with_lora_on_a_two_rank_gang_and_its_adapter_loads_i
     ids = torch.tensor([[1, 85, 91, 85, 2, 201, 1, 67]])
     with torch.no_grad():
         theirs = adapted(ids).logits.float()
-    mine = _our_logits(stack, account, run_id, name, manifest_path, ids)
+    mine = _our_logits(stack, account, run_id, name, manifest_path, ids, stage="sft")
     assert (theirs - mine).abs().max().item() <= 1e-4
