@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 sysdeps:
 	bash .ci/system-deps
 
-# DEMO_ARGS=--keep leaves the stack and the desk's dashboard up at the end (`make down` stops them).
+# DEMO_ARGS=--keep leaves the stack and the desk's dashboard up at the end (`make down` stops them);
+# DEMO_ARGS=--finetune also fine-tunes a tiny HF base model on chat JSONL and exports it.
 DEMO_ARGS ?=
 demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh $(DEMO_ARGS)

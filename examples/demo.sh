@@ -2,13 +2,18 @@
 # The main job, end to end on embedded infra: up (with the desk's dashboard) -> account -> booking
 # -> plan -> confirm -> train -> follow to `succeeded` -> summary -> down. Run it with `make demo`;
 # `make demo DEMO_ARGS=--keep` (or ITO_DEMO_KEEP=1) leaves everything up to look at the dashboard.
+# `make demo DEMO_ARGS=--finetune` then brings a model in and takes it out: a tiny Hugging Face base
+# model into the model store, SFT -> DPO on chat JSONL (examples/manifests/finetune.json), export
+# and download of the result as a directory transformers loads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KEEP="${ITO_DEMO_KEEP:-0}"
+FINETUNE="${ITO_DEMO_FINETUNE:-0}"
 for arg in "$@"; do
   case "$arg" in
     --keep) KEEP=1 ;;
-    *) echo "usage: examples/demo.sh [--keep]" >&2; exit 2 ;;
+    --finetune) FINETUNE=1 ;;
+    *) echo "usage: examples/demo.sh [--keep] [--finetune]" >&2; exit 2 ;;
   esac
 done
 
@@ -83,3 +88,30 @@ for gate in run["gates"]:
         print("    %s %.4f (%s)" % (m["name"], m["value"], bound))
 sys.exit(0 if run["state"] == "succeeded" else 1)
 '
+
+if [ "$FINETUNE" = 1 ]; then
+  ASSETS="$ITO_DATA_DIR/finetune-demo"
+  echo "== 9. bring a model: a tiny Llama checkpoint (HF layout) and chat JSONL, built locally"
+  python examples/finetune_assets.py "$ASSETS" >/dev/null
+  DIGEST=$(ito-training models add "$ASSETS/base" --name tiny-llama --account demo --json | json '["digest"]')
+  python examples/finetune_assets.py "$ASSETS" --revision "$DIGEST" --manifest-out "$ASSETS/finetune.json" >/dev/null
+  ecc ito models
+  FT_MANIFEST="$ASSETS/finetune.json"
+  ecc ito plan --booking "$BOOKING" --manifest "$FT_MANIFEST"
+  REF=$(ecc ito confirm --action train --booking "$BOOKING" --manifest "$FT_MANIFEST" --json | json '["data"]["confirmation_ref"]')
+  FT_RUN=$(ecc ito train --booking "$BOOKING" --manifest "$FT_MANIFEST" --confirmation-ref "$REF" \
+    --idempotency-key "$KEY-ft" --json | json '["data"]["run_id"]')
+  echo "fine-tune run: $FT_RUN"
+  ecc ito status "$FT_RUN" --follow
+  echo "== 10. try it, and take it home"
+  ecc ito sample "$FT_RUN" --prompt "What is 2+3?" --chat --max-new-tokens 4
+  for _ in $(seq 120); do
+    STATE=$(ecc ito export "$FT_RUN" --json | json '["data"]["state"]')
+    [ "$STATE" = ready ] && break
+    [ "$STATE" = failed ] && { ecc ito export "$FT_RUN"; exit 1; }
+    sleep 1
+  done
+  ecc ito export "$FT_RUN"
+  ecc ito download "$FT_RUN" --to "$ASSETS/model-out"
+  echo "   load it: transformers.AutoModelForCausalLM.from_pretrained('$ASSETS/model-out')"
+fi

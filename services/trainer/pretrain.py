@@ -282,7 +282,9 @@ def build_optimizer(model: torch.nn.Module, cfg: StageConfig) -> torch.optim.Ada
 
 
 TOKENS_SOURCE = "tokens:"  # a directory of token files (services/trainer/token_files.py), memory-mapped
-HELD_OUT_CAP_TOKENS = 1 << 22  # held-out tokens read from token files into memory (~4M: 16 MiB as int32)
+# Held-out tokens read from token files into memory: 1M, 4 MiB as int32, far more than the eval's
+# fixed windows read (eval_max_batches x batch_size x seq_len).
+HELD_OUT_CAP_TOKENS = 1 << 20
 
 
 def _token_dir(sources: list[str]) -> Path | None:
@@ -297,7 +299,7 @@ def _token_dir(sources: list[str]) -> Path | None:
 
 def _in_memory(corpus: TokenCorpus) -> torch.Tensor:
     """The first HELD_OUT_CAP_TOKENS tokens of a corpus (held-out windows are read from the start)."""
-    return torch.from_numpy(corpus.read(0, min(len(corpus), HELD_OUT_CAP_TOKENS)).astype("int64"))
+    return torch.from_numpy(corpus.read(0, min(len(corpus), HELD_OUT_CAP_TOKENS)).astype("int32"))
 
 
 def load_stage_data(cfg: StageConfig) -> tuple[torch.Tensor | TokenCorpus, torch.Tensor]:

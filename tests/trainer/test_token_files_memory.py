@@ -88,6 +88,32 @@ CHILD = textwrap.dedent(
     result["resumed_to"] = resumed_pos
     result["resume_exact"] = all(torch.equal(a, b) for a, b in zip(first + rest, whole, strict=True))
     result["batches_differ"] = not torch.equal(whole[0], whole[1])
+
+    # The trainer's own stage on the same token files (a `tokens:` source, memory-mapped): stopped
+    # after 5 steps (a checkpoint of step 5 committed), then resumed to the end, it ends on the
+    # loss an uninterrupted stage ends on.
+    from contracts.models import MODEL_SHAPES
+    from services.trainer.pretrain import StageConfig, train_stage
+    from services.trainer.reporting import Reporter
+
+    def stage(directory, stop_after=None):
+        calls = []
+        def should_stop():
+            calls.append(1)
+            return stop_after is not None and len(calls) > stop_after
+        cfg = StageConfig(
+            stage="pretrain", shape=MODEL_SHAPES["tiny"], train_sources=[f"tokens:{out}"], seq_len=64,
+            batch_size=8, learning_rate=3e-3, steps=12, checkpoint_dir=str(directory),
+            checkpoint_interval=100, device="cpu",
+        )
+        return train_stage(cfg, Reporter(lambda event: None), should_stop)
+
+    straight = stage(out.parent / "straight")
+    stopped = stage(out.parent / "resumed", stop_after=5)
+    resumed = stage(out.parent / "resumed")
+    result["stage_stopped_at"] = stopped.final_step
+    result["stage_resumed_to"] = resumed.final_step
+    result["stage_same_loss"] = resumed.final_loss == straight.final_loss
     # every token once through the maps: all the corpus's pages mapped and read, none of it counted
     corpus = TokenCorpus(out)
     chunk = 4 << 20
@@ -164,3 +190,5 @@ def test_corpus_larger_than_the_memory_limit_trains_and_resumes(tmp_path: Path) 
     assert result["rss_after"] > result["limit"]  # the mapped pages are resident, and not counted
     assert result["vm_data_after"] <= result["limit"]
     assert result["fromfile"].startswith("MemoryError"), result
+    assert result["stage_stopped_at"] == 5 and result["stage_resumed_to"] == 12, result
+    assert result["stage_same_loss"], result
