@@ -253,8 +253,7 @@ class BatchIterator:
         position: int = 0,
         rows: slice = slice(None),
     ):
-        if tokens.dim() != 1:
-            raise ValueError("Tokens must be a 1-D tensor.")
+        self._check_tokens(tokens)
         if len(tokens) < seq_len + 1:
             raise ValueError(
                 f"The data has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}."
@@ -270,12 +269,21 @@ class BatchIterator:
         # draws the same global batch and keeps its slice, so N ranks train on what one would.
         self.rows = rows
 
+    @staticmethod
+    def _check_tokens(tokens: torch.Tensor) -> None:
+        if tokens.dim() != 1:
+            raise ValueError("Tokens must be a 1-D tensor.")
+
+    def _windows(self, starts: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the windows of `seq_len + 1` tokens at `starts`, as int64."""
+        offsets = torch.arange(self.seq_len + 1)
+        return self.tokens[starts[:, None] + offsets[None, :]][self.rows].long()
+
     def batch_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch served at `position`, without moving the iterator."""
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (2**63))
         starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=g)
-        offsets = torch.arange(self.seq_len + 1)
-        windows = self.tokens[starts[:, None] + offsets[None, :]][self.rows].long()
+        windows = self._windows(starts)
         return windows[:, :-1], windows[:, 1:]
 
     def __iter__(self) -> "BatchIterator":

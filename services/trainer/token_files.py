@@ -34,6 +34,7 @@ import torch
 
 from contracts.manifest import DataFormat
 from services.runtime.data_files import ROW_BATCH, iter_batches
+from services.trainer.data import BatchIterator
 from services.trainer.tokenizer import ByteTokenizer, Tokenizer
 
 FORMAT_VERSION = 1
@@ -354,10 +355,10 @@ class TokenCorpus:
         return out
 
 
-class CorpusBatchIterator:
-    """`data.BatchIterator` over a TokenCorpus: random windows of `seq_len + 1` tokens,
-    `batch_size` a batch, this rank's `rows` of them, batch p drawn from a generator seeded by
-    (seed, p) alone, so `position` resumes exactly. Only this rank's windows are read."""
+class CorpusBatchIterator(BatchIterator):
+    """`data.BatchIterator` over a TokenCorpus: the same batches (batch p drawn from a generator
+    seeded by (seed, p) alone, so `position` resumes exactly, this rank's `rows` of them); only this
+    rank's windows are read from the maps."""
 
     def __init__(
         self,
@@ -369,32 +370,23 @@ class CorpusBatchIterator:
         position: int = 0,
         rows: slice = slice(None),
     ):
-        if len(corpus) < seq_len + 1:
-            raise ValueError(
-                f"The data has {len(corpus)} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}."
-            )
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError("seq_len and batch_size must be at least 1.")
+        super().__init__(
+            corpus,  # type: ignore[arg-type]  # a corpus has len() and windows(), all that is read
+            seq_len=seq_len,
+            batch_size=batch_size,
+            seed=seed,
+            position=position,
+            rows=rows,
+        )
         self.corpus = corpus
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.seed = seed
-        self.position = position  # batches served so far; restore it to resume
-        self.rows = rows
 
-    def batch_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (2**63))
-        starts = torch.randint(0, len(self.corpus) - self.seq_len, (self.batch_size,), generator=g)
-        windows = torch.from_numpy(self.corpus.windows(starts[self.rows].numpy(), self.seq_len + 1))
-        return windows[:, :-1], windows[:, 1:]
+    @staticmethod
+    def _check_tokens(tokens: object) -> None:
+        if not isinstance(tokens, TokenCorpus):
+            raise ValueError("A CorpusBatchIterator reads a TokenCorpus.")
 
-    def __iter__(self) -> "CorpusBatchIterator":
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.batch_at(self.position)
-        self.position += 1
-        return batch
+    def _windows(self, starts: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.corpus.windows(starts[self.rows].numpy(), self.seq_len + 1))
 
 
 def corpus_eval_batches(
