@@ -350,6 +350,11 @@ def _post_plans(
                 f"{name} trains on verifiable tasks or on JSONL/Parquet files: name training refs "
                 f"with source {' or '.join(TASK_SOURCES)}, or file: refs in jsonl or parquet."
             )
+        if name == "rlvr" and (any(n in refs.rows for n in data) or not _byte_tokens(manifest)):
+            raise ValueError(
+                "rlvr trains on the generated task refs with the byte tokenizer only, for now: "
+                "JSONL/Parquet prompt/answer rows and a base model's tokenizer are not trained by rlvr yet."
+            )
         _check_gate(name, section.gate, has_tasks=refs.has_tasks, has_held_out=bool(refs.evals))
         plans.append(
             PostPlan(
@@ -357,6 +362,11 @@ def _post_plans(
             )
         )
     return plans
+
+
+def _byte_tokens(manifest: Manifest) -> bool:
+    """Whether the run tokenizes as bytes: a from-scratch run with no tokenizer named, or `bytes`."""
+    return manifest.model.base is None and manifest.model.tokenizer in (None, "bytes")
 
 
 def _ladder_plan(manifest: Manifest, refs: _Refs, lm: list[LmPlan]) -> LadderPlan | None:

@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import pathlib
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,14 @@ from services.trainer.evals import (
 from services.trainer.ladder import LadderDecision, run_ladder
 from services.trainer.loop import pick_device
 from services.trainer.model import Transformer
-from services.trainer.posttrain import PostConfig, PostResult, TokenExample, TokenPair, response_loss
+from services.trainer.posttrain import (
+    PostConfig,
+    PostResult,
+    TokenExample,
+    TokenPair,
+    response_loss,
+    wrong_answer,
+)
 from services.trainer.pretrain import (
     TOKENS_SOURCE,
     StageConfig,
@@ -470,6 +478,9 @@ class _Run:
         ]
         examples: list[TokenExample] = []
         pairs: list[TokenPair] = []
+        if problems and self.tokenizer.id != "bytes":  # task lines through the run's real tokenizer
+            examples, pairs = self._task_tokens(stage, problems)
+            problems = []
         if structured:
             table = [r for name in structured for r in self._rows(name)]
             if isinstance(stage.section, SftStage):
@@ -547,6 +558,26 @@ class _Run:
             "held_out_loss": held,
             "task_accuracy": task_accuracy(model, self._problems(stage.gate.task_samples), self.tokenizer),
         }
+
+    def _task_tokens(
+        self, stage: PostPlan, problems: list[tuple[str, str]]
+    ) -> tuple[list[TokenExample], list[TokenPair]]:
+        """Verifiable tasks as the run's tokenizer encodes them: SFT examples (the answer and its
+        newline learnt), or DPO pairs (the right answer against a nearby wrong one, drawn once per
+        task from the run's seed)."""
+        tok = self.tokenizer
+        if isinstance(stage.section, SftStage):
+            out = []
+            for prompt, answer in problems:
+                p, a = tok.encode(prompt), tok.encode(answer + "\n")
+                out.append((p + a, [0] * len(p) + [1] * len(a)))
+            return out, []
+        rng = random.Random(f"{stage.name}:{self.manifest.seed}:pairs")
+        pairs = [
+            (tok.encode(p), tok.encode(a + "\n"), tok.encode(wrong_answer(a, rng) + "\n"))
+            for p, a in problems
+        ]
+        return [], pairs
 
     def _rows(self, name: str) -> list[rows.Row]:
         """A JSONL / Parquet ref's rows: the prepared file's once data prep ran, else the original."""
