@@ -324,6 +324,11 @@ def merge_state_dict(state: Mapping[str, torch.Tensor], cfg: Lora) -> dict[str, 
     return merged
 
 
+MERGED_DIR = "merged"
+"""Beside a LoRA stage's own (adapter-only) checkpoints: its adapters merged into its base, as a
+whole-model checkpoint; what the next stage starts from and what a restore of it reads."""
+
+
 def write_merged_checkpoint(model: nn.Module, cfg: Lora, directory: Path, step: int) -> None:
     """The adapted model, merged, as a whole-model committed checkpoint in `directory` (not the
     stage's own, which holds adapters alone): what a following stage's `init_from`, or any code

@@ -87,7 +87,7 @@ from services.trainer.token_files import iter_source_documents, write_token_file
 from services.trainer.tokenizer import Tokenizer, load_tokenizer
 
 GATE_RECORD = "GATE.json"
-MERGED = "merged"  # a LoRA stage's adapters merged into its base: the next stage's starting weights
+MERGED = lora.MERGED_DIR  # a LoRA stage's adapters merged into its base: the next stage's start
 PROVENANCE_RECORD = "provenance.json"
 EVAL_MAX_BATCHES = 8  # held-out loss of post-training stages: the same windows as the LM stages
 TrainLm = Callable[[StageConfig, Reporter, Callable[[], bool]], StageResult]

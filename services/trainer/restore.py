@@ -125,7 +125,7 @@ def locate(
         stage=plan.stages[names.index(chosen)],
         checkpoint=committed[chosen][-1],
         stage_dir=run_dir / chosen,
-        incoming_dir=run_dir / earlier[-1] if earlier else None,
+        incoming_dir=_whole_weights(run_dir / earlier[-1]) if earlier else None,
     )
 
 
@@ -142,6 +142,13 @@ def store_dir(data_dir: pathlib.Path, digest: str) -> pathlib.Path:
     if not path.is_dir():
         raise Unavailable(f"the model store has no entry {digest}")
     return path
+
+
+def _whole_weights(stage_dir: pathlib.Path) -> pathlib.Path:
+    """Where a stage's whole model is: a LoRA stage's merged checkpoint (its own holds adapters
+    alone), else the stage's own checkpoints."""
+    merged = stage_dir / "merged"  # services/trainer/lora.py MERGED_DIR
+    return merged if list_checkpoints(merged) else stage_dir
 
 
 def _load_incoming(model: torch.nn.Module, src: StageSource, data_dir: pathlib.Path) -> None:
