@@ -75,6 +75,9 @@ def write_base_model(directory: pathlib.Path, family: str = "llama", seed: int =
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a demo's output, not a progress bar per shard
 
     write_tokenizer(directory)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
