@@ -14,6 +14,18 @@ from ecc.verb_help import OPTION_HELP, VERB_HELP
 CONNECT_TIMEOUT_HELP = f"seconds to wait for the connection (default {DEFAULT_CONNECT_TIMEOUT_S:g})"
 TIMEOUT_HELP = f"overall seconds for the call (default {DEFAULT_TIMEOUT_S:g})"
 CONFIRM_ACTIONS = ["train", "cancel", "cleanup", "release_booking", "restart_from_checkpoint"]
+RUN_STATES = [  # contracts.states.RunState's values, spelled here: `--help` imports no contract
+    "accepted",
+    "queued",
+    "running",
+    "interrupted",
+    "awaiting_approval",
+    "cancelling",
+    "succeeded",
+    "failed",
+    "gate_failed",
+    "cancelled",
+]
 
 Verbs = argparse._SubParsersAction  # what `add_subparsers` returns; argparse names no public type
 
@@ -59,7 +71,13 @@ def _creation_verbs(verbs: Verbs) -> None:
 
 
 def _view_verbs(verbs: Verbs) -> None:
-    """Reads of one run's progress: status, metrics, checkpoints, evals."""
+    """Reads of your runs and of one run's progress: runs, status, metrics, checkpoints, evals."""
+    p = verbs.add_parser("runs", help=VERB_HELP["runs"])
+    p.add_argument("--state", choices=RUN_STATES, help=OPTION_HELP["runs"]["state"])
+    p.add_argument("--booking", help=OPTION_HELP["runs"]["booking_id"])
+    p.add_argument("--limit", type=int, help=OPTION_HELP["runs"]["limit"])
+    p.add_argument("--cursor", help=OPTION_HELP["runs"]["cursor"])
+    _common(p)
     p = verbs.add_parser("status", help=VERB_HELP["status"])
     p.add_argument("run", nargs="?")
     p.add_argument("--idempotency-key", help=OPTION_HELP["status"]["idempotency_key"])
