@@ -32,6 +32,10 @@ class Action(enum.StrEnum):
     restart_from_checkpoint = "restart_from_checkpoint"
 
 
+BOOKING_ACTIONS: frozenset[Action] = frozenset({Action.train, Action.release_booking})
+"""The actions whose confirmation targets a booking; the others target one of the account's runs."""
+
+
 DOWNLOAD_CHUNK_MAX = 512 * 1024  # bytes per download chunk: well under NATS's 1 MiB payload once base64
 RUNS_PAGE_DEFAULT = 20  # runs in one `ecc ito runs` page: a screenful
 RUNS_PAGE_MAX = 100  # a summary is ~0.5 KB: a full page stays far under NATS's 1 MiB payload

@@ -6,6 +6,7 @@ lists the verbs; every help string comes from `ecc.verb_help`, which the MCP too
 """
 
 import argparse
+import os
 import sys
 
 from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
@@ -193,7 +194,32 @@ def _agents_door(groups: Verbs) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help=TIMEOUT_HELP)
 
 
+PIPE_CLOSED = 1
+"""The exit status when the reader of stdout went away (`ecc ito audit RUN | head -1`): not 0, since
+not everything was shown (an ok answer is the only 0), and no traceback: the reader chose to stop."""
+
+
+def _quiet_pipe_close() -> int:
+    """Stdout's reader is gone: point stdout at /dev/null, so that the interpreter's last flush at
+    exit has nowhere to fail (it would print `Exception ignored ... BrokenPipeError`), and stop."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return PIPE_CLOSED
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            status = _main(argv)
+        finally:  # `--help` exits too: a reader that left is noticed here, not at the interpreter's exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _quiet_pipe_close()
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     if args.group == "mcp":  # the SDK loads only here (~0.7 s): never for `ecc ito` or `--help`
         from ecc import mcp_server

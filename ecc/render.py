@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, assert_never
 import msgspec
 
 from contracts.api import (
-    Action,
+    BOOKING_ACTIONS,
     AuthInfo,
     BookingView,
     CleanupResult,
@@ -204,10 +204,6 @@ def _bookings(views: list[BookingView]) -> str:
             f"{b.fabric}, {b.region}, until {_when(b.window_end)} ({allows})"
         )
     return "\n".join(rows) or "(no bookings)"
-
-
-BOOKING_ACTIONS = frozenset({Action.train, Action.release_booking})
-"""The actions whose confirmation names a booking; the others name one of the account's runs."""
 
 
 def _usd(amount: float) -> str:

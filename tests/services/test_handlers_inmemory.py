@@ -376,3 +376,28 @@ async def test_runs_lists_the_callers_own_runs_newest_first_in_pages(bus):
     for bad in (RunsRequest(cursor="not-a-cursor"), RunsRequest(cursor="nan:run_x"), RunsRequest(limit=0)):
         assert code(await call(bus, subjects.API_RUNS, bad)) is ErrorCode.request_invalid
     assert code(await call(bus, subjects.API_RUNS, RunsRequest(), "nobody")) is ErrorCode.unauthenticated
+
+
+async def test_a_confirmation_for_another_action_says_so_and_how_to_get_the_right_one(bus):
+    """Cancelling with the run's (consumed) train confirmation is `confirmation_action_mismatch`,
+    naming both actions and the command, not `confirmation_consumed ... confirm again`; nothing
+    changes, and the right confirmation then cancels the run."""
+    await login(bus)
+    train, run = await confirmed_run(bus, "b7", "k1")
+    cancel = CancelRequest(run_id=run.run_id, idempotency_key="c1", confirmation_ref=train.confirmation_ref)
+    out = await call(bus, subjects.API_CANCEL, cancel)
+    assert code(out) is ErrorCode.confirmation_action_mismatch
+    assert out.error is not None and out.error.message == (
+        "this confirmation is for action train, not cancel: get one for cancel with "
+        f"`ecc ito confirm --action cancel --run {run.run_id}`"
+    )
+    assert (
+        data(await call(bus, subjects.API_STATUS, StatusRequest(run_id=run.run_id)), RunView).state
+        is run.state
+    )
+    issued = data(
+        await call(bus, subjects.API_CONFIRM, ConfirmRequest(action=Action.cancel, run_id=run.run_id)),
+        ConfirmationIssued,
+    )
+    right = msgspec.structs.replace(cancel, confirmation_ref=issued.confirmation_ref)
+    assert data(await call(bus, subjects.API_CANCEL, right), MutationResult).state is RunState.cancelled
