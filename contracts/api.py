@@ -32,7 +32,13 @@ class Action(enum.StrEnum):
     restart_from_checkpoint = "restart_from_checkpoint"
 
 
+BOOKING_ACTIONS: frozenset[Action] = frozenset({Action.train, Action.release_booking})
+"""The actions whose confirmation targets a booking; the others target one of the account's runs."""
+
+
 DOWNLOAD_CHUNK_MAX = 512 * 1024  # bytes per download chunk: well under NATS's 1 MiB payload once base64
+RUNS_PAGE_DEFAULT = 20  # runs in one `ecc ito runs` page: a screenful
+RUNS_PAGE_MAX = 100  # a summary is ~0.5 KB: a full page stays far under NATS's 1 MiB payload
 
 # --- requests ---
 
@@ -75,6 +81,16 @@ class StatusRequest(Contract, frozen=True, kw_only=True):
     credential: Credential | None = None  # optional: the account comes from the authenticated subject
     run_id: str | None = None
     idempotency_key: str | None = None
+
+
+class RunsRequest(Contract, frozen=True, kw_only=True):
+    """`ecc ito runs`: the caller's own runs, newest first, one page at a time."""
+
+    credential: Credential | None = None  # optional: the account comes from the authenticated subject
+    state: RunState | None = None  # only runs in this state
+    booking_id: str | None = None  # only runs on this booking
+    limit: Annotated[int, msgspec.Meta(ge=1, le=RUNS_PAGE_MAX)] = RUNS_PAGE_DEFAULT
+    cursor: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # the previous page's `next`
 
 
 class LogsRequest(Contract, frozen=True, kw_only=True):
@@ -209,6 +225,33 @@ class RunView(Internal, frozen=True, kw_only=True):
     # Requeues for a gang lost past its launcher's restarts (this count, not JetStream's deliveries,
     # is what ITO_GANG_MAX_REQUEUES bounds: a redelivery for a lost agent or a fence costs nothing).
     gang_requeues: int = 0
+
+
+class RunSummary(Internal, frozen=True, kw_only=True):
+    """One line of `ecc ito runs`: a run's identifiers, state and progress (`status` has the rest)."""
+
+    run_id: str
+    state: RunState
+    booking_id: str
+    manifest_digest: str
+    idempotency_key: str
+    created_at: datetime
+    updated_at: datetime
+    stage: str | None = None
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    estimate_usd: float | None = None  # the plan's total, when the run has one
+    message: str | None = None
+
+
+class RunList(Internal, frozen=True, kw_only=True):
+    """A page of the caller's runs, newest first. `next`: pass it as `cursor` for the page after
+    (None: there are no more). A filtered page may hold fewer than `limit` runs and still have a
+    `next`: the scheduler reads a bounded number of runs per request."""
+
+    runs: list[RunSummary]
+    next: str | None = None
 
 
 def accepted(view: RunView, replay: bool = False) -> RunAccepted:

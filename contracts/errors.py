@@ -64,6 +64,10 @@ class ErrorCode(enum.StrEnum):
     # Added with exports: the run (or stage) has no committed checkpoint to export or sample, or the
     # export asked for is not (yet) there.
     export_not_found = "export_not_found"
+    # Added with the runs list and clearer refusals: a confirmation made for another action (a train
+    # one given to cancel, a cleanup one as the release one). The message names both actions and the
+    # `ecc ito confirm` command that makes the right one; nothing is consumed.
+    confirmation_action_mismatch = "confirmation_action_mismatch"
 
 
 class ApiError(Internal, frozen=True, kw_only=True):

@@ -13,6 +13,7 @@ API_PLAN = "v1.api.plan"
 API_CONFIRM = "v1.api.confirm"
 API_TRAIN = "v1.api.train"
 API_STATUS = "v1.api.status"
+API_RUNS = "v1.api.runs"  # the caller's own runs, newest first, paged
 API_LOGS = "v1.api.logs"
 API_AUDIT = "v1.api.audit"
 API_METRICS = "v1.api.metrics"

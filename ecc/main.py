@@ -6,6 +6,7 @@ lists the verbs; every help string comes from `ecc.verb_help`, which the MCP too
 """
 
 import argparse
+import os
 import sys
 
 from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
@@ -14,6 +15,18 @@ from ecc.verb_help import OPTION_HELP, VERB_HELP
 CONNECT_TIMEOUT_HELP = f"seconds to wait for the connection (default {DEFAULT_CONNECT_TIMEOUT_S:g})"
 TIMEOUT_HELP = f"overall seconds for the call (default {DEFAULT_TIMEOUT_S:g})"
 CONFIRM_ACTIONS = ["train", "cancel", "cleanup", "release_booking", "restart_from_checkpoint"]
+RUN_STATES = [  # contracts.states.RunState's values, spelled here: `--help` imports no contract
+    "accepted",
+    "queued",
+    "running",
+    "interrupted",
+    "awaiting_approval",
+    "cancelling",
+    "succeeded",
+    "failed",
+    "gate_failed",
+    "cancelled",
+]
 
 Verbs = argparse._SubParsersAction  # what `add_subparsers` returns; argparse names no public type
 
@@ -59,7 +72,13 @@ def _creation_verbs(verbs: Verbs) -> None:
 
 
 def _view_verbs(verbs: Verbs) -> None:
-    """Reads of one run's progress: status, metrics, checkpoints, evals."""
+    """Reads of your runs and of one run's progress: runs, status, metrics, checkpoints, evals."""
+    p = verbs.add_parser("runs", help=VERB_HELP["runs"])
+    p.add_argument("--state", choices=RUN_STATES, help=OPTION_HELP["runs"]["state"])
+    p.add_argument("--booking", help=OPTION_HELP["runs"]["booking_id"])
+    p.add_argument("--limit", type=int, help=OPTION_HELP["runs"]["limit"])
+    p.add_argument("--cursor", help=OPTION_HELP["runs"]["cursor"])
+    _common(p)
     p = verbs.add_parser("status", help=VERB_HELP["status"])
     p.add_argument("run", nargs="?")
     p.add_argument("--idempotency-key", help=OPTION_HELP["status"]["idempotency_key"])
@@ -175,7 +194,32 @@ def _agents_door(groups: Verbs) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help=TIMEOUT_HELP)
 
 
+PIPE_CLOSED = 1
+"""The exit status when the reader of stdout went away (`ecc ito audit RUN | head -1`): not 0, since
+not everything was shown (an ok answer is the only 0), and no traceback: the reader chose to stop."""
+
+
+def _quiet_pipe_close() -> int:
+    """Stdout's reader is gone: point stdout at /dev/null, so that the interpreter's last flush at
+    exit has nowhere to fail (it would print `Exception ignored ... BrokenPipeError`), and stop."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return PIPE_CLOSED
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            status = _main(argv)
+        finally:  # `--help` exits too: a reader that left is noticed here, not at the interpreter's exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _quiet_pipe_close()
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     if args.group == "mcp":  # the SDK loads only here (~0.7 s): never for `ecc ito` or `--help`
         from ecc import mcp_server

@@ -11,14 +11,16 @@ run's bars (ecc/progress.py, the only module that loads rich) and each stage's l
 
 import argparse
 import asyncio
+import math
 import sys
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, assert_never
 
 import msgspec
 
 from contracts.api import (
+    BOOKING_ACTIONS,
     AuthInfo,
     BookingView,
     CleanupResult,
@@ -34,6 +36,8 @@ from contracts.api import (
     MutationResult,
     Plan,
     RunAccepted,
+    RunList,
+    RunSummary,
     RunView,
     SampleResult,
     StatusRequest,
@@ -89,6 +93,7 @@ Answer = (
     | ConfirmationIssued
     | RunAccepted
     | RunView
+    | RunList
     | LogPage
     | AuditTrail
     | MetricsPage
@@ -131,11 +136,13 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
         case Plan():
             return _plan(answer)
         case ConfirmationIssued():
-            return f"confirmation_ref: {answer.confirmation_ref} (expires {_when(answer.expires_at)})"
+            return _confirmation(answer)
         case RunAccepted() | MutationResult():
             return f"run {answer.run_id}: {answer.state}"
         case RunView():
             return _run(answer)
+        case RunList():
+            return _runs(answer)
         case LogPage():
             return "\n".join(_line(ln) for ln in answer.lines) or "(no lines)"
         case AuditTrail():
@@ -197,6 +204,65 @@ def _bookings(views: list[BookingView]) -> str:
             f"{b.fabric}, {b.region}, until {_when(b.window_end)} ({allows})"
         )
     return "\n".join(rows) or "(no bookings)"
+
+
+def _usd(amount: float) -> str:
+    """Dollars to the cent, or to two significant digits below a cent (a tiny run costs 0.00018 USD,
+    not 0.00)."""
+    if amount >= 0.01 or amount <= 0:
+        return f"{amount:.2f} USD"
+    digits = min(12, 1 - math.floor(math.log10(amount)))
+    return f"{amount:.{digits}f} USD"
+
+
+def _confirmation(issued: ConfirmationIssued) -> str:
+    """What the person just authorised, every bound of it: the reference, then the action and its
+    target, the manifest (by digest) and the most it may cost, where bound, and when it expires."""
+    target = "booking" if issued.action in BOOKING_ACTIONS else "run"
+    rows = [
+        f"confirmation_ref: {issued.confirmation_ref}",
+        f"  authorises: {issued.action.value} on {target} {issued.target}, once",
+    ]
+    if issued.manifest_digest:
+        rows.append(f"  manifest: sha256 {issued.manifest_digest}")
+    if issued.max_cost_usd is not None:
+        rows.append(f"  cost bound: at most {_usd(issued.max_cost_usd)}")
+    rows.append(f"  expires: {_when(issued.expires_at)}")
+    return "\n".join(rows)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns as wide as their widest cell, two spaces apart; the last one unpadded."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]
+    ]
+
+
+def _run_row(run: RunSummary) -> list[str]:
+    progress = f"{run.step}/{run.total_steps}" if run.total_steps else "-"
+    loss = "-" if run.loss is None else f"{run.loss:.4f}"
+    cost = "-" if run.estimate_usd is None else _usd(run.estimate_usd).removesuffix(" USD")
+    return [
+        run.run_id,
+        str(run.state),
+        run.booking_id,
+        run.stage or "-",
+        progress,
+        loss,
+        cost,
+        f"{run.created_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}",
+        run.idempotency_key,
+    ]
+
+
+def _runs(page: RunList) -> str:
+    """One row per run, newest first, then where the next page starts when there is one."""
+    header = ["RUN", "STATE", "BOOKING", "STAGE", "STEP", "LOSS", "EST USD", "CREATED (UTC)", "KEY"]
+    rows = _table(header, [_run_row(r) for r in page.runs]) if page.runs else ["(no runs)"]
+    if page.next is not None:
+        rows.append(f"more: the same command with --cursor {page.next}")
+    return "\n".join(rows)
 
 
 def _run(view: RunView) -> str:

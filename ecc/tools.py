@@ -83,6 +83,8 @@ AGENT_NOTES: dict[str, str] = {
     "plan": "Creates nothing and spends nothing: show the plan, its checks and its cost to your "
     "person, who confirms it. manifest: an absolute path on this machine.",
     "train": "manifest: the same absolute path the person confirmed. " + MUTATION_NOTE,
+    "runs": "Your account's runs only, newest first. Pages: pass the answer's next as cursor for the "
+    "older ones (next null: no more); a filtered page may be short and still have a next.",
     "status": "By run_id, or by the idempotency_key a train was sent with (how a transport_ambiguous "
     "train is resolved).",
     "wait": f"Polls status every {POLL_EVERY_S:g} s until the run ends (succeeded, failed, gate_failed, "
@@ -158,6 +160,7 @@ TOOLS: dict[str, Tool] = {
         _tool("find", reads_manifest=False),
         _tool("plan", reads_manifest=True),
         _tool("train", reads_manifest=True, mutation=True),
+        _tool("runs", reads_manifest=False),
         _tool("status", reads_manifest=False),
         _tool("wait", "status", reads_manifest=False),
         _tool("logs", reads_manifest=False),
@@ -257,7 +260,7 @@ def decode(tool: Tool, arguments: dict[str, Any]) -> tuple[Any, str | None] | En
         fields["manifest_text"], fields["manifest_digest"] = read
     try:
         return msgspec.convert(fields, tool.request), path
-    except msgspec.ValidationError as exc:  # names the field and the type it wants (no tool takes an enum, whose error would quote the value)
+    except msgspec.ValidationError as exc:  # names the field and the type it wants; an enum's (runs' state) quotes the agent's own value back, and `guarded` withholds a key
         return _invalid(f"invalid arguments: {exc}")
 
 

@@ -13,6 +13,7 @@ VERB_HELP: dict[str, str] = {
     "plan": "plan a run on a booking; creates nothing",
     "confirm": "confirm an action; returns an opaque confirmation_ref",
     "train": "create a training run (needs a confirmation and an idempotency key)",
+    "runs": "list your runs, newest first (a page at a time; --cursor with the last page's next)",
     "status": "a run's state, by run id or by idempotency key",
     "metrics": "a run's per-step metrics",
     "checkpoints": "a run's committed checkpoints (step, size, loop stall)",
@@ -36,6 +37,12 @@ VERB_HELP: dict[str, str] = {
 OPTION_HELP: dict[str, dict[str, str]] = {
     "plan": {"manifest": "absolute path of the reviewed manifest"},
     "confirm": {"max_cost": "the most you confirm to spend, in USD (default: the plan's estimate)"},
+    "runs": {
+        "state": "only runs in this state",
+        "booking_id": "only runs on this booking",
+        "limit": "the most runs in one page (1-100, default 20)",
+        "cursor": "the next of the page before, to read the runs after it (default: from the newest)",
+    },
     "status": {
         "follow": "follow until the run ends",
         "idempotency_key": "the idempotency key the run's train was sent with",

@@ -31,6 +31,7 @@ from contracts.api import (
     PlanRequest,
     RunAccepted,
     RunItemsRequest,
+    RunsRequest,
     RunView,
     SampleRequest,
     StatusRequest,
@@ -248,6 +249,15 @@ def _status(args: argparse.Namespace) -> Envelope[Any]:
     return _run("status", req, args)
 
 
+def _runs(args: argparse.Namespace) -> Envelope[Any]:
+    fields = {"state": args.state, "booking_id": args.booking, "limit": args.limit, "cursor": args.cursor}
+    try:  # the contract's bounds (limit 1-100), checked here before anything is sent
+        req = msgspec.convert({k: v for k, v in fields.items() if v is not None}, RunsRequest)
+    except msgspec.ValidationError as exc:
+        return local_error(ErrorCode.request_invalid, f"invalid arguments: {exc}")
+    return _run("runs", req, args)
+
+
 CHART_PAGES = 20  # a terminal's sparkline reads up to 20 pages (20,000 points): a long run's curve, bounded
 
 
@@ -370,6 +380,7 @@ LOGGED_IN: dict[str, Verb] = {
     "plan": _plan,
     "train": _train,
     "confirm": _confirm,
+    "runs": _runs,
     "status": _status,
     "metrics": _metrics,
     "checkpoints": _checkpoints,

@@ -10,10 +10,11 @@ never disagree on what a binding is, nor in which order it is checked.
 """
 
 import enum
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from contracts.api import Action
+from contracts.api import BOOKING_ACTIONS, Action
 from contracts.errors import ErrorCode
 
 FIELDS = ("account", "action", "target", "digest", "max_cost", "expires_at", "consumed")
@@ -97,10 +98,13 @@ class Rule:
 
 
 RULES: tuple[Rule, ...] = (  # checked in this order, the first failing one answers
+    # The account first, so another account learns nothing about the record. The action next: a
+    # confirmation for another action is the wrong one whatever became of it, and `confirm again`
+    # (consumed, expired) would send the person back for the same wrong one.
     Rule(Reason.account, lambda s, w, now: s.account != w.account, "c.account ~= want.account"),
+    Rule(Reason.action, lambda s, w, now: s.action != w.action, "c.action ~= want.action"),
     Rule(Reason.consumed, lambda s, w, now: s.consumed, "c.consumed == '1'"),
     Rule(Reason.expired, lambda s, w, now: now >= s.expires_at, "now >= tonumber(c.expires_at)"),
-    Rule(Reason.action, lambda s, w, now: s.action != w.action, "c.action ~= want.action"),
     Rule(Reason.target, lambda s, w, now: s.target != w.target, "c.target ~= want.target"),
     Rule(
         Reason.digest,
@@ -119,7 +123,7 @@ CODES: dict[Reason, ErrorCode] = {
     Reason.account: ErrorCode.confirmation_mismatch,
     Reason.consumed: ErrorCode.confirmation_consumed,
     Reason.expired: ErrorCode.confirmation_expired,
-    Reason.action: ErrorCode.confirmation_mismatch,
+    Reason.action: ErrorCode.confirmation_action_mismatch,
     Reason.target: ErrorCode.confirmation_mismatch,
     Reason.digest: ErrorCode.manifest_digest_mismatch,
     Reason.cost: ErrorCode.confirmation_mismatch,
@@ -143,8 +147,10 @@ def refusal(reason: Reason, stored: Stored | None, wanted: Wanted) -> tuple[Erro
         case Reason.expired:
             message = "this confirmation expired; confirm again"
         case Reason.action:
-            message = "this confirmation is for " + (
-                f"action {stored.action.value}" if stored is not None else "another action"
+            made_for = f"action {stored.action.value}" if stored is not None else "another action"
+            message = (
+                f"this confirmation is for {made_for}, not {wanted.action.value}: get one for "
+                f"{wanted.action.value} with `{confirm_command(wanted.action, wanted.target)}`"
             )
         case Reason.target:
             message = "this confirmation is for another target"
@@ -156,6 +162,16 @@ def refusal(reason: Reason, stored: Stored | None, wanted: Wanted) -> tuple[Erro
                 f"the estimated cost {wanted.cost or 0.0:.2f} USD is above the confirmed {confirmed:.2f} USD"
             )
     return CODES[reason], message
+
+
+def confirm_command(action: Action, target: str) -> str:
+    """The `ecc ito confirm` command that makes a confirmation for `action` on `target` (a train's
+    manifest is the person's own path, named by a placeholder); no secret is in it."""
+    words = ["ecc", "ito", "confirm", "--action", action.value]
+    words += ["--booking" if action in BOOKING_ACTIONS else "--run", shlex.quote(target)]
+    if action is Action.train:
+        words += ["--manifest", "MANIFEST"]
+    return " ".join(words)
 
 
 def lua_checks() -> str:

@@ -247,14 +247,15 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
             return (
                 (
                     f"{acct}:run:*",
-                    f"{acct}:runs",
+                    f"{acct}:runs",  # one account's runs by creation time: the tenant's `runs` list
                     f"{ns}:run-owner:*",
                     f"{ns}:leased:*",
                     f"{ns}:leased",  # the lease index before it was split: read and released only
                     f"{ns}:apikeys:*",
                     f"{ns}:run-index:*",  # every run by creation time, split in shards: the desk's list
                 ),
-                "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +zrevrange +rpush +ltrim +llen +lrange "
+                "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +zrevrange +zrevrangebyscore "
+                "+rpush +ltrim +llen +lrange "
                 f"+multi +exec +discard {scripts}",
             )
         case "ledger":

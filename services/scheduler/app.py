@@ -32,6 +32,7 @@ from services.scheduler.desk import DeskReads
 from services.scheduler.events import RunEvents
 from services.scheduler.exports import Outputs
 from services.scheduler.handoff import Handoff
+from services.scheduler.listing import RunListing
 from services.scheduler.mutations import Mutations
 from services.scheduler.store import RunRecords, RunStore
 
@@ -51,6 +52,7 @@ ROUTES = {  # API verb -> Api method name (contracts/endpoints.py: the verb's su
 }
 MUTATIONS = ("cancel", "cleanup", "approve")  # API verbs Mutations serves
 OUTPUTS = ("export", "download", "sample")  # API verbs Outputs serves (no confirmation: they spend nothing)
+LISTS = ("runs",)  # API verbs RunListing serves: the caller's own runs
 
 
 def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials | None = None) -> None:
@@ -79,11 +81,13 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
 
     mutations = Mutations(credentials, backends, runs)
     outputs = Outputs(credentials, backends, runs)
+    listing = RunListing(credentials, runs)
     serve_tenant_requests(
         w,
         [(endpoints.API[verb], getattr(api, method)) for verb, method in ROUTES.items()]
         + [(endpoints.API[verb], getattr(mutations, verb)) for verb in MUTATIONS]
-        + [(endpoints.API[verb], getattr(outputs, verb)) for verb in OUTPUTS],
+        + [(endpoints.API[verb], getattr(outputs, verb)) for verb in OUTPUTS]
+        + [(endpoints.API[verb], getattr(listing, verb)) for verb in LISTS],
     )
     # Only trainers may publish lease queries (NATS permissions); the answer is checked against the run.
     serve_requests(w, [(endpoints.RUN_LEASE, liveness.Heartbeats(runs).heartbeat)], signed=False)

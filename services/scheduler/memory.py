@@ -20,6 +20,7 @@ from services.scheduler.store import (
     MAX_METRIC_POINTS,
     MAX_STATE_RECORDS,
     LeaseHeld,
+    Position,
     in_order,
     lease_decision,
     state_record,
@@ -199,3 +200,13 @@ class InMemoryRuns:
 
     async def newest(self, limit: int) -> list[RunView]:
         return sorted(self.views.values(), key=lambda v: v.created_at, reverse=True)[:limit]
+
+    async def account_runs(
+        self, account: str, after: Position | None, count: int
+    ) -> list[tuple[Position, RunView | None]]:
+        """The account's runs as RunStore reads its index: newest first, ties by run id descending."""
+        mine: list[tuple[Position, RunView | None]] = [
+            ((v.created_at.timestamp(), v.run_id), v) for (a, _), v in self.views.items() if a == account
+        ]
+        mine.sort(key=lambda entry: entry[0], reverse=True)
+        return [(position, view) for position, view in mine if after is None or position < after][:count]

@@ -1,4 +1,4 @@
-"""Redis access for runs: the run view, its logs, metrics and checkpoints, and the owner index.
+"""Redis access for runs: the run view, its logs, metrics and checkpoints, and the run indexes.
 
 A run view changes only through `move()` (its state, by `lifecycle.move`: the one writer of that
 fact) and `update()` (anything but its state: `lifecycle.NotAMove` otherwise), both an optimistic
@@ -45,6 +45,11 @@ def in_order(epoch: int, seq: int, last_epoch: int, last_seq: int) -> bool:
     if epoch != last_epoch:
         return epoch > last_epoch and seq <= MAX_SEQ_GAP
     return last_seq < seq <= last_seq + MAX_SEQ_GAP
+
+
+Position = tuple[float, str]
+"""Where a run stands in its account's index: (creation time in epoch seconds, run id). The index
+is ordered newest first by time, then by run id (descending) among runs created at the same time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +150,9 @@ class RunRecords(Runs, Protocol):
     async def interruptions(self, account: str, run_id: str) -> list[dict[str, Any]]: ...
     async def states(self, account: str, run_id: str) -> list[StateRecord]: ...
     async def newest(self, limit: int) -> list[RunView]: ...
+    async def account_runs(
+        self, account: str, after: Position | None, count: int
+    ) -> list[tuple[Position, RunView | None]]: ...
 
 
 CAS_FIELDS = ("view", "last_seq", "last_epoch", "lease_epoch")
@@ -454,3 +462,37 @@ class RunStore:
                 pipe.hget(self.keys.run(account, run_id), "view")
             raws = await pipe.execute()
         return [_view_decoder.decode(raw) for raw in raws if raw is not None]
+
+    # --- the tenant's read: one account's runs ---
+
+    async def account_runs(
+        self, account: str, after: Position | None, count: int
+    ) -> list[tuple[Position, RunView | None]]:
+        """Up to `count` of the account's runs after `after` (None: from the newest), newest first,
+        each with its view (None if the view is gone). Read from the account's own index (`<ns>:
+        {<account>}:runs`, written beside the view when the run is created, since the first
+        version of the store), so no other account's run is ever read. After a position: the runs
+        created at the same instant with a smaller run id, then the older ones."""
+        key = self.keys.runs(account)
+        async with self.r.pipeline(transaction=False) as pipe:
+            if after is None:
+                pipe.zrevrange(key, 0, count - 1, withscores=True)
+            else:
+                at, run_id = after
+                pipe.zrevrangebyscore(key, repr(at), repr(at), withscores=True)  # the same instant
+                pipe.zrevrangebyscore(key, f"({at!r}", "-inf", start=0, num=count, withscores=True)
+            ranges = await pipe.execute()
+        found = [(float(score), _text(member)) for entries in ranges for member, score in entries]
+        if after is not None:
+            found = [(at, run) for at, run in found if at < after[0] or run < after[1]]
+        found = found[:count]
+        if not found:
+            return []
+        async with self.r.pipeline(transaction=False) as pipe:
+            for _, run_id in found:
+                pipe.hget(self.keys.run(account, run_id), "view")
+            raws = await pipe.execute()
+        return [
+            (position, None if raw is None else _view_decoder.decode(raw))
+            for position, raw in zip(found, raws, strict=True)
+        ]

@@ -125,7 +125,7 @@ def test_cleanup_with_release_booking_needs_its_own_confirmation(stack, manifest
         ref,
         env=env,
     )  # a cleanup confirmation is not a release one
-    assert out["error"]["code"] == "confirmation_mismatch"
+    assert out["error"]["code"] == "confirmation_action_mismatch"
     release = confirm(stack, env, "release_booking", "--booking", booking)
 
     async def cleanup_and_watch():

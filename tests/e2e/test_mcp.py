@@ -23,6 +23,7 @@ TOOLS = {"auth", "find", "plan", "train", "status", "wait", "logs", "metrics", "
 TOOLS |= {"audit", "cancel", "cleanup", "approve"}
 TOOLS |= {"export", "download", "sample"}  # a trained model out (tests/e2e/test_export_e2e.py drives them)
 TOOLS |= {"models"}
+TOOLS |= {"runs"}  # the account's own runs (tests/e2e/test_runs_e2e.py drives it)
 TERMINAL = {"succeeded", "failed", "gate_failed", "cancelled"}
 LONG = {"tokens": 4000 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
 PLANTED = "hf_" + "Zq7" * 12  # looks like a Hugging Face token: the server refuses the manifest

@@ -90,6 +90,7 @@ def test_only_the_owner_may_publish(subject, only):
         ("ito.v1.trainer.download", {"trainer"}),
         ("ito.v1.trainer.sample", {"trainer"}),
         ("ito.v1.api.models.acme", {"scheduler"}),  # the model store's list: the scheduler answers it
+        ("ito.v1.api.runs.acme", {"scheduler"}),  # an account's own runs: the scheduler answers it
         ("ito.v1.ledger.accept", {"ledger"}),
         (
             "ito.v1.work.train.run_1",
@@ -117,9 +118,11 @@ def test_a_tenant_publishes_its_own_requests_and_reads_its_own_inbox_only():
             p.publish, f"ito.v1.api.{verb}.victim"
         )
     assert allows(p.publish, "ito.v1.api.models.acme")
+    assert allows(p.publish, "ito.v1.api.runs.acme")
     for subject in (
         "ito.v1.api.train.victim",
         "ito.v1.api.models.victim",  # another account's model list
+        "ito.v1.api.runs.victim",  # another account's runs
         "ito.v1.ledger.accept",
         "ito.v1.confirmation.create",
         "ito.compute.v1.booking.completed",

@@ -99,7 +99,7 @@ async def refusal_of(call) -> Refusal | None:
 
 ROWS = [  # (what the request changes, the reason, the code)
     ({}, None, None),
-    ({"action": Action.cancel}, binding.Reason.action, ErrorCode.confirmation_mismatch),
+    ({"action": Action.cancel}, binding.Reason.action, ErrorCode.confirmation_action_mismatch),
     ({"target": "b2"}, binding.Reason.target, ErrorCode.confirmation_mismatch),
     ({"manifest_digest": "e" * 64}, binding.Reason.digest, ErrorCode.manifest_digest_mismatch),
     ({"cost_usd": 10.5}, binding.Reason.cost, ErrorCode.confirmation_mismatch),
@@ -180,3 +180,45 @@ def test_the_script_checks_every_rule_in_order():
     script = binding.lua_checks()
     positions = [script.index(f"{{'refused', '{rule.reason.value}'") for rule in binding.RULES]
     assert positions == sorted(positions)
+
+
+async def test_another_actions_confirmation_is_named_so_and_consumes_nothing(services):
+    """A train confirmation given to a cancel, used or not, is the wrong action (not `consumed ...
+    confirm again`), from both services alike; refused, it consumes nothing: a cancel one refused
+    for a train is still good for its cancel, once."""
+    account = "a" + uuid.uuid4().hex[:6]
+    ref = await issue(services, account)
+    _, accept = requests(ref, account)
+    await services.ledger.accept(accept)  # the train consumed it
+    as_cancel = {"action": Action.cancel, "target": "run_1", "manifest_digest": None, "cost_usd": None}
+    resolve, cancel = requests(ref, account, **as_cancel)
+    refusals = [
+        await refusal_of(services.confirmations.resolve(resolve)),
+        await refusal_of(services.ledger.accept(cancel)),
+    ]
+    for refusal in refusals:
+        assert refusal is not None and refusal.code is ErrorCode.confirmation_action_mismatch
+        assert refusal.message == (
+            "this confirmation is for action train, not cancel: get one for cancel with "
+            "`ecc ito confirm --action cancel --run run_1`"
+        )
+
+    cancel_ref = await issue(
+        services, account, action=Action.cancel, target="run_1", manifest_digest=None, max_cost_usd=None
+    )
+    _, wrong = requests(cancel_ref, account)  # a train with the cancel confirmation
+    refused = await refusal_of(services.ledger.accept(wrong))
+    assert refused is not None and refused.code is ErrorCode.confirmation_action_mismatch
+    assert (
+        "get one for train with `ecc ito confirm --action train --booking b1 --manifest MANIFEST`"
+        in refused.message
+    )
+    stored = await services.records.get(account, cancel_ref)
+    assert stored is not None and stored.consumed is False
+    _, right = requests(cancel_ref, account, **as_cancel)
+    _, note = await services.ledger.accept(right)
+    assert note is None  # accepted, the first time
+    again = await refusal_of(
+        services.ledger.accept(msgspec.structs.replace(right, idempotency_key="k-other"))
+    )
+    assert again is not None and again.code is ErrorCode.confirmation_consumed

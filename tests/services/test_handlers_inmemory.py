@@ -30,6 +30,8 @@ from contracts.api import (
     MutationResult,
     PlanRequest,
     RunAccepted,
+    RunList,
+    RunsRequest,
     RunView,
     StatusRequest,
     TrainRequest,
@@ -180,15 +182,17 @@ async def login(bus: Bus, name: str = "acme") -> None:
     return None  # the account comes from the authenticated subject; nothing secret travels
 
 
-async def confirmed_run(bus: Bus, booking: str, key: str) -> tuple[TrainRequest, RunAccepted]:
+async def confirmed_run(
+    bus: Bus, booking: str, key: str, account: str = "acme"
+) -> tuple[TrainRequest, RunAccepted]:
     """A booking, a train confirmation and the run it authorizes (accepted, handed off)."""
-    await publish_booking(bus, booking_event("acme", booking))
+    await publish_booking(bus, booking_event(account, booking))
     text = REPO_MANIFEST.read_text()
     digest = digest_of(text.encode())
     confirm = ConfirmRequest(
         action=Action.train, booking_id=booking, manifest_text=text, manifest_digest=digest
     )
-    issued = data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
+    issued = data(await call(bus, subjects.API_CONFIRM, confirm, account), ConfirmationIssued)
     assert (issued.action, issued.target, issued.manifest_digest) == (Action.train, booking, digest)
     train = TrainRequest(
         booking_id=booking,
@@ -197,7 +201,7 @@ async def confirmed_run(bus: Bus, booking: str, key: str) -> tuple[TrainRequest,
         confirmation_ref=issued.confirmation_ref,
         idempotency_key=key,
     )
-    return train, data(await call(bus, subjects.API_TRAIN, train), RunAccepted)
+    return train, data(await call(bus, subjects.API_TRAIN, train, account), RunAccepted)
 
 
 async def test_auth(bus):
@@ -331,3 +335,69 @@ async def test_another_accounts_reference_is_a_mismatch_not_an_unknown_one(bus):
     assert code(await call(bus, subjects.API_TRAIN, theirs, "globex")) is ErrorCode.confirmation_mismatch
     unknown = msgspec.structs.replace(theirs, confirmation_ref="cf_no_such_reference")
     assert code(await call(bus, subjects.API_TRAIN, unknown, "globex")) is ErrorCode.confirmation_not_found
+
+
+async def test_runs_lists_the_callers_own_runs_newest_first_in_pages(bus):
+    """`ecc ito runs`: only the caller's runs (another account's never, whatever it asks), newest
+    first, paged by a cursor that neither repeats nor skips a run, and filtered by state or booking."""
+    await login(bus)
+    await login(bus, "globex")
+    made = [
+        (await confirmed_run(bus, booking, key))[1].run_id for booking, key in [("b5", "k1"), ("b5", "k2")]
+    ]
+    made.append((await confirmed_run(bus, "b6", "k3"))[1].run_id)
+    (_, theirs) = await confirmed_run(bus, "g1", "k1", account="globex")
+
+    def listed(out: Envelope) -> tuple[list[str], str | None]:
+        page = data(out, RunList)
+        return [r.run_id for r in page.runs], page.next
+
+    newest_first = made[::-1]
+    assert listed(await call(bus, subjects.API_RUNS, RunsRequest())) == (newest_first, None)
+    assert listed(await call(bus, subjects.API_RUNS, RunsRequest(), "globex")) == ([theirs.run_id], None)
+    first, cursor = listed(await call(bus, subjects.API_RUNS, RunsRequest(limit=2)))
+    assert first == newest_first[:2] and cursor is not None
+    assert listed(await call(bus, subjects.API_RUNS, RunsRequest(limit=2, cursor=cursor))) == (
+        newest_first[2:],
+        None,
+    )
+    # a cursor is a position in time, not a key: another account's reads its own older runs (none)
+    assert listed(await call(bus, subjects.API_RUNS, RunsRequest(cursor=cursor), "globex")) == ([], None)
+
+    page = data(await call(bus, subjects.API_RUNS, RunsRequest(booking_id="b5")), RunList)
+    assert [r.run_id for r in page.runs] == made[1::-1]
+    assert all((r.booking_id, r.state) == ("b5", RunState.queued) for r in page.runs)
+    assert page.runs[0].estimate_usd is not None and page.runs[0].idempotency_key == "k2"
+    assert listed(await call(bus, subjects.API_RUNS, RunsRequest(booking_id="g1"))) == ([], None)
+    assert listed(await call(bus, subjects.API_RUNS, RunsRequest(state=RunState.running))) == ([], None)
+    queued = await call(bus, subjects.API_RUNS, RunsRequest(state=RunState.queued, limit=1))
+    assert listed(queued)[0] == newest_first[:1]
+
+    for bad in (RunsRequest(cursor="not-a-cursor"), RunsRequest(cursor="nan:run_x"), RunsRequest(limit=0)):
+        assert code(await call(bus, subjects.API_RUNS, bad)) is ErrorCode.request_invalid
+    assert code(await call(bus, subjects.API_RUNS, RunsRequest(), "nobody")) is ErrorCode.unauthenticated
+
+
+async def test_a_confirmation_for_another_action_says_so_and_how_to_get_the_right_one(bus):
+    """Cancelling with the run's (consumed) train confirmation is `confirmation_action_mismatch`,
+    naming both actions and the command, not `confirmation_consumed ... confirm again`; nothing
+    changes, and the right confirmation then cancels the run."""
+    await login(bus)
+    train, run = await confirmed_run(bus, "b7", "k1")
+    cancel = CancelRequest(run_id=run.run_id, idempotency_key="c1", confirmation_ref=train.confirmation_ref)
+    out = await call(bus, subjects.API_CANCEL, cancel)
+    assert code(out) is ErrorCode.confirmation_action_mismatch
+    assert out.error is not None and out.error.message == (
+        "this confirmation is for action train, not cancel: get one for cancel with "
+        f"`ecc ito confirm --action cancel --run {run.run_id}`"
+    )
+    assert (
+        data(await call(bus, subjects.API_STATUS, StatusRequest(run_id=run.run_id)), RunView).state
+        is run.state
+    )
+    issued = data(
+        await call(bus, subjects.API_CONFIRM, ConfirmRequest(action=Action.cancel, run_id=run.run_id)),
+        ConfirmationIssued,
+    )
+    right = msgspec.structs.replace(cancel, confirmation_ref=issued.confirmation_ref)
+    assert data(await call(bus, subjects.API_CANCEL, right), MutationResult).state is RunState.cancelled

@@ -187,3 +187,26 @@ async def test_the_desk_lists_every_accounts_newest_runs_and_each_runs_moves(ada
         (RunState.succeeded, None),
     ]
     assert [r.at for r in history] == [at, at + timedelta(seconds=1)]
+
+
+async def test_an_accounts_runs_are_read_newest_first_by_position_ties_included(adapters, namespace):
+    """The tenant's read (`account_runs`): its own index only, newest first, runs created at the
+    same instant by run id (descending); reading on from each position visits every run exactly once."""
+    _, _, runs = adapters
+    mine, other = "acct-m" + namespace, "acct-o" + namespace
+    times = [0, 1, 1, 1, 2]  # three runs created at the same instant
+    for i, seconds in enumerate(times):
+        view = new_view(mine, f"run_{i}{namespace}", RunState.queued)
+        assert await runs.create(msgspec.structs.replace(view, created_at=NOW + timedelta(seconds=seconds)))
+    assert await runs.create(new_view(other, "run_x" + namespace, RunState.queued))
+    expected = [f"run_{i}{namespace}" for i in (4, 3, 2, 1, 0)]
+    everything = await runs.account_runs(mine, None, 100)
+    assert [run for (_, run), _view in everything] == expected
+    assert all(view is not None and view.account == mine for _, view in everything)
+    seen, position = [], None
+    while page := await runs.account_runs(mine, position, 1):
+        ((position, _view),) = page
+        seen.append(position[1])
+    assert seen == expected
+    assert [run for (_, run), _ in await runs.account_runs(mine, everything[1][0], 2)] == expected[2:4]
+    assert await runs.account_runs("acct-none" + namespace, None, 10) == []

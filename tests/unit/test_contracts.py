@@ -597,6 +597,20 @@ SAMPLE_REQUEST = api.SampleRequest(
     seed=3,
     chat=True,
 )
+RUN_SUMMARY = api.RunSummary(
+    run_id="run_1",
+    state=RunState.running,
+    booking_id="bk_1",
+    manifest_digest="ab" * 32,
+    idempotency_key="k",
+    created_at=T0,
+    updated_at=T1,
+    stage="pretrain",
+    step=3,
+    total_steps=40,
+    loss=3.25,
+    estimate_usd=0.5,
+)
 EXPORT_FILE = api.ExportFile(path="model.safetensors", bytes=1024, sha256="cd" * 32)
 SAMPLES.update(
     {
@@ -617,6 +631,15 @@ SAMPLES.update(
             bytes=400_000,
         ),
         api.ModelList: api.ModelList(models=[]),
+        api.RunsRequest: api.RunsRequest(
+            credential=CREDENTIAL,
+            state=RunState.running,
+            booking_id="bk_1",
+            limit=5,
+            cursor="1796196601.25:run_1",
+        ),
+        api.RunSummary: RUN_SUMMARY,
+        api.RunList: api.RunList(runs=[RUN_SUMMARY], next="1796196601.25:run_1"),
         api.ExportRequest: api.ExportRequest(
             credential=CREDENTIAL, run_id="run_1", stage="dpo", format=api.ExportFormat.peft
         ),

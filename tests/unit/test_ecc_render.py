@@ -35,6 +35,8 @@ from contracts.api import (
     RemovedArtifact,
     RestartProposal,
     RunAccepted,
+    RunList,
+    RunSummary,
     RunView,
     SampleResult,
     StageGatePlan,
@@ -158,7 +160,48 @@ EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
             max_cost_usd=1.0,
             expires_at=AT,
         ),
-        ["confirmation_ref: cf-1 (expires 2026-12-02T07:30:01.250000Z)"],
+        [
+            "confirmation_ref: cf-1",
+            "  authorises: train on booking bk-1, once",
+            "  cost bound: at most 1.00 USD",
+            "  expires: 2026-12-02T07:30:01.250000Z",
+        ],
+    ),
+    "runs": (
+        RunList(
+            runs=[
+                RunSummary(
+                    run_id="run-2",
+                    state=RunState.running,
+                    booking_id="bk-1",
+                    manifest_digest="d" * 64,
+                    idempotency_key="key-2",
+                    created_at=AT,
+                    updated_at=AT,
+                    stage="sft",
+                    step=40,
+                    total_steps=100,
+                    loss=2.5,
+                    estimate_usd=0.00018,
+                ),
+                RunSummary(
+                    run_id="run-1",
+                    state=RunState.queued,
+                    booking_id="bk-10",
+                    manifest_digest="d" * 64,
+                    idempotency_key="key-1",
+                    created_at=AT,
+                    updated_at=AT,
+                ),
+            ],
+            next="1796196601.25:run-1",
+        ),
+        [
+            "RUN    STATE    BOOKING  STAGE  STEP    LOSS    EST USD  CREATED (UTC)        KEY",
+            "run-2  running  bk-1     sft    40/100  2.5000  0.00018  2026-12-02 07:30:01  key-2",
+            "run-1  queued   bk-10    -      -       -       -        2026-12-02 07:30:01  key-1",
+            "more: the same command with --cursor 1796196601.25:run-1",
+        ],
     ),
     "train": (RunAccepted(run_id="run-1", state=RunState.queued, booking_id="bk-1"), ["run run-1: queued"]),
     "status": (
@@ -355,6 +398,7 @@ def test_empty_answers_say_so():
     assert render.text(CheckpointList(run_id="r", checkpoints=[])) == "(none yet)"
     assert render.text(CheckpointList(run_id="r", checkpoints=[], cleaned_up=True)) == "(removed by cleanup)"
     assert render.text(EvalList(run_id="r", gates=[])) == "(no stage has been evaluated yet)"
+    assert render.text(RunList(runs=[])) == "(no runs)"
     bare = msgspec.structs.replace(VIEW, state=RunState.queued, stage=None, message=None, gates=[])
     bare = msgspec.structs.replace(bare, provenance=None, proposal=None, parallelism=None, plan=None)
     assert render.text(bare) == "run run-1: queued"
@@ -608,3 +652,52 @@ def test_follow_on_a_terminal_draws_bars_in_place_of_a_line_per_step(monkeypatch
     assert out[:3] == ["  log: step 40", "  state: running", render.gate_line(GATE)]
     (bar,) = out[3:]
     assert bar.startswith("pretrain ") and bar.endswith("100/100  loss 2.5000  4321 tok/s  done"), bar
+
+
+@pytest.mark.parametrize(
+    "action, target, digest, cost, lines",
+    [
+        (
+            Action.train,
+            "bk-1",
+            "ab" * 32,
+            0.00018,
+            [
+                "  authorises: train on booking bk-1, once",
+                f"  manifest: sha256 {'ab' * 32}",
+                "  cost bound: at most 0.00018 USD",
+            ],
+        ),
+        (Action.cancel, "run-1", None, None, ["  authorises: cancel on run run-1, once"]),
+        (Action.release_booking, "bk-2", None, None, ["  authorises: release_booking on booking bk-2, once"]),
+        (
+            Action.restart_from_checkpoint,
+            "run-3",
+            None,
+            None,
+            ["  authorises: restart_from_checkpoint on run run-3, once"],
+        ),
+    ],
+)
+def test_confirm_shows_what_it_authorises(action, target, digest, cost, lines):
+    """The person sees the action, its target, the manifest's digest and the cost bound where the
+    confirmation binds them, and when it expires; --json is the answer itself (the same fields)."""
+    issued = ConfirmationIssued(
+        confirmation_ref="cf-9",
+        action=action,
+        target=target,
+        manifest_digest=digest,
+        max_cost_usd=cost,
+        expires_at=AT,
+    )
+    shown = render.text(issued).splitlines()
+    assert shown == ["confirmation_ref: cf-9", *lines, "  expires: 2026-12-02T07:30:01.250000Z"]
+    as_json = msgspec.json.decode(msgspec.json.encode(issued))
+    assert set(as_json) == {
+        "confirmation_ref",
+        "action",
+        "target",
+        "manifest_digest",
+        "max_cost_usd",
+        "expires_at",
+    }

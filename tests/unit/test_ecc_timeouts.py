@@ -17,6 +17,7 @@ VERBS = {
     "plan": ["--booking", "b", "--manifest", "/m"],
     "confirm": ["--action", "train"],
     "train": ["--booking", "b", "--manifest", "/m", "--confirmation-ref", "c", "--idempotency-key", "k"],
+    "runs": ["--state", "running", "--limit", "5"],
     "status": ["r"],
     "metrics": ["r"],
     "checkpoints": ["r"],

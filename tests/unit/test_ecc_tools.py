@@ -289,3 +289,24 @@ def test_a_lost_answer_is_the_clis_rule_for_the_verb(logged_in, monkeypatch, nam
     monkeypatch.setattr(transport.Client, "call", call)
     env = asyncio.run(tools.call(name, arguments, BOUNDS))
     assert not env.ok and env.live_api_contacted and env.error.code == code
+
+
+def test_runs_takes_the_states_by_name_and_sends_the_request(logged_in, monkeypatch):
+    from contracts.api import RunList, RunsRequest
+
+    schema = tools.input_schema(tools.TOOLS["runs"])
+    assert (
+        set(schema["properties"]) == {"state", "booking_id", "limit", "cursor"} and schema["required"] == []
+    )
+    assert "running" in json.dumps(schema)  # the allowed states are in the schema, for the agent
+    asked = []
+
+    async def call(self, endpoint, request):
+        asked.append((endpoint.subject, request))
+        return Envelope(ok=True, live_api_contacted=True, notice=None, data=RunList(runs=[]))
+
+    monkeypatch.setattr(transport.Client, "call", call)
+    env = asyncio.run(tools.call("runs", {"state": "running", "limit": 5}, BOUNDS))
+    assert env.ok and asked == [(API["runs"].subject, RunsRequest(state=RunState.running, limit=5))]
+    env = asyncio.run(tools.call("runs", {"state": "bogus"}, BOUNDS))
+    assert not env.ok and env.error.code == "request_invalid" and len(asked) == 1

@@ -102,3 +102,44 @@ def test_a_lost_page_is_the_answer(monkeypatch):
     _pages(monkeypatch, [1000, None])
     env = asyncio.run(verbs._chart_points(ARGS, MetricsRequest(run_id="run-1")))
     assert not env.ok and env.error.code == ErrorCode.timeout
+
+
+def test_runs_states_are_the_contracts_states():
+    from contracts.states import RunState
+    from ecc.main import RUN_STATES
+
+    assert RUN_STATES == [s.value for s in RunState]
+
+
+@pytest.mark.parametrize("limit", ["0", "101"])
+def test_runs_bounds_are_checked_before_anything_is_sent(limit, tmp_path, monkeypatch):
+    monkeypatch.setenv(credentials.ENV_CONFIG_DIR, str(tmp_path))
+    credentials.save("acme", "ito_sk_SUAFAKESEEDFORTESTSONLYNOTAREALKEY0000000000000000000000")
+
+    def sent(*args):
+        raise AssertionError("runs was sent")
+
+    monkeypatch.setattr(verbs, "_run", sent)
+    env = verbs.run_verb(parser().parse_args(["ito", "runs", "--limit", limit]))
+    assert not env.ok and not env.live_api_contacted
+    assert (
+        env.error is not None and env.error.code == ErrorCode.request_invalid and "limit" in env.error.message
+    )
+
+
+def test_runs_sends_the_filters_it_was_given(tmp_path, monkeypatch):
+    from contracts.api import RunsRequest
+    from contracts.states import RunState
+
+    monkeypatch.setenv(credentials.ENV_CONFIG_DIR, str(tmp_path))
+    credentials.save("acme", "ito_sk_SUAFAKESEEDFORTESTSONLYNOTAREALKEY0000000000000000000000")
+    asked = []
+    monkeypatch.setattr(verbs, "_run", lambda verb, request, args: asked.append((verb, request)) or None)
+    verbs.run_verb(parser().parse_args(["ito", "runs"]))
+    verbs.run_verb(
+        parser().parse_args(["ito", "runs", "--state", "running", "--booking", "b", "--cursor", "1.5:r"])
+    )
+    assert asked == [
+        ("runs", RunsRequest()),
+        ("runs", RunsRequest(state=RunState.running, booking_id="b", cursor="1.5:r")),
+    ]

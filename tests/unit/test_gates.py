@@ -48,7 +48,7 @@ BINDING_TABLE = [
     ("consumed", {"consumed": True}, {}, "confirmation_consumed"),
     ("expired-at-the-instant", {}, {"now": 1000.0}, "confirmation_expired"),
     ("expired-after", {}, {"now": 5000.0}, "confirmation_expired"),
-    ("other-action", {}, {"action": Action.cancel}, "confirmation_mismatch"),
+    ("other-action", {}, {"action": Action.cancel}, "confirmation_action_mismatch"),
     ("other-target", {}, {"target": "bk_2"}, "confirmation_mismatch"),
     ("other-digest", {}, {"digest": "e" * 64}, "manifest_digest_mismatch"),
     ("missing-digest", {}, {"digest": None}, "manifest_digest_mismatch"),
@@ -57,12 +57,30 @@ BINDING_TABLE = [
     ("order-account-before-consumed", {"consumed": True}, {"account": "acct_b"}, "confirmation_mismatch"),
     ("order-account-before-expired", {}, {"account": "acct_b", "now": 5000.0}, "confirmation_mismatch"),
     ("order-consumed-before-expired", {"consumed": True}, {"now": 5000.0}, "confirmation_consumed"),
-    ("order-expired-before-action", {}, {"now": 5000.0, "action": Action.cancel}, "confirmation_expired"),
+    # the action before consumed and expired: the wrong confirmation is wrong whatever became of it
+    (
+        "order-account-before-action",
+        {},
+        {"account": "acct_b", "action": Action.cancel},
+        "confirmation_mismatch",
+    ),
+    (
+        "order-action-before-consumed",
+        {"consumed": True},
+        {"action": Action.cancel},
+        "confirmation_action_mismatch",
+    ),
+    (
+        "order-action-before-expired",
+        {},
+        {"now": 5000.0, "action": Action.cancel},
+        "confirmation_action_mismatch",
+    ),
     (
         "order-action-before-digest",
         {},
         {"action": Action.cancel, "digest": "e" * 64},
-        "confirmation_mismatch",
+        "confirmation_action_mismatch",
     ),
     ("order-digest-before-cost", {}, {"digest": "e" * 64, "cost": 99.0}, "manifest_digest_mismatch"),
 ]
@@ -407,3 +425,40 @@ def test_fingerprints_of_all_actions_are_distinct():
     fps = [fingerprint(a, "acct_a", "bk_1", "d") for a in Action]
     assert len(set(fps)) == len(fps)
     assert all(x != y for x, y in itertools.combinations(fps, 2))
+
+
+@pytest.mark.parametrize(
+    "confirmed, asked, target, command",
+    [
+        (Action.train, Action.cancel, "run_1", "ecc ito confirm --action cancel --run run_1"),
+        (
+            Action.cleanup,
+            Action.release_booking,
+            "bk_1",
+            "ecc ito confirm --action release_booking --booking bk_1",
+        ),
+        (
+            Action.cancel,
+            Action.train,
+            "bk_1",
+            "ecc ito confirm --action train --booking bk_1 --manifest MANIFEST",
+        ),
+        (
+            Action.train,
+            Action.restart_from_checkpoint,
+            "run 2",
+            "ecc ito confirm --action restart_from_checkpoint --run 'run 2'",
+        ),
+    ],
+)
+def test_another_actions_confirmation_names_both_actions_and_the_command(confirmed, asked, target, command):
+    refusal = check(
+        _stored(action=confirmed, consumed=True), **(REQUEST | {"action": asked, "target": target})
+    )
+    assert refusal is not None
+    code, message = refusal
+    assert code.value == "confirmation_action_mismatch"
+    assert message == (
+        f"this confirmation is for action {confirmed.value}, not {asked.value}: get one for {asked.value} "
+        f"with `{command}`"
+    )
