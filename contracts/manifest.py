@@ -8,7 +8,7 @@ were added by the staged trainer; without them a run is pretrain (plus the recip
 """
 
 import enum
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -260,6 +260,9 @@ class Resources(Contract, frozen=True, kw_only=True):
     gpus_per_node: Positive = 1
     region: str | None = None
     fabric: Fabric | None = None
+    # Insist on a layout: the planner otherwise takes the cheapest communication that fits (DDP for
+    # a model that fits one GPU). "fsdp2" shards even a small model, e.g. to try the sharded path.
+    strategy: Literal["ddp", "fsdp2", "hsdp", "fsdp2+tp"] | None = None
 
 
 class Manifest(Contract, frozen=True, kw_only=True):

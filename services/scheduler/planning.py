@@ -198,7 +198,20 @@ def strategy(
     refused = topology_refusal(params, nodes, gpus, fabric, small_model_gangs)
     if refused is not None:
         return Strategy("none", {}, precision, 0.0, refused)
-    for name, degrees, shard, tp in layouts(nodes, gpn):
+    wanted = manifest.resources.strategy
+    candidates = [c for c in layouts(nodes, gpn) if wanted is None or c[0] == wanted]
+    if not candidates:
+        return Strategy(
+            "none",
+            {},
+            precision,
+            0.0,
+            (
+                ErrorCode.capacity_insufficient,
+                f"resources.strategy {wanted} is not a layout of {nodes} node(s) x {gpn} GPU(s)",
+            ),
+        )
+    for name, degrees, shard, tp in candidates:
         per_gpu = state / (shard * tp) + activations / tp
         if per_gpu <= usable:
             return Strategy(name, degrees, precision, per_gpu, None)

@@ -164,7 +164,7 @@ def test_a_qwen2_fine_tunes_with_lora_then_dpo_on_a_two_rank_gang_and_its_adapte
         name,
         digest,
         data,
-        resources={"nodes": 1, "gpus_per_node": 2},
+        resources={"nodes": 1, "gpus_per_node": 2, "strategy": "fsdp2"},  # sharded, not replicated
         post_training={
             "recipe": ["sft", "dpo"],
             "dpo": {"steps": 10, "batch_size": 8, "learning_rate": 0.0001, "beta": 0.1, "data": ["prefs"]},
@@ -178,11 +178,11 @@ def test_a_qwen2_fine_tunes_with_lora_then_dpo_on_a_two_rank_gang_and_its_adapte
         },
     )
     rc, plan = stack.ecc("plan", "--booking", booking, "--manifest", str(manifest_path), env=env)
-    assert rc == 0 and plan["data"]["strategy"] != "single", plan
+    assert rc == 0 and plan["data"]["strategy"] == "fsdp2", plan
     run_id = confirm_and_train(stack, env, booking, str(manifest_path), "finetune-qwen2")["data"]["run_id"]
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=RUN_TIMEOUT_S)
     assert final["state"] == "succeeded", final
-    assert final["parallelism"]["world_size"] == 2, final["parallelism"]
+    assert final["parallelism"]["strategy"] == "fsdp2" and final["parallelism"]["world_size"] == 2, final
 
     view = _export(stack, env, run_id, "--stage", "sft", "--format", "peft")
     assert {f["path"] for f in view["files"]} >= {"adapter_config.json", "adapter_model.safetensors"}

@@ -664,3 +664,19 @@ def test_data_policy_violation_reaches_the_plan():
 def test_nonsense_sizes_are_refused_by_the_schema(args, kwargs):
     with pytest.raises(msgspec.ValidationError):
         manifest(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "wanted, gpn, strategy, degrees, code",
+    [
+        (None, 2, "ddp", {"dp_replicate": 2}, None),  # the cheapest that fits: a tiny model replicates
+        ("fsdp2", 2, "fsdp2", {"dp_replicate": 1, "dp_shard": 2}, None),  # insisted on: it shards
+        ("fsdp2+tp", 2, "fsdp2+tp", {"dp_shard": 1, "tp": 2}, None),
+        ("hsdp", 2, *NONE, "capacity_insufficient"),  # one node has no hsdp layout
+    ],
+)
+def test_resources_strategy_insists_on_a_layout(wanted, gpn, strategy, degrees, code):
+    m = manifest("tiny", 1, gpn)
+    m = msgspec.structs.replace(m, resources=msgspec.structs.replace(m.resources, strategy=wanted))
+    p = plan(m, "d" * 64, body(1, gpn), PRICES, None, small_model_gangs=True)  # a tiny model on 2 GPUs
+    assert (p.strategy, p.degrees, code_of(p)) == (strategy, degrees, code)
