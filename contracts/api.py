@@ -135,6 +135,13 @@ class CostEstimate(Internal, frozen=True, kw_only=True):
     total_usd: float
     booked_gpu_hours: float
     incremental_usd: float  # cost beyond what the booking covers
+    # The estimate's basis (services/scheduler/calibration.py): wall seconds the run holds its GPUs,
+    # by phase, from the backend's measured figures for this GPU model or its documented defaults.
+    # `gpu_hours` is then `wall_s` x `gpus`; `flops_gpu_hours` keeps the FLOPs-only figure.
+    basis: str = "flops"  # "flops", "telemetry: N runs on <gpu>" or "defaults for <gpu>"
+    wall_s: float = 0.0
+    phases_s: dict[str, float] = {}  # startup, data_prep, train, eval, checkpoint
+    flops_gpu_hours: float = 0.0
 
 
 class StageGatePlan(Internal, frozen=True, kw_only=True):
@@ -199,6 +206,18 @@ class Parallelism(Internal, frozen=True, kw_only=True):
     stage: str | None = None  # the stage whose gang reported it last
 
 
+class Spend(Internal, frozen=True, kw_only=True):
+    """What a run has spent so far, as its trainer metered it: every GPU of its placement, held
+    from the trainer's start of the run until release, at the booking's price (services/scheduler/
+    budget.py). Grows only; a resumed attempt carries the earlier attempts' GPU-seconds."""
+
+    held_gpus: int
+    held_gpu_s: float  # GPU-seconds held, all attempts together
+    spent_usd: float  # held_gpu_s / 3600 x the plan's price per GPU-hour
+    limit_usd: float  # the lower of budget_cap_usd and the booking plus max_incremental_cost_usd
+    at: datetime
+
+
 class RunView(Internal, frozen=True, kw_only=True):
     run_id: str
     account: str
@@ -225,6 +244,10 @@ class RunView(Internal, frozen=True, kw_only=True):
     # Requeues for a gang lost past its launcher's restarts (this count, not JetStream's deliveries,
     # is what ITO_GANG_MAX_REQUEUES bounds: a redelivery for a lost agent or a fence costs nothing).
     gang_requeues: int = 0
+    spend: Spend | None = None  # set at hand-off (nothing spent yet), then by every meter reading
+    # Why the scheduler is stopping the run, as an error code ("budget_exhausted"), while it stops;
+    # a person's cancel leaves it empty.
+    stop_code: str = ""
 
 
 class RunSummary(Internal, frozen=True, kw_only=True):
@@ -363,6 +386,11 @@ class LeaseQuery(Internal, frozen=True, kw_only=True):
     # Node n > 0's own failure, as a safe sentence: the run fails naming the node (its holder at
     # `epoch` only). Node 0 reports through the run's events instead.
     failure: str = ""
+    # Node 0's meter (renewals only): the GPUs its placement holds and the GPU-seconds held so far
+    # (all attempts), and how long a clean stop would take now (a step plus a checkpoint save).
+    held_gpus: int = 0
+    held_gpu_s: float = 0.0
+    stop_s: float = 0.0
 
 
 class LeaseAnswer(Internal, frozen=True, kw_only=True):
@@ -371,6 +399,8 @@ class LeaseAnswer(Internal, frozen=True, kw_only=True):
     state: RunState | None = None
     epoch: int = 0
     gang_requeues: int = 0  # the run's `RunView.gang_requeues` when asked: how many it has used
+    held_gpu_s: float = 0.0  # GPU-seconds metered so far: a resumed attempt's meter starts here
+    stop_code: str = ""  # the run's `RunView.stop_code`: why the scheduler stops it ("budget_exhausted")
 
 
 class ApproveRequest(Contract, frozen=True, kw_only=True):

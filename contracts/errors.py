@@ -68,6 +68,10 @@ class ErrorCode(enum.StrEnum):
     # one given to cancel, a cleanup one as the release one). The message names both actions and the
     # `ecc ito confirm` command that makes the right one; nothing is consumed.
     confirmation_action_mismatch = "confirmation_action_mismatch"
+    # Added with cost as spent: the run's metered spend reached its limit (budget_cap_usd, or the
+    # booking plus max_incremental_cost_usd) and the scheduler stopped it with a checkpoint. The run
+    # ends in state `budget_exhausted`; its message says what was spent against which limit.
+    budget_exhausted = "budget_exhausted"
 
 
 class ApiError(Internal, frozen=True, kw_only=True):

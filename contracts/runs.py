@@ -56,6 +56,7 @@ class StopReason(enum.StrEnum):
     cancelled = "cancelled"  # the lease says the run is being cancelled
     fenced = "fenced"  # the lease is lost or withdrawn: another trainer holds (or will hold) the run
     loss_spike = "loss_spike"  # the spike watch saw a loss spike; the run waits for approval
+    budget_exhausted = "budget_exhausted"  # the scheduler stops the run: its spend reached its limit
 
 
 class RunEventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):  # internal: lenient

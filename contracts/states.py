@@ -18,10 +18,13 @@ class RunState(enum.StrEnum):
     failed = "failed"
     gate_failed = "gate_failed"  # an eval gate was not met; reported honestly, never overridden
     cancelled = "cancelled"
+    # The run's spend reached its limit (budget_cap_usd, or the booking plus its allowed incremental
+    # cost): stopped by the scheduler with a checkpoint committed, before the limit was crossed.
+    budget_exhausted = "budget_exhausted"
 
 
 TERMINAL_STATES: frozenset[RunState] = frozenset(
-    {RunState.succeeded, RunState.failed, RunState.gate_failed, RunState.cancelled}
+    {RunState.succeeded, RunState.failed, RunState.gate_failed, RunState.cancelled, RunState.budget_exhausted}
 )
 
 ALLOWED_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
@@ -43,11 +46,12 @@ ALLOWED_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.awaiting_approval: frozenset(
         {RunState.queued, RunState.cancelling, RunState.cancelled, RunState.failed}
     ),
-    RunState.cancelling: frozenset({RunState.cancelled, RunState.failed}),
+    RunState.cancelling: frozenset({RunState.cancelled, RunState.failed, RunState.budget_exhausted}),
     RunState.succeeded: frozenset(),
     RunState.failed: frozenset(),
     RunState.gate_failed: frozenset(),
     RunState.cancelled: frozenset(),
+    RunState.budget_exhausted: frozenset(),
 }
 
 LEASABLE: frozenset[RunState] = frozenset(

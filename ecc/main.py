@@ -26,6 +26,7 @@ RUN_STATES = [  # contracts.states.RunState's values, spelled here: `--help` imp
     "failed",
     "gate_failed",
     "cancelled",
+    "budget_exhausted",
 ]
 
 Verbs = argparse._SubParsersAction  # what `add_subparsers` returns; argparse names no public type

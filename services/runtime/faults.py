@@ -13,8 +13,16 @@ ENTITLEMENT_BEFORE_APPLY = "entitlement.before_apply"  # a booking event receive
 TRAINER_LOSS_SPIKE = "trainer.loss_spike"  # losses reported x10 from ITO_FAULT_SPIKE_STEP on (first attempt)
 ENV_SPIKE_STEP = "ITO_FAULT_SPIKE_STEP"
 TRAINER_SHARE_FAILS = "trainer.share_fails"  # node n > 0 of a multi-node run raises as its share starts
+# Every step takes ITO_FAULT_STEP_DELAY_S longer (default 1 s): a run that costs more than its estimate
+TRAINER_SLOW_STEPS = "trainer.slow_steps"
 POINTS = frozenset(
-    {SCHEDULER_AFTER_ACCEPT, ENTITLEMENT_BEFORE_APPLY, TRAINER_LOSS_SPIKE, TRAINER_SHARE_FAILS}
+    {
+        SCHEDULER_AFTER_ACCEPT,
+        ENTITLEMENT_BEFORE_APPLY,
+        TRAINER_LOSS_SPIKE,
+        TRAINER_SHARE_FAILS,
+        TRAINER_SLOW_STEPS,
+    }
 )
 
 

@@ -22,10 +22,12 @@ from typing import Any
 
 import msgspec
 
-from contracts.api import RunView
+from contracts.api import RunView, Spend
 from contracts.internal import LedgerEntry
+from contracts.manifest import Manifest
 from contracts.runs import RunCreated, TrainWork
 from contracts.states import RunState
+from services.domain import budget
 from services.runtime.bus import Bus
 from services.runtime.settings import Settings
 from services.scheduler.backends import Backends
@@ -38,6 +40,13 @@ RECONCILE_EVERY_S = 5.0
 RECONCILE_AFTER_S = 5.0  # leave a live request time to finish its own hand-off
 
 _work_decoder = msgspec.json.Decoder(TrainWork)
+_manifest_decoder = msgspec.json.Decoder(Manifest)
+
+
+def nothing_spent(work: TrainWork, at: Any) -> Spend:
+    """A new run's spend: none yet, against the limit its manifest and plan set."""
+    limit = budget.spend_limit(_manifest_decoder.decode(work.manifest_text), work.plan.cost)
+    return Spend(held_gpus=work.plan.cost.gpus, held_gpu_s=0.0, spent_usd=0.0, limit_usd=limit, at=at)
 
 
 def node_shares(work: TrainWork, msg_id: str | None = None) -> list[tuple[TrainWork, str]]:
@@ -98,6 +107,7 @@ class Handoff:
             plan=work.plan,
             checkpoint_dir=work.checkpoint_dir,
             nodes=work.nodes,
+            spend=nothing_spent(work, entry.created_at),
         )
 
     async def hand_off(self, entry: LedgerEntry, wait_for_mark: bool = True) -> RunView:

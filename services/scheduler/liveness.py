@@ -19,9 +19,13 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
+
 from contracts.api import LeaseAnswer, LeaseQuery, RunView
+from contracts.errors import ErrorCode
 from contracts.runs import Interruption
 from contracts.states import LEASABLE, TERMINAL_STATES, RunState
+from services.domain import budget
 from services.runtime import codec
 from services.runtime.liveness import TIMERS
 from services.scheduler.publish import RunEventPublisher
@@ -55,6 +59,22 @@ def binding_matches(view: RunView, req: LeaseQuery) -> bool:
     )
 
 
+_METERED = frozenset({RunState.running, RunState.cancelling})  # cancelling: the last reading, at the stop
+
+
+def metering(req: LeaseQuery, view: RunView | None, epoch: int) -> bool:
+    """Is this a meter reading to keep: node 0's renewal at the lease's current epoch, of a run
+    that holds its GPUs (running, or stopping)?"""
+    return (
+        view is not None
+        and req.held_gpus > 0
+        and req.epoch > 0
+        and req.epoch == epoch
+        and req.node_rank == 0
+        and view.state in _METERED
+    )
+
+
 class Heartbeats:
     """Answers a trainer's lease queries (RUN_LEASE): a new lease, or a renewal, its heartbeat."""
 
@@ -85,13 +105,53 @@ class Heartbeats:
         )
         if granted and req.failure and req.node_rank and req.epoch:
             return await self._node_failed(account, req, epoch)
+        if metering(req, current, epoch) and current is not None:
+            current = await self._metered(account, req, current)
+            granted = granted and current.state in LEASABLE
+        spend = current.spend if current else None
         return LeaseAnswer(
             run_id=req.run_id,
             proceed=granted,
             state=current.state if current else None,
             epoch=epoch,
             gang_requeues=current.gang_requeues if current else 0,
+            held_gpu_s=spend.held_gpu_s if spend else 0.0,
+            stop_code=current.stop_code if current else "",
         )
+
+    async def _metered(self, account: str, req: LeaseQuery, view: RunView) -> RunView:
+        """Node 0's meter reading, kept (it only grows), and the budget decided on it: a run whose
+        spend would reach its limit before a clean stop is over moves to `cancelling` with
+        `stop_code` budget_exhausted; its trainer stops with a checkpoint (services/domain/budget.py)."""
+        if view.plan is None or view.spend is None:
+            return view
+        cost, limit = view.plan.cost, view.spend.limit_usd
+        held_gpu_s = max(view.spend.held_gpu_s, req.held_gpu_s)
+        spend = msgspec.structs.replace(
+            view.spend,
+            held_gpus=req.held_gpus,
+            held_gpu_s=held_gpu_s,
+            spent_usd=round(budget.spend_usd(held_gpu_s, cost), 6),
+            at=datetime.now(UTC),
+        )
+        updated, _ = await self.runs.update(
+            account, req.run_id, None, lambda v: msgspec.structs.replace(v, spend=spend)
+        )
+        view = updated or view
+        v = budget.verdict(req.held_gpus, held_gpu_s, req.stop_s, cost, limit)
+        if not v.stop or view.state is not RunState.running:
+            return view
+        message = budget.stopping_message(v)
+        moved, _ = await self.runs.move(
+            account,
+            req.run_id,
+            RunState.cancelling,
+            allowed_from=_RUNNING,
+            message=message,
+            stop_code=ErrorCode.budget_exhausted.value,
+        )
+        log.warning("run %s: %s", req.run_id, message)
+        return moved or view
 
     async def _node_failed(self, account: str, req: LeaseQuery, epoch: int) -> LeaseAnswer:
         """Node n > 0's holder (at its epoch, just renewed) says its share failed: the run fails

@@ -54,6 +54,7 @@ from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
 from contracts.states import LEASABLE, TERMINAL_STATES, RunState
+from services.domain import budget
 from services.domain.curriculum import plan_run
 from services.runtime import codec, faults
 from services.runtime.checkpoint_paths import inside, run_dir, storage_root
@@ -66,6 +67,7 @@ from services.trainer.checkpoint import committed_positions, list_checkpoints, p
 from services.trainer.distributed import ParallelismError
 from services.trainer.emitter import Emitter
 from services.trainer.gang import Gang, GangFailed, GangLost, gang_dims, refusal
+from services.trainer.metering import Meter
 from services.trainer.pipeline import PipelineResult, Trainers, TrainLm, run_pipeline
 from services.trainer.pretrain import train_stage
 from services.trainer.reporting import Reporter, Sink, check_event
@@ -117,12 +119,20 @@ class Stop:
         return self._event.is_set()
 
 
-def final_state(result: PipelineResult, stop: Stop, checkpoint_dir: pathlib.Path) -> tuple[RunState, str]:
+def final_state(
+    result: PipelineResult,
+    stop: Stop,
+    checkpoint_dir: pathlib.Path,
+    spent: tuple[float, float] = (0.0, 0.0),
+) -> tuple[RunState, str]:
     """The run's final state and message once the pipeline returned (not fenced, no spike): a stop
-    is a cancel; otherwise the pipeline's outcome decides."""
+    is a cancel, or the scheduler's budget stop (`spent`: what the meter says against the limit);
+    otherwise the pipeline's outcome decides."""
     if stop.is_set():
         step = last_committed_step(checkpoint_dir)
         kept = f"; last checkpoint at step {step}" if step is not None else "; no checkpoint yet"
+        if stop.reason is StopReason.budget_exhausted:
+            return RunState.budget_exhausted, budget.exhausted_message(spent[0], spent[1], kept)
         return RunState.cancelled, "cancelled" + kept
     match result.outcome:
         case Outcome.gate_failed:
@@ -274,6 +284,7 @@ class Worker:
         self.stops: dict[str, Stop] = {}
         self.epochs: dict[str, int] = {}
         self.node_ranks: dict[str, int] = {}  # a multi-node run's share this agent holds (0 otherwise)
+        self.meters: dict[str, Meter] = {}  # node 0's meter of each run it trains
         self.checkpoint_root = settings.data_dir / "checkpoints"
         self.exports = exports.Exports(settings.data_dir, self.trainer_id)
         self.sampler = sampling.Sampler(settings.data_dir)
@@ -304,8 +315,9 @@ class Worker:
         failure: str = "",
     ) -> LeaseAnswer | None:
         """Ask for (epoch 0, with the work item's binding) or renew a run's lease (of node
-        `node_rank`'s share, saying its `failure` if it failed); None when the scheduler did not
-        answer."""
+        `node_rank`'s share, saying its `failure` if it failed; node 0's renewal carries its meter);
+        None when the scheduler did not answer."""
+        meter = self.meters.get(run_id) if epoch and not node_rank else None
         try:
             binding = (
                 {}
@@ -323,6 +335,9 @@ class Worker:
                 epoch=epoch,
                 node_rank=work.node_rank if work is not None else node_rank,
                 failure=failure,
+                held_gpus=meter.held_gpus if meter is not None else 0,
+                held_gpu_s=round(meter.held_gpu_s(), 3) if meter is not None else 0.0,
+                stop_s=round(meter.stop_s(), 3) if meter is not None else 0.0,
                 **binding,
             )
             reply = await self.broker.request(
@@ -360,7 +375,10 @@ class Worker:
             elif not stop.is_set():
                 cancelled = answer.state in (RunState.cancelling, RunState.cancelled)
                 log.info("run %s: lease withdrawn (%s); stopping", run_id, answer.state)
-                stop.set(StopReason.cancelled if cancelled else StopReason.fenced)
+                if cancelled and answer.stop_code == ErrorCode.budget_exhausted.value:
+                    stop.set(StopReason.budget_exhausted)
+                else:
+                    stop.set(StopReason.cancelled if cancelled else StopReason.fenced)
 
     async def handle(self, msg: NatsMessage, work: TrainWork, manifest: Manifest) -> None:
         """Train one work item, decoded and its signature checked at the edge (app.on_work); `msg`
@@ -388,6 +406,7 @@ class Worker:
         if work.node_rank:
             await self._train_share(msg, work, manifest, answer.epoch)
         else:
+            self.meters[work.run_id] = Meter(work.plan.cost.gpus, answer.held_gpu_s)
             await self._train(msg, work, manifest, answer.epoch, answer.gang_requeues)
 
     async def _train(
@@ -420,6 +439,7 @@ class Worker:
             keep_alive.cancel()
             self.stops.pop(work.run_id, None)
             self.epochs.pop(work.run_id, None)
+            self.meters.pop(work.run_id, None)
         if stop.reason is StopReason.fenced:  # another trainer holds (or will hold) the run: ack nothing,
             answer = await self.lease(work.run_id, epoch)  # unless the run is over (a node failed it)
             if answer is not None and answer.state in TERMINAL_STATES:
@@ -457,7 +477,14 @@ class Worker:
             )
         train_lm, share = self._train_lm(work, manifest, checkpoint_dir)  # a refused plan trains nothing
         await emitter.state(RunState.running, message="training started")
-        report = emitter.reporter().with_sink(watch.send)
+        meter = self.meters.get(work.run_id)
+
+        def sink(event: RunEvent) -> None:
+            watch.send(event)
+            if meter is not None:
+                meter.observe(event)
+
+        report = emitter.reporter().with_sink(sink)
         try:
             result = await asyncio.to_thread(
                 partial(run_pipeline, **self._inputs(work)),
@@ -480,7 +507,10 @@ class Worker:
         if stop.reason is StopReason.loss_spike:
             await self._propose(emitter, checkpoint_dir, watch)
             return RunState.awaiting_approval
-        final, message = final_state(result, stop, checkpoint_dir)
+        await self.lease(work.run_id, emitter.epoch)  # the meter's last reading before release
+        held = meter.held_gpu_s() if meter is not None else 0.0
+        spent = (budget.spend_usd(held, work.plan.cost), budget.spend_limit(manifest, work.plan.cost))
+        final, message = final_state(result, stop, checkpoint_dir, spent)
         await emitter.state(final, stage=result.last_stage, message=message)
         return final
 
