@@ -46,7 +46,11 @@ def elapsed_s(view: RunView, now: datetime) -> float:
 
 
 def cost_so_far(view: RunView, now: datetime) -> float:
-    """GPU-hours held so far at the plan's price: what the run has used of its booking."""
+    """What the run has spent: its trainer's meter (every GPU of its placement, held from the
+    trainer's start until release, at the plan's price: `RunView.spend`). A run recorded before
+    metering existed: its wall time since accepted, at the plan's price, as before."""
+    if view.spend is not None:
+        return view.spend.spent_usd
     if view.plan is None:
         return 0.0
     cost = view.plan.cost

@@ -257,6 +257,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
         parallelism=PARALLELISM,
     ),
     api.Parallelism: PARALLELISM,
+    api.Spend: api.Spend(held_gpus=8, held_gpu_s=480.0, spent_usd=0.4667, limit_usd=5.0, at=T0),
     api.LogLineView: api.LogLineView(index=3, at=T0, level="warning", message="slow step"),
     api.LogPage: api.LogPage(
         run_id="run_1", lines=[api.LogLineView(index=0, at=T0, level="info", message="hi")], next=1

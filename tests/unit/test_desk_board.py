@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from contracts.api import CostEstimate, Plan, RunView
+from contracts.api import CostEstimate, Plan, RunView, Spend
 from contracts.desk import DeskRun, InterruptionRecord, StateRecord
 from contracts.evals import EvalMetric, StageGate
 from contracts.runs import CheckpointSaved, Metrics
@@ -96,6 +96,21 @@ def metric(stage: str, step: int, loss: float, at_s: float = 0.0) -> Metrics:
 def test_cost_so_far_is_the_gpu_hours_held_at_the_plans_price(state, minutes, now_minutes, expected_usd):
     v = view(state, minutes)
     assert board.cost_so_far(v, T0 + timedelta(minutes=now_minutes)) == pytest.approx(expected_usd)
+
+
+@pytest.mark.parametrize(
+    "state, held_gpu_s, spent_usd",
+    [
+        (RunState.queued, 0.0, 0.0),  # queued since accepted an hour ago: nothing held, nothing spent
+        (RunState.running, 8 * 60.0, 0.4667),  # a minute of 8 GPUs, as metered, whatever the wall clock says
+        (RunState.budget_exhausted, 8 * 90.0, 0.7),
+    ],
+)
+def test_cost_so_far_is_what_the_trainer_metered_not_the_time_since_accepted(state, held_gpu_s, spent_usd):
+    metered = Spend(held_gpus=8, held_gpu_s=held_gpu_s, spent_usd=spent_usd, limit_usd=1.0, at=T0)
+    v = view(state, 60, spend=metered)
+    assert board.cost_so_far(v, T0 + timedelta(hours=1)) == spent_usd
+    assert board.run_row(v, None, T0 + timedelta(hours=1)).cost_so_far_usd == spent_usd
 
 
 def test_cost_so_far_of_a_run_without_a_plan_is_zero():

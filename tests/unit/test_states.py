@@ -68,7 +68,13 @@ def test_non_terminal_states_can_end(state):
 
 def test_terminal_states_are_exactly_the_dead_ends():
     assert TERMINAL_STATES == {s for s, exits in ALLOWED_TRANSITIONS.items() if not exits}
-    assert TERMINAL_STATES == {RunState.succeeded, RunState.failed, RunState.gate_failed, RunState.cancelled}
+    assert TERMINAL_STATES == {
+        RunState.succeeded,
+        RunState.failed,
+        RunState.gate_failed,
+        RunState.cancelled,
+        RunState.budget_exhausted,
+    }
 
 
 @pytest.mark.parametrize("state", list(RunState), ids=lambda s: s.value)
