@@ -57,6 +57,9 @@ TARGETS = [
     Target("hf_sft", "same_first_loss", "==", True, "same weights, same first batch, same loss"),
     Target("hf_dpo", "rate", ">=", 1.0, "DPO step no slower than trl.DPOTrainer"),
     Target("hf_dpo", "same_tokens", "==", True, "both sides train on the same token ids"),
+    # Issue 26: the plan's estimate against what the run spent (the trainer's meter).
+    Target("cost_estimate", "worst_ratio_low", ">=", 0.7, "every estimate >= 0.7x what the run spent"),
+    Target("cost_estimate", "worst_ratio_high", "<=", 1.5, "every estimate <= 1.5x what the run spent"),
 ]
 
 # The figures the table shows (and the quick-mode test checks are numbers), per benchmark.
@@ -95,6 +98,13 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, u
         ("lost", ""),
         ("work_queue_messages", ""),
         ("requests_per_s", "/s"),
+    ],
+    "cost_estimate": [
+        ("demo_estimate_over_actual", "x"),
+        ("short_estimate_over_actual", "x"),
+        ("full_recipe_estimate_over_actual", "x"),
+        ("worst_ratio_low", "x"),
+        ("worst_ratio_high", "x"),
     ],
     "trainer_pretrain": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
     "trainer_dpo": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],

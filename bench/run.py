@@ -24,7 +24,8 @@ from bench.checkpoint_io import Sizes as CheckpointSizes
 from bench.hf_compare import Sizes as HfSizes
 from bench.trainer_steps import Sizes as TrainerSizes
 
-GROUPS = ("control_plane", "cli", "trainer", "checkpoint", "hf")
+GROUPS = ("control_plane", "cli", "trainer", "checkpoint", "hf", "cost")
+QUICK_SKIPS = ("cost",)  # trains whole runs (minutes): quick mode runs it only when --only names it
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results.json"
 
 
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     if not groups or groups - set(GROUPS):
         parser.error(f"--only takes groups from {', '.join(GROUPS)}")
     cfg = quick() if args.quick else full()
+    if args.quick and args.only == parser.get_default("only"):
+        groups -= set(QUICK_SKIPS)
 
     from bench import checkpoint_io, trainer_steps
     from bench.stack import AUTH
@@ -184,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import hf_compare
 
         benchmarks |= _measured(lambda: hf_compare.run_all(cfg.hf), list(hf_compare.BENCHMARKS))
+    if "cost" in groups:  # last: its stack trains whole runs, and nothing else runs meanwhile
+        from bench import cost
+
+        benchmarks |= _measured(lambda: cost.run_all(cfg.mode), ["cost_estimate"])
     report.write(args.out, env, benchmarks)
     report.print_table(env, benchmarks)
     print(f"\nresults: {args.out}")

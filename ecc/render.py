@@ -399,9 +399,22 @@ def _plan(plan: Plan) -> str:
         f"strategy {plan.strategy}, {_degrees(plan.degrees)}, precision {plan.precision}",
         f"estimate {cost.total_usd:.4f} USD ({cost.gpu_hours:.4f} GPU-h at {cost.price_per_gpu_hour_usd} USD)",
     ]
+    rows += _estimate_basis(plan)
     rows += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.reason}" for c in plan.checks]
     rows += [f"  gate {g.stage}: " + "; ".join(g.rules) for g in plan.gates]
     return "\n".join(rows)
+
+
+def _estimate_basis(plan: Plan) -> list[str]:
+    """What the estimate stands on: the wall seconds by phase and where its figures come from."""
+    cost = plan.cost
+    if not cost.phases_s:  # FLOPs at the assumed MFU alone: the line above says all there is
+        return []
+    phases = ", ".join(f"{name} {s:.1f}s" for name, s in cost.phases_s.items() if s > 0)
+    return [
+        f"  basis: {cost.wall_s:.1f}s held x {cost.gpus} GPU(s) ({phases}); figures: {cost.basis}",
+        "  spend is metered while the run runs: it stops with a checkpoint before budget_cap_usd is crossed",
+    ]
 
 
 async def _call(args: argparse.Namespace, endpoint: Endpoint[Any, Any], request: Any) -> Envelope[Any] | None:

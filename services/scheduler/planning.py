@@ -7,8 +7,10 @@ table) is done by the caller and passed in.
 
 import json
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import msgspec
 
 from contracts.api import CostEstimate, Plan, PlanCheck, StageGatePlan
 from contracts.booking import Fabric
@@ -18,6 +20,7 @@ from contracts.manifest import DataRole, Lora, Manifest
 from contracts.models import BaseModel, ModelShape
 from services.domain.curriculum import model_shape, plan_run
 from services.domain.model_shapes import count_parameters, head_dim
+from services.scheduler import calibration
 
 PRICES_PATH = pathlib.Path(__file__).with_name("desk_prices.json")
 ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "file:/")  # no remote URLs at run time
@@ -47,13 +50,19 @@ class GpuPrice:
 class PriceTable:
     storage_usd_per_gb_month: float
     gpus: dict[str, GpuPrice]
+    # The backend's measured wall-time figures per GPU model (services/scheduler/calibration.py);
+    # empty: the estimate is FLOPs at the assumed MFU alone (basis "flops").
+    calibration: "dict[str, calibration.Figures]" = field(default_factory=dict)
 
 
-def load_prices(path: pathlib.Path = PRICES_PATH) -> PriceTable:
+def load_prices(
+    path: pathlib.Path = PRICES_PATH, calibration_path: pathlib.Path = calibration.CALIBRATION_PATH
+) -> PriceTable:
     raw = json.loads(path.read_text())
     return PriceTable(
         storage_usd_per_gb_month=raw["storage_usd_per_gb_month"],
         gpus={name: GpuPrice(**v) for name, v in raw["gpus"].items()},
+        calibration=calibration.load(calibration_path),
     )
 
 
@@ -267,6 +276,43 @@ def cost(
     )
 
 
+def calibrated(
+    estimate: CostEstimate,
+    manifest: Manifest,
+    shape: ModelShape,
+    gpu: GpuPrice,
+    prices: PriceTable,
+    gpu_model: str,
+    base: BaseModel | None = None,
+) -> CostEstimate:
+    """The estimate on the wall seconds the run will hold its GPUs (start-up, data prep, steps,
+    evals, checkpoints: calibration.phases), with its basis; unchanged (basis "flops") when the
+    table has no figures, or for a manifest that cannot run (its refusal comes from elsewhere)."""
+    flops_only = msgspec.structs.replace(estimate, flops_gpu_hours=estimate.gpu_hours)
+    if not prices.calibration:
+        return flops_only
+    try:
+        run = plan_run(manifest, base)
+    except ValueError:
+        return flops_only
+    figures = calibration.figures_for(prices.calibration, gpu_model)
+    gpu_flops_s = gpu.peak_bf16_tflops * 1e12 * gpu.assumed_mfu
+    phases = calibration.phases(run, manifest, shape, estimate.gpus, gpu_flops_s, figures)
+    gpu_hours = phases.wall_s * estimate.gpus / 3600.0
+    compute = gpu_hours * gpu.price_per_gpu_hour_usd
+    incremental = max(0.0, gpu_hours - estimate.booked_gpu_hours) * gpu.price_per_gpu_hour_usd
+    return msgspec.structs.replace(
+        flops_only,
+        gpu_hours=gpu_hours,
+        compute_usd=round(compute, 6),
+        total_usd=round(compute + estimate.checkpoint_storage_usd, 6),
+        incremental_usd=round(incremental, 6),
+        basis=figures.basis,
+        wall_s=round(phases.wall_s, 3),
+        phases_s=phases.as_dict(),
+    )
+
+
 def data_policy(manifest: Manifest) -> tuple[ErrorCode, str] | None:
     for ref in manifest.data:
         if not ref.source.startswith(ALLOWED_SOURCE_PREFIXES):
@@ -372,6 +418,7 @@ def plan(
     window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
     booked = topo.nodes * topo.gpus_per_node * window_hours
     estimate = cost(params, manifest, gpu, prices, booked, window_hours, shape)
+    estimate = calibrated(estimate, manifest, shape, gpu, prices, topo.gpu_model, base)
     checks.append(
         _check("data_policy", data_policy(manifest), "every source allowed, decontamination declared")
     )
