@@ -43,9 +43,15 @@ _work_decoder = msgspec.json.Decoder(TrainWork)
 _manifest_decoder = msgspec.json.Decoder(Manifest)
 
 
-def nothing_spent(work: TrainWork, at: Any) -> Spend:
-    """A new run's spend: none yet, against the limit its manifest and plan set."""
-    limit = budget.spend_limit(_manifest_decoder.decode(work.manifest_text), work.plan.cost)
+def nothing_spent(work: TrainWork, at: Any) -> Spend | None:
+    """A new run's spend: none yet, against the limit its manifest and plan set (None, and so no
+    budget stop, for an item whose manifest does not decode: the trainer refuses that one anyway)."""
+    try:
+        manifest = _manifest_decoder.decode(work.manifest_text)
+    except msgspec.MsgspecError:
+        log.warning("run %s: the work item's manifest does not decode; spend not bounded", work.run_id)
+        return None
+    limit = budget.spend_limit(manifest, work.plan.cost)
     return Spend(held_gpus=work.plan.cost.gpus, held_gpu_s=0.0, spent_usd=0.0, limit_usd=limit, at=at)
 
 

@@ -20,7 +20,7 @@ from services.trainer.gang import free_port
 from services.trainer.ladder import LadderDecision
 from tests.conftest import REPO, write_manifest
 
-COST = {name: 0 for name in CostEstimate.__struct_fields__}
+COST = {f.name: 0 for f in msgspec.structs.fields(CostEstimate) if f.required}
 PLAN = msgspec.convert(
     {
         "booking_id": "b",
