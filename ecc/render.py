@@ -295,6 +295,12 @@ def _run(view: RunView) -> str:
             line += f", {view.nodes} nodes"
     if view.plan:
         line += f"\n  plan: {view.plan.strategy}, estimate {view.plan.cost.total_usd:.6f} USD"
+    if view.spend is not None and view.spend.held_gpu_s > 0:
+        sp = view.spend
+        line += (
+            f"\n  spent: {sp.spent_usd:.6f} USD of its limit {sp.limit_usd:.6f} USD "
+            f"({sp.held_gpus} GPU(s) held {sp.held_gpu_s / max(sp.held_gpus, 1):.1f}s)"
+        )
     return line
 
 

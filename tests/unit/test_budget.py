@@ -138,3 +138,18 @@ def test_a_budget_stop_ends_budget_exhausted_with_its_sentence(tmp_path, reason,
     )
     final, message = final_state(result, stop, tmp_path, (0.995, 1.0))
     assert final is state and message.startswith(words) and "no checkpoint yet" in message
+
+
+def test_status_says_what_the_run_spent_against_its_limit():
+    import msgspec
+
+    from contracts.api import Spend
+    from ecc import render
+
+    spent = Spend(held_gpus=1, held_gpu_s=14.4, spent_usd=0.014, limit_usd=0.0146, at=T0)
+    view_ = msgspec.structs.replace(
+        view(RunState.budget_exhausted), spend=spent, message="budget exhausted: spent 0.0140 USD"
+    )
+    text = render._run(view_)
+    assert "budget_exhausted" in text and "budget exhausted: spent 0.0140 USD" in text
+    assert "spent: 0.014000 USD of its limit 0.014600 USD (1 GPU(s) held 14.4s)" in text
