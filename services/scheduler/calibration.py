@@ -84,24 +84,24 @@ def figures_for(table: dict[str, Figures], gpu_model: str) -> Figures:
     return replace(fallback, basis=f"no figures for {gpu_model}: {fallback.basis}")
 
 
-def stage_steps(stage: LmPlan | PostPlan) -> tuple[int, float]:
-    """(optimizer steps, FLOPs per parameter of one step) of one stage: a post-training step's
-    sequences at the model's context length, an upper bound on its short task sequences."""
+def stage_steps(stage: LmPlan | PostPlan, post_seq_len: int) -> tuple[int, float]:
+    """(optimizer steps, FLOPs per parameter of one step) of one stage. A post-training step's
+    sequences are the task's: the run's `seq_len` for SFT and DPO pairs, a prompt and its response
+    (twice `max_response_tokens`) for RLVR's groups."""
     if isinstance(stage, LmPlan):
         return stage.steps, LM_FLOPS_PER_TOKEN * stage.seq_len * stage.batch_size
     section = stage.section
-    seq = stage.shape.max_seq_len
     if isinstance(section, RlvrStage):  # a step's sequences: every group's samples
-        sequences = section.prompts_per_step * section.group_size
+        sequences, seq = section.prompts_per_step * section.group_size, 2 * section.max_response_tokens
     else:
-        sequences = section.batch_size
+        sequences, seq = section.batch_size, post_seq_len
     return section.steps, STEP_FLOPS_PER_TOKEN.get(stage.name, 6.0) * seq * sequences
 
 
 def saves(run: RunPlan, manifest: Manifest) -> int:
     """Checkpoint saves: every `interval_steps` of each stage, and each stage's last step."""
     interval = max(manifest.checkpoint.interval_steps, 1)
-    return sum(stage_steps(s)[0] // interval + 1 for s in run.stages)
+    return sum(stage_steps(s, manifest.target.seq_len)[0] // interval + 1 for s in run.stages)
 
 
 def phases(
@@ -113,7 +113,7 @@ def phases(
     gpus = max(gpus, 1)
     train_s = 0.0
     for stage in run.stages:
-        steps, flops_per_param = stage_steps(stage)
+        steps, flops_per_param = stage_steps(stage, manifest.target.seq_len)
         tokens = flops_per_param / LM_FLOPS_PER_TOKEN  # forward-backward token equivalents
         train_s += steps * (tokens * f.token_s + flops_per_param * params / max(gpu_flops_s, 1.0)) / gpus
     return Phases(
