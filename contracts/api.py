@@ -103,9 +103,32 @@ class LogsRequest(Contract, frozen=True, kw_only=True):
 # --- answers (Envelope.data) ---
 
 
+class QuotaLimits(Internal, frozen=True, kw_only=True):
+    """An account's quotas (the operator's `ito-training accounts quota`; docs/quotas.md)."""
+
+    rate_per_s: float  # plan, confirm and train requests per second, sustained (the bucket's refill)
+    burst: int  # requests admitted at once after a quiet spell (the bucket's size)
+    confirmations: int  # confirmations issued and neither consumed nor expired
+    runs: int  # runs not finished (every state but succeeded, failed, gate_failed, cancelled)
+    queued: int  # runs waiting for a trainer (accepted, queued, interrupted)
+
+
+class QuotaUsage(Internal, frozen=True, kw_only=True):
+    tokens: float  # requests the bucket would admit right now (at most `burst`)
+    confirmations: int | None  # None: the confirmation service did not answer in time
+    runs: int
+    queued: int
+
+
+class QuotaStatus(Internal, frozen=True, kw_only=True):
+    limits: QuotaLimits
+    usage: QuotaUsage
+
+
 class AuthInfo(Internal, frozen=True, kw_only=True):
     account: str
     key_id: str
+    quotas: QuotaStatus | None = None  # the account's limits and what it uses now (None: an older scheduler)
 
 
 class BookingView(Internal, frozen=True, kw_only=True):

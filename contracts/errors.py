@@ -68,10 +68,27 @@ class ErrorCode(enum.StrEnum):
     # one given to cancel, a cleanup one as the release one). The message names both actions and the
     # `ecc ito confirm` command that makes the right one; nothing is consumed.
     confirmation_action_mismatch = "confirmation_action_mismatch"
+    # Added with per-tenant quotas (docs/quotas.md): over the account's request rate (the error
+    # carries `retry_after_s`), or over one of its quotas (the error carries `quota`: which one,
+    # its current use and its limit). Nothing was created or reserved.
+    rate_limited = "rate_limited"
+    quota_exceeded = "quota_exceeded"
 
 
-class ApiError(Internal, frozen=True, kw_only=True):
-    """An error as a value: a stable code and a message that is safe to show (no secrets)."""
+class QuotaBreach(Internal, frozen=True, kw_only=True):
+    """Which quota a refused request would have gone over: its name (`confirmations`, `runs`,
+    `queued`), what the account holds now and its limit."""
+
+    quota: str
+    current: int
+    limit: int
+
+
+class ApiError(Internal, frozen=True, kw_only=True, omit_defaults=True):
+    """An error as a value: a stable code and a message that is safe to show (no secrets).
+    The optional fields are on the wire only when set (older readers skip them)."""
 
     code: ErrorCode
     message: str
+    retry_after_s: float | None = None  # rate_limited: seconds until a retry can be admitted
+    quota: QuotaBreach | None = None  # quota_exceeded: which quota, the current use and the limit

@@ -39,6 +39,8 @@ from contracts.api import (
     ModelView,
     Plan,
     PlanRequest,
+    QuotaStatus,
+    QuotaUsage,
     RunAccepted,
     RunItemsRequest,
     RunView,
@@ -54,12 +56,15 @@ from contracts.manifest import Manifest
 from contracts.models import BaseModel
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from services.domain import binding
+from services.domain import quotas as quota_rules
 from services.domain.curriculum import model_shape
 from services.runtime import faults
 from services.runtime.accounts import Credentials
 from services.runtime.checkpoint_paths import run_dir
 from services.runtime.codec import Refusal
 from services.runtime.model_store import ModelStore
+from services.runtime.quotas import InMemoryQuotas, Quotas, breach_refusal
+from services.runtime.quotas import refusal as rate_refusal
 from services.scheduler import planning
 from services.scheduler.admission import MAX_IDEMPOTENCY_KEY as MAX_IDEMPOTENCY_KEY  # re-exported
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
@@ -141,6 +146,7 @@ class Api:
         small_model_gangs: bool = False,
         count_accepted: Callable[[], None] = lambda: None,
         model_store: ModelStore | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.auditor = auditor
         self.count_accepted = count_accepted  # `ito_runs_accepted_total` (services/runtime/metrics.py)
@@ -153,12 +159,43 @@ class Api:
         self.checkpoint_root = checkpoint_root
         self.model_store = model_store  # None: no base model resolves (every one is model_not_found)
         self.inputs = ManifestInputs(model_store)
+        self.quotas = quotas if quotas is not None else InMemoryQuotas()  # RedisQuotas in the service
 
     async def _account(self, caller: str, req) -> str:
         return (await authenticate(self.credentials, caller, req)).account
 
+    async def _rated(self, caller: str, req) -> str:
+        """The account, once its request-rate bucket admitted this request (plan, confirm, train)."""
+        account = await self._account(caller, req)
+        await self._rate(account)
+        return account
+
+    async def _rate(self, account: str) -> None:
+        refusal = rate_refusal(await self.quotas.take(account), await self.quotas.limits(account))
+        if refusal is not None:
+            raise refusal
+
+    async def _run_quota(self, account: str) -> Refusal | None:
+        """`quota_exceeded` when one more run would go over the account's `runs` or `queued`."""
+        limits = await self.quotas.limits(account)
+        return breach_refusal(quota_rules.run_breach(limits, await self.runs.open_states(account)))
+
     async def auth(self, caller: str, req: AuthRequest) -> AuthInfo:
-        return await authenticate(self.credentials, caller, req)
+        """Who the caller is, with its quotas: the limits and what it uses now."""
+        info = await authenticate(self.credentials, caller, req)
+        limits = await self.quotas.limits(info.account)
+        taken = await self.quotas.take(info.account, cost=0)
+        unfinished, waiting = quota_rules.run_usage(await self.runs.open_states(info.account))
+        try:
+            outstanding: int | None = (
+                await self.backends.outstanding_confirmations(info.account)
+            ).confirmations
+        except Refusal:  # the confirmation service is away: `auth` still says who the caller is
+            outstanding = None
+        usage = QuotaUsage(
+            tokens=round(taken.tokens, 2), confirmations=outstanding, runs=unfinished, queued=waiting
+        )
+        return msgspec.structs.replace(info, quotas=QuotaStatus(limits=limits, usage=usage))
 
     async def find(self, caller: str, req: FindRequest) -> list[BookingView]:
         account = await self._account(caller, req)
@@ -206,7 +243,7 @@ class Api:
 
     async def plan(self, caller: str, req: PlanRequest) -> Plan:
         """Creates nothing: no run, no confirmation, no ledger entry, nothing on the queue."""
-        account = await self._account(caller, req)
+        account = await self._rated(caller, req)
         manifest, digest, base = await self._verified(account, req.manifest_text, req.manifest_digest)
         p, _ = await self._plan(account, req.booking_id, manifest, digest, base)
         refusal = planning.first_refusal(p)
@@ -217,7 +254,7 @@ class Api:
     async def confirm(self, caller: str, req: ConfirmRequest) -> ConfirmationIssued:
         """A single-use capability bound to account, action, target, digest and cost. Only the
         opaque reference leaves the server; it authorizes nothing by itself."""
-        account = await self._account(caller, req)
+        account = await self._rated(caller, req)
         if req.action is Action.train:
             return await self._confirm_train(account, req)
         if req.action is Action.release_booking:
@@ -299,6 +336,7 @@ class Api:
         is answered by the ledger: its accept script looks the key up before anything else, and
         a request refused by a gate is answered with its key's run when the key has one."""
         trail.record("authenticate", True)
+        await trail.gate("rate", self._rate(account))
         trail.check("idempotency_key_format", key_refusal(req.idempotency_key))
         manifest, digest = self._manifest(req, trail)
         fp = fingerprint(Action.train, account, req.booking_id, digest)
@@ -313,6 +351,8 @@ class Api:
     async def _create(
         self, req: TrainRequest, account: str, manifest: Manifest, digest: str, fp: str, trail: Trail
     ) -> tuple[RunAccepted, str | None]:
+        # before anything is read or reserved; a replay of a key that has its run is answered anyway
+        trail.check("quota", await self._run_quota(account))
         try:  # the store and the files may have changed since the bytes were checked: every time
             _plan, base = await asyncio.to_thread(self.inputs.runnable, manifest, account)
         except Refusal as refusal:
