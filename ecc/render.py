@@ -119,10 +119,28 @@ def show(args: argparse.Namespace, env: Envelope[Any]) -> None:
     if not env.ok:
         assert env.error is not None
         print(f"error [{env.error.code.value}]: {env.error.message}", file=sys.stderr)
+        if env.error.retry_after_s is not None:
+            print(f"retry after: {env.error.retry_after_s:g} s", file=sys.stderr)
         return
     if env.notice:
         print(f"note: {env.notice}")
     print(text(env.data, terminal=on_terminal(args)))
+
+
+def _auth(info: AuthInfo) -> str:
+    """Who, then the account's quotas: each limit beside what it uses now."""
+    lines = [f"logged in as {info.account} (key {info.key_id})"]
+    if info.quotas is not None:
+        lim, use = info.quotas.limits, info.quotas.usage
+        confirmations = "?" if use.confirmations is None else str(use.confirmations)
+        lines += [
+            "quotas (in use / limit):",
+            f"  requests       {lim.rate_per_s:g}/s, bursts of {lim.burst} ({use.tokens:g} available now)",
+            f"  confirmations  {confirmations} / {lim.confirmations} outstanding",
+            f"  runs           {use.runs} / {lim.runs} unfinished",
+            f"  queued         {use.queued} / {lim.queued} waiting for a trainer",
+        ]
+    return "\n".join(lines)
 
 
 def text(answer: Answer | None, terminal: bool = False) -> str:
@@ -130,7 +148,7 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
     metrics are a loss sparkline per stage (ecc/charts.py) instead of one line per point."""
     match answer:
         case AuthInfo():
-            return f"logged in as {answer.account} (key {answer.key_id})"
+            return _auth(answer)
         case list():  # the one answer that is a list: find's list[BookingView]
             return _bookings(answer)
         case Plan():

@@ -84,6 +84,23 @@ def _desk_commands(cmds: Commands) -> None:
     q = acc.add_parser("revoke", help="revoke every key of an account; the NATS server refuses them at once")
     q.add_argument("account")
     q.add_argument("--json", action="store_true")
+    q = acc.add_parser(
+        "quota",
+        help="show or set an account's quotas (docs/quotas.md); a limit not given stays as it is",
+    )
+    q.add_argument("account")
+    q.add_argument(
+        "--rate", type=float, help="plan/confirm/train requests per second, sustained (default 20)"
+    )
+    q.add_argument("--burst", type=float, help="requests admitted at once after a quiet spell (default 600)")
+    q.add_argument(
+        "--confirmations",
+        type=float,
+        help="outstanding confirmations, neither used nor expired (default 256)",
+    )
+    q.add_argument("--runs", type=float, help="unfinished runs (default 256)")
+    q.add_argument("--queued", type=float, help="runs waiting for a trainer (default 256)")
+    q.add_argument("--json", action="store_true")
     p = cmds.add_parser("desk", help="the desk's views")
     desk = p.add_subparsers(dest="view", required=True)
     q = desk.add_parser("telemetry", help="goodput, badput, interruptions and checkpoint bandwidth rollups")
@@ -164,13 +181,34 @@ def _print(args: argparse.Namespace, data: dict[str, Any], human: str) -> None:
     print(json.dumps(data) if getattr(args, "json", False) else human, flush=True)
 
 
-async def _accounts(s: settings_mod.Settings, action: str, account: str) -> dict[str, Any]:
+QUOTA_FLAGS = {
+    "rate": "rate_per_s",
+    "burst": "burst",
+    "confirmations": "confirmations",
+    "runs": "runs",
+    "queued": "queued",
+}
+"""`accounts quota`'s flags and the limits they set (services/domain/quotas.py)."""
+
+
+async def _accounts(
+    s: settings_mod.Settings, action: str, account: str, changes: dict[str, float] | None = None
+) -> dict[str, Any]:
     from services.runtime import accounts, connections
     from services.runtime.identities import ACCOUNTS
     from services.runtime.keys import Keys
 
     r = connections.make_redis(s, ACCOUNTS)
     try:
+        if action == "quota":
+            import msgspec
+
+            from services.runtime.quotas import RedisQuotas
+
+            if not accounts.valid_account(account):
+                raise ValueError("account names are 1-64 ASCII letters, digits, '-' or '_'")
+            limits = await RedisQuotas(r, Keys(s)).set_limits(account, changes or {})
+            return {"account": account, "quotas": msgspec.to_builtins(limits)}
         if action == "create":
             api_key, key_id, public = await accounts.create(r, Keys(s), account)
             return {"account": account, "api_key": api_key, "key_id": key_id, "nkey": public}
@@ -269,12 +307,36 @@ def _desk(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
 def _accounts_command(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     from services.ops import stack
 
+    if args.action == "quota":
+        return _quota_command(s, args)
     data = asyncio.run(_accounts(s, args.action, args.account))
     data["server_reloaded"] = stack.apply_tenants(s)
     human = (
         f"account {data['account']}: API key (shown once) {data['api_key']}"
         if args.action == "create"
         else f"account {data['account']}: {data['revoked_keys']} key(s) revoked"
+    )
+    _print(args, data, human)
+    return 0
+
+
+def _quota_command(s: settings_mod.Settings, args: argparse.Namespace) -> int:
+    from services.runtime.codec import Refusal
+
+    changes = {
+        name: getattr(args, flag) for flag, name in QUOTA_FLAGS.items() if getattr(args, flag) is not None
+    }
+    try:
+        data = asyncio.run(_accounts(s, "quota", args.account, changes))
+    except (Refusal, ValueError) as exc:
+        message = exc.message if isinstance(exc, Refusal) else str(exc)
+        _print(args, {"account": args.account, "error": message}, f"error: {message}")
+        return 2
+    q = data["quotas"]
+    human = (
+        f"account {data['account']}: {q['rate_per_s']:g} requests/s (bursts of {q['burst']}), "
+        f"{q['confirmations']} outstanding confirmations, {q['runs']} unfinished runs, "
+        f"{q['queued']} waiting runs"
     )
     _print(args, data, human)
     return 0

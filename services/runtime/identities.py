@@ -253,9 +253,12 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
                     f"{ns}:leased",  # the lease index before it was split: read and released only
                     f"{ns}:apikeys:*",
                     f"{ns}:run-index:*",  # every run by creation time, split in shards: the desk's list
+                    f"{acct}:quota",  # the operator's limits (read; the bucket script reads them too)
+                    f"{acct}:bucket",  # the request-rate bucket, shared by every scheduler instance
+                    f"{acct}:open-runs",  # the unfinished runs: the `runs` and `queued` quotas
                 ),
                 "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +zrevrange +zrevrangebyscore "
-                "+rpush +ltrim +llen +lrange "
+                "+rpush +ltrim +llen +lrange +sadd +srem +smembers +pexpire +time "
                 f"+multi +exec +discard {scripts}",
             )
         case "ledger":
@@ -265,8 +268,14 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
             )
         case "confirmation":
             return (
-                (f"{acct}:conf:*", f"{ns}:conf-owner:*"),
-                "+get +set +hset +hgetall +expire +pexpire +time +multi +exec +discard",
+                (
+                    f"{acct}:conf:*",
+                    f"{ns}:conf-owner:*",
+                    f"{acct}:conf-open",  # the outstanding confirmations: the `confirmations` quota
+                    f"{acct}:quota",  # the operator's limits (read)
+                ),
+                "+get +set +hget +hset +hgetall +expire +pexpire +time +multi +exec +discard "
+                f"+zadd +zrange +zrem +zremrangebyscore +zscore {scripts}",
             )
         case "entitlement":
             return (
@@ -287,7 +296,7 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
             )
         case "accounts":
             return (
-                (f"{ns}:apikeys:*", f"{ns}:accounts:*", f"{ns}:accounts"),
+                (f"{ns}:apikeys:*", f"{ns}:accounts:*", f"{ns}:accounts", f"{acct}:quota"),
                 "+hget +hset +hgetall +sadd +smembers",
             )
         case "admin":

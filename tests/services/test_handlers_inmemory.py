@@ -52,6 +52,7 @@ from services.runtime.accounts import InMemoryAccounts, RedisAccounts
 from services.runtime.bus import LocalBus
 from services.runtime.identities import NATS_IDENTITIES
 from services.runtime.keys import Keys
+from services.runtime.quotas import InMemoryQuotas, Quotas, RedisQuotas
 from services.runtime.secrets import Secrets
 from services.runtime.service import Wiring
 from services.scheduler import app as scheduler_app
@@ -73,29 +74,32 @@ class Bus:
     accounts: InMemoryAccounts | RedisAccounts  # the operator's registry (create, revoke)
     bookings: Bookings  # the entitlement projection's store (its counters)
     touched_redis: list[str]  # memory param: every attempt to connect to Redis (must stay empty)
+    quotas: Quotas  # the operator's quotas (what `ito-training accounts quota` writes)
 
 
 def register_all(
     w: Wiring, redis: aioredis.Redis | None
-) -> tuple[InMemoryAccounts | RedisAccounts, Bookings]:
+) -> tuple[InMemoryAccounts | RedisAccounts, Bookings, Quotas]:
     """Every service's bootstrap with one kind of adapter: in memory when `redis` is None."""
     s = w.settings
     if redis is None:
         confirmations = InMemoryConfirmations()
         credentials: InMemoryAccounts | RedisAccounts = InMemoryAccounts()
         bookings: Bookings = InMemoryBookings()
+        quotas: Quotas = InMemoryQuotas()  # one store: the scheduler's and the confirmation service's
         entitlement_app.register(w, bookings)
-        confirmation_app.register(w, confirmations)
+        confirmation_app.register(w, confirmations, quotas)
         # the ledger consumes the confirmation service's records (one Redis hash each, there)
         ledger_app.register(w, InMemoryLedger(confirmations.records, clock=confirmations.clock))
-        scheduler_app.register(w, runs=InMemoryRuns(), credentials=credentials)
-        return credentials, bookings
+        scheduler_app.register(w, runs=InMemoryRuns(), credentials=credentials, quotas=quotas)
+        return credentials, bookings, quotas
     credentials, bookings = RedisAccounts(redis, w.keys), BookingStore(redis, w.keys)
+    quotas = RedisQuotas(redis, w.keys)
     entitlement_app.register(w, bookings)
-    confirmation_app.register(w, ConfirmationStore(redis, w.keys))
+    confirmation_app.register(w, ConfirmationStore(redis, w.keys), quotas)
     ledger_app.register(w, LedgerStore(redis, w.keys, s.idempotency_retention_s))
-    scheduler_app.register(w, runs=RunStore(redis, w.keys), credentials=credentials)
-    return credentials, bookings
+    scheduler_app.register(w, runs=RunStore(redis, w.keys), credentials=credentials, quotas=quotas)
+    return credentials, bookings, quotas
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +131,9 @@ async def bus(request, namespace, tmp_path, monkeypatch):
     broker = connections.make_broker(s, "scheduler")
     w = Wiring(settings=s, broker=broker, redis=redis, keys=Keys(s))
     w.bus = LocalBus(w.router, broker)  # requests straight to the handlers; streams in memory
-    credentials, bookings = register_all(w, redis)
+    credentials, bookings, quotas = register_all(w, redis)
     async with TestNatsBroker(broker) as br:
-        yield Bus(br, w, credentials, bookings, touched)
+        yield Bus(br, w, credentials, bookings, touched, quotas)
     if redis is not None:
         await redis.aclose()
     assert touched == [], f"the memory param tried to reach Redis at {touched}"
