@@ -130,3 +130,45 @@ async def test_the_operator_writes_the_limits_the_services_read_them(infra):
             await ledger.hset(keys.quota(name), "runs", "100")
     finally:
         await ledger.aclose()
+
+
+def test_the_operator_sets_and_shows_quotas_with_ito_training(redis_infra, monkeypatch, capsys):
+    """`ito-training accounts quota ACCOUNT --rate ... --runs ...`: the limits given change, the rest
+    keep their value (the defaults until set); a bad value is refused and changes nothing."""
+    from services.ops import main as ops
+
+    s = redis_infra.settings
+    for env, value in (
+        ("ITO_NAMESPACE", s.namespace),
+        ("ITO_REDIS_URL", s.redis_url),
+        ("ITO_SECRETS_DIR", str(s.secrets_dir)),
+        ("ITO_DATA_DIR", str(s.data_dir)),
+    ):
+        monkeypatch.setenv(env, value)
+    name = account()
+
+    def quota(*flags: str) -> tuple[int, dict]:
+        rc = ops.main(["accounts", "quota", name, *flags, "--json"])
+        return rc, __import__("json").loads(capsys.readouterr().out)
+
+    rc, shown = quota()
+    assert rc == 0 and shown["quotas"] == {
+        "rate_per_s": quotas.DEFAULT_RATE_PER_S,
+        "burst": quotas.DEFAULT_BURST,
+        "confirmations": quotas.DEFAULT_CONFIRMATIONS,
+        "runs": quotas.DEFAULT_RUNS,
+        "queued": quotas.DEFAULT_QUEUED,
+    }
+    rc, shown = quota(
+        "--rate", "2.5", "--burst", "10", "--confirmations", "3", "--runs", "2", "--queued", "1"
+    )
+    assert rc == 0 and shown["quotas"] == {
+        "rate_per_s": 2.5,
+        "burst": 10,
+        "confirmations": 3,
+        "runs": 2,
+        "queued": 1,
+    }
+    rc, shown = quota("--runs", "0")
+    assert rc == 2 and "positive" in shown["error"]
+    assert quota()[1]["quotas"]["runs"] == 2
