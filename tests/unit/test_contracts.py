@@ -708,6 +708,19 @@ SAMPLES.update(
     }
 )
 
+QUOTA_LIMITS = api.QuotaLimits(rate_per_s=2.5, burst=10, confirmations=3, runs=2, queued=1)
+QUOTA_USAGE = api.QuotaUsage(tokens=4.5, confirmations=1, runs=1, queued=0)
+SAMPLES.update(
+    {
+        api.QuotaLimits: QUOTA_LIMITS,
+        api.QuotaUsage: QUOTA_USAGE,
+        api.QuotaStatus: api.QuotaStatus(limits=QUOTA_LIMITS, usage=QUOTA_USAGE),
+        errors.QuotaBreach: errors.QuotaBreach(quota="runs", current=2, limit=2),
+        internal.OutstandingQuery: internal.OutstandingQuery(account="acct_a"),
+        internal.Outstanding: internal.Outstanding(confirmations=1, limit=3),
+    }
+)
+
 STRUCTS = defined_structs()
 RUN_EVENT_CLASSES = [
     runs.StateChanged,
