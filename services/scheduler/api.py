@@ -171,9 +171,11 @@ class Api:
         return account
 
     async def _rate(self, account: str) -> None:
-        refusal = rate_refusal(await self.quotas.take(account), await self.quotas.limits(account))
-        if refusal is not None:
-            raise refusal
+        taken = await self.quotas.take(account)  # one script: the limits are read inside it
+        if not taken.allowed:
+            refusal = rate_refusal(taken, await self.quotas.limits(account))
+            if refusal is not None:
+                raise refusal
 
     async def _run_quota(self, account: str) -> Refusal | None:
         """`quota_exceeded` when one more run would go over the account's `runs` or `queued`."""

@@ -701,3 +701,15 @@ def test_confirm_shows_what_it_authorises(action, target, digest, cost, lines):
         "max_cost_usd",
         "expires_at",
     }
+
+
+def test_auth_shows_each_quota_beside_what_the_account_uses():
+    from contracts.api import QuotaLimits, QuotaStatus, QuotaUsage
+
+    limits = QuotaLimits(rate_per_s=2.5, burst=10, confirmations=3, runs=2, queued=1)
+    usage = QuotaUsage(tokens=4.5, confirmations=1, runs=2, queued=0)
+    info = AuthInfo(account="acme", key_id="UAKEY", quotas=QuotaStatus(limits=limits, usage=usage))
+    lines = render.text(info).splitlines()
+    assert lines[0] == "logged in as acme (key UAKEY)"
+    assert "2.5/s, bursts of 10 (4.5 available now)" in lines[2]
+    assert "1 / 3 outstanding" in lines[3] and "2 / 2 unfinished" in lines[4] and "0 / 1 waiting" in lines[5]
