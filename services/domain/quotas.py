@@ -99,6 +99,27 @@ def take(
     return Taken(False, level, (cost - level) / rate)
 
 
+REFUSAL_MEMORY_S = 1.0
+"""How long a scheduler instance answers an account's empty bucket itself, without Redis: no
+instance can add tokens, only time can, so "none before T" stays true; a flood's refusals then
+cost no round trip. Short, so that an operator's raised rate applies within a second."""
+
+
+def remembered(entry: tuple[float, float] | None, now: float) -> float | None:
+    """A remembered refusal (remember until, no token before), as the retry-after it still means
+    at `now` (local monotonic seconds); None when there is none or it is over."""
+    if entry is None or now >= entry[0]:
+        return None
+    return max(0.0, entry[1] - now)
+
+
+def memory_of(taken: "Taken", now: float) -> tuple[float, float] | None:
+    """What to remember of a take: a refusal, for REFUSAL_MEMORY_S at most; an admission, nothing."""
+    if taken.allowed:
+        return None
+    return now + min(REFUSAL_MEMORY_S, taken.retry_after_s), now + taken.retry_after_s
+
+
 def rate_message(retry_after_s: float, limits: QuotaLimits) -> str:
     return (
         f"over this account's request rate ({limits.rate_per_s:g}/s, bursts of {limits.burst}); "

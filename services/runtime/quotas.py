@@ -16,6 +16,8 @@ from services.runtime.codec import Refusal, redis_text
 from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 
+MAX_REMEMBERED = 10_000  # accounts whose refusal one scheduler instance remembers at once
+
 
 def refusal(taken: decide.Taken, limits: QuotaLimits) -> Refusal | None:
     """The `rate_limited` refusal of a take that was not admitted, with its retry-after; else None."""
@@ -58,18 +60,36 @@ class RedisQuotas:
         self.r = r
         self.keys = keys
         self._bucket = r.register_script(decide.BUCKET_LUA)
+        self._refused: dict[str, tuple[float, float]] = {}  # account -> decide.memory_of (this instance)
 
     async def limits(self, account: str) -> QuotaLimits:
         raw = await self.r.hgetall(self.keys.quota(account))
         return decide.limits_from({redis_text(k): redis_text(v) for k, v in raw.items()})
 
     async def take(self, account: str, cost: float = 1.0, now: float | None = None) -> decide.Taken:
-        """BUCKET_LUA on the server's clock (`now` only in tests)."""
-        allowed, tokens, retry, *_ = await self._bucket(
+        """BUCKET_LUA on the server's clock (`now` only in tests); an empty bucket this instance saw
+        less than REFUSAL_MEMORY_S ago is refused without a round trip (`decide.remembered`)."""
+        local = time.monotonic()
+        if cost > 0 and now is None:
+            retry = decide.remembered(self._refused.get(account), local)
+            if retry is not None:
+                return decide.Taken(False, 0.0, retry)
+        allowed, tokens, retry_s, *_ = await self._bucket(
             keys=[self.keys.bucket(account), self.keys.quota(account)],
             args=["" if now is None else repr(now), decide.DEFAULTS.rate_per_s, decide.DEFAULTS.burst, cost],
         )
-        return decide.Taken(bool(int(allowed)), float(tokens), float(retry))
+        taken = decide.Taken(bool(int(allowed)), float(tokens), float(retry_s))
+        if cost > 0 and now is None:
+            self._remember(account, decide.memory_of(taken, local), local)
+        return taken
+
+    def _remember(self, account: str, entry: tuple[float, float] | None, now: float) -> None:
+        if entry is None:
+            self._refused.pop(account, None)
+            return
+        if len(self._refused) >= MAX_REMEMBERED:  # bounded: forget the ones that are over
+            self._refused = {a: e for a, e in self._refused.items() if e[0] > now}
+        self._refused[account] = entry
 
     async def set_limits(self, account: str, changes: dict[str, float]) -> QuotaLimits:
         """The operator's write (the `accounts` identity): the named limits, the rest unchanged."""

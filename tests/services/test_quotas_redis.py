@@ -73,6 +73,19 @@ async def test_two_scheduler_instances_share_one_bucket_and_admit_exactly_its_bu
         await second.aclose()
 
 
+async def test_a_flood_s_refusals_are_answered_without_a_round_trip(infra):
+    _, keys, c = infra
+    name = account()
+    await RedisQuotas(c["accounts"], keys).set_limits(name, {"rate_per_s": 0.001, "burst": 1})
+    q = RedisQuotas(c["scheduler"], keys)
+    assert (await q.take(name)).allowed
+    assert not (await q.take(name)).allowed  # the bucket is empty: remembered by this instance
+    await c["admin"].delete(keys.bucket(name))  # Redis would now admit (a new bucket is full) ...
+    again = await q.take(name)
+    assert not again.allowed and 900 < again.retry_after_s <= 1000  # ... but nobody asked it
+    assert (await q.take(name, cost=0)).tokens == 1.0  # a look goes to Redis: the full new bucket
+
+
 async def test_outstanding_confirmations_are_counted_and_admitted_in_one_step(infra):
     _, keys, c = infra
     store = ConfirmationStore(c["confirmation"], keys)

@@ -92,3 +92,18 @@ def test_a_confirmation_breach_names_the_quota_and_its_numbers():
     breach, message = quotas.confirmation_breach(2, 2) or (None, "")
     assert breach is not None and (breach.quota, breach.current, breach.limit) == ("confirmations", 2, 2)
     assert "2 outstanding confirmations" in message and "may have 2" in message
+
+
+@pytest.mark.parametrize(
+    ("taken", "now", "later", "retry"),
+    [
+        (quotas.Taken(True, 3.0, 0.0), 10.0, 10.0, None),  # an admission is not remembered
+        (quotas.Taken(False, 0.0, 0.25), 10.0, 10.1, 0.15),  # a refusal, until its token is there
+        (quotas.Taken(False, 0.0, 0.25), 10.0, 10.3, None),
+        (quotas.Taken(False, 0.0, 100.0), 10.0, 10.5, 99.5),  # a long wait: remembered a second only
+        (quotas.Taken(False, 0.0, 100.0), 10.0, 11.0, None),
+    ],
+)
+def test_a_refusal_is_remembered_for_at_most_a_second(taken, now, later, retry):
+    found = quotas.remembered(quotas.memory_of(taken, now), later)
+    assert found == (None if retry is None else pytest.approx(retry))
