@@ -662,5 +662,5 @@ async def run_all(
         "control_plane_latency": await latency(stack, latency_samples),
         "control_plane_throughput": await throughput(stack, throughput_requests),
         "exactly_once": await exactly_once(stack, once_requests, once_keys),
-        "quota_fairness": await quota_fairness(stack, max(50, latency_samples // 5)),
+        "quota_fairness": await quota_fairness(stack, max(30, latency_samples // 5)),
     }
