@@ -82,6 +82,8 @@ class Taken:
     allowed: bool
     tokens: float
     retry_after_s: float
+    rate_per_s: float = 0.0  # the limits it was taken under (0: not known), for the refusal's words
+    burst: int = 0
 
 
 def take(
@@ -95,8 +97,8 @@ def take(
     else:
         level = min(burst, tokens + max(0.0, now - at) * rate)
     if level >= cost:
-        return Taken(True, level - cost, 0.0)
-    return Taken(False, level, (cost - level) / rate)
+        return Taken(True, level - cost, 0.0, rate, int(burst))
+    return Taken(False, level, (cost - level) / rate, rate, int(burst))
 
 
 REFUSAL_MEMORY_S = 1.0
@@ -120,10 +122,10 @@ def memory_of(taken: "Taken", now: float) -> tuple[float, float] | None:
     return now + min(REFUSAL_MEMORY_S, taken.retry_after_s), now + taken.retry_after_s
 
 
-def rate_message(retry_after_s: float, limits: QuotaLimits) -> str:
+def rate_message(taken: Taken) -> str:
     return (
-        f"over this account's request rate ({limits.rate_per_s:g}/s, bursts of {limits.burst}); "
-        f"retry in {retry_after_s:.2f} s"
+        f"over this account's request rate ({taken.rate_per_s:g}/s, bursts of {taken.burst}); "
+        f"retry in {taken.retry_after_s:.2f} s"
     )
 
 

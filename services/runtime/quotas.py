@@ -6,6 +6,7 @@ The scheduler reads them through the `Quotas` port (`RedisQuotas` here, `InMemor
 handler tests); the decisions are services/domain/quotas.py's.
 """
 
+import dataclasses
 import time
 from typing import Protocol
 
@@ -19,12 +20,13 @@ from services.runtime.keys import Keys
 MAX_REMEMBERED = 10_000  # accounts whose refusal one scheduler instance remembers at once
 
 
-def refusal(taken: decide.Taken, limits: QuotaLimits) -> Refusal | None:
+def refusal(taken: decide.Taken) -> Refusal | None:
     """The `rate_limited` refusal of a take that was not admitted, with its retry-after; else None."""
     if taken.allowed:
         return None
     retry = round(taken.retry_after_s, 3)
-    return Refusal(ErrorCode.rate_limited, decide.rate_message(retry, limits), retry_after_s=retry)
+    message = decide.rate_message(dataclasses.replace(taken, retry_after_s=retry))
+    return Refusal(ErrorCode.rate_limited, message, retry_after_s=retry)
 
 
 def breach_refusal(breach) -> Refusal | None:
@@ -60,7 +62,7 @@ class RedisQuotas:
         self.r = r
         self.keys = keys
         self._bucket = r.register_script(decide.BUCKET_LUA)
-        self._refused: dict[str, tuple[float, float]] = {}  # account -> decide.memory_of (this instance)
+        self._refused: dict[str, tuple[tuple[float, float], decide.Taken]] = {}  # this instance's
 
     async def limits(self, account: str) -> QuotaLimits:
         raw = await self.r.hgetall(self.keys.quota(account))
@@ -70,26 +72,28 @@ class RedisQuotas:
         """BUCKET_LUA on the server's clock (`now` only in tests); an empty bucket this instance saw
         less than REFUSAL_MEMORY_S ago is refused without a round trip (`decide.remembered`)."""
         local = time.monotonic()
-        if cost > 0 and now is None:
-            retry = decide.remembered(self._refused.get(account), local)
+        if cost > 0 and now is None and account in self._refused:
+            entry, seen = self._refused[account]
+            retry = decide.remembered(entry, local)
             if retry is not None:
-                return decide.Taken(False, 0.0, retry)
-        allowed, tokens, retry_s, *_ = await self._bucket(
+                return dataclasses.replace(seen, tokens=0.0, retry_after_s=retry)
+        allowed, tokens, retry_s, rate, burst = await self._bucket(
             keys=[self.keys.bucket(account), self.keys.quota(account)],
             args=["" if now is None else repr(now), decide.DEFAULTS.rate_per_s, decide.DEFAULTS.burst, cost],
         )
-        taken = decide.Taken(bool(int(allowed)), float(tokens), float(retry_s))
+        taken = decide.Taken(bool(int(allowed)), float(tokens), float(retry_s), float(rate), int(burst))
         if cost > 0 and now is None:
-            self._remember(account, decide.memory_of(taken, local), local)
+            self._remember(account, taken, local)
         return taken
 
-    def _remember(self, account: str, entry: tuple[float, float] | None, now: float) -> None:
+    def _remember(self, account: str, taken: decide.Taken, now: float) -> None:
+        entry = decide.memory_of(taken, now)
         if entry is None:
             self._refused.pop(account, None)
             return
         if len(self._refused) >= MAX_REMEMBERED:  # bounded: forget the ones that are over
-            self._refused = {a: e for a, e in self._refused.items() if e[0] > now}
-        self._refused[account] = entry
+            self._refused = {a: e for a, e in self._refused.items() if e[0][0] > now}
+        self._refused[account] = (entry, taken)
 
     async def set_limits(self, account: str, changes: dict[str, float]) -> QuotaLimits:
         """The operator's write (the `accounts` identity): the named limits, the rest unchanged."""

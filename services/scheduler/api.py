@@ -166,16 +166,16 @@ class Api:
 
     async def _rated(self, caller: str, req) -> str:
         """The account, once its request-rate bucket admitted this request (plan, confirm, train)."""
-        account = await self._account(caller, req)
-        await self._rate(account)
-        return account
+        await self._rate(caller)
+        return await self._account(caller, req)
 
-    async def _rate(self, account: str) -> None:
-        taken = await self.quotas.take(account)  # one script: the limits are read inside it
-        if not taken.allowed:
-            refusal = rate_refusal(taken, await self.quotas.limits(account))
-            if refusal is not None:
-                raise refusal
+    async def _rate(self, caller: str) -> None:
+        """The first gate of plan, confirm and train, before the key records are read: the NATS
+        server authenticated the caller's account already (only its credential may publish on its
+        subject), and a flood's refusals cost no Redis read and write no audit record."""
+        refusal = rate_refusal(await self.quotas.take(caller))  # one script, the limits read inside
+        if refusal is not None:
+            raise refusal
 
     async def _run_quota(self, account: str) -> Refusal | None:
         """`quota_exceeded` when one more run would go over the account's `runs` or `queued`."""
@@ -326,7 +326,7 @@ class Api:
         return accepted(view, replay=True), "replay: this idempotency key already created this run"
 
     async def train(self, caller: str, req: TrainRequest) -> tuple[RunAccepted, str | None]:
-        account = await self._account(caller, req)
+        account = await self._rated(caller, req)
         trail = Trail("run_" + secrets.token_hex(12), account, Action.train, req.booking_id)
         try:
             return await self._train(req, account, trail)
@@ -338,7 +338,6 @@ class Api:
         is answered by the ledger: its accept script looks the key up before anything else, and
         a request refused by a gate is answered with its key's run when the key has one."""
         trail.record("authenticate", True)
-        await trail.gate("rate", self._rate(account))
         trail.check("idempotency_key_format", key_refusal(req.idempotency_key))
         manifest, digest = self._manifest(req, trail)
         fp = fingerprint(Action.train, account, req.booking_id, digest)
