@@ -215,6 +215,17 @@ def _usd(amount: float) -> str:
     return f"{amount:.{digits}f} USD"
 
 
+def gpu_time(gpu_hours: float) -> str:
+    """GPU time in the unit that reads: GPU-seconds under a GPU-minute, GPU-minutes under a
+    GPU-hour, GPU-hours above (a tiny run is "28 GPU-s", not "0.0000 GPU-h")."""
+    seconds = gpu_hours * 3600
+    if seconds < 60:
+        return f"{seconds:.2g} GPU-s" if seconds < 10 else f"{seconds:.0f} GPU-s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} GPU-min"
+    return f"{gpu_hours:,.2f} GPU-h"
+
+
 def _confirmation(issued: ConfirmationIssued) -> str:
     """What the person just authorised, every bound of it: the reference, then the action and its
     target, the manifest (by digest) and the most it may cost, where bound, and when it expires."""
@@ -294,7 +305,7 @@ def _run(view: RunView) -> str:
         if view.nodes > 1:
             line += f", {view.nodes} nodes"
     if view.plan:
-        line += f"\n  plan: {view.plan.strategy}, estimate {view.plan.cost.total_usd:.6f} USD"
+        line += f"\n  plan: {view.plan.strategy}, estimate {_usd(view.plan.cost.total_usd)}"
     return line
 
 
@@ -397,7 +408,8 @@ def _plan(plan: Plan) -> str:
     cost = plan.cost
     rows = [
         f"strategy {plan.strategy}, {_degrees(plan.degrees)}, precision {plan.precision}",
-        f"estimate {cost.total_usd:.4f} USD ({cost.gpu_hours:.4f} GPU-h at {cost.price_per_gpu_hour_usd} USD)",
+        f"estimate {_usd(cost.total_usd)} ({gpu_time(cost.gpu_hours)} at "
+        f"{cost.price_per_gpu_hour_usd:.2f} USD per GPU-hour)",
     ]
     rows += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.reason}" for c in plan.checks]
     rows += [f"  gate {g.stage}: " + "; ".join(g.rules) for g in plan.gates]
