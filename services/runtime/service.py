@@ -184,6 +184,8 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
             raise RuntimeError(
                 f"the NATS server at {settings.nats_url} does not require authentication; refusing it"
             )
+        if settings.tls and not nc._server_info.get("tls_required"):  # TLS expected, a plain server
+            raise RuntimeError(f"the NATS server at {settings.nats_url} does not speak TLS; refusing it")
 
     running: list[asyncio.Task] = []
 

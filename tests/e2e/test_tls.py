@@ -151,3 +151,32 @@ def test_metrics_serve_https_behind_the_token_and_no_plain_http(tls_stack):
     )
     assert status == 200 and "ito_" in text
     assert plain_http_fails(f"http://{address}/metrics")
+
+
+def nats_presented_cert(url: str, ca: pathlib.Path) -> bytes:
+    """The DER certificate the NATS server shows a client that upgrades after its INFO line."""
+    host, port = host_port(url)
+    with socket.create_connection((host, port), timeout=5) as raw:
+        raw.settimeout(5)
+        line = b""
+        while not line.endswith(b"\r\n"):
+            line += raw.recv(1)
+        context = ssl.create_default_context(cafile=str(ca))
+        with context.wrap_socket(raw, server_hostname=host) as tls:
+            der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def test_rotate_keeps_the_ca_and_the_running_nats_presents_the_new_certificate(tls_stack):
+    """Last in the module: it replaces the stack's server certificate."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    url, ca = tls_stack.env["ITO_NATS_URL"], ca_of(tls_stack)
+    before = nats_presented_cert(url, ca)
+    out = tls_stack.ito("certs", "--rotate")
+    assert out["rotated"] and out["reloaded"], out
+    new = x509.load_pem_x509_certificate(Certs(tls_stack.settings.tls_dir).server_cert.read_bytes())
+    after = nats_presented_cert(url, ca)  # verified with the same ca.pem: clients need nothing new
+    assert after != before and after == new.public_bytes(Encoding.DER)
