@@ -180,3 +180,31 @@ def test_rotate_keeps_the_ca_and_the_running_nats_presents_the_new_certificate(t
     new = x509.load_pem_x509_certificate(Certs(tls_stack.settings.tls_dir).server_cert.read_bytes())
     after = nats_presented_cert(url, ca)  # verified with the same ca.pem: clients need nothing new
     assert after != before and after == new.public_bytes(Encoding.DER)
+
+
+def test_ecc_with_a_ca_refuses_a_server_that_speaks_no_tls(own_infra, other_ca, monkeypatch):
+    """A CA is set, the server answers in plain text (a downgrade, or the wrong address): refused
+    before any request, though the server knows the credential."""
+    import asyncio
+
+    from contracts.api import AuthRequest
+    from contracts.endpoints import API
+    from ecc.transport import KEY_PREFIX, Client
+    from services.runtime.secrets import Secrets
+
+    monkeypatch.setenv("ITO_NATS_URL", own_infra.nats_url)
+    monkeypatch.setenv("ITO_NAMESPACE", own_infra.settings.namespace)
+    monkeypatch.setenv("ECC_CONFIG_DIR", str(pathlib.Path(str(other_ca)).parent / "ecc"))
+    seed = (
+        Secrets(own_infra.settings.secrets_dir).seed("operator").decode()
+    )  # a credential the server accepts
+
+    async def call():
+        async with Client(
+            2.0, 5.0, credential=("acct", KEY_PREFIX + seed), fresh=True, ca=str(other_ca)
+        ) as c:
+            return await c.call(API["auth"], AuthRequest())
+
+    answer = asyncio.run(call())
+    assert not answer.ok and answer.error.code == "tls_untrusted", answer
+    assert "does not speak TLS" in answer.error.message and own_infra.nats_url in answer.error.message
