@@ -68,6 +68,11 @@ class ErrorCode(enum.StrEnum):
     # one given to cancel, a cleanup one as the release one). The message names both actions and the
     # `ecc ito confirm` command that makes the right one; nothing is consumed.
     confirmation_action_mismatch = "confirmation_action_mismatch"
+    # Added with TLS (docs/tls.md): the NATS server's certificate is not signed by the CA ecc was
+    # given, none was given for a server that requires TLS, or a CA was given and the server speaks
+    # no TLS. The message names the address and what to set (ITO_NATS_CA or `ecc ito login --ca`);
+    # nothing was sent.
+    tls_untrusted = "tls_untrusted"
 
 
 class ApiError(Internal, frozen=True, kw_only=True):

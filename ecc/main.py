@@ -44,6 +44,12 @@ def _session_verbs(verbs: Verbs) -> None:
     """Who I am and what I booked: login, logout, auth, find."""
     p = verbs.add_parser("login", help=VERB_HELP["login"])
     p.add_argument("--account", required=True)
+    p.add_argument(
+        "--ca",
+        metavar="PATH",
+        help="the CA file (ca.pem) that signed the server's TLS certificate; stored with the login, "
+        "every later call verifies the server with it (default: ITO_NATS_CA)",
+    )
     _common(p)
     _common(verbs.add_parser("logout", help=VERB_HELP["logout"]))
     _common(verbs.add_parser("auth", help=VERB_HELP["auth"]))

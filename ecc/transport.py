@@ -12,6 +12,9 @@ Every call has a connect timeout and an overall timeout. Failures are values:
 - the server drops the request for lack of permission (a credential of another account):
   `unauthenticated`;
 - NATS unreachable, or nothing subscribed: `backend_unavailable` (nothing was processed);
+- the server's TLS certificate is not signed by the CA ecc was given (`ecc ito login --ca`,
+  ITO_NATS_CA), or none was given, or a CA was given and the server speaks no TLS:
+  `tls_untrusted` (nothing was sent);
 - the request was sent but no answer came in time: `timeout`, or for a mutation the caller
   resolves the ambiguity (see `ecc.verbs`).
 """
@@ -32,6 +35,7 @@ from services.runtime.settings import (
     DEFAULT_NAMESPACE,
     DEFAULT_NATS_URL,
     ENV_NAMESPACE,
+    ENV_NATS_CA,
     ENV_NATS_URL,
     nats_servers,
 )
@@ -60,6 +64,28 @@ class Unauthenticated(Exception):
     """The server does not require authentication: not ours, and not to be trusted with a request."""
 
 
+class Untrusted(Exception):
+    """The server's TLS could not be verified with the CA we hold (the message says why)."""
+
+
+TLS_HINT = (
+    f"set {ENV_NATS_CA}=/path/to/ca.pem or run `ecc ito login --ca /path/to/ca.pem` with the "
+    "deployment's CA (`ito-training certs` writes it); nothing was sent"
+)
+
+
+def _quiet_ssl_eof() -> None:
+    """asyncio warns on every TLS connection nats-py closes ("returning true from eof_received()
+    has no effect when using ssl"): noise on ecc's stderr, not a fault."""
+    import logging
+
+    class Quiet(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "eof_received()" not in record.getMessage()
+
+    logging.getLogger("asyncio").addFilter(Quiet())
+
+
 class SentButUnanswered(Exception):
     """The request left this process and no answer came back in time: its effect is unknown."""
 
@@ -85,6 +111,20 @@ def tenant_inbox(account: str) -> str:
     return f"_INBOX_t_{account}"  # the same rule as services/runtime/identities.py (ecc imports no service)
 
 
+def _is_cert_failure(exc: BaseException) -> bool:
+    """A failed certificate check, wherever nats-py wraps it (raised as is, or as a cause)."""
+    import ssl
+
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class Client:
     def __init__(
         self,
@@ -92,9 +132,11 @@ class Client:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         credential: tuple[str, str] | None = None,
         fresh: bool = False,
+        ca: str | None = None,
     ) -> None:
         """`credential`: (account, api key); by default the stored login. `fresh`: a credential
-        not yet known to work (login), so a refusal means "wrong", not "revoked"."""
+        not yet known to work (login), so a refusal means "wrong", not "revoked". `ca`: the CA
+        file to verify the server's TLS with; by default ITO_NATS_CA, else the one stored at login."""
         from ecc import credentials
 
         self.url = os.environ.get(ENV_NATS_URL) or DEFAULT_NATS_URL
@@ -102,6 +144,7 @@ class Client:
         self.connect_timeout_s = connect_timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.credential = credential or credentials.load()
+        self.ca = ca or os.environ.get(ENV_NATS_CA) or credentials.load_ca()
         self.fresh = fresh
         self.violations: list[str] = []
         self._nc: NatsClient | None = None
@@ -126,6 +169,7 @@ class Client:
             self.violations.append(str(exc).lower())
 
         if self._nc is None:
+            tls = self._tls_options()
             nc = await nats.connect(
                 nats_servers(self.url),  # a cluster's URLs: a node that is down is skipped
                 connect_timeout=min(self.connect_timeout_s, max(self.remaining(), 0.1)),
@@ -135,12 +179,31 @@ class Client:
                 nkeys_seed_str=seed.decode(),
                 inbox_prefix=tenant_inbox(account),
                 error_cb=on_error,
+                **tls,
             )
             if not nc._server_info.get("auth_required"):  # never talk to a server anyone may use
                 await nc.close()
                 raise Unauthenticated()
+            if tls and not nc._server_info.get("tls_required"):  # a CA given, a plain server: a downgrade
+                await nc.close()
+                raise Untrusted(f"the server at {self.url} does not speak TLS, but a CA ({self.ca}) is set")
             self._nc = nc
         return self._nc
+
+    def _tls_options(self) -> dict[str, Any]:
+        """nats-py's TLS options: a context that trusts only our CA, or none (a server that
+        requires TLS is then checked against the system's CAs, and fails as untrusted)."""
+        import ssl
+
+        _quiet_ssl_eof()
+        if not self.ca:
+            return {}
+        try:
+            context = ssl.create_default_context(cafile=self.ca)
+        except (OSError, ssl.SSLError):
+            raise Untrusted(f"the CA file {self.ca} cannot be read as a PEM certificate") from None
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        return {"tls": context}
 
     def _refused(self) -> Envelope:
         if self.fresh:
@@ -197,7 +260,16 @@ class Client:
                 f"the server at {self.url} does not require "
                 "authentication: it is not the ito-training API; nothing was sent",
             )
+        except Untrusted as exc:
+            return local_error(ErrorCode.tls_untrusted, f"{exc}; {TLS_HINT}")
         except Exception as exc:  # refused, DNS, timeout: nothing was sent
+            if _is_cert_failure(exc):
+                why = (
+                    f"the TLS certificate of the server at {self.url} is not signed by the CA in {self.ca}"
+                    if self.ca
+                    else f"the server at {self.url} requires TLS and ecc has no CA to verify it with"
+                )
+                return local_error(ErrorCode.tls_untrusted, f"{why}; {TLS_HINT}")
             if "authorization" in str(exc).lower():
                 return self._refused()
             return local_error(

@@ -9,6 +9,8 @@ tools (`ecc.tools`) both build the request (`load_manifest` reads a manifest for
 import argparse
 import asyncio
 import getpass
+import os
+import pathlib
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -46,6 +48,7 @@ from contracts.runs import Metrics, MetricsPage
 from ecc import credentials, render
 from ecc.manifest_file import ManifestError, read_manifest
 from ecc.transport import Client, SentButUnanswered, local_error, seed_of
+from services.runtime.settings import ENV_NATS_CA
 
 
 class Bounds(NamedTuple):
@@ -160,9 +163,13 @@ def _login(args: argparse.Namespace) -> Envelope[Any]:
     if seed_of(api_key) is None:
         return local_error(ErrorCode.unauthenticated, "that is not an ito-training API key")
 
+    ca = getattr(args, "ca", None) or os.environ.get(ENV_NATS_CA) or None
+    if ca:  # recorded as an absolute path: later calls run from anywhere
+        ca = str(pathlib.Path(ca).expanduser().absolute())
+
     async def check() -> Envelope[Any]:
         async with Client(
-            args.connect_timeout, args.timeout, credential=(args.account, api_key), fresh=True
+            args.connect_timeout, args.timeout, credential=(args.account, api_key), fresh=True, ca=ca
         ) as c:
             try:
                 return await c.call(API["auth"], AuthRequest())
@@ -171,10 +178,9 @@ def _login(args: argparse.Namespace) -> Envelope[Any]:
 
     env = asyncio.run(check())
     if env.ok:
-        where = credentials.save(args.account, api_key)
-        return Envelope(
-            ok=True, live_api_contacted=True, notice=f"credential stored in {where}", data=env.data
-        )
+        where = credentials.save(args.account, api_key, ca)
+        notice = f"credential stored in {where}" + (f" (the server is verified with {ca})" if ca else "")
+        return Envelope(ok=True, live_api_contacted=True, notice=notice, data=env.data)
     return env
 
 

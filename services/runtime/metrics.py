@@ -314,8 +314,10 @@ def _server_class() -> type:
 class MetricsServer:
     """`app` served by uvicorn in the running event loop on `host:port` (0: any free port)."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, tls_files: tuple[str, str] | None = None) -> None:
+        """`tls_files`: (certificate, key): HTTPS only (services/runtime/tls.py), else plain HTTP."""
         self.app, self.host, self.port = app, host, port
+        self.tls_files = tls_files
         self._server: Any = None
         self._task: asyncio.Task | None = None
 
@@ -336,6 +338,8 @@ class MetricsServer:
             date_header=False,  # set once at start otherwise (see main_loop); Prometheus needs none
             limit_concurrency=MAX_SCRAPES_AT_ONCE,
             timeout_graceful_shutdown=STOP_TIMEOUT_S,
+            ssl_certfile=self.tls_files[0] if self.tls_files else None,
+            ssl_keyfile=self.tls_files[1] if self.tls_files else None,
         )
         self._server = _server_class()(config)
         self._server.stopping = asyncio.Event()
@@ -349,7 +353,8 @@ class MetricsServer:
                 await self.stop()
                 raise RuntimeError(f"the metrics server did not start within {timeout_s:g}s")
             await asyncio.sleep(0.01)
-        log.info("metrics on http://%s:%d%s", self.host, self.port, PATH)
+        scheme = "https" if self.tls_files else "http"
+        log.info("metrics on %s://%s:%d%s", scheme, self.host, self.port, PATH)
 
     async def stop(self) -> None:
         if self._task is None:
