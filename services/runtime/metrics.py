@@ -12,6 +12,8 @@ What it owns:
 - `authorized`, `metrics_endpoint`, `metrics_app`: GET /metrics in the Prometheus text format,
   refused (401, no metric text) without `Authorization: Bearer <token>`; the token is compared in
   constant time and never logged. The desk app mounts the same handler with its own registry.
+  Beside it, GET /healthz without any credential (container healthchecks, Kubernetes probes):
+  200 `ok` or 503 `unhealthy`, nothing else (no metric, no name, no secret), from `healthy()`.
 - `MetricsServer`: uvicorn inside the service's own event loop (services/runtime/service.py
   starts it after start-up and stops it on shutdown). It never takes SIGTERM or SIGINT:
   FastStream owns them, and its shutdown stops this server.
@@ -43,6 +45,8 @@ START_TIMEOUT_S = 5.0  # uvicorn listening on a socket already bound: millisecon
 STOP_TIMEOUT_S = 3  # a scrape in flight finishes; then the service's shutdown goes on
 MAX_SCRAPES_AT_ONCE = 8  # uvicorn answers 503 beyond it: a scraper cannot pile up handlers
 PATH = "/metrics"
+HEALTH_PATH = "/healthz"  # no credential: a probe must not need the scrape token
+HEALTH_TIMEOUT_S = 2.0  # a probe's check (a Redis PING) never hangs the probe
 
 
 def endpoint_label(namespace: str, subject: str) -> str:
@@ -265,12 +269,39 @@ def metrics_endpoint(registry: CollectorRegistry, token: str) -> Callable[[Any],
     return metrics
 
 
-def metrics_app(registry: CollectorRegistry, token: str) -> Any:
-    """An ASGI app serving only GET /metrics (404 elsewhere)."""
+async def _always() -> bool:
+    return True
+
+
+def health_endpoint(healthy: Callable[[], Awaitable[bool]]) -> Callable[[Any], Awaitable[Any]]:
+    """GET /healthz: 200 when `healthy()` says so within HEALTH_TIMEOUT_S, else 503. The body is
+    one word either way: an unauthenticated caller learns nothing but up or down."""
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse, Response
+
+    async def healthz(_request: Request) -> Response:
+        try:
+            ok = await asyncio.wait_for(healthy(), HEALTH_TIMEOUT_S)
+        except Exception:  # a failing check is an unhealthy service, never a 500 with a traceback
+            ok = False
+        return PlainTextResponse("ok\n" if ok else "unhealthy\n", status_code=200 if ok else 503)
+
+    return healthz
+
+
+def metrics_app(
+    registry: CollectorRegistry, token: str, healthy: Callable[[], Awaitable[bool]] = _always
+) -> Any:
+    """An ASGI app serving GET /metrics (bearer token) and GET /healthz (none); 404 elsewhere."""
     from starlette.applications import Starlette
     from starlette.routing import Route
 
-    return Starlette(routes=[Route(PATH, metrics_endpoint(registry, token), methods=["GET"])])
+    return Starlette(
+        routes=[
+            Route(PATH, metrics_endpoint(registry, token), methods=["GET"]),
+            Route(HEALTH_PATH, health_endpoint(healthy), methods=["GET"]),
+        ]
+    )
 
 
 def _listening(host: str, port: int) -> socket.socket:

@@ -204,8 +204,15 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
             await start_metrics()
 
     async def start_metrics() -> None:
+        async def healthy() -> bool:
+            # what a probe may ask unauthenticated: connected to NATS, and Redis answers a PING
+            nc = await broker.connect()
+            if not nc.is_connected:
+                return False
+            return wiring.redis is None or bool(await wiring.redis.ping())
+
         server = MetricsServer(
-            metrics_app(wiring.metrics.registry, scrape_token),
+            metrics_app(wiring.metrics.registry, scrape_token, healthy),
             settings.metrics_host,
             settings.metrics_port,
             Certs(settings.tls_dir).server_files() if settings.tls else None,  # HTTPS only, with TLS on
