@@ -44,8 +44,9 @@ TLS_SERVER = {"tls/ca.pem", "tls/server.pem", "tls/server.key"}
 
 def test_the_desk_mounts_its_read_only_identity_its_token_and_the_server_certificate_only():
     desk = COMPOSE["services"]["desk"]
-    # no Redis, no signing key; the server certificate: it serves HTTPS itself (ITO_TLS)
-    assert targets("desk") == {"nats/desk.nk", "tokens/desk.token", *TLS_SERVER}
+    # no Redis, no signing key; the server certificate: it serves HTTPS itself (ITO_TLS); the
+    # metrics token lets Prometheus scrape its /metrics too
+    assert targets("desk") == {"nats/desk.nk", "tokens/desk.token", "tokens/metrics.token", *TLS_SERVER}
     assert desk["command"][:2] == ["desk", "serve"]
     assert desk["ports"] == ["127.0.0.1:8765:8765"]
 
