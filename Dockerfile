@@ -20,7 +20,7 @@ COPY services ./services
 COPY ecc ./ecc
 # torch first, pinned exactly, from TORCH_INDEX (PyPI's own Linux wheel is a multi-GB CUDA build).
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" torch==2.13.0 \
- && pip install --no-cache-dir -e .
+ && pip install --no-cache-dir -e '.[s3]'
 ENV ITO_DATA_DIR=/data
 USER ${ITO_UID}:${ITO_UID}
 ENTRYPOINT ["ito-training"]

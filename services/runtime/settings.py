@@ -29,6 +29,8 @@ ENV_TLS = (
     "ITO_TLS"  # "1": NATS, the desk and /metrics speak TLS with <secrets dir>/tls (services/runtime/tls.py)
 )
 ENV_NATS_CA = "ITO_NATS_CA"  # ecc: the CA file that signed the NATS server's certificate
+ENV_CHECKPOINT_URL = "ITO_CHECKPOINT_URL"  # "", a path, file:///path or s3://bucket/prefix (services/runtime/checkpoint_store.py)
+ENV_S3_ENDPOINT_URL = "ITO_S3_ENDPOINT_URL"  # an S3-compatible store that is not AWS; "" for AWS
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # or a comma-separated list: a cluster's server pool
 DEFAULT_NATS_REPLICAS = 1  # 3 on a 3-node cluster (`ito-training up --cluster`): every stream R3
