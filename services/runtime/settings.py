@@ -113,6 +113,9 @@ class Settings:
     """NATS (client and route listeners), the desk and every `/metrics` speak TLS with the
     certificates under `tls_dir` (`ITO_TLS=1`, `ito-training up --tls`, compose); the services verify
     the NATS server against its `ca.pem`. Off: plain, for a stack on loopback only."""
+    checkpoint_url: str = ""
+    """Where checkpoints and exports may also live (`ITO_CHECKPOINT_URL`): "" for
+    `<data_dir>/checkpoints`, a shared path, or `s3://bucket/prefix` (services/runtime/checkpoint_store.py)."""
 
     def __post_init__(self) -> None:
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
@@ -121,6 +124,9 @@ class Settings:
             raise ValueError(f"Stream replicas need to be between 1 and 5, got {self.nats_replicas}.")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"The metrics port needs to be between 0 and 65535, got {self.metrics_port}.")
+        from services.runtime.checkpoint_store import parse  # here: it imports this module
+
+        parse(self.checkpoint_url, self.data_dir / "checkpoints")  # a URL it cannot use stops the start
 
     @property
     def model_store(self) -> pathlib.Path:
@@ -190,6 +196,7 @@ def load(env: dict[str, str] | None = None) -> Settings:
         metrics_port=_port(env, ENV_METRICS_PORT, DEFAULT_METRICS_PORT),
         metrics_host=env.get(ENV_METRICS_HOST) or DEFAULT_METRICS_HOST,
         tls=env.get(ENV_TLS, "") == "1",
+        checkpoint_url=env.get(ENV_CHECKPOINT_URL, ""),
     )
 
 

@@ -122,3 +122,13 @@ def test_the_url_switch(url, want):
 def test_a_path_part_cannot_climb_or_nest(part):
     with pytest.raises(ValueError):
         cs.parse("s3://bucket/x", pathlib.Path("/l")).join(part)
+
+
+def test_the_settings_refuse_a_checkpoint_url_they_cannot_use(tmp_path):
+    from services.runtime import settings
+
+    env = {settings.ENV_DATA_DIR: str(tmp_path)}
+    assert settings.load(env).checkpoint_url == ""
+    assert settings.load({**env, cs.ENV_CHECKPOINT_URL: "s3://b/p"}).checkpoint_url == "s3://b/p"
+    with pytest.raises(ValueError, match="ITO_CHECKPOINT_URL must be"):
+        settings.load({**env, cs.ENV_CHECKPOINT_URL: "gs://b/p"})
