@@ -215,7 +215,7 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
             metrics_app(wiring.metrics.registry, scrape_token, healthy),
             settings.metrics_host,
             settings.metrics_port,
-            Certs(settings.tls_dir).server_files() if settings.tls else None,  # HTTPS only, with TLS on
+            Certs(settings.tls_dir).metrics_files() if settings.tls else None,  # HTTPS only, with TLS on
         )
         await server.start()
         metrics_server.append(server)

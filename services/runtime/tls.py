@@ -8,6 +8,9 @@
   desk, every `/metrics`), signed by the CA, for the names in `server_names` (the compose service
   names, localhost, 127.0.0.1, ::1, and any `--san`). It is good for clientAuth too: NATS routes
   present it to each other (mutual TLS, `verify: true`);
+- `metrics.pem` / `metrics.key`: the services' `/metrics` listeners' certificate (serverAuth only),
+  for loopback and the services' own names (`metrics_names`): a service container holds it instead
+  of the server key, so a service that leaks its files cannot pose as NATS or the desk;
 - `client.pem` / `client.key`: a client certificate signed by the CA, for a scraper or a proxy that
   should authenticate with mutual TLS (none requires it by default: NATS clients authenticate
   with their NKey, HTTP clients with a bearer token).
@@ -29,6 +32,7 @@ TLS_DIR = "tls"
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
 CLIENT_CERT, CLIENT_KEY = "client.pem", "client.key"
+METRICS_CERT, METRICS_KEY = "metrics.pem", "metrics.key"
 CA_VALID_DAYS = 3650  # the CA outlives many rotations of the leaves; replacing it means re-login
 LEAF_VALID_DAYS = 397  # a year and a month: rotate yearly (`certs --rotate`) with time to spare
 CONTAINER_DIR = "/run/secrets/tls"  # where compose mounts them (compose.yaml's `tls/...` targets)
@@ -53,6 +57,17 @@ def server_names(extra: tuple[str, ...] | list[str] = ()) -> list[str]:
     for service in SERVICES:
         names += [service, *(f"{service}-{i + 1}" for i in range(INSTANCES))]
     names += [n.strip() for n in extra if n.strip()]
+    return list(dict.fromkeys(names))
+
+
+def metrics_names() -> list[str]:
+    """The names the metrics certificate is valid for: loopback and every service and cluster
+    instance compose.yaml names (what Prometheus and the healthchecks dial); not NATS, not the desk."""
+    from contracts.subjects import SERVICES
+
+    names = list(LOOPBACK_NAMES)
+    for service in SERVICES:
+        names += [service, *(f"{service}-{i + 1}" for i in range(INSTANCES))]
     return list(dict.fromkeys(names))
 
 
@@ -129,11 +144,16 @@ def new_ca() -> tuple[bytes, bytes]:
 
 
 def issue(
-    ca_pem: bytes, ca_key_pem: bytes, common_name: str, names: list[str], server: bool
+    ca_pem: bytes,
+    ca_key_pem: bytes,
+    common_name: str,
+    names: list[str],
+    server: bool,
+    server_only: bool = False,
 ) -> tuple[bytes, bytes]:
     """(certificate PEM, key PEM) signed by the CA: for `names` (SANs); a server certificate is
-    good for serverAuth and clientAuth (NATS routes dial each other with it), a client one for
-    clientAuth only."""
+    good for serverAuth and clientAuth (NATS routes dial each other with it) unless `server_only`,
+    a client one for clientAuth only."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -143,7 +163,9 @@ def issue(
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     key = ec.generate_private_key(ec.SECP256R1())
     usages = (
-        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        [ExtendedKeyUsageOID.SERVER_AUTH]
+        if server_only
+        else [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
         if server
         else [ExtendedKeyUsageOID.CLIENT_AUTH]
     )
@@ -214,8 +236,25 @@ class Certs:
     def client_key(self) -> pathlib.Path:
         return self.root / CLIENT_KEY
 
+    @property
+    def metrics_cert(self) -> pathlib.Path:
+        return self.root / METRICS_CERT
+
+    @property
+    def metrics_key(self) -> pathlib.Path:
+        return self.root / METRICS_KEY
+
     def files(self) -> list[pathlib.Path]:
-        return [self.ca, self.ca_key, self.server_cert, self.server_key, self.client_cert, self.client_key]
+        return [
+            self.ca,
+            self.ca_key,
+            self.server_cert,
+            self.server_key,
+            self.client_cert,
+            self.client_key,
+            self.metrics_cert,
+            self.metrics_key,
+        ]
 
     def ensure(self, extra_names: tuple[str, ...] | list[str] = ()) -> list[pathlib.Path]:
         """Whatever is missing: the CA, then certificates signed by it. Existing files are kept
@@ -232,13 +271,15 @@ class Certs:
             written += self._issue_server(extra_names)
         if not (self.client_cert.exists() and self.client_key.exists()):
             written += self._issue_client()
+        if not (self.metrics_cert.exists() and self.metrics_key.exists()):
+            written += self._issue_metrics()
         return written
 
     def rotate(self, extra_names: tuple[str, ...] | list[str] = ()) -> list[pathlib.Path]:
         """New server and client certificates (new keys) from the same CA; the CA is kept."""
         if not self.ca.exists():
             raise CertError(f"no CA in {self.root}: run `ito-training certs` first")
-        return self._issue_server(extra_names) + self._issue_client()
+        return self._issue_server(extra_names) + self._issue_client() + self._issue_metrics()
 
     def _ca_pair(self) -> tuple[bytes, bytes]:
         return self.ca.read_bytes(), read_private(self.ca_key)
@@ -254,6 +295,21 @@ class Certs:
         _replace(self.client_key, key)
         _replace(self.client_cert, cert)
         return [self.client_cert, self.client_key]
+
+    def _issue_metrics(self) -> list[pathlib.Path]:
+        cert, key = issue(
+            *self._ca_pair(), "ito-training metrics", metrics_names(), server=True, server_only=True
+        )
+        _replace(self.metrics_key, key)
+        _replace(self.metrics_cert, cert)
+        return [self.metrics_cert, self.metrics_key]
+
+    def metrics_files(self) -> tuple[str, str]:
+        """(certificate, key) paths for a service's HTTPS `/metrics`; refused when missing or unsafe
+        (`ito-training certs` writes what is missing)."""
+        for path in (self.metrics_cert, self.metrics_key):
+            read_private(path)
+        return str(self.metrics_cert), str(self.metrics_key)
 
     def server_files(self) -> tuple[str, str]:
         """(certificate, key) paths for a TLS listener; refused when either is missing or unsafe."""

@@ -15,7 +15,16 @@ from services.runtime import settings as settings_mod
 from services.runtime.tls import Certs, names_in, server_names
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-FILES = ("ca.pem", "ca.key", "server.pem", "server.key", "client.pem", "client.key")
+FILES = (
+    "ca.pem",
+    "ca.key",
+    "server.pem",
+    "server.key",
+    "client.pem",
+    "client.key",
+    "metrics.pem",
+    "metrics.key",
+)
 COMPOSE_NAMES = ("nats", "nats-1", "nats-2", "nats-3", "desk", "scheduler", "scheduler-2")
 
 
@@ -88,7 +97,7 @@ def test_certs_again_keeps_everything_and_rotate_keeps_the_ca_only(issued, tmp_p
     assert out["rotated"] and not out["reloaded"]  # nothing running here
     after = {f: (tls_dir / f).read_bytes() for f in FILES}
     assert after["ca.pem"] == before["ca.pem"] and after["ca.key"] == before["ca.key"]
-    for f in ("server.pem", "server.key", "client.pem", "client.key"):
+    for f in ("server.pem", "server.key", "client.pem", "client.key", "metrics.pem", "metrics.key"):
         assert after[f] != before[f], f
         assert (tls_dir / f).stat().st_mode & 0o777 == 0o600
     load(tls_dir / "server.pem").verify_directly_issued_by(load(tls_dir / "ca.pem"))
@@ -143,3 +152,18 @@ def test_a_local_config_requires_tls_only_when_tls_is_on(tmp_path):
     assert on["tls"]["cert_file"] == str(s.tls_dir / "server.pem")
     assert (s.tls_dir / "ca.pem").exists()  # created on the way
     assert settings_mod.load({"ITO_DATA_DIR": str(tmp_path), "ITO_TLS": "1"}).tls
+
+
+def test_the_metrics_certificate_names_the_services_only_and_serves_only(issued):
+    """A service container holds it for its HTTPS /metrics instead of the server key (compose.yaml):
+    it names loopback and the services, never NATS or the desk, and is no client certificate."""
+    data_dir, _ = issued
+    tls_dir = data_dir / "secrets" / "tls"
+    metrics = load(tls_dir / "metrics.pem")
+    metrics.verify_directly_issued_by(load(tls_dir / "ca.pem"))
+    names = set(names_in((tls_dir / "metrics.pem").read_bytes()))
+    assert {"127.0.0.1", "localhost", "scheduler", "scheduler-2", "trainer-1"} <= names
+    assert not names & {"nats", "nats-1", "desk", "ito.example.com"}
+    assert set(metrics.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == {
+        ExtendedKeyUsageOID.SERVER_AUTH
+    }
