@@ -242,3 +242,25 @@ RENDEZVOUS_PORT = 29500  # any port the scheduler picks for a run's store, Light
 )
 def test_network_policies(src, dst, port, ok):
     assert allowed(src, dst, port) == ok
+
+
+def test_tls_is_on_nats_alone_holds_the_server_key_and_no_ca_key_is_anywhere():
+    for name in SERVICE_IDENTITIES:
+        d = BY_KIND["DaemonSet" if name == "trainer" else "Deployment", name]
+        (c,) = pod_spec(d)["containers"]
+        assert {e["name"]: e.get("value") for e in c["env"]}["ITO_TLS"] == "1", name
+        mine = secret_files(name)
+        assert {"tls/ca.pem", "tls/metrics.pem", "tls/metrics.key"} <= mine, name
+        assert "tls/server.key" not in mine, name
+        assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS", name  # /metrics' port is HTTPS only
+    nats = pod_spec(BY_KIND["StatefulSet", "nats"])
+    (tls,) = [v for v in nats["volumes"] if v["name"] == "tls"]
+    assert {i["path"] for s in tls["projected"]["sources"] for i in s["secret"]["items"]} == {
+        "ca.pem",
+        "server.pem",
+        "server.key",
+    }
+    mounts = {m["name"]: m["mountPath"] for m in nats["containers"][0]["volumeMounts"]}
+    assert mounts["tls"] == "/run/secrets/tls"  # where the generated nats.conf's `tls {}` points
+    files = [f for g in KUSTOMIZATION["secretGenerator"] for f in g["files"]]
+    assert not any(f.endswith("ca.key") for f in files)
