@@ -431,6 +431,7 @@ class Api:
             checkpoint_dir=str(run_dir(self.checkpoint_root, manifest.checkpoint.storage, account, run_id)),
             nodes=manifest.resources.nodes,
             rendezvous=self.handoff.rendezvous(manifest.resources.nodes),
+            rendezvous_key=self.handoff.rendezvous_key(manifest.resources.nodes),
             base=base,  # resolved once, here: the trainer reads the weights by this digest
         )
 

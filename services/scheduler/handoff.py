@@ -16,6 +16,7 @@ rendezvous endpoint (`rendezvous`) that node 0 hosts and the others join.
 
 import asyncio
 import logging
+import secrets
 import socket
 from collections.abc import Coroutine
 from typing import Any
@@ -83,6 +84,11 @@ class Handoff:
             return ""
         host = self.settings.rendezvous_host
         return f"{host}:{free_port(host)}"
+
+    @staticmethod
+    def rendezvous_key(nodes: int) -> str:
+        """The run's rendezvous key ("" for one node): 32 random bytes, only inside the work item."""
+        return secrets.token_urlsafe(32) if nodes > 1 else ""
 
     def view_from(self, entry: LedgerEntry) -> RunView:
         work = _work_decoder.decode(entry.work)
