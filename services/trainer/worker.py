@@ -455,7 +455,8 @@ class Worker:
                 f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
                 f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})"
             )
-        train_lm, share = self._train_lm(work, manifest, checkpoint_dir, emitter.epoch)  # a refused plan trains nothing
+        # a refused plan trains nothing
+        train_lm, share = self._train_lm(work, manifest, checkpoint_dir, emitter.epoch)
         await emitter.state(RunState.running, message="training started")
         report = emitter.reporter().with_sink(watch.send)
         try:
