@@ -68,6 +68,10 @@ class ErrorCode(enum.StrEnum):
     # one given to cancel, a cleanup one as the release one). The message names both actions and the
     # `ecc ito confirm` command that makes the right one; nothing is consumed.
     confirmation_action_mismatch = "confirmation_action_mismatch"
+    # Added with idle capacity and the booking's window: the run's expected wall time (with the
+    # plan's margin) does not fit the booking's remaining window, and its checkpoint policy does not
+    # make it resumable on a later booking. Refused at plan, confirm and train; nothing reserved.
+    booking_window_exceeded = "booking_window_exceeded"
 
 
 class ApiError(Internal, frozen=True, kw_only=True):

@@ -393,12 +393,19 @@ def _degrees(degrees: dict[str, int]) -> str:
     return " x ".join(f"{dim} {size}" for dim, size in used.items()) + f" ({ranks} ranks)"
 
 
+def _capacity(plan: Plan) -> list[str]:
+    """The booking's GPUs as the plan states them: held, idle, their cost, and the suggestion when
+    most stay idle (the window is the `booking_window` check's line)."""
+    return [] if plan.capacity is None else [f"GPUs: {plan.capacity.sentence}"]
+
+
 def _plan(plan: Plan) -> str:
     cost = plan.cost
     rows = [
         f"strategy {plan.strategy}, {_degrees(plan.degrees)}, precision {plan.precision}",
         f"estimate {cost.total_usd:.4f} USD ({cost.gpu_hours:.4f} GPU-h at {cost.price_per_gpu_hour_usd} USD)",
     ]
+    rows += _capacity(plan)
     rows += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.reason}" for c in plan.checks]
     rows += [f"  gate {g.stage}: " + "; ".join(g.rules) for g in plan.gates]
     return "\n".join(rows)
