@@ -362,10 +362,11 @@ def expected_wall_hours(estimate: CostEstimate) -> float:
 def checkpoint_every_hours(manifest: Manifest, wall_hours: float, base: BaseModel | None) -> float:
     """The expected wall time between two checkpoints: the next-token stages' steps in the run's
     wall time, one every checkpoint.interval_steps (the whole run when it has no such steps)."""
+    target = manifest.target
     try:
         steps = sum(s.steps for s in plan_run(manifest, base).stages if isinstance(s, LmPlan))
-    except ValueError:
-        return wall_hours
+    except ValueError:  # a manifest the manifest gate refuses: the target's own steps
+        steps = max(1, target.tokens // (target.seq_len * target.batch_size))
     return wall_hours * min(1.0, manifest.checkpoint.interval_steps / steps) if steps else wall_hours
 
 
