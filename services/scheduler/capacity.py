@@ -66,7 +66,8 @@ def gpu_ranges(gpus: list[tuple[int, int]]) -> list[str]:
 
 def held_and_idle(topo: Topology, nodes: int, gpus_per_node: int) -> tuple[list[str], list[str]]:
     """The booking's GPUs the run's placement allocates, and the rest (as ranges)."""
-    held, idle = [], []
+    held: list[tuple[int, int]] = []
+    idle: list[tuple[int, int]] = []
     for node in range(topo.nodes):
         for gpu in range(topo.gpus_per_node):
             (held if node < nodes and gpu < gpus_per_node else idle).append((node, gpu))
