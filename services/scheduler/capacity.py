@@ -153,7 +153,7 @@ def window_plan(
     elif resumable:
         sentence = (
             f"{head}: does not fit; resumable: a checkpoint commits every ~{duration(checkpoint_every_hours)}"
-            ", and the run continues from its last one on a later booking"
+            ", so the work done by the window's end is kept for a later booking"
         )
     elif resumable_policy:
         sentence = (
