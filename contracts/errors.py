@@ -73,6 +73,10 @@ class ErrorCode(enum.StrEnum):
     # no TLS. The message names the address and what to set (ITO_NATS_CA or `ecc ito login --ca`);
     # nothing was sent.
     tls_untrusted = "tls_untrusted"
+    # Added with idle capacity and the booking's window: the run's expected wall time (with the
+    # plan's margin) does not fit the booking's remaining window, and its checkpoint policy does not
+    # make it resumable on a later booking. Refused at plan, confirm and train; nothing reserved.
+    booking_window_exceeded = "booking_window_exceeded"
 
 
 class ApiError(Internal, frozen=True, kw_only=True):

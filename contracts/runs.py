@@ -149,6 +149,10 @@ class RunCreated(RunEventBase, tag="created", frozen=True, kw_only=True):
     gpu_model: str
     gpus: int
     accepted_at: datetime
+    # The booking the run is on, for the desk's idle GPU-hours: its GPUs and its whole window's
+    # GPU-hours (0: not known, a run handed off before these were carried).
+    booked_gpus: int = 0
+    booked_gpu_hours: float = 0.0
 
 
 class Interruption(RunEventBase, tag="interruption", frozen=True, kw_only=True):

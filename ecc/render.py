@@ -404,6 +404,12 @@ def _degrees(degrees: dict[str, int]) -> str:
     return " x ".join(f"{dim} {size}" for dim, size in used.items()) + f" ({ranks} ranks)"
 
 
+def _capacity(plan: Plan) -> list[str]:
+    """The booking's GPUs as the plan states them: held, idle, their cost, and the suggestion when
+    most stay idle (the window is the `booking_window` check's line)."""
+    return [] if plan.capacity is None else [f"GPUs: {plan.capacity.sentence}"]
+
+
 def _plan(plan: Plan) -> str:
     cost = plan.cost
     rows = [
@@ -411,6 +417,7 @@ def _plan(plan: Plan) -> str:
         f"estimate {_usd(cost.total_usd)} ({gpu_time(cost.gpu_hours)} at "
         f"{cost.price_per_gpu_hour_usd:.2f} USD per GPU-hour)",
     ]
+    rows += _capacity(plan)
     rows += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.reason}" for c in plan.checks]
     rows += [f"  gate {g.stage}: " + "; ".join(g.rules) for g in plan.gates]
     return "\n".join(rows)

@@ -185,6 +185,7 @@ class Api:
             storage_refusal(root, manifest, base),
             small_model_gangs=self.small_model_gangs,
             base=base,
+            now=datetime.now(UTC),  # the booking's remaining window is measured from now
         )
         return p, body
 

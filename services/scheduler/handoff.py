@@ -125,6 +125,8 @@ class Handoff:
             gpu_model=plan.gpu_model if plan else "",
             gpus=plan.cost.gpus if plan else 1,
             accepted_at=view.created_at,
+            booked_gpus=plan.capacity.booked_gpus if plan and plan.capacity else 0,
+            booked_gpu_hours=plan.cost.booked_gpu_hours if plan else 0.0,
         )
         fresh, _ = await asyncio.gather(
             self.runs.create(view, work=entry.work),  # the item kept for an approved restart
