@@ -178,19 +178,15 @@ async def test_without_a_login_every_tool_says_a_person_must_log_in(tmp_path):
             assert "a person must run `ecc ito login" in env["error"]["message"]
 
 
-MEDIUM = {"tokens": 60 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}  # a few seconds
-
-
 async def test_a_manifest_sent_by_content_is_planned_confirmed_and_trained_like_the_file(
     stack, manifest, tmp_path
 ):
     """A remote agent has no path on the door's machine: it sends the text. The door stores it 0600
     and reads it back by the safe reader, so the digest is the file's; malformed or too big, the
-    same refusal as the same bytes from a file. Then `wait` (a bound over 300 s) reports progress,
-    and a cancel of the finished run is refused by the server before anyone is asked to confirm."""
+    same refusal as the same bytes from a file."""
     account, key, env = stack.account()
     booking = stack.booking(account)
-    path = manifest(target=MEDIUM)
+    path = manifest()
     text = path.read_text()
     async with agent({**stack.env, **env}) as a:
         by_file = await a("plan", booking_id=booking, manifest=str(path))
@@ -219,13 +215,28 @@ async def test_a_manifest_sent_by_content_is_planned_confirmed_and_trained_like_
             "train", booking_id=booking, manifest_json=text, idempotency_key="mcp-text", confirmation_ref=ref
         )
         assert train["ok"] and train["data"]["manifest_digest"] == digest, train
-        run_id = train["data"]["run_id"]
+        again = await a("status", idempotency_key="mcp-text")
+        assert again["data"]["run_id"] == train["data"]["run_id"]
+    scan(a.seen, key, key.removeprefix(KEY_PREFIX))
 
-        heard: list[tuple[float, float | None, str | None]] = []
 
-        async def on_progress(done: float, total: float | None, message: str | None) -> None:
-            heard.append((done, total, message))
+async def test_wait_reports_progress_within_a_long_bound_and_a_finished_run_asks_no_confirmation(
+    stack, manifest
+):
+    """One wait for the whole run (a bound over 300 s), the SDK's progress callback hearing it go;
+    then a cancel of the succeeded run is refused before anyone is asked to confirm, by the tool and
+    by the CLI's `confirm`."""
+    from tests.support import confirm_and_train
 
+    account, key, env = stack.account()
+    booking = stack.booking(account)
+    run_id = confirm_and_train(stack, env, booking, str(manifest()), "mcp-progress")["data"]["run_id"]
+    heard: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        heard.append((done, total, message))
+
+    async with agent({**stack.env, **env}) as a:
         waited = await a("wait", wait_s=900, on_progress=on_progress, run_id=run_id, max_wait_s=900)
         assert waited["ok"] and waited["data"]["state"] == "succeeded", waited
         assert len(heard) >= 3, heard  # several notifications while it ran
@@ -235,8 +246,8 @@ async def test_a_manifest_sent_by_content_is_planned_confirmed_and_trained_like_
         cancel = await a("cancel", run_id=run_id, idempotency_key="mcp-late")
         assert cancel["error"]["code"] == "run_not_cancellable" and cancel["live_api_contacted"], cancel
         assert "ecc ito confirm" not in cancel["error"]["message"]
-        rc, out = stack.ecc("confirm", "--action", "cancel", "--run", run_id, env=env)  # the CLI's person
-        assert rc == 1 and out["error"]["code"] == "run_not_cancellable", out
+    rc, out = stack.ecc("confirm", "--action", "cancel", "--run", run_id, env=env)  # the CLI's person
+    assert rc == 1 and out["error"]["code"] == "run_not_cancellable", out
     scan(a.seen, key, key.removeprefix(KEY_PREFIX))
 
 
