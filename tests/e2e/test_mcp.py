@@ -220,6 +220,9 @@ async def test_a_manifest_sent_by_content_is_planned_confirmed_and_trained_like_
     scan(a.seen, key, key.removeprefix(KEY_PREFIX))
 
 
+STEPS_150 = {"tokens": 150 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
+
+
 async def test_wait_reports_progress_within_a_long_bound_and_a_finished_run_asks_no_confirmation(
     stack, manifest
 ):
@@ -230,7 +233,8 @@ async def test_wait_reports_progress_within_a_long_bound_and_a_finished_run_asks
 
     account, key, env = stack.account()
     booking = stack.booking(account)
-    run_id = confirm_and_train(stack, env, booking, str(manifest()), "mcp-progress")["data"]["run_id"]
+    m = str(manifest(target=STEPS_150))  # several seconds of steps: several polls see it move
+    run_id = confirm_and_train(stack, env, booking, m, "mcp-progress")["data"]["run_id"]
     heard: list[tuple[float, float | None, str | None]] = []
 
     async def on_progress(done: float, total: float | None, message: str | None) -> None:
