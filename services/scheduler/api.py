@@ -53,6 +53,7 @@ from contracts.internal import ConfirmationCreate, EligibilityBody, LedgerAccept
 from contracts.manifest import Manifest
 from contracts.models import BaseModel
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
+from contracts.states import CANCELLABLE
 from services.domain import binding
 from services.domain.curriculum import model_shape
 from services.runtime import faults
@@ -231,8 +232,14 @@ class Api:
         else:  # cancel, cleanup, restart_from_checkpoint: bound to one of the caller's runs
             if req.run_id is None:
                 raise Refusal(ErrorCode.request_invalid, f"confirm --action {req.action.value} needs --run")
-            if await self.runs.get(account, req.run_id) is None:
+            view = await self.runs.get(account, req.run_id)
+            if view is None:
                 raise Refusal(ErrorCode.run_not_found, "no such run for this account")
+            if req.action is Action.cancel and view.state not in CANCELLABLE:  # before a person confirms
+                raise Refusal(
+                    ErrorCode.run_not_cancellable,
+                    f"the run is {view.state.value}: it cannot be cancelled, so there is nothing to confirm",
+                )
             target = req.run_id
         return await self.backends.create_confirmation(
             ConfirmationCreate(
