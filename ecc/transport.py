@@ -30,15 +30,9 @@ import msgspec
 from contracts.endpoints import Endpoint
 from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode
+from ecc import connection
+from ecc.connection import ENV_NATS_CA
 from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
-from services.runtime.settings import (
-    DEFAULT_NAMESPACE,
-    DEFAULT_NATS_URL,
-    ENV_NAMESPACE,
-    ENV_NATS_CA,
-    ENV_NATS_URL,
-    nats_servers,
-)
 
 if TYPE_CHECKING:  # nats loads on demand: `--help` must not import it
     from nats.aio.client import Client as NatsClient
@@ -136,15 +130,22 @@ class Client:
     ) -> None:
         """`credential`: (account, api key); by default the stored login. `fresh`: a credential
         not yet known to work (login), so a refusal means "wrong", not "revoked". `ca`: the CA
-        file to verify the server's TLS with; by default ITO_NATS_CA, else the one stored at login."""
+        file to verify the server's TLS with; by default ITO_NATS_CA, else the one stored at login,
+        else the connection file's."""
         from ecc import credentials
 
-        self.url = os.environ.get(ENV_NATS_URL) or DEFAULT_NATS_URL
-        self.namespace = os.environ.get(ENV_NAMESPACE) or DEFAULT_NAMESPACE
+        try:  # the env, else the connection file `ito-training up` wrote, else the default
+            self.resolved: connection.Resolved | None = connection.resolve()
+            self.unresolved: str | None = None
+        except connection.ConnectionFileInvalid as exc:
+            self.resolved, self.unresolved = None, str(exc)
+        self.url = self.resolved.url if self.resolved else ""
+        self.namespace = self.resolved.namespace if self.resolved else ""
         self.connect_timeout_s = connect_timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.credential = credential or credentials.load()
-        self.ca = ca or os.environ.get(ENV_NATS_CA) or credentials.load_ca()
+        from_file = self.resolved.connection.ca if self.resolved else None  # `up --tls` wrote it
+        self.ca = ca or os.environ.get(ENV_NATS_CA) or credentials.load_ca() or from_file
         self.fresh = fresh
         self.violations: list[str] = []
         self._nc: NatsClient | None = None
@@ -171,7 +172,9 @@ class Client:
         if self._nc is None:
             tls = self._tls_options()
             nc = await nats.connect(
-                nats_servers(self.url),  # a cluster's URLs: a node that is down is skipped
+                [
+                    u.strip() for u in self.url.split(",") if u.strip()
+                ],  # a cluster's pool: a node that is down is skipped
                 connect_timeout=min(self.connect_timeout_s, max(self.remaining(), 0.1)),
                 allow_reconnect=False,
                 max_reconnect_attempts=0,
@@ -234,6 +237,8 @@ class Client:
                 ErrorCode.unauthenticated,
                 "the stored credential is not an ito-training API key; run `ecc ito login` again",
             )
+        if self.resolved is None:
+            return local_error(ErrorCode.backend_unavailable, f"{self.unresolved}; nothing was sent")
         payload = _encoder.encode(request)
         nc = await self._connected(account, seed)
         if isinstance(nc, Envelope):
@@ -257,8 +262,8 @@ class Client:
         except Unauthenticated:
             return local_error(
                 ErrorCode.backend_unavailable,
-                f"the server at {self.url} does not require "
-                "authentication: it is not the ito-training API; nothing was sent",
+                f"the server at {self.url} (from {self._where()}) does not require "
+                f"authentication: it is not the ito-training API; nothing was sent. {self._fix()}",
             )
         except Untrusted as exc:
             return local_error(ErrorCode.tls_untrusted, f"{exc}; {TLS_HINT}")
@@ -273,8 +278,19 @@ class Client:
             if "authorization" in str(exc).lower():
                 return self._refused()
             return local_error(
-                ErrorCode.backend_unavailable, f"cannot reach the ito-training API at {self.url}"
+                ErrorCode.backend_unavailable,
+                f"cannot reach the ito-training API at {self.url} (from {self._where()}); nothing was "
+                f"sent. {self._fix()}",
             )
+
+    def _where(self) -> str:
+        assert self.resolved is not None, "only a resolved address is ever tried"
+        return self.resolved.source
+
+    def _fix(self) -> str:
+        assert self.resolved is not None, "only a resolved address is ever tried"
+        words = self.resolved.what_to_set()
+        return words[0].upper() + words[1:] + "."
 
     async def _request(
         self, nc: "NatsClient", suffix: str, account: str, payload: bytes, timeout: float
@@ -286,7 +302,12 @@ class Client:
         try:
             reply = await nc.request(f"{self.namespace}.{suffix}.{account}", payload, timeout=timeout)
         except NoRespondersError:
-            return local_error(ErrorCode.backend_unavailable, "the ito-training API is not running")
+            return local_error(
+                ErrorCode.backend_unavailable,
+                f"the ito-training API is not running at {self.url} under namespace {self.namespace!r} "
+                f"(from {self._where()}): nothing answers there. Start it with `make up`, or set "
+                f"{connection.ENV_NAMESPACE} to the namespace the stack serves",
+            )
         except (TimeoutError, NatsTimeout):
             if any("permissions violation" in v for v in self.violations):  # dropped by the server: not sent
                 return local_error(

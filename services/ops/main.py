@@ -10,7 +10,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from contracts.connection import Connection
 from contracts.subjects import SERVICES
+from ecc import connection as ecc_connection
 from services.runtime import settings as settings_mod
 from services.runtime.settings import ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
 
@@ -41,13 +43,10 @@ def resolve_settings() -> settings_mod.Settings:
 
 
 def manifest_schema() -> str:
-    import msgspec
+    """The manifest's JSON Schema, generated from the contract (ecc/manifest_check.py: one source)."""
+    from ecc import manifest_check
 
-    from contracts.manifest import Manifest
-
-    schema = msgspec.json.schema(Manifest)
-    schema["title"] = "ito-training manifest"
-    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    return manifest_check.schema_text()
 
 
 Commands = argparse._SubParsersAction  # what `add_subparsers` returns; argparse names no public type
@@ -283,6 +282,7 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     if unknown or not chosen:
         raise ValueError(f"--services takes names from {', '.join(SERVICES)}")
     state = stack.up(s, log, chosen, cluster=args.cluster, desk=args.desk, tls=args.tls)
+    connection_file = _write_connection(state)
     _print(
         args,
         {
@@ -298,10 +298,13 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
             "metrics_token_file": state["metrics_token_file"],
             "tls": bool(state.get("tls")),
             **({"ca": state["ca"]} if "ca" in state else {}),
+            "connection_file": str(connection_file),
         },
         f"NATS {state['nats_url']}\nRedis {state['redis_url']}\n"
         f"Metrics (bearer token in {state['metrics_token_file']}): "
-        + ", ".join(f"{name} {addr}" for name, addr in sorted(state["metrics"].items())),
+        + ", ".join(f"{name} {addr}" for name, addr in sorted(state["metrics"].items()))
+        + f"\necc finds this stack through {connection_file}; in another shell: "
+        + ecc_connection.export_line(connection_file),
     )
     if not args.detach:
         stack.wait_for_signal()
@@ -309,10 +312,20 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     return 0
 
 
+def _write_connection(state: dict[str, Any]) -> pathlib.Path:
+    """The client's connection file (ecc/connection.py) for the stack just started: `ecc` then
+    finds it with nothing set. The last `up` wins; `down` removes the file while it names its stack."""
+    connection = Connection(url=state["nats_url"], namespace=state["namespace"], ca=state.get("ca"))
+    return ecc_connection.save(connection)
+
+
 def _down(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     from services.ops import stack
 
+    state = stack.read_state(s)
     _print(args, stack.down(s, log), "")
+    if state and ecc_connection.remove_if_points_at(state["nats_url"]):
+        log(f"removed {ecc_connection.path()}")
     return 0
 
 
