@@ -55,10 +55,12 @@ class Resolved:
     def what_to_set(self) -> str:
         """The one thing to do so that `ecc` finds the API, for the source this address came from."""
         if self.source == ENV_NATS_URL:
-            return (
-                f"set {ENV_NATS_URL} to the API's address (`ito-training up` prints it), "
-                f"or unset it to use {self.file}"
+            other = (
+                f"unset it to use the stack {self.file} names"
+                if self.file.exists()
+                else f"unset it after `make up`, which writes {self.file}"
             )
+            return f"set {ENV_NATS_URL} to the API's address (`ito-training up` prints it), or {other}"
         if self.source == "the default":
             return (
                 f"no connection file at {self.file}: start the stack with `make up` (it writes one), "

@@ -333,6 +333,7 @@ def _number(value: float, s: dict[str, Any], path: Path, found: list[_Found]) ->
 
 # --- where each value is in the text ---
 
+_scanstring = json.decoder.scanstring  # type: ignore[attr-defined]  # public in json.decoder, untyped in typeshed
 _SCALAR = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
 _SPACE = re.compile(r"[ \t\n\r]*")
 
@@ -369,7 +370,7 @@ class _Positions:
         if c == "[":
             return self._array(self._ws(i + 1), path)
         if c == '"':
-            return json.decoder.scanstring(self.text, i + 1)[1]
+            return _scanstring(self.text, i + 1)[1]
         m = _SCALAR.match(self.text, i)
         if m is None:
             raise ValueError(f"no JSON value at {i}")
@@ -379,7 +380,7 @@ class _Positions:
         if self.text[i] == "}":
             return i + 1
         while True:
-            key, after = json.decoder.scanstring(self.text, i + 1)
+            key, after = _scanstring(self.text, i + 1)
             self.keys[(*path, key)] = i
             i = self._ws(self._ws(after) + 1)  # past the colon
             i = self._ws(self._value(i, (*path, key)))

@@ -49,6 +49,7 @@ from contracts.evals import EvalMetric, StageGate
 from contracts.runs import CheckpointList, EvalList, Metrics, MetricsPage
 from contracts.states import TERMINAL_STATES
 from ecc import charts
+from ecc.manifest_check import Checked
 from ecc.transport import Client, SentButUnanswered
 
 if TYPE_CHECKING:  # ecc.progress (and rich) load only when a terminal follows a run
@@ -108,8 +109,9 @@ Answer = (
     | LoggedOut
     | LogsFollowed
     | Downloaded
+    | Checked
 )
-"""Every answer `ecc` shows: each API verb's (`API[verb].answer`) and its own three."""
+"""Every answer `ecc` shows: each API verb's (`API[verb].answer`) and its own four (validate's, `Checked`)."""
 
 
 def show(args: argparse.Namespace, env: Envelope[Any]) -> None:
@@ -165,6 +167,8 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
             return _downloaded(answer)
         case ModelList():
             return _models(answer)
+        case Checked():
+            return f"{answer.name}: valid (sha256 {answer.manifest_digest}); {answer.note}"
         case LoggedOut() | LogsFollowed() | None:  # no words to add: their JSON says it all
             return _encoder.encode(answer).decode()
         case _:
