@@ -299,6 +299,7 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
             "tls": bool(state.get("tls")),
             **({"ca": state["ca"]} if "ca" in state else {}),
             "connection_file": str(connection_file),
+            "connection_export": ecc_connection.export_line(connection_file),
         },
         f"NATS {state['nats_url']}\nRedis {state['redis_url']}\n"
         f"Metrics (bearer token in {state['metrics_token_file']}): "

@@ -28,6 +28,7 @@ TOOLS |= {"audit", "cancel", "cleanup", "approve"}
 TOOLS |= {"export", "download", "sample"}  # a trained model out (tests/e2e/test_export_e2e.py drives them)
 TOOLS |= {"models"}
 TOOLS |= {"runs"}  # the account's own runs (tests/e2e/test_runs_e2e.py drives it)
+LOCAL_TOOLS = {"validate", "manifest_schema"}  # no server, no login (tests/e2e/test_mcp_manifest.py)
 TERMINAL = {"succeeded", "failed", "gate_failed", "cancelled"}
 LONG = {"tokens": 4000 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
 PLANTED = "hf_" + "Zq7" * 12  # looks like a Hugging Face token: the server refuses the manifest
@@ -93,7 +94,7 @@ async def test_an_agent_takes_a_run_from_find_to_succeeded_given_only_a_persons_
     booking = stack.booking(account)
     m, leaky = str(manifest()), str(manifest(name=f"run {PLANTED}"))
     async with agent({**stack.env, **env}) as a:
-        assert {t.name for t in await a.tools()} == TOOLS  # no confirm, no login, no logout
+        assert {t.name for t in await a.tools()} == TOOLS | LOCAL_TOOLS  # no confirm, no login, no logout
         found = await a("find")
         assert [v["booking"]["booking_id"] for v in found["data"]] == [booking]
 

@@ -19,6 +19,7 @@ from contracts import (
     audit,
     base,
     booking,
+    connection,
     desk,
     envelope,
     errors,
@@ -640,6 +641,9 @@ RUN_SUMMARY = api.RunSummary(
 EXPORT_FILE = api.ExportFile(path="model.safetensors", bytes=1024, sha256="cd" * 32)
 SAMPLES.update(
     {
+        connection.Connection: connection.Connection(
+            url="nats://127.0.0.1:4222", namespace="ito", ca="/home/me/.config/ecc/ca.pem"
+        ),
         models.RopeScaling: TINY_HF_SHAPE.rope_scaling,
         models.BaseModel: BASE_MODEL,
         manifest.Lora: manifest.Lora(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "v_proj"]),
@@ -764,6 +768,7 @@ def test_every_listed_module_is_discovered():
         audit,
         base,
         booking,
+        connection,
         envelope,
         errors,
         evals,
