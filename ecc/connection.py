@@ -1,7 +1,7 @@
 """Where `ecc` finds the ito-training API, and the connection file `ito-training up` writes for it.
 
 The address comes from, first to last:
-1. `ITO_NATS_URL` (and `ITO_NAMESPACE`) in the environment: always wins;
+1. `ITO_NATS_URL` (and `ITO_NAMESPACE`) in the environment: always wins, and the file is not read;
 2. the connection file: `$ECC_CONNECTION_FILE`, else `connection.json` beside the stored login
    (`$ECC_CONFIG_DIR`, default ~/.config/ecc), which `ito-training up` writes for the stack it
    started;
@@ -96,20 +96,12 @@ def load(file: pathlib.Path) -> Connection | None:
 
 def resolve() -> Resolved:
     """The connection `ecc` uses now (see the module's order); ConnectionFileInvalid when the file
-    it would read is broken and no env var overrides it."""
+    it would read is broken. `ITO_NATS_URL` wins whole: with it set, the file is not read at all."""
     file = path()
     env_url = os.environ.get(ENV_NATS_URL)
     env_ns = os.environ.get(ENV_NAMESPACE)
     if env_url:
-        stored = None
-        if not env_ns:  # the file may still know the namespace of the stack at that address
-            try:
-                stored = load(file)
-            except ConnectionFileInvalid:
-                stored = None
-        namespace = env_ns or (stored.namespace if stored and stored.url == env_url else DEFAULT_NAMESPACE)
-        ca = stored.ca if stored and stored.url == env_url else None
-        return Resolved(Connection(url=env_url, namespace=namespace, ca=ca), ENV_NATS_URL, file)
+        return Resolved(Connection(url=env_url, namespace=env_ns or DEFAULT_NAMESPACE), ENV_NATS_URL, file)
     stored = load(file)
     if stored is not None:
         if env_ns:

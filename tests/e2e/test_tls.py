@@ -33,6 +33,7 @@ def tls_stack(tmp_path_factory):
         "ITO_NAMESPACE": new_namespace(),
         "ITO_DATA_DIR": str(data_dir),
         "ITO_SECRETS_DIR": str(data_dir / "secrets"),
+        "ECC_CONNECTION_FILE": str(data_dir / "connection.json"),  # `up` writes it: never into $HOME
         "PATH": f"{BIN}:{os.environ['PATH']}",
     }
     for name in ("ITO_NATS_URL", "ITO_REDIS_URL", "ITO_TLS", "ITO_NATS_CA"):  # `up` starts its own

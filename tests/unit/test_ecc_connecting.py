@@ -205,3 +205,18 @@ def test_the_clients_connection_and_manifest_modules_import_no_service():
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert not [m for m in out.stdout.split() if m.split(".")[0] == "services"]
+
+
+def test_the_ca_that_up_tls_wrote_into_the_connection_file_is_the_one_ecc_verifies_with(home, monkeypatch):
+    """`up --tls` records its CA in the file (services/ops/main.py `_write_connection`); with no
+    ITO_NATS_CA and no CA stored at login, the client verifies the server with that one."""
+    from ecc.transport import Client
+
+    for name in (*CLEARED, "ITO_NATS_CA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    connection.save(Connection(url=DEAD, namespace="ttls", ca="/srv/ito/ca.pem"), default_file(home))
+    client = Client(credential=("a", "k"))
+    assert (client.url, client.namespace, client.ca) == (DEAD, "ttls", "/srv/ito/ca.pem")
+    monkeypatch.setenv("ITO_NATS_CA", "/elsewhere/ca.pem")
+    assert Client(credential=("a", "k")).ca == "/elsewhere/ca.pem"
