@@ -34,7 +34,7 @@ VALIDATE_INPUT: dict[str, Any] = {
     "type": "object",
     "properties": {
         "manifest": {"type": "string", "description": "absolute path of the manifest"},
-        "manifest_text": {"type": "string", "description": "or the manifest's JSON itself"},
+        "manifest_json": {"type": "string", "description": "or the manifest's JSON itself"},
     },
     "additionalProperties": False,
 }
@@ -44,7 +44,7 @@ TOOLS: dict[str, LocalTool] = {
     for t in (
         LocalTool(
             "validate",
-            VERB_HELP["validate"] + "; give manifest (a path) or manifest_text.",
+            VERB_HELP["validate"] + "; give manifest (a path) or manifest_json.",
             VALIDATE_INPUT,
             manifest_check.Checked,
         ),
@@ -68,15 +68,15 @@ def call(name: str, arguments: dict[str, Any]) -> Envelope[Any]:
             return local_error(ErrorCode.request_invalid, "manifest_schema takes no arguments")
         return Envelope(ok=True, live_api_contacted=False, notice=None, data=manifest_check.schema())
     unknown = sorted(set(arguments) - set(VALIDATE_INPUT["properties"]))
-    path, text = arguments.get("manifest"), arguments.get("manifest_text")
+    path, text = arguments.get("manifest"), arguments.get("manifest_json")
     if unknown or (path is None) == (text is None):
         return local_error(
             ErrorCode.request_invalid,
-            "give exactly one of manifest (an absolute path) and manifest_text (the JSON)"
+            "give exactly one of manifest (an absolute path) and manifest_json (the JSON)"
             + (f"; unknown argument {', '.join(unknown)}" if unknown else ""),
         )
     if not isinstance(path or text, str):
-        return local_error(ErrorCode.request_invalid, "manifest and manifest_text are strings")
+        return local_error(ErrorCode.request_invalid, "manifest and manifest_json are strings")
     if path is not None:
         return verbs.validate(path=path)
     assert isinstance(text, str)

@@ -28,7 +28,7 @@ async def test_an_agent_reads_the_schema_and_gets_every_problem_at_once(tmp_path
         assert schema["data"] == json.loads(manifest_check.schema_text())
 
         two = {k: v for k, v in TINY.items() if k != "target"} | {"epochs": 3}
-        checked = await a("validate", manifest_text=json.dumps(two, indent=2))
+        checked = await a("validate", manifest_json=json.dumps(two, indent=2))
         message = checked["error"]["message"]
         assert checked["error"]["code"] == "manifest_invalid" and not checked["live_api_contacted"]
         assert "missing required field `target`" in message and "$.epochs (line " in message
@@ -41,5 +41,5 @@ async def test_an_agent_reads_the_schema_and_gets_every_problem_at_once(tmp_path
 
         good = await a("validate", manifest=str(REPO / "examples" / "manifests" / "tiny.json"))
         assert good["ok"] and good["data"]["valid"], good
-        both = await a("validate", manifest=str(path), manifest_text="{}")
+        both = await a("validate", manifest=str(path), manifest_json="{}")
         assert both["error"]["code"] == "request_invalid"
