@@ -1,5 +1,5 @@
 """Two MCP tools that call no server and need no login: `validate` (a manifest checked against its
-JSON Schema, every problem at once: ecc/manifest_check.py) and `manifest_schema` (that schema), so
+JSON Schema, every problem at once: contracts/manifest_check.py) and `manifest_schema` (that schema), so
 that an agent learns the manifest's fields from the schema, not one refusal at a time.
 
 Kept apart from `ecc.tools` (the API verbs' tools): `ecc.mcp_server` lists these after those and
@@ -10,9 +10,9 @@ catalogue's size budget.
 from dataclasses import dataclass
 from typing import Any
 
+from contracts import manifest_check
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
-from ecc import manifest_check
 from ecc.manifest_file import DEFAULT_MAX_BYTES
 from ecc.transport import local_error
 from ecc.verb_help import VERB_HELP

@@ -46,10 +46,10 @@ from contracts.audit import AuditTrail
 from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
 from contracts.evals import EvalMetric, StageGate
+from contracts.manifest_check import Checked
 from contracts.runs import CheckpointList, EvalList, Metrics, MetricsPage
 from contracts.states import TERMINAL_STATES
 from ecc import charts
-from ecc.manifest_check import Checked
 from ecc.transport import Client, SentButUnanswered
 
 if TYPE_CHECKING:  # ecc.progress (and rich) load only when a terminal follows a run

@@ -188,7 +188,7 @@ def _login(args: argparse.Namespace) -> Envelope[Any]:
 def validate(path: str | None = None, text: str | None = None) -> Envelope[Any]:
     """A manifest (at `path`, read by the safe reader, or its `text`) checked against its schema
     here: nothing is sent, no login needed. Every problem is in the one `manifest_invalid` message."""
-    from ecc import manifest_check
+    from contracts import manifest_check
 
     if text is None:
         assert path is not None, "a path or a text"

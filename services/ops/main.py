@@ -43,8 +43,8 @@ def resolve_settings() -> settings_mod.Settings:
 
 
 def manifest_schema() -> str:
-    """The manifest's JSON Schema, generated from the contract (ecc/manifest_check.py: one source)."""
-    from ecc import manifest_check
+    """The manifest's JSON Schema, generated from the contract (contracts/manifest_check.py: one source)."""
+    from contracts import manifest_check
 
     return manifest_check.schema_text()
 

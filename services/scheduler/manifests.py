@@ -14,9 +14,9 @@ from collections import OrderedDict
 
 import msgspec
 
+from contracts import manifest_check  # the schema check ecc runs too: one list of problems on both sides
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
-from ecc import manifest_check  # the client's schema check: one list of problems on both sides
 from services.domain.curriculum import plan_run
 from services.runtime.codec import Refusal
 from services.scheduler.secret_scan import find_secret

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from ecc import manifest_check
+from contracts import manifest_check
 from tests.e2e.test_mcp import agent
 
 pytestmark = pytest.mark.e2e

@@ -26,6 +26,7 @@ from contracts import (
     evals,
     internal,
     manifest,
+    manifest_check,
     models,
     runs,
     states,
@@ -555,6 +556,9 @@ MANIFEST_STAGE_SAMPLES = {
     ),
 }
 SAMPLES.update(MANIFEST_STAGE_SAMPLES)
+SAMPLES[manifest_check.Checked] = manifest_check.Checked(
+    valid=True, name="tiny-demo", manifest_digest="ab" * 32
+)
 SAMPLES.update(
     {
         desk.DeskRunsRequest: desk.DeskRunsRequest(limit=50),

@@ -194,9 +194,7 @@ def test_missing_flags_of_cancel_name_the_cancel_confirmation_and_the_key(home):
 
 
 def test_the_clients_connection_and_manifest_modules_import_no_service():
-    code = (
-        "import ecc.transport, ecc.connection, ecc.manifest_check, ecc.manifest_tools, ecc.verbs, ecc.main\n"
-    )
+    code = "import ecc.transport, ecc.connection, contracts.manifest_check, ecc.manifest_tools, ecc.verbs, ecc.main\n"
     out = subprocess.run(
         [sys.executable, "-c", code + "import sys; print(' '.join(sys.modules))"],
         capture_output=True,

@@ -1,4 +1,4 @@
-"""The manifest checked against its JSON Schema (ecc/manifest_check.py), as tables: every problem at
+"""The manifest checked against its JSON Schema (contracts/manifest_check.py), as tables: every problem at
 once with its path, line, column and allowed values; invalid JSON with its line and column; the
 schema is msgspec's of the contract and uses only keywords the checker reads; the checker agrees
 with the contract's decoder and with a reference JSON Schema validator; the server's refusal lists
@@ -12,9 +12,9 @@ import jsonschema
 import msgspec
 import pytest
 
+from contracts import manifest_check
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest, ModelSize
-from ecc import manifest_check
 from services.runtime.codec import Refusal
 from services.scheduler.manifests import digest_of, verify
 

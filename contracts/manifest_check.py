@@ -16,6 +16,7 @@ checks when it plans the run.
 import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -319,7 +320,7 @@ def _bounds(
 
 
 def _number(value: float, s: dict[str, Any], path: Path, found: list[_Found]) -> None:
-    rules = (
+    rules: tuple[tuple[str, Callable[[float], bool], str], ...] = (
         ("minimum", lambda b: value >= b, ">="),
         ("exclusiveMinimum", lambda b: value > b, ">"),
         ("maximum", lambda b: value <= b, "<="),
@@ -370,7 +371,8 @@ class _Positions:
         if c == "[":
             return self._array(self._ws(i + 1), path)
         if c == '"':
-            return _scanstring(self.text, i + 1)[1]
+            end: int = _scanstring(self.text, i + 1)[1]
+            return end
         m = _SCALAR.match(self.text, i)
         if m is None:
             raise ValueError(f"no JSON value at {i}")
