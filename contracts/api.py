@@ -160,6 +160,38 @@ class CostEstimate(Internal, frozen=True, kw_only=True):
     incremental_usd: float  # cost beyond what the booking covers
 
 
+class CapacityPlan(Internal, frozen=True, kw_only=True):
+    """The booking's GPUs: which the run holds (all GPUs its placement allocates: GPUs 0..g-1 of
+    nodes 0..n-1), which stay idle, and what the idle ones cost at the booking's price."""
+
+    booked_gpus: int
+    held_gpus: int
+    idle_gpus: int
+    held: list[str]  # e.g. ["node0:gpu0"]; ranges as "node0:gpu1-7"
+    idle: list[str]
+    idle_fraction: float  # idle_gpus / booked_gpus
+    idle_usd_per_hour: float  # idle GPUs x the price per GPU-hour
+    idle_usd_during_run: float  # ... x the run's expected wall hours
+    idle_gpu_hours_in_window: float  # the booking's GPU-hours this run leaves unused (whole window)
+    wasteful: bool  # most of the booking idle (planning.IDLE_WARN_FRACTION): the plan warns
+    sentence: str  # what a person reads: held, idle, cost, and the suggestion when wasteful
+    suggestion: str | None = None  # the data-parallel resources that would use the booking, or why none
+
+
+class WindowPlan(Internal, frozen=True, kw_only=True):
+    """Whether the run's expected wall time fits what is left of the booking's window."""
+
+    window_start: datetime
+    window_end: datetime
+    expected_wall_hours: float  # the plan's GPU-hour estimate over the GPUs the run holds
+    remaining_hours: float  # window_end - max(now, window_start) when planned
+    required_margin_hours: float  # the slack asked for beyond the expected wall time
+    margin_hours: float  # remaining - expected (negative: it does not fit at all)
+    fits: bool  # expected + required margin <= remaining
+    resumable: bool  # does not fit, but continues from its last checkpoint on a later booking
+    sentence: str
+
+
 class StageGatePlan(Internal, frozen=True, kw_only=True):
     """What a stage's gate will judge: the backend's battery, tightened by the manifest."""
 
@@ -179,6 +211,8 @@ class Plan(Internal, frozen=True, kw_only=True):
     gpu_model: str = ""
     region: str = ""
     gates: list[StageGatePlan] = []  # every stage's gate with its thresholds, in run order
+    capacity: CapacityPlan | None = None  # the booking's held and idle GPUs (None: an older plan)
+    window: WindowPlan | None = None  # the run against the booking's remaining window
 
 
 class ConfirmationIssued(Internal, frozen=True, kw_only=True):

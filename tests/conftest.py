@@ -196,6 +196,7 @@ def start_stack(data_dir: pathlib.Path, services: str | None = None, env: dict |
         "ITO_DATA_DIR": str(data_dir),
         "ITO_SECRETS_DIR": str(data_dir / "secrets"),
         "ITO_TRAINER_THREADS": "1",
+        "ECC_CONNECTION_FILE": str(data_dir / "connection.json"),  # `up` writes it: never into $HOME
         "PATH": f"{BIN}:{os.environ['PATH']}",
         **(env or {}),
     }

@@ -55,6 +55,7 @@ from contracts.internal import ConfirmationCreate, EligibilityBody, LedgerAccept
 from contracts.manifest import Manifest
 from contracts.models import BaseModel
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
+from contracts.states import CANCELLABLE
 from services.domain import binding
 from services.domain import quotas as quota_rules
 from services.domain.curriculum import model_shape
@@ -224,6 +225,7 @@ class Api:
             storage_refusal(root, manifest, base),
             small_model_gangs=self.small_model_gangs,
             base=base,
+            now=datetime.now(UTC),  # the booking's remaining window is measured from now
         )
         return p, body
 
@@ -269,8 +271,14 @@ class Api:
         else:  # cancel, cleanup, restart_from_checkpoint: bound to one of the caller's runs
             if req.run_id is None:
                 raise Refusal(ErrorCode.request_invalid, f"confirm --action {req.action.value} needs --run")
-            if await self.runs.get(account, req.run_id) is None:
+            view = await self.runs.get(account, req.run_id)
+            if view is None:
                 raise Refusal(ErrorCode.run_not_found, "no such run for this account")
+            if req.action is Action.cancel and view.state not in CANCELLABLE:  # before a person confirms
+                raise Refusal(
+                    ErrorCode.run_not_cancellable,
+                    f"the run is {view.state.value}: it cannot be cancelled, so there is nothing to confirm",
+                )
             target = req.run_id
         return await self.backends.create_confirmation(
             ConfirmationCreate(
@@ -472,6 +480,7 @@ class Api:
             checkpoint_dir=str(run_dir(self.checkpoint_root, manifest.checkpoint.storage, account, run_id)),
             nodes=manifest.resources.nodes,
             rendezvous=self.handoff.rendezvous(manifest.resources.nodes),
+            rendezvous_key=self.handoff.rendezvous_key(manifest.resources.nodes),
             base=base,  # resolved once, here: the trainer reads the weights by this digest
         )
 

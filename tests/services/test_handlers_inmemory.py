@@ -291,6 +291,8 @@ async def test_cancel_is_confirmed_and_idempotent(bus):
     )
     replay = data(await call(bus, subjects.API_CANCEL, cancel), MutationResult)
     assert replay.replay and replay.state is RunState.cancelled
+    # a run that cannot be cancelled any more: confirm says so before any person confirms
+    assert code(await call(bus, subjects.API_CONFIRM, confirm)) is ErrorCode.run_not_cancellable
     # another account sees no such run, whatever it names
     await login(bus, "other")
     out = await call(bus, subjects.API_CANCEL, cancel, account="other")
