@@ -1,12 +1,26 @@
 # One image for every service; compose.yaml picks the service with `ito-training serve NAME`.
+# The control plane's image takes torch's CPU wheel (the default TORCH_INDEX); the trainer's takes a
+# CUDA wheel from the same Dockerfile: `--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130`
+# (compose.yaml's trainer does; the wheel carries the CUDA runtime, the node only needs the driver
+# and the NVIDIA container toolkit). It runs as an unprivileged user (ITO_UID, 10001 by default)
+# that owns /data and nothing else: the root filesystem can be mounted read-only (compose.yaml,
+# deploy/k8s/), with /tmp a tmpfs.
 FROM python:3.11-slim
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG ITO_UID=10001
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp \
+    NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+RUN groupadd -g "${ITO_UID}" ito \
+ && useradd -u "${ITO_UID}" -g ito -M -d /tmp -s /usr/sbin/nologin ito \
+ && mkdir -p /data && chown "${ITO_UID}:${ITO_UID}" /data
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY contracts ./contracts
 COPY services ./services
 COPY ecc ./ecc
-# torch first, pinned exactly (a range would pull a multi-GB CUDA build).
-RUN pip install --no-cache-dir torch==2.13.0 \
- && pip install --no-cache-dir -e .
+# torch first, pinned exactly, from TORCH_INDEX (PyPI's own Linux wheel is a multi-GB CUDA build).
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" torch==2.13.0 \
+ && pip install --no-cache-dir -e '.[s3]'
 ENV ITO_DATA_DIR=/data
+USER ${ITO_UID}:${ITO_UID}
 ENTRYPOINT ["ito-training"]

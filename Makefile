@@ -40,8 +40,11 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Side by side (pytest-xdist): three workers; the timing-sensitive fault and multi-process tests form one
+# group that one worker runs in turn (tests/conftest.py). PYTEST_ARGS= runs it in one process.
+PYTEST_ARGS ?= -n 3 --dist loadgroup
 test: install sysdeps lint
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
 
 # Writes bench/results.json and prints a table; `make bench BENCH_ARGS=--quick` runs tiny sizes.
 BENCH_ARGS ?=

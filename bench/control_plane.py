@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bench import stats
+from bench.quotas import fairness as quota_fairness
 from bench.stack import AUTH, ApiClient, Stack, confirmations
 
 CONNECT_TIMEOUT_S = 2  # every NATS connection the comparison opens to the server without auth
@@ -661,4 +662,5 @@ async def run_all(
         "control_plane_latency": await latency(stack, latency_samples),
         "control_plane_throughput": await throughput(stack, throughput_requests),
         "exactly_once": await exactly_once(stack, once_requests, once_keys),
+        "quota_fairness": await quota_fairness(stack, max(30, latency_samples // 5)),
     }

@@ -44,6 +44,13 @@ TARGETS = [
         "control_plane_throughput", "accepted_per_s", ">=", 500.0, ">= 500 accepted requests/s on 2 cores"
     ),
     Target("exactly_once", "exactly_once", "==", True, "N keys -> exactly N runs, 0 duplicates, 0 lost"),
+    Target(
+        "quota_fairness",
+        "ratio_p50_at_limit_to_idle",
+        "<=",
+        1.5,
+        "another tenant's p50 <= 1.5x idle while one floods at its rate quota",
+    ),
     Target("trainer_pretrain", "ratio", ">=", 0.95, "trainer >= 0.95x the plain loop"),
     Target("trainer_dpo", "ratio", ">=", 0.95, "DPO step >= 0.95x the plain loop"),
     Target("trainer_grpo", "ratio", ">=", 0.95, "GRPO step >= 0.95x the plain loop"),
@@ -89,6 +96,15 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, u
         ("cpu_ms_per_request_total", "ms"),
         ("cpu_cores_busy", "cores"),
         ("server_cpu_cores_busy", "cores"),
+    ],
+    "quota_fairness": [
+        ("flood_rate_quota_per_s", "/s"),
+        ("at_limit_flood_sent_per_s", "/s"),
+        ("at_limit_flood_admitted_per_s", "/s"),
+        ("ratio_p50_at_limit_to_idle", "x"),
+        ("ignoring_flood_sent_per_s", "/s"),
+        ("ignoring_flood_admitted_per_s", "/s"),
+        ("ratio_p50_ignoring_retry_after_to_idle", "x"),
     ],
     "exactly_once": [
         ("requests", ""),

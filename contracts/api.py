@@ -103,9 +103,32 @@ class LogsRequest(Contract, frozen=True, kw_only=True):
 # --- answers (Envelope.data) ---
 
 
+class QuotaLimits(Internal, frozen=True, kw_only=True):
+    """An account's quotas (the operator's `ito-training accounts quota`; docs/quotas.md)."""
+
+    rate_per_s: float  # plan, confirm and train requests per second, sustained (the bucket's refill)
+    burst: int  # requests admitted at once after a quiet spell (the bucket's size)
+    confirmations: int  # confirmations issued and neither consumed nor expired
+    runs: int  # runs not finished (every state but succeeded, failed, gate_failed, cancelled)
+    queued: int  # runs waiting for a trainer (accepted, queued, interrupted)
+
+
+class QuotaUsage(Internal, frozen=True, kw_only=True):
+    tokens: float  # requests the bucket would admit right now (at most `burst`)
+    confirmations: int | None  # None: the confirmation service did not answer in time
+    runs: int
+    queued: int
+
+
+class QuotaStatus(Internal, frozen=True, kw_only=True):
+    limits: QuotaLimits
+    usage: QuotaUsage
+
+
 class AuthInfo(Internal, frozen=True, kw_only=True):
     account: str
     key_id: str
+    quotas: QuotaStatus | None = None  # the account's limits and what it uses now (None: an older scheduler)
 
 
 class BookingView(Internal, frozen=True, kw_only=True):
@@ -144,6 +167,38 @@ class CostEstimate(Internal, frozen=True, kw_only=True):
     flops_gpu_hours: float = 0.0
 
 
+class CapacityPlan(Internal, frozen=True, kw_only=True):
+    """The booking's GPUs: which the run holds (all GPUs its placement allocates: GPUs 0..g-1 of
+    nodes 0..n-1), which stay idle, and what the idle ones cost at the booking's price."""
+
+    booked_gpus: int
+    held_gpus: int
+    idle_gpus: int
+    held: list[str]  # e.g. ["node0:gpu0"]; ranges as "node0:gpu1-7"
+    idle: list[str]
+    idle_fraction: float  # idle_gpus / booked_gpus
+    idle_usd_per_hour: float  # idle GPUs x the price per GPU-hour
+    idle_usd_during_run: float  # ... x the run's expected wall hours
+    idle_gpu_hours_in_window: float  # the booking's GPU-hours this run leaves unused (whole window)
+    wasteful: bool  # most of the booking idle (planning.IDLE_WARN_FRACTION): the plan warns
+    sentence: str  # what a person reads: held, idle, cost, and the suggestion when wasteful
+    suggestion: str | None = None  # the data-parallel resources that would use the booking, or why none
+
+
+class WindowPlan(Internal, frozen=True, kw_only=True):
+    """Whether the run's expected wall time fits what is left of the booking's window."""
+
+    window_start: datetime
+    window_end: datetime
+    expected_wall_hours: float  # the plan's GPU-hour estimate over the GPUs the run holds
+    remaining_hours: float  # window_end - max(now, window_start) when planned
+    required_margin_hours: float  # the slack asked for beyond the expected wall time
+    margin_hours: float  # remaining - expected (negative: it does not fit at all)
+    fits: bool  # expected + required margin <= remaining
+    resumable: bool  # does not fit, but continues from its last checkpoint on a later booking
+    sentence: str
+
+
 class StageGatePlan(Internal, frozen=True, kw_only=True):
     """What a stage's gate will judge: the backend's battery, tightened by the manifest."""
 
@@ -163,6 +218,8 @@ class Plan(Internal, frozen=True, kw_only=True):
     gpu_model: str = ""
     region: str = ""
     gates: list[StageGatePlan] = []  # every stage's gate with its thresholds, in run order
+    capacity: CapacityPlan | None = None  # the booking's held and idle GPUs (None: an older plan)
+    window: WindowPlan | None = None  # the run against the booking's remaining window
 
 
 class ConfirmationIssued(Internal, frozen=True, kw_only=True):

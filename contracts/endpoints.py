@@ -64,6 +64,8 @@ from contracts.internal import (
     LedgerLookup,
     LedgerPending,
     LedgerPendingAnswer,
+    Outstanding,
+    OutstandingQuery,
 )
 from contracts.runs import CheckpointList, EvalList, MetricsPage
 
@@ -115,6 +117,9 @@ CONFIRMATION_CREATE: Endpoint[ConfirmationCreate, ConfirmationIssued] = Endpoint
 )
 CONFIRMATION_RESOLVE: Endpoint[ConfirmationResolve, ConfirmationIssued] = Endpoint(
     subjects.CONFIRMATION_RESOLVE, ConfirmationResolve, ConfirmationIssued
+)
+CONFIRMATION_OUTSTANDING: Endpoint[OutstandingQuery, Outstanding] = Endpoint(
+    subjects.CONFIRMATION_OUTSTANDING, OutstandingQuery, Outstanding
 )
 LEDGER_LOOKUP: Endpoint[LedgerLookup, LedgerEntry | None] = Endpoint(
     subjects.LEDGER_LOOKUP, LedgerLookup, LedgerEntry | None

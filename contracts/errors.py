@@ -68,14 +68,40 @@ class ErrorCode(enum.StrEnum):
     # one given to cancel, a cleanup one as the release one). The message names both actions and the
     # `ecc ito confirm` command that makes the right one; nothing is consumed.
     confirmation_action_mismatch = "confirmation_action_mismatch"
+    # Added with TLS (docs/tls.md): the NATS server's certificate is not signed by the CA ecc was
+    # given, none was given for a server that requires TLS, or a CA was given and the server speaks
+    # no TLS. The message names the address and what to set (ITO_NATS_CA or `ecc ito login --ca`);
+    # nothing was sent.
+    tls_untrusted = "tls_untrusted"
+    # Added with idle capacity and the booking's window: the run's expected wall time (with the
+    # plan's margin) does not fit the booking's remaining window, and its checkpoint policy does not
+    # make it resumable on a later booking. Refused at plan, confirm and train; nothing reserved.
+    booking_window_exceeded = "booking_window_exceeded"
+    # Added with per-tenant quotas (docs/quotas.md): over the account's request rate (the error
+    # carries `retry_after_s`), or over one of its quotas (the error carries `quota`: which one,
+    # its current use and its limit). Nothing was created or reserved.
+    rate_limited = "rate_limited"
+    quota_exceeded = "quota_exceeded"
     # Added with cost as spent: the run's metered spend reached its limit (budget_cap_usd, or the
     # booking plus max_incremental_cost_usd) and the scheduler stopped it with a checkpoint. The run
     # ends in state `budget_exhausted`; its message says what was spent against which limit.
     budget_exhausted = "budget_exhausted"
 
 
-class ApiError(Internal, frozen=True, kw_only=True):
-    """An error as a value: a stable code and a message that is safe to show (no secrets)."""
+class QuotaBreach(Internal, frozen=True, kw_only=True):
+    """Which quota a refused request would have gone over: its name (`confirmations`, `runs`,
+    `queued`), what the account holds now and its limit."""
+
+    quota: str
+    current: int
+    limit: int
+
+
+class ApiError(Internal, frozen=True, kw_only=True, omit_defaults=True):
+    """An error as a value: a stable code and a message that is safe to show (no secrets).
+    The optional fields are on the wire only when set (older readers skip them)."""
 
     code: ErrorCode
     message: str
+    retry_after_s: float | None = None  # rate_limited: seconds until a retry can be admitted
+    quota: QuotaBreach | None = None  # quota_exceeded: which quota, the current use and the limit

@@ -55,6 +55,17 @@ class ConfirmationCreate(Internal, frozen=True, kw_only=True):  # -> Confirmatio
     max_cost_usd: float | None = None
 
 
+class OutstandingQuery(Internal, frozen=True, kw_only=True):  # -> Outstanding
+    account: str
+
+
+class Outstanding(Internal, frozen=True, kw_only=True):
+    """An account's confirmations issued and neither consumed nor expired, and its limit."""
+
+    confirmations: int
+    limit: int
+
+
 # -> ConfirmationIssued (checks the binding, consumes nothing)
 class ConfirmationResolve(Internal, frozen=True, kw_only=True):
     account: str

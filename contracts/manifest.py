@@ -251,6 +251,10 @@ class CheckpointPolicy(Contract, frozen=True, kw_only=True):
     interval_steps: Positive = 50
     keep_last: Positive = 2
     storage: str = "local"  # "local" (the service's data dir) or an absolute path
+    # A run longer than the booking's remaining window is refused (booking_window_exceeded) unless
+    # this is true and a checkpoint commits inside the window: it then continues from its last
+    # checkpoint on a later booking, and the plan says so.
+    resumable_across_bookings: bool = False
 
 
 class Resources(Contract, frozen=True, kw_only=True):

@@ -29,6 +29,10 @@ class TrainWork(Internal, frozen=True, kw_only=True):
     node_rank: int = 0
     nodes: int = 1
     rendezvous: str = ""
+    # The run's rendezvous key (multi-node runs): a random secret the scheduler mints per run, from
+    # which node 0's store and every node derive the store key (services/trainer/rendezvous_store.py):
+    # only the run's own nodes get in. Never logged, never in an event or an answer.
+    rendezvous_key: str = ""
     # The base model the manifest names, as the scheduler resolved it from the model store at plan
     # time (its digest checked); the trainer reads its weights from the store by this digest.
     base: BaseModel | None = None
@@ -146,6 +150,10 @@ class RunCreated(RunEventBase, tag="created", frozen=True, kw_only=True):
     gpu_model: str
     gpus: int
     accepted_at: datetime
+    # The booking the run is on, for the desk's idle GPU-hours: its GPUs and its whole window's
+    # GPU-hours (0: not known, a run handed off before these were carried).
+    booked_gpus: int = 0
+    booked_gpu_hours: float = 0.0
 
 
 class Interruption(RunEventBase, tag="interruption", frozen=True, kw_only=True):

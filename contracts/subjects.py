@@ -47,6 +47,7 @@ ENTITLEMENT_ELIGIBILITY = "v1.entitlement.eligibility"
 ENTITLEMENT_BOOKINGS = "v1.entitlement.bookings"
 CONFIRMATION_CREATE = "v1.confirmation.create"
 CONFIRMATION_RESOLVE = "v1.confirmation.resolve"
+CONFIRMATION_OUTSTANDING = "v1.confirmation.outstanding"  # how many an account holds (its quota)
 LEDGER_LOOKUP = "v1.ledger.lookup"
 LEDGER_ACCEPT = "v1.ledger.accept"
 LEDGER_HANDED_OFF = "v1.ledger.handed_off"

@@ -8,6 +8,7 @@ lists the verbs; every help string comes from `ecc.verb_help`, which the MCP too
 import argparse
 import os
 import sys
+import typing
 
 from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from ecc.verb_help import OPTION_HELP, VERB_HELP
@@ -31,6 +32,46 @@ RUN_STATES = [  # contracts.states.RunState's values, spelled here: `--help` imp
 
 Verbs = argparse._SubParsersAction  # what `add_subparsers` returns; argparse names no public type
 
+CONFIRM_FOR = {  # the `ecc ito confirm` that makes each verb's --confirmation-ref
+    "train": "ecc ito confirm --action train --booking BOOKING --manifest PATH",
+    "cancel": "ecc ito confirm --action cancel --run RUN",
+    "cleanup": "ecc ito confirm --action cleanup --run RUN",
+    "approve": "ecc ito confirm --action restart_from_checkpoint --run RUN",
+}
+MISSING_HELP = {
+    "--account": "the account name that came with your API key",
+    "--booking": "a booking id: `ecc ito find` lists yours",
+    "--manifest": "the absolute path of your manifest (`ecc ito validate --manifest PATH` checks it)",
+    "--idempotency-key": "a new unique string for this request (e.g. `$(uuidgen)`); reuse it only to "
+    "retry the same request",
+    "--action": "one of " + ", ".join(CONFIRM_ACTIONS),
+    "--to": "the directory to write the export into",
+    "--prompt": "the text to continue",
+    "run": "a run id: `ecc ito runs` lists yours",
+}
+"""How to get each value argparse says is missing (its own message names the flag only)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, whose "the following arguments are required" also says how to get each value."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        missing = message.partition("the following arguments are required: ")[2]
+        if missing:
+            verb = self.prog.rsplit(" ", 1)[-1]
+            lines = [message] + [f"  {name}: {_how_to_get(verb, name)}" for name in missing.split(", ")]
+            message = "\n".join(lines)
+        super().error(message)
+
+
+def _how_to_get(verb: str, name: str) -> str:
+    if name == "--confirmation-ref":
+        command = CONFIRM_FOR.get(verb, "ecc ito confirm --action ACTION ...")
+        return f"run `{command}` (a person's step); it prints the confirmation_ref"
+    if name == "--release-confirmation-ref":
+        return "run `ecc ito confirm --action release_booking --booking BOOKING`"
+    return MISSING_HELP.get(name, "see --help")
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     """The options every verb takes, listed after the verb's own."""
@@ -45,6 +86,12 @@ def _session_verbs(verbs: Verbs) -> None:
     """Who I am and what I booked: login, logout, auth, find."""
     p = verbs.add_parser("login", help=VERB_HELP["login"])
     p.add_argument("--account", required=True)
+    p.add_argument(
+        "--ca",
+        metavar="PATH",
+        help="the CA file (ca.pem) that signed the server's TLS certificate; stored with the login, "
+        "every later call verifies the server with it (default: ITO_NATS_CA)",
+    )
     _common(p)
     _common(verbs.add_parser("logout", help=VERB_HELP["logout"]))
     _common(verbs.add_parser("auth", help=VERB_HELP["auth"]))
@@ -155,12 +202,15 @@ def _output_verbs(verbs: Verbs) -> None:
 
 
 def _model_verbs(verbs: Verbs) -> None:
-    """What a manifest may name: models."""
+    """What a manifest may name: models, validate."""
     _common(verbs.add_parser("models", help=VERB_HELP["models"]))
+    p = verbs.add_parser("validate", help=VERB_HELP["validate"])
+    p.add_argument("--manifest", required=True, help="path of the manifest to check")
+    _common(p)
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="ecc", description="Itô compute client.")
+    top = Parser(prog="ecc", description="Itô compute client.")
     groups = top.add_subparsers(dest="group", required=True)
     ito = groups.add_parser("ito", help="managed training on booked Itô GPU compute")
     verbs = ito.add_subparsers(dest="verb", required=True)

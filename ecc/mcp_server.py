@@ -2,9 +2,12 @@
 
 The SDK's low-level `Server`, not `MCPServer`'s decorators: those infer a tool's schema from a
 Python signature, and these schemas are given, generated from the API's own types (`ecc.tools`).
-`tools/list` lists `ecc.tools.TOOLS`; `tools/call` runs `ecc.tools.call` with this server's
-connect and overall timeouts and answers the envelope as structured content and as the same JSON
-in text (`isError` when it is not ok). stdout carries only JSON-RPC: nothing here prints.
+`tools/list` lists `ecc.tools.TOOLS`, then the two local ones of `ecc.manifest_tools` (validate,
+manifest_schema), each with the envelope as its output schema: the whole list stays under
+`tools.CATALOGUE_MAX_BYTES`; `tools/call` runs `ecc.tools.call` (or the local tool's) with this server's
+connect and overall timeouts, its progress going to the caller's progress token when the request
+carries one (`wait`'s), and answers the envelope as structured content and as the same JSON in text
+(`isError` when it is not ok). stdout carries only JSON-RPC: nothing here prints.
 
 Imported only by `ecc mcp` (the SDK takes ~0.7 s to import); `ecc ito` never loads it.
 """
@@ -17,7 +20,7 @@ import mcp.types as types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
-from ecc import tools
+from ecc import manifest_tools, tools
 from ecc.verbs import Bounds
 
 
@@ -35,10 +38,19 @@ def listed() -> list[types.Tool]:
             name=t.name,
             description=t.description,
             input_schema=tools.input_schema(t),
-            output_schema=tools.output_schema(t),
+            output_schema=tools.LISTED_OUTPUT_SCHEMA,
             annotations=types.ToolAnnotations.model_validate(t.hints),
         )
         for t in tools.TOOLS.values()
+    ] + [
+        types.Tool(
+            name=t.name,
+            description=t.description,
+            input_schema=t.input_schema,
+            output_schema=tools.LISTED_OUTPUT_SCHEMA,
+            annotations=types.ToolAnnotations.model_validate(t.hints),
+        )
+        for t in manifest_tools.TOOLS.values()
     ]
 
 
@@ -50,7 +62,14 @@ def build(bounds: Bounds) -> Server[Any]:
         return catalogue
 
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        env = await tools.call(params.name, dict(params.arguments or {}), bounds)
+        async def progress(done: float, total: float | None, message: str) -> None:
+            await ctx.session.report_progress(done, total, message)  # a no-op without a progress token
+
+        arguments = dict(params.arguments or {})
+        if params.name in manifest_tools.TOOLS:  # local: no server, no login
+            env = manifest_tools.call(params.name, arguments)
+        else:
+            env = await tools.call(params.name, arguments, bounds, progress)
         structured, text = tools.result(env)
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=text)],

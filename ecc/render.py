@@ -46,6 +46,7 @@ from contracts.audit import AuditTrail
 from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
 from contracts.evals import EvalMetric, StageGate
+from contracts.manifest_check import Checked
 from contracts.runs import CheckpointList, EvalList, Metrics, MetricsPage
 from contracts.states import TERMINAL_STATES
 from ecc import charts
@@ -108,8 +109,9 @@ Answer = (
     | LoggedOut
     | LogsFollowed
     | Downloaded
+    | Checked
 )
-"""Every answer `ecc` shows: each API verb's (`API[verb].answer`) and its own three."""
+"""Every answer `ecc` shows: each API verb's (`API[verb].answer`) and its own four (validate's, `Checked`)."""
 
 
 def show(args: argparse.Namespace, env: Envelope[Any]) -> None:
@@ -119,10 +121,28 @@ def show(args: argparse.Namespace, env: Envelope[Any]) -> None:
     if not env.ok:
         assert env.error is not None
         print(f"error [{env.error.code.value}]: {env.error.message}", file=sys.stderr)
+        if env.error.retry_after_s is not None:
+            print(f"retry after: {env.error.retry_after_s:g} s", file=sys.stderr)
         return
     if env.notice:
         print(f"note: {env.notice}")
     print(text(env.data, terminal=on_terminal(args)))
+
+
+def _auth(info: AuthInfo) -> str:
+    """Who, then the account's quotas: each limit beside what it uses now."""
+    lines = [f"logged in as {info.account} (key {info.key_id})"]
+    if info.quotas is not None:
+        lim, use = info.quotas.limits, info.quotas.usage
+        confirmations = "?" if use.confirmations is None else str(use.confirmations)
+        lines += [
+            "quotas (in use / limit):",
+            f"  requests       {lim.rate_per_s:g}/s, bursts of {lim.burst} ({use.tokens:g} available now)",
+            f"  confirmations  {confirmations} / {lim.confirmations} outstanding",
+            f"  runs           {use.runs} / {lim.runs} unfinished",
+            f"  queued         {use.queued} / {lim.queued} waiting for a trainer",
+        ]
+    return "\n".join(lines)
 
 
 def text(answer: Answer | None, terminal: bool = False) -> str:
@@ -130,7 +150,7 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
     metrics are a loss sparkline per stage (ecc/charts.py) instead of one line per point."""
     match answer:
         case AuthInfo():
-            return f"logged in as {answer.account} (key {answer.key_id})"
+            return _auth(answer)
         case list():  # the one answer that is a list: find's list[BookingView]
             return _bookings(answer)
         case Plan():
@@ -165,6 +185,8 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
             return _downloaded(answer)
         case ModelList():
             return _models(answer)
+        case Checked():
+            return f"{answer.name}: valid (sha256 {answer.manifest_digest}); {answer.note}"
         case LoggedOut() | LogsFollowed() | None:  # no words to add: their JSON says it all
             return _encoder.encode(answer).decode()
         case _:
@@ -213,6 +235,17 @@ def _usd(amount: float) -> str:
         return f"{amount:.2f} USD"
     digits = min(12, 1 - math.floor(math.log10(amount)))
     return f"{amount:.{digits}f} USD"
+
+
+def gpu_time(gpu_hours: float) -> str:
+    """GPU time in the unit that reads: GPU-seconds under a GPU-minute, GPU-minutes under a
+    GPU-hour, GPU-hours above (a tiny run is "28 GPU-s", not "0.0000 GPU-h")."""
+    seconds = gpu_hours * 3600
+    if seconds < 60:
+        return f"{seconds:.2g} GPU-s" if seconds < 10 else f"{seconds:.0f} GPU-s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} GPU-min"
+    return f"{gpu_hours:,.2f} GPU-h"
 
 
 def _confirmation(issued: ConfirmationIssued) -> str:
@@ -294,7 +327,7 @@ def _run(view: RunView) -> str:
         if view.nodes > 1:
             line += f", {view.nodes} nodes"
     if view.plan:
-        line += f"\n  plan: {view.plan.strategy}, estimate {view.plan.cost.total_usd:.6f} USD"
+        line += f"\n  plan: {view.plan.strategy}, estimate {_usd(view.plan.cost.total_usd)}"
     if view.spend is not None and view.spend.held_gpu_s > 0:
         sp = view.spend
         line += (
@@ -399,12 +432,20 @@ def _degrees(degrees: dict[str, int]) -> str:
     return " x ".join(f"{dim} {size}" for dim, size in used.items()) + f" ({ranks} ranks)"
 
 
+def _capacity(plan: Plan) -> list[str]:
+    """The booking's GPUs as the plan states them: held, idle, their cost, and the suggestion when
+    most stay idle (the window is the `booking_window` check's line)."""
+    return [] if plan.capacity is None else [f"GPUs: {plan.capacity.sentence}"]
+
+
 def _plan(plan: Plan) -> str:
     cost = plan.cost
     rows = [
         f"strategy {plan.strategy}, {_degrees(plan.degrees)}, precision {plan.precision}",
-        f"estimate {cost.total_usd:.4f} USD ({cost.gpu_hours:.4f} GPU-h at {cost.price_per_gpu_hour_usd} USD)",
+        f"estimate {_usd(cost.total_usd)} ({gpu_time(cost.gpu_hours)} at "
+        f"{cost.price_per_gpu_hour_usd:.2f} USD per GPU-hour)",
     ]
+    rows += _capacity(plan)
     rows += _estimate_basis(plan)
     rows += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.reason}" for c in plan.checks]
     rows += [f"  gate {g.stage}: " + "; ".join(g.rules) for g in plan.gates]

@@ -6,21 +6,28 @@ opaque reference) and no `login`/`logout` (a person logs in; the agent never see
 is added: `status` polled until the run ends, with a bound.
 
 Each tool's input schema is msgspec's JSON Schema of its verb's request type less the deprecated
-`credential` field, with `manifest` (an absolute path, read by the CLI's own safe reader) in place
-of `manifest_text`/`manifest_digest`; its output schema is the Envelope of the verb's answer type.
-Its description is the CLI's help (ecc/verb_help.py) and what an agent must know besides.
+`credential` field, with `manifest` (an absolute path, read by the CLI's own safe reader) or
+`manifest_json` (the manifest's text, stored 0600 by ecc/manifest_store.py and then read as a path)
+in place of `manifest_text`/`manifest_digest`. `output_schema` is the Envelope of the verb's answer
+type; the tool list carries `LISTED_OUTPUT_SCHEMA`, the envelope alone, the same for every tool:
+the catalogue is an agent's context, and a full answer schema per tool weighed ~65 KB of it
+(`CATALOGUE_MAX_BYTES` bounds it). Its description is the CLI's help (ecc/verb_help.py) and what an
+agent must know besides; what every tool shares is said once, in `INSTRUCTIONS`.
 
 A call: the stored login, or `unauthenticated` saying a person must log in; the arguments decoded
 into the request type (an argument the schema does not list is `request_invalid`); a mutation
-without a confirmation_ref answered `confirmation_required` here, nothing sent, with the exact
-`ecc ito confirm` command for the person; then `verbs.answer`, the CLI's own bounded call. No
-answer ever carries the stored key (`guarded`). The SDK's wiring is `ecc.mcp_server`.
+without a confirmation_ref answered `confirmation_required` with the exact `ecc ito confirm`
+command for the person (a train here, nothing sent; a cancel, cleanup or approve after the server
+has checked the run, so a finished run is `run_not_cancellable` before any person is asked); then
+`verbs.answer`, the CLI's own bounded call. `wait` reports progress while it polls. No answer ever
+carries the stored key (`guarded`). The SDK's wiring is `ecc.mcp_server`.
 """
 
 import asyncio
 import functools
 import shlex
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -31,13 +38,15 @@ from contracts.endpoints import API
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from contracts.states import TERMINAL_STATES, RunState
-from ecc import credentials, render, verbs
+from ecc import credentials, manifest_store, render, verbs
 from ecc.transport import KEY_PREFIX, local_error
 from ecc.verb_help import OPTION_HELP, VERB_HELP, for_tools, option_help
 
 POLL_EVERY_S = 1.0  # as `ecc ito status --follow` polls
 DEFAULT_WAIT_S = 30.0  # under the tool-call timeout of common MCP clients (about a minute)
-MAX_WAIT_S = 300.0  # a longer wait is a loop of calls: the agent keeps control between them
+MAX_WAIT_S = 3600.0  # an hour: a long stage in one call where the client allows it (progress keeps it alive)
+PROGRESS_EVERY_S = 10.0  # a progress notification at least this often, and on every change of the run
+CATALOGUE_MAX_BYTES = 20_000  # every tool definition together (tools/list as JSON): an agent's context
 BOOKING_PLACEHOLDER = "BOOKING_ID"  # cleanup names a run, not its booking: the person fills it in
 STOP_WAITING = TERMINAL_STATES | {RunState.awaiting_approval}  # awaiting_approval: a person decides
 
@@ -56,6 +65,10 @@ class WaitRequest(StatusRequest, frozen=True, kw_only=True):
     ] = DEFAULT_WAIT_S
 
 
+Progress = Callable[[float, float | None, str], Awaitable[None]]
+"""Reports `wait`'s progress: (seconds waited, max_wait_s, the run's state in words)."""
+
+
 class DownloadToolRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`download`'s arguments: the whole ready export into a directory the agent names (the CLI's
     `ecc ito download`, chunked, resumable and digest-checked), not one chunk."""
@@ -70,42 +83,35 @@ LOGIN_NOTE = (
     "never retry."
 )
 MUTATION_NOTE = (
-    "Spends or changes a run, so it needs a confirmation_ref that a person created with `ecc ito "
-    "confirm`: you cannot create one. Without it this answers confirmation_required (nothing is sent) "
-    "with the exact command for your person to run. Give each request its own idempotency_key and "
-    "reuse it on a retry: it is applied at most once. transport_ambiguous: it may have taken effect; "
-    "ask status first (a train by its idempotency_key, otherwise by run_id) and retry only with the "
-    "same idempotency_key."
+    "Needs a confirmation_ref your person makes with `ecc ito confirm` (you cannot); without one: "
+    "confirmation_required with the command to ask for. A new idempotency_key per request, the same "
+    "on a retry; transport_ambiguous: ask status first."
 )
+RUN_CHECKED = "The run is checked first (e.g. run_not_cancellable: no one is asked to confirm). "
+MANIFEST_NOTE = "manifest: an absolute path on this machine; or manifest_json: the manifest's JSON text."
 AGENT_NOTES: dict[str, str] = {
-    "auth": "The account of the login a person made; no key is ever shown.",
-    "find": "A booking with allows_training true can be planned and trained on.",
-    "plan": "Creates nothing and spends nothing: show the plan, its checks and its cost to your "
-    "person, who confirms it. manifest: an absolute path on this machine.",
-    "train": "manifest: the same absolute path the person confirmed. " + MUTATION_NOTE,
-    "runs": "Your account's runs only, newest first. Pages: pass the answer's next as cursor for the "
-    "older ones (next null: no more); a filtered page may be short and still have a next.",
-    "status": "By run_id, or by the idempotency_key a train was sent with (how a transport_ambiguous "
-    "train is resolved).",
-    "wait": f"Polls status every {POLL_EVERY_S:g} s until the run ends (succeeded, failed, gate_failed, "
-    "cancelled) or pauses for a person's decision (awaiting_approval), or max_wait_s passes (then "
-    "notice says it is still going: call wait again). Stops at once on any refusal, "
-    "credential_revoked included, and returns it.",
-    "logs": "Pages: pass the answer's next as since for the following lines.",
-    "metrics": "Pages: pass since to skip the points you have.",
+    "auth": "",
+    "find": "allows_training true: can be planned and trained on.",
+    "plan": "Creates and spends nothing: show the plan, checks and cost to your person. " + MANIFEST_NOTE,
+    "train": "The manifest the person confirmed (same path, or same manifest_json text). " + MUTATION_NOTE,
+    "runs": "Newest first; pass next as cursor for older ones (null: no more).",
+    "status": "idempotency_key: the train's (resolves a transport_ambiguous train).",
+    "wait": f"Polls every {POLL_EVERY_S:g} s until the run ends or awaits_approval, a refusal, or "
+    "max_wait_s (then notice says so: call again). Sends progress notifications when asked.",
+    "logs": "Pass next as since for later lines.",
+    "metrics": "Pass since to skip points you have.",
     "checkpoints": "",
     "evals": "",
     "audit": "",
-    "models": "Each model's digest is what a manifest's model.revision must be; model.base is its name.",
-    "cancel": MUTATION_NOTE,
-    "cleanup": "release_booking needs its own release_booking confirmation. " + MUTATION_NOTE,
-    "approve": "reject needs no confirmation; an approval needs a restart_from_checkpoint one. "
+    "models": "digest: a manifest's model.revision; name: its model.base.",
+    "cancel": RUN_CHECKED + MUTATION_NOTE,
+    "cleanup": "release_booking needs its own confirmation. " + RUN_CHECKED + MUTATION_NOTE,
+    "approve": "reject needs no confirmation; approving needs restart_from_checkpoint. "
+    + RUN_CHECKED
     + MUTATION_NOTE,
-    "export": "Idempotent: call again with the same arguments until state is ready (or failed, with "
-    "a message); then download it by its export_id.",
-    "download": "to: a directory on this machine (made 0700 when new); an interrupted download "
-    "resumes when called again with the same arguments. Answers the files and the verified digest.",
-    "sample": "Deterministic for the same arguments (seed). The answer's text is the completion alone.",
+    "export": "Call again with the same arguments until state is ready (or failed); then download it.",
+    "download": "to: a directory here; called again, an interrupted download resumes.",
+    "sample": "Seeded: the same arguments give the same text.",
 }
 """What an agent must know beyond the CLI's help line, by tool."""
 
@@ -115,8 +121,11 @@ INSTRUCTIONS = (
     "authorise spending. A person logs in (`ecc ito "
     "login`) and creates each confirmation (`ecc ito confirm ...`) and hands you "
     "its opaque confirmation_ref: a mutation without one answers confirmation_required with the "
-    "command to ask them to run. Every answer is {ok, live_api_contacted, notice, data | "
-    "error{code, message}}."
+    "command to ask them to run. " + LOGIN_NOTE + " A manifest is an absolute path on the machine "
+    "this server runs on (manifest) or its JSON text (manifest_json), stored here 0600 and read as "
+    "a file: the same bytes have the same digest either way. Every answer is {ok, "
+    "live_api_contacted, notice, data | error{code, message}}: the data is the JSON `ecc ito --json` "
+    "prints."
 )
 """The server's instructions to the agent (MCP `initialize`): the division of labour."""
 
@@ -136,7 +145,7 @@ class Tool:
         line = VERB_HELP[self.verb]
         if self.name == "wait":
             line += f"; {OPTION_HELP['status']['follow']}, within a bound"
-        return for_tools(f"{line}.\n{AGENT_NOTES[self.name]}\n{LOGIN_NOTE}".replace("\n\n", "\n"))
+        return for_tools(f"{line}. {AGENT_NOTES[self.name]}".strip())
 
     @property
     def hints(self) -> dict[str, bool]:
@@ -207,9 +216,30 @@ def _used(defs: dict[str, Any], within: Any) -> dict[str, Any]:
     return kept
 
 
+def compact(schema: Any) -> Any:
+    """The same JSON Schema in fewer bytes, for the catalogue: `anyOf` of plain types as one `type`
+    list, no null default (an optional field's default), no `title` (a definition is named by its key)."""
+    if isinstance(schema, list):
+        return [compact(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: compact(v) for k, v in schema.items() if k != "title" and not (k == "default" and v is None)}
+    options = out.get("anyOf")
+    if options and all(
+        isinstance(o, dict) and set(o) == {"type"} and isinstance(o["type"], str) for o in options
+    ):
+        del out["anyOf"]
+        out["type"] = [o["type"] for o in options]
+    return out
+
+
+MANIFEST_JSON_HELP = "the manifest's JSON text itself, instead of manifest (stored 0600 on this machine)"
+
+
 @functools.cache  # a pure function of the types; callers read it, never change it
 def input_schema(tool: Tool) -> dict[str, Any]:
-    """The request type's JSON Schema as the tool takes it: no `credential`, `manifest` a path."""
+    """The request type's JSON Schema as the tool takes it: no `credential`, the manifest as a
+    path (`manifest`) or as its text (`manifest_json`), exactly one of them."""
     root, defs = _inline_root(msgspec.json.schema(tool.request))
     properties: dict[str, Any] = {}
     for field, spec in root["properties"].items():
@@ -220,40 +250,74 @@ def input_schema(tool: Tool) -> dict[str, Any]:
         words = option_help(tool.verb, field)
         words = for_tools(words) if words else None
         properties[field] = {**spec, "description": words} if words and "description" not in spec else spec
+        if tool.reads_manifest and field == "manifest":
+            properties["manifest_json"] = {"type": "string", "description": MANIFEST_JSON_HELP}
     required = [f for f in root.get("required", []) if f in properties]
     schema: dict[str, Any] = {
         "type": "object",
         "properties": properties,
-        "required": required + (["manifest"] if tool.reads_manifest else []),
+        "required": required,
         "additionalProperties": False,
     }
     used = _used(defs, properties)
-    return {**schema, "$defs": used} if used else schema
+    return compact({**schema, "$defs": used} if used else schema)
 
 
 @functools.cache
 def output_schema(tool: Tool) -> dict[str, Any]:
-    """The Envelope of the tool's answer type, with its root inlined (MCP wants an object there)."""
+    """The Envelope of the tool's answer type, with its root inlined (MCP wants an object there):
+    every answer validates against it (tests/unit/test_ecc_tools.py)."""
     root, defs = _inline_root(msgspec.json.schema(Envelope[tool.answer]))  # type: ignore[name-defined]  # a type held in a value
     return {**root, "$defs": defs}
+
+
+LISTED_OUTPUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "live_api_contacted": {"type": "boolean"},
+        "notice": {"type": ["string", "null"]},
+        "data": {},
+        "error": {"type": ["object", "null"]},  # {code, message}: INSTRUCTIONS says so once
+    },
+    "required": ["ok", "live_api_contacted", "notice"],
+}
+"""What `tools/list` gives every tool as its output schema: the Envelope (contracts/envelope.py)
+with `data` left open. Each tool's full schema (`output_schema`) is ~2-9 KB, mostly the same error
+codes and types again: listed per tool they were most of a ~65 KB catalogue."""
 
 
 def _invalid(message: str) -> Envelope[Any]:
     return local_error(ErrorCode.request_invalid, message)
 
 
+def _manifest_path(fields: dict[str, Any]) -> str | Envelope[Any]:
+    """The manifest's path: `manifest` as given, or where `manifest_json`'s text was stored."""
+    path, text = fields.pop("manifest", None), fields.pop("manifest_json", None)
+    if path is not None and text is not None:
+        return _invalid("give manifest (a path) or manifest_json (the text), not both")
+    if isinstance(text, str):
+        return manifest_store.store(text)
+    if not isinstance(path, str):
+        return _invalid(
+            "manifest (the absolute path of the reviewed manifest) or manifest_json (its text) is required"
+        )
+    return path
+
+
 def decode(tool: Tool, arguments: dict[str, Any]) -> tuple[Any, str | None] | Envelope[Any]:
     """(the typed request, the manifest path when the tool reads one) or why not; the manifest is
-    read here, by the safe reader."""
+    read here, by the safe reader (a `manifest_json` from the file it was stored in)."""
     unknown = sorted(set(arguments) - set(input_schema(tool)["properties"]))
     if unknown:
         why = "; the server uses the stored login: no credential is ever an argument"
         return _invalid(f"unknown argument {', '.join(unknown)}" + (why if "credential" in unknown else ""))
     fields, path = dict(arguments), None
     if tool.reads_manifest:
-        path = fields.pop("manifest", None)
-        if not isinstance(path, str):
-            return _invalid("manifest (the absolute path of the reviewed manifest) is required")
+        where = _manifest_path(fields)
+        if isinstance(where, Envelope):
+            return where
+        path = where
         read = verbs.load_manifest(path)
         if isinstance(read, Envelope):
             return read
@@ -291,7 +355,8 @@ def confirmations_needed(request: Any, manifest_path: str | None) -> list[str]:
     return []
 
 
-def _confirmation_required(commands: list[str], request: Any) -> Envelope[Any]:
+def _confirmation_required(commands: list[str], request: Any, checked: bool = False) -> Envelope[Any]:
+    """`checked`: the server looked at the run and refused only for want of a confirmation."""
     ask = " and ".join(f"`{c}`" for c in commands)
     booking = (
         f" ({BOOKING_PLACEHOLDER}: the run's booking_id, from status)" if BOOKING_PLACEHOLDER in ask else ""
@@ -300,8 +365,27 @@ def _confirmation_required(commands: list[str], request: Any) -> Envelope[Any]:
         ErrorCode.confirmation_required,
         f"this needs a person's confirmation, which you cannot create: ask your person to run "
         f"{ask}{booking}, then call again with the confirmation_ref they give you and the same "
-        f"idempotency_key ({request.idempotency_key}). Nothing was sent.",
+        f"idempotency_key ({request.idempotency_key}). "
+        + ("Nothing was changed." if checked else "Nothing was sent."),
+        contacted=checked,
     )
+
+
+async def _checked_first(
+    tool: Tool, request: Any, commands: list[str], bounds: verbs.Bounds
+) -> Envelope[Any]:
+    """A run mutation without its confirmation is sent as it is: the server checks the run (found,
+    a replay of this key, in a state this can change) before the confirmation, and without one it
+    changes nothing. Only its `confirmation_required` becomes the commands for the person; a lost
+    answer, which cannot have changed anything either, does too."""
+    env = await verbs.answer(tool.verb, request, bounds)
+    if env.ok or env.error is None:
+        return env
+    if env.error.code == ErrorCode.confirmation_required:
+        return _confirmation_required(commands, request, checked=True)
+    if env.error.code == ErrorCode.transport_ambiguous:
+        return _confirmation_required(commands, request)
+    return env
 
 
 def _unauthenticated() -> Envelope[Any]:
@@ -312,8 +396,11 @@ def _unauthenticated() -> Envelope[Any]:
     )
 
 
-async def call(name: str, arguments: dict[str, Any], bounds: verbs.Bounds) -> Envelope[Any]:
-    """One tool call, answered as the envelope; never the stored key in it."""
+async def call(
+    name: str, arguments: dict[str, Any], bounds: verbs.Bounds, progress: Progress | None = None
+) -> Envelope[Any]:
+    """One tool call, answered as the envelope; never the stored key in it. `progress`: where
+    `wait` reports while it polls (the MCP client's progress token), if anywhere."""
     tool = TOOLS.get(name)
     if tool is None:
         return _invalid(f"no tool {name!r}; the tools are {', '.join(TOOLS)}")
@@ -324,12 +411,14 @@ async def call(name: str, arguments: dict[str, Any], bounds: verbs.Bounds) -> En
         return guarded(decoded)
     request, path = decoded
     commands = confirmations_needed(request, path)
+    if commands and tool.verb in verbs.MUTATIONS:
+        return guarded(await _checked_first(tool, request, commands, bounds))
     if commands:
         return guarded(_confirmation_required(commands, request))
     if tool.verb == "status" and not (request.run_id or request.idempotency_key):
         return _invalid("give run_id or idempotency_key")
     if tool.name == "wait":
-        return guarded(await wait(request, bounds))
+        return guarded(await wait(request, bounds, progress))
     if tool.name == "download":
         from ecc import download
 
@@ -341,14 +430,28 @@ async def call(name: str, arguments: dict[str, Any], bounds: verbs.Bounds) -> En
     return guarded(await verbs.answer(tool.verb, request, bounds))
 
 
-async def wait(request: WaitRequest, bounds: verbs.Bounds) -> Envelope[Any]:
+def progress_words(view: RunView) -> str:
+    """A run's state as a progress notification says it: `running pretrain: step 12/30, loss 2.31`."""
+    words = view.state.value + (f" {view.stage}" if view.stage else "")
+    if view.total_steps:
+        words += f": step {view.step}/{view.total_steps}"
+    if view.loss is not None:
+        words += f", loss {view.loss:.4g}"
+    return words
+
+
+async def wait(request: WaitRequest, bounds: verbs.Bounds, progress: Progress | None = None) -> Envelope[Any]:
     """Status every POLL_EVERY_S until the run stops or pauses, a refusal, or `max_wait_s`.
 
     A poll whose answer was lost is tried again on the next tick; any other refusal is returned at
-    once (credential_revoked: no login is attempted, the agent gets control back)."""
+    once (credential_revoked: no login is attempted, the agent gets control back). `progress` hears
+    of every change of the run's state, stage or step, and at least every PROGRESS_EVERY_S; its
+    value is the seconds waited (it only grows, as MCP requires), its total `max_wait_s`."""
     status = StatusRequest(run_id=request.run_id, idempotency_key=request.idempotency_key)
-    deadline = time.monotonic() + request.max_wait_s
+    started = time.monotonic()
+    deadline = started + request.max_wait_s
     last: Envelope[Any] | None = None
+    said: tuple[str, float] | None = None  # the last words reported, and when
     while True:
         env = await verbs.answer("status", status, bounds)
         lost = not env.ok and env.error is not None and env.error.code is ErrorCode.timeout
@@ -359,6 +462,12 @@ async def wait(request: WaitRequest, bounds: verbs.Bounds) -> Envelope[Any]:
             assert isinstance(env.data, RunView), "status answers a RunView"
             if env.data.state in STOP_WAITING:
                 return env
+            words, now = progress_words(env.data), time.monotonic()
+            if progress is not None and (
+                said is None or said[0] != words or now - said[1] >= PROGRESS_EVERY_S
+            ):
+                await progress(round(now - started, 3), request.max_wait_s, words)
+                said = (words, now)
         if time.monotonic() + POLL_EVERY_S >= deadline:
             break
         await asyncio.sleep(POLL_EVERY_S)

@@ -31,6 +31,8 @@ VERB_HELP: dict[str, str] = {
     "No confirmation: it only reads",
     "sample": "generate text from a run's committed checkpoint. No confirmation: it only reads",
     "models": "the base models your account may fine-tune (put the digest in model.revision)",
+    "validate": "check a manifest against its JSON Schema: every problem at once, with its path, line, "
+    "column and the allowed values (sends nothing, needs no login)",
 }
 """One line per `ecc ito` verb (its `--help` entry; the first line of its MCP tool's description)."""
 

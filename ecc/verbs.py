@@ -9,6 +9,9 @@ tools (`ecc.tools`) both build the request (`load_manifest` reads a manifest for
 import argparse
 import asyncio
 import getpass
+import hashlib
+import os
+import pathlib
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -44,6 +47,7 @@ from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from contracts.runs import Metrics, MetricsPage
 from ecc import credentials, render
+from ecc.connection import ENV_NATS_CA
 from ecc.manifest_file import ManifestError, read_manifest
 from ecc.transport import Client, SentButUnanswered, local_error, seed_of
 
@@ -160,9 +164,13 @@ def _login(args: argparse.Namespace) -> Envelope[Any]:
     if seed_of(api_key) is None:
         return local_error(ErrorCode.unauthenticated, "that is not an ito-training API key")
 
+    ca = getattr(args, "ca", None) or os.environ.get(ENV_NATS_CA) or None
+    if ca:  # recorded as an absolute path: later calls run from anywhere
+        ca = str(pathlib.Path(ca).expanduser().absolute())
+
     async def check() -> Envelope[Any]:
         async with Client(
-            args.connect_timeout, args.timeout, credential=(args.account, api_key), fresh=True
+            args.connect_timeout, args.timeout, credential=(args.account, api_key), fresh=True, ca=ca
         ) as c:
             try:
                 return await c.call(API["auth"], AuthRequest())
@@ -171,11 +179,34 @@ def _login(args: argparse.Namespace) -> Envelope[Any]:
 
     env = asyncio.run(check())
     if env.ok:
-        where = credentials.save(args.account, api_key)
-        return Envelope(
-            ok=True, live_api_contacted=True, notice=f"credential stored in {where}", data=env.data
-        )
+        where = credentials.save(args.account, api_key, ca)
+        notice = f"credential stored in {where}" + (f" (the server is verified with {ca})" if ca else "")
+        return Envelope(ok=True, live_api_contacted=True, notice=notice, data=env.data)
     return env
+
+
+def validate(path: str | None = None, text: str | None = None) -> Envelope[Any]:
+    """A manifest (at `path`, read by the safe reader, or its `text`) checked against its schema
+    here: nothing is sent, no login needed. Every problem is in the one `manifest_invalid` message."""
+    from contracts import manifest_check
+
+    if text is None:
+        assert path is not None, "a path or a text"
+        read = load_manifest(os.path.abspath(path))  # a relative path is fine: this binds nothing
+        if isinstance(read, Envelope):
+            return read
+        text = read[0]
+    manifest, problems = manifest_check.check(text)
+    if manifest is None:
+        return local_error(ErrorCode.manifest_invalid, manifest_check.message(problems))
+    checked = manifest_check.Checked(
+        valid=True, name=manifest.name, manifest_digest=hashlib.sha256(text.encode()).hexdigest()
+    )
+    return Envelope(ok=True, live_api_contacted=False, notice=None, data=checked)
+
+
+def _validate(args: argparse.Namespace) -> Envelope[Any]:
+    return validate(path=args.manifest)
 
 
 def _logout(args: argparse.Namespace) -> Envelope[Any]:
@@ -372,7 +403,7 @@ def _sample(args: argparse.Namespace) -> Envelope[Any]:
 
 Verb = Callable[[argparse.Namespace], Envelope[Any]]
 
-WITHOUT_LOGIN: dict[str, Verb] = {"login": _login, "logout": _logout}
+WITHOUT_LOGIN: dict[str, Verb] = {"login": _login, "logout": _logout, "validate": _validate}
 """Verbs that run without a stored credential."""
 LOGGED_IN: dict[str, Verb] = {
     "auth": _auth,

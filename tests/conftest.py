@@ -196,6 +196,7 @@ def start_stack(data_dir: pathlib.Path, services: str | None = None, env: dict |
         "ITO_DATA_DIR": str(data_dir),
         "ITO_SECRETS_DIR": str(data_dir / "secrets"),
         "ITO_TRAINER_THREADS": "1",
+        "ECC_CONNECTION_FILE": str(data_dir / "connection.json"),  # `up` writes it: never into $HOME
         "PATH": f"{BIN}:{os.environ['PATH']}",
         **(env or {}),
     }
@@ -256,3 +257,27 @@ def manifest(tmp_path):
 @pytest.fixture
 def namespace():
     return new_namespace()
+
+
+# The suite runs side by side under pytest-xdist (`make test`: `-n 3 --dist loadgroup`): most e2e time is
+# waiting on stacks, not CPU. The long fault scenarios and the multi-process trainings are timing-
+# sensitive under load, so they share one group: one worker runs them one after another while the
+# others take the rest.
+SERIAL_FILES = (
+    "tests/e2e/test_multinode_e2e.py",
+    "tests/e2e/test_multinode_faults.py",
+    "tests/e2e/test_multinode_gang_e2e.py",
+    "tests/e2e/test_gang_e2e.py",
+    "tests/e2e/test_gang_faults.py",
+    "tests/e2e/test_cluster_chaos.py",
+    "tests/e2e/test_fault_tolerance.py",
+    "tests/e2e/test_infra_faults.py",
+    "tests/distributed/",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = pathlib.Path(str(item.fspath)).relative_to(REPO).as_posix()
+        if path.startswith(SERIAL_FILES):
+            item.add_marker(pytest.mark.xdist_group("serial"))

@@ -8,18 +8,23 @@ from contracts import endpoints
 from services.confirmation.handlers import ConfirmationHandlers
 from services.confirmation.store import Confirmations, ConfirmationStore
 from services.runtime import settings as settings_mod
+from services.runtime.quotas import InMemoryQuotas, Quotas, RedisQuotas
 from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
 
 
-def register(w: Wiring, store: Confirmations | None = None) -> None:
-    """Wire the handlers to `store` (the bootstrap); by default the Redis one."""
+def register(w: Wiring, store: Confirmations | None = None, quotas: Quotas | None = None) -> None:
+    """Wire the handlers to `store` and `quotas` (the bootstrap); by default the Redis ones (with no
+    Redis in the wiring, handler tests: quotas in memory)."""
     store = store if store is not None else ConfirmationStore(w.require_redis(), w.keys)
-    h = ConfirmationHandlers(store, w.settings.confirmation_ttl_s)
+    if quotas is None:
+        quotas = RedisQuotas(w.redis, w.keys) if w.redis is not None else InMemoryQuotas()
+    h = ConfirmationHandlers(store, w.settings.confirmation_ttl_s, quotas)
     serve_requests(
         w,
         [
             (endpoints.CONFIRMATION_CREATE, h.create),
             (endpoints.CONFIRMATION_RESOLVE, h.resolve),
+            (endpoints.CONFIRMATION_OUTSTANDING, h.outstanding),
         ],
     )
 

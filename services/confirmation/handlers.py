@@ -6,10 +6,12 @@ table tests); the binding's rules are services/domain/binding.py's."""
 from datetime import UTC, datetime
 
 from contracts.api import ConfirmationIssued
-from contracts.internal import ConfirmationCreate, ConfirmationResolve
+from contracts.internal import ConfirmationCreate, ConfirmationResolve, Outstanding, OutstandingQuery
 from services.confirmation.store import Confirmations, new_ref
 from services.domain import binding
+from services.domain.quotas import DEFAULTS, confirmation_breach
 from services.runtime.codec import Refusal
+from services.runtime.quotas import Quotas, breach_refusal
 
 
 def _issued(ref: str, s: binding.Stored) -> ConfirmationIssued:
@@ -24,11 +26,23 @@ def _issued(ref: str, s: binding.Stored) -> ConfirmationIssued:
 
 
 class ConfirmationHandlers:
-    def __init__(self, store: Confirmations, ttl_s: float) -> None:
+    def __init__(self, store: Confirmations, ttl_s: float, quotas: Quotas | None = None) -> None:
         self.store = store
         self.ttl_s = ttl_s
+        self.quotas = quotas  # None: every account has the default limits
+
+    async def _limit(self, account: str) -> int:
+        limits = DEFAULTS if self.quotas is None else await self.quotas.limits(account)
+        return limits.confirmations
+
+    async def outstanding(self, req: OutstandingQuery) -> Outstanding:
+        limit = await self._limit(req.account)
+        _, count = await self.store.admit(req.account, "", 0.0, limit)
+        return Outstanding(confirmations=count, limit=limit)
 
     async def create(self, req: ConfirmationCreate) -> ConfirmationIssued:
+        """Within the account's `confirmations` quota (counted and admitted in one step), or
+        `quota_exceeded` with nothing written."""
         ref = new_ref()
         stored = binding.Stored(
             account=req.account,
@@ -39,6 +53,11 @@ class ConfirmationHandlers:
             expires_at=await self.store.now() + self.ttl_s,
             consumed=False,
         )
+        limit = await self._limit(req.account)
+        admitted, count = await self.store.admit(req.account, ref, stored.expires_at, limit)
+        refusal = None if admitted else breach_refusal(confirmation_breach(count, limit))
+        if refusal is not None:
+            raise refusal
         await self.store.create(ref, stored)
         return _issued(ref, stored)
 

@@ -13,6 +13,7 @@ from typing import Protocol
 from redis.asyncio.cluster import RedisCluster
 
 from services.domain.binding import FIELDS, Stored
+from services.domain.quotas import OUTSTANDING_LUA
 from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 
@@ -40,6 +41,11 @@ class Confirmations(Protocol):
         """The account a reference was issued to, whoever asks (to tell mismatch from unknown)."""
         ...
 
+    async def admit(self, account: str, ref: str, expires_at: float, limit: int) -> tuple[bool, int]:
+        """Count `ref` among the account's outstanding confirmations if fewer than `limit` are
+        (neither consumed nor expired): (admitted, outstanding). An empty `ref` only counts."""
+        ...
+
 
 def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
@@ -54,6 +60,16 @@ class ConfirmationStore:
     def __init__(self, r: RedisClient, keys: Keys) -> None:
         self.r = r
         self.keys = keys
+        self._admit = r.register_script(OUTSTANDING_LUA)
+
+    async def admit(self, account: str, ref: str, expires_at: float, limit: int) -> tuple[bool, int]:
+        """OUTSTANDING_LUA on the account's slot, at the clock expiry is measured on."""
+        prefix = self.keys.confirmation(account, "")
+        admitted, outstanding = await self._admit(
+            keys=[self.keys.outstanding_confirmations(account)],
+            args=[repr(await self.now()), limit, ref, repr(expires_at), prefix],
+        )
+        return bool(int(admitted)), int(outstanding)
 
     async def now(self) -> float:
         seconds, micros = await self.r.time()  # the server's clock: the same one the script uses
@@ -104,9 +120,23 @@ class InMemoryConfirmations:
     def __init__(self, clock: float | None = None) -> None:
         self.clock = time.time() if clock is None else clock
         self.records: dict[tuple[str, str], Stored] = {}
+        self.outstanding: dict[str, dict[str, float]] = {}  # account -> ref -> expiry
 
     async def now(self) -> float:
         return self.clock
+
+    async def admit(self, account: str, ref: str, expires_at: float, limit: int) -> tuple[bool, int]:
+        mine = self.outstanding.setdefault(account, {})
+        for r, expiry in list(mine.items()):
+            record = self.records.get((account, r))
+            if expiry <= self.clock or (record is not None and record.consumed):
+                del mine[r]
+        if not ref or ref in mine:
+            return True, len(mine)
+        if len(mine) >= limit:
+            return False, len(mine)
+        mine[ref] = expires_at
+        return True, len(mine)
 
     async def create(self, ref: str, stored: Stored) -> None:
         self.records[(stored.account, ref)] = stored

@@ -10,8 +10,9 @@ import json
 
 from services.runtime.secrets import DESK_TOKEN, SecretError, Secrets
 from services.runtime.settings import Settings
+from services.runtime.tls import Certs
 
-DEFAULT_HOST = "127.0.0.1"  # loopback: put TLS and a real address in front for anything else
+DEFAULT_HOST = "127.0.0.1"  # loopback; with TLS on (ITO_TLS=1) it serves HTTPS itself
 DEFAULT_PORT = 8765
 GRACEFUL_S = 3  # open event streams are cut after this long on shutdown
 
@@ -30,6 +31,8 @@ def main(settings: Settings, host: str, port: int, as_json: bool) -> int:
     except SecretError:
         scrape_token = ""
     port = port or infra.free_port()
+    # TLS on (ITO_TLS=1, `up --tls`, compose): HTTPS with the server certificate, no plain HTTP
+    cert, key = Certs(settings.tls_dir).server_files() if settings.tls else (None, None)
     app = build(DeskSource(settings), token, scrape_token)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -40,6 +43,8 @@ def main(settings: Settings, host: str, port: int, as_json: bool) -> int:
             access_log=False,  # a request line is no secret, but nothing here needs a log of them
             lifespan="on",
             timeout_graceful_shutdown=GRACEFUL_S,
+            ssl_certfile=cert,
+            ssl_keyfile=key,
         )
     )
 
@@ -48,7 +53,7 @@ def main(settings: Settings, host: str, port: int, as_json: bool) -> int:
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started:
-            url = f"http://{host}:{port}"
+            url = f"{'https' if settings.tls else 'http'}://{host}:{port}"
             where = {
                 "url": url + "/",
                 "login": url + "/login",

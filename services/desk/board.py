@@ -15,7 +15,8 @@ from contracts.audit import GateDecision
 from contracts.desk import DeskRun, InterruptionRecord, StateRecord
 from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import TERMINAL_STATES
-from contracts.telemetry import BADPUT, ROLLUP_BY, Rollup, RunTelemetry
+from contracts.telemetry import BOOKED_BADPUT, IDLE, ROLLUP_BY, Rollup, RunTelemetry
+from services.telemetry.accounting import booked_gpu_hours  # the telemetry service's rule, pure
 
 MAX_LOG_LINES = 200  # a run page shows the newest lines; `ecc ito logs` has them all
 
@@ -158,32 +159,37 @@ class RunDetail:
 
 @dataclass(frozen=True, slots=True)
 class Breakdown:
-    """One rollup row of the desk page: where its GPU-hours went, as shares of its wall GPU-hours."""
+    """One rollup row of the desk page: where its booked GPU-hours went (idle included), as shares
+    of its booked GPU-hours (of its wall GPU-hours where the bookings' size is not known)."""
 
     by: str
     key: str
     runs: int
-    wall_gpu_hours: float
-    goodput: float
-    shares: dict[str, float]  # every BADPUT category's share of the wall GPU-hours
+    wall_gpu_hours: float  # held by runs
+    goodput: float  # goodput's share of the booked GPU-hours
+    shares: dict[str, float]  # every BOOKED_BADPUT category's share of the booked GPU-hours
     interruptions: int
     interruptions_per_1000_gpu_hours: float
     causes: dict[str, int]
     checkpoint_p50: float | None  # bytes/s
     checkpoint_min: float | None
     implied_usd_per_useful_gpu_hour: float | None  # None when no goodput or no price is known
+    booked_gpu_hours: float = 0.0  # every GPU of its bookings, whole window (>= wall_gpu_hours)
+    idle_gpu_hours: float = 0.0  # booked, held by no run
 
 
 def implied_price(runs: list[RunTelemetry], prices: dict[str, float]) -> float | None:
-    """What a useful GPU-hour cost: the booked GPU-hours at the desk's price over the GPU-hours of
-    goodput (a run on a GPU model with no price is left out of both sums)."""
+    """What a useful GPU-hour cost: the booked GPU-hours (every GPU of each booking, its whole
+    window: idle ones included) at the desk's price over the GPU-hours of goodput. A run on a GPU
+    model with no price is left out of both sums."""
     paid = useful = 0.0
+    by_booking: dict[tuple[str, str], list[RunTelemetry]] = {}
     for r in runs:
-        price = prices.get(r.gpu_model)
-        if price is None:
-            continue
-        paid += r.gpu_hours * price
-        useful += r.goodput_s * r.gpus / 3600.0
+        if r.gpu_model in prices:
+            by_booking.setdefault((r.booking_id, r.gpu_model), []).append(r)
+    for mine in by_booking.values():
+        paid += booked_gpu_hours(mine) * prices[mine[0].gpu_model]
+        useful += sum(r.goodput_s * r.gpus / 3600.0 for r in mine)
     return paid / useful if useful > 0 else None
 
 
@@ -201,7 +207,8 @@ def breakdowns(
     rows = []
     for (by, key), r in sorted(rollups.items()):
         wall = r.wall_gpu_hours
-        shares = {c: (r.badput_gpu_hours.get(c, 0.0) / wall if wall > 0 else 0.0) for c in BADPUT}
+        booked = max(wall, r.booked_gpu_hours)  # an older rollup has no booked hours: its wall ones
+        shares = {c: (r.badput_gpu_hours.get(c, 0.0) / booked if booked > 0 else 0.0) for c in BOOKED_BADPUT}
         runs = [t for t in finished.values() if rollup_key(t, by) == key]
         rows.append(
             Breakdown(
@@ -209,7 +216,7 @@ def breakdowns(
                 key=key,
                 runs=r.runs,
                 wall_gpu_hours=wall,
-                goodput=r.goodput,
+                goodput=r.goodput_gpu_hours / booked if booked > 0 else 0.0,
                 shares=shares,
                 interruptions=r.interruptions,
                 interruptions_per_1000_gpu_hours=r.interruptions_per_1000_gpu_hours,
@@ -217,6 +224,8 @@ def breakdowns(
                 checkpoint_p50=r.checkpoint_bytes_per_s_p50,
                 checkpoint_min=r.checkpoint_bytes_per_s_min,
                 implied_usd_per_useful_gpu_hour=implied_price(runs, prices),
+                booked_gpu_hours=booked,
+                idle_gpu_hours=r.badput_gpu_hours.get(IDLE, 0.0),
             )
         )
     return rows

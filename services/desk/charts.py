@@ -11,7 +11,7 @@ from datetime import datetime
 from html import escape
 
 from contracts.states import TERMINAL_STATES, RunState
-from contracts.telemetry import BADPUT
+from contracts.telemetry import BOOKED_BADPUT
 from services.desk.board import RunDetail, StageLoss
 
 W, H = 640, 220  # a loss chart's viewBox; it is drawn at the width of its box
@@ -155,12 +155,13 @@ BAR_W, BAR_H = 480, 20
 
 
 def stacked_bar(goodput: float, shares: dict[str, float]) -> str:
-    """Where 100 % of the wall GPU-hours went: goodput, then each badput category, left to right."""
+    """Where 100 % of the GPU-hours went: goodput, then each badput category (`idle` last, for a
+    rollup's booked GPU-hours), left to right."""
     parts = [
         f'<svg class="chart stacked" viewBox="0 0 {BAR_W} {BAR_H}" preserveAspectRatio="none" role="img">'
     ]
     x = 0.0
-    for name, share in [("goodput", goodput), *((c, shares.get(c, 0.0)) for c in BADPUT)]:
+    for name, share in [("goodput", goodput), *((c, shares.get(c, 0.0)) for c in BOOKED_BADPUT)]:
         share = share if math.isfinite(share) and share > 0 else 0.0
         width = share * BAR_W
         if width <= 0:

@@ -1,7 +1,8 @@
 """The desk app's /metrics: what the desk knows, as Prometheus gauges, read at scrape time.
 
 Runs by state (the scheduler's run list), and per GPU model (the telemetry rollups): goodput, the
-GPU-hours of goodput and of each badput category, interruptions (per 1,000 GPU-hours and by
+GPU-hours of goodput and of each badput category (`idle` too: booked, held by no run), the booked
+GPU-hours per booking, region and GPU model, interruptions (per 1,000 GPU-hours and by
 cause) and checkpoint bandwidth (p50 and min). The services' own /metrics carry the request path
 (latency per verb, refusals by code, accepted runs, consumer lag).
 """
@@ -15,7 +16,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from contracts.api import RunView
 from contracts.states import RunState
-from contracts.telemetry import BADPUT, Rollup
+from contracts.telemetry import BOOKED_BADPUT, Rollup
 
 
 def families(views: list[RunView], rollups: dict[tuple[str, str], Rollup]) -> list[Metric]:
@@ -31,8 +32,13 @@ def families(views: list[RunView], rollups: dict[tuple[str, str], Rollup]) -> li
     )
     hours = GaugeMetricFamily(
         "ito_desk_gpu_hours",
-        "Wall GPU-hours of finished runs, by where they went",
+        "Wall GPU-hours of finished runs, by where they went (kind idle: booked, held by no run)",
         labels=["gpu_model", "kind"],
+    )
+    booked = GaugeMetricFamily(
+        "ito_desk_booked_gpu_hours",
+        "GPU-hours of the bookings finished runs ran on (every GPU, whole window)",
+        labels=["by", "key"],
     )
     rate = GaugeMetricFamily(
         "ito_desk_interruptions_per_1000_gpu_hours", "Interruptions per 1,000 GPU-hours", labels=["gpu_model"]
@@ -51,11 +57,12 @@ def families(views: list[RunView], rollups: dict[tuple[str, str], Rollup]) -> li
         labels=["gpu_model"],
     )
     for (by, key), r in sorted(rollups.items()):
+        booked.add_metric([by, key], max(r.booked_gpu_hours, r.wall_gpu_hours))
         if by != "gpu_model":
             continue
         goodput.add_metric([key], r.goodput)
         hours.add_metric([key, "goodput"], r.goodput_gpu_hours)
-        for c in BADPUT:
+        for c in BOOKED_BADPUT:  # `idle`: booked GPU-hours no run held
             hours.add_metric([key, c], r.badput_gpu_hours.get(c, 0.0))
         rate.add_metric([key], r.interruptions_per_1000_gpu_hours)
         for cause, n in sorted(r.interruption_causes.items()):
@@ -64,7 +71,7 @@ def families(views: list[RunView], rollups: dict[tuple[str, str], Rollup]) -> li
             p50.add_metric([key], r.checkpoint_bytes_per_s_p50)
         if r.checkpoint_bytes_per_s_min is not None:
             low.add_metric([key], r.checkpoint_bytes_per_s_min)
-    return [by_state, goodput, hours, rate, causes, p50, low]
+    return [by_state, goodput, hours, booked, rate, causes, p50, low]
 
 
 class _Desk:

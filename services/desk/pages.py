@@ -11,7 +11,7 @@ from datetime import datetime
 from html import escape
 
 from contracts.states import TERMINAL_STATES
-from contracts.telemetry import BADPUT
+from contracts.telemetry import BOOKED_BADPUT
 from services.desk import charts
 from services.desk.board import Breakdown, RunDetail, RunRow, cost_so_far, stage_losses
 
@@ -305,16 +305,20 @@ def desk_sections(rows: list[Breakdown], prices: dict[str, float]) -> Sections:
         }
     legend = (
         '<p class="legend">'
-        + "".join(f'<span class="key seg-{c}"></span>{c.replace("_", " ")} ' for c in ("goodput", *BADPUT))
+        + "".join(
+            f'<span class="key seg-{c}"></span>{c.replace("_", " ")} ' for c in ("goodput", *BOOKED_BADPUT)
+        )
         + "</p>"
     )
     breakdown = _by(
         rows,
         lambda r: (
             f'<td class="num">{r.runs}</td><td class="num">{r.wall_gpu_hours:.4f}</td>'
+            f'<td class="num">{r.booked_gpu_hours:.4f}</td><td class="num">{r.idle_gpu_hours:.4f}</td>'
             f'<td class="num">{_pct(r.goodput)}</td><td class="bar">{charts.stacked_bar(r.goodput, r.shares)}</td>'
         ),
-        "<th>runs</th><th>GPU-h</th><th>goodput</th><th>where the GPU-hours went</th>",
+        "<th>runs</th><th>GPU-h</th><th>booked GPU-h</th><th>idle GPU-h</th><th>goodput</th>"
+        "<th>where the booked GPU-hours went</th>",
     )
     interruptions = _by(
         rows,
@@ -337,13 +341,14 @@ def desk_sections(rows: list[Breakdown], prices: dict[str, float]) -> Sections:
             f'<td class="num">{_usd(prices.get(r.key)) if r.by == "gpu_model" else "–"}</td>'
             f'<td class="num">{_pct(r.goodput)}</td><td class="num">{_usd(r.implied_usd_per_useful_gpu_hour)}</td>'
         ),
-        "<th>list price / GPU-h</th><th>goodput</th><th>implied price / useful GPU-h</th>",
+        "<th>list price / GPU-h</th><th>goodput of booked</th><th>implied price / useful GPU-h</th>",
     )
     return {
         "breakdown": f"<h2>Goodput and badput</h2>{legend}{breakdown}",
         "interruptions": f"<h2>Interruptions</h2>{interruptions}",
         "bandwidth": f"<h2>Checkpoint bandwidth</h2>{bandwidth}",
-        "prices": '<h2>Price per useful GPU-hour</h2><p class="meta">booked GPU-hours at the desk\'s '
+        "prices": '<h2>Price per useful GPU-hour</h2><p class="meta">booked GPU-hours (every GPU of '
+        "each booking, its whole window, idle ones included) at the desk's "
         f"price (desk_prices.json) over the GPU-hours of goodput</p>{price_rows}",
     }
 

@@ -81,6 +81,9 @@ class DeskSource:
         if not self._nc._server_info.get("auth_required"):
             await self._nc.close()
             raise RuntimeError("the NATS server does not require authentication; refusing it")
+        if self.settings.tls and not self._nc._server_info.get("tls_required"):
+            await self._nc.close()
+            raise RuntimeError("the NATS server does not speak TLS; refusing it")
         await self._follow_stream()
         await self._nc.subscribe(self.settings.desk_live_root() + ".*", cb=self._on_live)
         self._tasks.append(asyncio.create_task(self._refresh_runs_forever()))

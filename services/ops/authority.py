@@ -15,7 +15,7 @@ import signal
 import time
 from contextlib import contextmanager
 
-from services.runtime import infra, streams
+from services.runtime import infra, streams, tls
 from services.runtime.identities import (
     ACCOUNTS,
     NATS_IDENTITIES,
@@ -26,6 +26,7 @@ from services.runtime.identities import (
 )
 from services.runtime.secrets import Secrets
 from services.runtime.settings import Settings, nats_servers
+from services.runtime.tls import Certs
 
 RELOAD_TIMEOUT_S = 10.0
 NATS_CONFIG = "nats.conf"
@@ -71,8 +72,13 @@ def write_nats_config(
     tenants: list[tuple[str, str]],
     host: str = "127.0.0.1",
     store_dir: str | None = None,
+    tls_dir: str | None = None,
 ) -> pathlib.Path:
+    """`nats.conf` (0600); with TLS on (`tls_dir`, or `s.tls`: the certificates under the secrets
+    dir) the server refuses plain connections."""
     sec = secrets(s)
+    if tls_dir is None and s.tls:
+        tls_dir = str(ensure_certs(s).root)
     if store_dir is None:
         store = s.data_dir / "nats"
         store.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -87,19 +93,35 @@ def write_nats_config(
             host=host,
             services={i: sec.public_nkey(i) for i in NATS_IDENTITIES},
             tenants=tenants,
+            tls_dir=tls_dir,
         ),
     )
     return path
 
 
+def ensure_certs(s: Settings) -> Certs:
+    """The CA and certificates under the secrets dir, created when missing (kept otherwise)."""
+    certs = Certs(s.tls_dir)
+    certs.ensure()
+    return certs
+
+
 def write_for_containers(s: Settings, tenants: list[tuple[str, str]]) -> list[pathlib.Path]:
     """compose.yaml's secrets: the credentials, plus a nats.conf listening on every interface of the
     container with its store on the /data volume, the Redis ACL file, and the `cluster` profile's
-    nats-1..3.conf (services/ops/nats_cluster.py: routes by service name)."""
+    nats-1..3.conf (services/ops/nats_cluster.py: routes by service name). Traffic leaves the host
+    there: the CA and certificates are created too (when missing), and every config requires TLS
+    with them as compose mounts them (tls.CONTAINER_DIR)."""
     from services.ops import nats_cluster  # it builds on this module
 
-    written = [write_nats_config(s, 4222, tenants, host="0.0.0.0", store_dir="/data"), write_redis_acl(s)]
-    written += nats_cluster.write_configs(s, nats_cluster.container_nodes(), tenants)
+    written = [
+        *ensure_certs(s).files(),
+        write_nats_config(s, 4222, tenants, host="0.0.0.0", store_dir="/data", tls_dir=tls.CONTAINER_DIR),
+        write_redis_acl(s),
+    ]
+    written += nats_cluster.write_configs(
+        s, nats_cluster.container_nodes(), tenants, tls_dir=tls.CONTAINER_DIR
+    )
     return written
 
 
@@ -137,6 +159,9 @@ async def connect(s: Settings, identity: str, url: str | None = None, **options)
         raise RuntimeError(
             f"the NATS server at {url or s.nats_url} does not require authentication; refusing it"
         )
+    if s.tls and not nc._server_info.get("tls_required"):  # a plain server where TLS is expected
+        await nc.close()
+        raise RuntimeError(f"the NATS server at {url or s.nats_url} does not speak TLS; refusing it")
     return nc
 
 

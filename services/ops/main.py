@@ -1,4 +1,4 @@
-"""`ito-training` entry point: serve, up, down, accounts, models, simulate-booking."""
+"""`ito-training` entry point: serve, up, down, accounts, secrets, certs, models, simulate-booking."""
 
 import argparse
 import asyncio
@@ -10,7 +10,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from contracts.connection import Connection
 from contracts.subjects import SERVICES
+from ecc import connection as ecc_connection
 from services.runtime import settings as settings_mod
 from services.runtime.settings import ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
 
@@ -35,18 +37,16 @@ def resolve_settings() -> settings_mod.Settings:
             ),
             nats_replicas=state.get("nats_replicas", s.nats_replicas),
             redis_cluster=state.get("redis_cluster", s.redis_cluster),
+            tls=s.tls or bool(state.get("tls")),
         )
     return s
 
 
 def manifest_schema() -> str:
-    import msgspec
+    """The manifest's JSON Schema, generated from the contract (contracts/manifest_check.py: one source)."""
+    from contracts import manifest_check
 
-    from contracts.manifest import Manifest
-
-    schema = msgspec.json.schema(Manifest)
-    schema["title"] = "ito-training manifest"
-    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    return manifest_check.schema_text()
 
 
 Commands = argparse._SubParsersAction  # what `add_subparsers` returns; argparse names no public type
@@ -67,6 +67,12 @@ def _stack_commands(cmds: Commands) -> None:
         "--services", default=",".join(SERVICES), help="comma-separated subset to start (default: all five)"
     )
     p.add_argument("--desk", action="store_true", help="also the desk's web dashboard (`desk serve`)")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="NATS requires TLS, the desk and /metrics serve HTTPS, with <secrets dir>/tls "
+        "(created when missing; same as ITO_TLS=1); clients verify with its ca.pem",
+    )
     p.add_argument("--json", action="store_true")
     p = cmds.add_parser("down", help="stop what `up` started")
     p.add_argument("--json", action="store_true")
@@ -83,6 +89,23 @@ def _desk_commands(cmds: Commands) -> None:
     q.add_argument("--json", action="store_true")
     q = acc.add_parser("revoke", help="revoke every key of an account; the NATS server refuses them at once")
     q.add_argument("account")
+    q.add_argument("--json", action="store_true")
+    q = acc.add_parser(
+        "quota",
+        help="show or set an account's quotas (docs/quotas.md); a limit not given stays as it is",
+    )
+    q.add_argument("account")
+    q.add_argument(
+        "--rate", type=float, help="plan/confirm/train requests per second, sustained (default 20)"
+    )
+    q.add_argument("--burst", type=float, help="requests admitted at once after a quiet spell (default 600)")
+    q.add_argument(
+        "--confirmations",
+        type=float,
+        help="outstanding confirmations, neither used nor expired (default 256)",
+    )
+    q.add_argument("--runs", type=float, help="unfinished runs (default 256)")
+    q.add_argument("--queued", type=float, help="runs waiting for a trainer (default 256)")
     q.add_argument("--json", action="store_true")
     p = cmds.add_parser("desk", help="the desk's views")
     desk = p.add_subparsers(dest="view", required=True)
@@ -107,6 +130,29 @@ def _desk_commands(cmds: Commands) -> None:
         default=[],
         metavar="IDENTITY",
         help="issue a new credential for this service identity (repeatable)",
+    )
+    p.add_argument("--json", action="store_true")
+
+
+def _certs_command(cmds: Commands) -> None:
+    """The deployment's CA and certificates: certs."""
+    p = cmds.add_parser(
+        "certs",
+        help="create the CA and the server and client certificates (ECDSA P-256, keys 0600) under "
+        "<secrets dir>/tls for TLS (`up --tls`, compose); existing ones are kept",
+    )
+    p.add_argument(
+        "--rotate",
+        action="store_true",
+        help="issue new server and client certificates from the same CA (a running stack's NATS reloads them)",
+    )
+    p.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another DNS name or IP address the server certificate is valid for (repeatable; "
+        "the name clients dial from other hosts); applied when the certificate is issued",
     )
     p.add_argument("--json", action="store_true")
 
@@ -155,7 +201,7 @@ def _simulation_commands(cmds: Commands) -> None:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ito-training", description="ito-training services and operations")
     cmds = top.add_subparsers(dest="cmd", required=True)
-    for add_group in (_stack_commands, _desk_commands, _model_commands, _simulation_commands):
+    for add_group in (_stack_commands, _desk_commands, _certs_command, _model_commands, _simulation_commands):
         add_group(cmds)
     return top
 
@@ -164,13 +210,34 @@ def _print(args: argparse.Namespace, data: dict[str, Any], human: str) -> None:
     print(json.dumps(data) if getattr(args, "json", False) else human, flush=True)
 
 
-async def _accounts(s: settings_mod.Settings, action: str, account: str) -> dict[str, Any]:
+QUOTA_FLAGS = {
+    "rate": "rate_per_s",
+    "burst": "burst",
+    "confirmations": "confirmations",
+    "runs": "runs",
+    "queued": "queued",
+}
+"""`accounts quota`'s flags and the limits they set (services/domain/quotas.py)."""
+
+
+async def _accounts(
+    s: settings_mod.Settings, action: str, account: str, changes: dict[str, float] | None = None
+) -> dict[str, Any]:
     from services.runtime import accounts, connections
     from services.runtime.identities import ACCOUNTS
     from services.runtime.keys import Keys
 
     r = connections.make_redis(s, ACCOUNTS)
     try:
+        if action == "quota":
+            import msgspec
+
+            from services.runtime.quotas import RedisQuotas
+
+            if not accounts.valid_account(account):
+                raise ValueError("account names are 1-64 ASCII letters, digits, '-' or '_'")
+            limits = await RedisQuotas(r, Keys(s)).set_limits(account, changes or {})
+            return {"account": account, "quotas": msgspec.to_builtins(limits)}
         if action == "create":
             api_key, key_id, public = await accounts.create(r, Keys(s), account)
             return {"account": account, "api_key": api_key, "key_id": key_id, "nkey": public}
@@ -217,6 +284,34 @@ def _secrets(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> in
     return 0
 
 
+def _certs(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
+    """Create what is missing under `<secrets dir>/tls`; with --rotate, new leaves from the same
+    CA, and a running stack's NATS reloads its config (nats-server reads the files again)."""
+    from services.ops import stack
+    from services.runtime.tls import Certs, names_in
+
+    certs = Certs(s.tls_dir)
+    written = certs.rotate(args.san) if args.rotate else certs.ensure(args.san)
+    state = stack.read_state(s)
+    reloaded = bool(args.rotate and state and state.get("tls") and stack.apply_tenants(s))
+    names = names_in(certs.server_cert.read_bytes())
+    _print(
+        args,
+        {
+            "tls_dir": str(certs.root),
+            "ca": str(certs.ca),
+            "written": [str(p) for p in written],
+            "rotated": args.rotate,
+            "reloaded": reloaded,
+            "server_names": names,
+        },
+        f"certificates in {certs.root} (clients verify with {certs.ca})"
+        + (f"; wrote {', '.join(p.name for p in written)}" if written else "; nothing new")
+        + (" (running NATS reloaded; restart the desk to serve the new certificate)" if reloaded else ""),
+    )
+    return 0
+
+
 def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     from services.ops import stack
 
@@ -224,7 +319,8 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     unknown = set(chosen) - set(SERVICES)
     if unknown or not chosen:
         raise ValueError(f"--services takes names from {', '.join(SERVICES)}")
-    state = stack.up(s, log, chosen, cluster=args.cluster, desk=args.desk)
+    state = stack.up(s, log, chosen, cluster=args.cluster, desk=args.desk, tls=args.tls)
+    connection_file = _write_connection(state)
     _print(
         args,
         {
@@ -238,10 +334,16 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
             **({"desk_url": state["desk"]["url"]} if "desk" in state else {}),
             "metrics": state["metrics"],
             "metrics_token_file": state["metrics_token_file"],
+            "tls": bool(state.get("tls")),
+            **({"ca": state["ca"]} if "ca" in state else {}),
+            "connection_file": str(connection_file),
+            "connection_export": ecc_connection.export_line(connection_file),
         },
         f"NATS {state['nats_url']}\nRedis {state['redis_url']}\n"
         f"Metrics (bearer token in {state['metrics_token_file']}): "
-        + ", ".join(f"{name} {addr}" for name, addr in sorted(state["metrics"].items())),
+        + ", ".join(f"{name} {addr}" for name, addr in sorted(state["metrics"].items()))
+        + f"\necc finds this stack through {connection_file}; in another shell: "
+        + ecc_connection.export_line(connection_file),
     )
     if not args.detach:
         stack.wait_for_signal()
@@ -249,10 +351,20 @@ def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     return 0
 
 
+def _write_connection(state: dict[str, Any]) -> pathlib.Path:
+    """The client's connection file (ecc/connection.py) for the stack just started: `ecc` then
+    finds it with nothing set. The last `up` wins; `down` removes the file while it names its stack."""
+    connection = Connection(url=state["nats_url"], namespace=state["namespace"], ca=state.get("ca"))
+    return ecc_connection.save(connection)
+
+
 def _down(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     from services.ops import stack
 
+    state = stack.read_state(s)
     _print(args, stack.down(s, log), "")
+    if state and ecc_connection.remove_if_points_at(state["nats_url"]):
+        log(f"removed {ecc_connection.path()}")
     return 0
 
 
@@ -269,12 +381,36 @@ def _desk(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
 def _accounts_command(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     from services.ops import stack
 
+    if args.action == "quota":
+        return _quota_command(s, args)
     data = asyncio.run(_accounts(s, args.action, args.account))
     data["server_reloaded"] = stack.apply_tenants(s)
     human = (
         f"account {data['account']}: API key (shown once) {data['api_key']}"
         if args.action == "create"
         else f"account {data['account']}: {data['revoked_keys']} key(s) revoked"
+    )
+    _print(args, data, human)
+    return 0
+
+
+def _quota_command(s: settings_mod.Settings, args: argparse.Namespace) -> int:
+    from services.runtime.codec import Refusal
+
+    changes = {
+        name: getattr(args, flag) for flag, name in QUOTA_FLAGS.items() if getattr(args, flag) is not None
+    }
+    try:
+        data = asyncio.run(_accounts(s, "quota", args.account, changes))
+    except (Refusal, ValueError) as exc:
+        message = exc.message if isinstance(exc, Refusal) else str(exc)
+        _print(args, {"account": args.account, "error": message}, f"error: {message}")
+        return 2
+    q = data["quotas"]
+    human = (
+        f"account {data['account']}: {q['rate_per_s']:g} requests/s (bursts of {q['burst']}), "
+        f"{q['confirmations']} outstanding confirmations, {q['runs']} unfinished runs, "
+        f"{q['queued']} waiting runs"
     )
     _print(args, data, human)
     return 0
@@ -332,6 +468,7 @@ COMMANDS: dict[str, Callable[[settings_mod.Settings, argparse.Namespace, Log], i
     "up": _up,
     "down": _down,
     "secrets": _secrets,
+    "certs": _certs,
     "desk": _desk,
     "accounts": _accounts_command,
     "models": _models,

@@ -111,6 +111,8 @@ def node_config(base: str, node: Node, nodes: list[Node], secret: str) -> str:
         "authorization": {"user": ROUTE_USER, "password": secret, "timeout": 2},
         "routes": route_urls(nodes, node, secret),
     }
+    if "tls" in config:  # clients speak TLS: so do the routes, both ends showing the CA's certificate
+        config["cluster"]["tls"] = {**config["tls"], "verify": True}
     return json.dumps(config, indent=1) + "\n"
 
 
@@ -130,9 +132,14 @@ def config_path(s: Settings, node: Node) -> pathlib.Path:
     return s.secrets_dir / f"{node.name}.conf"
 
 
-def write_configs(s: Settings, nodes: list[Node], tenants: list[tuple[str, str]]) -> list[pathlib.Path]:
-    """Every node's config (0600: it holds the route secret), with the active tenants."""
+def write_configs(
+    s: Settings, nodes: list[Node], tenants: list[tuple[str, str]], tls_dir: str | None = None
+) -> list[pathlib.Path]:
+    """Every node's config (0600: it holds the route secret), with the active tenants; with TLS
+    (`tls_dir`, or `s.tls`: the secrets dir's certificates) on client and route listeners."""
     sec = authority.secrets(s)
+    if tls_dir is None and s.tls:
+        tls_dir = str(authority.ensure_certs(s).root)
     services = {i: sec.public_nkey(i) for i in NATS_IDENTITIES}
     secret = route_secret(s)
     paths = []
@@ -144,6 +151,7 @@ def write_configs(s: Settings, nodes: list[Node], tenants: list[tuple[str, str]]
             host=node.listen_host,
             services=services,
             tenants=tenants,
+            tls_dir=tls_dir,
         )
         path = config_path(s, node)
         authority.write_private(path, node_config(base, node, nodes, secret))

@@ -43,10 +43,12 @@ from services.runtime.settings import (
     ENV_REDIS_CLUSTER,
     ENV_REDIS_URL,
     ENV_SECRETS_DIR,
+    ENV_TLS,
     Settings,
     entitlement_key,
     nats_servers,
 )
+from services.runtime.tls import Certs
 
 SERVICES_READY_TIMEOUT_S = 90.0  # the trainer imports torch; a cold 2-core machine is slow
 CLUSTER_INSTANCES = 2  # of every service under `up --cluster`: one may die, the other serves
@@ -109,21 +111,33 @@ def up(
     services: tuple[str, ...] = SERVICES,
     cluster: bool = False,
     desk: bool = False,
+    tls: bool = False,
 ) -> dict[str, Any]:
     """Infra of our own, then each service as a process (CLUSTER_INSTANCES of each on a cluster)
     and, with `desk`, the desk's web app; returns the recorded state once every one answers its
-    health check (or stops everything and raises)."""
+    health check (or stops everything and raises). With `tls` (or `settings.tls`): NATS requires
+    TLS on its client (and route) listeners, the desk and every /metrics serve HTTPS, all with
+    the certificates under `<secrets dir>/tls` (created when missing: services/runtime/tls.py)."""
+    if tls:
+        settings = dataclasses.replace(settings, tls=True)
     existing = read_state(settings)
     if existing and any(infra.alive(p) for p in existing.get("services", {}).values()):
         raise RuntimeError(f"already up (see {state_path(settings)}); run `ito-training down` first")
     logs = settings.data_dir / "logs"
     began = time.monotonic()
+    if settings.tls:
+        authority.ensure_certs(settings)
     state = _start_cluster_infra(settings, logs) if cluster else _start_infra(settings, logs)
+    if settings.tls:
+        state["tls"] = True
+        state["ca"] = str(Certs(settings.tls_dir).ca)  # what clients verify with (ecc ito login --ca)
     for name, pid in state["infra"].items():
         log(f"{name}: started with authentication, pid {pid}")
     log(f"NATS {state['nats_url']}; Redis {state['redis_url']}")
     entitlement_key(settings)  # created once, before any service reads it
     env = _service_env(settings, state["nats_url"], state["redis_url"])
+    if settings.tls:
+        env[ENV_TLS] = "1"
     if cluster:
         env[ENV_NATS_REPLICAS] = str(state["nats_replicas"])
         env[ENV_REDIS_CLUSTER] = "1"
@@ -141,12 +155,12 @@ def up(
     _wait_ready(settings, log, state["nats_url"], state["services"], logs)
     if desk:
         try:
-            state["desk"] = _start_desk(env, logs)
+            state["desk"] = _start_desk(env, logs, Certs(settings.tls_dir).ca if settings.tls else None)
         except Exception:
             down(settings, log)
             raise
         # its /metrics takes the same scrape token: one more target for Prometheus
-        state["metrics"]["desk"] = state["desk"]["url"].removeprefix("http://").rstrip("/")
+        state["metrics"]["desk"] = state["desk"]["url"].split("://", 1)[1].rstrip("/")
         write_state(settings, state)
         log(
             f"desk: {state['desk']['url']} (operator token in {Secrets(settings.secrets_dir).token_path(DESK_TOKEN)})"
@@ -287,10 +301,14 @@ DESK_PORT = 8765  # the desk app's port when free (else any free one): `ITO_DESK
 DESK_READY_TIMEOUT_S = 30.0
 
 
-def _start_desk(env: dict[str, str], logs: pathlib.Path) -> dict[str, Any]:
-    """`ito-training desk serve` as a process of its own, once its /healthz answers: its pid and URL."""
+def _start_desk(env: dict[str, str], logs: pathlib.Path, ca: pathlib.Path | None = None) -> dict[str, Any]:
+    """`ito-training desk serve` as a process of its own, once its /healthz answers: its pid and URL
+    (https, verified with `ca`, when the stack speaks TLS)."""
     import urllib.request
 
+    from services.runtime.tls import client_context
+
+    context = client_context(ca) if ca is not None else None
     port = infra.free_port(int(env.get(ENV_DESK_PORT) or DESK_PORT))
     out = open(logs / "desk.log", "ab")
     proc = subprocess.Popen(
@@ -301,13 +319,13 @@ def _start_desk(env: dict[str, str], logs: pathlib.Path) -> dict[str, Any]:
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if ca is not None else 'http'}://127.0.0.1:{port}"
     deadline = time.monotonic() + DESK_READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the desk app exited at start; see {logs / 'desk.log'}")
         try:
-            with urllib.request.urlopen(url + "/healthz", timeout=1) as answer:
+            with urllib.request.urlopen(url + "/healthz", timeout=1, context=context) as answer:
                 if answer.status == 200:
                     return {"pid": proc.pid, "url": url + "/"}
         except OSError:  # not listening yet
@@ -358,8 +376,11 @@ def _port(url: str) -> int:
 
 
 def _as_recorded(settings: Settings, state: dict[str, Any]) -> Settings:
-    """`settings` speaking to Redis as `up` started it: one server, or a cluster."""
-    return dataclasses.replace(settings, redis_cluster=bool(state.get("redis_cluster")))
+    """`settings` speaking to Redis and NATS as `up` started them: one server or a cluster, TLS
+    or not (a config rewritten for a reload keeps its `tls {}`)."""
+    return dataclasses.replace(
+        settings, redis_cluster=bool(state.get("redis_cluster")), tls=settings.tls or bool(state.get("tls"))
+    )
 
 
 def restart_infra(settings: Settings, name: str) -> infra.Started:

@@ -8,7 +8,7 @@ import msgspec
 import redis.exceptions
 
 from contracts.envelope import Envelope
-from contracts.errors import ApiError, ErrorCode
+from contracts.errors import ApiError, ErrorCode, QuotaBreach
 from services.runtime.settings import MAX_REQUEST_BYTES
 
 T = TypeVar("T")
@@ -32,10 +32,19 @@ silence from a service is; never `internal`, which would tell a client not to re
 class Refusal(Exception):
     """A decision that fails closed: carries a stable code and a message safe to show."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        quota: QuotaBreach | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # rate_limited: when a retry can be admitted
+        self.quota = quota  # quota_exceeded: which quota, its use and its limit
 
 
 def redis_text(raw: bytes | str) -> str:
@@ -59,10 +68,11 @@ def ok(data: Any, notice: str | None = None) -> bytes:
     return _encoder.encode(Envelope(ok=True, live_api_contacted=True, notice=notice, data=data))
 
 
-def fail(code: ErrorCode, message: str) -> bytes:
-    return _encoder.encode(
-        Envelope(ok=False, live_api_contacted=True, notice=None, error=ApiError(code=code, message=message))
-    )
+def fail(
+    code: ErrorCode, message: str, *, retry_after_s: float | None = None, quota: QuotaBreach | None = None
+) -> bytes:
+    error = ApiError(code=code, message=message, retry_after_s=retry_after_s, quota=quota)
+    return _encoder.encode(Envelope(ok=False, live_api_contacted=True, notice=None, error=error))
 
 
 def decode_request(raw: bytes, decoder: "msgspec.json.Decoder[T]") -> T:
@@ -94,7 +104,8 @@ def unwrap(raw: bytes, data_type: Any) -> Any:
     env = _answer_decoder(data_type).decode(raw)
     if not env.ok:
         assert env.error is not None, "a failed envelope carries an error"
-        raise Refusal(env.error.code, env.error.message)
+        error = env.error
+        raise Refusal(error.code, error.message, retry_after_s=error.retry_after_s, quota=error.quota)
     return env.data
 
 
@@ -110,7 +121,9 @@ async def answer_coded(handler, raw: bytes, decoder) -> tuple[bytes, ErrorCode |
         request = decode_request(raw, decoder)
         result = await handler(request)
     except Refusal as refusal:
-        return fail(refusal.code, refusal.message), refusal.code
+        return fail(
+            refusal.code, refusal.message, retry_after_s=refusal.retry_after_s, quota=refusal.quota
+        ), refusal.code
     except STORE_UNAVAILABLE:  # a Redis node lost, a failover under way: a retry is the answer
         log.warning("request failed: the store did not answer", exc_info=True)
         return fail(

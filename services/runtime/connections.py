@@ -19,6 +19,7 @@ from services.runtime.bus import REQUEST_CONCURRENCY
 from services.runtime.identities import service_inbox
 from services.runtime.secrets import Secrets
 from services.runtime.settings import Settings
+from services.runtime.tls import Certs, client_context
 
 NATS_CONNECT_TIMEOUT_S = 2
 NATS_RECONNECT_WAIT_S = 1  # bounded backoff between reconnect attempts
@@ -37,10 +38,15 @@ of one slot, so both run them alike)."""
 
 
 def nats_auth(settings: Settings, identity: str) -> dict:
-    """nats-py connect options that authenticate as `identity` (no secret in them: a file path)."""
+    """nats-py connect options that authenticate as `identity` (no secret in them: a file path)
+    and, with TLS on, verify the server: its certificate must chain to the deployment's CA
+    (`<secrets dir>/tls/ca.pem`) and name the host dialled."""
     path = Secrets(settings.secrets_dir).seed_path(identity)
     Secrets(settings.secrets_dir).seed(identity)  # fail early, and on an unsafe mode, before connecting
-    return {"nkeys_seed": str(path), "inbox_prefix": service_inbox(identity)}
+    options: dict = {"nkeys_seed": str(path), "inbox_prefix": service_inbox(identity)}
+    if settings.tls:
+        options["tls"] = client_context(Certs(settings.tls_dir).ca)
+    return options
 
 
 def make_broker(settings: Settings, service: str) -> NatsBroker:
@@ -68,7 +74,7 @@ def make_broker(settings: Settings, service: str) -> NatsBroker:
         graceful_timeout=5.0,
         log_level=logging.DEBUG,  # per-message Received/Processed lines are noise at INFO
         error_cb=errored,
-        security=NatsNKey(auth["nkeys_seed"]),
+        security=NatsNKey(auth["nkeys_seed"], ssl_context=auth.get("tls")),
         inbox_prefix=auth["inbox_prefix"],
     )
 

@@ -210,9 +210,12 @@ def nats_config(
     services: dict[str, str],
     tenants: list[tuple[str, str]],
     host: str = "127.0.0.1",
+    tls_dir: str | None = None,
 ) -> str:
     """The nats-server config (JSON is valid NATS config syntax). `services`: identity -> public
-    nkey; `tenants`: (account, public nkey) of every active tenant credential."""
+    nkey; `tenants`: (account, public nkey) of every active tenant credential. `tls_dir`: where
+    the server certificate lives (services/runtime/tls.py): then every client connection must
+    speak TLS (the server refuses plain ones); clients still authenticate with their nkey."""
     users = [_user(nkey, nats_permissions(identity, s)) for identity, nkey in sorted(services.items())]
     users += [_user(nkey, tenant_permissions(account, s)) for account, nkey in sorted(tenants)]
     config = {
@@ -221,7 +224,23 @@ def nats_config(
         "jetstream": {"store_dir": store_dir},
         "authorization": {"users": users, "timeout": 2},  # no no_auth_user: no credential, no connection
     }
+    if tls_dir is not None:
+        config["tls"] = nats_tls(tls_dir)
     return json.dumps(config, indent=1) + "\n"
+
+
+def nats_tls(tls_dir: str, verify: bool = False) -> dict:
+    """A nats-server `tls {}` block with the certificates under `tls_dir`; `verify`: the peer must
+    present a certificate of the same CA too (the cluster's routes)."""
+    block: dict = {
+        "cert_file": f"{tls_dir}/server.pem",
+        "key_file": f"{tls_dir}/server.key",
+        "ca_file": f"{tls_dir}/ca.pem",
+        "timeout": 2,  # seconds for the handshake (nats-server's default 0.5 is short on a busy host)
+    }
+    if verify:
+        block["verify"] = True
+    return block
 
 
 # --- Redis ---
@@ -253,9 +272,12 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
                     f"{ns}:leased",  # the lease index before it was split: read and released only
                     f"{ns}:apikeys:*",
                     f"{ns}:run-index:*",  # every run by creation time, split in shards: the desk's list
+                    f"{acct}:quota",  # the operator's limits (read; the bucket script reads them too)
+                    f"{acct}:bucket",  # the request-rate bucket, shared by every scheduler instance
+                    f"{acct}:open-runs",  # the unfinished runs: the `runs` and `queued` quotas
                 ),
                 "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +zrevrange +zrevrangebyscore "
-                "+rpush +ltrim +llen +lrange "
+                "+rpush +ltrim +llen +lrange +sadd +srem +smembers +pexpire +time "
                 f"+multi +exec +discard {scripts}",
             )
         case "ledger":
@@ -265,8 +287,14 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
             )
         case "confirmation":
             return (
-                (f"{acct}:conf:*", f"{ns}:conf-owner:*"),
-                "+get +set +hset +hgetall +expire +pexpire +time +multi +exec +discard",
+                (
+                    f"{acct}:conf:*",
+                    f"{ns}:conf-owner:*",
+                    f"{acct}:conf-open",  # the outstanding confirmations: the `confirmations` quota
+                    f"{acct}:quota",  # the operator's limits (read)
+                ),
+                "+get +set +hget +hset +hgetall +expire +pexpire +time +multi +exec +discard "
+                f"+zadd +zrange +zrem +zremrangebyscore +zscore {scripts}",
             )
         case "entitlement":
             return (
@@ -287,7 +315,7 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
             )
         case "accounts":
             return (
-                (f"{ns}:apikeys:*", f"{ns}:accounts:*", f"{ns}:accounts"),
+                (f"{ns}:apikeys:*", f"{ns}:accounts:*", f"{ns}:accounts", f"{acct}:quota"),
                 "+hget +hset +hgetall +sadd +smembers",
             )
         case "admin":

@@ -123,3 +123,16 @@ class Keys:
 
     def runs(self, account: str) -> str:
         return f"{self.account(account)}:runs"
+
+    # quotas (docs/quotas.md): the operator writes the limits; each counter beside its account's keys
+    def quota(self, account: str) -> str:  # hash: limit name -> value (services/domain/quotas.py)
+        return f"{self.account(account)}:quota"
+
+    def bucket(self, account: str) -> str:  # hash: tokens, at (the scheduler's request-rate bucket)
+        return f"{self.account(account)}:bucket"
+
+    def outstanding_confirmations(self, account: str) -> str:  # zset: ref -> expiry (confirmation service)
+        return f"{self.account(account)}:conf-open"
+
+    def open_runs(self, account: str) -> str:  # set: run ids not known to be finished (the scheduler)
+        return f"{self.account(account)}:open-runs"

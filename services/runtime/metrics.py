@@ -12,6 +12,8 @@ What it owns:
 - `authorized`, `metrics_endpoint`, `metrics_app`: GET /metrics in the Prometheus text format,
   refused (401, no metric text) without `Authorization: Bearer <token>`; the token is compared in
   constant time and never logged. The desk app mounts the same handler with its own registry.
+  Beside it, GET /healthz without any credential (container healthchecks, Kubernetes probes):
+  200 `ok` or 503 `unhealthy`, nothing else (no metric, no name, no secret), from `healthy()`.
 - `MetricsServer`: uvicorn inside the service's own event loop (services/runtime/service.py
   starts it after start-up and stops it on shutdown). It never takes SIGTERM or SIGINT:
   FastStream owns them, and its shutdown stops this server.
@@ -43,6 +45,8 @@ START_TIMEOUT_S = 5.0  # uvicorn listening on a socket already bound: millisecon
 STOP_TIMEOUT_S = 3  # a scrape in flight finishes; then the service's shutdown goes on
 MAX_SCRAPES_AT_ONCE = 8  # uvicorn answers 503 beyond it: a scraper cannot pile up handlers
 PATH = "/metrics"
+HEALTH_PATH = "/healthz"  # no credential: a probe must not need the scrape token
+HEALTH_TIMEOUT_S = 2.0  # a probe's check (a Redis PING) never hangs the probe
 
 
 def endpoint_label(namespace: str, subject: str) -> str:
@@ -265,12 +269,39 @@ def metrics_endpoint(registry: CollectorRegistry, token: str) -> Callable[[Any],
     return metrics
 
 
-def metrics_app(registry: CollectorRegistry, token: str) -> Any:
-    """An ASGI app serving only GET /metrics (404 elsewhere)."""
+async def _always() -> bool:
+    return True
+
+
+def health_endpoint(healthy: Callable[[], Awaitable[bool]]) -> Callable[[Any], Awaitable[Any]]:
+    """GET /healthz: 200 when `healthy()` says so within HEALTH_TIMEOUT_S, else 503. The body is
+    one word either way: an unauthenticated caller learns nothing but up or down."""
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse, Response
+
+    async def healthz(_request: Request) -> Response:
+        try:
+            ok = await asyncio.wait_for(healthy(), HEALTH_TIMEOUT_S)
+        except Exception:  # a failing check is an unhealthy service, never a 500 with a traceback
+            ok = False
+        return PlainTextResponse("ok\n" if ok else "unhealthy\n", status_code=200 if ok else 503)
+
+    return healthz
+
+
+def metrics_app(
+    registry: CollectorRegistry, token: str, healthy: Callable[[], Awaitable[bool]] = _always
+) -> Any:
+    """An ASGI app serving GET /metrics (bearer token) and GET /healthz (none); 404 elsewhere."""
     from starlette.applications import Starlette
     from starlette.routing import Route
 
-    return Starlette(routes=[Route(PATH, metrics_endpoint(registry, token), methods=["GET"])])
+    return Starlette(
+        routes=[
+            Route(PATH, metrics_endpoint(registry, token), methods=["GET"]),
+            Route(HEALTH_PATH, health_endpoint(healthy), methods=["GET"]),
+        ]
+    )
 
 
 def _listening(host: str, port: int) -> socket.socket:
@@ -314,8 +345,10 @@ def _server_class() -> type:
 class MetricsServer:
     """`app` served by uvicorn in the running event loop on `host:port` (0: any free port)."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, tls_files: tuple[str, str] | None = None) -> None:
+        """`tls_files`: (certificate, key): HTTPS only (services/runtime/tls.py), else plain HTTP."""
         self.app, self.host, self.port = app, host, port
+        self.tls_files = tls_files
         self._server: Any = None
         self._task: asyncio.Task | None = None
 
@@ -336,6 +369,8 @@ class MetricsServer:
             date_header=False,  # set once at start otherwise (see main_loop); Prometheus needs none
             limit_concurrency=MAX_SCRAPES_AT_ONCE,
             timeout_graceful_shutdown=STOP_TIMEOUT_S,
+            ssl_certfile=self.tls_files[0] if self.tls_files else None,
+            ssl_keyfile=self.tls_files[1] if self.tls_files else None,
         )
         self._server = _server_class()(config)
         self._server.stopping = asyncio.Event()
@@ -349,7 +384,8 @@ class MetricsServer:
                 await self.stop()
                 raise RuntimeError(f"the metrics server did not start within {timeout_s:g}s")
             await asyncio.sleep(0.01)
-        log.info("metrics on http://%s:%d%s", self.host, self.port, PATH)
+        scheme = "https" if self.tls_files else "http"
+        log.info("metrics on %s://%s:%d%s", scheme, self.host, self.port, PATH)
 
     async def stop(self) -> None:
         if self._task is None:

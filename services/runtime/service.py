@@ -28,6 +28,7 @@ from services.runtime.metrics import MetricsServer, ServiceMetrics, metrics_app
 from services.runtime.secrets import Secrets
 from services.runtime.settings import Settings
 from services.runtime.signing import Verifier
+from services.runtime.tls import Certs
 
 log = logging.getLogger("ito.service")
 
@@ -183,6 +184,8 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
             raise RuntimeError(
                 f"the NATS server at {settings.nats_url} does not require authentication; refusing it"
             )
+        if settings.tls and not nc._server_info.get("tls_required"):  # TLS expected, a plain server
+            raise RuntimeError(f"the NATS server at {settings.nats_url} does not speak TLS; refusing it")
 
     running: list[asyncio.Task] = []
 
@@ -201,8 +204,18 @@ def build_app(service: str, settings: Settings, register: Callable[[Wiring], Non
             await start_metrics()
 
     async def start_metrics() -> None:
+        async def healthy() -> bool:
+            # what a probe may ask unauthenticated: connected to NATS, and Redis answers a PING
+            nc = await broker.connect()
+            if not nc.is_connected:
+                return False
+            return wiring.redis is None or bool(await wiring.redis.ping())
+
         server = MetricsServer(
-            metrics_app(wiring.metrics.registry, scrape_token), settings.metrics_host, settings.metrics_port
+            metrics_app(wiring.metrics.registry, scrape_token, healthy),
+            settings.metrics_host,
+            settings.metrics_port,
+            Certs(settings.tls_dir).metrics_files() if settings.tls else None,  # HTTPS only, with TLS on
         )
         await server.start()
         metrics_server.append(server)

@@ -25,6 +25,12 @@ ENV_INSTANCE = "ITO_INSTANCE"
 ENV_DESK_PORT = "ITO_DESK_PORT"  # the desk app's port under `up --desk` (default 8765 when free)
 ENV_METRICS_PORT = "ITO_METRICS_PORT"
 ENV_METRICS_HOST = "ITO_METRICS_HOST"
+ENV_TLS = (
+    "ITO_TLS"  # "1": NATS, the desk and /metrics speak TLS with <secrets dir>/tls (services/runtime/tls.py)
+)
+ENV_NATS_CA = "ITO_NATS_CA"  # ecc: the CA file that signed the NATS server's certificate
+ENV_CHECKPOINT_URL = "ITO_CHECKPOINT_URL"  # "", a path, file:///path or s3://bucket/prefix (services/runtime/checkpoint_store.py)
+ENV_S3_ENDPOINT_URL = "ITO_S3_ENDPOINT_URL"  # an S3-compatible store that is not AWS; "" for AWS
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # or a comma-separated list: a cluster's server pool
 DEFAULT_NATS_REPLICAS = 1  # 3 on a 3-node cluster (`ito-training up --cluster`): every stream R3
@@ -103,6 +109,13 @@ class Settings:
     required); 0: not at all."""
     metrics_host: str = DEFAULT_METRICS_HOST
     """The address `/metrics` listens on."""
+    tls: bool = False
+    """NATS (client and route listeners), the desk and every `/metrics` speak TLS with the
+    certificates under `tls_dir` (`ITO_TLS=1`, `ito-training up --tls`, compose); the services verify
+    the NATS server against its `ca.pem`. Off: plain, for a stack on loopback only."""
+    checkpoint_url: str = ""
+    """Where checkpoints and exports may also live (`ITO_CHECKPOINT_URL`): "" for
+    `<data_dir>/checkpoints`, a shared path, or `s3://bucket/prefix` (services/runtime/checkpoint_store.py)."""
 
     def __post_init__(self) -> None:
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
@@ -111,11 +124,19 @@ class Settings:
             raise ValueError(f"Stream replicas need to be between 1 and 5, got {self.nats_replicas}.")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"The metrics port needs to be between 0 and 65535, got {self.metrics_port}.")
+        from services.runtime.checkpoint_store import parse  # here: it imports this module
+
+        parse(self.checkpoint_url, self.data_dir / "checkpoints")  # a URL it cannot use stops the start
 
     @property
     def model_store(self) -> pathlib.Path:
         """Where base models and tokenizers live (services/runtime/model_store.py)."""
         return self.model_store_dir or self.data_dir / "models"
+
+    @property
+    def tls_dir(self) -> pathlib.Path:
+        """The CA and the certificates (services/runtime/tls.py): `<secrets_dir>/tls`."""
+        return self.secrets_dir / "tls"
 
     @property
     def nats_servers(self) -> list[str]:
@@ -174,6 +195,8 @@ def load(env: dict[str, str] | None = None) -> Settings:
         redis_cluster=env.get(ENV_REDIS_CLUSTER, "") == "1",
         metrics_port=_port(env, ENV_METRICS_PORT, DEFAULT_METRICS_PORT),
         metrics_host=env.get(ENV_METRICS_HOST) or DEFAULT_METRICS_HOST,
+        tls=env.get(ENV_TLS, "") == "1",
+        checkpoint_url=env.get(ENV_CHECKPOINT_URL, ""),
     )
 
 

@@ -39,6 +39,8 @@ from contracts.api import (
     ModelView,
     Plan,
     PlanRequest,
+    QuotaStatus,
+    QuotaUsage,
     RunAccepted,
     RunItemsRequest,
     RunView,
@@ -53,13 +55,17 @@ from contracts.internal import ConfirmationCreate, EligibilityBody, LedgerAccept
 from contracts.manifest import Manifest
 from contracts.models import BaseModel
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
+from contracts.states import CANCELLABLE
 from services.domain import binding
+from services.domain import quotas as quota_rules
 from services.domain.curriculum import model_shape
 from services.runtime import faults
 from services.runtime.accounts import Credentials
 from services.runtime.checkpoint_paths import run_dir
 from services.runtime.codec import Refusal
 from services.runtime.model_store import ModelStore
+from services.runtime.quotas import InMemoryQuotas, Quotas, breach_refusal
+from services.runtime.quotas import refusal as rate_refusal
 from services.scheduler import planning
 from services.scheduler.admission import MAX_IDEMPOTENCY_KEY as MAX_IDEMPOTENCY_KEY  # re-exported
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
@@ -141,6 +147,7 @@ class Api:
         small_model_gangs: bool = False,
         count_accepted: Callable[[], None] = lambda: None,
         model_store: ModelStore | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.auditor = auditor
         self.count_accepted = count_accepted  # `ito_runs_accepted_total` (services/runtime/metrics.py)
@@ -153,12 +160,45 @@ class Api:
         self.checkpoint_root = checkpoint_root
         self.model_store = model_store  # None: no base model resolves (every one is model_not_found)
         self.inputs = ManifestInputs(model_store)
+        self.quotas = quotas if quotas is not None else InMemoryQuotas()  # RedisQuotas in the service
 
     async def _account(self, caller: str, req) -> str:
         return (await authenticate(self.credentials, caller, req)).account
 
+    async def _rated(self, caller: str, req) -> str:
+        """The account, once its request-rate bucket admitted this request (plan, confirm, train)."""
+        await self._rate(caller)
+        return await self._account(caller, req)
+
+    async def _rate(self, caller: str) -> None:
+        """The first gate of plan, confirm and train, before the key records are read: the NATS
+        server authenticated the caller's account already (only its credential may publish on its
+        subject), and a flood's refusals cost no Redis read and write no audit record."""
+        refusal = rate_refusal(await self.quotas.take(caller))  # one script, the limits read inside
+        if refusal is not None:
+            raise refusal
+
+    async def _run_quota(self, account: str) -> Refusal | None:
+        """`quota_exceeded` when one more run would go over the account's `runs` or `queued`."""
+        limits = await self.quotas.limits(account)
+        return breach_refusal(quota_rules.run_breach(limits, await self.runs.open_states(account)))
+
     async def auth(self, caller: str, req: AuthRequest) -> AuthInfo:
-        return await authenticate(self.credentials, caller, req)
+        """Who the caller is, with its quotas: the limits and what it uses now."""
+        info = await authenticate(self.credentials, caller, req)
+        limits = await self.quotas.limits(info.account)
+        taken = await self.quotas.take(info.account, cost=0)
+        unfinished, waiting = quota_rules.run_usage(await self.runs.open_states(info.account))
+        try:
+            outstanding: int | None = (
+                await self.backends.outstanding_confirmations(info.account)
+            ).confirmations
+        except Refusal:  # the confirmation service is away: `auth` still says who the caller is
+            outstanding = None
+        usage = QuotaUsage(
+            tokens=round(taken.tokens, 2), confirmations=outstanding, runs=unfinished, queued=waiting
+        )
+        return msgspec.structs.replace(info, quotas=QuotaStatus(limits=limits, usage=usage))
 
     async def find(self, caller: str, req: FindRequest) -> list[BookingView]:
         account = await self._account(caller, req)
@@ -185,6 +225,7 @@ class Api:
             storage_refusal(root, manifest, base),
             small_model_gangs=self.small_model_gangs,
             base=base,
+            now=datetime.now(UTC),  # the booking's remaining window is measured from now
         )
         return p, body
 
@@ -206,7 +247,7 @@ class Api:
 
     async def plan(self, caller: str, req: PlanRequest) -> Plan:
         """Creates nothing: no run, no confirmation, no ledger entry, nothing on the queue."""
-        account = await self._account(caller, req)
+        account = await self._rated(caller, req)
         manifest, digest, base = await self._verified(account, req.manifest_text, req.manifest_digest)
         p, _ = await self._plan(account, req.booking_id, manifest, digest, base)
         refusal = planning.first_refusal(p)
@@ -217,7 +258,7 @@ class Api:
     async def confirm(self, caller: str, req: ConfirmRequest) -> ConfirmationIssued:
         """A single-use capability bound to account, action, target, digest and cost. Only the
         opaque reference leaves the server; it authorizes nothing by itself."""
-        account = await self._account(caller, req)
+        account = await self._rated(caller, req)
         if req.action is Action.train:
             return await self._confirm_train(account, req)
         if req.action is Action.release_booking:
@@ -230,8 +271,14 @@ class Api:
         else:  # cancel, cleanup, restart_from_checkpoint: bound to one of the caller's runs
             if req.run_id is None:
                 raise Refusal(ErrorCode.request_invalid, f"confirm --action {req.action.value} needs --run")
-            if await self.runs.get(account, req.run_id) is None:
+            view = await self.runs.get(account, req.run_id)
+            if view is None:
                 raise Refusal(ErrorCode.run_not_found, "no such run for this account")
+            if req.action is Action.cancel and view.state not in CANCELLABLE:  # before a person confirms
+                raise Refusal(
+                    ErrorCode.run_not_cancellable,
+                    f"the run is {view.state.value}: it cannot be cancelled, so there is nothing to confirm",
+                )
             target = req.run_id
         return await self.backends.create_confirmation(
             ConfirmationCreate(
@@ -287,7 +334,7 @@ class Api:
         return accepted(view, replay=True), "replay: this idempotency key already created this run"
 
     async def train(self, caller: str, req: TrainRequest) -> tuple[RunAccepted, str | None]:
-        account = await self._account(caller, req)
+        account = await self._rated(caller, req)
         trail = Trail("run_" + secrets.token_hex(12), account, Action.train, req.booking_id)
         try:
             return await self._train(req, account, trail)
@@ -313,6 +360,8 @@ class Api:
     async def _create(
         self, req: TrainRequest, account: str, manifest: Manifest, digest: str, fp: str, trail: Trail
     ) -> tuple[RunAccepted, str | None]:
+        # before anything is read or reserved; a replay of a key that has its run is answered anyway
+        trail.check("quota", await self._run_quota(account))
         try:  # the store and the files may have changed since the bytes were checked: every time
             _plan, base = await asyncio.to_thread(self.inputs.runnable, manifest, account)
         except Refusal as refusal:
@@ -431,6 +480,7 @@ class Api:
             checkpoint_dir=str(run_dir(self.checkpoint_root, manifest.checkpoint.storage, account, run_id)),
             nodes=manifest.resources.nodes,
             rendezvous=self.handoff.rendezvous(manifest.resources.nodes),
+            rendezvous_key=self.handoff.rendezvous_key(manifest.resources.nodes),
             base=base,  # resolved once, here: the trainer reads the weights by this digest
         )
 

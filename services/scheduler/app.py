@@ -14,6 +14,7 @@ from services.runtime import settings as settings_mod
 from services.runtime.accounts import Credentials, RedisAccounts
 from services.runtime.identities import DESK, service_inbox
 from services.runtime.model_store import ModelStore
+from services.runtime.quotas import InMemoryQuotas, Quotas, RedisQuotas
 from services.runtime.secrets import Secrets
 from services.runtime.service import (
     Wiring,
@@ -55,9 +56,17 @@ OUTPUTS = ("export", "download", "sample")  # API verbs Outputs serves (no confi
 LISTS = ("runs",)  # API verbs RunListing serves: the caller's own runs
 
 
-def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials | None = None) -> None:
-    """Wire the scheduler's handlers; a store not given is the Redis one (`w.require_redis()`)."""
+def register(
+    w: Wiring,
+    runs: RunRecords | None = None,
+    credentials: Credentials | None = None,
+    quotas: Quotas | None = None,
+) -> None:
+    """Wire the scheduler's handlers; a store not given is the Redis one (`w.require_redis()`;
+    quotas in memory when the wiring has no Redis: handler tests)."""
     s = w.settings
+    if quotas is None:
+        quotas = RedisQuotas(w.redis, w.keys) if w.redis is not None else InMemoryQuotas()
     backends = Backends(
         w.bus, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key())
     )
@@ -75,6 +84,7 @@ def register(w: Wiring, runs: RunRecords | None = None, credentials: Credentials
         small_model_gangs=s.small_model_gangs,
         count_accepted=w.metrics.runs_accepted(),
         model_store=ModelStore(s.model_store),
+        quotas=quotas,
     )
     run_events = RunEvents(runs)
     auditor = api.auditor

@@ -40,6 +40,8 @@ from contracts.internal import (
     LedgerHandedOff,
     LedgerLookup,
     LedgerPending,
+    Outstanding,
+    OutstandingQuery,
 )
 from contracts.manifest import Manifest
 from services.runtime import bus, codec
@@ -126,6 +128,11 @@ class Backends:
 
     async def create_confirmation(self, req: ConfirmationCreate) -> ConfirmationIssued:
         return await self._call(endpoints.CONFIRMATION_CREATE, req, "confirmation")
+
+    async def outstanding_confirmations(self, account: str) -> Outstanding:
+        return await self._call(
+            endpoints.CONFIRMATION_OUTSTANDING, OutstandingQuery(account=account), "confirmation"
+        )
 
     async def resolve_confirmation(
         self, account: str, ref: str, action: Action, target: str, digest: str | None, cost: float | None

@@ -16,6 +16,7 @@ rendezvous endpoint (`rendezvous`) that node 0 hosts and the others join.
 
 import asyncio
 import logging
+import secrets
 import socket
 from collections.abc import Coroutine
 from typing import Any
@@ -99,6 +100,11 @@ class Handoff:
         host = self.settings.rendezvous_host
         return f"{host}:{free_port(host)}"
 
+    @staticmethod
+    def rendezvous_key(nodes: int) -> str:
+        """The run's rendezvous key ("" for one node): 32 random bytes, only inside the work item."""
+        return secrets.token_urlsafe(32) if nodes > 1 else ""
+
     def view_from(self, entry: LedgerEntry) -> RunView:
         work = _work_decoder.decode(entry.work)
         return RunView(
@@ -135,6 +141,8 @@ class Handoff:
             gpu_model=plan.gpu_model if plan else "",
             gpus=plan.cost.gpus if plan else 1,
             accepted_at=view.created_at,
+            booked_gpus=plan.capacity.booked_gpus if plan and plan.capacity else 0,
+            booked_gpu_hours=plan.cost.booked_gpu_hours if plan else 0.0,
         )
         fresh, _ = await asyncio.gather(
             self.runs.create(view, work=entry.work),  # the item kept for an approved restart

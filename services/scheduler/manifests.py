@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import msgspec
 
+from contracts import manifest_check  # the schema check ecc runs too: one list of problems on both sides
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from services.domain.curriculum import plan_run
@@ -69,8 +70,9 @@ def _checked(data: bytes) -> Manifest:
     """Parse strictly and refuse secrets: a pure function of the bytes."""
     try:
         untyped = msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        raise Refusal(ErrorCode.manifest_invalid, "the manifest is not valid JSON") from None
+    except msgspec.DecodeError:  # where it stops being JSON, as line and column
+        _, problems = manifest_check.check(data.decode("utf-8", "replace"))
+        raise Refusal(ErrorCode.manifest_invalid, manifest_check.message(problems)) from None
     except RecursionError:
         raise Refusal(ErrorCode.manifest_invalid, "the manifest is nested too deeply") from None
     finding = find_secret(untyped)
@@ -78,6 +80,7 @@ def _checked(data: bytes) -> Manifest:
         raise Refusal(ErrorCode.manifest_contains_secret, f"{finding}; remove it (the value is not shown)")
     try:
         manifest = _decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        raise Refusal(ErrorCode.manifest_invalid, f"invalid manifest: {exc}") from None
+    except msgspec.ValidationError:  # every problem, each with its path, line and column, not the first
+        _, problems = manifest_check.check(data.decode("utf-8"))
+        raise Refusal(ErrorCode.manifest_invalid, manifest_check.message(problems)) from None
     return manifest

@@ -13,7 +13,7 @@ from typing import Any
 from contracts.api import LogLineView, RunView
 from contracts.desk import StateRecord
 from contracts.runs import CheckpointSaved, Metrics
-from contracts.states import RunState
+from contracts.states import TERMINAL_STATES, RunState
 from services.scheduler import lifecycle
 from services.scheduler.store import (
     MAX_LOG_LINES,
@@ -200,6 +200,11 @@ class InMemoryRuns:
 
     async def newest(self, limit: int) -> list[RunView]:
         return sorted(self.views.values(), key=lambda v: v.created_at, reverse=True)[:limit]
+
+    async def open_states(self, account: str) -> list[RunState]:
+        return [
+            v.state for (a, _), v in self.views.items() if a == account and v.state not in TERMINAL_STATES
+        ]
 
     async def account_runs(
         self, account: str, after: Position | None, count: int

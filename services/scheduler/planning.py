@@ -8,19 +8,20 @@ table) is done by the caller and passed in.
 import json
 import pathlib
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import NamedTuple
 
 import msgspec
 
-from contracts.api import CostEstimate, Plan, PlanCheck, StageGatePlan
+from contracts.api import CapacityPlan, CostEstimate, Plan, PlanCheck, StageGatePlan, WindowPlan
 from contracts.booking import Fabric
 from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
 from contracts.manifest import DataRole, Lora, Manifest
 from contracts.models import BaseModel, ModelShape
-from services.domain.curriculum import model_shape, plan_run
+from services.domain.curriculum import LmPlan, model_shape, plan_run
 from services.domain.model_shapes import count_parameters, head_dim
-from services.scheduler import calibration
+from services.scheduler import calibration, capacity
 
 PRICES_PATH = pathlib.Path(__file__).with_name("desk_prices.json")
 ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "file:/")  # no remote URLs at run time
@@ -396,6 +397,82 @@ def budget_checks(estimate: CostEstimate, manifest: Manifest) -> list[PlanCheck]
     ]
 
 
+def expected_wall_hours(estimate: CostEstimate) -> float:
+    """The run's expected wall time: the estimate's GPU-hours over the GPUs it holds."""
+    return estimate.gpu_hours / max(1, estimate.gpus)
+
+
+def checkpoint_every_hours(manifest: Manifest, wall_hours: float, base: BaseModel | None) -> float:
+    """The expected wall time between two checkpoints: the next-token stages' steps in the run's
+    wall time, one every checkpoint.interval_steps (the whole run when it has no such steps)."""
+    target = manifest.target
+    try:
+        steps = sum(s.steps for s in plan_run(manifest, base).stages if isinstance(s, LmPlan))
+    except ValueError:  # a manifest the manifest gate refuses: the target's own steps
+        steps = max(1, target.tokens // (target.seq_len * target.batch_size))
+    return wall_hours * min(1.0, manifest.checkpoint.interval_steps / steps) if steps else wall_hours
+
+
+def data_parallel_alternative(
+    params: int,
+    shape: ModelShape,
+    manifest: Manifest,
+    gpu: GpuPrice,
+    statement: EligibilityBody,
+    prices: PriceTable,
+    small_model_gangs: bool,
+) -> capacity.Alternative:
+    """The plan over every GPU of the booking (the layout the planner picks), for the suggestion."""
+    topo = statement.topology
+    resources = msgspec.structs.replace(
+        manifest.resources, nodes=topo.nodes, gpus_per_node=topo.gpus_per_node, strategy=None
+    )
+    wide = msgspec.structs.replace(manifest, resources=resources)
+    s = strategy(params, shape, wide, gpu, statement.fabric, small_model_gangs)
+    est = calibrated(
+        cost(params, wide, gpu, prices, 0.0, 0.0, shape), wide, shape, gpu, prices, topo.gpu_model
+    )
+    reason = None if s.refusal is None else f"{s.refusal[0].value}: {s.refusal[1]}"
+    return capacity.Alternative(
+        topo.nodes, topo.gpus_per_node, s.name, s.degrees, reason, expected_wall_hours(est)
+    )
+
+
+def capacity_and_window(
+    params: int,
+    shape: ModelShape,
+    manifest: Manifest,
+    gpu: GpuPrice,
+    statement: EligibilityBody,
+    prices: PriceTable,
+    estimate: CostEstimate,
+    now: datetime,
+    *,
+    small_model_gangs: bool = False,
+    base: BaseModel | None = None,
+) -> tuple[CapacityPlan, WindowPlan, PlanCheck]:
+    """The booking's held and idle GPUs, the run against the remaining window, and the
+    `booking_window` check (services/scheduler/capacity.py)."""
+    topo, res = statement.topology, manifest.resources
+    wall = expected_wall_hours(estimate)
+    window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
+    alt = None
+    if res.nodes * res.gpus_per_node < topo.nodes * topo.gpus_per_node:
+        alt = data_parallel_alternative(params, shape, manifest, gpu, statement, prices, small_model_gangs)
+    held = capacity.capacity_plan(
+        topo, res.nodes, res.gpus_per_node, gpu.price_per_gpu_hour_usd, wall, window_hours, alt
+    )
+    window = capacity.window_plan(
+        statement.window_start,
+        statement.window_end,
+        now,
+        wall,
+        checkpoint_every_hours(manifest, wall, base),
+        manifest.checkpoint.resumable_across_bookings,
+    )
+    return held, window, _check("booking_window", capacity.window_refusal(window), window.sentence)
+
+
 def plan(
     manifest: Manifest,
     digest: str,
@@ -405,9 +482,11 @@ def plan(
     *,
     small_model_gangs: bool = False,
     base: BaseModel | None = None,
+    now: datetime | None = None,
 ) -> Plan:
     """The plan and its checks, in a fixed order: price, fabric, parallelism, data policy,
-    checkpoint storage, budget cap, incremental cost."""
+    checkpoint storage, budget cap, incremental cost, booking window. `now` (default: when the
+    eligibility statement was issued) is what the booking's remaining window is measured from."""
     shape = model_shape(manifest, base)
     params = parameter_count(shape)
     topo = statement.topology
@@ -424,6 +503,19 @@ def plan(
     )
     checks.append(_check("checkpoint_storage", storage_refusal, "checkpoint storage writable with room"))
     checks += budget_checks(estimate, manifest)
+    held, window, window_check = capacity_and_window(
+        params,
+        shape,
+        manifest,
+        gpu,
+        statement,
+        prices,
+        estimate,
+        now or statement.issued_at,
+        small_model_gangs=small_model_gangs,
+        base=base,
+    )
+    checks.append(window_check)
     return Plan(
         booking_id=statement.booking_id,
         manifest_digest=digest,
@@ -436,6 +528,8 @@ def plan(
         ok=all(c.ok for c in checks),
         gpu_model=topo.gpu_model,
         region=statement.region,
+        capacity=held,
+        window=window,
     )
 
 

@@ -19,7 +19,7 @@ import msgspec
 from contracts.api import LogLineView, RunView
 from contracts.desk import StateRecord
 from contracts.runs import CheckpointSaved, Metrics
-from contracts.states import RunState
+from contracts.states import TERMINAL_STATES, RunState
 from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 from services.scheduler import lifecycle
@@ -153,6 +153,9 @@ class RunRecords(Runs, Protocol):
     async def account_runs(
         self, account: str, after: Position | None, count: int
     ) -> list[tuple[Position, RunView | None]]: ...
+    async def open_states(self, account: str) -> list[RunState]:
+        """The states of the account's unfinished runs (its `runs` and `queued` quotas)."""
+        ...
 
 
 CAS_FIELDS = ("view", "last_seq", "last_epoch", "lease_epoch")
@@ -223,6 +226,7 @@ class RunStore:
                 pipe.hsetnx(key, "work", work)
             pipe.set(self.keys.run_owner(view.run_id), view.account)
             pipe.zadd(self.keys.runs(view.account), {view.run_id: view.created_at.timestamp()})
+            pipe.sadd(self.keys.open_runs(view.account), view.run_id)  # left when found finished
             pipe.zadd(self.keys.run_index(view.run_id), {index_member(view): view.created_at.timestamp()})
             created, *_ = await pipe.execute()
         return bool(created)
@@ -462,6 +466,26 @@ class RunStore:
                 pipe.hget(self.keys.run(account, run_id), "view")
             raws = await pipe.execute()
         return [_view_decoder.decode(raw) for raw in raws if raw is not None]
+
+    async def open_states(self, account: str) -> list[RunState]:
+        """The account's open-run set (a run enters it when created), read with each view; a run
+        found finished (or gone) leaves the set here, so it holds about the unfinished runs only."""
+        key = self.keys.open_runs(account)
+        run_ids = [_text(m) for m in await self.r.smembers(key)]
+        if not run_ids:
+            return []
+        async with self.r.pipeline(transaction=False) as pipe:
+            for run_id in run_ids:
+                pipe.hget(self.keys.run(account, run_id), "view")
+            raws = await pipe.execute()
+        views = {
+            run_id: None if raw is None else _view_decoder.decode(raw)
+            for run_id, raw in zip(run_ids, raws, strict=True)
+        }
+        done = [run_id for run_id, v in views.items() if v is None or v.state in TERMINAL_STATES]
+        if done:
+            await self.r.srem(key, *done)
+        return [v.state for v in views.values() if v is not None and v.state not in TERMINAL_STATES]
 
     # --- the tenant's read: one account's runs ---
 

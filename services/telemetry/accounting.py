@@ -9,6 +9,9 @@ each interval goes to exactly one category, so goodput plus badput is 100 % by c
 - up to a step: the step's compute, less the checkpoint stall and the data wait reported inside it;
   a step that a later attempt redoes is lost_to_interruptions, not goodput;
 - up to an eval: eval; up to the watcher's interruption notice: recovery; anything else: other.
+
+A rollup adds `idle`: the GPU-hours of its bookings (every GPU, the whole window) that no run held,
+so that the booked GPUs a run leaves unused are counted, not hidden (`booked_gpu_hours`).
 """
 
 import statistics
@@ -28,7 +31,7 @@ from contracts.runs import (
     StateChanged,
 )
 from contracts.states import RunState
-from contracts.telemetry import BADPUT, Rollup, RunTelemetry
+from contracts.telemetry import BADPUT, IDLE, Rollup, RunTelemetry
 
 
 @dataclass(slots=True)
@@ -134,13 +137,29 @@ def account(created: RunCreated, events: list[RunEvent], ended_at: datetime, sta
         checkpoint_saves=len(bandwidths),
         checkpoint_bytes_per_s_p50=statistics.median(bandwidths) if bandwidths else None,
         checkpoint_bytes_per_s_min=min(bandwidths) if bandwidths else None,
+        booked_gpus=created.booked_gpus,
+        booked_gpu_hours=created.booked_gpu_hours,
     )
+
+
+def booked_gpu_hours(runs: list[RunTelemetry]) -> float:
+    """The GPU-hours of every booking these runs ran on, each counted once: its whole window on
+    every GPU, or, where the booking's size is not known (0), the GPU-hours its runs held (never
+    less than they held)."""
+    booked: dict[str, float] = {}
+    held: dict[str, float] = {}
+    for r in runs:
+        booked[r.booking_id] = max(booked.get(r.booking_id, 0.0), r.booked_gpu_hours)
+        held[r.booking_id] = held.get(r.booking_id, 0.0) + r.gpu_hours
+    return sum(max(booked[b], held[b]) for b in booked)
 
 
 def rollup(by: str, key: str, runs: list[RunTelemetry], now: datetime) -> Rollup:
     wall = sum(r.gpu_hours for r in runs)
     good = sum(r.goodput_s * r.gpus / 3600.0 for r in runs)
     badput = {c: sum(r.badput_s.get(c, 0.0) * r.gpus / 3600.0 for r in runs) for c in BADPUT}
+    booked = booked_gpu_hours(runs)
+    badput[IDLE] = max(0.0, booked - wall)
     causes: Counter[str] = Counter()
     for r in runs:
         causes.update(r.interruption_causes)
@@ -161,4 +180,5 @@ def rollup(by: str, key: str, runs: list[RunTelemetry], now: datetime) -> Rollup
         checkpoint_bytes_per_s_p50=statistics.median(p50s) if p50s else None,
         checkpoint_bytes_per_s_min=min(mins) if mins else None,
         updated_at=now,
+        booked_gpu_hours=booked,
     )

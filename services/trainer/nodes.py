@@ -39,13 +39,11 @@ import os
 import pathlib
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, Final, TypeVar
 from urllib.parse import urlparse
 
 import msgspec
 import torch
-from torch.distributed import TCPStore
 from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.manifest import DpoStage, Manifest, RlvrStage, SftStage
@@ -58,6 +56,7 @@ from services.trainer.ladder import LadderDecision, record_decision, recorded_de
 from services.trainer.posttrain import PostConfig, PostResult
 from services.trainer.pretrain import Replicas, StageConfig, StageResult, train_stage
 from services.trainer.rank_main import ReplicaJob
+from services.trainer.rendezvous_store import RendezvousClient, RendezvousServer, store_key
 from services.trainer.reporting import Reporter
 from services.trainer.rlvr import RlvrResult, train_post
 
@@ -90,6 +89,10 @@ def refusal(work: TrainWork, manifest: Manifest, run_plan: RunPlan) -> str | Non
         return f"The work item's node {work.node_rank} of {work.nodes} does not match the manifest's {nodes} nodes."
     if not work.rendezvous:
         return f"The work item for {nodes} nodes names no rendezvous endpoint."
+    if not work.rendezvous_key:
+        return (
+            f"The work item for {nodes} nodes carries no rendezvous key (node 0's store admits only its run)."
+        )
     try:
         dims = ParallelDims.from_plan(work.plan.strategy, work.plan.degrees)
     except ParallelismError as e:
@@ -132,18 +135,19 @@ def node_gang(work: TrainWork) -> ParallelDims | None:
 
 
 class Rendezvous:
-    """The run's rendezvous store: node 0 hosts it, the others connect. Per stage: the stage's
+    """The run's rendezvous store: node 0 hosts it, every node (node 0 too) connects with the run's
+    key and its lease epoch (rendezvous_store.py: nothing else gets in). Per stage: the stage's
     Lighthouse address (node 0 starts it) and two counters, `joined` and `done`."""
 
-    def __init__(self, endpoint: str, node_rank: int, nodes: int) -> None:
-        host, _, port = endpoint.rpartition(":")
-        self.host, self.node_rank, self.nodes = host, node_rank, nodes
-        self.store = TCPStore(
-            host,
-            int(port),
-            is_master=node_rank == 0,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
+    def __init__(self, work: TrainWork, epoch: int) -> None:
+        host, _, port = work.rendezvous.rpartition(":")
+        self.host, self.node_rank, self.nodes = host, work.node_rank, work.nodes
+        key = store_key(work.rendezvous_key, work.run_id)
+        self.server = (
+            RendezvousServer(host.strip("[]"), int(port), work.run_id, key) if work.node_rank == 0 else None
+        )
+        self.store = RendezvousClient(
+            work.rendezvous, key, work.run_id, work.node_rank, epoch, timeout_s=CONNECT_TIMEOUT_S
         )
         self.lighthouses: dict[str, Any] = {}
 
@@ -176,6 +180,9 @@ class Rendezvous:
     def close(self) -> None:
         for stage in list(self.lighthouses):
             self.end_stage(stage)
+        self.store.close()
+        if self.server is not None:
+            self.server.close()
 
 
 class NodeShare:
@@ -183,10 +190,13 @@ class NodeShare:
     ladder decision (the pipeline's `Trainers`); `close` when the pipeline is over. The rendezvous is opened on the training thread at the first stage (a
     follower's connect waits for node 0)."""
 
-    def __init__(self, work: TrainWork, run_dir: pathlib.Path | None = None, threads: int = 1) -> None:
+    def __init__(
+        self, work: TrainWork, run_dir: pathlib.Path | None = None, threads: int = 1, epoch: int = 0
+    ) -> None:
         """`run_dir` and `threads`: where this node's gang keeps its files and how many CPU threads
-        its ranks share, when the node has several ranks (`node_gang`)."""
-        self.work = work
+        its ranks share, when the node has several ranks (`node_gang`); `epoch`: this node's lease
+        epoch, which it presents to node 0's store (a fenced holder's is refused)."""
+        self.work, self.epoch = work, epoch
         self.run_dir, self.threads = run_dir, threads
         self.gang_dims = node_gang(work)
         self.node_rank, self.nodes = work.node_rank, work.nodes
@@ -202,7 +212,7 @@ class NodeShare:
 
     def _open(self) -> Rendezvous:
         if self._rendezvous is None:
-            self._rendezvous = Rendezvous(self.work.rendezvous, self.node_rank, self.nodes)
+            self._rendezvous = Rendezvous(self.work, self.epoch)
         return self._rendezvous
 
     def train_stage(self, cfg: StageConfig, report: Reporter, should_stop: Any) -> StageResult:

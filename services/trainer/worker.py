@@ -475,7 +475,8 @@ class Worker:
                 f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
                 f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})"
             )
-        train_lm, share = self._train_lm(work, manifest, checkpoint_dir)  # a refused plan trains nothing
+        # a refused plan trains nothing
+        train_lm, share = self._train_lm(work, manifest, checkpoint_dir, emitter.epoch)
         await emitter.state(RunState.running, message="training started")
         meter = self.meters.get(work.run_id)
 
@@ -522,7 +523,7 @@ class Worker:
         return {"base": work.base, "base_dir": base_dir, "store_root": store.root}
 
     def _train_lm(
-        self, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path
+        self, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path, epoch: int = 0
     ) -> tuple[TrainLm | Trainers, nodes.NodeShare | None]:
         """How the run's stages train: in this process for a one-rank plan (as always), on a gang of
         this node's ranks for more (post-training too), as this node's replica group for a multi-node run
@@ -531,7 +532,7 @@ class Worker:
             refused = nodes.refusal(work, manifest, plan_run(manifest, work.base))
             if refused is not None:
                 raise ParallelismError(refused)
-            share = nodes.NodeShare(work, checkpoint_dir, self.threads)
+            share = nodes.NodeShare(work, checkpoint_dir, self.threads, epoch)
             return Trainers(lm=share.train_stage, post=share.train_post, ladder=share.ladder), share
         dims = gang_dims(work.plan)
         if dims is None:
@@ -563,7 +564,7 @@ class Worker:
                 names = plan_run(manifest, work.base).stage_names
                 later = names[names.index(work.restart.stage) + 1 :] if work.restart.stage in names else []
                 report.log(shares.rewind_share(checkpoint_dir, work.restart, later))
-            train_lm, share = self._train_lm(work, manifest, checkpoint_dir)
+            train_lm, share = self._train_lm(work, manifest, checkpoint_dir, epoch)
             if faults.active(faults.TRAINER_SHARE_FAILS):  # fault injection (tests, make chaos)
                 raise RuntimeError("planted fault: this node's share fails")
             result = await asyncio.to_thread(

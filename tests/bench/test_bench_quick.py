@@ -18,6 +18,7 @@ QUICK_BENCHMARKS = {
     "control_plane_latency",
     "control_plane_throughput",
     "exactly_once",
+    "quota_fairness",
     "cli_startup",
     "trainer_pretrain",
     "trainer_dpo",

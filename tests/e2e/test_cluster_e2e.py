@@ -30,6 +30,7 @@ def start_cluster(data_dir: pathlib.Path) -> tuple[Stack, dict]:
         "ITO_DATA_DIR": str(data_dir),
         "ITO_SECRETS_DIR": str(data_dir / "secrets"),
         "ITO_TRAINER_THREADS": "1",
+        "ECC_CONNECTION_FILE": str(data_dir / "connection.json"),  # `up` writes it: never into $HOME
         "PATH": f"{BIN}:{os.environ['PATH']}",
     }
     for name in ("ITO_NATS_URL", "ITO_REDIS_URL"):  # `up` starts its own; never the machine's

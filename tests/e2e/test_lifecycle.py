@@ -76,8 +76,9 @@ def test_cancel_a_running_run_then_clean_it_up(stack, manifest):
 
     rc, again = stack.ecc("cancel", run_id, "--confirmation-ref", ref, "--idempotency-key", "c-1", env=env)
     assert rc == 0 and again["data"]["replay"] is True and again["data"]["state"] == "cancelled"
-    ref2 = confirm(stack, env, "cancel", "--run", run_id)
-    rc, out = stack.ecc("cancel", run_id, "--confirmation-ref", ref2, "--idempotency-key", "c-2", env=env)
+    rc, out = stack.ecc("confirm", "--action", "cancel", "--run", run_id, env=env)  # nothing to confirm
+    assert rc == 1 and out["error"]["code"] == "run_not_cancellable", out
+    rc, out = stack.ecc("cancel", run_id, "--confirmation-ref", "", "--idempotency-key", "c-2", env=env)
     assert out["error"]["code"] == "run_not_cancellable"
 
     rc, cps = stack.ecc("checkpoints", run_id, env=env)

@@ -2,12 +2,16 @@
 stack: the tools are the verbs but confirm and login; plan creates nothing; train without a person's
 confirmation is `confirmation_required` with the command the person runs; with the reference they
 hand over, a run that reaches `succeeded`, replayed by its key; a revoked credential stops a wait.
-Every result and the tool list are scanned for the API key and a planted token."""
+A manifest sent by content trains like the same bytes from a file; `wait` reports progress and
+takes a bound over 300 s; cancelling a finished run asks no one to confirm; the tool list fits its
+budget. Every result and the tool list are scanned for the API key and a planted token."""
 
 import contextlib
 import json
+import pathlib
 import re
 import shlex
+import stat
 from collections.abc import AsyncIterator
 
 import jsonschema
@@ -24,6 +28,7 @@ TOOLS |= {"audit", "cancel", "cleanup", "approve"}
 TOOLS |= {"export", "download", "sample"}  # a trained model out (tests/e2e/test_export_e2e.py drives them)
 TOOLS |= {"models"}
 TOOLS |= {"runs"}  # the account's own runs (tests/e2e/test_runs_e2e.py drives it)
+LOCAL_TOOLS = {"validate", "manifest_schema"}  # no server, no login (tests/e2e/test_mcp_manifest.py)
 TERMINAL = {"succeeded", "failed", "gate_failed", "cancelled"}
 LONG = {"tokens": 4000 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
 PLANTED = "hf_" + "Zq7" * 12  # looks like a Hugging Face token: the server refuses the manifest
@@ -44,10 +49,12 @@ class Agent:
         self.schemas = {t.name: t.output_schema for t in listed.tools}
         return listed.tools
 
-    async def __call__(self, name: str, wait_s: float = 60, **arguments) -> dict:
+    async def __call__(self, name: str, wait_s: float = 60, on_progress=None, **arguments) -> dict:
         """The envelope a tool answered: structured content, the same JSON as text, and `isError`
         exactly when it is not ok; an ok one the SDK has validated against the output schema."""
-        result = await self.session.call_tool(name, arguments, read_timeout_seconds=wait_s + 30)
+        result = await self.session.call_tool(
+            name, arguments, read_timeout_seconds=wait_s + 30, progress_callback=on_progress
+        )
         self.seen.append(result.model_dump_json())
         env = result.structured_content
         assert [json.loads(c.text) for c in result.content] == [env]
@@ -87,7 +94,7 @@ async def test_an_agent_takes_a_run_from_find_to_succeeded_given_only_a_persons_
     booking = stack.booking(account)
     m, leaky = str(manifest()), str(manifest(name=f"run {PLANTED}"))
     async with agent({**stack.env, **env}) as a:
-        assert {t.name for t in await a.tools()} == TOOLS  # no confirm, no login, no logout
+        assert {t.name for t in await a.tools()} == TOOLS | LOCAL_TOOLS  # no confirm, no login, no logout
         found = await a("find")
         assert [v["booking"]["booking_id"] for v in found["data"]] == [booking]
 
@@ -170,3 +177,97 @@ async def test_without_a_login_every_tool_says_a_person_must_log_in(tmp_path):
             env = await a(name)
             assert env["error"]["code"] == "unauthenticated" and not env["live_api_contacted"], (name, env)
             assert "a person must run `ecc ito login" in env["error"]["message"]
+
+
+async def test_a_manifest_sent_by_content_is_planned_confirmed_and_trained_like_the_file(
+    stack, manifest, tmp_path
+):
+    """A remote agent has no path on the door's machine: it sends the text. The door stores it 0600
+    and reads it back by the safe reader, so the digest is the file's; malformed or too big, the
+    same refusal as the same bytes from a file."""
+    account, key, env = stack.account()
+    booking = stack.booking(account)
+    path = manifest()
+    text = path.read_text()
+    async with agent({**stack.env, **env}) as a:
+        by_file = await a("plan", booking_id=booking, manifest=str(path))
+        by_content = await a("plan", booking_id=booking, manifest_json=text)
+        assert by_file["ok"] and by_content["ok"], (by_file, by_content)
+        digest = by_file["data"]["manifest_digest"]
+        assert by_content["data"]["manifest_digest"] == digest
+        stored = pathlib.Path(env["ECC_CONFIG_DIR"]) / "manifests" / f"{digest}.json"
+        assert stored.read_text() == text and stat.S_IMODE(stored.stat().st_mode) == 0o600
+        assert stat.S_IMODE(stored.parent.stat().st_mode) == 0o700
+
+        for bad in ("{not json", text + " " * (1024 * 1024)):  # malformed; over the 1 MiB limit
+            twin = tmp_path / f"bad-{len(bad)}.json"
+            twin.write_text(bad)
+            from_file = await a("plan", booking_id=booking, manifest=str(twin))
+            from_text = await a("plan", booking_id=booking, manifest_json=bad)
+            assert not from_text["ok"] and from_text["error"]["code"] == from_file["error"]["code"]
+            assert from_text["live_api_contacted"] == from_file["live_api_contacted"]
+        assert from_text["error"]["code"] == "manifest_too_large" and not from_text["live_api_contacted"]
+
+        asked = await a("train", booking_id=booking, manifest_json=text, idempotency_key="mcp-text")
+        assert asked["error"]["code"] == "confirmation_required", asked
+        assert f"--manifest {stored}" in asked["error"]["message"]  # the person confirms the stored bytes
+        ref = person_runs(stack, env, asked["error"]["message"])
+        train = await a(
+            "train", booking_id=booking, manifest_json=text, idempotency_key="mcp-text", confirmation_ref=ref
+        )
+        assert train["ok"] and train["data"]["manifest_digest"] == digest, train
+        again = await a("status", idempotency_key="mcp-text")
+        assert again["data"]["run_id"] == train["data"]["run_id"]
+    scan(a.seen, key, key.removeprefix(KEY_PREFIX))
+
+
+STEPS_150 = {"tokens": 150 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
+
+
+async def test_wait_reports_progress_within_a_long_bound_and_a_finished_run_asks_no_confirmation(
+    stack, manifest
+):
+    """One wait for the whole run (a bound over 300 s), the SDK's progress callback hearing it go;
+    then a cancel of the succeeded run is refused before anyone is asked to confirm, by the tool and
+    by the CLI's `confirm`."""
+    from tests.support import confirm_and_train
+
+    account, key, env = stack.account()
+    booking = stack.booking(account)
+    m = str(manifest(target=STEPS_150))  # several seconds of steps: several polls see it move
+    run_id = confirm_and_train(stack, env, booking, m, "mcp-progress")["data"]["run_id"]
+    heard: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        heard.append((done, total, message))
+
+    async with agent({**stack.env, **env}) as a:
+        waited = await a("wait", wait_s=900, on_progress=on_progress, run_id=run_id, max_wait_s=900)
+        assert waited["ok"] and waited["data"]["state"] == "succeeded", waited
+        assert len(heard) >= 3, heard  # several notifications while it ran
+        assert [d for d, _, _ in heard] == sorted({d for d, _, _ in heard})  # progress only grows
+        assert {t for _, t, _ in heard} == {900} and any("step" in (m or "") for _, _, m in heard), heard
+
+        cancel = await a("cancel", run_id=run_id, idempotency_key="mcp-late")
+        assert cancel["error"]["code"] == "run_not_cancellable" and cancel["live_api_contacted"], cancel
+        assert "ecc ito confirm" not in cancel["error"]["message"]
+    rc, out = stack.ecc("confirm", "--action", "cancel", "--run", run_id, env=env)  # the CLI's person
+    assert rc == 1 and out["error"]["code"] == "run_not_cancellable", out
+    scan(a.seen, key, key.removeprefix(KEY_PREFIX))
+
+
+HELPER_TOOLS = {"validate", "manifest_schema"}  # what the connect helper adds to the list
+HELPER_HEADROOM = 2_000  # bytes kept for them until they are in the list
+
+
+async def test_every_tool_definition_together_is_at_most_20_kb(tmp_path):
+    import os
+
+    source = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}  # this checkout's door
+    async with agent({"ECC_CONFIG_DIR": str(tmp_path), **source}) as a:
+        listed = await a.session.list_tools()
+    size = len(listed.model_dump_json(by_alias=True, exclude_none=True))
+    names = {t.name for t in listed.tools}
+    assert size + (0 if HELPER_TOOLS <= names else HELPER_HEADROOM) <= 20_000, size
+    for tool in listed.tools:  # every tool still says what it does and takes typed arguments
+        assert tool.description and tool.input_schema["type"] == "object" and tool.output_schema

@@ -108,3 +108,14 @@ def test_metrics_count_a_train_and_a_refusal_behind_the_token(stack, manifest):
         assert status == 401 and "ito_" not in body and token not in body, (bad, body)
     logs = pathlib.Path(up["logs"])
     assert not any(token in p.read_text(errors="replace") for p in logs.glob("*.log"))
+
+
+def test_every_service_answers_healthz_without_a_token(stack):
+    """The containers' healthcheck and the kubelet's probes (compose.yaml, deploy/k8s/): GET
+    /healthz on the metrics port, no credential, `ok` from a service connected to NATS and Redis."""
+    up = json.loads((stack.data_dir / "up.json").read_text())
+    for name, address in up["metrics"].items():
+        if name == "desk":
+            continue
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=5) as answer:
+            assert (answer.status, answer.read()) == (200, b"ok\n"), name

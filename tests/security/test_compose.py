@@ -2,12 +2,16 @@
 not published, NATS publishes only its client port and runs from the generated auth config."""
 
 import pathlib
+import shutil
+import subprocess
 
+import pytest
 import yaml
 
 from services.runtime.identities import REDIS_SERVICES, SERVICE_IDENTITIES
 
-COMPOSE = yaml.safe_load((pathlib.Path(__file__).resolve().parents[2] / "compose.yaml").read_text())
+COMPOSE_PATH = pathlib.Path(__file__).resolve().parents[2] / "compose.yaml"
+COMPOSE = yaml.safe_load(COMPOSE_PATH.read_text())
 
 
 def targets(service: str) -> set[str]:
@@ -35,11 +39,16 @@ def test_each_service_mounts_only_its_own_credentials():
         assert COMPOSE["services"][name]["environment"]["ITO_SECRETS_DIR"] == "/run/secrets"
 
 
-def test_the_desk_mounts_its_read_only_identity_and_its_token_only():
+TLS_SERVER = {"tls/ca.pem", "tls/server.pem", "tls/server.key"}
+
+
+def test_the_desk_mounts_its_read_only_identity_its_token_and_the_server_certificate_only():
     desk = COMPOSE["services"]["desk"]
-    assert targets("desk") == {"nats/desk.nk", "tokens/desk.token"}  # no Redis, no signing key
+    # no Redis, no signing key; the server certificate: it serves HTTPS itself (ITO_TLS); the
+    # metrics token lets Prometheus scrape its /metrics too
+    assert targets("desk") == {"nats/desk.nk", "tokens/desk.token", "tokens/metrics.token", *TLS_SERVER}
     assert desk["command"][:2] == ["desk", "serve"]
-    assert desk["ports"] == ["127.0.0.1:8765:8765"]  # plain HTTP: loopback only, TLS goes in front
+    assert desk["ports"] == ["127.0.0.1:8765:8765"]
 
 
 def test_no_secret_value_is_inline():
@@ -69,7 +78,7 @@ def test_the_cluster_publishes_one_client_port_and_no_route_redis_or_monitoring_
     for i in (1, 2, 3):
         node = CLUSTER[f"nats-{i}"]
         assert node["command"] == ["-c", f"/run/secrets/nats_{i}_conf"]  # nkeys, permissions, route auth
-        assert node["secrets"] == [f"nats_{i}_conf"]
+        assert targets(f"nats-{i}") == {f"nats_{i}_conf", *TLS_SERVER}
 
 
 def test_the_cluster_redis_nodes_run_with_acls_and_aof_always_and_take_passwords_from_files():
@@ -81,3 +90,38 @@ def test_the_cluster_redis_nodes_run_with_acls_and_aof_always_and_take_passwords
         assert "--masterauth" not in script  # never an argument
     init = CLUSTER["redis-cluster-init"]["command"][-1]
     assert "REDISCLI_AUTH=" in init and "$$(cat /run/secrets/redis_admin)" in init and " -a " not in init
+
+
+# --- TLS (docs/tls.md) ---
+
+
+def test_nats_mounts_the_server_certificate_and_every_stack_runs_with_tls_on():
+    assert targets("nats") == {"nats_conf", *TLS_SERVER}  # nats.conf's `tls {}` points at /run/secrets/tls
+    for name, spec in COMPOSE["services"].items():
+        env = spec.get("environment")
+        if isinstance(env, dict) and "ITO_NATS_URL" in env:
+            assert env["ITO_TLS"] == "1", name
+
+
+def test_every_service_verifies_nats_with_the_ca_and_holds_no_server_key():
+    for name in SERVICE_IDENTITIES:
+        for instance in (name, f"{name}-1", f"{name}-2"):
+            mine = targets(instance)
+            assert "tls/ca.pem" in mine, instance
+            assert "tls/server.key" not in mine and "tls/ca.key" not in mine, instance
+
+
+def test_no_ca_key_is_mounted_anywhere():
+    for s in COMPOSE["secrets"].values():
+        assert not s["file"].endswith("ca.key")
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
+def test_compose_config_is_valid():
+    proc = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE_PATH), "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -52,6 +52,7 @@ from services.runtime.accounts import InMemoryAccounts, RedisAccounts
 from services.runtime.bus import LocalBus
 from services.runtime.identities import NATS_IDENTITIES
 from services.runtime.keys import Keys
+from services.runtime.quotas import InMemoryQuotas, Quotas, RedisQuotas
 from services.runtime.secrets import Secrets
 from services.runtime.service import Wiring
 from services.scheduler import app as scheduler_app
@@ -73,29 +74,32 @@ class Bus:
     accounts: InMemoryAccounts | RedisAccounts  # the operator's registry (create, revoke)
     bookings: Bookings  # the entitlement projection's store (its counters)
     touched_redis: list[str]  # memory param: every attempt to connect to Redis (must stay empty)
+    quotas: Quotas  # the operator's quotas (what `ito-training accounts quota` writes)
 
 
 def register_all(
     w: Wiring, redis: aioredis.Redis | None
-) -> tuple[InMemoryAccounts | RedisAccounts, Bookings]:
+) -> tuple[InMemoryAccounts | RedisAccounts, Bookings, Quotas]:
     """Every service's bootstrap with one kind of adapter: in memory when `redis` is None."""
     s = w.settings
     if redis is None:
         confirmations = InMemoryConfirmations()
         credentials: InMemoryAccounts | RedisAccounts = InMemoryAccounts()
         bookings: Bookings = InMemoryBookings()
+        quotas: Quotas = InMemoryQuotas()  # one store: the scheduler's and the confirmation service's
         entitlement_app.register(w, bookings)
-        confirmation_app.register(w, confirmations)
+        confirmation_app.register(w, confirmations, quotas)
         # the ledger consumes the confirmation service's records (one Redis hash each, there)
         ledger_app.register(w, InMemoryLedger(confirmations.records, clock=confirmations.clock))
-        scheduler_app.register(w, runs=InMemoryRuns(), credentials=credentials)
-        return credentials, bookings
+        scheduler_app.register(w, runs=InMemoryRuns(), credentials=credentials, quotas=quotas)
+        return credentials, bookings, quotas
     credentials, bookings = RedisAccounts(redis, w.keys), BookingStore(redis, w.keys)
+    quotas = RedisQuotas(redis, w.keys)
     entitlement_app.register(w, bookings)
-    confirmation_app.register(w, ConfirmationStore(redis, w.keys))
+    confirmation_app.register(w, ConfirmationStore(redis, w.keys), quotas)
     ledger_app.register(w, LedgerStore(redis, w.keys, s.idempotency_retention_s))
-    scheduler_app.register(w, runs=RunStore(redis, w.keys), credentials=credentials)
-    return credentials, bookings
+    scheduler_app.register(w, runs=RunStore(redis, w.keys), credentials=credentials, quotas=quotas)
+    return credentials, bookings, quotas
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +131,9 @@ async def bus(request, namespace, tmp_path, monkeypatch):
     broker = connections.make_broker(s, "scheduler")
     w = Wiring(settings=s, broker=broker, redis=redis, keys=Keys(s))
     w.bus = LocalBus(w.router, broker)  # requests straight to the handlers; streams in memory
-    credentials, bookings = register_all(w, redis)
+    credentials, bookings, quotas = register_all(w, redis)
     async with TestNatsBroker(broker) as br:
-        yield Bus(br, w, credentials, bookings, touched)
+        yield Bus(br, w, credentials, bookings, touched, quotas)
     if redis is not None:
         await redis.aclose()
     assert touched == [], f"the memory param tried to reach Redis at {touched}"
@@ -287,6 +291,8 @@ async def test_cancel_is_confirmed_and_idempotent(bus):
     )
     replay = data(await call(bus, subjects.API_CANCEL, cancel), MutationResult)
     assert replay.replay and replay.state is RunState.cancelled
+    # a run that cannot be cancelled any more: confirm says so before any person confirms
+    assert code(await call(bus, subjects.API_CONFIRM, confirm)) is ErrorCode.run_not_cancellable
     # another account sees no such run, whatever it names
     await login(bus, "other")
     out = await call(bus, subjects.API_CANCEL, cancel, account="other")
@@ -401,3 +407,94 @@ async def test_a_confirmation_for_another_action_says_so_and_how_to_get_the_righ
     )
     right = msgspec.structs.replace(cancel, confirmation_ref=issued.confirmation_ref)
     assert data(await call(bus, subjects.API_CANCEL, right), MutationResult).state is RunState.cancelled
+
+
+# --- quotas (docs/quotas.md): the operator's limits, enforced by the scheduler and the confirmation
+# service, on both adapters ---
+
+
+def plan_request(booking: str) -> PlanRequest:
+    text = REPO_MANIFEST.read_text()
+    return PlanRequest(booking_id=booking, manifest_text=text, manifest_digest=digest_of(text.encode()))
+
+
+async def test_a_tenant_over_its_request_rate_is_rate_limited_with_a_retry_after_and_another_is_not(bus):
+    await login(bus)
+    await login(bus, "other")
+    await bus.quotas.set_limits("acme", {"rate_per_s": 0.01, "burst": 2})  # no refill during the test
+    for _ in range(2):  # the bucket admits its burst (the plan itself is refused: no such booking)
+        assert code(await call(bus, subjects.API_PLAN, plan_request("nope"))) is ErrorCode.booking_not_found
+    out = await call(bus, subjects.API_PLAN, plan_request("nope"))
+    assert code(out) is ErrorCode.rate_limited and out.error is not None
+    assert out.error.retry_after_s is not None and 90 < out.error.retry_after_s <= 100
+    assert "retry in" in out.error.message
+    confirm = ConfirmRequest(action=Action.train, booking_id="nope", manifest_text="{}", manifest_digest="x")
+    assert code(await call(bus, subjects.API_CONFIRM, confirm)) is ErrorCode.rate_limited
+    # another tenant, on the same services, is admitted as before
+    for _ in range(5):
+        out = await call(bus, subjects.API_PLAN, plan_request("nope"), account="other")
+        assert code(out) is ErrorCode.booking_not_found
+
+
+async def test_over_its_outstanding_confirmations_a_confirm_is_refused_until_one_is_used(bus):
+    await login(bus)
+    await bus.quotas.set_limits("acme", {"confirmations": 2})
+    await publish_booking(bus, booking_event("acme", "bq"))
+    text = REPO_MANIFEST.read_text()
+    digest = digest_of(text.encode())
+    confirm = ConfirmRequest(action=Action.train, booking_id="bq", manifest_text=text, manifest_digest=digest)
+    first = data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
+    data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
+    out = await call(bus, subjects.API_CONFIRM, confirm)
+    assert code(out) is ErrorCode.quota_exceeded and out.error is not None and out.error.quota is not None
+    assert (out.error.quota.quota, out.error.quota.current, out.error.quota.limit) == ("confirmations", 2, 2)
+    assert "confirmations" in out.error.message
+    info = data(await call(bus, subjects.API_AUTH, AuthRequest()), AuthInfo)
+    assert info.quotas is not None and info.quotas.usage.confirmations == 2
+    train = TrainRequest(
+        booking_id="bq",
+        manifest_text=text,
+        manifest_digest=digest,
+        confirmation_ref=first.confirmation_ref,
+        idempotency_key="kq",
+    )
+    data(await call(bus, subjects.API_TRAIN, train), RunAccepted)  # consumes one
+    data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)  # room again
+
+
+async def test_over_its_runs_or_queued_quota_train_is_refused_before_anything_is_reserved(bus):
+    await login(bus)
+    await bus.quotas.set_limits("acme", {"runs": 1})
+    first, run = await confirmed_run(bus, "br1", "k1")
+    confirm = ConfirmRequest(
+        action=Action.train,
+        booking_id="br1",
+        manifest_text=first.manifest_text,
+        manifest_digest=first.manifest_digest,
+    )
+    issued = data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
+    second = msgspec.structs.replace(first, confirmation_ref=issued.confirmation_ref, idempotency_key="k2")
+    out = await call(bus, subjects.API_TRAIN, second)
+    assert code(out) is ErrorCode.quota_exceeded and out.error is not None and out.error.quota is not None
+    assert (out.error.quota.quota, out.error.quota.current, out.error.quota.limit) == ("runs", 1, 1)
+    # the replay of the run the account has is still answered
+    assert data(await call(bus, subjects.API_TRAIN, first), RunAccepted).run_id == run.run_id
+    await bus.quotas.set_limits("acme", {"runs": 5, "queued": 1})
+    out = await call(bus, subjects.API_TRAIN, second)
+    assert code(out) is ErrorCode.quota_exceeded and out.error is not None and out.error.quota is not None
+    assert (out.error.quota.quota, out.error.quota.current, out.error.quota.limit) == ("queued", 1, 1)
+    # nothing was reserved: the same confirmation and key are accepted once the quota allows
+    await bus.quotas.set_limits("acme", {"queued": 5})
+    accepted_second = data(await call(bus, subjects.API_TRAIN, second), RunAccepted)
+    assert not accepted_second.replay and accepted_second.run_id != run.run_id
+    info = data(await call(bus, subjects.API_AUTH, AuthRequest()), AuthInfo)
+    assert info.quotas is not None
+    assert (info.quotas.limits.runs, info.quotas.limits.queued) == (5, 5)
+    assert (info.quotas.usage.runs, info.quotas.usage.queued, info.quotas.usage.confirmations) == (2, 2, 0)
+    # a finished run leaves the count
+    cancel = ConfirmRequest(action=Action.cancel, run_id=run.run_id)
+    ref = data(await call(bus, subjects.API_CONFIRM, cancel), ConfirmationIssued).confirmation_ref
+    req = CancelRequest(run_id=run.run_id, idempotency_key="c1", confirmation_ref=ref)
+    assert data(await call(bus, subjects.API_CANCEL, req), MutationResult).state is RunState.cancelled
+    info = data(await call(bus, subjects.API_AUTH, AuthRequest()), AuthInfo)
+    assert info.quotas is not None and (info.quotas.usage.runs, info.quotas.usage.queued) == (1, 1)

@@ -19,12 +19,14 @@ from contracts import (
     audit,
     base,
     booking,
+    connection,
     desk,
     envelope,
     errors,
     evals,
     internal,
     manifest,
+    manifest_check,
     models,
     runs,
     states,
@@ -96,6 +98,30 @@ PLAN = api.Plan(
     checks=[CHECK_OK, CHECK_FAIL],
     ok=False,
     gates=[api.StageGatePlan(stage="pretrain", rules=["held_out_loss <= 0.99 x the incoming model's"])],
+    capacity=api.CapacityPlan(
+        booked_gpus=16,
+        held_gpus=8,
+        idle_gpus=8,
+        held=["node0:gpu0-7"],
+        idle=["node1:gpu0-7"],
+        idle_fraction=0.5,
+        idle_usd_per_hour=28.0,
+        idle_usd_during_run=0.4375,
+        idle_gpu_hours_in_window=95.75,
+        wasteful=False,
+        sentence="holds 8 of 16 booked H200 (node0:gpu0-7); 8 stay idle (node1:gpu0-7)",
+    ),
+    window=api.WindowPlan(
+        window_start=T0,
+        window_end=T1,
+        expected_wall_hours=0.015625,
+        remaining_hours=6.0,
+        required_margin_hours=0.0078125,
+        margin_hours=5.984375,
+        fits=True,
+        resumable=False,
+        sentence="expected wall time ~56 s against 6.00 h left in the booking's window: fits",
+    ),
 )
 BODY = internal.EligibilityBody(
     account="acct_a",
@@ -230,6 +256,8 @@ SAMPLES: dict[type, msgspec.Struct] = {
     api.CostEstimate: COST,
     api.Plan: PLAN,
     api.StageGatePlan: PLAN.gates[0],
+    api.CapacityPlan: PLAN.capacity,
+    api.WindowPlan: PLAN.window,
     api.ConfirmationIssued: api.ConfirmationIssued(
         confirmation_ref="cf_1",
         action=Action.cancel,
@@ -529,6 +557,9 @@ MANIFEST_STAGE_SAMPLES = {
     ),
 }
 SAMPLES.update(MANIFEST_STAGE_SAMPLES)
+SAMPLES[manifest_check.Checked] = manifest_check.Checked(
+    valid=True, name="tiny-demo", manifest_digest="ab" * 32
+)
 SAMPLES.update(
     {
         desk.DeskRunsRequest: desk.DeskRunsRequest(limit=50),
@@ -615,6 +646,9 @@ RUN_SUMMARY = api.RunSummary(
 EXPORT_FILE = api.ExportFile(path="model.safetensors", bytes=1024, sha256="cd" * 32)
 SAMPLES.update(
     {
+        connection.Connection: connection.Connection(
+            url="nats://127.0.0.1:4222", namespace="ito", ca="/home/me/.config/ecc/ca.pem"
+        ),
         models.RopeScaling: TINY_HF_SHAPE.rope_scaling,
         models.BaseModel: BASE_MODEL,
         manifest.Lora: manifest.Lora(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "v_proj"]),
@@ -709,6 +743,19 @@ SAMPLES.update(
     }
 )
 
+QUOTA_LIMITS = api.QuotaLimits(rate_per_s=2.5, burst=10, confirmations=3, runs=2, queued=1)
+QUOTA_USAGE = api.QuotaUsage(tokens=4.5, confirmations=1, runs=1, queued=0)
+SAMPLES.update(
+    {
+        api.QuotaLimits: QUOTA_LIMITS,
+        api.QuotaUsage: QUOTA_USAGE,
+        api.QuotaStatus: api.QuotaStatus(limits=QUOTA_LIMITS, usage=QUOTA_USAGE),
+        errors.QuotaBreach: errors.QuotaBreach(quota="runs", current=2, limit=2),
+        internal.OutstandingQuery: internal.OutstandingQuery(account="acct_a"),
+        internal.Outstanding: internal.Outstanding(confirmations=1, limit=3),
+    }
+)
+
 STRUCTS = defined_structs()
 RUN_EVENT_CLASSES = [
     runs.StateChanged,
@@ -739,6 +786,7 @@ def test_every_listed_module_is_discovered():
         audit,
         base,
         booking,
+        connection,
         envelope,
         errors,
         evals,

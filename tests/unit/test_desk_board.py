@@ -14,7 +14,7 @@ from contracts.desk import DeskRun, InterruptionRecord, StateRecord
 from contracts.evals import EvalMetric, StageGate
 from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import RunState
-from contracts.telemetry import BADPUT, Rollup, RunTelemetry
+from contracts.telemetry import BADPUT, BOOKED_BADPUT, IDLE, Rollup, RunTelemetry
 from services.desk import board, charts, gauges, pages
 from services.desk.web import authorized, session_value
 
@@ -200,7 +200,7 @@ def test_breakdowns_give_every_category_its_share_and_a_price_per_key():
     )
     assert [(r.by, r.key) for r in rows] == [("booking", "bk"), ("gpu_model", "H200")]
     for r in rows:
-        assert set(r.shares) == set(BADPUT)
+        assert set(r.shares) == set(BOOKED_BADPUT) and r.shares[IDLE] == 0.0  # no booked hours known
         assert r.shares["queued"] == pytest.approx(0.1) and r.shares["eval"] == 0.0
         assert r.goodput + sum(r.shares.values()) == pytest.approx(1.0)
         assert r.implied_usd_per_useful_gpu_hour == pytest.approx(3.5 / 0.8)

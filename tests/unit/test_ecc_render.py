@@ -145,7 +145,7 @@ EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
         PLAN,
         [
             "strategy ddp, dp 2 (2 ranks), precision bf16",
-            "estimate 0.0307 USD (0.0123 GPU-h at 2.5 USD)",
+            "estimate 0.03 USD (44 GPU-s at 2.50 USD per GPU-hour)",
             "  [ok] memory: fits in 141 GB",
             "  [FAIL] budget: over 1 USD",
             "  gate pretrain: held_out_loss <= 4.0; finite loss",
@@ -214,7 +214,7 @@ EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
             "  proposal (loss spike): restart pretrain from checkpoint step 30, skipping batches [31, 39); "
             "approve with `ecc ito confirm --action restart_from_checkpoint --run run-1` then `ecc ito approve`",
             "  parallelism: ddp, world size 4, mesh dp_replicate 2 x dp_shard 2, 2 nodes",
-            "  plan: ddp, estimate 0.030750 USD",
+            "  plan: ddp, estimate 0.03 USD",
         ],
     ),
     "logs": (
@@ -701,3 +701,29 @@ def test_confirm_shows_what_it_authorises(action, target, digest, cost, lines):
         "max_cost_usd",
         "expires_at",
     }
+
+
+@pytest.mark.parametrize(
+    ("gpu_hours", "text"),
+    [
+        (0.0000077, "0.028 GPU-s"),  # a tiny run: never "0.0000 GPU-h"
+        (28 / 3600, "28 GPU-s"),
+        (0.5, "30.0 GPU-min"),
+        (13.26, "13.26 GPU-h"),
+        (1234.5, "1,234.50 GPU-h"),
+    ],
+)
+def test_gpu_time_reads_in_a_unit_that_shows_the_amount(gpu_hours: float, text: str) -> None:
+    assert render.gpu_time(gpu_hours) == text
+
+
+def test_auth_shows_each_quota_beside_what_the_account_uses():
+    from contracts.api import QuotaLimits, QuotaStatus, QuotaUsage
+
+    limits = QuotaLimits(rate_per_s=2.5, burst=10, confirmations=3, runs=2, queued=1)
+    usage = QuotaUsage(tokens=4.5, confirmations=1, runs=2, queued=0)
+    info = AuthInfo(account="acme", key_id="UAKEY", quotas=QuotaStatus(limits=limits, usage=usage))
+    lines = render.text(info).splitlines()
+    assert lines[0] == "logged in as acme (key UAKEY)"
+    assert "2.5/s, bursts of 10 (4.5 available now)" in lines[2]
+    assert "1 / 3 outstanding" in lines[3] and "2 / 2 unfinished" in lines[4] and "0 / 1 waiting" in lines[5]

@@ -31,6 +31,7 @@ VERBS = {
     "download": ["r", "--to", "/tmp/x"],
     "sample": ["r", "--prompt", "2+2="],
     "models": [],
+    "validate": ["--manifest", "/m"],
 }
 
 

@@ -6,6 +6,7 @@ without a person's confirmation -> `confirmation_required` with the exact comman
 import asyncio
 import json
 import shlex
+import stat
 from datetime import UTC, datetime
 
 import jsonschema
@@ -17,7 +18,7 @@ from contracts.endpoints import API
 from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode
 from contracts.states import RunState
-from ecc import credentials, tools, transport, verbs
+from ecc import credentials, manifest_store, tools, transport, verbs
 from ecc.verb_help import VERB_HELP, for_tools
 from tests.conftest import write_manifest
 
@@ -67,9 +68,9 @@ def test_each_input_schema_is_its_request_type_less_credential_with_a_manifest_p
     tool = tools.TOOLS[name]
     schema = tools.input_schema(tool)
     fields = set(tool.request.__struct_fields__) - {"credential"}
-    if tool.reads_manifest:
-        fields = fields - {"manifest_text", "manifest_digest"} | {"manifest"}
-        assert "manifest" in schema["required"]
+    if tool.reads_manifest:  # a path or the text: exactly one, checked by decode
+        fields = fields - {"manifest_text", "manifest_digest"} | {"manifest", "manifest_json"}
+        assert not {"manifest", "manifest_json"} & set(schema["required"])
     assert set(schema["properties"]) == fields
     assert schema["type"] == "object" and schema["additionalProperties"] is False
     assert "credential" not in json.dumps(schema).lower()
@@ -91,6 +92,9 @@ def test_each_input_schema_is_its_request_type_less_credential_with_a_manifest_p
         ("plan", {"booking_id": "b", "manifest_text": "{}", "manifest_digest": "0" * 64}, "request_invalid"),
         ("logs", {"run_id": 7}, "request_invalid"),
         ("wait", {"run_id": "r", "max_wait_s": 10_000}, "request_invalid"),  # over MAX_WAIT_S
+        ("plan", {"booking_id": "b", "manifest": "/m.json", "manifest_json": "{}"}, "request_invalid"),
+        ("plan", {"booking_id": "b", "manifest_json": "x" * (1024 * 1024 + 1)}, "manifest_too_large"),
+        ("plan", {"booking_id": "b", "manifest_json": "\ud800"}, "manifest_invalid"),  # not UTF-8 text
         ("status", {}, "request_invalid"),  # neither run_id nor idempotency_key
         ("nope", {}, "request_invalid"),
     ],
@@ -310,3 +314,147 @@ def test_runs_takes_the_states_by_name_and_sends_the_request(logged_in, monkeypa
     assert env.ok and asked == [(API["runs"].subject, RunsRequest(state=RunState.running, limit=5))]
     env = asyncio.run(tools.call("runs", {"state": "bogus"}, BOUNDS))
     assert not env.ok and env.error.code == "request_invalid" and len(asked) == 1
+
+
+def test_a_manifest_given_by_content_is_stored_0600_and_read_as_the_same_file(
+    logged_in, nothing_sent, tmp_path
+):
+    path = write_manifest(tmp_path)
+    text = path.read_text()
+    request, where = tools.decode(tools.TOOLS["plan"], {"booking_id": "b", "manifest_json": text})
+    digest = verbs.load_manifest(str(path))[1]
+    assert (request.manifest_text, request.manifest_digest) == (text, digest)  # the file's own digest
+    stored = manifest_store.directory() / f"{digest}.json"
+    assert where == str(stored) and stored.read_text() == text
+    assert stat.S_IMODE(stored.stat().st_mode) == 0o600
+    assert stat.S_IMODE(stored.parent.stat().st_mode) == 0o700
+    args = {"booking_id": "bk-1", "manifest_json": text, "idempotency_key": "mcp-1"}
+    env = asyncio.run(tools.call("train", args, BOUNDS))  # the person confirms the stored file
+    assert env.error.code == ErrorCode.confirmation_required and not env.live_api_contacted
+    assert f"`ecc ito confirm --action train --booking bk-1 --manifest {stored}`" in env.error.message
+
+
+def test_content_over_the_limit_writes_nothing_and_the_directory_stays_bounded(logged_in, monkeypatch):
+    env = tools.decode(tools.TOOLS["plan"], {"booking_id": "b", "manifest_json": " " * (1024 * 1024 + 1)})
+    assert isinstance(env, Envelope) and env.error.code == ErrorCode.manifest_too_large
+    assert not manifest_store.directory().exists()
+    monkeypatch.setattr(manifest_store, "KEEP", 2)
+    paths = [manifest_store.store(f'{{"n": {n}}}') for n in range(3)]
+    kept = sorted(str(p) for p in manifest_store.directory().iterdir())
+    assert len(kept) == 2 and paths[-1] in kept
+
+
+def _scripted_mutation(monkeypatch, answer_: Envelope) -> list:
+    asked: list = []
+
+    async def answer(verb, request, bounds):
+        asked.append((verb, request))
+        return answer_
+
+    monkeypatch.setattr(verbs, "answer", answer)
+    return asked
+
+
+@pytest.mark.parametrize(
+    "name, arguments, server, code, contacted",
+    [
+        # a finished run: the server's refusal, and no person is asked to confirm anything
+        (
+            "cancel",
+            {"run_id": "run-1", "idempotency_key": "k"},
+            "run_not_cancellable",
+            "run_not_cancellable",
+            True,
+        ),
+        (
+            "cleanup",
+            {"run_id": "run-1", "idempotency_key": "k"},
+            "run_not_finished",
+            "run_not_finished",
+            True,
+        ),
+        (
+            "approve",
+            {"run_id": "run-1", "idempotency_key": "k"},
+            "proposal_not_found",
+            "proposal_not_found",
+            True,
+        ),
+        # the run can change: only then the command for the person
+        (
+            "cancel",
+            {"run_id": "run-1", "idempotency_key": "k"},
+            "confirmation_required",
+            "confirmation_required",
+            True,
+        ),
+        (
+            "cancel",
+            {"run_id": "run-1", "idempotency_key": "k"},
+            "transport_ambiguous",
+            "confirmation_required",
+            False,
+        ),
+    ],
+)
+def test_a_run_mutation_without_a_ref_is_checked_by_the_server_before_a_person_is_asked(
+    logged_in, monkeypatch, name, arguments, server, code, contacted
+):
+    asked = _scripted_mutation(monkeypatch, refused(ErrorCode(server)))
+    env = asyncio.run(tools.call(name, arguments, BOUNDS))
+    assert [verb for verb, _ in asked] == [name]
+    assert not env.ok and env.error.code == code and env.live_api_contacted is contacted
+    if code == "confirmation_required":
+        assert f"`ecc ito confirm --action {name} --run run-1`" in env.error.message
+
+
+def test_a_replayed_cancel_without_a_ref_is_the_servers_replay(logged_in, monkeypatch):
+    from contracts.api import Action, MutationResult
+
+    done = MutationResult(
+        run_id="run-1",
+        action=Action.cancel,
+        state=RunState.cancelled,
+        replay=True,
+        booking_id="bk-1",
+        manifest_digest="d" * 64,
+        idempotency_key="k",
+    )
+    _scripted_mutation(monkeypatch, Envelope(ok=True, live_api_contacted=True, notice=None, data=done))
+    env = asyncio.run(tools.call("cancel", {"run_id": "run-1", "idempotency_key": "k"}, BOUNDS))
+    assert env.ok and env.data.replay is True
+
+
+def running(step: int, state: RunState = RunState.running) -> Envelope:
+    v = msgspec.structs.replace(view(state), stage="pretrain", step=step, total_steps=30, loss=2.5)
+    return Envelope(ok=True, live_api_contacted=True, notice=None, data=v)
+
+
+def test_wait_reports_progress_on_every_change_and_takes_a_bound_over_300_s(logged_in, monkeypatch):
+    answers = [ok(RunState.queued), running(1), running(1), running(7), ok(RunState.succeeded)]
+    asked = _scripted_status(monkeypatch, answers)
+    heard: list[tuple[float, float | None, str]] = []
+
+    async def progress(done, total, message):
+        heard.append((done, total, message))
+
+    env = asyncio.run(tools.call("wait", {"run_id": "run-1", "max_wait_s": 900}, BOUNDS, progress))
+    assert env.ok and env.data.state == RunState.succeeded and len(asked) == 5
+    assert [m for _, _, m in heard] == [
+        "queued",
+        "running pretrain: step 1/30, loss 2.5",
+        "running pretrain: step 7/30, loss 2.5",
+    ]
+    assert all(total == 900 for _, total, _ in heard)
+    assert [d for d, _, _ in heard] == sorted({d for d, _, _ in heard})  # it only grows
+    env = asyncio.run(tools.call("wait", {"run_id": "run-1", "max_wait_s": tools.MAX_WAIT_S + 1}, BOUNDS))
+    assert env.error.code == ErrorCode.request_invalid
+
+
+def test_the_listed_output_schema_holds_every_answer_the_full_one_does():
+    for env in (ok(RunState.running), refused(ErrorCode.timeout)):
+        structured, _ = tools.result(env)
+        jsonschema.validate(structured, tools.LISTED_OUTPUT_SCHEMA)
+        jsonschema.validate(structured, tools.output_schema(tools.TOOLS["status"]))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"ok": True, "notice": None}, tools.LISTED_OUTPUT_SCHEMA)

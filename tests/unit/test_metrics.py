@@ -252,6 +252,27 @@ async def test_a_port_in_use_fails_the_start():
         await first.stop()
 
 
+async def test_healthz_needs_no_token_and_says_only_up_or_down():
+    state = {"ok": True}
+
+    async def healthy() -> bool:
+        if state["ok"] is None:
+            raise ConnectionError("redis down")
+        return bool(state["ok"])
+
+    server = MetricsServer(metrics_app(ServiceMetrics("ledger").registry, TOKEN, healthy), "127.0.0.1", 0)
+    await server.start()
+    try:
+        assert await _get(server.port, "/healthz", {}) == (200, "ok\n")
+        state["ok"] = False
+        assert await _get(server.port, "/healthz", {}) == (503, "unhealthy\n")
+        state["ok"] = None  # a check that raises is a 503, never a traceback
+        assert await _get(server.port, "/healthz", {}) == (503, "unhealthy\n")
+        assert (await _get(server.port, "/metrics", {}))[0] == 401  # the metrics still want the token
+    finally:
+        await server.stop()
+
+
 def test_an_app_without_a_token_is_refused():
     with pytest.raises(ValueError):
         metrics_app(ServiceMetrics("a").registry, "")

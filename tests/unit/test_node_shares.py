@@ -52,6 +52,7 @@ def work(n: int, node_rank: int = 0, rendezvous: str = "127.0.0.1:29400", plan: 
         nodes=n,
         node_rank=node_rank,
         rendezvous=rendezvous,
+        rendezvous_key="k" * 43 if n > 1 else "",
     )
 
 
@@ -105,6 +106,11 @@ def test_a_share_of_one_gpu_per_node_trains(tmp_path):
         ({"nodes": 2, "gpus_per_node": 1}, work(3, 1), "does not match the manifest's 2 nodes"),
         ({"nodes": 2, "gpus_per_node": 1}, work(2, 2), "node 2 of 2 does not match"),
         ({"nodes": 2, "gpus_per_node": 1}, work(2, 1, rendezvous=""), "names no rendezvous endpoint"),
+        (
+            {"nodes": 2, "gpus_per_node": 1},
+            msgspec.structs.replace(work(2, 1), rendezvous_key=""),
+            "carries no rendezvous key",
+        ),
     ],
 )
 def test_a_share_this_trainer_cannot_train_is_refused_in_a_sentence(tmp_path, resources, share, why):
@@ -228,3 +234,11 @@ def test_node_0_decides_the_ladder_and_the_other_nodes_take_its_decision(tmp_pat
     finally:
         follower.close()
         leader.close()
+
+
+def test_the_scheduler_mints_a_fresh_rendezvous_key_per_multi_node_run():
+    from services.scheduler.handoff import Handoff
+
+    keys = {Handoff.rendezvous_key(2) for _ in range(50)}
+    assert len(keys) == 50 and all(len(k) >= 43 for k in keys)  # 32 random bytes, base64url
+    assert Handoff.rendezvous_key(1) == ""  # one node: no store, no key

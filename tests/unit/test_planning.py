@@ -59,6 +59,7 @@ def manifest(
     recipe=(),
     keep_last=2,
     fabric=None,
+    resumable=False,
 ) -> Manifest:
     doc = {
         "name": "t",
@@ -66,7 +67,7 @@ def manifest(
         "data": GOOD_DATA if data is None else data,
         "target": {"tokens": tokens, "seq_len": seq_len},
         "post_training": {"recipe": list(recipe)},
-        "checkpoint": {"keep_last": keep_last},
+        "checkpoint": {"keep_last": keep_last, "resumable_across_bookings": resumable},
         "resources": {"nodes": nodes, "gpus_per_node": gpn, "fabric": fabric},
         "budget_cap_usd": budget,
         "max_incremental_cost_usd": incremental,
@@ -485,7 +486,8 @@ def test_one_billion_tokens_on_1b_h200():
 
 # --- budget boundaries: at the cap passes ---
 
-BASE = run_plan(manifest("1B", tokens=10**9), body(window_hours=2.0))  # 2 GPU-hours booked, 6.31 needed
+# 2 GPU-hours booked, 6.31 needed: longer than the window, so resumable (the budget is what is tested)
+BASE = run_plan(manifest("1B", tokens=10**9, resumable=True), body(window_hours=2.0))
 TOTAL = BASE.cost.total_usd
 INCREMENTAL = BASE.cost.incremental_usd  # (6.31 - 2) x 3.50 = 15.10 USD
 
@@ -514,7 +516,7 @@ def test_budget_fixture_has_a_real_incremental_cost():
     ],
 )
 def test_budget_cap_boundary(cap, code):
-    p = run_plan(manifest("1B", tokens=10**9, budget=cap), body(window_hours=2.0))
+    p = run_plan(manifest("1B", tokens=10**9, budget=cap, resumable=True), body(window_hours=2.0))
     check = next(c for c in p.checks if c.name == "budget_cap")
     assert (check.code, code_of(p)) == (code, code)
 
@@ -530,7 +532,7 @@ def test_budget_cap_boundary(cap, code):
     ids=["just-under-allowed", "exactly-at-allowed", "just-over-allowed", "default-zero"],
 )
 def test_incremental_cap_boundary(allowed, code):
-    p = run_plan(manifest("1B", tokens=10**9, incremental=allowed), body(window_hours=2.0))
+    p = run_plan(manifest("1B", tokens=10**9, incremental=allowed, resumable=True), body(window_hours=2.0))
     check = next(c for c in p.checks if c.name == "incremental_cost")
     assert (check.code, code_of(p)) == (code, code)
 
@@ -564,6 +566,7 @@ def test_first_refusal_follows_check_order():
         "checkpoint_storage",
         "budget_cap",
         "incremental_cost",
+        "booking_window",
     ]
     assert code_of(p) == "fabric_unsupported"
 

@@ -1,0 +1,140 @@
+"""Where checkpoints and exports may also live: a local path or an S3-compatible object store,
+chosen by the scheme of one setting (`ITO_CHECKPOINT_URL`), and torch DCP's storage writer and
+reader for it.
+
+What it owns:
+- `StoreUrl` and `parse`: `""` (the service's own `<data dir>/checkpoints`), an absolute path or
+  `file:///path` (a shared filesystem: NFS, CephFS...), or `s3://bucket/prefix`; anything else is
+  refused with a plain sentence.
+- `run_url`: `<root>/<account>/<run_id>`, as services/runtime/checkpoint_paths.py derives it: the
+  account and run id come from the service's own records, never from a message.
+- `writer` / `reader`: DCP's `FileSystemWriter`/`FileSystemReader` for a path, its fsspec ones
+  (`FsspecWriter`/`FsspecReader`, s3fs) for `s3://`; `save` / `load`: a state dict through them.
+- `upload_tree`: a finished export (a directory of files) copied under a URL.
+
+Credentials for S3 never go through here: s3fs reads the standard AWS variables or a shared
+credentials file (`AWS_SHARED_CREDENTIALS_FILE`, a 0600 file). The endpoint of a store that is not
+AWS (MinIO, Ceph RGW, R2...) is `ITO_S3_ENDPOINT_URL`.
+
+The trainer's own commit protocol (markers, pins, pruning: services/trainer/checkpoint.py) still
+runs on a filesystem path; `s3://` serves as the store a run's committed checkpoints and exports are
+copied to and read back from (docs/deploy.md).
+"""
+
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from services.runtime.settings import ENV_CHECKPOINT_URL, ENV_S3_ENDPOINT_URL
+
+__all__ = ["ENV_CHECKPOINT_URL", "ENV_S3_ENDPOINT_URL", "StoreUrl", "parse", "run_url"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUrl:
+    scheme: str
+    """"file" (a path on a filesystem this process mounts) or "s3"."""
+    root: str
+    """The absolute path, or `bucket/prefix` for s3 (no trailing slash)."""
+
+    @property
+    def remote(self) -> bool:
+        return self.scheme == "s3"
+
+    def __str__(self) -> str:
+        return f"s3://{self.root}" if self.remote else self.root
+
+    def join(self, *parts: str) -> "StoreUrl":
+        for part in parts:
+            if not part or "/" in part or part in (".", ".."):
+                raise ValueError(f"A checkpoint path part must be one plain name, got {part!r}.")
+        return StoreUrl(self.scheme, "/".join([self.root, *parts]))
+
+
+def parse(url: str, local: pathlib.Path) -> StoreUrl:
+    """The store `url` names; "" is `local` (the service's own checkpoint directory)."""
+    if not url:
+        return StoreUrl("file", str(local.absolute()))
+    parsed = urlparse(url)
+    if parsed.scheme == "" and os.path.isabs(url):
+        return StoreUrl("file", os.path.normpath(url))
+    if parsed.scheme == "file" and not parsed.netloc and os.path.isabs(parsed.path):
+        return StoreUrl("file", os.path.normpath(parsed.path))
+    if parsed.scheme == "s3" and parsed.netloc and not parsed.params and not parsed.query:
+        prefix = parsed.path.strip("/")
+        return StoreUrl("s3", f"{parsed.netloc}/{prefix}" if prefix else parsed.netloc)
+    raise ValueError(
+        f"{ENV_CHECKPOINT_URL} must be an absolute path, file:///path or s3://bucket/prefix, got {url!r}."
+    )
+
+
+def from_env(local: pathlib.Path, env: dict[str, str] | None = None) -> StoreUrl:
+    env = dict(os.environ) if env is None else env
+    return parse(env.get(ENV_CHECKPOINT_URL, ""), local)
+
+
+def run_url(store: StoreUrl, account: str, run_id: str) -> StoreUrl:
+    return store.join(account, run_id)
+
+
+def storage_options(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """s3fs's options: only the endpoint (credentials: the AWS variables or credentials file)."""
+    env = dict(os.environ) if env is None else env
+    endpoint = env.get(ENV_S3_ENDPOINT_URL, "")
+    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+
+
+def writer(store: StoreUrl, env: dict[str, str] | None = None) -> Any:
+    if store.remote:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(str(store), **storage_options(env))
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(store.root)
+
+
+def reader(store: StoreUrl, env: dict[str, str] | None = None) -> Any:
+    if store.remote:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(store), **storage_options(env))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(store.root)
+
+
+def save(state: dict[str, Any], store: StoreUrl, env: dict[str, str] | None = None) -> None:
+    """`state` as a DCP checkpoint at `store` (one process: no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=writer(store, env), no_dist=True)
+
+
+def load(state: dict[str, Any], store: StoreUrl, env: dict[str, str] | None = None) -> None:
+    """The DCP checkpoint at `store` into `state`, in place (its tensors give shapes and dtypes)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, storage_reader=reader(store, env), no_dist=True)
+
+
+def upload_tree(local_dir: pathlib.Path, store: StoreUrl, env: dict[str, str] | None = None) -> list[str]:
+    """Every file under `local_dir` copied to the same relative path under `store`; the relative
+    paths copied, sorted. A path store gets a plain copy."""
+    import fsspec
+
+    if store.remote:
+        fs = fsspec.filesystem("s3", **storage_options(env))
+    else:
+        fs = fsspec.filesystem("file")
+    copied = []
+    for path in sorted(p for p in local_dir.rglob("*") if p.is_file() and not p.is_symlink()):
+        rel = path.relative_to(local_dir).as_posix()
+        target = f"{store.root}/{rel}"
+        if not store.remote:
+            fs.makedirs(os.path.dirname(target), exist_ok=True)
+        fs.put_file(str(path), target)
+        copied.append(rel)
+    return copied

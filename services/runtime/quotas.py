@@ -1,0 +1,128 @@
+"""Where an account's quotas live: one hash per account in Redis (`<ns>:{<account>}:quota`), one
+writer (the `accounts` identity: `ito-training accounts quota`), read by the scheduler (its
+request-rate bucket, its run admission) and the confirmation service (outstanding confirmations).
+
+The scheduler reads them through the `Quotas` port (`RedisQuotas` here, `InMemoryQuotas` in
+handler tests); the decisions are services/domain/quotas.py's.
+"""
+
+import dataclasses
+import time
+from typing import Protocol
+
+from contracts.api import QuotaLimits
+from contracts.errors import ErrorCode
+from services.domain import quotas as decide
+from services.runtime.codec import Refusal, redis_text
+from services.runtime.connections import RedisClient
+from services.runtime.keys import Keys
+
+MAX_REMEMBERED = 10_000  # accounts whose refusal one scheduler instance remembers at once
+
+
+def refusal(taken: decide.Taken) -> Refusal | None:
+    """The `rate_limited` refusal of a take that was not admitted, with its retry-after; else None."""
+    if taken.allowed:
+        return None
+    retry = round(taken.retry_after_s, 3)
+    message = decide.rate_message(dataclasses.replace(taken, retry_after_s=retry))
+    return Refusal(ErrorCode.rate_limited, message, retry_after_s=retry)
+
+
+def breach_refusal(breach) -> Refusal | None:
+    """A `quota_exceeded` refusal from `decide.over`'s (breach, message), or None."""
+    if breach is None:
+        return None
+    quota, message = breach
+    return Refusal(ErrorCode.quota_exceeded, message, quota=quota)
+
+
+class Quotas(Protocol):
+    """What the services read (and the operator writes) of an account's quotas."""
+
+    async def limits(self, account: str) -> QuotaLimits: ...
+
+    async def take(self, account: str, cost: float = 1.0) -> decide.Taken:
+        """One request's token from the account's bucket (cost 0: look, take nothing)."""
+        ...
+
+    async def set_limits(self, account: str, changes: dict[str, float]) -> QuotaLimits: ...
+
+
+def _checked(changes: dict[str, float]) -> dict[str, float]:
+    for name, value in changes.items():
+        reason = decide.invalid_limit(name, value)
+        if reason is not None:
+            raise Refusal(ErrorCode.request_invalid, reason)
+    return changes
+
+
+class RedisQuotas:
+    def __init__(self, r: RedisClient, keys: Keys) -> None:
+        self.r = r
+        self.keys = keys
+        self._bucket = r.register_script(decide.BUCKET_LUA)
+        self._refused: dict[str, tuple[tuple[float, float], decide.Taken]] = {}  # this instance's
+
+    async def limits(self, account: str) -> QuotaLimits:
+        raw = await self.r.hgetall(self.keys.quota(account))
+        return decide.limits_from({redis_text(k): redis_text(v) for k, v in raw.items()})
+
+    async def take(self, account: str, cost: float = 1.0, now: float | None = None) -> decide.Taken:
+        """BUCKET_LUA on the server's clock (`now` only in tests); an empty bucket this instance saw
+        less than REFUSAL_MEMORY_S ago is refused without a round trip (`decide.remembered`)."""
+        local = time.monotonic()
+        if cost > 0 and now is None and account in self._refused:
+            entry, seen = self._refused[account]
+            retry = decide.remembered(entry, local)
+            if retry is not None:
+                return dataclasses.replace(seen, tokens=0.0, retry_after_s=retry)
+        allowed, tokens, retry_s, rate, burst = await self._bucket(
+            keys=[self.keys.bucket(account), self.keys.quota(account)],
+            args=["" if now is None else repr(now), decide.DEFAULTS.rate_per_s, decide.DEFAULTS.burst, cost],
+        )
+        taken = decide.Taken(bool(int(allowed)), float(tokens), float(retry_s), float(rate), int(burst))
+        if cost > 0 and now is None:
+            self._remember(account, taken, local)
+        return taken
+
+    def _remember(self, account: str, taken: decide.Taken, now: float) -> None:
+        entry = decide.memory_of(taken, now)
+        if entry is None:
+            self._refused.pop(account, None)
+            return
+        if len(self._refused) >= MAX_REMEMBERED:  # bounded: forget the ones that are over
+            self._refused = {a: e for a, e in self._refused.items() if e[0][0] > now}
+        self._refused[account] = (entry, taken)
+
+    async def set_limits(self, account: str, changes: dict[str, float]) -> QuotaLimits:
+        """The operator's write (the `accounts` identity): the named limits, the rest unchanged."""
+        if changes:
+            await self.r.hset(
+                self.keys.quota(account), mapping={k: repr(float(v)) for k, v in _checked(changes).items()}
+            )
+        return await self.limits(account)
+
+
+class InMemoryQuotas:
+    """The same port in a dict, for handler tests; `clock` is read for every take."""
+
+    def __init__(self, clock=time.time) -> None:
+        self.clock = clock
+        self.stored: dict[str, dict[str, str]] = {}
+        self.buckets: dict[str, tuple[float, float]] = {}
+
+    async def limits(self, account: str) -> QuotaLimits:
+        return decide.limits_from(self.stored.get(account, {}))
+
+    async def take(self, account: str, cost: float = 1.0) -> decide.Taken:
+        limits, now = await self.limits(account), self.clock()
+        tokens, at = self.buckets.get(account, (None, None))
+        taken = decide.take(tokens, at, now, limits.rate_per_s, limits.burst, cost)
+        self.buckets[account] = (taken.tokens, now)
+        return taken
+
+    async def set_limits(self, account: str, changes: dict[str, float]) -> QuotaLimits:
+        stored = self.stored.setdefault(account, {})
+        stored.update({k: repr(float(v)) for k, v in _checked(changes).items()})
+        return await self.limits(account)

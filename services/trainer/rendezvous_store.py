@@ -1,0 +1,346 @@
+"""The nodes' rendezvous store, reachable only by the run's own nodes.
+
+torch's TCPStore answers anyone who can reach its port: a process on a trainer host could read a
+run's keys, overwrite node 0's ladder decision or bump the `joined` / `done` counters the nodes meet
+on. This store keeps the same few operations (`set`, `get` waiting for the key, `add`, `check`) and
+admits a connection only after a mutual challenge-response on the run's rendezvous key:
+
+- the scheduler mints a random key per run (`TrainWork.rendezvous_key`, inside the signed work
+  item; never logged, never in an event or answer); both ends derive the run's store key from it
+  and the run id (`store_key`), so another run's key opens nothing;
+- the server sends a nonce; the client answers with its hello (run id, node rank, lease epoch, its
+  own nonce) and an HMAC-SHA256 over the server's nonce and the hello; the server answers with an
+  HMAC of its own over both nonces (the client knows it reached node 0 of its run, not an
+  impostor); a wrong tag, another run id, or an epoch lower than one this node rank already
+  presented (a fenced lease holder) is dropped without a byte of the store;
+- after it, every frame is sealed with AES-GCM under a session key derived from both nonces (a
+  counter nonce per direction), so a replayed, reordered or altered frame ends the connection;
+- a connection that does not finish the handshake within HANDSHAKE_TIMEOUT_S is closed, and at
+  most MAX_PENDING connections may be in their handshake at once; every connection has a thread of
+  its own, so a flood of half-open ones stalls no node already connected, and a node that arrives
+  while the flood fills every slot is closed at once and retries until its own bound (the slots
+  free within HANDSHAKE_TIMEOUT_S).
+
+Decisions that can be tested as tables live in pure functions (`store_key`, `client_tag`,
+`server_tag`, `admit`); the sockets are tested against attacking clients in
+tests/security/test_rendezvous_attacks.py.
+"""
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgspec
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+MAGIC: Final = b"ITO-RDZV1"
+NONCE_BYTES: Final = 16
+MAX_FRAME: Final = 1 << 20  # a ladder decision is a few KB; anything near this is not ours
+HANDSHAKE_TIMEOUT_S: Final = 3.0
+MAX_PENDING: Final = 128  # half-open handshakes at once; past it a connection is closed at once
+POLL_S: Final = 0.05
+
+
+class RendezvousRefused(Exception):
+    """The other end is not this run's: the handshake failed (or the connection ended)."""
+
+
+class _NoNonce(Exception):
+    """The server closed before its nonce: every handshake slot was taken; try again."""
+
+
+class Hello(msgspec.Struct, frozen=True):
+    run_id: str
+    node_rank: int
+    epoch: int
+    nonce: bytes
+
+
+class Op(msgspec.Struct, frozen=True):
+    op: str  # "set", "get", "add", "check"
+    key: str
+    value: bytes = b""
+    amount: int = 0
+
+
+class Reply(msgspec.Struct, frozen=True):
+    found: bool
+    value: bytes = b""
+    number: int = 0
+
+
+def store_key(rendezvous_key: str, run_id: str) -> bytes:
+    """The run's store key: the scheduler's per-run secret bound to the run id (the same secret
+    under another run id opens nothing)."""
+    return hmac.new(rendezvous_key.encode(), b"ito-rdzv-store|" + run_id.encode(), hashlib.sha256).digest()
+
+
+def client_tag(key: bytes, server_nonce: bytes, hello: bytes) -> bytes:
+    return hmac.new(key, b"client|" + server_nonce + hello, hashlib.sha256).digest()
+
+
+def server_tag(key: bytes, server_nonce: bytes, hello: bytes) -> bytes:
+    return hmac.new(key, b"server|" + server_nonce + hello, hashlib.sha256).digest()
+
+
+def session_key(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(key, b"session|" + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def admit(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
+    """Why a hello whose tag checked out is still refused (None: admitted): another run's id, or a
+    lease epoch lower than one this node rank already presented (its lease was taken over)."""
+    if hello.run_id != run_id:
+        return "another run"
+    if hello.epoch < epochs.get(hello.node_rank, hello.epoch):
+        return "a stale lease epoch"
+    return None
+
+
+def _send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise RendezvousRefused("the connection ended")
+        data += chunk
+    return bytes(data)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    (size,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if size > MAX_FRAME:
+        raise RendezvousRefused("frame too large")
+    return _recv_exact(sock, size)
+
+
+@dataclass
+class _Channel:
+    """AES-GCM frames under the session key; the nonce is the direction and a counter."""
+
+    sock: socket.socket
+    aead: AESGCM
+    send_dir: bytes
+    recv_dir: bytes
+    sent: int = 0
+    received: int = 0
+
+    def send(self, obj: object) -> None:
+        nonce = self.send_dir + self.sent.to_bytes(11, "big")
+        self.sent += 1
+        _send(self.sock, self.aead.encrypt(nonce, msgspec.msgpack.encode(obj), None))
+
+    def recv(self, kind: type) -> object:
+        nonce = self.recv_dir + self.received.to_bytes(11, "big")
+        self.received += 1
+        try:
+            plain = self.aead.decrypt(nonce, _recv(self.sock), None)
+        except Exception as exc:  # InvalidTag: altered, replayed or reordered
+            raise RendezvousRefused("a frame failed its seal") from exc
+        return msgspec.msgpack.decode(plain, type=kind)
+
+
+@dataclass
+class RendezvousServer:
+    """Node 0's store. `address` is where it listens; `close` stops it and ends every connection."""
+
+    host: str
+    port: int
+    run_id: str
+    key: bytes
+    data: dict[str, bytes] = field(default_factory=dict)
+    epochs: dict[int, int] = field(default_factory=dict)
+    refused: int = 0  # connections dropped at the handshake (tests and logs read it)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Condition()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._sessions: dict[int, list[socket.socket]] = {}
+        self._listener = socket.create_server((self.host, self.port), reuse_port=False)
+        self._listener.settimeout(0.2)
+        self.port = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, name="rdzv-accept", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        with self._lock:
+            for socks in self._sessions.values():
+                for s in socks:
+                    _quietly_close(s)
+            self._sessions.clear()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._pending.acquire(blocking=False):
+                self.refused += 1
+                _quietly_close(conn)  # too many half-open handshakes: refuse, stall no one
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="rdzv-conn", daemon=True).start()
+
+    def _handshake(self, conn: socket.socket) -> tuple[_Channel, Hello]:
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        nonce = os.urandom(NONCE_BYTES)
+        conn.sendall(MAGIC + nonce)
+        raw = _recv(conn)
+        tag = _recv(conn)
+        if not hmac.compare_digest(tag, client_tag(self.key, nonce, raw)):
+            raise RendezvousRefused("wrong key")
+        hello = msgspec.msgpack.decode(raw, type=Hello)
+        with self._lock:
+            why = admit(hello, self.run_id, self.epochs)
+            if why is not None:
+                raise RendezvousRefused(why)
+            if hello.epoch > self.epochs.get(hello.node_rank, -1):
+                for old in self._sessions.pop(hello.node_rank, []):
+                    _quietly_close(old)  # the fenced holder's connections end now
+            self.epochs[hello.node_rank] = hello.epoch
+            self._sessions.setdefault(hello.node_rank, []).append(conn)
+        _send(conn, server_tag(self.key, nonce, raw))
+        conn.settimeout(None)
+        aead = AESGCM(session_key(self.key, nonce, hello.nonce))
+        return _Channel(conn, aead, send_dir=b"s", recv_dir=b"c"), hello
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            try:
+                channel, _ = self._handshake(conn)
+            finally:
+                self._pending.release()
+        except (RendezvousRefused, OSError, msgspec.DecodeError, struct.error):
+            self.refused += 1
+            _quietly_close(conn)
+            return
+        try:
+            while not self._closed.is_set():
+                op = channel.recv(Op)
+                assert isinstance(op, Op)
+                channel.send(self._apply(op))
+        except (RendezvousRefused, OSError, msgspec.DecodeError, struct.error):
+            pass
+        finally:
+            _quietly_close(conn)
+
+    def _apply(self, op: Op) -> Reply:
+        with self._lock:
+            if op.op == "set":
+                self.data[op.key] = op.value
+                self._lock.notify_all()
+                return Reply(found=True)
+            if op.op == "add":
+                number = int(self.data.get(op.key, b"0")) + op.amount
+                self.data[op.key] = str(number).encode()
+                return Reply(found=True, number=number)
+            value = self.data.get(op.key)
+            return Reply(found=value is not None, value=value or b"")
+
+
+class RendezvousClient:
+    """A node's connection to node 0's store (node 0 connects to its own too): TCPStore's `set`,
+    `get` (waits for the key, up to `timeout_s`), `add` and `check`, over the sealed channel."""
+
+    def __init__(
+        self, endpoint: str, key: bytes, run_id: str, node_rank: int, epoch: int, timeout_s: float
+    ) -> None:
+        host, _, port = endpoint.rpartition(":")
+        self.timeout_s = timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:  # node 0 may not listen yet, or be full of half-open handshakes: retry to the bound
+            try:
+                sock = socket.create_connection((host.strip("[]"), int(port)), timeout=HANDSHAKE_TIMEOUT_S)
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                continue
+            try:
+                hello = Hello(run_id, node_rank, epoch, os.urandom(NONCE_BYTES))
+                self._channel = self._handshake(sock, key, hello)
+                break
+            except _NoNonce:
+                _quietly_close(sock)  # closed before the nonce: no slot free yet, not a refusal
+                if time.monotonic() > deadline:
+                    raise RendezvousRefused("node 0's store took no connection in time") from None
+                time.sleep(0.2)
+            except (OSError, struct.error) as exc:
+                _quietly_close(sock)
+                raise RendezvousRefused("node 0's store did not finish the handshake") from exc
+            except RendezvousRefused:
+                _quietly_close(sock)
+                raise
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _handshake(sock: socket.socket, key: bytes, hello: Hello) -> _Channel:
+        try:
+            head = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+        except (RendezvousRefused, OSError) as exc:
+            raise _NoNonce() from exc
+        if not head.startswith(MAGIC):
+            raise RendezvousRefused("not a rendezvous store")
+        nonce = head[len(MAGIC) :]
+        raw = msgspec.msgpack.encode(hello)
+        _send(sock, raw)
+        _send(sock, client_tag(key, nonce, raw))
+        if not hmac.compare_digest(_recv(sock), server_tag(key, nonce, raw)):
+            raise RendezvousRefused("the store did not prove it holds the run's key")
+        sock.settimeout(None)
+        return _Channel(sock, AESGCM(session_key(key, nonce, hello.nonce)), send_dir=b"c", recv_dir=b"s")
+
+    def _call(self, op: Op) -> Reply:
+        with self._lock:
+            self._channel.send(op)
+            reply = self._channel.recv(Reply)
+        assert isinstance(reply, Reply)
+        return reply
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call(Op("set", key, value.encode() if isinstance(value, str) else value))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(Op("add", key, amount=amount)).number
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._call(Op("get", k)).found for k in keys)
+
+    def get(self, key: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            reply = self._call(Op("get", key))
+            if reply.found:
+                return reply.value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rendezvous key {key!r} not set within {self.timeout_s:g} s")
+            time.sleep(POLL_S)
+
+    def close(self) -> None:
+        _quietly_close(self._channel.sock)
+
+
+def _quietly_close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
