@@ -53,6 +53,20 @@ BURST_MAX_RECONNECTS = 150  # ~30 s of outage, well past the restart, then the c
 PROBE_TIMEOUT_S = 5  # a stream info probe
 
 
+UNLIMITED_QUOTA = (
+    "--rate",
+    "1000000",
+    "--burst",
+    "1000000",
+    "--confirmations",
+    "1000000",
+    "--runs",
+    "1000000",
+    "--queued",
+    "1000000",
+)
+
+
 class Stack:
     """`ito-training up` (its own authenticated NATS and Redis) under a fresh namespace and data
     dir, one tenant account logged in for `ecc`."""
@@ -82,6 +96,9 @@ class Stack:
         try:
             # `accounts create` also reloads the stack's nats-server so that it accepts the new NKey.
             key = self.cli("ito-training", "accounts", "create", self.account, "--json")["api_key"]
+            # The scenarios measure recovery, not the quotas (docs/quotas.md): a burst of a thousand
+            # requests would otherwise meet the default request rate. The tenant is unlimited here.
+            self.cli("ito-training", "accounts", "quota", self.account, *UNLIMITED_QUOTA, "--json")
             self.cli(
                 "ecc", "ito", "login", "--account", self.account, "--json", input=key + "\n"
             )  # stdin, not argv

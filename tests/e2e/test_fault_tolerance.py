@@ -88,8 +88,13 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
             and badput["checkpoint_restore"] > 0
             and badput["lost_to_interruptions"] > 0
         )
-        assert booking_rollup["goodput_gpu_hours"] + sum(badput.values()) == pytest.approx(
+        held = sum(v for k, v in badput.items() if k != "idle")  # the run's own hours, every kind
+        assert booking_rollup["goodput_gpu_hours"] + held == pytest.approx(
             booking_rollup["wall_gpu_hours"], rel=1e-9
+        )
+        # and with the booked GPUs no run held, the booking's whole window is accounted for
+        assert booking_rollup["goodput_gpu_hours"] + sum(badput.values()) == pytest.approx(
+            booking_rollup["booked_gpu_hours"], rel=1e-9
         )
     finally:
         replacement.terminate()

@@ -56,7 +56,7 @@ async def stack(namespace, tmp_path, monkeypatch):
     broker = connections.make_broker(s, "scheduler")
     w = Wiring(settings=s, broker=broker, redis=None, keys=Keys(s))
     w.bus = LocalBus(w.router, broker)
-    credentials, bookings = register_all(w, None)
+    credentials, bookings, _quotas = register_all(w, None)
     worker = Worker(broker, s)
     calls: list[str] = []
     worker.exports.writers = exports.Writers(hf=fake_writer(calls), tokenizer_files=lambda src, d: {})
