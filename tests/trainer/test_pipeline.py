@@ -10,6 +10,7 @@ import pytest
 from contracts.evals import EvalMetric
 from contracts.manifest import Manifest
 from contracts.runs import DataProvenance, EvalResult, LogLine, Metrics, Outcome, StageStarted
+from services.domain import gates
 from services.trainer.checkpoint import list_checkpoints
 from services.trainer.pipeline import run_pipeline
 from services.trainer.reporting import Recorder
@@ -70,6 +71,9 @@ def small_manifest(stages: dict, recipe=(), **post) -> Manifest:
             "model": {"size": "tiny", "revision": "r"},
             "data": [
                 {"name": "docs", "source": "builtin:pydoc_topics"},
+                # arithmetic text like the eval's (small_arithmetic's lines are all eval problems,
+                # so decontamination leaves none of them): what pretrain's held-out loss learns from
+                {"name": "sums", "source": "generated:arithmetic"},
                 {"name": "arith", "source": "generated:small_arithmetic"},
                 {"name": "arith-eval", "source": "generated:small_arithmetic", "role": "eval"},
             ],
@@ -158,6 +162,30 @@ def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
     repeat = run_pipeline(manifest, tmp_path, again, never, threads=2)
     assert repeat.outcome is Outcome.gate_failed and repeat.summary == result.summary
     assert again.of(Metrics) == [] and again.of(EvalResult)[0].passed is False
+
+
+def test_an_sft_that_raises_held_out_loss_ends_gate_failed(tmp_path):
+    """Issue 26: SFT passed on `task_accuracy 0.0000 (gate >= -0.0500)` while held-out loss rose.
+    Now SFT is judged on the SFT objective on examples it never trained on, which must improve on
+    the incoming model's; a learning rate 17x the default wrecks it, and the run stops there."""
+    manifest = small_manifest(
+        {"pretrain": {}}, recipe=["sft"], sft={"steps": 6, "batch_size": 8, "learning_rate": 0.05}
+    )
+    emit = Recorder()
+    result = run_pipeline(manifest, tmp_path, emit, never, threads=2)
+    assert result.outcome is Outcome.gate_failed and result.last_stage == "sft", result.summary
+    pretrain, sft = emit.of(EvalResult)
+    assert pretrain.passed and not sft.passed
+    held = next(m for m in sft.metrics if m.name == "held_out_loss")
+    assert held.op == "<=" and held.threshold is not None and not held.passed
+    incoming = held.threshold / (1 - gates.SFT_MIN_IMPROVEMENT)
+    assert held.value > incoming  # worse than the model SFT started from, not merely short of 1 %
+    assert held.sentence == (
+        f"held-out loss on the SFT eval split {held.value:.4f} must be at most {held.threshold:.4f} "
+        f"(1 % below the pretrain model's {incoming:.4f}): failed"
+    )
+    assert result.summary.startswith("sft gate failed: held_out_loss")
+    assert any(line.message == f"sft gate: {held.sentence}" for line in emit.of(LogLine))
 
 
 def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):
