@@ -701,3 +701,20 @@ def test_confirm_shows_what_it_authorises(action, target, digest, cost, lines):
         "max_cost_usd",
         "expires_at",
     }
+
+
+def test_a_gate_reads_as_sentences_with_its_findings():
+    said = "held-out loss on the SFT eval split 7.3400 must be at most 2.9799 (1 % below the pretrain model's 3.0100): failed"
+    gate = StageGate(
+        stage="sft",
+        passed=False,
+        metrics=[
+            EvalMetric(
+                name="held_out_loss", value=7.34, threshold=2.9799, op="<=", passed=False, sentence=said
+            )
+        ],
+        findings=["overfitting: training loss 0.1800 is far below held-out loss 1.6700 (x9.3)"],
+    )
+    assert render.gate_line(gate) == (
+        f"gate sft: FAILED: {said}\n    finding: overfitting: training loss 0.1800 is far below held-out loss 1.6700 (x9.3)"
+    )
