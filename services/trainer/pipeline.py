@@ -569,9 +569,9 @@ class _Run:
         return problems, examples, pairs
 
     def _held_out(self, stage: PostPlan) -> _HeldOut:
-        """The stage's held-out data: the eval refs' (a chat eval split, preference rows, the
-        verifiable eval suites as SFT examples and as right/wrong pairs), else a split of the
-        stage's own training data (SFT: examples; DPO: pairs)."""
+        """The stage's held-out data: the eval refs' (a chat eval split or the verifiable eval
+        suites as SFT examples; preference rows as pairs), else a split of the stage's own
+        training data (SFT: examples; DPO: pairs, drawn like its training pairs)."""
         if stage.name in self._held:
             return self._held[stage.name]
         chat_eval = [name for name in self.plan.eval_refs if name in self.structured]
@@ -585,8 +585,6 @@ class _Run:
         is_dpo = isinstance(stage.section, DpoStage)
         if is_dpo:
             pairs = rows.dpo_pairs(self.tokenizer, [r for r in table if "chosen" in r])
-            if not pairs and tasks:
-                pairs = self._task_tokens(stage, tasks, sft=False)[1]
         if (isinstance(stage.section, SftStage) and not examples) or (is_dpo and not pairs):
             problems, own_examples, own_pairs = self._post_data(stage)
             held_problems = hold_out(problems)[1]
