@@ -86,6 +86,10 @@ for gate in run["gates"]:
     for m in gate["metrics"]:
         bound = "reported" if m["threshold"] is None else "%s %.4f" % (m["op"], m["threshold"])
         print("    %s %.4f (%s)" % (m["name"], m["value"], bound))
+        if m.get("sentence"):
+            print("      %s" % m["sentence"])
+    for finding in gate.get("findings", []):
+        print("    finding: %s" % finding)
 sys.exit(0 if run["state"] == "succeeded" else 1)
 '
 
