@@ -7,8 +7,11 @@ class EvalMetric(Internal, frozen=True, kw_only=True):
     name: str
     value: float
     threshold: float | None = None
-    op: str = ">="  # how value is compared with threshold: ">=" or "<="
+    op: str = ">="  # how value is compared with threshold: ">=", ">", "<=" or "<"
     passed: bool = True
+    # What the gate compared, in words: "held-out loss on the SFT eval split 7.3400 must be at
+    # most 2.9799 (1 % below the pretrain model's 3.0100): failed"; "" from older writers.
+    sentence: str = ""
 
 
 class StageGate(Internal, frozen=True, kw_only=True):
@@ -17,6 +20,7 @@ class StageGate(Internal, frozen=True, kw_only=True):
     stage: str
     passed: bool
     metrics: list[EvalMetric]
+    findings: list[str] = []  # what the battery noticed but does not gate (e.g. overfitting)
 
 
 class ProvenanceStep(Internal, frozen=True, kw_only=True):

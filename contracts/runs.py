@@ -115,6 +115,7 @@ class EvalResult(RunEventBase, tag="eval", frozen=True, kw_only=True):
     stage: str
     metrics: list[EvalMetric]
     passed: bool
+    findings: list[str] = []  # what the battery noticed but does not gate (e.g. overfitting)
 
 
 class DataProvenance(RunEventBase, tag="provenance", frozen=True, kw_only=True):

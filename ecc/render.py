@@ -209,11 +209,19 @@ def _bound(metric: EvalMetric) -> str:
     return f"gate {metric.op} {metric.threshold:.4f}"
 
 
+def _said(metric: EvalMetric) -> str:
+    """A metric as its gate said it ("held-out loss 2.1000 must be at most 4.0000 (...): passed"),
+    or, from an older writer with no sentence, its numbers."""
+    return metric.sentence or f"{metric.name} {metric.value:.4f} ({_bound(metric)})"
+
+
 def gate_line(gate: StageGate) -> str:
-    """A stage's gate verdict in one line: `gate pretrain: passed: held_out_loss 2.1000 (gate <= 4.0000)`."""
+    """A stage's gate verdict in one line: `gate pretrain: passed: held-out loss 2.1000 must be at
+    most 4.4715 (20 % below the untrained model's 5.5894): passed`, then its findings."""
     verdict = "passed" if gate.passed else "FAILED"
-    numbers = ", ".join(f"{m.name} {m.value:.4f} ({_bound(m)})" for m in gate.metrics)
-    return f"gate {gate.stage}: {verdict}: {numbers}"
+    numbers = ", ".join(_said(m) for m in gate.metrics)
+    line = f"gate {gate.stage}: {verdict}: {numbers}"
+    return line + "".join(f"\n    finding: {f}" for f in gate.findings)
 
 
 def _bookings(views: list[BookingView]) -> str:
@@ -366,8 +374,11 @@ def _evals(listed: EvalList) -> str:
     for g in listed.gates:
         rows.append(f"{g.stage}: {'passed' if g.passed else 'FAILED'}")
         rows += [
-            f"  {m.name} = {m.value:.4f} ({_bound(m)}) {'ok' if m.passed else 'FAIL'}" for m in g.metrics
+            f"  {m.name} = {m.value:.4f} ({_bound(m)}) {'ok' if m.passed else 'FAIL'}"
+            + (f"\n    {m.sentence}" if m.sentence else "")
+            for m in g.metrics
         ]
+        rows += [f"  finding: {f}" for f in g.findings]
     return "\n".join(rows) or "(no stage has been evaluated yet)"
 
 

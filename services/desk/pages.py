@@ -176,7 +176,15 @@ def _gates(d: RunDetail) -> str:
             f'<tr><td>{escape(m.name)}</td><td class="num">{m.value:.4f}</td><td>{escape(m.op)}</td>'
             f'<td class="num">{"reported" if m.threshold is None else f"{m.threshold:.4f}"}</td>'
             f"<td>{'ok' if m.passed else 'FAIL'}</td></tr>"
+            + (
+                f'<tr class="gate-sentence"><td colspan="5">{escape(m.sentence)}</td></tr>'
+                if m.sentence
+                else ""
+            )
             for m in g.metrics
+        )
+        metrics += "".join(
+            f'<tr class="gate-finding"><td colspan="5">finding: {escape(f)}</td></tr>' for f in g.findings
         )
         bodies.append(
             f'<tbody class="gate" data-stage="{escape(g.stage)}" data-verdict="{verdict}">{head}{metrics}</tbody>'

@@ -94,6 +94,16 @@ class RunPlan:
     base: BaseModel | None = None  # the base model it fine-tunes; None: from scratch
     row_refs: frozenset[str] = frozenset()  # training refs read as JSONL / Parquet rows
     chat_evals: tuple[str, ...] = ()  # eval refs read as rows (a chat eval split)
+    size: str | None = None  # the from-scratch model size; None for a base model's run
+
+    def incoming_label(self, stage: "LmPlan | PostPlan") -> str:
+        """What `stage` starts from, in words: "the pretrain model", "the base model", "the
+        untrained model"; the gate's sentences name it."""
+        names = [s.name for s in self.stages]
+        i = names.index(stage.name) if stage.name in names else 0
+        if i > 0:
+            return f"the {names[i - 1]} model"
+        return "the base model" if self.base is not None else "the untrained model"
 
     def rules(self, stage: "LmPlan | PostPlan") -> list[gates.Rule]:
         """The gate `stage` is judged on: the backend's battery, tightened by the manifest."""
@@ -107,6 +117,7 @@ class RunPlan:
             has_tasks=has_tasks,
             has_held_out=bool(self.eval_refs),
             chat_eval=chat_eval,
+            size=self.size,
         )
 
     @property
@@ -201,6 +212,7 @@ def plan_run(manifest: Manifest, base: BaseModel | None = None) -> RunPlan:
         base=base,
         row_refs=frozenset(r.name for r in manifest.data if r.role is DataRole.train and reads_rows(r)),
         chat_evals=tuple(r.name for r in manifest.data if r.role is DataRole.eval and reads_rows(r)),
+        size=manifest.model.size.value if manifest.model.size is not None and base is None else None,
     )
 
 

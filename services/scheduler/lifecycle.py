@@ -145,7 +145,9 @@ def apply_event(view: RunView, event: RunEvent) -> RunView:
                 view, stage=event.stage, step=0, total_steps=event.total_steps, loss=None, updated_at=event.at
             )
         case EvalResult():
-            gate = StageGate(stage=event.stage, passed=event.passed, metrics=event.metrics)
+            gate = StageGate(
+                stage=event.stage, passed=event.passed, metrics=event.metrics, findings=event.findings
+            )
             gates = [g for g in view.gates if g.stage != event.stage] + [gate]
             return msgspec.structs.replace(view, gates=gates, updated_at=event.at)
         case DataProvenance():

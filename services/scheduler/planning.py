@@ -333,7 +333,9 @@ def stage_gates(manifest: Manifest, base: BaseModel | None = None) -> list[Stage
     except ValueError:
         return []
     return [
-        StageGatePlan(stage=stage.name, rules=[r.describe() for r in run.rules(stage)])
+        StageGatePlan(
+            stage=stage.name, rules=[r.describe(run.incoming_label(stage)) for r in run.rules(stage)]
+        )
         for stage in run.stages
     ]
 

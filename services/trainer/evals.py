@@ -9,13 +9,18 @@ sets thresholds. `judge` is a pure function from measured values and thresholds 
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
 
 from contracts.evals import EvalMetric
+from services.domain.gates import passes
 from services.trainer.data import ByteTokenizer, load_eval_suite, needle_document, split_task_line
 from services.trainer.generation import complete
 from services.trainer.model import Transformer
 from services.trainer.tokenizer import Tokenizer
 
+T = TypeVar("T")
 TASK_ANSWER_SLACK = 2  # decode a couple of tokens past the longest answer, so "47\n" vs "47\n" is fair
 
 
@@ -27,6 +32,11 @@ class Check:
     value: float | None
     threshold: float | None = None
     op: str = ">="
+    sentence: str = ""  # what the gate compares, in words (services/domain/gates.sentence)
+
+
+OPS = (">=", ">", "<=", "<")
+NOT = {">=": "<", ">": "<=", "<=": ">", "<": ">="}
 
 
 def judge(checks: Sequence[Check]) -> tuple[list[EvalMetric], bool]:
@@ -34,24 +44,41 @@ def judge(checks: Sequence[Check]) -> tuple[list[EvalMetric], bool]:
     without a threshold are left out; a gated one that cannot be measured is an error, never a pass."""
     metrics, passed = [], True
     for check in checks:
-        if check.op not in (">=", "<="):
-            raise ValueError(f"A gate compares with >= or <=, not {check.op!r}.")
+        if check.op not in OPS:
+            raise ValueError(f"A gate compares with >=, >, <= or <, not {check.op!r}.")
         if check.value is None:
             if check.threshold is not None:  # the pipeline refuses such a gate before training
                 raise ValueError(
                     f"The gate on {check.name} cannot be judged: there is nothing to measure it on."
                 )
             continue
-        ok = check.threshold is None or (
-            check.value >= check.threshold if check.op == ">=" else check.value <= check.threshold
-        )
+        ok = check.threshold is None or passes(check.value, check.op, check.threshold)
         passed &= ok
         metrics.append(
             EvalMetric(
-                name=check.name, value=float(check.value), threshold=check.threshold, op=check.op, passed=ok
+                name=check.name,
+                value=float(check.value),
+                threshold=check.threshold,
+                op=check.op,
+                passed=ok,
+                sentence=check.sentence,
             )
         )
     return metrics, passed
+
+
+HOLD_OUT_EVERY = 10  # no eval split for a post-training stage: every tenth training row is held out
+
+
+def hold_out(items: Sequence[T]) -> tuple[list[T], list[T]]:
+    """(train, held_out) of a post-training stage's own rows when no eval split is given: every
+    HOLD_OUT_EVERY-th row (the last of each ten), and at least the last row of two or more; the
+    same split every call, so a resumed stage trains on what it started with."""
+    n = len(items)
+    if n < 2:
+        return list(items), []
+    held = {i for i in range(n) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1} or {n - 1}
+    return [x for i, x in enumerate(items) if i not in held], [items[i] for i in sorted(held)]
 
 
 def describe(stage: str, metrics: list[EvalMetric]) -> str:
@@ -63,7 +90,7 @@ def describe(stage: str, metrics: list[EvalMetric]) -> str:
         if m.threshold is None:
             parts.append(f"{m.name} {m.value:.4f}")
         else:
-            bad = {">=": "<", "<=": ">"}[m.op] if not m.passed else m.op
+            bad = NOT[m.op] if not m.passed else m.op
             parts.append(f"{m.name} {m.value:.4f} {bad} {m.threshold:.4f}")
     verdict = "gate failed" if failed else "gate passed"
     return f"{stage} {verdict}: " + ", ".join(parts) if parts else f"{stage} {verdict}"
@@ -133,3 +160,17 @@ def needle_accuracy(model: Transformer, trials: Sequence[tuple[str, str]]) -> fl
     return sum(tok.decode(c.tokens) == key for c, (_, key) in zip(completions, trials, strict=True)) / len(
         trials
     )
+
+
+def preference(
+    policy: torch.Tensor, reference: torch.Tensor, beta: float
+) -> tuple[float | None, float | None]:
+    """(preference accuracy, mean reward margin) of held-out pairs: `policy` and `reference` are
+    (pairs, 2) summed log-probabilities of (chosen, rejected) under the trained and the incoming
+    model; the implicit reward is beta x (policy - reference), as DPO trains it. A pair counts as
+    right only when the chosen answer's reward is strictly higher (a tie is not a preference)."""
+    if policy.numel() == 0:
+        return None, None
+    rewards = beta * (policy.double() - reference.double())
+    margins = rewards[:, 0] - rewards[:, 1]
+    return float((margins > 0).double().mean()), float(margins.mean())

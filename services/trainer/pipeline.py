@@ -38,7 +38,7 @@ from contracts.manifest import DataPrepStage, DpoStage, LongContextGate, Manifes
 from contracts.models import BaseModel, ModelShape
 from contracts.runs import LogLevel, Outcome
 from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan, plan_run
-from services.domain.gates import threshold
+from services.domain.gates import overfitting, sentence, threshold
 from services.runtime import data_files
 from services.trainer import dataprep, lora, rows
 from services.trainer.checkpoint import is_hf_model_dir, load_weights
@@ -53,9 +53,11 @@ from services.trainer.data import (
 from services.trainer.evals import (
     Check,
     describe,
+    hold_out,
     judge,
     needle_accuracy,
     needle_trials,
+    preference,
     task_accuracy,
     task_suite,
 )
@@ -67,6 +69,7 @@ from services.trainer.posttrain import (
     PostResult,
     TokenExample,
     TokenPair,
+    pair_logprobs,
     response_loss,
     wrong_answer,
 )
@@ -118,6 +121,17 @@ class PipelineResult:
     final_loss: float | None
     held_out_loss: float | None
     outcome: Outcome  # required: a result never leaves its outcome to a default
+
+
+@dataclass(frozen=True, slots=True)
+class _HeldOut:
+    """What a post-training stage is judged on, none of it trained on: the SFT eval split
+    (`examples`, response tokens learnt) and, for DPO, held-out preference pairs. `split`: held out
+    of the stage's own training data (no eval split says otherwise), which then trains without them."""
+
+    examples: list[TokenExample]
+    pairs: list[TokenPair]
+    split: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +189,8 @@ class _Run:
         self.note = ""  # what the stage that just trained did, for the summary
         self.final_loss: float | None = None
         self.held_out: float | None = None
+        self.findings: list[str] = []  # what the stage just judged showed but does not gate
+        self._held: dict[str, _HeldOut] = {}
 
     def log(self, message: str, level: LogLevel = LogLevel.info) -> None:
         self.report.log(message, level)
@@ -379,6 +395,7 @@ class _Run:
             ),
         }
         measured |= self._long_context_measures(stage, cfg, held, result.model)
+        self.findings = [f for f in [overfitting(result.final_loss, result.held_out_loss)] if f]
         return self._checks(stage, measured, incoming), False
 
     def _lm_incoming(self, stage: LmPlan, cfg: StageConfig, held: torch.Tensor) -> dict[str, float | None]:
@@ -428,15 +445,28 @@ class _Run:
         (its threshold relative to the incoming model, tightened by the manifest); what the gate
         does not cover is reported with no threshold."""
         rules = {r.metric: r for r in self.plan.rules(stage)}
+        before = self.plan.incoming_label(stage)
         checks = []
         for name, value in measured.items():
             rule = rules.get(name)
-            if rule is None:
-                checks.append(Check(name=name, value=value))
-            else:
-                checks.append(
-                    Check(name=name, value=value, threshold=threshold(rule, incoming.get(name)), op=rule.op)
+            bound = threshold(rule, incoming.get(name)) if rule is not None else None
+            words = (
+                ""
+                if value is None
+                else sentence(
+                    rule,
+                    value,
+                    bound,
+                    incoming.get(name),
+                    incoming_label=before,
+                    stage=stage.name,
+                    metric=name,
                 )
+            )
+            if rule is None:
+                checks.append(Check(name=name, value=value, sentence=words))
+            else:
+                checks.append(Check(name=name, value=value, threshold=bound, op=rule.op, sentence=words))
         return checks
 
     def _short_loss_before(
@@ -451,7 +481,7 @@ class _Run:
         return held_out_loss(incoming, held, cfg, device, seq_len=short_seq_len)
 
     def post_stage(self, stage: PostPlan, directory: pathlib.Path) -> tuple[list[Check], bool]:
-        incoming = self._post_measures(
+        incoming, reference = self._post_measures(
             self._incoming_model(stage.shape, self.manifest.target.seq_len, stage.rope_base), stage
         )
         result = self._train_post(stage, directory)
@@ -464,31 +494,22 @@ class _Run:
             lora.write_merged_checkpoint(
                 result.model, stage.section.lora, directory / MERGED, result.final_step
             )
-        return self._checks(stage, self._post_measures(result.model, stage), incoming), False
+        measured, policy = self._post_measures(result.model, stage)
+        if isinstance(stage.section, DpoStage) and policy is not None and reference is not None:
+            accuracy, margin = preference(policy, reference, stage.section.beta)
+            measured = {"preference_accuracy": accuracy, "reward_margin": margin} | measured
+        self.findings = []
+        if isinstance(stage.section, SftStage):
+            self.findings = [f for f in [overfitting(result.final_loss, measured.get("held_out_loss"))] if f]
+        return self._checks(stage, measured, incoming), False
 
     def _train_post(self, stage: PostPlan, directory: pathlib.Path) -> PostResult | RlvrResult:
-        """Train SFT, DPO or RLVR, as the stage's manifest section says."""
+        """Train SFT, DPO or RLVR, as the stage's manifest section says (without the rows held out
+        for its gate, when they come from its own training data)."""
         seed = self.manifest.seed
-        structured = [name for name in stage.data if name in self.structured]
-        problems = [
-            p
-            for name in stage.data
-            if name not in self.structured
-            for p in task_problems(load_text(self.sources[name], seed=seed))
-        ]
-        examples: list[TokenExample] = []
-        pairs: list[TokenPair] = []
-        if problems and self.tokenizer.id != "bytes":  # task lines through the run's real tokenizer
-            examples, pairs = self._task_tokens(stage, problems)
-            problems = []
-        if structured:
-            table = [r for name in structured for r in self._rows(name)]
-            if isinstance(stage.section, SftStage):
-                examples = rows.sft_examples(self.tokenizer, table)
-            elif isinstance(stage.section, DpoStage):
-                pairs = rows.dpo_pairs(self.tokenizer, table)
-            else:
-                raise ValueError(f"{stage.name} does not train on JSONL or Parquet rows yet.")
+        problems, examples, pairs = self._post_data(stage)
+        if self._held_out(stage).split:
+            problems, examples, pairs = hold_out(problems)[0], hold_out(examples)[0], hold_out(pairs)[0]
         section = stage.section
         common = PostConfig(
             stage=stage.name,
@@ -519,6 +540,65 @@ class _Run:
                 return self._train_rlvr(common, section)
         raise ValueError(f"Unknown post-training stage {stage.name!r}.")
 
+    def _post_data(
+        self, stage: PostPlan
+    ) -> tuple[list[tuple[str, str]], list[TokenExample], list[TokenPair]]:
+        """A post-training stage's training data, all of it: task problems (the byte path), token
+        examples (SFT) or token pairs (DPO)."""
+        seed = self.manifest.seed
+        structured = [name for name in stage.data if name in self.structured]
+        problems = [
+            p
+            for name in stage.data
+            if name not in self.structured
+            for p in task_problems(load_text(self.sources[name], seed=seed))
+        ]
+        examples: list[TokenExample] = []
+        pairs: list[TokenPair] = []
+        if problems and self.tokenizer.id != "bytes":  # task lines through the run's real tokenizer
+            examples, pairs = self._task_tokens(stage, problems)
+            problems = []
+        if structured:
+            table = [r for name in structured for r in self._rows(name)]
+            if isinstance(stage.section, SftStage):
+                examples = rows.sft_examples(self.tokenizer, table)
+            elif isinstance(stage.section, DpoStage):
+                pairs = rows.dpo_pairs(self.tokenizer, table)
+            else:
+                raise ValueError(f"{stage.name} does not train on JSONL or Parquet rows yet.")
+        return problems, examples, pairs
+
+    def _held_out(self, stage: PostPlan) -> _HeldOut:
+        """The stage's held-out data: the eval refs' (a chat eval split or the verifiable eval
+        suites as SFT examples; preference rows as pairs), else a split of the stage's own
+        training data (SFT: examples; DPO: pairs, drawn like its training pairs)."""
+        if stage.name in self._held:
+            return self._held[stage.name]
+        chat_eval = [name for name in self.plan.eval_refs if name in self.structured]
+        table = [r for name in chat_eval for r in self._rows(name)[: rows.EVAL_ROWS]]
+        tasks = self._problems(stage.gate.task_samples)
+        examples = rows.sft_examples(self.tokenizer, [r for r in table if "messages" in r])
+        if not examples and tasks:
+            examples = self._task_tokens(stage, tasks, sft=True)[0]
+        pairs: list[TokenPair] = []
+        split = False
+        is_dpo = isinstance(stage.section, DpoStage)
+        if is_dpo:
+            pairs = rows.dpo_pairs(self.tokenizer, [r for r in table if "chosen" in r])
+        if (isinstance(stage.section, SftStage) and not examples) or (is_dpo and not pairs):
+            problems, own_examples, own_pairs = self._post_data(stage)
+            held_problems = hold_out(problems)[1]
+            if isinstance(stage.section, SftStage):
+                examples = self._task_tokens(stage, held_problems, sft=True)[0] + hold_out(own_examples)[1]
+            else:
+                pairs = self._task_tokens(stage, held_problems, sft=False)[1] + hold_out(own_pairs)[1]
+            split = True
+        if is_dpo and not examples:  # the SFT objective on the held-out pairs' chosen answers
+            examples = [(p + c, [0] * len(p) + [1] * len(c)) for p, c, _ in pairs]
+        held = _HeldOut(examples=examples, pairs=pairs, split=split)
+        self._held[stage.name] = held
+        return held
+
     def _train_rlvr(self, common: PostConfig, section: RlvrStage) -> RlvrResult:
         fields = {f.name: getattr(common, f.name) for f in dataclasses.fields(PostConfig)}
         fields["batch_size"] = section.prompts_per_step * section.group_size
@@ -533,16 +613,20 @@ class _Run:
             )
         return result
 
-    def _post_measures(self, model: Transformer | None, stage: PostPlan) -> dict[str, float | None]:
-        """Held-out loss on the eval suites and task accuracy: measured on the incoming model and
-        again on the trained one, with the same windows and problems."""
+    def _post_measures(
+        self, model: Transformer | None, stage: PostPlan
+    ) -> tuple[dict[str, float | None], torch.Tensor | None]:
+        """Held-out loss on the SFT eval split, loss on the eval text, task accuracy, and (DPO) the
+        held-out pairs' summed log-probabilities: measured on the incoming model and again on the
+        trained one, with the same examples, windows and problems."""
         if model is None:
-            return {}
-        held = None
+            return {}, None
+        held_out = self._held_out(stage)
+        general = None
         if self.eval_sources:
             target = self.manifest.target
             tokens = load_eval_tokens(self.eval_sources, seed=self.manifest.seed)
-            held = lm_loss(
+            general = lm_loss(
                 model,
                 tokens,
                 seq_len=target.seq_len,
@@ -550,23 +634,25 @@ class _Run:
                 max_batches=EVAL_MAX_BATCHES,
                 device=pick_device(),
             )
-        chat_eval = [name for name in self.plan.eval_refs if name in self.structured]
-        if chat_eval:  # the eval split of chat rows: loss on the assistant's tokens, as SFT trains it
-            table = [r for name in chat_eval for r in self._rows(name)[: rows.EVAL_ROWS] if "messages" in r]
-            held = response_loss(model, rows.sft_examples(self.tokenizer, table), self.tokenizer.pad_id)
-        return {
-            "held_out_loss": held,
+        pad = self.tokenizer.pad_id
+        measured = {
+            # the SFT objective (the response tokens) on examples the stage never trained on
+            "held_out_loss": response_loss(model, held_out.examples, pad) if held_out.examples else None,
             "task_accuracy": task_accuracy(model, self._problems(stage.gate.task_samples), self.tokenizer),
         }
+        if general is not None:
+            measured["general_held_out_loss"] = general  # next-token loss on the eval text: reported
+        sums = pair_logprobs(model, held_out.pairs, pad) if held_out.pairs else None
+        return measured, sums
 
     def _task_tokens(
-        self, stage: PostPlan, problems: list[tuple[str, str]]
+        self, stage: PostPlan, problems: list[tuple[str, str]], *, sft: bool | None = None
     ) -> tuple[list[TokenExample], list[TokenPair]]:
         """Verifiable tasks as the run's tokenizer encodes them: SFT examples (the answer and its
         newline learnt), or DPO pairs (the right answer against a nearby wrong one, drawn once per
-        task from the run's seed)."""
+        task from the run's seed). `sft`: which (default: the stage's kind)."""
         tok = self.tokenizer
-        if isinstance(stage.section, SftStage):
+        if sft if sft is not None else isinstance(stage.section, SftStage):
             out = []
             for prompt, answer in problems:
                 p, a = tok.encode(prompt), tok.encode(answer + "\n")
@@ -622,8 +708,8 @@ class _Run:
             verdict = self._verdict(stage)
             if verdict is None:
                 return self.result(stage.name, Outcome.stopped)
-            metrics, passed = verdict
-            line = self._report_gate(stage.name, metrics, passed)
+            metrics, passed, findings = verdict
+            line = self._report_gate(stage.name, metrics, passed, findings)
             if not passed:
                 return self.result(stage.name, Outcome.gate_failed, summary=line)
             self.parts.append(f"{self.note or stage.name}, {line.split(': ', 1)[-1]}")
@@ -632,7 +718,7 @@ class _Run:
             self.previous = str(self.root / stage.name / MERGED if lora_stage else self.root / stage.name)
         return self.result(last, Outcome.succeeded)
 
-    def _verdict(self, stage: LmPlan | PostPlan) -> tuple[list[EvalMetric], bool] | None:
+    def _verdict(self, stage: LmPlan | PostPlan) -> tuple[list[EvalMetric], bool, list[str]] | None:
         """The stage's gate: the recorded one of a stage already judged, else train it and judge its
         battery (and record that); None when stopped."""
         directory = self.root / stage.name
@@ -643,7 +729,8 @@ class _Run:
         if record.exists():
             saved = json.loads(record.read_text())
             self.log(f"{stage.name} already judged; reporting its recorded gate")
-            return msgspec.convert(saved["metrics"], list[EvalMetric]), bool(saved["passed"])
+            findings = [str(f) for f in saved.get("findings", [])]
+            return msgspec.convert(saved["metrics"], list[EvalMetric]), bool(saved["passed"]), findings
         self.log(f"{stage.name}: {steps} steps")
         if isinstance(stage, LmPlan):
             checks, stopped = self.lm_stage(stage, directory)
@@ -652,16 +739,24 @@ class _Run:
         if stopped:
             return None
         metrics, passed = judge(checks)
-        _write_json(record, {"metrics": msgspec.to_builtins(metrics), "passed": passed})
-        return metrics, passed
+        findings = self.findings
+        self.findings = []
+        _write_json(record, {"metrics": msgspec.to_builtins(metrics), "passed": passed, "findings": findings})
+        return metrics, passed, findings
 
-    def _report_gate(self, stage: str, metrics: list[EvalMetric], passed: bool) -> str:
-        """The eval event and its one-line summary (logged as an error when the gate failed)."""
-        self.report.eval(stage, metrics, passed)
+    def _report_gate(self, stage: str, metrics: list[EvalMetric], passed: bool, findings: list[str]) -> str:
+        """The eval event and its one-line summary (logged as an error when the gate failed), each
+        metric's sentence, and the findings (as warnings)."""
+        self.report.eval(stage, metrics, passed, findings)
         held = next((m.value for m in metrics if m.name == "held_out_loss"), None)
         self.held_out = held if held is not None else self.held_out
         line = describe(stage, metrics)
         self.log(line, LogLevel.info if passed else LogLevel.error)
+        for m in metrics:
+            if m.sentence:
+                self.log(f"{stage} gate: {m.sentence}", LogLevel.info if m.passed else LogLevel.error)
+        for finding in findings:
+            self.log(f"{stage}: {finding}", LogLevel.warning)
         return line
 
 

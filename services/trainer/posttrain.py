@@ -222,6 +222,30 @@ def response_loss(
     return total / count if count else None
 
 
+@torch.no_grad()
+def pair_logprobs(
+    model: Transformer, pairs: Sequence[TokenPair], pad_id: int, batch_size: int = 16
+) -> torch.Tensor:
+    """(pairs, 2): each pair's chosen and rejected completion, its log-probabilities summed, as
+    DPO scores them (held-out pairs: the preference gate's input)."""
+    if not pairs:
+        return torch.zeros((0, 2), dtype=torch.float64)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    examples = pair_examples(pairs)
+    sums = []
+    for first in range(0, len(examples), batch_size):
+        inputs, targets, mask = token_batch(
+            examples[first : first + batch_size], pad_id, model.shape.max_seq_len
+        )
+        logprobs = sequence_logprobs(model, inputs, targets, device)
+        sums.append((logprobs * to_device(mask, device)).sum(-1).double().cpu())
+    model.train(was_training)
+    both = torch.cat(sums)
+    return torch.stack([both[: len(pairs)], both[len(pairs) :]], dim=1)
+
+
 def dims_of(cfg: PostConfig) -> ParallelDims:
     return cfg.parallel or ParallelDims.for_world(world_size())
 

@@ -105,7 +105,9 @@ class Reporter:
             )
         )
 
-    def eval(self, stage: str, metrics: list[EvalMetric], passed: bool) -> None:
+    def eval(
+        self, stage: str, metrics: list[EvalMetric], passed: bool, findings: list[str] | None = None
+    ) -> None:
         self.send(
             EvalResult(
                 run_id=self.run_id,
@@ -115,6 +117,7 @@ class Reporter:
                 stage=stage,
                 metrics=metrics,
                 passed=passed,
+                findings=findings or [],
             )
         )
 

@@ -10,6 +10,7 @@ import pytest
 from contracts.evals import EvalMetric
 from contracts.manifest import Manifest
 from contracts.runs import DataProvenance, EvalResult, LogLine, Metrics, Outcome, StageStarted
+from services.domain import gates
 from services.trainer.checkpoint import list_checkpoints
 from services.trainer.pipeline import run_pipeline
 from services.trainer.reporting import Recorder
@@ -55,8 +56,13 @@ def full_manifest(tmp_path: pathlib.Path, **changes) -> Manifest:
     raw["stages"]["pretrain"]["data"].append("custom")
     raw["stages"]["midtrain"]["tokens"] = 20 * 1024
     raw["stages"]["long_context"]["tokens"] = 10 * 2048
+    # 10 long-context steps on needle filler text cost a little held-out (arithmetic) loss, which
+    # the gate refuses (no worse than before): these few steps train on arithmetic alone
+    raw["stages"]["long_context"]["data"] = ["arithmetic"]
     raw["post_training"]["sft"]["steps"] = 20
-    raw["post_training"]["dpo"]["steps"] = 6
+    # 6 DPO steps instead of 20, on the single-digit problems (two-digit pairs stay at chance in so
+    # few steps) at 2x the learning rate: held-out pairs (a split of its own) ranked above chance
+    raw["post_training"]["dpo"].update(steps=6, learning_rate=2e-4, data=["small-arithmetic"])
     raw["post_training"]["rlvr"].update(steps=3, prompts_per_step=4, group_size=4)
     for key, value in changes.items():
         raw[key] = value
@@ -70,6 +76,9 @@ def small_manifest(stages: dict, recipe=(), **post) -> Manifest:
             "model": {"size": "tiny", "revision": "r"},
             "data": [
                 {"name": "docs", "source": "builtin:pydoc_topics"},
+                # arithmetic text like the eval's (small_arithmetic's lines are all eval problems,
+                # so decontamination leaves none of them): what pretrain's held-out loss learns from
+                {"name": "sums", "source": "generated:arithmetic"},
                 {"name": "arith", "source": "generated:small_arithmetic"},
                 {"name": "arith-eval", "source": "generated:small_arithmetic", "role": "eval"},
             ],
@@ -149,7 +158,14 @@ def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
     [gate] = emit.of(EvalResult)
     assert gate.stage == "pretrain" and gate.passed is False
     held = next(m for m in gate.metrics if m.name == "held_out_loss")
-    assert held == EvalMetric(name="held_out_loss", value=held.value, threshold=0.01, op="<=", passed=False)
+    assert held == EvalMetric(
+        name="held_out_loss",
+        value=held.value,
+        threshold=0.01,
+        op="<=",
+        passed=False,
+        sentence=f"held-out loss {held.value:.4f} must be at most 0.0100 (the manifest's bound): failed",
+    )
     assert result.summary == f"pretrain gate failed: held_out_loss {held.value:.4f} > 0.0100"
     assert [s.stage for s in emit.of(StageStarted)] == ["data_prep", "pretrain"]  # midtrain never starts
 
@@ -158,6 +174,30 @@ def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
     repeat = run_pipeline(manifest, tmp_path, again, never, threads=2)
     assert repeat.outcome is Outcome.gate_failed and repeat.summary == result.summary
     assert again.of(Metrics) == [] and again.of(EvalResult)[0].passed is False
+
+
+def test_an_sft_that_raises_held_out_loss_ends_gate_failed(tmp_path):
+    """Issue 26: SFT passed on `task_accuracy 0.0000 (gate >= -0.0500)` while held-out loss rose.
+    Now SFT is judged on the SFT objective on examples it never trained on, which must improve on
+    the incoming model's; a learning rate 17x the default wrecks it, and the run stops there."""
+    manifest = small_manifest(
+        {"pretrain": {}}, recipe=["sft"], sft={"steps": 6, "batch_size": 8, "learning_rate": 0.05}
+    )
+    emit = Recorder()
+    result = run_pipeline(manifest, tmp_path, emit, never, threads=2)
+    assert result.outcome is Outcome.gate_failed and result.last_stage == "sft", result.summary
+    pretrain, sft = emit.of(EvalResult)
+    assert pretrain.passed and not sft.passed
+    held = next(m for m in sft.metrics if m.name == "held_out_loss")
+    assert held.op == "<=" and held.threshold is not None and not held.passed
+    incoming = held.threshold / (1 - gates.SFT_MIN_IMPROVEMENT)
+    assert held.value > incoming  # worse than the model SFT started from, not merely short of 1 %
+    assert held.sentence == (
+        f"held-out loss on the SFT eval split {held.value:.4f} must be at most {held.threshold:.4f} "
+        f"(1 % below the pretrain model's {incoming:.4f}): failed"
+    )
+    assert result.summary.startswith("sft gate failed: held_out_loss")
+    assert any(line.message == f"sft gate: {held.sentence}" for line in emit.of(LogLine))
 
 
 def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):

@@ -727,3 +727,20 @@ def test_auth_shows_each_quota_beside_what_the_account_uses():
     assert lines[0] == "logged in as acme (key UAKEY)"
     assert "2.5/s, bursts of 10 (4.5 available now)" in lines[2]
     assert "1 / 3 outstanding" in lines[3] and "2 / 2 unfinished" in lines[4] and "0 / 1 waiting" in lines[5]
+
+
+def test_a_gate_reads_as_sentences_with_its_findings():
+    said = "held-out loss on the SFT eval split 7.3400 must be at most 2.9799 (1 % below the pretrain model's 3.0100): failed"
+    gate = StageGate(
+        stage="sft",
+        passed=False,
+        metrics=[
+            EvalMetric(
+                name="held_out_loss", value=7.34, threshold=2.9799, op="<=", passed=False, sentence=said
+            )
+        ],
+        findings=["overfitting: training loss 0.1800 is far below held-out loss 1.6700 (x9.3)"],
+    )
+    assert render.gate_line(gate) == (
+        f"gate sft: FAILED: {said}\n    finding: overfitting: training loss 0.1800 is far below held-out loss 1.6700 (x9.3)"
+    )
