@@ -148,7 +148,7 @@ def test_a_rank_killed_mid_stage_is_restarted_from_the_last_checkpoint(stack, ma
 
 
 def test_post_training_and_a_custom_data_ladder_train_on_a_two_rank_gang(stack, manifest, tmp_path):
-    """data_prep -> ladder (custom data) -> pretrain -> sft -> dpo -> rlvr with 2 GPUs planned: every
+    """data_prep -> ladder (custom data) -> pretrain -> sft -> rlvr with 2 GPUs planned: every
     stage trains on a gang of 2 ranks; data preparation and the ladder's proxy runs happen once, in
     the agent; each stage's events come once (rank 0's), and RLVR has one rollout worker."""
     env, booking = _tenant(stack)
@@ -156,9 +156,7 @@ def test_post_training_and_a_custom_data_ladder_train_on_a_two_rank_gang(stack, 
     run_id = _train(stack, env, booking, str(m), "gang-post")
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=2 * RUN_TIMEOUT_S)
     assert final["state"] == "succeeded", final
-    assert [g["stage"] for g in final["gates"]] == ["ladder", "pretrain", "sft", "dpo", "rlvr"], final[
-        "gates"
-    ]
+    assert [g["stage"] for g in final["gates"]] == ["ladder", "pretrain", "sft", "rlvr"], final["gates"]
     assert final["parallelism"]["world_size"] == 2 and final["parallelism"]["stage"] == "rlvr", final
 
     run_dir = pathlib.Path(final["checkpoint_dir"])

@@ -185,7 +185,7 @@ def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack,
 
 
 def test_a_custom_data_ladder_and_post_training_train_on_two_nodes(stack, manifest, tmp_path):
-    """data_prep -> ladder (custom data) -> pretrain -> sft -> dpo -> rlvr on 2 nodes: node 0 decides
+    """data_prep -> ladder (custom data) -> pretrain -> sft -> rlvr on 2 nodes: node 0 decides
     the ladder and node 1 takes its decision (no proxy runs of its own); every stage trains as two
     replica groups, node 1 each stage's every step, RLVR with one rollout worker per node; both
     nodes end with the same weights."""
@@ -196,9 +196,7 @@ def test_a_custom_data_ladder_and_post_training_train_on_two_nodes(stack, manife
     run_id = train["data"]["run_id"]
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=2 * RUN_TIMEOUT_S)
     assert final["state"] == "succeeded", final
-    assert [g["stage"] for g in final["gates"]] == ["ladder", "pretrain", "sft", "dpo", "rlvr"], final[
-        "gates"
-    ]
+    assert [g["stage"] for g in final["gates"]] == ["ladder", "pretrain", "sft", "rlvr"], final["gates"]
     assert final["parallelism"]["stage"] == "rlvr" and final["parallelism"]["mesh"] == {"dp_replicate": 2}
 
     run_dir = pathlib.Path(final["checkpoint_dir"])
