@@ -7,7 +7,7 @@ fault point): the estimate passes the cap at plan time, the spend would not.
 
 import pytest
 
-from tests.support import run_state
+from tests.support import confirm_and_train, run_state
 
 pytestmark = pytest.mark.e2e
 PRICE_H200 = 3.50  # services/scheduler/desk_prices.json: what one held GPU-second costs below
@@ -31,21 +31,7 @@ def test_a_run_whose_spend_would_cross_its_cap_stops_at_the_cap_with_a_checkpoin
     estimate = planned["data"]["cost"]["total_usd"]
     cap = round(max(estimate * 1.2, 15 * PRICE_H200 / 3600), 6)  # above the estimate; ~15 s of one GPU
     m = str(manifest(target=target, checkpoint=checkpoint, budget_cap_usd=cap))
-    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", m, env=env)
-    ref = conf["data"]["confirmation_ref"]
-    rc, train = stack.ecc(
-        "train",
-        "--booking",
-        booking,
-        "--manifest",
-        m,
-        "--confirmation-ref",
-        ref,
-        "--idempotency-key",
-        "cap-1",
-        env=env,
-    )
-    assert rc == 0 and train["ok"], train
+    train = confirm_and_train(stack, env, booking, m, "cap-1")
     run_id = train["data"]["run_id"]
 
     view = run_state(
