@@ -566,9 +566,9 @@ async def _follow(args: argparse.Namespace, req: StatusRequest, screen: "Screen 
             line = _progress(view, started, first_step)
             if args.json:
                 print(_encoder.encode({"event": "status", "run": view}).decode(), flush=True)
-            elif line != last_line:
+            elif line.split(" ETA ")[0] != last_line:  # a new step or state, not only a new ETA
                 print(line, flush=True)
-                last_line = line
+                last_line = line.split(" ETA ")[0]
         if view.state in TERMINAL_STATES:
             return env
         await asyncio.sleep(POLL_EVERY_S)

@@ -744,3 +744,21 @@ def test_a_gate_reads_as_sentences_with_its_findings():
     assert render.gate_line(gate) == (
         f"gate sft: FAILED: {said}\n    finding: overfitting: training loss 0.1800 is far below held-out loss 1.6700 (x9.3)"
     )
+
+
+def test_follow_prints_a_line_per_step_not_per_new_eta(monkeypatch, capsys):
+    """The demo's follow printed `step 59/400 ... ETA 147s` then `step 59/400 ... ETA 153s`: the same
+    step twice, the estimate alone moved. One line per step or state."""
+    first = msgspec.structs.replace(VIEW, state=RunState.running, step=10)
+    later = msgspec.structs.replace(VIEW, state=RunState.running, step=40)
+    done = msgspec.structs.replace(VIEW, state=RunState.succeeded, step=100)
+    clock = iter(float(t) for t in range(0, 1000, 7))
+    monkeypatch.setattr(render.time, "monotonic", lambda: next(clock))
+    _scripted_calls(
+        monkeypatch,
+        {"status": [first, later, later, later, done], "logs": [LogPage(run_id="run-1", lines=[], next=0)]},
+    )
+    asyncio.run(render.follow(_follow_args(False), StatusRequest(run_id="run-1")))
+    out = capsys.readouterr().out.splitlines()
+    steps = [ln.split(" ETA ")[0] for ln in out]
+    assert len(steps) == len(set(steps)) == 3, out
