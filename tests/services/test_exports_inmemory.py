@@ -56,7 +56,7 @@ async def stack(namespace, tmp_path, monkeypatch):
     broker = connections.make_broker(s, "scheduler")
     w = Wiring(settings=s, broker=broker, redis=None, keys=Keys(s))
     w.bus = LocalBus(w.router, broker)
-    credentials, bookings, _quotas = register_all(w, None)
+    credentials, bookings, quotas = register_all(w, None)
     worker = Worker(broker, s)
     calls: list[str] = []
     worker.exports.writers = exports.Writers(hf=fake_writer(calls), tokenizer_files=lambda src, d: {})
@@ -68,7 +68,7 @@ async def stack(namespace, tmp_path, monkeypatch):
     ):
         w.router.serve(endpoint, handler, verifier)
     async with TestNatsBroker(broker) as br:
-        yield Bus(br, w, credentials, bookings, []), worker, calls, tmp_path
+        yield Bus(br, w, credentials, bookings, [], quotas), worker, calls, tmp_path
 
 
 async def trained_run(bus: Bus, data_dir: pathlib.Path) -> str:
