@@ -259,7 +259,7 @@ def namespace():
     return new_namespace()
 
 
-# The suite runs side by side under pytest-xdist (`make test`: `-n 3 --dist loadgroup`): most e2e time is
+# The suite can run side by side under pytest-xdist (`make test PYTEST_ARGS="-n 3 --dist loadgroup"`): most e2e time is
 # waiting on stacks, not CPU. The long fault scenarios and the multi-process trainings are timing-
 # sensitive under load, so they share one group: one worker runs them one after another while the
 # others take the rest.
