@@ -110,7 +110,9 @@ def test_a_terminal_shows_bars_in_place_then_the_verdict_and_sparklines(stack, m
         assert "ECC-EXIT=0" in final, final
         summary = next(i for i, ln in enumerate(final) if ln.startswith(f"run {run_id}: succeeded"))
         verdict, prep, bar = final[summary - 3 : summary]  # above the summary: the verdict, then the bars
-        assert re.match(r"^gate pretrain: passed: held_out_loss \d+\.\d{4} \(gate <= \d", verdict), final
+        assert re.match(r"^gate pretrain: passed: held-out loss \d+\.\d{4} must be at most \d", verdict), (
+            final
+        )
         assert prep.startswith("data_prep ") and prep.endswith(" done"), final
         assert BAR.match(bar) and f" {STEPS}/{STEPS} " in bar and bar.endswith(" done"), final
         assert all(said(ln) for ln in final[: summary - 3]), final

@@ -39,7 +39,9 @@ def test_a_manifest_with_every_stage_succeeds(stack, tmp_path):
     path.write_bytes((REPO / "examples" / "manifests" / "full.json").read_bytes())
     path.chmod(0o644)
     run_id, view = run_to_end(stack, env, account, path, "full-1")
-    assert view["state"] == "succeeded", view
+    assert view["state"] == "succeeded", [
+        (g["stage"], [m.get("sentence") for m in g.get("metrics", [])]) for g in view["gates"]
+    ]
     stages = [g["stage"] for g in view["gates"]]
     for stage in ("pretrain", "midtrain", "long_context", "sft", "dpo", "rlvr"):
         assert stage in stages, stages

@@ -116,7 +116,7 @@ def test_the_emitter_publishes_typed_events_from_the_thread_and_refuses_dicts(ru
 
 def test_the_enums_keep_their_wire_strings():
     assert [o.value for o in Outcome] == ["succeeded", "gate_failed", "stopped"]
-    assert [r.value for r in StopReason] == ["cancelled", "fenced", "loss_spike"]
+    assert [r.value for r in StopReason] == ["cancelled", "fenced", "loss_spike", "budget_exhausted"]
     assert [level.value for level in LogLevel] == ["info", "warning", "error"]
 
 

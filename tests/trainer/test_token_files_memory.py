@@ -48,6 +48,11 @@ CHILD = textwrap.dedent(
         CorpusBatchIterator, TokenCorpus, iter_column_documents, write_token_files,
     )
     from services.trainer.tokenizer import ByteTokenizer
+    # the trainer's stage and everything it imports, before the limit: the limit is what the run
+    # itself allocates beyond its code (the imports of a later feature must not eat the headroom)
+    from contracts.models import MODEL_SHAPES
+    from services.trainer.pretrain import StageConfig, train_stage
+    from services.trainer.reporting import Reporter
 
     parquet, out, headroom = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 
@@ -92,10 +97,6 @@ CHILD = textwrap.dedent(
     # The trainer's own stage on the same token files (a `tokens:` source, memory-mapped): stopped
     # after 5 steps (a checkpoint of step 5 committed), then resumed to the end, it ends on the
     # loss an uninterrupted stage ends on.
-    from contracts.models import MODEL_SHAPES
-    from services.trainer.pretrain import StageConfig, train_stage
-    from services.trainer.reporting import Reporter
-
     def stage(directory, stop_after=None):
         calls = []
         def should_stop():
@@ -134,6 +135,7 @@ def _vm_data_after_imports() -> int:
     env = {**os.environ, "ARROW_DEFAULT_MEMORY_POOL": "system"}
     probe = (
         "import re, pathlib, numpy, pyarrow.parquet, torch; import services.trainer.token_files; "
+        "import services.trainer.pretrain, services.trainer.reporting; "
         "print(int(re.search(r'VmData:\\s+(\\d+) kB', pathlib.Path('/proc/self/status').read_text()).group(1)) * 1024)"
     )
     return int(
