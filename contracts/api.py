@@ -271,7 +271,7 @@ class Spend(Internal, frozen=True, kw_only=True):
     held_gpus: int
     held_gpu_s: float  # GPU-seconds held, all attempts together
     spent_usd: float  # held_gpu_s / 3600 x the plan's price per GPU-hour
-    limit_usd: float  # the lower of budget_cap_usd and the booking plus max_incremental_cost_usd
+    limit_usd: float  # the lowest of budget_cap_usd, the booking plus max_incremental_cost_usd, and the confirmation's cost bound
     at: datetime
 
 

@@ -36,6 +36,10 @@ class TrainWork(Internal, frozen=True, kw_only=True):
     # The base model the manifest names, as the scheduler resolved it from the model store at plan
     # time (its digest checked); the trainer reads its weights from the store by this digest.
     base: BaseModel | None = None
+    # The cost bound of the confirmation the run consumed: the most the person authorised it to
+    # spend. The run's spend limit is never above it (services/domain/budget.py); None on items
+    # signed before the bound was carried (their limit is the manifest's alone).
+    cost_bound_usd: float | None = None
 
 
 class LogLevel(enum.StrEnum):

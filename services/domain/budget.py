@@ -3,8 +3,9 @@
 A run holds every GPU of its placement (the plan's `gpus`: nodes x GPUs per node) from the
 trainer's start of the run until release; its trainer meters the GPU-seconds held and reports them
 with each lease renewal (services/trainer/worker.py). Spend is those GPU-hours at the plan's price
-per GPU-hour. The limit is the lower of the manifest's `budget_cap_usd` and what the booking covers
-plus `max_incremental_cost_usd`; the plan's checkpoint-storage figure counts against it too. The
+per GPU-hour. The limit is the lowest of the manifest's `budget_cap_usd`, what the booking covers
+plus `max_incremental_cost_usd`, and the cost bound of the confirmation the run consumed (what the
+person authorised); the plan's checkpoint-storage figure counts against it too. The
 scheduler stops the run while a clean stop (a step, a checkpoint, the final report) still fits
 under the limit: `verdict` is asked at each renewal, so the next renewal counts in the margin.
 """
@@ -32,11 +33,18 @@ def spend_usd(held_gpu_s: float, cost: CostEstimate) -> float:
     return held_gpu_s / 3600.0 * cost.price_per_gpu_hour_usd
 
 
-def spend_limit(manifest: Manifest, cost: CostEstimate) -> float:
-    """The most the run may spend: the cap, and the booking plus the allowed incremental cost,
-    whichever is lower."""
+def manifest_limit(manifest: Manifest, cost: CostEstimate) -> float:
+    """What the manifest and the booking allow: the cap, and the booking plus the allowed
+    incremental cost, whichever is lower (a confirmation's default cost bound)."""
     booked = cost.booked_gpu_hours * cost.price_per_gpu_hour_usd
     return max(0.0, min(manifest.budget_cap_usd, booked + manifest.max_incremental_cost_usd))
+
+
+def spend_limit(manifest: Manifest, cost: CostEstimate, bound_usd: float | None = None) -> float:
+    """The most the run may spend: what the manifest and the booking allow, and the confirmation's
+    cost bound (`bound_usd`, None: no bound carried), whichever is lower."""
+    limit = manifest_limit(manifest, cost)
+    return limit if bound_usd is None else max(0.0, min(limit, bound_usd))
 
 
 def verdict(

@@ -56,7 +56,7 @@ from contracts.manifest import Manifest
 from contracts.models import BaseModel
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from contracts.states import CANCELLABLE
-from services.domain import binding
+from services.domain import binding, budget
 from services.domain import quotas as quota_rules
 from services.domain.curriculum import model_shape
 from services.runtime import faults
@@ -298,7 +298,10 @@ class Api:
         refusal = planning.first_refusal(p)
         if refusal is not None:
             raise Refusal(refusal[0], plan_refusal_message(p))
-        max_cost = req.max_cost_usd if req.max_cost_usd is not None else p.cost.total_usd
+        # The bound the person authorises: what they said, else what the manifest and booking allow
+        # (the run's spend limit); the run is stopped before its spend crosses it.
+        default = budget.manifest_limit(manifest, p.cost)
+        max_cost = req.max_cost_usd if req.max_cost_usd is not None else default
         if p.cost.total_usd > max_cost:
             raise Refusal(
                 ErrorCode.budget_exceeded,
@@ -367,7 +370,12 @@ class Api:
         except Refusal as refusal:
             trail.refuse("manifest_inputs", refusal)
         trail.record("manifest_inputs", True)
-        p, body = await self._planned(account, req.booking_id, manifest, digest, base, trail)
+        bound = self._bound(account, req, digest)  # read beside the plan: it hides behind it
+        try:
+            p, body = await self._planned(account, req.booking_id, manifest, digest, base, trail)
+        except BaseException:
+            bound.cancel()
+            raise
         if not req.confirmation_ref:
             trail.refuse(
                 "confirmation",
@@ -380,7 +388,7 @@ class Api:
             # Re-fetched, never stretched: the gate is checked again at the moment of creation,
             # and the plan holds only for the booking version it was made on.
             await trail.gate("eligibility_refresh", self._refreshed(account, req.booking_id, manifest, body))
-        work = self._work(trail.request_id, account, req, manifest, digest, p, base)
+        work = self._work(trail.request_id, account, req, manifest, digest, p, base, await bound)
         entry = await self._accepted(account, req, fp, work, trail)
         if entry.run_id != work.run_id:  # the key already has a run (or a concurrent request won it)
             return await trail.gate("replay", self._replay(entry, fp))
@@ -460,6 +468,25 @@ class Api:
             raise Refusal(first[0], plan_refusal_message(p))
         return p, body
 
+    def _bound(self, account: str, req: TrainRequest, digest: str) -> "asyncio.Task[float | None]":
+        """The cost bound of the confirmation the request names (what the person authorised the run
+        to spend), read without consuming it; None when it cannot be read (the ledger's atomic step
+        then decides on the confirmation, and the run's bound is the estimate: never more than what
+        was authorised, since the binding holds the estimate under the bound)."""
+
+        async def read() -> float | None:
+            if not req.confirmation_ref:
+                return None
+            try:
+                issued = await self.backends.resolve_confirmation(
+                    account, req.confirmation_ref, Action.train, req.booking_id, digest, None
+                )
+            except Refusal:
+                return None
+            return issued.max_cost_usd
+
+        return asyncio.create_task(read())
+
     def _work(
         self,
         run_id: str,
@@ -469,6 +496,7 @@ class Api:
         digest: str,
         p: Plan,
         base: BaseModel | None,
+        bound: float | None,
     ) -> TrainWork:
         return TrainWork(
             run_id=run_id,
@@ -482,6 +510,7 @@ class Api:
             rendezvous=self.handoff.rendezvous(manifest.resources.nodes),
             rendezvous_key=self.handoff.rendezvous_key(manifest.resources.nodes),
             base=base,  # resolved once, here: the trainer reads the weights by this digest
+            cost_bound_usd=p.cost.total_usd if bound is None else bound,
         )
 
     async def _reserve(self, account: str, req: TrainRequest, fp: str, work: TrainWork) -> LedgerEntry:

@@ -52,7 +52,7 @@ def nothing_spent(work: TrainWork, at: Any) -> Spend | None:
     except msgspec.MsgspecError:
         log.warning("run %s: the work item's manifest does not decode; spend not bounded", work.run_id)
         return None
-    limit = budget.spend_limit(manifest, work.plan.cost)
+    limit = budget.spend_limit(manifest, work.plan.cost, work.cost_bound_usd)
     return Spend(held_gpus=work.plan.cost.gpus, held_gpu_s=0.0, spent_usd=0.0, limit_usd=limit, at=at)
 
 

@@ -510,7 +510,10 @@ class Worker:
             return RunState.awaiting_approval
         await self.lease(work.run_id, emitter.epoch)  # the meter's last reading before release
         held = meter.held_gpu_s() if meter is not None else 0.0
-        spent = (budget.spend_usd(held, work.plan.cost), budget.spend_limit(manifest, work.plan.cost))
+        spent = (
+            budget.spend_usd(held, work.plan.cost),
+            budget.spend_limit(manifest, work.plan.cost, work.cost_bound_usd),
+        )
         final, message = final_state(result, stop, checkpoint_dir, spent)
         await emitter.state(final, stage=result.last_stage, message=message)
         return final

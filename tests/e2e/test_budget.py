@@ -1,5 +1,6 @@
-"""Cost as spent, end to end: a run whose metered spend would cross its budget cap is stopped by the
-scheduler before it does, with a checkpoint committed, in state `budget_exhausted`, and says so.
+"""Cost as spent, end to end: a run whose metered spend would cross its budget cap, or the cost bound
+its confirmation authorised, is stopped by the scheduler before it does, with a checkpoint
+committed, in state `budget_exhausted`, and says so.
 
 One dedicated stack whose trainer takes longer per step than planned (the `trainer.slow_steps`
 fault point): the estimate passes the cap at plan time, the spend would not.
@@ -7,6 +8,7 @@ fault point): the estimate passes the cap at plan time, the spend would not.
 
 import pytest
 
+from tests.conftest import start_stack
 from tests.support import confirm_and_train, run_state
 
 pytestmark = pytest.mark.e2e
@@ -14,8 +16,18 @@ PRICE_H200 = 3.50  # services/scheduler/desk_prices.json: what one held GPU-seco
 SLOW = {"ITO_FAULT_POINT": "trainer.slow_steps", "ITO_FAULT_STEP_DELAY_S": "0.5"}
 
 
-def test_a_run_whose_spend_would_cross_its_cap_stops_at_the_cap_with_a_checkpoint(make_stack, manifest):
-    stack = make_stack(env=SLOW)
+@pytest.fixture(scope="module")
+def slow_stack(tmp_path_factory):
+    """One stack whose trainer is slow per step, for both stops (each test has its own account)."""
+    s = start_stack(tmp_path_factory.mktemp("stack"), None, SLOW)
+    try:
+        yield s
+    finally:
+        s.run("ito-training", "down", timeout=60)
+
+
+def test_a_run_whose_spend_would_cross_its_cap_stops_at_the_cap_with_a_checkpoint(slow_stack, manifest):
+    stack = slow_stack
     account, _, env = stack.account()
     booking = stack.booking(account)
     target = {
@@ -49,3 +61,53 @@ def test_a_run_whose_spend_would_cross_its_cap_stops_at_the_cap_with_a_checkpoin
     # The plain status says the same sentence a person reads.
     proc = stack.run("ecc", "ito", "status", run_id, env=env)
     assert "budget_exhausted" in proc.stdout and "budget exhausted" in proc.stdout, proc.stdout
+
+
+def test_a_run_whose_spend_would_cross_its_confirmations_bound_stops_at_the_bound(slow_stack, manifest):
+    """The cap is far away; the person confirmed less (`ecc ito confirm --max-cost`): that is the limit."""
+    stack = slow_stack
+    account, _, env = stack.account()
+    booking = stack.booking(account)
+    target = {"tokens": 80 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
+    checkpoint = {"interval_steps": 1000, "keep_last": 2, "storage": "local"}
+    m = str(manifest(target=target, checkpoint=checkpoint, budget_cap_usd=5.0))
+    rc, planned = stack.ecc("plan", "--booking", booking, "--manifest", m, env=env)
+    assert rc == 0 and planned["ok"], planned
+    bound = round(max(planned["data"]["cost"]["total_usd"] * 1.2, 15 * PRICE_H200 / 3600), 6)
+    rc, conf = stack.ecc(
+        "confirm",
+        "--action",
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        m,
+        "--max-cost",
+        str(bound),
+        env=env,
+    )
+    assert rc == 0 and conf["data"]["max_cost_usd"] == pytest.approx(bound), conf
+    rc, train = stack.ecc(
+        "train",
+        "--booking",
+        booking,
+        "--manifest",
+        m,
+        "--confirmation-ref",
+        conf["data"]["confirmation_ref"],
+        "--idempotency-key",
+        "bound-1",
+        env=env,
+    )
+    assert rc == 0, train
+    view = run_state(
+        stack,
+        env,
+        train["data"]["run_id"],
+        {"budget_exhausted", "succeeded", "failed", "cancelled"},
+        timeout=150,
+    )
+    assert view["state"] == "budget_exhausted", view
+    assert f"{bound:.4f}" in view["message"], view["message"]
+    assert view["spend"]["limit_usd"] == pytest.approx(bound) and 0 < view["spend"]["spent_usd"] <= bound
+    assert view["step"] < 80, view

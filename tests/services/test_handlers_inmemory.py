@@ -274,6 +274,41 @@ async def test_plan_confirm_train_status(bus):
     assert code(out) is ErrorCode.confirmation_consumed
 
 
+async def test_the_run_is_bounded_by_what_its_confirmation_authorised(bus):
+    """The confirmation's cost bound rides on the run (its spend limit never above it): a bound the
+    person gave is the run's limit when it is lower than the cap; without one, the bound is what the
+    manifest and the booking allow, which is what confirm shows."""
+    await login(bus)
+    await publish_booking(bus, booking_event("acme", "b9", gpus=8))
+    text = REPO_MANIFEST.read_text()
+    digest = digest_of(text.encode())
+    limits = []
+    for key, max_cost in (("bound-1", None), ("bound-2", 0.5)):
+        confirm = ConfirmRequest(
+            action=Action.train,
+            booking_id="b9",
+            manifest_text=text,
+            manifest_digest=digest,
+            max_cost_usd=max_cost,
+        )
+        issued = data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
+        train = TrainRequest(
+            booking_id="b9",
+            manifest_text=text,
+            manifest_digest=digest,
+            confirmation_ref=issued.confirmation_ref,
+            idempotency_key=key,
+        )
+        run = data(await call(bus, subjects.API_TRAIN, train), RunAccepted)
+        view = data(await call(bus, subjects.API_STATUS, StatusRequest(run_id=run.run_id)), RunView)
+        assert view.spend is not None and view.plan is not None
+        limits.append((issued.max_cost_usd, view.spend.limit_usd, view.plan.cost.total_usd))
+    (default_bound, default_limit, estimate), (given, given_limit, _) = limits
+    cap = msgspec.json.decode(text)["budget_cap_usd"]
+    assert default_bound == pytest.approx(cap) and default_limit == pytest.approx(cap) and estimate < cap
+    assert given == 0.5 and given_limit == pytest.approx(0.5)  # lower than the cap: the run's limit
+
+
 async def test_cancel_is_confirmed_and_idempotent(bus):
     await login(bus)
     _, run = await confirmed_run(bus, "b3", "k1")

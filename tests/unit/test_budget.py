@@ -61,6 +61,20 @@ def test_the_limit_is_the_cap_or_the_booking_plus_the_allowed_increment(
     assert budget.spend_limit(manifest(cap, incremental), cost(booked_gpu_hours)) == pytest.approx(limit)
 
 
+@pytest.mark.parametrize(
+    "cap, bound, limit",
+    [
+        (5.0, None, 5.0),  # no bound carried (an older work item): the manifest's limit
+        (5.0, 2.0, 2.0),  # the person authorised less than the cap: the bound is the limit
+        (5.0, 9.0, 5.0),  # a bound above the cap never raises it
+        (5.0, 0.0, 0.0),
+    ],
+)
+def test_the_confirmations_bound_caps_the_limit_and_never_raises_it(cap, bound, limit):
+    assert budget.spend_limit(manifest(cap), cost(), bound) == pytest.approx(limit)
+    assert budget.manifest_limit(manifest(cap), cost()) == pytest.approx(cap)
+
+
 MARGIN_S = 1.0 + budget.STOP_ALLOWANCE_S  # the next renewal and the allowance, before the trainer's stop_s
 
 
