@@ -38,7 +38,9 @@ VERB_HELP: dict[str, str] = {
 
 OPTION_HELP: dict[str, dict[str, str]] = {
     "plan": {"manifest": "absolute path of the reviewed manifest"},
-    "confirm": {"max_cost": "the most you confirm the run may spend, in USD; the run is stopped before it spends more (default: what the manifest and booking allow: budget_cap_usd, or the booking plus max_incremental_cost_usd if lower)"},
+    "confirm": {
+        "max_cost": "the most you confirm the run may spend, in USD; the run is stopped before it spends more (default: what the manifest and booking allow: budget_cap_usd, or the booking plus max_incremental_cost_usd if lower)"
+    },
     "runs": {
         "state": "only runs in this state",
         "booking_id": "only runs on this booking",
