@@ -29,9 +29,9 @@ from contracts.api import (
 from contracts.endpoints import API
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
+from contracts.export_files import export_digest, parse_export_id, safe_relative
 from ecc.render import Downloaded
 from ecc.transport import Client, SentButUnanswered, local_error
-from services.domain.export_files import export_digest, parse_export_id, safe_relative
 
 CHUNK_RETRIES = 3  # a lost chunk answer is asked again this often (backoff 0.5 s, 1 s, 2 s)
 BACKOFF_S = 0.5

@@ -24,7 +24,7 @@ from contracts.api import RunView
 from contracts.evals import StageGate
 from contracts.runs import Metrics
 from contracts.states import TERMINAL_STATES, RunState
-from ecc.render import gate_line
+from ecc.gates import gate_line
 
 if TYPE_CHECKING:  # rich loads when a Screen is made (a terminal), never on import
     from rich.progress import TaskID

@@ -45,11 +45,11 @@ from contracts.api import (
 from contracts.audit import AuditTrail
 from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
-from contracts.evals import EvalMetric, StageGate
 from contracts.manifest_check import Checked
 from contracts.runs import CheckpointList, EvalList, Metrics, MetricsPage
 from contracts.states import TERMINAL_STATES
 from ecc import charts
+from ecc.gates import bound, gate_line
 from ecc.transport import Client, SentButUnanswered
 
 if TYPE_CHECKING:  # ecc.progress (and rich) load only when a terminal follows a run
@@ -202,28 +202,6 @@ def _line(ln: LogLineView) -> str:
     return f"{_when(ln.at)} {ln.level}: {ln.message}"
 
 
-def _bound(metric: EvalMetric) -> str:
-    """A metric's gate: its threshold, or that it is reported and not gated."""
-    if metric.threshold is None:
-        return "reported, not gated"
-    return f"gate {metric.op} {metric.threshold:.4f}"
-
-
-def _said(metric: EvalMetric) -> str:
-    """A metric as its gate said it ("held-out loss 2.1000 must be at most 4.0000 (...): passed"),
-    or, from an older writer with no sentence, its numbers."""
-    return metric.sentence or f"{metric.name} {metric.value:.4f} ({_bound(metric)})"
-
-
-def gate_line(gate: StageGate) -> str:
-    """A stage's gate verdict in one line: `gate pretrain: passed: held-out loss 2.1000 must be at
-    most 4.4715 (20 % below the untrained model's 5.5894): passed`, then its findings."""
-    verdict = "passed" if gate.passed else "FAILED"
-    numbers = ", ".join(_said(m) for m in gate.metrics)
-    line = f"gate {gate.stage}: {verdict}: {numbers}"
-    return line + "".join(f"\n    finding: {f}" for f in gate.findings)
-
-
 def _bookings(views: list[BookingView]) -> str:
     rows = []
     for v in views:
@@ -374,7 +352,7 @@ def _evals(listed: EvalList) -> str:
     for g in listed.gates:
         rows.append(f"{g.stage}: {'passed' if g.passed else 'FAILED'}")
         rows += [
-            f"  {m.name} = {m.value:.4f} ({_bound(m)}) {'ok' if m.passed else 'FAIL'}"
+            f"  {m.name} = {m.value:.4f} ({bound(m)}) {'ok' if m.passed else 'FAIL'}"
             + (f"\n    {m.sentence}" if m.sentence else "")
             for m in g.metrics
         ]

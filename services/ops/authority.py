@@ -15,7 +15,7 @@ import signal
 import time
 from contextlib import contextmanager
 
-from services.runtime import infra, streams, tls
+from services.runtime import infra, streams
 from services.runtime.identities import (
     ACCOUNTS,
     NATS_IDENTITIES,
@@ -104,25 +104,6 @@ def ensure_certs(s: Settings) -> Certs:
     certs = Certs(s.tls_dir)
     certs.ensure()
     return certs
-
-
-def write_for_containers(s: Settings, tenants: list[tuple[str, str]]) -> list[pathlib.Path]:
-    """compose.yaml's secrets: the credentials, plus a nats.conf listening on every interface of the
-    container with its store on the /data volume, the Redis ACL file, and the `cluster` profile's
-    nats-1..3.conf (services/ops/nats_cluster.py: routes by service name). Traffic leaves the host
-    there: the CA and certificates are created too (when missing), and every config requires TLS
-    with them as compose mounts them (tls.CONTAINER_DIR)."""
-    from services.ops import nats_cluster  # it builds on this module
-
-    written = [
-        *ensure_certs(s).files(),
-        write_nats_config(s, 4222, tenants, host="0.0.0.0", store_dir="/data", tls_dir=tls.CONTAINER_DIR),
-        write_redis_acl(s),
-    ]
-    written += nats_cluster.write_configs(
-        s, nats_cluster.container_nodes(), tenants, tls_dir=tls.CONTAINER_DIR
-    )
-    return written
 
 
 async def active_tenants(s: Settings, redis_url: str) -> list[tuple[str, str]]:

@@ -42,7 +42,7 @@ from typing import Any
 
 from contracts import subjects
 from contracts.errors import ErrorCode
-from services.ops import chaos
+from services.ops import chaos_stack
 from services.runtime.bus import INSTANCE_HEADER
 from services.runtime.settings import ENV_INSTANCE, ENV_NATS_REPLICAS, ENV_REDIS_CLUSTER
 
@@ -120,7 +120,7 @@ def order(burst: Burst) -> list[int]:
 class Client:
     """The burst's requests, as tenants send them, and every attempt's outcome."""
 
-    def __init__(self, stack: chaos.Stack, booking: str, manifest: pathlib.Path) -> None:
+    def __init__(self, stack: chaos_stack.Stack, booking: str, manifest: pathlib.Path) -> None:
         self.stack, self.booking = stack, booking
         self.text = manifest.read_text()
         self.digest = hashlib.sha256(manifest.read_bytes()).hexdigest()
@@ -199,7 +199,9 @@ class Client:
     async def burst(self, burst: Burst, inject: Callable[[], Coroutine[Any, Any, dict[str, float]]]):
         """Every request of `burst` sent (CLIENTS at a time, each on its own connection) while
         `inject` kills; then every key looked up. (kill times by fault, {key: run found})."""
-        conns = await asyncio.gather(*(chaos._tenant_connection(self.stack) for _ in range(burst.clients)))
+        conns = await asyncio.gather(
+            *(chaos_stack.tenant_connection(self.stack) for _ in range(burst.clients))
+        )
         queue = collections.deque(f"{burst.prefix}-{k}" for k in order(burst))
 
         async def worker(nc) -> None:
@@ -230,7 +232,9 @@ class Faults:
     """The kills of one row, injected together once FAULT_AT of the burst's requests are taken;
     each restores what it killed (a NATS node, a Redis node) before it returns."""
 
-    def __init__(self, stack: chaos.Stack, client: Client, burst: Burst, names: tuple[str, ...]) -> None:
+    def __init__(
+        self, stack: chaos_stack.Stack, client: Client, burst: Burst, names: tuple[str, ...]
+    ) -> None:
         self.stack, self.client, self.burst, self.names = stack, client, burst, names
         self.kills: dict[str, float] = {}
         self.notes: list[str] = []
@@ -291,7 +295,7 @@ class Faults:
                 await asyncio.sleep(RESTART_BACKOFF_S)
 
 
-async def _work_leader(stack: chaos.Stack) -> str:
+async def _work_leader(stack: chaos_stack.Stack) -> str:
     """The NATS node leading the WORK stream (its loss moves the stream's leader too)."""
     from services.ops.authority import connect
     from services.runtime.identities import OPERATOR
@@ -299,13 +303,15 @@ async def _work_leader(stack: chaos.Stack) -> str:
     s = stack.settings()
     nc = await connect(s, OPERATOR, allow_reconnect=False)
     try:
-        info = await nc.jetstream(timeout=chaos.PROBE_TIMEOUT_S).stream_info(s.stream(subjects.STREAM_WORK))
+        info = await nc.jetstream(timeout=chaos_stack.PROBE_TIMEOUT_S).stream_info(
+            s.stream(subjects.STREAM_WORK)
+        )
         return (info.cluster and info.cluster.leader) or "nats-1"
     finally:
         await nc.close()
 
 
-def fault_row(stack: chaos.Stack, burst: Burst, names: tuple[str, ...], scenario: str = "") -> dict:
+def fault_row(stack: chaos_stack.Stack, burst: Burst, names: tuple[str, ...], scenario: str = "") -> dict:
     """One burst with `names` injected mid-way, counted (see the module docstring)."""
     booking, manifest = stack.booking(), stack.manifest(10)
     before = stack.queued()
@@ -323,7 +329,9 @@ def fault_row(stack: chaos.Stack, burst: Burst, names: tuple[str, ...], scenario
     records = {r for r in found.values() if r}
     settle = time.monotonic()
     try:
-        work = chaos.wait(lambda: (q := _work_items(stack, before)) >= len(records) and q, WORK_SETTLE_S, 0.5)
+        work = chaos_stack.wait(
+            lambda: (q := _work_items(stack, before)) >= len(records) and q, WORK_SETTLE_S, 0.5
+        )
     except TimeoutError:  # counted as they are: fewer than the records is lost runs
         work = _work_items(stack, before)
     settled = time.monotonic() - settle
@@ -356,7 +364,7 @@ def fault_row(stack: chaos.Stack, burst: Burst, names: tuple[str, ...], scenario
     }
 
 
-def _work_items(stack: chaos.Stack, before: int) -> int:
+def _work_items(stack: chaos_stack.Stack, before: int) -> int:
     """Work items on the WORK stream since `before`; -1 when the stream does not answer (its
     leader is being elected again after a node came back, say)."""
     try:
@@ -382,7 +390,7 @@ def times(attempts: list[Attempt], killed: float | None) -> tuple[float | None, 
 
 def fault_rows(root: pathlib.Path) -> list[dict]:
     """Every FAULTS row, each its own burst, on one `up --cluster` (control plane only)."""
-    stack = chaos.Stack(root, chaos.CONTROL_PLANE, cluster=True)
+    stack = chaos_stack.Stack(root, chaos_stack.CONTROL_PLANE, cluster=True)
     replacement = None
     rows = []
     try:
@@ -402,23 +410,26 @@ def fault_rows(root: pathlib.Path) -> list[dict]:
     return rows
 
 
-def start_replacement(stack: chaos.Stack) -> subprocess.Popen:
+def start_replacement(stack: chaos_stack.Stack) -> subprocess.Popen:
     """Another scheduler instance, as `up --cluster` starts one; returns once it answers."""
     env = {**stack.env, ENV_REDIS_CLUSTER: "1", ENV_NATS_REPLICAS: "3", ENV_INSTANCE: REPLACEMENT}
     log = open(pathlib.Path(stack._state()["logs"]) / f"{REPLACEMENT}.log", "ab")
     proc = subprocess.Popen(
-        [str(chaos.BIN / "ito-training"), "serve", "scheduler"], env=env, stdout=log, stderr=subprocess.STDOUT
+        [str(chaos_stack.BIN / "ito-training"), "serve", "scheduler"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     log.close()
     try:
-        chaos.wait(lambda: asyncio.run(_answers(stack, REPLACEMENT)), READY_TIMEOUT_S, 0.5)
+        chaos_stack.wait(lambda: asyncio.run(_answers(stack, REPLACEMENT)), READY_TIMEOUT_S, 0.5)
     except TimeoutError:
         proc.kill()
         raise
     return proc
 
 
-async def _answers(stack: chaos.Stack, instance: str) -> bool:
+async def _answers(stack: chaos_stack.Stack, instance: str) -> bool:
     """Whether `instance` answered one of a few scheduler health checks (a queue group picks one)."""
     from services.ops.authority import connect
     from services.runtime.identities import OPERATOR
@@ -461,4 +472,4 @@ def print_table(rows: list[dict]) -> None:
     if cluster:
         print("\n" + " | ".join(CLUSTER_HEADER))
         for row in cluster:
-            print(" | ".join(chaos.fmt(row.get(h)) for h in CLUSTER_HEADER))
+            print(" | ".join(chaos_stack.fmt(row.get(h)) for h in CLUSTER_HEADER))

@@ -249,7 +249,7 @@ async def _accounts(
 def _secrets(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     """Write the secrets dir for containers; with --rotate, replace identities' credentials first.
     A running stack (`up`) gets its config rewritten and reloaded too."""
-    from services.ops import authority, stack
+    from services.ops import nats_cluster, stack
     from services.runtime.identities import NATS_IDENTITIES, REDIS_IDENTITIES
     from services.runtime.secrets import Secrets
 
@@ -270,7 +270,7 @@ def _secrets(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> in
         if admin is None:  # a running stack was started with an admin password: it is missing now
             raise RuntimeError(f"no admin password in {s.secrets_dir} to reload the running Redis with")
         stack.reload_redis_acl(s, admin)
-    written = [] if running else authority.write_for_containers(s, [])
+    written = [] if running else nats_cluster.write_for_containers(s, [])
     _print(
         args,
         {

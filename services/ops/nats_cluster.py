@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from services.ops import authority
-from services.runtime import infra, streams
+from services.runtime import infra, streams, tls
 from services.runtime.identities import NATS_IDENTITIES, OPERATOR, nats_config
 from services.runtime.secrets import read_private, write_once
 from services.runtime.settings import Settings
@@ -261,3 +261,20 @@ def nodes_from_state(entries: list[dict]) -> list[Node]:
 
 def nodes_to_state(nodes: list[Node]) -> list[dict]:
     return [dataclasses.asdict(n) for n in nodes]
+
+
+def write_for_containers(s: Settings, tenants: list[tuple[str, str]]) -> list[pathlib.Path]:
+    """compose.yaml's secrets: the credentials, plus a nats.conf listening on every interface of the
+    container with its store on the /data volume, the Redis ACL file, and the `cluster` profile's
+    nats-1..3.conf (routes by service name). Traffic leaves the host
+    there: the CA and certificates are created too (when missing), and every config requires TLS
+    with them as compose mounts them (tls.CONTAINER_DIR)."""
+    written = [
+        *authority.ensure_certs(s).files(),
+        authority.write_nats_config(
+            s, 4222, tenants, host="0.0.0.0", store_dir="/data", tls_dir=tls.CONTAINER_DIR
+        ),
+        authority.write_redis_acl(s),
+    ]
+    written += write_configs(s, container_nodes(), tenants, tls_dir=tls.CONTAINER_DIR)
+    return written

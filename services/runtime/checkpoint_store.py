@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from services.runtime.settings import ENV_CHECKPOINT_URL, ENV_S3_ENDPOINT_URL
+ENV_CHECKPOINT_URL = "ITO_CHECKPOINT_URL"  # "", a path, file:///path or s3://bucket/prefix
+ENV_S3_ENDPOINT_URL = "ITO_S3_ENDPOINT_URL"  # an S3-compatible store that is not AWS; "" for AWS
 
 __all__ = ["ENV_CHECKPOINT_URL", "ENV_S3_ENDPOINT_URL", "StoreUrl", "parse", "run_url"]
 

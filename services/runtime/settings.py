@@ -4,6 +4,9 @@ import os
 import pathlib
 from dataclasses import dataclass
 
+from services.runtime import checkpoint_store
+from services.runtime.checkpoint_store import ENV_CHECKPOINT_URL, ENV_S3_ENDPOINT_URL  # noqa: F401  (the store owns them)
+
 ENV_NATS_URL = "ITO_NATS_URL"
 ENV_REDIS_URL = "ITO_REDIS_URL"
 ENV_REDIS_CLUSTER = "ITO_REDIS_CLUSTER"
@@ -29,8 +32,6 @@ ENV_TLS = (
     "ITO_TLS"  # "1": NATS, the desk and /metrics speak TLS with <secrets dir>/tls (services/runtime/tls.py)
 )
 ENV_NATS_CA = "ITO_NATS_CA"  # ecc: the CA file that signed the NATS server's certificate
-ENV_CHECKPOINT_URL = "ITO_CHECKPOINT_URL"  # "", a path, file:///path or s3://bucket/prefix (services/runtime/checkpoint_store.py)
-ENV_S3_ENDPOINT_URL = "ITO_S3_ENDPOINT_URL"  # an S3-compatible store that is not AWS; "" for AWS
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # or a comma-separated list: a cluster's server pool
 DEFAULT_NATS_REPLICAS = 1  # 3 on a 3-node cluster (`ito-training up --cluster`): every stream R3
@@ -124,9 +125,9 @@ class Settings:
             raise ValueError(f"Stream replicas need to be between 1 and 5, got {self.nats_replicas}.")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"The metrics port needs to be between 0 and 65535, got {self.metrics_port}.")
-        from services.runtime.checkpoint_store import parse  # here: it imports this module
-
-        parse(self.checkpoint_url, self.data_dir / "checkpoints")  # a URL it cannot use stops the start
+        checkpoint_store.parse(
+            self.checkpoint_url, self.data_dir / "checkpoints"
+        )  # a URL it cannot use stops the start
 
     @property
     def model_store(self) -> pathlib.Path:

@@ -57,7 +57,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -71,8 +71,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from contracts.manifest import CheckpointPolicy
-from services.trainer import distributed
+from contracts.manifest import CheckpointPolicy, Lora
+from services.trainer import distributed, lora
 from services.trainer.lora import plain_linears
 
 MARKER = "COMMITTED"
@@ -628,3 +628,16 @@ def batches_to_skip(directory: str | os.PathLike, position: int) -> int | None:
     checkpoint recorded) and that is where the approved skip starts; None: no skip here."""
     skip = skip_window(directory)
     return skip[1] if skip is not None and position == skip[0] else None
+
+
+def write_merged_checkpoint(model: torch.nn.Module, cfg: Lora, directory: Path, step: int) -> None:
+    """The adapted model, merged, as a whole-model committed checkpoint in `directory` (not the
+    stage's own, which holds adapters alone): what a following stage's `init_from`, or any code
+    that calls `load_weights`, can start from. Collective under FSDP2: every rank calls
+    it; rank 0 gathers, merges and writes."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # Filled on rank 0 under several ranks; a model's state (unlike an optimizer's) is all tensors.
+    whole = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
+    if distributed.is_rank0():
+        write_weights(directory, step, lora.merge_state_dict(whole, cfg))
+    distributed.barrier()

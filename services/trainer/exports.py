@@ -5,7 +5,7 @@ directory): `<run dir>/exports/<stage>-<format>/` holds the exported files and, 
 atomically, `EXPORT.json` (stage, format, step, every file's size and SHA-256, the digest). An
 export without `EXPORT.json` is not ready and nothing of it can be downloaded.
 
-The export digest, the export id and the path rule are services/domain/export_files.py's (the
+The export digest, the export id and the path rule are contracts/export_files.py's (the
 client checks the same).
 
 The job: the first order of an export starts it in a background thread and answers "pending";
@@ -47,8 +47,8 @@ from contracts.api import (
 )
 from contracts.errors import ErrorCode
 from contracts.evals import StageGate
+from contracts.export_files import export_digest, export_id, parse_export_id, safe_relative
 from contracts.manifest import Manifest
-from services.domain.export_files import export_digest, export_id, parse_export_id, safe_relative
 from services.runtime.codec import Refusal
 from services.trainer import restore
 from services.trainer.restore import StageSource, Unavailable

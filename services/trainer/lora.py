@@ -40,19 +40,17 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from contracts.api import ExportFile
 from contracts.manifest import Lora
 from services.runtime.data_files import sha256_file
-from services.trainer import distributed
 from services.trainer.model import Transformer
 
 # Hugging Face projection names (what a manifest's target_modules and peft speak) -> ours, in the block.
@@ -327,21 +325,6 @@ def merge_state_dict(state: Mapping[str, torch.Tensor], cfg: Lora) -> dict[str, 
 MERGED_DIR = "merged"
 """Beside a LoRA stage's own (adapter-only) checkpoints: its adapters merged into its base, as a
 whole-model checkpoint; what the next stage starts from and what a restore of it reads."""
-
-
-def write_merged_checkpoint(model: nn.Module, cfg: Lora, directory: Path, step: int) -> None:
-    """The adapted model, merged, as a whole-model committed checkpoint in `directory` (not the
-    stage's own, which holds adapters alone): what a following stage's `init_from`, or any code
-    that calls `checkpoint.load_weights`, can start from. Collective under FSDP2: every rank calls
-    it; rank 0 gathers, merges and writes."""
-    from services.trainer import checkpoint  # here, not at the top: checkpoint imports this module
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    # Filled on rank 0 under several ranks; a model's state (unlike an optimizer's) is all tensors.
-    whole = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
-    if distributed.is_rank0():
-        checkpoint.write_weights(directory, step, merge_state_dict(whole, cfg))
-    distributed.barrier()
 
 
 # ---- the PEFT-format export -------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan, pl
 from services.domain.gates import overfitting, sentence, threshold
 from services.runtime import data_files
 from services.trainer import dataprep, lora, rows
-from services.trainer.checkpoint import is_hf_model_dir, load_weights
+from services.trainer.checkpoint import is_hf_model_dir, load_weights, write_merged_checkpoint
 from services.trainer.data import (
     join_documents,
     load_documents,
@@ -491,9 +491,7 @@ class _Run:
         self.final_loss = result.final_loss if result.final_loss is not None else self.final_loss
         if stage.section.lora is not None and result.model is not None:
             # The stage committed its adapters alone; what follows starts from the merged model.
-            lora.write_merged_checkpoint(
-                result.model, stage.section.lora, directory / MERGED, result.final_step
-            )
+            write_merged_checkpoint(result.model, stage.section.lora, directory / MERGED, result.final_step)
         measured, policy = self._post_measures(result.model, stage)
         if isinstance(stage.section, DpoStage) and policy is not None and reference is not None:
             accuracy, margin = preference(policy, reference, stage.section.beta)

@@ -18,7 +18,7 @@ from contracts.manifest import Lora
 from contracts.models import ModelShape
 from services.domain.model_shapes import hf_config_from_shape
 from services.trainer import distributed, lora
-from services.trainer.checkpoint import Checkpointer, load_latest, load_weights
+from services.trainer.checkpoint import Checkpointer, load_latest, load_weights, write_merged_checkpoint
 from services.trainer.distributed import ParallelDims, batch_rows
 from services.trainer.model import Transformer
 
@@ -111,7 +111,7 @@ def main(out: Path) -> None:
         reference_diff = float((reference - plain(probe)[0]).abs().max())
         adapted_diff = float((adapted - plain(probe)[0]).abs().max())
 
-    lora.write_merged_checkpoint(model, CFG, out / "merged-ckpt", step=1)
+    write_merged_checkpoint(model, CFG, out / "merged-ckpt", step=1)
     merged_plain = Transformer(SHAPE)
     load_weights(out / "merged-ckpt", merged_plain)  # every rank, whole: the next stage's start
     with torch.no_grad():

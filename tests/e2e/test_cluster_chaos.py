@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.ops import chaos, chaos_cluster
+from services.ops import chaos_cluster, chaos_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -17,7 +17,9 @@ BURST = chaos_cluster.Burst(requests=1_000, keys=100, clients=16, prefix="ci")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    stack = chaos.Stack(tmp_path_factory.mktemp("cluster-chaos"), chaos.CONTROL_PLANE, cluster=True)
+    stack = chaos_stack.Stack(
+        tmp_path_factory.mktemp("cluster-chaos"), chaos_stack.CONTROL_PLANE, cluster=True
+    )
     yield stack
     stack.down()
 

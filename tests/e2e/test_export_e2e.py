@@ -13,7 +13,7 @@ import stat
 import pytest
 
 from contracts.api import ExportFile
-from services.domain.export_files import export_digest
+from contracts.export_files import export_digest
 from tests.support import confirm_and_train, eventually, run_state
 
 pytestmark = pytest.mark.e2e

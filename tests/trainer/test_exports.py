@@ -15,9 +15,9 @@ import torch
 
 from contracts.api import DOWNLOAD_CHUNK_MAX, ExportFile, ExportFormat, SampleRequest
 from contracts.errors import ErrorCode
+from contracts.export_files import export_digest
 from contracts.manifest import Manifest
 from services.domain.curriculum import plan_run
-from services.domain.export_files import export_digest
 from services.runtime.codec import Refusal
 from services.trainer import exports, restore, sampling
 from services.trainer.checkpoint import Checkpointer

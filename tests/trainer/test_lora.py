@@ -17,7 +17,13 @@ from contracts.manifest import Lora
 from contracts.models import MODEL_SHAPES, ModelShape
 from contracts.runs import LogLine
 from services.trainer import lora
-from services.trainer.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights
+from services.trainer.checkpoint import (
+    Checkpointer,
+    list_checkpoints,
+    load_latest,
+    load_weights,
+    write_merged_checkpoint,
+)
 from services.trainer.model import Transformer
 from services.trainer.posttrain import PostConfig, train_dpo, train_sft
 from services.trainer.reporting import Recorder
@@ -499,7 +505,7 @@ def test_the_merged_checkpoint_starts_a_following_full_stage(tmp_path: Path):
     idx = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         adapted = sft.model(idx)[0]
-    lora.write_merged_checkpoint(sft.model, cfg, tmp_path / "merged", step=3)
+    write_merged_checkpoint(sft.model, cfg, tmp_path / "merged", step=3)
     [info] = list_checkpoints(tmp_path / "merged")
     assert info.step == 3
     # A full fine-tuning stage after it starts from the merged weights with load_weights, as usual.

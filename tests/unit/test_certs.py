@@ -121,11 +121,11 @@ def test_server_names_start_with_loopback_and_drop_duplicates():
 
 
 def test_containers_get_certificates_and_configs_that_require_tls_on_clients_and_routes(tmp_path):
-    from services.ops import authority
+    from services.ops import nats_cluster
     from services.runtime.tls import CONTAINER_DIR
 
     s = settings_mod.load({"ITO_DATA_DIR": str(tmp_path), "ITO_NAMESPACE": "tc"})
-    written = {p.name for p in authority.write_for_containers(s, [])}
+    written = {p.name for p in nats_cluster.write_for_containers(s, [])}
     assert set(FILES) <= written
     expected = {
         "cert_file": f"{CONTAINER_DIR}/server.pem",

@@ -1,5 +1,5 @@
 """`ecc ito download` (ecc/download.py) against a scripted server, and the export rules both ends
-share (services/domain/export_files.py), as tables: export ids, the path rule, the digest, chunk
+share (contracts/export_files.py), as tables: export ids, the path rule, the digest, chunk
 arithmetic; a whole download, a resumed `.part`, a tampered chunk refused, a different file never
 overwritten, a lost chunk answer retried within its bound."""
 
@@ -10,6 +10,7 @@ import stat
 import msgspec
 import pytest
 
+from contracts import export_files as ef
 from contracts.api import (
     DOWNLOAD_CHUNK_MAX,
     DownloadChunk,
@@ -22,7 +23,6 @@ from contracts.api import (
 from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode
 from ecc import credentials, download, transport
-from services.domain import export_files as ef
 
 KEY = "ito_sk_SUAFAKESEEDFORTESTSONLYNOTAREALKEY0000000000000000000000"
 
