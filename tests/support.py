@@ -62,10 +62,15 @@ def run_status(stack, env: dict, run_id: str, predicate, timeout: float = 120) -
     return eventually(probe, timeout=timeout, what=f"run {run_id} status")
 
 
-def confirm_and_train(stack, env: dict, booking: str, manifest: str, key: str) -> dict:
-    """`ecc ito confirm --action train` then `ecc ito train` with its ref, as a user does; the train
-    answer, which must be ok."""
-    _, conf = stack.ecc("confirm", "--action", "train", "--booking", booking, "--manifest", manifest, env=env)
+def confirm_and_train(
+    stack, env: dict, booking: str, manifest: str, key: str, max_cost: float | None = None
+) -> dict:
+    """`ecc ito confirm --action train` (with `--max-cost` when given: the confirmation must carry
+    it) then `ecc ito train` with its ref, as a user does; the train answer, which must be ok."""
+    bound = [] if max_cost is None else ["--max-cost", str(max_cost)]
+    confirm = ["confirm", "--action", "train", "--booking", booking, "--manifest", manifest, *bound]
+    _, conf = stack.ecc(*confirm, env=env)
+    assert max_cost is None or abs(conf["data"]["max_cost_usd"] - max_cost) < 1e-9, conf
     ref = conf["data"]["confirmation_ref"]
     rc, train = stack.ecc(
         "train",

@@ -74,32 +74,7 @@ def test_a_run_whose_spend_would_cross_its_confirmations_bound_stops_at_the_boun
     rc, planned = stack.ecc("plan", "--booking", booking, "--manifest", m, env=env)
     assert rc == 0 and planned["ok"], planned
     bound = round(max(planned["data"]["cost"]["total_usd"] * 1.2, 15 * PRICE_H200 / 3600), 6)
-    rc, conf = stack.ecc(
-        "confirm",
-        "--action",
-        "train",
-        "--booking",
-        booking,
-        "--manifest",
-        m,
-        "--max-cost",
-        str(bound),
-        env=env,
-    )
-    assert rc == 0 and conf["data"]["max_cost_usd"] == pytest.approx(bound), conf
-    rc, train = stack.ecc(
-        "train",
-        "--booking",
-        booking,
-        "--manifest",
-        m,
-        "--confirmation-ref",
-        conf["data"]["confirmation_ref"],
-        "--idempotency-key",
-        "bound-1",
-        env=env,
-    )
-    assert rc == 0, train
+    train = confirm_and_train(stack, env, booking, m, "bound-1", max_cost=bound)
     view = run_state(
         stack,
         env,
