@@ -32,7 +32,7 @@ from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode
 from ecc import connection
 from ecc.connection import ENV_NATS_CA
-from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
+from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, RETRY_REFUSED_S
 
 if TYPE_CHECKING:  # nats loads on demand: `--help` must not import it
     from nats.aio.client import Client as NatsClient
@@ -177,7 +177,11 @@ class Client:
                 ],  # a cluster's pool: a node that is down is skipped
                 connect_timeout=min(self.connect_timeout_s, max(self.remaining(), 0.1)),
                 allow_reconnect=False,
-                max_reconnect_attempts=0,
+                # nats-py's first connect retries a refused address forever when this is 0 (it only
+                # discards a server past a positive bound): each node is tried twice, 0.1 s apart,
+                # then the pool is empty and a dead address is answered at once, not at the deadline.
+                max_reconnect_attempts=1,
+                reconnect_time_wait=RETRY_REFUSED_S,
                 name="ecc",
                 nkeys_seed_str=seed.decode(),
                 inbox_prefix=tenant_inbox(account),

@@ -218,3 +218,20 @@ def test_the_ca_that_up_tls_wrote_into_the_connection_file_is_the_one_ecc_verifi
     assert (client.url, client.namespace, client.ca) == (DEAD, "ttls", "/srv/ito/ca.pem")
     monkeypatch.setenv("ITO_NATS_CA", "/elsewhere/ca.pem")
     assert Client(credential=("a", "k")).ca == "/elsewhere/ca.pem"
+
+
+def test_a_refused_address_is_answered_at_once_not_at_the_deadline(home):
+    """Nothing listens: that is the answer, whatever `--timeout` allows (nats-py retried a refused
+    address every 2 s until ecc's overall deadline, so a dead port took the whole --timeout)."""
+    env = clean_env(home, ITO_NATS_URL=DEAD)
+    seed = "ito_sk_" + new_nkey_seed().decode() + "\n"
+    proc = subprocess.run(
+        [str(BIN / "ecc"), "ito", "login", "--account", "a", "--json", "--timeout", "600"],
+        input=seed,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,  # far below the 600 s the old client waited out
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 1 and out["error"]["code"] == "backend_unavailable", out
