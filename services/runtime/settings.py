@@ -1,11 +1,12 @@
-"""Settings from the environment: every env-var name and its default, in one place."""
+"""Settings from the environment: every env-var name and its default, in one place (the checkpoint
+store names its own two, ITO_CHECKPOINT_URL and ITO_S3_ENDPOINT_URL: services/runtime/checkpoint_store.py)."""
 
 import os
 import pathlib
 from dataclasses import dataclass
 
 from services.runtime import checkpoint_store
-from services.runtime.checkpoint_store import ENV_CHECKPOINT_URL, ENV_S3_ENDPOINT_URL  # noqa: F401  (the store owns them)
+from services.runtime.checkpoint_store import ENV_CHECKPOINT_URL  # the store owns its names
 
 ENV_NATS_URL = "ITO_NATS_URL"
 ENV_REDIS_URL = "ITO_REDIS_URL"
