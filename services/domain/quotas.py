@@ -149,6 +149,14 @@ def run_usage(states: Iterable[RunState]) -> tuple[int, int]:
     return len(unfinished), sum(s in WAITING for s in unfinished)
 
 
+def may_breach(limits: QuotaLimits, open_at_most: int) -> bool:
+    """Could one more run go over `runs` or `queued`, when at most `open_at_most` runs are unfinished
+    (waiting runs are among them)? If not, no run's state needs reading: the train path's quota
+    gate then costs one count, however many runs the account has open (a read of every open run's
+    view, each request, made the gate grow with the account's runs)."""
+    return open_at_most >= min(limits.runs, limits.queued)
+
+
 def run_breach(limits: QuotaLimits, states: Iterable[RunState]) -> tuple[QuotaBreach, str] | None:
     """May the account start one more run (it starts waiting)? The `runs` quota first, then `queued`."""
     unfinished, waiting = run_usage(states)

@@ -277,7 +277,7 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
                     f"{acct}:open-runs",  # the unfinished runs: the `runs` and `queued` quotas
                 ),
                 "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +zrevrange +zrevrangebyscore "
-                "+rpush +ltrim +llen +lrange +sadd +srem +smembers +pexpire +time "
+                "+rpush +ltrim +llen +lrange +sadd +srem +smembers +scard +pexpire +time "
                 f"+multi +exec +discard {scripts}",
             )
         case "ledger":

@@ -179,8 +179,11 @@ class Api:
             raise refusal
 
     async def _run_quota(self, account: str) -> Refusal | None:
-        """`quota_exceeded` when one more run would go over the account's `runs` or `queued`."""
+        """`quota_exceeded` when one more run would go over the account's `runs` or `queued`; the
+        open runs' states are read only when their count could reach a limit."""
         limits = await self.quotas.limits(account)
+        if not quota_rules.may_breach(limits, await self.runs.open_at_most(account)):
+            return None
         return breach_refusal(quota_rules.run_breach(limits, await self.runs.open_states(account)))
 
     async def auth(self, caller: str, req: AuthRequest) -> AuthInfo:

@@ -201,6 +201,9 @@ class InMemoryRuns:
     async def newest(self, limit: int) -> list[RunView]:
         return sorted(self.views.values(), key=lambda v: v.created_at, reverse=True)[:limit]
 
+    async def open_at_most(self, account: str) -> int:
+        return sum(a == account and v.state not in TERMINAL_STATES for (a, _), v in self.views.items())
+
     async def open_states(self, account: str) -> list[RunState]:
         return [
             v.state for (a, _), v in self.views.items() if a == account and v.state not in TERMINAL_STATES

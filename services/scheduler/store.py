@@ -157,6 +157,10 @@ class RunRecords(Runs, Protocol):
         """The states of the account's unfinished runs (its `runs` and `queued` quotas)."""
         ...
 
+    async def open_at_most(self, account: str) -> int:
+        """At least the number of the account's unfinished runs, in one cheap read."""
+        ...
+
 
 CAS_FIELDS = ("view", "last_seq", "last_epoch", "lease_epoch")
 CAS_LUA = """
@@ -466,6 +470,10 @@ class RunStore:
                 pipe.hget(self.keys.run(account, run_id), "view")
             raws = await pipe.execute()
         return [_view_decoder.decode(raw) for raw in raws if raw is not None]
+
+    async def open_at_most(self, account: str) -> int:
+        """The open-run set's size: every unfinished run is in it (and finished ones not yet seen)."""
+        return int(await self.r.scard(self.keys.open_runs(account)))
 
     async def open_states(self, account: str) -> list[RunState]:
         """The account's open-run set (a run enters it when created), read with each view; a run

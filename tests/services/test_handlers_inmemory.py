@@ -497,6 +497,22 @@ async def test_over_its_outstanding_confirmations_a_confirm_is_refused_until_one
     data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)  # room again
 
 
+async def test_far_below_its_run_quotas_a_train_reads_no_run_state(bus, monkeypatch):
+    # issue 30: the quota gate read every open run's view on each train request, so the request
+    # path grew with the account's open runs (a bench's thousands of queued runs: 98 % of the
+    # scheduler's CPU). Below both limits the open-run count alone decides.
+    await login(bus)
+    _, run = await confirmed_run(bus, "bf1", "k1")
+
+    async def no_states(self, account):
+        raise AssertionError("the run states were read far below the quotas")
+
+    monkeypatch.setattr(RunStore, "open_states", no_states)
+    monkeypatch.setattr(InMemoryRuns, "open_states", no_states)
+    _, other = await confirmed_run(bus, "bf2", "k2")
+    assert other.run_id != run.run_id and not other.replay
+
+
 async def test_over_its_runs_or_queued_quota_train_is_refused_before_anything_is_reserved(bus):
     await login(bus)
     await bus.quotas.set_limits("acme", {"runs": 1})

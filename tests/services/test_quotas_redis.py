@@ -129,6 +129,7 @@ async def test_the_open_run_set_forgets_finished_runs(infra):
         assert await runs.create(view)
     assert sorted(await runs.open_states(name)) == sorted([RunState.queued, RunState.running])
     assert await c["admin"].scard(keys.open_runs(name)) == 2  # the finished one left the set
+    assert await runs.open_at_most(name) == 2
 
 
 async def test_the_operator_writes_the_limits_the_services_read_them(infra):

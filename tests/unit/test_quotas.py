@@ -87,6 +87,27 @@ def test_run_admission(states, breach):
     assert (None if found is None else (found[0].quota, found[0].current, found[0].limit)) == breach
 
 
+@pytest.mark.parametrize(
+    ("open_at_most", "may"),
+    [
+        (0, False),
+        (1, False),  # below both limits (runs 3, queued 2): no state needs reading
+        (2, True),  # could be two waiting runs: `queued` reached
+        (3, True),
+        (10_000, True),  # a set with finished runs not yet pruned: the states decide
+    ],
+)
+def test_the_run_states_are_read_only_when_a_limit_could_be_reached(open_at_most, may):
+    assert quotas.may_breach(LIMITS, open_at_most) is may
+
+
+@pytest.mark.parametrize("states", [[S.queued, S.accepted], [S.running, S.awaiting_approval, S.cancelling]])
+def test_wherever_a_breach_is_found_may_breach_said_so(states):
+    # the upper bound the store gives is at least the unfinished count: never a missed breach
+    unfinished, _ = quotas.run_usage(states)
+    assert quotas.run_breach(LIMITS, states) is not None and quotas.may_breach(LIMITS, unfinished)
+
+
 def test_a_confirmation_breach_names_the_quota_and_its_numbers():
     assert quotas.confirmation_breach(1, 2) is None
     breach, message = quotas.confirmation_breach(2, 2) or (None, "")
