@@ -22,10 +22,8 @@ stopped right after (never the machine's shared servers).
 
 import asyncio
 import json
-import os
 import pathlib
 import random
-import resource
 import shutil
 import tempfile
 import time
@@ -34,7 +32,7 @@ from typing import Any
 
 from bench import stats
 from bench.quotas import fairness as quota_fairness
-from bench.stack import AUTH, ApiClient, Stack, confirmations
+from bench.stack import AUTH, ApiClient, Stack, confirmations, cpu_delta, cpu_seconds, drive, own_cpu_seconds
 
 CONNECT_TIMEOUT_S = 2  # every NATS connection the comparison opens to the server without auth
 RTT_TIMEOUT_S = 5  # one bare round trip; a timeout is an error, not a sample
@@ -535,44 +533,6 @@ async def latency(stack: Stack, samples: int) -> dict:
     }
 
 
-def _cpu_seconds(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of a process, from /proc (Linux)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
-def _delta(after: tuple[float, float], before: tuple[float, float]) -> tuple[float, float]:
-    return after[0] - before[0], after[1] - before[1]
-
-
-def _own_cpu_seconds() -> tuple[float, float]:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime, usage.ru_stime
-
-
-async def _drive(stack: Stack, jobs: list[tuple[str, str]], clients: int) -> tuple[list[dict], float]:
-    """Send (confirmation ref, key) jobs from `clients` connections; (answers, wall seconds)."""
-    queue = iter(jobs)
-    answers: list[dict] = []
-
-    async def client_loop(client: ApiClient) -> None:
-        for ref, key in queue:  # a shared iterator: each job goes to exactly one client
-            out = await client.train(ref, key)
-            out["key"] = key
-            answers.append(out)
-
-    conns = [ApiClient(stack) for _ in range(clients)]
-    await asyncio.gather(*(c.__aenter__() for c in conns))
-    try:
-        started = time.perf_counter()
-        await asyncio.gather(*(client_loop(c) for c in conns))
-        return answers, time.perf_counter() - started
-    finally:
-        await asyncio.gather(*(c.__aexit__(None, None, None) for c in conns))
-
-
 def _error_codes(answers: list[dict]) -> dict[str, int]:
     codes: dict[str, int] = {}
     for out in answers:
@@ -589,13 +549,13 @@ async def throughput(stack: Stack, requests: int, clients: int = CLIENTS) -> dic
     refs = await confirmations(stack, requests)
     jobs = [(ref, f"tput-{i}") for i, ref in enumerate(refs)]
     pids, servers = stack.service_pids(), stack.infra_pids()
-    cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
-    servers_before = {name: _cpu_seconds(pid) for name, pid in servers.items()}
-    own_before = _own_cpu_seconds()
-    answers, wall = await _drive(stack, jobs, clients)
-    cpu = {name: _delta(_cpu_seconds(pid), cpu_before[name]) for name, pid in pids.items()}
-    cpu["bench client"] = _delta(_own_cpu_seconds(), own_before)
-    server_cpu = {name: _delta(_cpu_seconds(pid), servers_before[name]) for name, pid in servers.items()}
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    servers_before = {name: cpu_seconds(pid) for name, pid in servers.items()}
+    own_before = own_cpu_seconds()
+    answers, wall = await drive(stack, jobs, clients)
+    cpu = {name: cpu_delta(cpu_seconds(pid), cpu_before[name]) for name, pid in pids.items()}
+    cpu["bench client"] = cpu_delta(own_cpu_seconds(), own_before)
+    server_cpu = {name: cpu_delta(cpu_seconds(pid), servers_before[name]) for name, pid in servers.items()}
     accepted = sum(1 for out in answers if out["ok"] and not out["data"]["replay"])
 
     def per_request(usage: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
@@ -629,7 +589,7 @@ async def exactly_once(stack: Stack, requests: int, keys: int, clients: int = CL
     jobs = [(refs[i % keys], f"once-{i % keys}") for i in range(requests)]
     random.Random(0).shuffle(jobs)
     queued_before = await stack.work_queued()
-    answers, wall = await _drive(stack, jobs, clients)
+    answers, wall = await drive(stack, jobs, clients)
     queued = await stack.work_queued() - queued_before
     runs_by_key: dict[str, set[str]] = {}
     for out in answers:
@@ -658,9 +618,13 @@ async def exactly_once(stack: Stack, requests: int, keys: int, clients: int = CL
 async def run_all(
     stack: Stack, *, latency_samples: int, throughput_requests: int, once_requests: int, once_keys: int
 ) -> dict[str, dict]:
+    from bench import cpu_profile
+
     return {
         "control_plane_latency": await latency(stack, latency_samples),
         "control_plane_throughput": await throughput(stack, throughput_requests),
+        # after the timed figures: py-spy's sampling slows the services it samples
+        "control_plane_profile": await cpu_profile.profile(stack, min(throughput_requests, 1000), CLIENTS),
         "exactly_once": await exactly_once(stack, once_requests, once_keys),
         "quota_fairness": await quota_fairness(stack, max(30, latency_samples // 5)),
     }

@@ -97,6 +97,12 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, u
         ("cpu_cores_busy", "cores"),
         ("server_cpu_cores_busy", "cores"),
     ],
+    "control_plane_profile": [
+        ("services.scheduler.cpu_ms_per_request", "ms"),
+        ("services.ledger.cpu_ms_per_request", "ms"),
+        ("services.confirmation.cpu_ms_per_request", "ms"),
+        ("services.entitlement.cpu_ms_per_request", "ms"),
+    ],
     "quota_fairness": [
         ("flood_rate_quota_per_s", "/s"),
         ("at_limit_flood_sent_per_s", "/s"),
@@ -192,6 +198,32 @@ def git_commit() -> str | None:
     return None
 
 
+LIBRARIES = ("msgspec", "nats-py", "redis", "faststream", "pynacl", "hiredis")
+"""The request path's libraries: their versions go with the figures (issue 30)."""
+
+
+def cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def library_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
 def environment(mode: str) -> dict:
     import torch
 
@@ -199,6 +231,8 @@ def environment(mode: str) -> dict:
         "mode": mode,
         "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "libraries": library_versions(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -274,11 +308,34 @@ def table(env: dict, benchmarks: dict[str, dict]) -> str:
         f"torch {env['torch']}, commit {(env['git_commit'] or '?')[:12]}, load {env['load_avg_at_start']}, "
         f"auth {env.get('auth', 'off')}"
     ]
+    lines += environment_lines(env)
     for i, row in enumerate(rows):
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    profile = benchmarks.get("control_plane_profile", {})
+    if profile.get("status") == "ok":
+        from bench.cpu_profile import lines as profile_lines
+
+        f = profile["figures"]
+        lines.append(
+            f"\nwhere the gated path's CPU goes (py-spy, {f['requests']} requests from {f['clients']} clients):"
+        )
+        lines += profile_lines(f)
     return "\n".join(lines)
+
+
+def environment_lines(env: dict) -> list[str]:
+    """The machine and versions the figures depend on, so that two machines' runs compare."""
+    infra = env.get("infra", {})
+    libs = ", ".join(f"{k} {v}" for k, v in env.get("libraries", {}).items())
+    out = [f"cpu: {env.get('cpu_model', '?')}; libraries: {libs}"]
+    if "nats_server" in infra:
+        out.append(
+            f"servers: nats-server {infra.get('nats_server', '?')}, redis {infra.get('redis_server', '?')} "
+            f"(appendfsync {infra.get('redis_appendfsync', '?')})"
+        )
+    return out
 
 
 def print_table(env: dict, benchmarks: dict[str, dict]) -> None:

@@ -136,7 +136,13 @@ def _stack_groups(cfg: Config, groups: set[str], env: dict) -> dict[str, dict]:
                         once_keys=cfg.once_keys,
                     )
                 ),
-                ["control_plane_latency", "control_plane_throughput", "exactly_once", "quota_fairness"],
+                [
+                    "control_plane_latency",
+                    "control_plane_throughput",
+                    "control_plane_profile",
+                    "exactly_once",
+                    "quota_fairness",
+                ],
             )
         if "cli" in groups:
             results |= _measured(

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pathlib
+import resource
 import shutil
 import subprocess
 import sys
@@ -325,3 +326,41 @@ async def confirmations(stack: Stack, n: int, concurrency: int = 16) -> list[str
     shares = [n // concurrency + (1 if i < n % concurrency else 0) for i in range(concurrency)]
     await asyncio.gather(*(worker(c) for c in shares if c))
     return refs
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_delta(after: tuple[float, float], before: tuple[float, float]) -> tuple[float, float]:
+    return after[0] - before[0], after[1] - before[1]
+
+
+def own_cpu_seconds() -> tuple[float, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
+async def drive(stack: Stack, jobs: list[tuple[str, str]], clients: int) -> tuple[list[dict], float]:
+    """Send (confirmation ref, key) jobs from `clients` connections; (answers, wall seconds)."""
+    queue = iter(jobs)
+    answers: list[dict] = []
+
+    async def client_loop(client: ApiClient) -> None:
+        for ref, key in queue:  # a shared iterator: each job goes to exactly one client
+            out = await client.train(ref, key)
+            out["key"] = key
+            answers.append(out)
+
+    conns = [ApiClient(stack) for _ in range(clients)]
+    await asyncio.gather(*(c.__aenter__() for c in conns))
+    try:
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(c) for c in conns))
+        return answers, time.perf_counter() - started
+    finally:
+        await asyncio.gather(*(c.__aexit__(None, None, None) for c in conns))

@@ -58,6 +58,11 @@ class Ledger(Protocol):
         confirmation does not authorize the request."""
         ...
 
+    async def authorised_cost(self, account: str, ref: str) -> float | None:
+        """The cost bound of the confirmation `ref` (None: it binds none, or there is no such
+        record): read before the accept, since a record's bound never changes once written."""
+        ...
+
     async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None: ...
 
     async def pending(self) -> list[LedgerEntry]:
@@ -125,6 +130,10 @@ class LedgerStore:
         decoded = _handed_off(_entry_decoder.decode(value[0]), _text(value[1]) == "1")
         return decoded, _text(outcome) == "accepted"
 
+    async def authorised_cost(self, account: str, ref: str) -> float | None:
+        (raw,) = await self.r.hmget(self.keys.confirmation(account, ref), "max_cost")
+        return float(raw) if raw else None
+
     async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None:
         async with self.r.pipeline(transaction=False) as pipe:
             pipe.srem(self.keys.pending_handoff(account), key)
@@ -177,6 +186,10 @@ class InMemoryLedger:
         if req.work:
             self.waiting.add((req.account, req.idempotency_key))
         return self._with_handoff(entry), True
+
+    async def authorised_cost(self, account: str, ref: str) -> float | None:
+        stored = self.records.get((account, ref))
+        return None if stored is None else stored.max_cost
 
     async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None:
         self.waiting.discard((account, key))

@@ -46,6 +46,10 @@ class Quotas(Protocol):
         """One request's token from the account's bucket (cost 0: look, take nothing)."""
         ...
 
+    def remembered(self, account: str) -> decide.Taken | None:
+        """A refusal this instance still remembers for the account (no I/O), or None."""
+        ...
+
     async def set_limits(self, account: str, changes: dict[str, float]) -> QuotaLimits: ...
 
 
@@ -72,11 +76,10 @@ class RedisQuotas:
         """BUCKET_LUA on the server's clock (`now` only in tests); an empty bucket this instance saw
         less than REFUSAL_MEMORY_S ago is refused without a round trip (`decide.remembered`)."""
         local = time.monotonic()
-        if cost > 0 and now is None and account in self._refused:
-            entry, seen = self._refused[account]
-            retry = decide.remembered(entry, local)
-            if retry is not None:
-                return dataclasses.replace(seen, tokens=0.0, retry_after_s=retry)
+        if cost > 0 and now is None:
+            seen = self.remembered(account, local)
+            if seen is not None:
+                return seen
         allowed, tokens, retry_s, rate, burst = await self._bucket(
             keys=[self.keys.bucket(account), self.keys.quota(account)],
             args=["" if now is None else repr(now), decide.DEFAULTS.rate_per_s, decide.DEFAULTS.burst, cost],
@@ -85,6 +88,15 @@ class RedisQuotas:
         if cost > 0 and now is None:
             self._remember(account, taken, local)
         return taken
+
+    def remembered(self, account: str, local: float | None = None) -> decide.Taken | None:
+        """The refusal remembered for `account` (REFUSAL_MEMORY_S at most), as it stands at `local`
+        (monotonic seconds; now when None), or None."""
+        if account not in self._refused:
+            return None
+        entry, seen = self._refused[account]
+        retry = decide.remembered(entry, time.monotonic() if local is None else local)
+        return None if retry is None else dataclasses.replace(seen, tokens=0.0, retry_after_s=retry)
 
     def _remember(self, account: str, taken: decide.Taken, now: float) -> None:
         entry = decide.memory_of(taken, now)
@@ -114,6 +126,9 @@ class InMemoryQuotas:
 
     async def limits(self, account: str) -> QuotaLimits:
         return decide.limits_from(self.stored.get(account, {}))
+
+    def remembered(self, account: str) -> decide.Taken | None:
+        return None  # every take reads the bucket here
 
     async def take(self, account: str, cost: float = 1.0) -> decide.Taken:
         limits, now = await self.limits(account), self.clock()

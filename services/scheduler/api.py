@@ -110,6 +110,13 @@ def storage_refusal(
     return None
 
 
+def _raised(outcome: Any) -> Any:
+    """A value `asyncio.gather(..., return_exceptions=True)` gave: raised when it is an exception."""
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
 def model_view(m: BaseModel) -> ModelView:
     return ModelView(
         name=m.name,
@@ -166,25 +173,35 @@ class Api:
         return (await authenticate(self.credentials, caller, req)).account
 
     async def _rated(self, caller: str, req) -> str:
-        """The account, once its request-rate bucket admitted this request (plan, confirm, train)."""
-        await self._rate(caller)
-        return await self._account(caller, req)
-
-    async def _rate(self, caller: str) -> None:
-        """The first gate of plan, confirm and train, before the key records are read: the NATS
-        server authenticated the caller's account already (only its credential may publish on its
-        subject), and a flood's refusals cost no Redis read and write no audit record."""
-        refusal = rate_refusal(await self.quotas.take(caller))  # one script, the limits read inside
+        """The account, once its request-rate bucket admitted this request (plan, confirm, train):
+        the first gate, which writes no audit record (the NATS server authenticated the caller's
+        account already: only its credential may publish on its subject). A refusal this instance remembers is answered first, with no Redis read at all (a flood's);
+        otherwise the bucket's take and the key records' read go side by side (one round trip's
+        wait, not two), and the rate's refusal still comes first."""
+        remembered = self.quotas.remembered(caller)
+        if remembered is not None:
+            raise rate_refusal(remembered) or Refusal(ErrorCode.rate_limited, "over the request rate")
+        taken, info = await asyncio.gather(
+            self.quotas.take(caller), authenticate(self.credentials, caller, req), return_exceptions=True
+        )
+        refusal = rate_refusal(_raised(taken))
         if refusal is not None:
             raise refusal
+        return _raised(info).account
 
     async def _run_quota(self, account: str) -> Refusal | None:
         """`quota_exceeded` when one more run would go over the account's `runs` or `queued`; the
         open runs' states are read only when their count could reach a limit."""
-        limits = await self.quotas.limits(account)
-        if not quota_rules.may_breach(limits, await self.runs.open_at_most(account)):
+        limits, open_at_most = await asyncio.gather(
+            self.quotas.limits(account), self.runs.open_at_most(account)
+        )
+        if not quota_rules.may_breach(limits, open_at_most):
             return None
         return breach_refusal(quota_rules.run_breach(limits, await self.runs.open_states(account)))
+
+    async def _run_quota_boxed(self, account: str) -> tuple[Refusal | None]:
+        """`_run_quota` in a tuple: beside other reads, its refusal (a value) is not an error."""
+        return (await self._run_quota(account),)
 
     async def auth(self, caller: str, req: AuthRequest) -> AuthInfo:
         """Who the caller is, with its quotas: the limits and what it uses now."""
@@ -217,10 +234,15 @@ class Api:
 
     async def _plan(
         self, account: str, booking_id: str, manifest: Manifest, digest: str, base: BaseModel | None
-    ):
+    ) -> tuple[Plan, EligibilityBody]:
         body = await self.backends.verified_eligibility(account, booking_id, manifest)
+        return self._plan_on(account, manifest, digest, base, body), body
+
+    def _plan_on(
+        self, account: str, manifest: Manifest, digest: str, base: BaseModel | None, body: EligibilityBody
+    ) -> Plan:
         root = self.checkpoint_root / account
-        p = planning.plan(
+        return planning.plan(
             manifest,
             digest,
             body,
@@ -230,7 +252,6 @@ class Api:
             base=base,
             now=datetime.now(UTC),  # the booking's remaining window is measured from now
         )
-        return p, body
 
     async def _verified(
         self, account: str, text: str, client_digest: str
@@ -366,19 +387,28 @@ class Api:
     async def _create(
         self, req: TrainRequest, account: str, manifest: Manifest, digest: str, fp: str, trail: Trail
     ) -> tuple[RunAccepted, str | None]:
-        # before anything is read or reserved; a replay of a key that has its run is answered anyway
-        trail.check("quota", await self._run_quota(account))
-        try:  # the store and the files may have changed since the bytes were checked: every time
-            _plan, base = await asyncio.to_thread(self.inputs.runnable, manifest, account)
-        except Refusal as refusal:
-            trail.refuse("manifest_inputs", refusal)
+        # Three reads that do not depend on each other, side by side (issue 30: one after another
+        # they were a third of the request's wait): the run quota; the manifest's inputs (the store
+        # and the files may have changed since the bytes were checked: every time); the signed
+        # eligibility. Their gates are judged and recorded in the fixed order all the same, and
+        # nothing is reserved before all three passed. A replay of a key that has its run is
+        # answered anyway.
+        quota, inputs, eligibility = await asyncio.gather(
+            self._run_quota_boxed(account),
+            asyncio.to_thread(self.inputs.runnable, manifest, account),
+            self.backends.verified_eligibility(account, req.booking_id, manifest),
+            return_exceptions=True,
+        )
+        trail.check("quota", _raised(quota)[0])
+        if isinstance(inputs, Refusal):
+            trail.refuse("manifest_inputs", inputs)
+        _plan, base = _raised(inputs)
         trail.record("manifest_inputs", True)
-        bound = self._bound(account, req, digest)  # read beside the plan: it hides behind it
-        try:
-            p, body = await self._planned(account, req.booking_id, manifest, digest, base, trail)
-        except BaseException:
-            bound.cancel()
-            raise
+        if isinstance(eligibility, Refusal):
+            trail.refuse("eligibility", eligibility)
+        body = _raised(eligibility)
+        trail.record("eligibility", True)
+        p = self._planned(account, manifest, digest, base, body, trail)
         if not req.confirmation_ref:
             trail.refuse(
                 "confirmation",
@@ -391,7 +421,7 @@ class Api:
             # Re-fetched, never stretched: the gate is checked again at the moment of creation,
             # and the plan holds only for the booking version it was made on.
             await trail.gate("eligibility_refresh", self._refreshed(account, req.booking_id, manifest, body))
-        work = self._work(trail.request_id, account, req, manifest, digest, p, base, await bound)
+        work = self._work(trail.request_id, account, req, manifest, digest, p, base)
         entry = await self._accepted(account, req, fp, work, trail)
         if entry.run_id != work.run_id:  # the key already has a run (or a concurrent request won it)
             return await trail.gate("replay", self._replay(entry, fp))
@@ -454,41 +484,22 @@ class Api:
         trail.record("manifest", True)
         return manifest, digest
 
-    async def _planned(
+    def _planned(
         self,
         account: str,
-        booking_id: str,
         manifest: Manifest,
         digest: str,
         base: BaseModel | None,
+        body: EligibilityBody,
         trail: Trail,
-    ) -> tuple[Plan, Any]:
-        p, body = await trail.gate("eligibility", self._plan(account, booking_id, manifest, digest, base))
+    ) -> Plan:
+        p = self._plan_on(account, manifest, digest, base, body)
         for check in p.checks:
             trail.record(f"plan.{check.name}", check.ok, check.code)
         first = planning.first_refusal(p)
         if first is not None:
             raise Refusal(first[0], plan_refusal_message(p))
-        return p, body
-
-    def _bound(self, account: str, req: TrainRequest, digest: str) -> "asyncio.Task[float | None]":
-        """The cost bound of the confirmation the request names (what the person authorised the run
-        to spend), read without consuming it; None when it cannot be read (the ledger's atomic step
-        then decides on the confirmation, and the run's bound is the estimate: never more than what
-        was authorised, since the binding holds the estimate under the bound)."""
-
-        async def read() -> float | None:
-            if not req.confirmation_ref:
-                return None
-            try:
-                issued = await self.backends.resolve_confirmation(
-                    account, req.confirmation_ref, Action.train, req.booking_id, digest, None
-                )
-            except Refusal:
-                return None
-            return issued.max_cost_usd
-
-        return asyncio.create_task(read())
+        return p
 
     def _work(
         self,
@@ -499,7 +510,6 @@ class Api:
         digest: str,
         p: Plan,
         base: BaseModel | None,
-        bound: float | None,
     ) -> TrainWork:
         return TrainWork(
             run_id=run_id,
@@ -513,7 +523,9 @@ class Api:
             rendezvous=self.handoff.rendezvous(manifest.resources.nodes),
             rendezvous_key=self.handoff.rendezvous_key(manifest.resources.nodes),
             base=base,  # resolved once, here: the trainer reads the weights by this digest
-            cost_bound_usd=p.cost.total_usd if bound is None else bound,
+            # the estimate until the ledger's accept writes in the consumed confirmation's bound
+            # (services/ledger/handlers.py): the item it keeps and hands off carries that one
+            cost_bound_usd=p.cost.total_usd,
         )
 
     async def _reserve(self, account: str, req: TrainRequest, fp: str, work: TrainWork) -> LedgerEntry:

@@ -17,6 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 QUICK_BENCHMARKS = {
     "control_plane_latency",
     "control_plane_throughput",
+    "control_plane_profile",
     "exactly_once",
     "quota_fairness",
     "cli_startup",
@@ -29,7 +30,7 @@ QUICK_BENCHMARKS = {
     "hf_tokenize",
     "hf_export",
 }
-ENVIRONMENT_FIELDS = {"mode", "cpu_count", "python", "torch", "git_commit", "infra"}
+ENVIRONMENT_FIELDS = {"mode", "cpu_count", "cpu_model", "libraries", "python", "torch", "git_commit", "infra"}
 
 
 def is_number(value) -> bool:
@@ -81,3 +82,13 @@ def test_quick_mode_compares_the_same_training_work(results):
             assert entry["figures"]["same_first_loss"], (name, entry["figures"])
     for name in ("hf_sft", "hf_dpo"):  # ours and TRL train on the same token ids
         assert results["benchmarks"][name]["figures"]["same_tokens"], results["benchmarks"][name]
+
+
+def test_quick_mode_says_where_each_services_cpu_goes(results):
+    """Issue 30: the gated path's CPU by service and by phase (py-spy), printed with the table."""
+    profile = results["benchmarks"]["control_plane_profile"]["figures"]
+    assert set(profile["services"]) == {"entitlement", "confirmation", "ledger", "scheduler"}
+    for name, service in profile["services"].items():
+        assert service["samples"] > 0, (name, service)
+        assert abs(sum(service["phases"].values()) - 1) < 0.01, (name, service["phases"])
+    assert "redis client" in profile["services"]["ledger"]["phases"]  # its accept is a Redis script

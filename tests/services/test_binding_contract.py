@@ -27,8 +27,11 @@ from services.ledger.store import InMemoryLedger, LedgerStore
 from services.runtime.codec import Refusal
 from services.runtime.keys import Keys
 from tests.conftest import new_namespace, start_infra
+from tests.unit.test_node_shares import work as _node_work
 
 DIGEST = "d" * 64
+
+WORK = msgspec.json.encode(_node_work(1, rendezvous=""))  # a train's item: the ledger writes its bound in
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,7 @@ def requests(ref: str, account: str, **changes) -> tuple[ConfirmationResolve, Le
         **changes,
     }
     key = "k_" + uuid.uuid4().hex[:8]
-    accept = LedgerAccept(idempotency_key=key, fingerprint="f", run_id="run_" + key, work=b"w", **fields)
+    accept = LedgerAccept(idempotency_key=key, fingerprint="f", run_id="run_" + key, work=WORK, **fields)
     return ConfirmationResolve(**fields), accept
 
 

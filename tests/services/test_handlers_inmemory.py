@@ -274,6 +274,35 @@ async def test_plan_confirm_train_status(bus):
     assert code(out) is ErrorCode.confirmation_consumed
 
 
+async def test_a_train_asks_the_confirmation_service_nothing_the_ledger_reads_the_bound(bus, monkeypatch):
+    # issue 30: the scheduler asked the confirmation service for the bound on every train (one
+    # more NATS round trip and a second service's CPU); the ledger's accept writes it in now.
+    from services.scheduler.backends import Backends
+
+    async def no_resolve(self, *args, **kwargs):
+        raise AssertionError("a train asked the confirmation service")
+
+    await login(bus)
+    await publish_booking(bus, booking_event("acme", "bn", gpus=8))
+    text = REPO_MANIFEST.read_text()
+    digest = digest_of(text.encode())
+    confirm = ConfirmRequest(
+        action=Action.train, booking_id="bn", manifest_text=text, manifest_digest=digest, max_cost_usd=0.5
+    )
+    issued = data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
+    monkeypatch.setattr(Backends, "resolve_confirmation", no_resolve)
+    train = TrainRequest(
+        booking_id="bn",
+        manifest_text=text,
+        manifest_digest=digest,
+        confirmation_ref=issued.confirmation_ref,
+        idempotency_key="kn",
+    )
+    run = data(await call(bus, subjects.API_TRAIN, train), RunAccepted)
+    view = data(await call(bus, subjects.API_STATUS, StatusRequest(run_id=run.run_id)), RunView)
+    assert view.spend is not None and view.spend.limit_usd == pytest.approx(0.5)
+
+
 async def test_the_run_is_bounded_by_what_its_confirmation_authorised(bus):
     """The confirmation's cost bound rides on the run (its spend limit never above it): a bound the
     person gave is the run's limit when it is lower than the cap; without one, the bound is what the

@@ -11,6 +11,7 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import pytest
 import redis
 from redis.backoff import NoBackoff
@@ -37,6 +38,7 @@ from services.runtime.settings import load
 from services.scheduler.store import RunStore
 from services.telemetry.store import TelemetryStore
 from tests.support import eventually_async
+from tests.unit.test_node_shares import work as node_work
 
 NOW = datetime.now(UTC)
 ONCE = Retry(NoBackoff(), 0)  # a refusal is the answer here: no retries
@@ -126,7 +128,7 @@ class Stores:
             target="b1",
             manifest_digest=DIGEST,
             cost_usd=5.0,
-            work=b"w",
+            work=msgspec.json.encode(node_work(1, rendezvous="")),  # a train's item (its bound written in)
         )
         entry, note = await LedgerHandlers(self.ledger).accept(accept)  # ACCEPT_LUA
         assert note is None and entry.run_id == run_id and not entry.handed_off
