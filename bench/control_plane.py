@@ -64,8 +64,11 @@ JETSTREAM_ROUND_TRIPS = {
     "audit record (all the request's gate decisions in one message)": 1,
 }
 REDIS_ROUND_TRIPS = {
+    "scheduler rate: EVALSHA bucket script (beside authenticate)": 1,
     "scheduler authenticate: HGETALL apikeys:<account>": 1,
+    "scheduler run quota: HGETALL quota, SCARD open-runs (side by side)": 2,
     "entitlement eligibility: HGET booking": 1,
+    "ledger accept: HMGET the confirmation's max_cost (the run's cost bound)": 1,
     "ledger accept: EVALSHA accept script": 1,
     "hand-off RunStore.create (queued): pipeline(HSETNX view, HSETNX last_seq, HSETNX work, SET owner, ZADD)": 1,
     "ledger handed_off: pipeline(SREM pending, GET idem)": 1,
