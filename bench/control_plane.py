@@ -64,9 +64,8 @@ JETSTREAM_ROUND_TRIPS = {
     "audit record (all the request's gate decisions in one message)": 1,
 }
 REDIS_ROUND_TRIPS = {
-    "scheduler rate: EVALSHA bucket script (beside authenticate)": 1,
-    "scheduler authenticate: HGETALL apikeys:<account>": 1,
-    "scheduler run quota: HGETALL quota, SCARD open-runs (side by side)": 2,
+    "scheduler rate and run quota: EVALSHA bucket script (the limits, SCARD open-runs inside)": 1,
+    "scheduler authenticate: HGETALL apikeys:<account> (beside the bucket script)": 1,
     "entitlement eligibility: HGET booking": 1,
     "ledger accept: HMGET the confirmation's max_cost (the run's cost bound)": 1,
     "ledger accept: EVALSHA accept script": 1,

@@ -84,6 +84,11 @@ class Taken:
     retry_after_s: float
     rate_per_s: float = 0.0  # the limits it was taken under (0: not known), for the refusal's words
     burst: int = 0
+    runs: int = 0  # the account's `runs` and `queued` limits, read in the same step (0: not read)
+    queued: int = 0
+    open_at_most: int | None = None
+    """The size of the account's open-run set, read in the same step (None: not read): at least its
+    unfinished runs, so that `may_breach` can spare a train the read of every open run."""
 
 
 def take(
@@ -149,7 +154,7 @@ def run_usage(states: Iterable[RunState]) -> tuple[int, int]:
     return len(unfinished), sum(s in WAITING for s in unfinished)
 
 
-def may_breach(limits: QuotaLimits, open_at_most: int) -> bool:
+def may_breach(limits: QuotaLimits | Taken, open_at_most: int) -> bool:
     """Could one more run go over `runs` or `queued`, when at most `open_at_most` runs are unfinished
     (waiting runs are among them)? If not, no run's state needs reading: the train path's quota
     gate then costs one count, however many runs the account has open (a read of every open run's
@@ -171,7 +176,7 @@ if ARGV[1] == '' then
   local t = redis.call('TIME')
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
-local q = redis.call('HMGET', KEYS[2], 'rate_per_s', 'burst')
+local q = redis.call('HMGET', KEYS[2], 'rate_per_s', 'burst', 'runs', 'queued')
 local rate = tonumber(q[1]) or tonumber(ARGV[2])
 local burst = tonumber(q[2]) or tonumber(ARGV[3])
 if rate <= 0 then rate = tonumber(ARGV[2]) end
@@ -191,11 +196,16 @@ if level >= cost then
 end
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', level), 'at', string.format('%.17g', now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 60000)
-return {allowed, string.format('%.17g', level), string.format('%.17g', retry), string.format('%.17g', rate), burst}
+local open = -1
+if KEYS[3] then open = redis.call('SCARD', KEYS[3]) end
+return {allowed, string.format('%.17g', level), string.format('%.17g', retry), string.format('%.17g', rate), burst,
+  q[3] or '', q[4] or '', open}
 """
 """`take` on the account's bucket (KEYS[1], a hash: tokens, at) with its limits (KEYS[2], the quota
 hash; ARGV[2..3] the defaults), at the server's clock (ARGV[1] '': TIME; a number in tests), for
-ARGV[4] tokens. Both keys carry the account's hash tag: one slot, one script, every scheduler
+ARGV[4] tokens. With KEYS[3] (the account's open-run set) it also counts that set, and it returns
+the `runs` and `queued` limits as stored ('' when unset): a train's run quota then needs no read of
+its own. Every key carries the account's hash tag: one slot, one script, every scheduler
 instance on the same bucket. A full bucket expires: an idle account costs no memory. A retry of
 the script after a lost reply takes a second token (it is bounded: one request, one retry)."""
 

@@ -42,8 +42,10 @@ class Quotas(Protocol):
 
     async def limits(self, account: str) -> QuotaLimits: ...
 
-    async def take(self, account: str, cost: float = 1.0) -> decide.Taken:
-        """One request's token from the account's bucket (cost 0: look, take nothing)."""
+    async def take(self, account: str, cost: float = 1.0, open_runs: bool = False) -> decide.Taken:
+        """One request's token from the account's bucket (cost 0: look, take nothing); with
+        `open_runs`, the run limits and the open-run count come with it where one read can give
+        them (`Taken.open_at_most` None where not)."""
         ...
 
     def remembered(self, account: str) -> decide.Taken | None:
@@ -72,7 +74,9 @@ class RedisQuotas:
         raw = await self.r.hgetall(self.keys.quota(account))
         return decide.limits_from({redis_text(k): redis_text(v) for k, v in raw.items()})
 
-    async def take(self, account: str, cost: float = 1.0, now: float | None = None) -> decide.Taken:
+    async def take(
+        self, account: str, cost: float = 1.0, open_runs: bool = False, now: float | None = None
+    ) -> decide.Taken:
         """BUCKET_LUA on the server's clock (`now` only in tests); an empty bucket this instance saw
         less than REFUSAL_MEMORY_S ago is refused without a round trip (`decide.remembered`)."""
         local = time.monotonic()
@@ -80,11 +84,24 @@ class RedisQuotas:
             seen = self.remembered(account, local)
             if seen is not None:
                 return seen
-        allowed, tokens, retry_s, rate, burst = await self._bucket(
-            keys=[self.keys.bucket(account), self.keys.quota(account)],
+        keys = [self.keys.bucket(account), self.keys.quota(account)]
+        if open_runs:
+            keys.append(self.keys.open_runs(account))
+        allowed, tokens, retry_s, rate, burst, runs, queued, open_count = await self._bucket(
+            keys=keys,
             args=["" if now is None else repr(now), decide.DEFAULTS.rate_per_s, decide.DEFAULTS.burst, cost],
         )
-        taken = decide.Taken(bool(int(allowed)), float(tokens), float(retry_s), float(rate), int(burst))
+        limits = decide.limits_from({"runs": redis_text(runs), "queued": redis_text(queued)})
+        taken = decide.Taken(
+            bool(int(allowed)),
+            float(tokens),
+            float(retry_s),
+            float(rate),
+            int(burst),
+            runs=limits.runs,
+            queued=limits.queued,
+            open_at_most=int(open_count) if open_runs else None,
+        )
         if cost > 0 and now is None:
             self._remember(account, taken, local)
         return taken
@@ -130,12 +147,12 @@ class InMemoryQuotas:
     def remembered(self, account: str) -> decide.Taken | None:
         return None  # every take reads the bucket here
 
-    async def take(self, account: str, cost: float = 1.0) -> decide.Taken:
+    async def take(self, account: str, cost: float = 1.0, open_runs: bool = False) -> decide.Taken:
         limits, now = await self.limits(account), self.clock()
         tokens, at = self.buckets.get(account, (None, None))
         taken = decide.take(tokens, at, now, limits.rate_per_s, limits.burst, cost)
         self.buckets[account] = (taken.tokens, now)
-        return taken
+        return dataclasses.replace(taken, runs=limits.runs, queued=limits.queued)  # no run count here
 
     async def set_limits(self, account: str, changes: dict[str, float]) -> QuotaLimits:
         stored = self.stored.setdefault(account, {})

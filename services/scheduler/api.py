@@ -59,6 +59,7 @@ from contracts.states import CANCELLABLE
 from services.domain import binding, budget
 from services.domain import quotas as quota_rules
 from services.domain.curriculum import model_shape
+from services.domain.quotas import Taken
 from services.runtime import faults
 from services.runtime.accounts import Credentials
 from services.runtime.checkpoint_paths import run_dir
@@ -172,7 +173,7 @@ class Api:
     async def _account(self, caller: str, req) -> str:
         return (await authenticate(self.credentials, caller, req)).account
 
-    async def _rated(self, caller: str, req) -> str:
+    async def _rated(self, caller: str, req, open_runs: bool = False) -> tuple[str, Taken]:
         """The account, once its request-rate bucket admitted this request (plan, confirm, train):
         the first gate, which writes no audit record (the NATS server authenticated the caller's
         account already: only its credential may publish on its subject). A refusal this instance remembers is answered first, with no Redis read at all (a flood's);
@@ -181,27 +182,32 @@ class Api:
         remembered = self.quotas.remembered(caller)
         if remembered is not None:
             raise rate_refusal(remembered) or Refusal(ErrorCode.rate_limited, "over the request rate")
-        taken, info = await asyncio.gather(
-            self.quotas.take(caller), authenticate(self.credentials, caller, req), return_exceptions=True
+        took, info = await asyncio.gather(
+            self.quotas.take(caller, open_runs=open_runs),
+            authenticate(self.credentials, caller, req),
+            return_exceptions=True,
         )
-        refusal = rate_refusal(_raised(taken))
+        taken: Taken = _raised(took)
+        refusal = rate_refusal(taken)
         if refusal is not None:
             raise refusal
-        return _raised(info).account
+        return _raised(info).account, taken
 
-    async def _run_quota(self, account: str) -> Refusal | None:
+    async def _run_quota(self, account: str, taken: Taken) -> Refusal | None:
         """`quota_exceeded` when one more run would go over the account's `runs` or `queued`; the
-        open runs' states are read only when their count could reach a limit."""
-        limits, open_at_most = await asyncio.gather(
-            self.quotas.limits(account), self.runs.open_at_most(account)
-        )
-        if not quota_rules.may_breach(limits, open_at_most):
+        open runs' states are read only when their count could reach a limit. The limits and the
+        count come with the request's rate take (one script) where the quotas can give them."""
+        open_at_most = taken.open_at_most
+        if open_at_most is None:
+            open_at_most = await self.runs.open_at_most(account)
+        if taken.runs and taken.queued and not quota_rules.may_breach(taken, open_at_most):
             return None
+        limits = await self.quotas.limits(account)
         return breach_refusal(quota_rules.run_breach(limits, await self.runs.open_states(account)))
 
-    async def _run_quota_boxed(self, account: str) -> tuple[Refusal | None]:
+    async def _run_quota_boxed(self, account: str, taken: Taken) -> tuple[Refusal | None]:
         """`_run_quota` in a tuple: beside other reads, its refusal (a value) is not an error."""
-        return (await self._run_quota(account),)
+        return (await self._run_quota(account, taken),)
 
     async def auth(self, caller: str, req: AuthRequest) -> AuthInfo:
         """Who the caller is, with its quotas: the limits and what it uses now."""
@@ -271,7 +277,7 @@ class Api:
 
     async def plan(self, caller: str, req: PlanRequest) -> Plan:
         """Creates nothing: no run, no confirmation, no ledger entry, nothing on the queue."""
-        account = await self._rated(caller, req)
+        account, _ = await self._rated(caller, req)
         manifest, digest, base = await self._verified(account, req.manifest_text, req.manifest_digest)
         p, _ = await self._plan(account, req.booking_id, manifest, digest, base)
         refusal = planning.first_refusal(p)
@@ -282,7 +288,7 @@ class Api:
     async def confirm(self, caller: str, req: ConfirmRequest) -> ConfirmationIssued:
         """A single-use capability bound to account, action, target, digest and cost. Only the
         opaque reference leaves the server; it authorizes nothing by itself."""
-        account = await self._rated(caller, req)
+        account, _ = await self._rated(caller, req)
         if req.action is Action.train:
             return await self._confirm_train(account, req)
         if req.action is Action.release_booking:
@@ -361,14 +367,16 @@ class Api:
         return accepted(view, replay=True), "replay: this idempotency key already created this run"
 
     async def train(self, caller: str, req: TrainRequest) -> tuple[RunAccepted, str | None]:
-        account = await self._rated(caller, req)
+        account, taken = await self._rated(caller, req, open_runs=True)
         trail = Trail("run_" + secrets.token_hex(12), account, Action.train, req.booking_id)
         try:
-            return await self._train(req, account, trail)
+            return await self._train(req, account, taken, trail)
         finally:
             await self.auditor.publish(trail)
 
-    async def _train(self, req: TrainRequest, account: str, trail: Trail) -> tuple[RunAccepted, str | None]:
+    async def _train(
+        self, req: TrainRequest, account: str, taken: Taken, trail: Trail
+    ) -> tuple[RunAccepted, str | None]:
         """The gates in their fixed order; each step below records its own decisions. A replay
         is answered by the ledger: its accept script looks the key up before anything else, and
         a request refused by a gate is answered with its key's run when the key has one."""
@@ -377,7 +385,7 @@ class Api:
         manifest, digest = self._manifest(req, trail)
         fp = fingerprint(Action.train, account, req.booking_id, digest)
         try:
-            return await self._create(req, account, manifest, digest, fp, trail)
+            return await self._create(req, account, manifest, digest, fp, taken, trail)
         except Refusal:
             existing = await self._existing(account, req.idempotency_key, trail)
             if existing is None:
@@ -385,7 +393,14 @@ class Api:
             return await trail.gate("replay", self._replay(existing, fp))
 
     async def _create(
-        self, req: TrainRequest, account: str, manifest: Manifest, digest: str, fp: str, trail: Trail
+        self,
+        req: TrainRequest,
+        account: str,
+        manifest: Manifest,
+        digest: str,
+        fp: str,
+        taken: Taken,
+        trail: Trail,
     ) -> tuple[RunAccepted, str | None]:
         # Three reads that do not depend on each other, side by side (issue 30: one after another
         # they were a third of the request's wait): the run quota; the manifest's inputs (the store
@@ -394,7 +409,7 @@ class Api:
         # nothing is reserved before all three passed. A replay of a key that has its run is
         # answered anyway.
         quota, inputs, eligibility = await asyncio.gather(
-            self._run_quota_boxed(account),
+            self._run_quota_boxed(account, taken),
             asyncio.to_thread(self.inputs.runnable, manifest, account),
             self.backends.verified_eligibility(account, req.booking_id, manifest),
             return_exceptions=True,

@@ -54,6 +54,20 @@ async def test_the_bucket_script_is_the_pure_bucket(infra, given, expected):
     assert (taken.allowed, taken.tokens, taken.retry_after_s) == pytest.approx(expected)
 
 
+async def test_a_trains_take_brings_its_run_limits_and_open_run_count_in_the_same_script(infra):
+    # issue 30: the train path read the limits and counted the open runs in two more round trips
+    _, keys, c = infra
+    name = account()
+    q = RedisQuotas(c["scheduler"], keys)
+    first = await q.take(name, open_runs=True)
+    assert (first.runs, first.queued, first.open_at_most) == (quotas.DEFAULT_RUNS, quotas.DEFAULT_QUEUED, 0)
+    await RedisQuotas(c["accounts"], keys).set_limits(name, {"runs": 7, "queued": 3})
+    await c["admin"].sadd(keys.open_runs(name), "run_a", "run_b")
+    taken = await q.take(name, open_runs=True)
+    assert (taken.runs, taken.queued, taken.open_at_most, taken.allowed) == (7, 3, 2, True)
+    assert (await q.take(name)).open_at_most is None  # plan and confirm count nothing
+
+
 async def test_two_scheduler_instances_share_one_bucket_and_admit_exactly_its_burst(infra):
     i, keys, c = infra
     name, other = account(), account()
