@@ -14,7 +14,9 @@ Staging, the copy of the state that the background write then serialises, is wha
 loop. One `DefaultStager` per Checkpointer, made at its first save, serves every save: its host
 buffers are allocated once (about the size of the model and optimizer state, held until `close`)
 instead of once per save, and with `overlap_staging` it copies in a thread of its own while the
-loop runs the next forward and backward. The loop then calls `wait_staged` right before the next
+loop runs the next forward and backward. One writer thread, likewise made once, reads the state
+dict (at the call instead, under FSDP2, whose forward swaps parameters), has it copied, writes the
+sidecar and the shards: the loop's call only starts the save. The loop then calls `wait_staged` right before the next
 optimizer step, the first thing that changes what is being copied; without `overlap_staging`, `save`
 waits for the copy itself before it returns. Either way a save holds the state at its call, and its
 `stall_s` counts every moment the loop was blocked by it: the call, the wait for the previous save
@@ -53,7 +55,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +71,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from contracts.manifest import CheckpointPolicy, Lora
 from services.trainer import distributed, lora
@@ -199,6 +200,14 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([as_tensor(s) for s in cuda])
 
 
+def _shards_in_forward(model: torch.nn.Module) -> bool:
+    """Does FSDP2 swap this model's parameters during its forward (then its state dict must be read
+    before the forward starts)?"""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def staging_options() -> StagingOptions:
     """How a Checkpointer's stager copies the state: in a thread of its own (the loop goes on
     meanwhile); into pinned host memory with non-blocking copies when there is an accelerator to copy
@@ -247,6 +256,7 @@ class Checkpointer:
         self._pending: dict | None = None  # step, path, started, stall_s, done_at of the in-flight save
         self._outcomes: list[CheckpointInfo | CheckpointFailed] = []
         self._stager: DefaultStager | None = None  # made at the first save, reused by every save
+        self._writer: ThreadPoolExecutor | None = None  # likewise: the thread that writes each save
         self._closed = False
 
     @property
@@ -273,39 +283,80 @@ class Checkpointer:
         if distributed.broadcast_object(_read_marker(path) is not None):
             return  # this exact step is already durable (a resumed run that ends where it began)
         started = time.perf_counter()
+        sidecar = None
         if distributed.is_rank0():
             if path.exists():
                 shutil.rmtree(path)  # a save of this step that died before its marker
             path.mkdir(parents=True)
-            sidecar = {
+            sidecar = {  # taken now, the state at the call; written (and fsync'd) by the writer
                 "step": step,
                 "data_position": data_position,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "rng": _rng_state(),
             }
-            _write_json_atomic(path / SIDECAR, sidecar)
         distributed.barrier()  # the directory exists before any rank writes into it
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        model_sd = _only(model_sd, self.model_keys)
+        # What `dcp.async_save` does with a thread, on a writer thread made once instead of once per
+        # save (issue 30: starting a thread, the sidecar's fsync and reading the state dict were
+        # most of a small save's stall): the writer reads the state dict, has the stager copy it
+        # (in the stager's own thread), then writes the sidecar and the shards (`dcp.save`, on
+        # DCP's own gloo group with several ranks). The loop goes on meanwhile; `wait_staged`
+        # waits for the copy. FSDP2 swaps a module's parameters for unsharded ones during its
+        # forward, so with FSDP2 the state dict is read here, before the call returns.
+        state = None if not _shards_in_forward(model) else self._state_dict(model, optimizer)
+        staged: Future = Future()
+        staged.set_running_or_notify_cancel()
         # Reusing the stager's buffers is safe: the previous save, the only reader of the last copy,
         # finished in `_finish` above.
-        response = dcp.async_save(
-            {"model": model_sd, "optimizer": optim_sd},
-            checkpoint_id=str(path),
-            process_group=distributed.checkpoint_group(),
-            no_dist=not distributed.initialized(),
-            async_checkpointer_type=AsyncCheckpointerType.THREAD,
-            async_stager=self._ready_stager(),
+        future = self._ready_writer().submit(
+            self._write,
+            path,
+            sidecar,
+            (model, optimizer) if state is None else state,
+            staged,
+            self._ready_stager(),
         )
-        # A stager that stages in the background makes DCP answer with both futures.
-        assert isinstance(response, AsyncSaveResponse), "dcp.async_save with an async stager"
-        future = response.upload_completion
         pending = {"step": step, "path": path, "started": started, "done_at": None}
         future.add_done_callback(lambda _: pending.__setitem__("done_at", time.perf_counter()))
         pending["stall_s"] = time.perf_counter() - entered
-        self._future, self._pending, self._staging = future, pending, response.staging_completion
+        self._future, self._pending, self._staging = future, pending, staged
         if not self.overlap_staging:
             self.wait_staged()
+
+    def _state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": _only(model_sd, self.model_keys), "optimizer": optim_sd}
+
+    def _write(
+        self,
+        path: Path,
+        sidecar: dict | None,
+        state_or_modules: dict | tuple[torch.nn.Module, torch.optim.Optimizer],
+        staged: Future,
+        stager: DefaultStager,
+    ) -> None:
+        """A save, on the writer thread: the state dict (unless read at the call), its copy into
+        the staging buffers (`staged` says when it is done, or why it failed), the sidecar (rank 0)
+        and this rank's shards. A failed step fails the write, which `_finish` reports."""
+        try:
+            state = (
+                self._state_dict(*state_or_modules)
+                if isinstance(state_or_modules, tuple)
+                else state_or_modules
+            )
+            copy = stager.stage(state)
+            copied = copy.result() if isinstance(copy, Future) else copy
+        except BaseException as e:
+            staged.set_exception(e)
+            raise
+        staged.set_result(None)
+        if sidecar is not None:
+            _write_json_atomic(path / SIDECAR, sidecar)
+        dcp.save(
+            copied,
+            checkpoint_id=str(path),
+            process_group=distributed.checkpoint_group(),
+            no_dist=not distributed.initialized(),
+        )
 
     def _ready_stager(self) -> DefaultStager:
         if self._stager is None:
@@ -319,6 +370,11 @@ class Checkpointer:
         if stream is not None:
             stream.wait_stream(torch.accelerator.current_stream())
         return self._stager
+
+    def _ready_writer(self) -> ThreadPoolExecutor:
+        if self._writer is None:  # one thread for every save's write; one save in flight at a time
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ito-checkpoint-writer")
+        return self._writer
 
     def wait_staged(self) -> float:
         """Block until the in-flight save's copy of the state is complete; the seconds waited,
@@ -342,6 +398,9 @@ class Checkpointer:
         stager, self._stager = self._stager, None
         if stager is not None:
             stager.close()  # waits for a copy still running before it drops the buffers
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=False)  # a write still running finishes on its own
 
     def poll(self) -> list[CheckpointInfo | CheckpointFailed]:
         """Commit the in-flight save if it has finished; never blocks on it."""

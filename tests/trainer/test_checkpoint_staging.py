@@ -333,3 +333,38 @@ def test_a_heal_at_the_quorum_waits_for_the_copy_of_the_last_save(tmp_path, monk
     assert [info.step for info in list_checkpoints(tmp_path)] == [2, 4]
     for step in (2, 4):
         assert_same_state(saved_state(str(step_dir(tmp_path, step))), expected[step])
+
+
+def test_the_loop_thread_only_starts_a_save_one_writer_thread_does_the_rest(tmp_path, monkeypatch):
+    """Issue 30: a tiny model's save stalled the loop twice as long as torch.save: DCP started a
+    thread per save, and the loop itself read the state dict and fsync'd the sidecar. Now the
+    loop's call starts the save; one writer thread, the same for every save, does those."""
+    threads: dict[str, set[int]] = {"state_dict": set(), "sidecar": set()}
+    read, write_json = checkpoint_module.get_state_dict, checkpoint_module._write_json_atomic
+
+    def recording_read(*args, **kwargs):
+        threads["state_dict"].add(threading.get_ident())
+        return read(*args, **kwargs)
+
+    def recording_write(path, value):
+        if path.name == checkpoint_module.SIDECAR:
+            threads["sidecar"].add(threading.get_ident())
+        return write_json(path, value)
+
+    monkeypatch.setattr(checkpoint_module, "get_state_dict", recording_read)
+    monkeypatch.setattr(checkpoint_module, "_write_json_atomic", recording_write)
+    model, optimizer = build()
+    checkpointer = Checkpointer(tmp_path, keep_last=5, overlap_staging=True)
+    expected = {}
+    for step in range(1, 4):
+        train_step(model, optimizer, step)
+        expected[step] = snapshot(model, optimizer)
+        checkpointer.save(step, model, optimizer, data_position=step)
+        checkpointer.wait_staged()
+    assert [info.step for info in checkpointer.wait()] == [1, 2, 3]
+    checkpointer.close()
+    loop = threading.get_ident()
+    assert len(threads["state_dict"]) == 1 and loop not in threads["state_dict"]
+    assert threads["sidecar"] == threads["state_dict"]  # the same writer thread, every save
+    for step in range(1, 4):
+        assert_same_state(saved_state(str(step_dir(tmp_path, step))), expected[step])
