@@ -103,6 +103,7 @@ def consume_in_order(
     message_type: Any,
     with_subject: bool = False,
     on_malformed: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    kinds: Sequence[str] = (),
 ) -> None:
     """A durable JetStream consumer that applies messages one at a time, in stream order (FastStream
     runs a fetched batch concurrently, so the batch is one). Each message is decoded here into
@@ -150,10 +151,21 @@ def consume_in_order(
         stream=streams.ref(s, stream),
         durable=durable,
         pull_sub=PullSub(batch_size=1, timeout=0.5),
-        config=ConsumerConfig(ack_wait=ack_wait_s, max_ack_pending=IN_ORDER_MAX_ACK_PENDING),
+        config=ConsumerConfig(
+            ack_wait=ack_wait_s,
+            max_ack_pending=IN_ORDER_MAX_ACK_PENDING,
+            filter_subjects=kind_filters(s.subject(subject_suffix), kinds),
+        ),
         ack_policy=AckPolicy.NACK_ON_ERROR,
         inbox_prefix=w.inbox_prefix(),
     )(consume)
+
+
+def kind_filters(prefix: str, kinds: Sequence[str]) -> list[str]:
+    """A durable's filter subjects for the kinds it applies (`<prefix>.<id>.<kind>`), so the server
+    delivers it nothing else; none given: everything under the prefix (the subscriber's subject).
+    A durable made before keeps its filter (nats-py binds to it unchanged) until it is recreated."""
+    return [f"{prefix}.*.{kind}" for kind in kinds]
 
 
 def build_app(service: str, settings: Settings, register: Callable[[Wiring], None]) -> FastStream:

@@ -30,7 +30,7 @@ from services.scheduler.api import Api
 from services.scheduler.audit import Auditor
 from services.scheduler.backends import Backends
 from services.scheduler.desk import DeskReads
-from services.scheduler.events import RunEvents
+from services.scheduler.events import TRAINER_KINDS, RunEvents
 from services.scheduler.exports import Outputs
 from services.scheduler.handoff import Handoff
 from services.scheduler.listing import RunListing
@@ -119,6 +119,7 @@ def register(
         ack_wait_s=30,
         message_type=RunEvent,
         with_subject=True,
+        kinds=TRAINER_KINDS,
     )
 
     w.tasks.append(handoff.reconcile_forever)

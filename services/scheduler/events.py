@@ -8,6 +8,7 @@ with no implausible jump (the store decides, RunStore.update). The scheduler's o
 """
 
 import logging
+import typing
 from typing import Any
 
 from contracts.api import LogLineView, RunView
@@ -47,6 +48,14 @@ def requeue_count(event: StateChanged) -> dict[str, Any]:
 
 def from_trainer(event: RunEvent) -> bool:
     return not isinstance(event, RunCreated | Interruption)
+
+
+SCHEDULERS_OWN = (RunCreated, Interruption)
+TRAINER_KINDS: tuple[str, ...] = tuple(
+    str(t.__struct_config__.tag) for t in typing.get_args(RunEvent) if t not in SCHEDULERS_OWN
+)
+"""The run event kinds the scheduler applies: its durable is delivered only these (its own events,
+for the run's history, were fetched, decoded and acked for nothing: one per accepted run)."""
 
 
 class RunEvents:

@@ -230,3 +230,52 @@ async def test_two_watchers_interrupt_a_silent_run_once(own_infra):
         await r.aclose()
     assert sorted(found) == [[], [run_id]]
     assert (len(records), published, state) == (1, 1, RunState.interrupted)
+
+
+async def test_the_schedulers_durable_is_delivered_only_the_trainers_event_kinds(own_infra):
+    # issue 30: the scheduler fetched, decoded and acked its own `created` event for every accepted
+    # run, only to ignore it; the server filters them out now.
+    from services.scheduler.events import TRAINER_KINDS
+
+    s = own_infra.settings
+    applied: list[str] = []
+    w = Wiring(
+        settings=s,
+        broker=connections.make_broker(s, "scheduler"),
+        redis=None,
+        keys=Keys(s),
+        service="scheduler",
+    )
+
+    async def apply(event: dict[str, Any], subject: str) -> None:
+        applied.append(subject.rsplit(".", 1)[-1])
+
+    durable = DURABLE  # the scheduler identity may make no other
+    consume_in_order(
+        w,
+        subjects.RUN_EVENTS,
+        subjects.STREAM_RUNS,
+        durable,
+        apply,
+        30,
+        dict,
+        with_subject=True,
+        kinds=TRAINER_KINDS,
+    )
+    nc = await own_infra.nats()
+    js = nc.jetstream()
+    try:
+        await w.broker.start()
+        for kind in ("created", "log", "interruption", "state", "created", "metrics"):
+            await js.publish(s.subject(f"{subjects.RUN_EVENTS}.run_filtered.{kind}"), b"{}")
+        await eventually_async(lambda: _count(applied, 3), timeout=30, what="the trainer's three events")
+        await asyncio.sleep(0.5)  # anything else would have come by now
+        info = await js.consumer_info(s.stream(subjects.STREAM_RUNS), f"{s.namespace}-{durable}")
+    finally:
+        await w.broker.stop()
+        await nc.close()
+    assert applied == ["log", "state", "metrics"]
+    assert "created" not in TRAINER_KINDS and "interruption" not in TRAINER_KINDS
+    assert sorted(info.config.filter_subjects or []) == sorted(
+        s.subject(f"{subjects.RUN_EVENTS}.*.{kind}") for kind in TRAINER_KINDS
+    )
