@@ -196,6 +196,9 @@ def lines(figures: dict) -> list[str]:
         if "phases" not in s:
             out.append(f"  {name}: {s.get('error', '?')}")
             continue
+        if not s["samples"]:
+            out.append(f"  {name} ({s['cpu_ms_per_request']:.2f} ms CPU/request): no sample, not on the path")
+            continue
         shown = ", ".join(f"{p} {100 * v:.0f}%" for p, v in s["phases"].items() if v >= 0.02)
         out.append(
             f"  {name} ({s['cpu_ms_per_request']:.2f} ms CPU/request, {s['samples']} samples): {shown}"
