@@ -90,6 +90,10 @@ class LedgerEntry(Internal, frozen=True, kw_only=True):
     handed_off: bool
     created_at: datetime
     work: bytes = b""  # the encoded hand-off message, so a reconciler can finish a lost hand-off
+    # The cost bound of the confirmation the accept consumed (what the person authorised the run to
+    # spend), recorded by the ledger's accept script; the hand-off writes it into the work item.
+    # Last, and null until the script fills it in (services/ledger/store.py).
+    cost_bound_usd: float | None = None
 
 
 class LedgerAccept(Internal, frozen=True, kw_only=True):  # -> LedgerEntry (fresh or existing on replay)

@@ -1,12 +1,8 @@
 """Ledger handlers: decode, call the store (the `Ledger` port: Redis in the service, dicts in
-table tests), answer. No policy beyond the binding rules the store applies, and the run's cost
-bound written into its work item from the confirmation it consumes (`bounded_work`)."""
+table tests), answer. No policy beyond the binding rules the store applies."""
 
 from datetime import UTC, datetime, timedelta
 
-import msgspec
-
-from contracts.api import Action
 from contracts.errors import ErrorCode
 from contracts.internal import (
     LedgerAccept,
@@ -16,25 +12,8 @@ from contracts.internal import (
     LedgerPending,
     LedgerPendingAnswer,
 )
-from contracts.runs import TrainWork
 from services.ledger.store import Ledger
 from services.runtime.codec import Refusal
-
-_work_decoder = msgspec.json.Decoder(TrainWork)
-
-
-def bounded_work(work: bytes, authorised: float | None) -> bytes:
-    """The work item with the consumed confirmation's cost bound (what the person authorised the
-    run to spend) in place of the scheduler's estimate; unchanged when the confirmation binds no
-    cost (the accept refuses then anyway: a train's binding holds the estimate under a bound).
-    Written here, at the accept, so the item the ledger keeps for a hand-off after a crash and the
-    one handed off now carry the same bound, and no request asks the confirmation service first."""
-    if not work or authorised is None:
-        return work
-    item = _work_decoder.decode(work)
-    if item.cost_bound_usd == authorised:
-        return work
-    return msgspec.json.encode(msgspec.structs.replace(item, cost_bound_usd=authorised))
 
 
 class LedgerHandlers:
@@ -45,9 +24,6 @@ class LedgerHandlers:
         return await self.store.lookup(req.account, req.idempotency_key)
 
     async def accept(self, req: LedgerAccept) -> tuple[LedgerEntry, str | None]:
-        work = req.work
-        if work and req.action is Action.train and req.confirmation_ref:
-            work = bounded_work(work, await self.store.authorised_cost(req.account, req.confirmation_ref))
         entry = LedgerEntry(
             account=req.account,
             idempotency_key=req.idempotency_key,
@@ -56,7 +32,7 @@ class LedgerHandlers:
             action=req.action,
             handed_off=False,
             created_at=datetime.now(UTC),
-            work=work,
+            work=req.work,
         )
         stored, created = await self.store.accept(req, entry)
         if created:

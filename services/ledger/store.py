@@ -23,8 +23,15 @@ from services.runtime.codec import Refusal
 from services.runtime.connections import RedisClient
 from services.runtime.keys import Keys
 
+BOUND_KEY = '"cost_bound_usd":'
+"""The entry's last field as msgspec writes it; null until the script writes the confirmation's bound."""
+
 ACCEPT_LUA = (
-    """
+    f"""
+local BOUND_KEY = '{BOUND_KEY}'
+local BOUND_NULL = BOUND_KEY .. 'null'
+"""
+    + """
 local existing = redis.call('GET', KEYS[1])
 if existing then return {'exists', existing, tostring(redis.call('SISMEMBER', KEYS[3], ARGV[9]))} end
 local conf = redis.call('HMGET', KEYS[2], """
@@ -36,15 +43,28 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
     + binding.lua_checks()
     + """
+local entry = ARGV[7]
+local bound = tonumber(conf["""
+    + str(binding.FIELDS.index("max_cost") + 1)
+    + """])
+if bound and bound == bound and bound < math.huge and bound > -math.huge then
+  local at = string.find(entry, BOUND_NULL, 1, true)
+  if at then
+    entry = string.sub(entry, 1, at - 1) .. BOUND_KEY .. string.format('%.17g', bound)
+      .. string.sub(entry, at + #BOUND_NULL)
+  end
+end
 redis.call('HSET', KEYS[2], 'consumed', '1', 'consumed_by', ARGV[6])
-redis.call('SET', KEYS[1], ARGV[7], 'PX', ARGV[8])
+redis.call('SET', KEYS[1], entry, 'PX', ARGV[8])
 if ARGV[10] == '1' then redis.call('SADD', KEYS[3], ARGV[9]) end
-return {'accepted', ARGV[7], ARGV[10]}
+return {'accepted', entry, ARGV[10]}
 """
 )
 """Answer the existing entry (and whether it waits for hand-off); or refuse with the failed binding
 rule's name and the record; or consume the confirmation and reserve the key (and queue a run for
-hand-off). One round trip either way."""
+hand-off), the entry stored with the confirmation's cost bound written into its `cost_bound_usd`
+(the bound is read here, beside the binding, so the entry the ledger keeps for a hand-off after a
+crash and the one answered now carry the same bound). One round trip either way."""
 
 _entry_decoder = msgspec.json.Decoder(LedgerEntry)
 
@@ -56,11 +76,6 @@ class Ledger(Protocol):
         """(entry, created): consume the confirmation and reserve the key in one step, or the
         existing entry unchanged (created=False); a Refusal with the binding's code when the
         confirmation does not authorize the request."""
-        ...
-
-    async def authorised_cost(self, account: str, ref: str) -> float | None:
-        """The cost bound of the confirmation `ref` (None: it binds none, or there is no such
-        record): read before the accept, since a record's bound never changes once written."""
         ...
 
     async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None: ...
@@ -130,10 +145,6 @@ class LedgerStore:
         decoded = _handed_off(_entry_decoder.decode(value[0]), _text(value[1]) == "1")
         return decoded, _text(outcome) == "accepted"
 
-    async def authorised_cost(self, account: str, ref: str) -> float | None:
-        (raw,) = await self.r.hmget(self.keys.confirmation(account, ref), "max_cost")
-        return float(raw) if raw else None
-
     async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None:
         async with self.r.pipeline(transaction=False) as pipe:
             pipe.srem(self.keys.pending_handoff(account), key)
@@ -182,14 +193,11 @@ class InMemoryLedger:
         if reason is not None:
             raise Refusal(*binding.refusal(reason, stored, wanted))
         self.records[(req.account, req.confirmation_ref)] = dataclasses.replace(stored, consumed=True)
+        entry = msgspec.structs.replace(entry, cost_bound_usd=stored.max_cost)  # as the script writes it
         self.entries[(req.account, req.idempotency_key)] = entry
         if req.work:
             self.waiting.add((req.account, req.idempotency_key))
         return self._with_handoff(entry), True
-
-    async def authorised_cost(self, account: str, ref: str) -> float | None:
-        stored = self.records.get((account, ref))
-        return None if stored is None else stored.max_cost
 
     async def mark_handed_off(self, account: str, key: str) -> LedgerEntry | None:
         self.waiting.discard((account, key))

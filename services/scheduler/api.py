@@ -538,8 +538,8 @@ class Api:
             rendezvous=self.handoff.rendezvous(manifest.resources.nodes),
             rendezvous_key=self.handoff.rendezvous_key(manifest.resources.nodes),
             base=base,  # resolved once, here: the trainer reads the weights by this digest
-            # the estimate until the ledger's accept writes in the consumed confirmation's bound
-            # (services/ledger/handlers.py): the item it keeps and hands off carries that one
+            # the estimate; the ledger's accept records the consumed confirmation's bound and the
+            # hand-off writes that one in (services/scheduler/handoff.py `bounded`)
             cost_bound_usd=p.cost.total_usd,
         )
 

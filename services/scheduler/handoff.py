@@ -56,6 +56,19 @@ def nothing_spent(work: TrainWork, at: Any) -> Spend | None:
     return Spend(held_gpus=work.plan.cost.gpus, held_gpu_s=0.0, spent_usd=0.0, limit_usd=limit, at=at)
 
 
+def bounded(entry: LedgerEntry) -> LedgerEntry:
+    """The entry with its work item carrying the cost bound the ledger recorded from the consumed
+    confirmation (what the person authorised the run to spend) in place of the scheduler's
+    estimate; unchanged when it recorded none (the estimate stays: never more than authorised)."""
+    if entry.cost_bound_usd is None or not entry.work:
+        return entry
+    work = _work_decoder.decode(entry.work)
+    if work.cost_bound_usd == entry.cost_bound_usd:
+        return entry
+    item = msgspec.json.encode(msgspec.structs.replace(work, cost_bound_usd=entry.cost_bound_usd))
+    return msgspec.structs.replace(entry, work=item)
+
+
 def node_shares(work: TrainWork, msg_id: str | None = None) -> list[tuple[TrainWork, str]]:
     """A run's work items, one per node, with their Nats-Msg-Ids: node 0's is `msg_id` (by default
     the run id, as for every single-node run, so a one-node run is handed off exactly as before),
@@ -106,7 +119,7 @@ class Handoff:
         return secrets.token_urlsafe(32) if nodes > 1 else ""
 
     def view_from(self, entry: LedgerEntry) -> RunView:
-        work = _work_decoder.decode(entry.work)
+        work = _work_decoder.decode(bounded(entry).work)
         return RunView(
             run_id=work.run_id,
             account=work.account,
@@ -131,6 +144,7 @@ class Handoff:
         the request path does not wait for (`wait_for_mark=False`): the mark only tells the
         reconciler there is nothing left to do, and a mark that never lands has it repeat these
         steps, each idempotent (the work item's id dedups it in the stream)."""
+        entry = bounded(entry)  # the item handed off, kept and restarted carries the authorised bound
         view = msgspec.structs.replace(self.view_from(entry), state=RunState.queued)
         plan = view.plan
         created = RunCreated(
