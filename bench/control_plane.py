@@ -67,8 +67,7 @@ REDIS_ROUND_TRIPS = {
     "scheduler rate and run quota: EVALSHA bucket script (the limits, SCARD open-runs inside)": 1,
     "scheduler authenticate: HGETALL apikeys:<account> (beside the bucket script)": 1,
     "entitlement eligibility: HGET booking": 1,
-    "ledger accept: HMGET the confirmation's max_cost (the run's cost bound)": 1,
-    "ledger accept: EVALSHA accept script": 1,
+    "ledger accept: EVALSHA accept script (it records the confirmation's cost bound too)": 1,
     "hand-off RunStore.create (queued): pipeline(HSETNX view, HSETNX last_seq, HSETNX work, SET owner, ZADD)": 1,
     "ledger handed_off: pipeline(SREM pending, GET idem)": 1,
 }
