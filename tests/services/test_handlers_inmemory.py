@@ -187,14 +187,19 @@ async def login(bus: Bus, name: str = "acme") -> None:
 
 
 async def confirmed_run(
-    bus: Bus, booking: str, key: str, account: str = "acme"
+    bus: Bus, booking: str, key: str, account: str = "acme", max_cost_usd: float | None = None
 ) -> tuple[TrainRequest, RunAccepted]:
-    """A booking, a train confirmation and the run it authorizes (accepted, handed off)."""
+    """A booking, a train confirmation (bound to `max_cost_usd` when given) and the run it
+    authorizes (accepted, handed off)."""
     await publish_booking(bus, booking_event(account, booking))
     text = REPO_MANIFEST.read_text()
     digest = digest_of(text.encode())
     confirm = ConfirmRequest(
-        action=Action.train, booking_id=booking, manifest_text=text, manifest_digest=digest
+        action=Action.train,
+        booking_id=booking,
+        manifest_text=text,
+        manifest_digest=digest,
+        max_cost_usd=max_cost_usd,
     )
     issued = data(await call(bus, subjects.API_CONFIRM, confirm, account), ConfirmationIssued)
     assert (issued.action, issued.target, issued.manifest_digest) == (Action.train, booking, digest)
@@ -283,22 +288,8 @@ async def test_a_train_asks_the_confirmation_service_nothing_the_ledger_reads_th
         raise AssertionError("a train asked the confirmation service")
 
     await login(bus)
-    await publish_booking(bus, booking_event("acme", "bn", gpus=8))
-    text = REPO_MANIFEST.read_text()
-    digest = digest_of(text.encode())
-    confirm = ConfirmRequest(
-        action=Action.train, booking_id="bn", manifest_text=text, manifest_digest=digest, max_cost_usd=0.5
-    )
-    issued = data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
-    monkeypatch.setattr(Backends, "resolve_confirmation", no_resolve)
-    train = TrainRequest(
-        booking_id="bn",
-        manifest_text=text,
-        manifest_digest=digest,
-        confirmation_ref=issued.confirmation_ref,
-        idempotency_key="kn",
-    )
-    run = data(await call(bus, subjects.API_TRAIN, train), RunAccepted)
+    monkeypatch.setattr(Backends, "resolve_confirmation", no_resolve)  # confirm does not resolve either
+    _, run = await confirmed_run(bus, "bn", "kn", max_cost_usd=0.5)
     view = data(await call(bus, subjects.API_STATUS, StatusRequest(run_id=run.run_id)), RunView)
     assert view.spend is not None and view.spend.limit_usd == pytest.approx(0.5)
 
