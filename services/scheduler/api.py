@@ -58,7 +58,7 @@ from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from contracts.states import CANCELLABLE
 from services.domain import binding, budget
 from services.domain import quotas as quota_rules
-from services.domain.curriculum import model_shape
+from services.domain.curriculum import RunPlan, model_shape
 from services.domain.quotas import Taken
 from services.runtime import faults
 from services.runtime.accounts import Credentials
@@ -245,7 +245,13 @@ class Api:
         return self._plan_on(account, manifest, digest, base, body), body
 
     def _plan_on(
-        self, account: str, manifest: Manifest, digest: str, base: BaseModel | None, body: EligibilityBody
+        self,
+        account: str,
+        manifest: Manifest,
+        digest: str,
+        base: BaseModel | None,
+        body: EligibilityBody,
+        run: RunPlan | None = None,
     ) -> Plan:
         root = self.checkpoint_root / account
         return planning.plan(
@@ -257,6 +263,7 @@ class Api:
             small_model_gangs=self.small_model_gangs,
             base=base,
             now=datetime.now(UTC),  # the booking's remaining window is measured from now
+            run=run,  # the stages the manifest-inputs gate planned: planned once per request
         )
 
     async def _verified(
@@ -417,13 +424,13 @@ class Api:
         trail.check("quota", _raised(quota)[0])
         if isinstance(inputs, Refusal):
             trail.refuse("manifest_inputs", inputs)
-        _plan, base = _raised(inputs)
+        run_plan, base = _raised(inputs)
         trail.record("manifest_inputs", True)
         if isinstance(eligibility, Refusal):
             trail.refuse("eligibility", eligibility)
         body = _raised(eligibility)
         trail.record("eligibility", True)
-        p = self._planned(account, manifest, digest, base, body, trail)
+        p = self._planned(account, manifest, digest, base, body, trail, run_plan)
         if not req.confirmation_ref:
             trail.refuse(
                 "confirmation",
@@ -507,8 +514,9 @@ class Api:
         base: BaseModel | None,
         body: EligibilityBody,
         trail: Trail,
+        run: RunPlan,
     ) -> Plan:
-        p = self._plan_on(account, manifest, digest, base, body)
+        p = self._plan_on(account, manifest, digest, base, body, run)
         for check in p.checks:
             trail.record(f"plan.{check.name}", check.ok, check.code)
         first = planning.first_refusal(p)

@@ -19,7 +19,7 @@ from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
 from contracts.manifest import DataRole, Lora, Manifest
 from contracts.models import BaseModel, ModelShape
-from services.domain.curriculum import LmPlan, model_shape, plan_run
+from services.domain.curriculum import LmPlan, RunPlan, model_shape, plan_run
 from services.domain.model_shapes import count_parameters, head_dim
 from services.scheduler import calibration, capacity
 
@@ -285,6 +285,7 @@ def calibrated(
     prices: PriceTable,
     gpu_model: str,
     base: BaseModel | None = None,
+    run: RunPlan | None = None,
 ) -> CostEstimate:
     """The estimate on the wall seconds the run will hold its GPUs (start-up, data prep, steps,
     evals, checkpoints: calibration.phases), with its basis; unchanged (basis "flops") when the
@@ -292,9 +293,8 @@ def calibrated(
     flops_only = msgspec.structs.replace(estimate, flops_gpu_hours=estimate.gpu_hours)
     if not prices.calibration:
         return flops_only
-    try:
-        run = plan_run(manifest, base)
-    except ValueError:
+    run = run or _run_plan(manifest, base)
+    if run is None:
         return flops_only
     figures = calibration.figures_for(prices.calibration, gpu_model)
     gpu_flops_s = gpu.peak_bf16_tflops * 1e12 * gpu.assumed_mfu
@@ -314,6 +314,15 @@ def calibrated(
     )
 
 
+def _run_plan(manifest: Manifest, base: BaseModel | None) -> RunPlan | None:
+    """The manifest's stages, or None for a manifest that cannot run (its refusal comes from the
+    manifest gate, not from here)."""
+    try:
+        return plan_run(manifest, base)
+    except ValueError:
+        return None
+
+
 def data_policy(manifest: Manifest) -> tuple[ErrorCode, str] | None:
     for ref in manifest.data:
         if not ref.source.startswith(ALLOWED_SOURCE_PREFIXES):
@@ -325,12 +334,13 @@ def data_policy(manifest: Manifest) -> tuple[ErrorCode, str] | None:
     return None
 
 
-def stage_gates(manifest: Manifest, base: BaseModel | None = None) -> list[StageGatePlan]:
+def stage_gates(
+    manifest: Manifest, base: BaseModel | None = None, run: RunPlan | None = None
+) -> list[StageGatePlan]:
     """Every stage's gate as the trainer will judge it (services/domain/gates.py), in run order;
     empty for a manifest that cannot run (the manifest gate refuses it before planning)."""
-    try:
-        run = plan_run(manifest, base)
-    except ValueError:
+    run = run or _run_plan(manifest, base)
+    if run is None:
         return []
     return [
         StageGatePlan(
@@ -404,13 +414,16 @@ def expected_wall_hours(estimate: CostEstimate) -> float:
     return estimate.gpu_hours / max(1, estimate.gpus)
 
 
-def checkpoint_every_hours(manifest: Manifest, wall_hours: float, base: BaseModel | None) -> float:
+def checkpoint_every_hours(
+    manifest: Manifest, wall_hours: float, base: BaseModel | None, run: RunPlan | None = None
+) -> float:
     """The expected wall time between two checkpoints: the next-token stages' steps in the run's
     wall time, one every checkpoint.interval_steps (the whole run when it has no such steps)."""
     target = manifest.target
-    try:
-        steps = sum(s.steps for s in plan_run(manifest, base).stages if isinstance(s, LmPlan))
-    except ValueError:  # a manifest the manifest gate refuses: the target's own steps
+    run = run or _run_plan(manifest, base)
+    if run is not None:
+        steps = sum(s.steps for s in run.stages if isinstance(s, LmPlan))
+    else:  # a manifest the manifest gate refuses: the target's own steps
         steps = max(1, target.tokens // (target.seq_len * target.batch_size))
     return wall_hours * min(1.0, manifest.checkpoint.interval_steps / steps) if steps else wall_hours
 
@@ -423,6 +436,7 @@ def data_parallel_alternative(
     statement: EligibilityBody,
     prices: PriceTable,
     small_model_gangs: bool,
+    run: RunPlan | None = None,
 ) -> capacity.Alternative:
     """The plan over every GPU of the booking (the layout the planner picks), for the suggestion."""
     topo = statement.topology
@@ -431,8 +445,8 @@ def data_parallel_alternative(
     )
     wide = msgspec.structs.replace(manifest, resources=resources)
     s = strategy(params, shape, wide, gpu, statement.fabric, small_model_gangs)
-    est = calibrated(
-        cost(params, wide, gpu, prices, 0.0, 0.0, shape), wide, shape, gpu, prices, topo.gpu_model
+    est = calibrated(  # the run's stages do not depend on its resources: the same RunPlan
+        cost(params, wide, gpu, prices, 0.0, 0.0, shape), wide, shape, gpu, prices, topo.gpu_model, run=run
     )
     reason = None if s.refusal is None else f"{s.refusal[0].value}: {s.refusal[1]}"
     return capacity.Alternative(
@@ -452,6 +466,7 @@ def capacity_and_window(
     *,
     small_model_gangs: bool = False,
     base: BaseModel | None = None,
+    run: RunPlan | None = None,
 ) -> tuple[CapacityPlan, WindowPlan, PlanCheck]:
     """The booking's held and idle GPUs, the run against the remaining window, and the
     `booking_window` check (services/scheduler/capacity.py)."""
@@ -460,7 +475,9 @@ def capacity_and_window(
     window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
     alt = None
     if res.nodes * res.gpus_per_node < topo.nodes * topo.gpus_per_node:
-        alt = data_parallel_alternative(params, shape, manifest, gpu, statement, prices, small_model_gangs)
+        alt = data_parallel_alternative(
+            params, shape, manifest, gpu, statement, prices, small_model_gangs, run=run
+        )
     held = capacity.capacity_plan(
         topo, res.nodes, res.gpus_per_node, gpu.price_per_gpu_hour_usd, wall, window_hours, alt
     )
@@ -469,7 +486,7 @@ def capacity_and_window(
         statement.window_end,
         now,
         wall,
-        checkpoint_every_hours(manifest, wall, base),
+        checkpoint_every_hours(manifest, wall, base, run),
         manifest.checkpoint.resumable_across_bookings,
     )
     return held, window, _check("booking_window", capacity.window_refusal(window), window.sentence)
@@ -485,10 +502,14 @@ def plan(
     small_model_gangs: bool = False,
     base: BaseModel | None = None,
     now: datetime | None = None,
+    run: RunPlan | None = None,
 ) -> Plan:
     """The plan and its checks, in a fixed order: price, fabric, parallelism, data policy,
     checkpoint storage, budget cap, incremental cost, booking window. `now` (default: when the
-    eligibility statement was issued) is what the booking's remaining window is measured from."""
+    eligibility statement was issued) is what the booking's remaining window is measured from.
+    `run`: the manifest's stages when the caller has them already (planned once, used by every
+    part of the plan below that needs them)."""
+    run = run or _run_plan(manifest, base)
     shape = model_shape(manifest, base)
     params = parameter_count(shape)
     topo = statement.topology
@@ -499,7 +520,7 @@ def plan(
     window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
     booked = topo.nodes * topo.gpus_per_node * window_hours
     estimate = cost(params, manifest, gpu, prices, booked, window_hours, shape)
-    estimate = calibrated(estimate, manifest, shape, gpu, prices, topo.gpu_model, base)
+    estimate = calibrated(estimate, manifest, shape, gpu, prices, topo.gpu_model, base, run)
     checks.append(
         _check("data_policy", data_policy(manifest), "every source allowed, decontamination declared")
     )
@@ -516,6 +537,7 @@ def plan(
         now or statement.issued_at,
         small_model_gangs=small_model_gangs,
         base=base,
+        run=run,
     )
     checks.append(window_check)
     return Plan(
@@ -526,7 +548,7 @@ def plan(
         precision=chosen.precision,
         cost=estimate,
         checks=checks,
-        gates=stage_gates(manifest, base),
+        gates=stage_gates(manifest, base, run),
         ok=all(c.ok for c in checks),
         gpu_model=topo.gpu_model,
         region=statement.region,

@@ -7,6 +7,7 @@ tests each service's own). The same tests must pass on both."""
 
 import dataclasses
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -187,10 +188,15 @@ async def login(bus: Bus, name: str = "acme") -> None:
 
 
 async def confirmed_run(
-    bus: Bus, booking: str, key: str, account: str = "acme", max_cost_usd: float | None = None
+    bus: Bus,
+    booking: str,
+    key: str,
+    account: str = "acme",
+    max_cost_usd: float | None = None,
+    confirmed: Callable[[], object] = lambda: None,
 ) -> tuple[TrainRequest, RunAccepted]:
     """A booking, a train confirmation (bound to `max_cost_usd` when given) and the run it
-    authorizes (accepted, handed off)."""
+    authorizes (accepted, handed off); `confirmed` is called between the two."""
     await publish_booking(bus, booking_event(account, booking))
     text = REPO_MANIFEST.read_text()
     digest = digest_of(text.encode())
@@ -210,6 +216,7 @@ async def confirmed_run(
         confirmation_ref=issued.confirmation_ref,
         idempotency_key=key,
     )
+    confirmed()
     return train, data(await call(bus, subjects.API_TRAIN, train, account), RunAccepted)
 
 
@@ -292,6 +299,27 @@ async def test_a_train_asks_the_confirmation_service_nothing_the_ledger_reads_th
     _, run = await confirmed_run(bus, "bn", "kn", max_cost_usd=0.5)
     view = data(await call(bus, subjects.API_STATUS, StatusRequest(run_id=run.run_id)), RunView)
     assert view.spend is not None and view.spend.limit_usd == pytest.approx(0.5)
+
+
+async def test_a_train_plans_the_manifests_stages_once(bus, monkeypatch):
+    # issue 29/30: one train request planned the manifest's stages five times (the inputs gate, the
+    # estimate, the gates, the checkpoint interval, the data-parallel alternative)
+    from services.domain import curriculum
+    from services.scheduler import inputs, planning
+
+    calls: list[str] = []
+
+    def counted(manifest, base=None):
+        calls.append(manifest.model.size)
+        return curriculum.plan_run(manifest, base)
+
+    def count_from_now() -> None:
+        monkeypatch.setattr(planning, "plan_run", counted)
+        monkeypatch.setattr(inputs, "plan_run", counted)
+
+    await login(bus)
+    await confirmed_run(bus, "bp", "kp", confirmed=count_from_now)
+    assert len(calls) == 1
 
 
 async def test_the_run_is_bounded_by_what_its_confirmation_authorised(bus):
