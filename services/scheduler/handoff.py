@@ -56,17 +56,23 @@ def nothing_spent(work: TrainWork, at: Any) -> Spend | None:
     return Spend(held_gpus=work.plan.cost.gpus, held_gpu_s=0.0, spent_usd=0.0, limit_usd=limit, at=at)
 
 
-def bounded(entry: LedgerEntry) -> LedgerEntry:
-    """The entry with its work item carrying the cost bound the ledger recorded from the consumed
+def bounded_item(entry: LedgerEntry) -> tuple[TrainWork, bool]:
+    """The entry's work item carrying the cost bound the ledger recorded from the consumed
     confirmation (what the person authorised the run to spend) in place of the scheduler's
-    estimate; unchanged when it recorded none (the estimate stays: never more than authorised)."""
+    estimate, and whether that changed it; the estimate stays when it recorded none (never more
+    than authorised). One decode."""
+    work = _work_decoder.decode(entry.work)
+    if entry.cost_bound_usd is None or work.cost_bound_usd == entry.cost_bound_usd:
+        return work, False
+    return msgspec.structs.replace(work, cost_bound_usd=entry.cost_bound_usd), True
+
+
+def bounded(entry: LedgerEntry) -> LedgerEntry:
+    """The entry with `bounded_item` as its encoded work item (unchanged when nothing changes)."""
     if entry.cost_bound_usd is None or not entry.work:
         return entry
-    work = _work_decoder.decode(entry.work)
-    if work.cost_bound_usd == entry.cost_bound_usd:
-        return entry
-    item = msgspec.json.encode(msgspec.structs.replace(work, cost_bound_usd=entry.cost_bound_usd))
-    return msgspec.structs.replace(entry, work=item)
+    work, changed = bounded_item(entry)
+    return msgspec.structs.replace(entry, work=msgspec.json.encode(work)) if changed else entry
 
 
 def node_shares(work: TrainWork, msg_id: str | None = None) -> list[tuple[TrainWork, str]]:
@@ -119,7 +125,7 @@ class Handoff:
         return secrets.token_urlsafe(32) if nodes > 1 else ""
 
     def view_from(self, entry: LedgerEntry) -> RunView:
-        work = _work_decoder.decode(bounded(entry).work)
+        work, _ = bounded_item(entry)  # one decode, the bound applied
         return RunView(
             run_id=work.run_id,
             account=work.account,
