@@ -220,6 +220,9 @@ class Plan(Internal, frozen=True, kw_only=True):
     gates: list[StageGatePlan] = []  # every stage's gate with its thresholds, in run order
     capacity: CapacityPlan | None = None  # the booking's held and idle GPUs (None: an older plan)
     window: WindowPlan | None = None  # the run against the booking's remaining window
+    checkpoint_bytes: int = 0
+    """Room the trainer must find in its checkpoint storage before it trains: `keep_last` checkpoints
+    of the largest stage (0: a plan made before this field; the trainer checks writability only)."""
 
 
 class ConfirmationIssued(Internal, frozen=True, kw_only=True):

@@ -13,10 +13,8 @@ the accept; every gate's decision goes to the audit stream, as one record per re
 
 import asyncio
 import logging
-import os
 import pathlib
 import secrets
-import shutil
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -58,7 +56,7 @@ from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from contracts.states import CANCELLABLE
 from services.domain import binding, budget
 from services.domain import quotas as quota_rules
-from services.domain.curriculum import RunPlan, model_shape
+from services.domain.curriculum import RunPlan
 from services.domain.quotas import Taken
 from services.runtime import faults
 from services.runtime.accounts import Credentials
@@ -79,36 +77,6 @@ from services.scheduler.manifests import parsed
 from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.api")
-
-
-def storage_refusal(
-    root: pathlib.Path, manifest: Manifest, base: BaseModel | None = None
-) -> tuple[ErrorCode, str] | None:
-    """Does the checkpoint target exist, accept writes and have room for keep_last checkpoints
-    (of the largest stage's: a LoRA stage checkpoints its adapters alone)?"""
-    policy = manifest.checkpoint
-    if policy.storage == "local":
-        target = root
-        target.mkdir(parents=True, exist_ok=True)
-    elif os.path.isabs(policy.storage):
-        target = pathlib.Path(policy.storage)
-    else:
-        return (
-            ErrorCode.checkpoint_storage_unavailable,
-            "checkpoint storage must be 'local' or an absolute path",
-        )
-    if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
-        return (
-            ErrorCode.checkpoint_storage_unavailable,
-            "the checkpoint storage does not exist or is not writable",
-        )
-    needed = planning.checkpoint_bytes(manifest, model_shape(manifest, base)) * policy.keep_last
-    free = shutil.disk_usage(target).free
-    if free < needed:
-        return ErrorCode.checkpoint_storage_unavailable, (
-            f"checkpoints need ~{needed / 1e9:.1f} GB; the storage has {free / 1e9:.1f} GB free"
-        )
-    return None
 
 
 def _raised(outcome: Any) -> Any:
@@ -253,13 +221,11 @@ class Api:
         body: EligibilityBody,
         run: RunPlan | None = None,
     ) -> Plan:
-        root = self.checkpoint_root / account
         return planning.plan(
             manifest,
             digest,
             body,
             self.prices,
-            storage_refusal(root, manifest, base),
             small_model_gangs=self.small_model_gangs,
             base=base,
             now=datetime.now(UTC),  # the booking's remaining window is measured from now

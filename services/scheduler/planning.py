@@ -1,11 +1,13 @@
 """Planning: parallelism, precision, memory, fabric, data policy and cost, as pure functions.
 
 `plan()` is called by `ecc ito plan` (which creates nothing) and again at train time; each gate is a
-named check with pass/fail and a reason. The I/O it needs (the checkpoint-storage probe, the price
-table) is done by the caller and passed in.
+named check with pass/fail and a reason. The I/O it needs (the price table) is done by the caller
+and passed in. It touches no disk: the checkpoint storage is the trainer's, and the trainer checks it
+(exists, writable, room for the plan's `checkpoint_bytes`) before its first step.
 """
 
 import json
+import os
 import pathlib
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -497,7 +499,6 @@ def plan(
     digest: str,
     statement: EligibilityBody,
     prices: PriceTable,
-    storage_refusal: tuple[ErrorCode, str] | None,
     *,
     small_model_gangs: bool = False,
     base: BaseModel | None = None,
@@ -524,7 +525,14 @@ def plan(
     checks.append(
         _check("data_policy", data_policy(manifest), "every source allowed, decontamination declared")
     )
-    checks.append(_check("checkpoint_storage", storage_refusal, "checkpoint storage writable with room"))
+    needed = checkpoint_bytes(manifest, shape) * manifest.checkpoint.keep_last
+    checks.append(
+        _check(
+            "checkpoint_storage",
+            storage_policy_refusal(manifest),
+            f"the trainer checks its storage is writable with ~{needed / 1e9:.1f} GB free before it trains",
+        )
+    )
     checks += budget_checks(estimate, manifest)
     held, window, window_check = capacity_and_window(
         params,
@@ -554,7 +562,17 @@ def plan(
         region=statement.region,
         capacity=held,
         window=window,
+        checkpoint_bytes=needed,
     )
+
+
+def storage_policy_refusal(manifest: Manifest) -> tuple[ErrorCode, str] | None:
+    """What the scheduler can judge of the checkpoint storage without touching a disk: it is the
+    trainer's own ('local') or an absolute path; the trainer checks the rest where it writes."""
+    storage = manifest.checkpoint.storage
+    if storage == "local" or os.path.isabs(storage):
+        return None
+    return ErrorCode.checkpoint_storage_unavailable, "checkpoint storage must be 'local' or an absolute path"
 
 
 def first_refusal(p: Plan) -> tuple[ErrorCode, str] | None:

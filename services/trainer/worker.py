@@ -62,7 +62,7 @@ from services.runtime.codec import Refusal
 from services.runtime.liveness import TIMERS
 from services.runtime.model_store import ModelStore
 from services.runtime.settings import ENV_TRAINER_THREADS, Settings
-from services.trainer import exports, nodes, sampling, shares, spikes
+from services.trainer import exports, nodes, sampling, shares, spikes, storage
 from services.trainer.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.distributed import ParallelismError
 from services.trainer.emitter import Emitter
@@ -71,6 +71,7 @@ from services.trainer.metering import Meter
 from services.trainer.pipeline import PipelineResult, Trainers, TrainLm, run_pipeline
 from services.trainer.pretrain import train_stage
 from services.trainer.reporting import Reporter, Sink, check_event
+from services.trainer.storage import StorageUnavailable
 
 log = logging.getLogger("ito.trainer.worker")
 
@@ -418,15 +419,19 @@ class Worker:
         keep_alive = asyncio.create_task(self._keep_alive(msg, work.run_id, epoch, stop))
         # Derived from our own root, never taken from the message.
         checkpoint_dir = run_dir(self.checkpoint_root, manifest.checkpoint.storage, work.account, work.run_id)
-        checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         final: RunState | None = None
         try:
+            await self._prepare_storage(manifest, checkpoint_dir, work)
             final = await self._run(emitter, work, manifest, checkpoint_dir, stop)
         except GangLost as exc:  # past the launcher's restarts: interrupted and requeued, within a bound
             max_requeues = int(os.environ.get(ENV_GANG_MAX_REQUEUES, DEFAULT_GANG_MAX_REQUEUES))
             final, message, requeues = lost_gang_state(exc, gang_requeues, max_requeues)
             log.warning("run %s: %s", work.run_id, message)
             await emitter.state(final, message=message, gang_requeues=requeues)
+        except StorageUnavailable as exc:  # checked before the first step: no GPU time spent
+            log.warning("run %s: %s", work.run_id, exc)
+            final = RunState.failed
+            await emitter.state(final, message=f"training failed: {exc}")
         except (ParallelismError, GangFailed) as exc:  # a plan this node cannot realise, or a lost gang
             log.warning("run %s failed: %s", work.run_id, exc)
             final = RunState.failed
@@ -457,6 +462,20 @@ class Worker:
                 final,
             )
             await msg.raw_message.nak(delay=RETRY_LEASE_AFTER_S)
+
+    async def _prepare_storage(
+        self, manifest: Manifest, checkpoint_dir: pathlib.Path, work: TrainWork
+    ) -> None:
+        """The run's directory made and its storage checked on this trainer's disk, before the first
+        step (services/trainer/storage.py); `StorageUnavailable` when it cannot take the checkpoints."""
+        policy = manifest.checkpoint.storage
+        await asyncio.to_thread(
+            storage.prepare,
+            storage_root(self.checkpoint_root, policy),
+            checkpoint_dir,
+            work.plan.checkpoint_bytes,
+            os.path.isabs(policy),
+        )
 
     async def _run(
         self, emitter: Emitter, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path, stop: Stop
@@ -552,12 +571,17 @@ class Worker:
         node's directory as node 0's; a failure fails the run naming the node (services/trainer/
         shares.py says what a user can expect)."""
         run_id = work.run_id
+        root = run_dir(self.checkpoint_root, manifest.checkpoint.storage, work.account, run_id)
+        checkpoint_dir = nodes.node_checkpoint_dir(root, work.node_rank)
+        try:
+            await self._prepare_storage(manifest, checkpoint_dir, work)
+        except StorageUnavailable as exc:  # before the first step: the run fails naming this node
+            log.warning("run %s: node %d: %s", run_id, work.node_rank, exc)
+            await self._share_ended(msg, work, epoch, str(exc))
+            return
         stop = self.stops[run_id] = Stop()
         self.epochs[run_id], self.node_ranks[run_id] = epoch, work.node_rank
         keep_alive = asyncio.create_task(self._keep_alive(msg, run_id, epoch, stop, work.node_rank))
-        root = run_dir(self.checkpoint_root, manifest.checkpoint.storage, work.account, run_id)
-        checkpoint_dir = nodes.node_checkpoint_dir(root, work.node_rank)
-        checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         node_log = NodeLog(checkpoint_dir / "node.jsonl")
         report = Reporter(node_log.write, run_id=run_id, epoch=epoch)
         share: nodes.NodeShare | None = None
@@ -598,6 +622,12 @@ class Worker:
         if failure is None and not stop.is_set():  # trained to its end
             await msg.ack()
             return
+        await self._share_ended(msg, work, epoch, failure)
+
+    async def _share_ended(self, msg: NatsMessage, work: TrainWork, epoch: int, failure: str | None) -> None:
+        """A share that did not train to its end: its failure (None: stopped) said through its lease,
+        and its work item acked, requeued or left to its holder as the answer says."""
+        run_id = work.run_id
         answer = await self.lease(run_id, epoch, node_rank=work.node_rank, failure=failure or "")
         match shares.after_share(answer, failed=failure is not None):
             case shares.ItemEnd.ack:

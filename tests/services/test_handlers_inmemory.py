@@ -29,6 +29,7 @@ from contracts.api import (
     Credential,
     FindRequest,
     MutationResult,
+    Plan,
     PlanRequest,
     RunAccepted,
     RunList,
@@ -284,6 +285,25 @@ async def test_plan_confirm_train_status(bus):
     assert again.run_id == run.run_id and again.replay
     out = await call(bus, subjects.API_TRAIN, msgspec.structs.replace(train, idempotency_key="k2"))
     assert code(out) is ErrorCode.confirmation_consumed
+
+
+def tree(root) -> set[str]:
+    """Every path under `root` (the redis param's Redis appends to its own files there)."""
+    return {str(path.relative_to(root)) for path in root.rglob("*")}
+
+
+async def test_plan_creates_nothing_on_disk_and_says_the_room_the_trainer_needs(bus):
+    # issue 29: `plan` made the account's checkpoint directory (its docstring says it creates
+    # nothing) and measured the scheduler's disk; the storage is the trainer's, checked there.
+    await login(bus)
+    await publish_booking(bus, booking_event("acme", "bd"))
+    root = bus.w.settings.data_dir
+    before = tree(root)
+    p = data(await call(bus, subjects.API_PLAN, plan_request("bd")), Plan)
+    assert p.ok and p.checkpoint_bytes > 0
+    (check,) = [c for c in p.checks if c.name == "checkpoint_storage"]
+    assert check.ok and "the trainer checks its storage" in check.reason
+    assert tree(root) - before == set()
 
 
 async def test_a_train_asks_the_confirmation_service_nothing_the_ledger_reads_the_bound(bus, monkeypatch):

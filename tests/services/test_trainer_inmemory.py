@@ -28,7 +28,7 @@ def small_manifest_text() -> str:
     return msgspec.json.encode(raw).decode()
 
 
-def plan() -> Plan:
+def plan(checkpoint_bytes: int = 0) -> Plan:
     cost = CostEstimate(
         flops=1.0,
         tokens=1,
@@ -53,10 +53,14 @@ def plan() -> Plan:
         cost=cost,
         checks=[],
         ok=True,
+        checkpoint_bytes=checkpoint_bytes,
     )
 
 
-@pytest.mark.parametrize("body, final", [("valid", "succeeded"), ("garbage", None), ("unsigned", None)])
+@pytest.mark.parametrize(
+    "body, final",
+    [("valid", "succeeded"), ("garbage", None), ("unsigned", None), ("no room", "failed")],
+)
 async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
     monkeypatch.setenv("ITO_TRAINER_THREADS", "1")
     s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(tmp_path)})
@@ -93,7 +97,9 @@ async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
         booking_id="b",
         manifest_text=small_manifest_text(),
         manifest_digest="d",
-        plan=plan(),
+        # issue 29: the storage is checked where checkpoints are written: a plan asking more room
+        # than the trainer's disk has fails the run before its first step
+        plan=plan(checkpoint_bytes=2**62 if body == "no room" else 0),
         checkpoint_dir=str(tmp_path / "ckpt"),
     )
     payload = b"{not a work item" if body == "garbage" else msgspec.json.encode(work)
@@ -107,6 +113,11 @@ async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
     states = [e.state.value for e in events if isinstance(e, StateChanged)]
     if final is None:
         assert states == []  # a malformed item is terminated, never trained
+        return
+    if body == "no room":
+        (failed,) = [e for e in events if isinstance(e, StateChanged)]
+        assert failed.message is not None and "checkpoint_storage_unavailable" in failed.message
+        assert "GB free" in failed.message and not [e for e in events if type(e).__name__ == "Metrics"]
         return
     assert states == ["running", final]
     metrics = [e for e in events if type(e).__name__ == "Metrics"]

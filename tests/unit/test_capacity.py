@@ -132,7 +132,7 @@ def test_the_run_against_the_window(window_hours, resumable, code, fits, resumes
 
 
 def planning_at(m, b, now):
-    return plan(m, "d" * 64, b, load_prices(), None, now=now)
+    return plan(m, "d" * 64, b, load_prices(), now=now)
 
 
 def test_the_remaining_window_is_measured_from_now():

@@ -96,7 +96,7 @@ def test_every_stage_of_the_full_recipe_counts_its_steps_eval_and_saves():
 
 def test_the_estimate_is_the_wall_time_held_at_the_price_and_says_its_basis():
     prices = load_prices()
-    p = plan(manifest(), "d" * 64, body(1, 8), prices, None)
+    p = plan(manifest(), "d" * 64, body(1, 8), prices)
     c = p.cost
     assert c.basis.startswith("no figures for H200: default figures of this backend")
     assert c.wall_s == pytest.approx(sum(c.phases_s.values()), abs=1e-2)
@@ -110,13 +110,12 @@ def test_the_estimate_is_the_wall_time_held_at_the_price_and_says_its_basis():
         "d" * 64,
         body(1, 8),
         dataclasses.replace(prices, calibration={**prices.calibration, "H200": own}),
-        None,
     )
     assert mine.cost.basis == "H200 figures" and mine.cost.phases_s["startup"] == 4.0
 
 
 def test_without_figures_the_estimate_is_flops_alone():
     prices = dataclasses.replace(load_prices(), calibration={})
-    c = plan(manifest(), "d" * 64, body(1, 8), prices, None).cost
+    c = plan(manifest(), "d" * 64, body(1, 8), prices).cost
     assert (c.basis, c.wall_s, c.phases_s) == ("flops", 0.0, {})
     assert c.gpu_hours == c.flops_gpu_hours == pytest.approx(c.flops / (989e12 * 0.4) / 3600)

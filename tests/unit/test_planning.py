@@ -23,8 +23,16 @@ from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
+from services.domain.curriculum import model_shape
 from services.scheduler import planning
-from services.scheduler.planning import data_policy, first_refusal, load_prices, parameter_count, plan
+from services.scheduler.planning import (
+    checkpoint_bytes,
+    data_policy,
+    first_refusal,
+    load_prices,
+    parameter_count,
+    plan,
+)
 from services.trainer.model import Transformer, count_parameters
 
 PRICES = load_prices()
@@ -90,8 +98,8 @@ def body(nodes=1, gpn=1, gpu="H200", fabric=IB, window_hours=24.0) -> Eligibilit
     )
 
 
-def run_plan(m: Manifest, b: EligibilityBody, storage=None):
-    return plan(m, "d" * 64, b, PRICES, storage)
+def run_plan(m: Manifest, b: EligibilityBody):
+    return plan(m, "d" * 64, b, PRICES)
 
 
 def code_of(p) -> str | None:
@@ -548,7 +556,7 @@ def test_a_run_inside_the_booking_has_no_incremental_cost():
 
 
 def test_first_refusal_follows_check_order():
-    # ethernet multi-node, remote data, storage refusal and a zero budget all at once: fabric wins
+    # ethernet multi-node, remote data, a relative storage path and a zero budget all at once: fabric wins
     m = manifest(
         "1B",
         2,
@@ -558,8 +566,8 @@ def test_first_refusal_follows_check_order():
         incremental=0.0,
         data=[{"name": "x", "source": "https://example.com/d"}],
     )
-    storage = (ErrorCode.checkpoint_storage_unavailable, "no room")
-    p = run_plan(m, body(2, 8, fabric=ETH, window_hours=2.0), storage)  # 32 GPU-hours booked, ~6300 needed
+    m = msgspec.structs.replace(m, checkpoint=msgspec.structs.replace(m.checkpoint, storage="relative/dir"))
+    p = run_plan(m, body(2, 8, fabric=ETH, window_hours=2.0))  # 32 GPU-hours booked, ~6300 needed
     assert [c.name for c in p.checks if not c.ok] == [
         "fabric",
         "data_policy",
@@ -571,9 +579,22 @@ def test_first_refusal_follows_check_order():
     assert code_of(p) == "fabric_unsupported"
 
 
-def test_storage_refusal_is_reported():
-    p = run_plan(manifest("tiny"), body(), (ErrorCode.checkpoint_storage_unavailable, "not writable"))
-    assert first_refusal(p) == (ErrorCode.checkpoint_storage_unavailable, "not writable")
+@pytest.mark.parametrize(
+    "storage, refused", [("local", False), ("/mnt/ckpt", False), ("relative/dir", True), ("", True)]
+)
+def test_the_storage_policy_is_judged_without_a_disk(storage, refused):
+    # issue 29: the scheduler measured its own disk (and made a directory inside `plan`); the
+    # storage is the trainer's. The plan judges the policy's form and says how much room is needed.
+    m = manifest("tiny")
+    m = msgspec.structs.replace(m, checkpoint=msgspec.structs.replace(m.checkpoint, storage=storage))
+    p = run_plan(m, body())
+    expected = (
+        ErrorCode.checkpoint_storage_unavailable,
+        "checkpoint storage must be 'local' or an absolute path",
+    )
+    assert first_refusal(p) == (expected if refused else None)
+    one = checkpoint_bytes(m, model_shape(m, None))
+    assert one > 0 and p.checkpoint_bytes == one * m.checkpoint.keep_last
 
 
 def test_a_good_plan_is_ok():
@@ -681,5 +702,5 @@ def test_nonsense_sizes_are_refused_by_the_schema(args, kwargs):
 def test_resources_strategy_insists_on_a_layout(wanted, gpn, strategy, degrees, code):
     m = manifest("tiny", 1, gpn)
     m = msgspec.structs.replace(m, resources=msgspec.structs.replace(m.resources, strategy=wanted))
-    p = plan(m, "d" * 64, body(1, gpn), PRICES, None, small_model_gangs=True)  # a tiny model on 2 GPUs
+    p = plan(m, "d" * 64, body(1, gpn), PRICES, small_model_gangs=True)  # a tiny model on 2 GPUs
     assert (p.strategy, p.degrees, code_of(p)) == (strategy, degrees, code)

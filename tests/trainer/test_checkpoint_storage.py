@@ -1,0 +1,53 @@
+"""The trainer's checkpoint storage check (services/trainer/storage.py), on real directories."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.trainer import storage
+from services.trainer.storage import StorageUnavailable, prepare
+
+FREE = 10**9
+
+
+def test_local_storage_is_made_and_a_run_that_fits_passes(tmp_path):
+    root = tmp_path / "checkpoints"  # the trainer's own: made on first use
+    run = root / "acme" / "r1"
+    prepare(root, run, needed=1024, absolute=False)
+    assert run.is_dir() and run.stat().st_mode & 0o777 == 0o700
+    assert list(run.iterdir()) == []  # the probe leaves nothing behind
+
+
+def test_an_absolute_storage_path_is_never_created(tmp_path):
+    root = tmp_path / "mnt" / "ckpt"
+    with pytest.raises(StorageUnavailable, match="does not exist"):
+        prepare(root, root / "acme" / "r1", needed=0, absolute=True)
+    assert not root.exists()
+
+
+def test_storage_that_takes_no_file_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")  # refused for root too, unlike a mode bit
+    with pytest.raises(StorageUnavailable, match="not writable") as refused:
+        prepare(tmp_path, blocker / "acme" / "r1", needed=0, absolute=False)
+    assert str(refused.value).startswith("checkpoint_storage_unavailable: ")
+
+
+@pytest.mark.parametrize(
+    "held, over, refused",
+    [(0, 0, False), (0, 1, True), (4096, 1, False), (4096, 4097, True)],
+)
+def test_the_room_needed_counts_what_the_run_holds_already(tmp_path, monkeypatch, held, over, refused):
+    # the disk's free bytes fixed (a real disk's move while the suite runs beside this test)
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda _path: SimpleNamespace(free=FREE))
+    run = tmp_path / "acme" / "r1"
+    run.mkdir(parents=True)
+    if held:
+        (run / "step-1").mkdir()
+        (run / "step-1" / "shard").write_bytes(b"x" * held)  # a resumed run rotates its own
+    needed = FREE + over
+    if refused:
+        with pytest.raises(StorageUnavailable, match="GB free"):
+            prepare(tmp_path, run, needed=needed, absolute=True)
+    else:
+        prepare(tmp_path, run, needed=needed, absolute=True)
