@@ -16,7 +16,7 @@ def register(w: Wiring, store: Telemetry | None = None) -> None:
     """Wire the handlers to `store` (the bootstrap); by default the Redis one."""
     s = w.settings
     store = store if store is not None else TelemetryStore(w.require_redis(), w.keys)
-    h = TelemetryHandlers(store, w.broker, s)
+    h = TelemetryHandlers(store, w.bus, s)
 
     consume_in_order(
         w,

@@ -7,13 +7,12 @@ import time
 from datetime import UTC, datetime
 
 import msgspec
-from faststream.nats import NatsBroker
 
 from contracts import subjects
 from contracts.runs import EvalResult, Interruption, RunCreated, RunEvent, StageStarted, StateChanged
 from contracts.states import TERMINAL_STATES
 from contracts.telemetry import ROLLUP_BY
-from services.runtime.publishing import publish_once
+from services.runtime.bus import Bus
 from services.runtime.settings import Settings
 from services.telemetry import accounting
 from services.telemetry.store import Telemetry
@@ -25,20 +24,19 @@ LIVE_AT_ONCE = (StateChanged, StageStarted, EvalResult, Interruption)  # moves a
 
 
 class TelemetryHandlers:
-    def __init__(self, store: Telemetry, broker: NatsBroker, settings: Settings) -> None:
+    def __init__(self, store: Telemetry, bus: Bus, settings: Settings) -> None:
         self.store = store
-        self.broker = broker
+        self.bus = bus
         self.settings = settings
         self._live_at: dict[str, float] = {}  # run -> when its last live snapshot went out (monotonic)
 
     async def _publish(self, suffix: str, body, msg_id: str) -> None:
-        await publish_once(
-            self.broker,
-            self.settings,
-            subject=f"{self.settings.desk_subject_root()}.{suffix}",
-            stream=subjects.STREAM_DESK,
-            body=msgspec.json.encode(body),
-            msg_id=msg_id,
+        await self.bus.publish_once(
+            f"{self.settings.desk_subject_root()}.{suffix}",
+            self.settings.stream(subjects.STREAM_DESK),
+            msgspec.json.encode(body),
+            msg_id,
+            self.settings.request_timeout_s,
         )
 
     async def on_event(self, event: RunEvent) -> None:
@@ -68,7 +66,7 @@ class TelemetryHandlers:
         now = datetime.now(UTC)
         run = accounting.account(created, [e for e in events if not isinstance(e, RunCreated)], now, state)
         try:
-            await self.broker.publish(msgspec.json.encode(run), f"{self.settings.desk_live_root()}.{run_id}")
+            await self.bus.publish(f"{self.settings.desk_live_root()}.{run_id}", msgspec.json.encode(run))
         except Exception:  # a lost snapshot is replaced by the next one
             log.warning("run %s: live telemetry not published", run_id)
 

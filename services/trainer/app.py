@@ -20,7 +20,7 @@ from services.trainer.worker import WORK_ACK_WAIT_S, Worker, decode_work
 
 def register(w: Wiring) -> None:
     s = w.settings
-    worker = Worker(w.broker, s)
+    worker = Worker(w.bus, s)
     verifier = scheduler_verifier(s)
     log = logging.getLogger("ito.trainer")
     durable = f"{s.namespace}-{subjects.CONSUMER_TRAINER}"

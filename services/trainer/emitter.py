@@ -10,13 +10,12 @@ import logging
 from datetime import UTC, datetime
 
 import msgspec
-from faststream.nats import NatsBroker
 
 from contracts import subjects
 from contracts.api import RestartProposal
 from contracts.runs import LogLevel, LogLine, ProposalMade, RunEvent, StateChanged
 from contracts.states import RunState
-from services.runtime.publishing import publish_once
+from services.runtime.bus import Bus
 from services.runtime.settings import Settings
 from services.trainer.reporting import Reporter, check_event
 
@@ -27,13 +26,13 @@ THREAD_PUBLISH_TIMEOUT_S = 10.0  # the training thread waits at most this for on
 class Emitter:
     def __init__(
         self,
-        broker: NatsBroker,
+        bus: Bus,
         settings: Settings,
         run_id: str,
         loop: asyncio.AbstractEventLoop,
         epoch: int = 0,
     ) -> None:
-        self.broker = broker
+        self.bus = bus
         self.settings = settings
         self.run_id = run_id
         self.loop = loop
@@ -46,13 +45,12 @@ class Emitter:
         self._last += 1
         event = msgspec.structs.replace(event, seq=self._last)
         kind = type(event).__struct_config__.tag
-        await publish_once(
-            self.broker,
-            self.settings,
-            subject=self.settings.subject(f"{subjects.RUN_EVENTS}.{self.run_id}.{kind}"),
-            stream=subjects.STREAM_RUNS,
-            body=msgspec.json.encode(event),
-            msg_id=f"{self.run_id}:{self.epoch}:{event.seq}",
+        await self.bus.publish_once(
+            self.settings.subject(f"{subjects.RUN_EVENTS}.{self.run_id}.{kind}"),
+            self.settings.stream(subjects.STREAM_RUNS),
+            msgspec.json.encode(event),
+            f"{self.run_id}:{self.epoch}:{event.seq}",
+            self.settings.request_timeout_s,
         )
 
     async def state(

@@ -33,7 +33,7 @@ from functools import partial
 from typing import Any, Final
 
 import msgspec
-from faststream.nats import NatsBroker, NatsMessage
+from faststream.nats import NatsMessage
 
 from contracts import subjects
 from contracts.api import (
@@ -57,6 +57,7 @@ from contracts.states import LEASABLE, TERMINAL_STATES, RunState
 from services.domain import budget
 from services.domain.curriculum import plan_run
 from services.runtime import codec, faults
+from services.runtime.bus import Bus
 from services.runtime.checkpoint_paths import inside, run_dir, storage_root
 from services.runtime.codec import Refusal
 from services.runtime.liveness import TIMERS
@@ -277,8 +278,8 @@ def decode_work(body: bytes) -> tuple[TrainWork, Manifest]:
 
 
 class Worker:
-    def __init__(self, broker: NatsBroker, settings: Settings) -> None:
-        self.broker = broker
+    def __init__(self, bus: Bus, settings: Settings) -> None:
+        self.bus = bus  # lease queries and run events (services/runtime/bus.py)
         self.settings = settings
         self.threads = int(os.environ.get(ENV_TRAINER_THREADS) or os.cpu_count() or 1)
         self.trainer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -341,12 +342,13 @@ class Worker:
                 stop_s=round(meter.stop_s(), 3) if meter is not None else 0.0,
                 **binding,
             )
-            reply = await self.broker.request(
-                codec.encode(query),
+            reply = await self.bus.request(
                 self.settings.subject(subjects.RUN_LEASE),
-                timeout=self.settings.request_timeout_s,
+                codec.encode(query),
+                None,
+                self.settings.request_timeout_s,
             )
-            return codec.unwrap(reply.body, LeaseAnswer)
+            return codec.unwrap(reply, LeaseAnswer)
         except Exception:  # no answer is not a yes
             return None
 
@@ -413,7 +415,7 @@ class Worker:
     async def _train(
         self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int, gang_requeues: int = 0
     ) -> None:
-        emitter = Emitter(self.broker, self.settings, work.run_id, asyncio.get_running_loop(), epoch)
+        emitter = Emitter(self.bus, self.settings, work.run_id, asyncio.get_running_loop(), epoch)
         stop = self.stops[work.run_id] = Stop()
         self.epochs[work.run_id] = epoch
         keep_alive = asyncio.create_task(self._keep_alive(msg, work.run_id, epoch, stop))

@@ -127,12 +127,15 @@ async def test_desk_reads_answer_only_into_the_desks_own_inbox(reply, answered):
 
 
 class Broker:
-    """What the telemetry handlers publish with: core publishes are recorded."""
+    """The Bus the telemetry handlers publish with: every publish is recorded."""
 
     def __init__(self) -> None:
         self.published: list[tuple[str, bytes]] = []
 
-    async def publish(self, body: bytes, subject: str, **_: object) -> None:
+    async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.published.append((subject, body))
+
+    async def publish_once(self, subject, stream, body, msg_id, timeout, headers=None) -> None:
         self.published.append((subject, body))
 
 

@@ -57,7 +57,7 @@ async def stack(namespace, tmp_path, monkeypatch):
     w = Wiring(settings=s, broker=broker, redis=None, keys=Keys(s))
     w.bus = LocalBus(w.router, broker)
     credentials, bookings, quotas = register_all(w, None)
-    worker = Worker(broker, s)
+    worker = Worker(w.bus, s)
     calls: list[str] = []
     worker.exports.writers = exports.Writers(hf=fake_writer(calls), tokenizer_files=lambda src, d: {})
     verifier = scheduler_verifier(s)

@@ -6,12 +6,13 @@ import msgspec
 import pytest
 from faststream.nats import NatsMessage, TestNatsBroker
 
-from contracts import subjects
-from contracts.api import CostEstimate, LeaseAnswer, Plan
+from contracts import endpoints, subjects
+from contracts.api import CostEstimate, LeaseAnswer, LeaseQuery, Plan
 from contracts.runs import RunEvent, StateChanged, TrainWork
 from contracts.states import RunState
-from services.runtime import codec, connections, streams
+from services.runtime import connections, streams
 from services.runtime import settings as settings_mod
+from services.runtime.bus import LocalBus
 from services.runtime.identities import NATS_IDENTITIES
 from services.runtime.keys import Keys
 from services.runtime.secrets import Secrets
@@ -57,6 +58,15 @@ def plan(checkpoint_bytes: int = 0) -> Plan:
     )
 
 
+def trainer_wiring(s: settings_mod.Settings, broker) -> Wiring:
+    """The trainer's handlers on an in-memory broker; its requests (the lease) go straight to the
+    routes a test serves on the same router, its stream publishes to the in-memory broker."""
+    w = Wiring(settings=s, broker=broker, redis=None, keys=Keys(s), service="trainer")
+    w.bus = LocalBus(w.router, broker)
+    trainer_app.register(w)
+    return w
+
+
 @pytest.mark.parametrize(
     "body, final",
     [("valid", "succeeded"), ("garbage", None), ("unsigned", None), ("no room", "failed")],
@@ -66,23 +76,21 @@ async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
     s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(tmp_path)})
     Secrets(s.secrets_dir).ensure(NATS_IDENTITIES, ())
     broker = connections.make_broker(s, "trainer")
-    w = Wiring(settings=s, broker=broker, redis=None, keys=Keys(s), service="trainer")
-    trainer_app.register(w)
+    w = trainer_wiring(s, broker)
     events: list[RunEvent] = []
     decoder = msgspec.json.Decoder(RunEvent)
 
     current = [RunState.queued]  # the scheduler's view, as the events it applied make it
 
-    @broker.subscriber(s.subject(subjects.RUN_LEASE))  # the scheduler's part: this run may train
-    async def lease(msg: NatsMessage) -> bytes:
-        return codec.ok(
-            LeaseAnswer(
-                run_id="run_t",
-                proceed=current[0] in (RunState.queued, RunState.running),
-                state=current[0],
-                epoch=1,
-            )
+    async def lease(_query: LeaseQuery) -> LeaseAnswer:  # the scheduler's part: this run may train
+        return LeaseAnswer(
+            run_id="run_t",
+            proceed=current[0] in (RunState.queued, RunState.running),
+            state=current[0],
+            epoch=1,
         )
+
+    w.router.serve(endpoints.RUN_LEASE, lease)
 
     @broker.subscriber(s.subject(subjects.RUN_EVENTS) + ".>", stream=streams.ref(s, subjects.STREAM_RUNS))
     async def collect(msg: NatsMessage) -> None:
@@ -152,12 +160,12 @@ async def test_a_refused_final_transition_is_never_acknowledged(namespace, tmp_p
     s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(tmp_path)})
     Secrets(s.secrets_dir).ensure(NATS_IDENTITIES, ())
     broker = connections.make_broker(s, "trainer")
-    w = Wiring(settings=s, broker=broker, redis=None, keys=Keys(s), service="trainer")
-    trainer_app.register(w)
+    w = trainer_wiring(s, broker)
 
-    @broker.subscriber(s.subject(subjects.RUN_LEASE))  # a scheduler whose view stays `running`
-    async def lease(msg: NatsMessage) -> bytes:
-        return codec.ok(LeaseAnswer(run_id="run_r", proceed=True, state=RunState.running, epoch=1))
+    async def lease(_query: LeaseQuery) -> LeaseAnswer:  # a scheduler whose view stays `running`
+        return LeaseAnswer(run_id="run_r", proceed=True, state=RunState.running, epoch=1)
+
+    w.router.serve(endpoints.RUN_LEASE, lease)
 
     @broker.subscriber(s.subject(subjects.RUN_EVENTS) + ".>", stream=streams.ref(s, subjects.STREAM_RUNS))
     async def ignore(msg: NatsMessage) -> None:

@@ -26,7 +26,6 @@ from contracts.runs import (
 )
 from contracts.states import RunState
 from services.domain.curriculum import PostPlan, plan_run
-from services.trainer import emitter as emitter_module
 from services.trainer import pipeline
 from services.trainer.checkpoint import Checkpointer
 from services.trainer.emitter import Emitter
@@ -77,7 +76,12 @@ def test_the_reporter_refuses_anything_but_a_contract_event(payload):
 
 
 class FakeSettings:
+    request_timeout_s = 1.0
+
     def subject(self, name: str) -> str:
+        return name
+
+    def stream(self, name: str) -> str:
         return name
 
 
@@ -92,14 +96,20 @@ def running_loop():
     loop.close()
 
 
-def test_the_emitter_publishes_typed_events_from_the_thread_and_refuses_dicts(running_loop, monkeypatch):
-    sent: list[tuple[str, RunEvent]] = []
+class StreamBus:
+    """The Bus the emitter publishes with: stream publishes are recorded."""
 
-    async def publish_once(broker, settings, *, subject, stream, body, msg_id):
-        sent.append((msg_id, msgspec.json.decode(body, type=RunEvent)))
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, RunEvent]] = []
 
-    monkeypatch.setattr(emitter_module, "publish_once", publish_once)
-    emitter = Emitter(None, FakeSettings(), "run-1", running_loop, epoch=3)
+    async def publish_once(self, subject, stream, body, msg_id, timeout, headers=None) -> None:
+        self.sent.append((msg_id, msgspec.json.decode(body, type=RunEvent)))
+
+
+def test_the_emitter_publishes_typed_events_from_the_thread_and_refuses_dicts(running_loop):
+    bus = StreamBus()
+    sent = bus.sent
+    emitter = Emitter(bus, FakeSettings(), "run-1", running_loop, epoch=3)  # type: ignore[arg-type]
     report = emitter.reporter()
     report.log("one")
     report.stage("pretrain", 5)
