@@ -2,17 +2,17 @@
 by the hand-written numpy MinHash-LSH against `datasketch` (MinHash + MinHashLSH), side by side.
 
 Corpora: the data prep's shipped source, `builtin:pydoc_topics` (the documents
-`services.trainer.data.load_documents` gives the pipeline: 79 long help texts); the same topics
+`services.trainer.data.corpora.load_documents` gives the pipeline: 79 long help texts); the same topics
 plus planted near copies; and the training mix of `examples/manifests/full.json` (the topics and
 the generated line sources: ~35k documents, most of them one 5-word shingle long). Exact duplicates
 are dropped first, as `prepare` does.
 
-Rows: `numpy (before)` is the hand-written implementation `services/trainer/dataprep.py` carried
+Rows: `numpy (before)` is the hand-written implementation `services/trainer/data/prep.py` carried
 (kept here verbatim so the comparison can be rerun); `datasketch (stage)` is what the stage runs now
-(`dataprep.near_duplicate_sets`), which settles one-shingle documents by a set lookup (exact: see
+(`prep.near_duplicate_sets`), which settles one-shingle documents by a set lookup (exact: see
 there) and hands the rest to datasketch; `numpy + one-shingle path` gives the hand-written code the
 same shortcut, so the library is compared with like. All use the same shingles
-(`dataprep.shingles`: 64-bit BLAKE2b hashes of 5-word shingles), the manifest's defaults (112
+(`prep.shingles`: 64-bit BLAKE2b hashes of 5-word shingles), the manifest's defaults (112
 permutations, 14 bands x 8 rows, Jaccard >= 0.8) and the same decision rule: LSH proposes earlier
 documents, the signature agreement (estimated Jaccard) decides. datasketch gets the shingle hashes
 through an identity `hashfunc` with its 64-bit affine scheme, so the rows differ only in MinHash and
@@ -49,8 +49,8 @@ import numpy as np
 from datasketch import MinHashLSH
 from scipy import sparse
 
-from services.trainer import dataprep
-from services.trainer.data import load_documents
+from services.trainer.data import prep
+from services.trainer.data.corpora import load_documents
 
 SOURCE = "builtin:pydoc_topics"
 EXAMPLE_MANIFEST = pathlib.Path(__file__).resolve().parent.parent / "examples" / "manifests" / "full.json"
@@ -62,7 +62,7 @@ MERSENNE_31 = (1 << 31) - 1
 SIGNATURE_CHUNK = 1 << 16
 
 
-# --- the hand-written numpy MinHash-LSH (what services/trainer/dataprep.py shipped before datasketch) ---
+# --- the hand-written numpy MinHash-LSH (what services/trainer/data/prep.py shipped before datasketch) ---
 
 
 def numpy_signatures(sets: Sequence[np.ndarray], permutations: int, seed: int) -> np.ndarray:
@@ -160,11 +160,11 @@ def one_shingle_path(keep_fn: Callable, pairs_fn: Callable) -> tuple[Callable, C
     return keep, pairs
 
 
-# --- datasketch: what services/trainer/dataprep.py runs -------------------------------------------------
+# --- datasketch: what services/trainer/data/prep.py runs -------------------------------------------------
 
 
 def datasketch_keep(sets: Sequence[np.ndarray], seed: int) -> list[bool]:
-    return dataprep.near_duplicate_sets(
+    return prep.near_duplicate_sets(
         sets, permutations=PERMUTATIONS, bands=BANDS, threshold=THRESHOLD, seed=seed
     )
 
@@ -176,7 +176,7 @@ def _datasketch_lsh_pairs(sets: Sequence[np.ndarray], seed: int) -> set[tuple[in
     for i, s in enumerate(sets):
         if not len(s):
             continue
-        m = dataprep.minhash(s, permutations=PERMUTATIONS, seed=seed)
+        m = prep.minhash(s, permutations=PERMUTATIONS, seed=seed)
         pairs.update((j, i) for j in lsh.query(m) if m.jaccard(hashes[j]) >= THRESHOLD)
         lsh.insert(i, m, check_duplication=False)
         hashes[i] = m
@@ -200,7 +200,7 @@ def planted_corpus(documents: Sequence[str], seed: int = 0) -> tuple[list[str], 
     rng = random.Random(seed)
     out, labels = list(documents), ["original"] * len(documents)
     for doc in documents:
-        tokens = dataprep.words(doc)
+        tokens = prep.words(doc)
         for rate in SCATTERED_RATES:
             copy = list(tokens)
             for k in rng.sample(range(len(copy)), max(1, round(rate * len(copy)))):
@@ -266,14 +266,14 @@ def quality(sets: Sequence[np.ndarray], seeds: int) -> dict:
 
 def speed(documents: Sequence[str], repeats: int) -> dict:
     """Median seconds over alternating repeats: end to end (shingling included) and MinHash + LSH only."""
-    sets = [np.array(dataprep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in documents]
+    sets = [np.array(prep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in documents]
     times: dict[str, dict[str, list[float]]] = {
         name: {"total": [], "minhash_lsh": []} for name in IMPLEMENTATIONS
     }
     for _ in range(repeats):
         for name, (keep_fn, _) in IMPLEMENTATIONS.items():
             t0 = time.perf_counter()
-            keep_fn([np.array(dataprep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in documents], 1)
+            keep_fn([np.array(prep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in documents], 1)
             t2 = time.perf_counter()
             keep_fn(sets, 1)
             t3 = time.perf_counter()
@@ -292,7 +292,7 @@ def speed(documents: Sequence[str], repeats: int) -> dict:
 
 
 def removed(documents: Sequence[str]) -> dict[str, int]:
-    sets = [np.array(dataprep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in documents]
+    sets = [np.array(prep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in documents]
     return {name: sum(not k for k in keep_fn(sets, 1)) for name, (keep_fn, _) in IMPLEMENTATIONS.items()}
 
 
@@ -308,9 +308,7 @@ def example_mix(path: pathlib.Path = EXAMPLE_MANIFEST) -> list[str]:
 
 
 def _deduped(documents: list[str]) -> list[str]:
-    return [
-        d for d, k in zip(documents, dataprep.exact_duplicates(documents), strict=True) if k
-    ]  # as prepare()
+    return [d for d, k in zip(documents, prep.exact_duplicates(documents), strict=True) if k]  # as prepare()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "corpora": {},
     }
     for label, corpus in corpora.items():
-        sets = [np.array(dataprep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in corpus]
+        sets = [np.array(prep.shingles(d, SHINGLE_WORDS), dtype=np.uint64) for d in corpus]
         results["corpora"][label] = {
             "documents": len(corpus),
             "shingles": int(sum(len(s) for s in sets)),

@@ -30,7 +30,7 @@ class TrainWork(Internal, frozen=True, kw_only=True):
     nodes: int = 1
     rendezvous: str = ""
     # The run's rendezvous key (multi-node runs): a random secret the scheduler mints per run, from
-    # which node 0's store and every node derive the store key (services/trainer/rendezvous_store.py):
+    # which node 0's store and every node derive the store key (services/trainer/launch/rendezvous.py):
     # only the run's own nodes get in. Never logged, never in an event or an answer.
     rendezvous_key: str = ""
     # The base model the manifest names, as the scheduler resolved it from the model store at plan

@@ -2,7 +2,7 @@
 
 A run holds every GPU of its placement (the plan's `gpus`: nodes x GPUs per node) from the
 trainer's start of the run until release; its trainer meters the GPU-seconds held and reports them
-with each lease renewal (services/trainer/worker.py). Spend is those GPU-hours at the plan's price
+with each lease renewal (services/trainer/agent/worker.py). Spend is those GPU-hours at the plan's price
 per GPU-hour. The limit is the lowest of the manifest's `budget_cap_usd`, what the booking covers
 plus `max_incremental_cost_usd`, and the cost bound of the confirmation the run consumed (what the
 person authorised); the plan's checkpoint-storage figure counts against it too. The

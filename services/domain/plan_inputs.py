@@ -26,7 +26,7 @@ from services.domain.data_schemas import (
 
 Refusal = tuple[ErrorCode, str]
 BYTES = "bytes"
-BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (services/trainer/data.py's VOCAB_SIZE)
+BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (services/trainer/data/corpora.py's VOCAB_SIZE)
 MIN_UNUSED_ALLOWED = 128  # rows a from-scratch tokenizer may leave unused, at least (padding to 128)
 UNUSED_FRACTION_ALLOWED = 0.01
 

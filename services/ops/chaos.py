@@ -100,7 +100,7 @@ def gang_ranks(job: pathlib.Path) -> list[int]:
             continue
         if (
             str(job).encode() in argv
-            and b"services.trainer.rank_main" in argv
+            and b"services.trainer.launch.rank" in argv
             and b"torch.distributed.run" not in argv
         ):
             pids.append(int(proc.name))

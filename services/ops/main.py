@@ -477,10 +477,14 @@ COMMANDS: dict[str, Callable[[settings_mod.Settings, argparse.Namespace, Log], i
 """The commands that act on the resolved settings: (settings, arguments, progress log) -> exit code."""
 
 
+SERVICE_APPS = {"trainer": "services.trainer.agent.app"}
+"""A service's entry module where it is not `services.<name>.app` (the trainer's agent is a room of it)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "serve":
-        module = importlib.import_module(f"services.{args.service}.app")
+        module = importlib.import_module(SERVICE_APPS.get(args.service, f"services.{args.service}.app"))
         module.main()
         return 0
     if args.cmd == "manifest-schema":

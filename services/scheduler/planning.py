@@ -173,8 +173,8 @@ def layouts(nodes: int, gpn: int) -> list[tuple[str, dict[str, int], int, int]]:
     """(name, degrees, shard factor, tensor-parallel degree), cheapest communication first:
     replicate, shard in a node, shard everywhere, then add TP."""
     gpus = nodes * gpn
-    # Across nodes data parallelism is torchft replica groups, one per node (services/trainer/
-    # nodes.py); a node of several GPUs shards inside its group, so plain DDP over every GPU of
+    # Across nodes data parallelism is torchft replica groups, one per node (services/trainer/launch/
+    # multinode.py); a node of several GPUs shards inside its group, so plain DDP over every GPU of
     # several nodes is not a layout (hsdp is at least as small per GPU).
     replicate = (
         [("single" if gpus == 1 else "ddp", {"dp_replicate": gpus}, 1, 1)] if nodes == 1 or gpn == 1 else []

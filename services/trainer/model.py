@@ -102,7 +102,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim): projected, normed and
-        rotated. Shared with the KV-cache decoder (services/trainer/generation.py)."""
+        rotated. Shared with the KV-cache decoder (services/trainer/recipes/generation.py)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from contracts.models import MODEL_SHAPES
-from services.trainer import distributed
-from services.trainer.distributed import ParallelDims
+from services.trainer.engine import distributed
+from services.trainer.engine.distributed import ParallelDims
 from services.trainer.model import Transformer
-from services.trainer.pretrain import lm_loss
+from services.trainer.recipes.pretrain import lm_loss
 
 
 class Counting(nn.Module):

@@ -17,10 +17,16 @@ from torch.distributed.tensor import DTensor
 from contracts.manifest import Lora
 from contracts.models import ModelShape
 from services.domain.model_shapes import hf_config_from_shape
-from services.trainer import distributed, lora
-from services.trainer.checkpoint import Checkpointer, load_latest, load_weights, write_merged_checkpoint
-from services.trainer.distributed import ParallelDims, batch_rows
+from services.trainer.engine import distributed
+from services.trainer.engine.checkpoint import (
+    Checkpointer,
+    load_latest,
+    load_weights,
+    write_merged_checkpoint,
+)
+from services.trainer.engine.distributed import ParallelDims, batch_rows
 from services.trainer.model import Transformer
+from services.trainer.weights import lora
 
 SHAPE = ModelShape(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, vocab_size=97, max_seq_len=32)
 CFG = Lora(
@@ -48,10 +54,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def hf_base_loads_under_the_adapters(out: Path, base: dict[str, torch.Tensor]) -> bool | None:
     """A LoRA stage starting from a base model: the adapters on and the model sharded first, then
     the Hugging Face files loaded (each rank its shards). None until the hfmodel helper's loader
-    (services.trainer.hf_load) is there."""
-    if importlib.util.find_spec("services.trainer.hf_load") is None:
+    (services.trainer.weights.hf_load) is there."""
+    if importlib.util.find_spec("services.trainer.weights.hf_load") is None:
         return None
-    from services.trainer.hf_adapter import to_hf
+    from services.trainer.weights.hf_adapter import to_hf
 
     hf_dir = out / "hf-base"
     if distributed.is_rank0():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer.distributed import eval_rows
+from services.trainer.engine.distributed import eval_rows
 from tests.distributed import torchrun
 
 pytestmark = pytest.mark.distributed

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from contracts.runs import CheckpointSaved, LogLine, Metrics
-from services.trainer.checkpoint import MARKER, SIDECAR, list_checkpoints
-from services.trainer.rank_main import StageJob
+from services.trainer.engine.checkpoint import MARKER, SIDECAR, list_checkpoints
+from services.trainer.launch.rank import StageJob
 from tests.distributed import torchrun
 
 pytestmark = pytest.mark.distributed

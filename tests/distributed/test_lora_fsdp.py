@@ -9,9 +9,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from services.trainer import lora
-from services.trainer.checkpoint import list_checkpoints
+from services.trainer.engine.checkpoint import list_checkpoints
 from services.trainer.model import Transformer
+from services.trainer.weights import lora
 from tests.distributed import torchrun
 from tests.distributed.lora_fsdp_probe import SHAPE
 
@@ -37,7 +37,7 @@ def test_lora_under_fsdp2_trains_only_adapters_and_checkpoints_them(tmp_path: Pa
         assert facts["committed"] == [1]
         assert facts["differs_before"] and facts["resumed_step"] == 1 and facts["pushed_equal"]
         assert facts["optimizer_steps"] == [1]
-        if importlib.util.find_spec("services.trainer.hf_load") is not None:
+        if importlib.util.find_spec("services.trainer.weights.hf_load") is not None:
             assert facts["hf_base"] is True, facts
     assert all(f["world"] == 2 and f["sharded"] for f in gang)
 

@@ -14,11 +14,11 @@ import torch
 pytest.importorskip("torchft", reason="torchft is not installed: `pip install torchft==0.2.0`")
 
 from contracts.models import MODEL_SHAPES
-from services.trainer.checkpoint import load_weights
-from services.trainer.data import load_text, task_problems
-from services.trainer.fault_tolerance import start_lighthouse
+from services.trainer.data.corpora import load_text, task_problems
+from services.trainer.engine.checkpoint import load_weights
+from services.trainer.engine.fault_tolerance import start_lighthouse
+from services.trainer.launch.rank import PostJob, ReplicaJob
 from services.trainer.model import Transformer
-from services.trainer.rank_main import PostJob, ReplicaJob
 from tests.distributed import torchrun
 
 pytestmark = pytest.mark.distributed

@@ -19,9 +19,9 @@ import pytest
 
 from contracts.manifest import RlvrStage
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted
-from services.trainer.checkpoint import list_checkpoints
-from services.trainer.data import load_text, task_problems
-from services.trainer.rank_main import PostJob
+from services.trainer.data.corpora import load_text, task_problems
+from services.trainer.engine.checkpoint import list_checkpoints
+from services.trainer.launch.rank import PostJob
 from tests.distributed import torchrun
 
 pytestmark = pytest.mark.distributed

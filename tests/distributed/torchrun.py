@@ -14,7 +14,7 @@ from contracts.runs import RunEvent
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240  # one torchrun of 2-4 ranks takes 10-30 s on 2 cores, longer beside other gangs
-RANK_MAIN = ["-m", "services.trainer.rank_main", "--config"]
+RANK_MAIN = ["-m", "services.trainer.launch.rank", "--config"]
 
 
 def rank0_files(directory: Path) -> dict[str, str]:

@@ -18,7 +18,10 @@ from tests.support import confirm_and_train, eventually, run_state
 
 pytestmark = pytest.mark.e2e
 
-WRITERS = ("services.trainer.hf_export", "services.trainer.tokenizer")  # the hfmodel and data helpers'
+WRITERS = (
+    "services.trainer.weights.hf_export",
+    "services.trainer.data.tokenizer",
+)  # the hfmodel and data helpers'
 
 
 def test_export_download_sample(stack, manifest, tmp_path):
@@ -94,7 +97,7 @@ def _logits_match(run_dir, manifest_path, out) -> None:
     import transformers
 
     from contracts.manifest import Manifest
-    from services.trainer import restore
+    from services.trainer.outputs import restore
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     manifest = msgspec.json.decode(manifest_path.read_bytes(), type=Manifest)

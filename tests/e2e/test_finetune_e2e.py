@@ -89,7 +89,7 @@ def _our_logits(stack, account: str, run_id: str, name: str, manifest_path: path
 
     from contracts.manifest import Manifest
     from services.runtime.model_store import ModelStore
-    from services.trainer import restore
+    from services.trainer.outputs import restore
 
     manifest = msgspec.json.decode(manifest_path.read_bytes(), type=Manifest)
     base = ModelStore(stack.data_dir / "models").resolve(name, account)

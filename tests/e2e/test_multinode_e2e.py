@@ -22,8 +22,8 @@ import signal
 import pytest
 
 from contracts.models import MODEL_SHAPES
-from services.trainer.checkpoint import load_weights
-from services.trainer.fault_tolerance import weights_checksum
+from services.trainer.engine.checkpoint import load_weights
+from services.trainer.engine.fault_tolerance import weights_checksum
 from services.trainer.model import Transformer
 from tests.support import (
     FULL_RECIPE_STEPS,

@@ -16,7 +16,7 @@ import pathlib
 import pytest
 
 from services.runtime import faults
-from services.trainer.checkpoint import committed_positions
+from services.trainer.engine.checkpoint import committed_positions
 from tests.support import (
     approve_restart,
     confirm_and_train,

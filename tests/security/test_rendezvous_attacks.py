@@ -1,5 +1,5 @@
 """Node 0's rendezvous store from a process that is not a node of the run: it reads nothing,
-writes nothing and stalls nothing (services/trainer/rendezvous_store.py). On today's TCPStore each
+writes nothing and stalls nothing (services/trainer/launch/rendezvous.py). On today's TCPStore each
 of these attacks succeeds: `test_tcpstore_answers_anyone` keeps the contrast on record."""
 
 import hashlib
@@ -13,8 +13,8 @@ import msgspec
 import pytest
 from torch.distributed import TCPStore
 
-from services.trainer import rendezvous_store as rs
-from services.trainer.rendezvous_store import (
+from services.trainer.launch import rendezvous as rs
+from services.trainer.launch.rendezvous import (
     Hello,
     RendezvousClient,
     RendezvousRefused,

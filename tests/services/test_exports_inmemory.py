@@ -31,8 +31,8 @@ from services.runtime.identities import NATS_IDENTITIES
 from services.runtime.keys import Keys
 from services.runtime.secrets import Secrets
 from services.runtime.service import Wiring, scheduler_verifier
-from services.trainer import exports
-from services.trainer.worker import Worker
+from services.trainer.agent.worker import Worker
+from services.trainer.outputs import exports
 from tests.services.test_handlers_inmemory import (
     REPO_MANIFEST,
     Bus,

@@ -18,7 +18,7 @@ from services.runtime.keys import Keys
 from services.runtime.secrets import Secrets
 from services.runtime.service import Wiring
 from services.runtime.signing import Signer
-from services.trainer import app as trainer_app
+from services.trainer.agent import app as trainer_app
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -141,7 +141,7 @@ async def test_a_refused_final_transition_is_never_acknowledged(namespace, tmp_p
     from faststream.nats.message import NatsMessage as Message
     from faststream.nats.testing import PatchedMessage as Msg  # what the in-memory broker delivers
 
-    from services.trainer import worker as worker_mod
+    from services.trainer.agent import worker as worker_mod
 
     monkeypatch.setenv("ITO_TRAINER_THREADS", "1")
     monkeypatch.setattr(worker_mod, "FINAL_STATE_WAIT_S", 1.0)

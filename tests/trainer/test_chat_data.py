@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from contracts.manifest import DataFormat
-from services.trainer.chat_data import (
+from services.trainer.data.chat import (
     IGNORE,
     PreferencePair,
     collate_preference,
@@ -27,8 +27,8 @@ from services.trainer.chat_data import (
     verifiable_rows,
     verify,
 )
-from services.trainer.posttrain import response_batch
-from services.trainer.tokenizer import ByteTokenizer, HfTokenizer
+from services.trainer.data.tokenizer import ByteTokenizer, HfTokenizer
+from services.trainer.recipes.posttrain import response_batch
 from tests.trainer.tokenizer_fixtures import CHATML, CONVERSATIONS, train_bpe
 
 

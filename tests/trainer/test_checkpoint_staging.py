@@ -18,12 +18,18 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
 
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointSaved
-from services.trainer import checkpoint as checkpoint_module
-from services.trainer.checkpoint import MARKER, Checkpointer, CheckpointInfo, list_checkpoints, step_dir
-from services.trainer.data import BatchIterator, load_tokens
-from services.trainer.loop import LoopSettings, StepOutput, run_loop
+from services.trainer.data.corpora import BatchIterator, load_tokens
+from services.trainer.engine import checkpoint as checkpoint_module
+from services.trainer.engine.checkpoint import (
+    MARKER,
+    Checkpointer,
+    CheckpointInfo,
+    list_checkpoints,
+    step_dir,
+)
+from services.trainer.engine.loop import LoopSettings, StepOutput, run_loop
+from services.trainer.engine.reporting import Recorder
 from services.trainer.model import Transformer
-from services.trainer.reporting import Recorder
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

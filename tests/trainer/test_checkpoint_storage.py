@@ -1,11 +1,11 @@
-"""The trainer's checkpoint storage check (services/trainer/storage.py), on real directories."""
+"""The trainer's checkpoint storage check (services/trainer/agent/storage.py), on real directories."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from services.trainer import storage
-from services.trainer.storage import StorageUnavailable, prepare
+from services.trainer.agent import storage
+from services.trainer.agent.storage import StorageUnavailable, prepare
 
 FREE = 10**9
 

@@ -7,7 +7,7 @@ import pytest
 
 from contracts.manifest import Manifest
 from services.domain.curriculum import LmPlan, PostPlan, plan_run
-from services.trainer.evals import Check, describe, judge
+from services.trainer.recipes.evals import Check, describe, judge
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
 DATA = [

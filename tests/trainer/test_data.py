@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.trainer.data import (
+from services.trainer.data.corpora import (
     BatchIterator,
     ByteTokenizer,
     eval_batches,

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from services.trainer.dataprep import (
+from services.trainer.data.prep import (
     ContaminationIndex,
     digest,
     estimated_jaccard,

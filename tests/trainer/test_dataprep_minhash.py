@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from services.trainer import dataprep
-from services.trainer.data import load_documents
-from services.trainer.dataprep import estimated_jaccard, minhash, near_duplicates, shingles
+from services.trainer.data import prep
+from services.trainer.data.corpora import load_documents
+from services.trainer.data.prep import estimated_jaccard, minhash, near_duplicates, shingles
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +18,8 @@ def topics() -> list[str]:
     """The shipped source, long topics only (>= 200 words, so a 5% edit is at least 10 words), exact
     duplicates dropped as `prepare` drops them first."""
     docs = load_documents("builtin:pydoc_topics")
-    docs = [d for d, k in zip(docs, dataprep.exact_duplicates(docs), strict=True) if k]
-    return [d for d in docs if len(dataprep.words(d)) >= 200]
+    docs = [d for d, k in zip(docs, prep.exact_duplicates(docs), strict=True) if k]
+    return [d for d in docs if len(prep.words(d)) >= 200]
 
 
 def exact_jaccard(a: str, b: str) -> float:
@@ -29,7 +29,7 @@ def exact_jaccard(a: str, b: str) -> float:
 
 def span_edit(doc: str, rate: float, rng: random.Random) -> str:
     """`rate` of the words replaced in one contiguous span (an edited paragraph)."""
-    tokens = dataprep.words(doc)
+    tokens = prep.words(doc)
     width = round(rate * len(tokens))
     start = rng.randrange(len(tokens) - width + 1)
     return " ".join(tokens[:start] + [f"edit{k}" for k in range(width)] + tokens[start + width :])
@@ -37,7 +37,7 @@ def span_edit(doc: str, rate: float, rng: random.Random) -> str:
 
 def scattered_edit(doc: str, rate: float, rng: random.Random) -> str:
     """`rate` of the words replaced at random places."""
-    tokens = dataprep.words(doc)
+    tokens = prep.words(doc)
     for k in rng.sample(range(len(tokens)), round(rate * len(tokens))):
         tokens[k] = f"edit{k}"
     return " ".join(tokens)
@@ -92,7 +92,7 @@ def test_results_are_a_function_of_the_seed(topics):
 def test_signatures_do_not_depend_on_the_process():
     """Python's str hash is salted per process; nothing the signature depends on may use it."""
     code = (
-        "from services.trainer.dataprep import minhash, shingles; "
+        "from services.trainer.data.prep import minhash, shingles; "
         "print(minhash(shingles('the quick brown fox jumps over the lazy dog ' * 5, 5), seed=3)"
         ".hashvalues.tolist())"
     )
@@ -123,7 +123,7 @@ def test_one_band_proposes_only_equal_signatures():
 def test_long_documents_are_hashed_in_chunks(monkeypatch):
     hashes = list(range(1, 5001))
     whole = minhash(hashes, seed=2).hashvalues.tolist()
-    monkeypatch.setattr(dataprep, "SIGNATURE_CHUNK", 7)
+    monkeypatch.setattr(prep, "SIGNATURE_CHUNK", 7)
     assert minhash(hashes, seed=2).hashvalues.tolist() == whole
 
 

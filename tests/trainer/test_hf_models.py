@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from contracts.models import MODEL_SHAPES
 from services.domain.model_shapes import count_parameters, family_of, shape_from_hf_config
-from services.trainer.hf_adapter import from_hf, to_hf
-from services.trainer.hf_export import ModelCard, write_hf_export
-from services.trainer.hf_load import load_hf_weights
 from services.trainer.model import RMSNorm, Transformer, rope_inv_freq
-from services.trainer.pretrain import build_model
+from services.trainer.recipes.pretrain import build_model
+from services.trainer.weights.hf_adapter import from_hf, to_hf
+from services.trainer.weights.hf_export import ModelCard, write_hf_export
+from services.trainer.weights.hf_load import load_hf_weights
 
 transformers = pytest.importorskip("transformers")
 

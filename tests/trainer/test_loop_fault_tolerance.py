@@ -1,7 +1,7 @@
 """One training loop, with or without replica groups: `run_loop` without fault tolerance is the plain
 PyTorch step (same losses, same weights); a `FaultTolerance` is called around every step in order, and
 an attempt it does not commit leaves weights, schedule and step count untouched; a torchft replica
-group's process (services.trainer.replicas) trains through `run_loop` itself and, alone in its quorum,
+group's process (tests.trainer.replica_process) trains through `run_loop` itself and, alone in its quorum,
 ends with exactly the weights of the plain loop. The kill/heal scenario is in test_torchft_replicas.py.
 """
 
@@ -16,11 +16,11 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointSaved, Metrics
-from services.trainer import loop as loop_module
-from services.trainer.data import BatchIterator, load_tokens
-from services.trainer.loop import LoopSettings, StepOutput, TrainingError, run_loop
+from services.trainer.data.corpora import BatchIterator, load_tokens
+from services.trainer.engine import loop as loop_module
+from services.trainer.engine.loop import LoopSettings, StepOutput, TrainingError, run_loop
+from services.trainer.engine.reporting import Recorder
 from services.trainer.model import Transformer
-from services.trainer.reporting import Recorder
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -220,17 +220,18 @@ def calls_in(path: pathlib.Path) -> set[str]:
 
 def test_the_replica_modules_have_no_training_step_of_their_own():
     """Backward, the optimizer step and zero_grad happen in loop.py alone; the replica group's
-    modules only build, hook and launch (replicas.py used to run its own loop with all three)."""
-    for name in ("replicas.py", "fault_tolerance.py"):
-        found = calls_in(REPO / "services" / "trainer" / name) & {"backward", "step", "zero_grad"}
-        assert not found, f"services/trainer/{name} calls {sorted(found)}: a training loop of its own"
-    assert {"backward", "step", "zero_grad"} <= calls_in(REPO / "services" / "trainer" / "loop.py")
+    modules only build, hook and launch (its process, services/trainer/replicas.py then, used to run
+    its own loop with all three)."""
+    for name in ("tests/trainer/replica_process.py", "services/trainer/engine/fault_tolerance.py"):
+        found = calls_in(REPO / name) & {"backward", "step", "zero_grad"}
+        assert not found, f"{name} calls {sorted(found)}: a training loop of its own"
+    assert {"backward", "step", "zero_grad"} <= calls_in(REPO / "services" / "trainer" / "engine" / "loop.py")
 
 
 def test_a_replica_group_process_trains_through_run_loop_with_the_plain_loops_weights(tmp_path, monkeypatch):
     pytest.importorskip("torchft", reason="torchft is not installed: `pip install torchft==0.2.0`")
-    from services.trainer import replicas
-    from services.trainer.fault_tolerance import ReplicaGroup, start_lighthouse, weights_checksum
+    from services.trainer.engine.fault_tolerance import ReplicaGroup, start_lighthouse, weights_checksum
+    from tests.trainer import replica_process
 
     seen = []
 
@@ -238,7 +239,7 @@ def test_a_replica_group_process_trains_through_run_loop_with_the_plain_loops_we
         seen.append(kwargs.get("fault_tolerance"))
         return loop_module.run_loop(*args, **kwargs)
 
-    monkeypatch.setattr(replicas, "run_loop", spy)  # the name replicas.py trains with
+    monkeypatch.setattr(replica_process, "run_loop", spy)  # the name replica_process.py trains with
     steps, progress = 4, tmp_path / "replica0.jsonl"
     lighthouse = start_lighthouse()
     handler = signal.getsignal(signal.SIGTERM)
@@ -246,7 +247,7 @@ def test_a_replica_group_process_trains_through_run_loop_with_the_plain_loops_we
         argv = ["--replica-id", "0", "--lighthouse", lighthouse.address(), "--steps", str(steps)]
         argv += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
         argv += ["--seq-len", "16", "--progress", str(progress)]
-        assert replicas.main(argv) == 0
+        assert replica_process.main(argv) == 0
     finally:
         signal.signal(signal.SIGTERM, handler)
         lighthouse.shutdown()
@@ -259,7 +260,9 @@ def test_a_replica_group_process_trains_through_run_loop_with_the_plain_loops_we
     assert [e["step"] for e in events if e["event"] == "finished"] == [steps]
 
     # The same group alone, without torchft: the plain loop on the same seed, data and schedule.
-    config = replicas.ReplicaConfig(replica_id=0, lighthouse="", steps=steps, checkpoint_dir="", seq_len=16)
+    config = replica_process.ReplicaConfig(
+        replica_id=0, lighthouse="", steps=steps, checkpoint_dir="", seq_len=16
+    )
     torch.manual_seed(config.seed)
     data = BatchIterator(
         load_tokens([config.data_source], seed=config.seed),

@@ -16,17 +16,17 @@ from safetensors.torch import load_file
 from contracts.manifest import Lora
 from contracts.models import MODEL_SHAPES, ModelShape
 from contracts.runs import LogLine
-from services.trainer import lora
-from services.trainer.checkpoint import (
+from services.trainer.engine.checkpoint import (
     Checkpointer,
     list_checkpoints,
     load_latest,
     load_weights,
     write_merged_checkpoint,
 )
+from services.trainer.engine.reporting import Recorder
 from services.trainer.model import Transformer
-from services.trainer.posttrain import PostConfig, train_dpo, train_sft
-from services.trainer.reporting import Recorder
+from services.trainer.recipes.posttrain import PostConfig, train_dpo, train_sft
+from services.trainer.weights import lora
 
 SHAPE = ModelShape(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, vocab_size=97, max_seq_len=32)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -532,7 +532,7 @@ def test_a_lora_dpo_stage_uses_the_base_with_adapters_off_as_its_reference(tmp_p
 
 
 def test_a_llama_base_adapted_here_is_what_peft_computes(tmp_path: Path):
-    hf_load = pytest.importorskip("services.trainer.hf_load", reason="the hfmodel helper's loader")
+    hf_load = pytest.importorskip("services.trainer.weights.hf_load", reason="the hfmodel helper's loader")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from services.domain.model_shapes import shape_from_hf_config
@@ -593,9 +593,9 @@ def test_a_llama_base_adapted_here_is_what_peft_computes(tmp_path: Path):
 
 def test_a_lora_rlvr_stage_feeds_its_rollout_worker_merged_weights(tmp_path: Path):
     from contracts.manifest import RlvrStage
-    from services.trainer.generation import Completion
-    from services.trainer.rlvr import RlvrConfig, train_rlvr
-    from services.trainer.rollout import RolloutBatch
+    from services.trainer.recipes.generation import Completion
+    from services.trainer.recipes.rlvr import RlvrConfig, train_rlvr
+    from services.trainer.recipes.rollout import RolloutBatch
 
     published: list[dict[str, torch.Tensor]] = []
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.objectives import (
+from services.trainer.recipes.objectives import (
     DUAL_CLIP_C,
     clipped_policy_loss,
     dpo_loss,

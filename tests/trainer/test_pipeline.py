@@ -11,9 +11,9 @@ from contracts.evals import EvalMetric
 from contracts.manifest import Manifest
 from contracts.runs import DataProvenance, EvalResult, LogLine, Metrics, Outcome, StageStarted
 from services.domain import gates
-from services.trainer.checkpoint import list_checkpoints
-from services.trainer.pipeline import run_pipeline
-from services.trainer.reporting import Recorder
+from services.trainer.engine.checkpoint import list_checkpoints
+from services.trainer.engine.reporting import Recorder
+from services.trainer.recipes.pipeline import run_pipeline
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"

@@ -5,7 +5,8 @@ rejected rows with only the completions learnt, and SFT on examples lowers their
 import torch
 
 from contracts.models import MODEL_SHAPES
-from services.trainer.posttrain import (
+from services.trainer.engine.reporting import Reporter
+from services.trainer.recipes.posttrain import (
     PostConfig,
     dpo_batch,
     longest_sequence,
@@ -13,7 +14,6 @@ from services.trainer.posttrain import (
     token_batch,
     train_sft,
 )
-from services.trainer.reporting import Reporter
 
 PAD = 9
 

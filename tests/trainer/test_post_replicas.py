@@ -14,14 +14,14 @@ pytest.importorskip("torchft", reason="torchft is not installed: `pip install to
 
 from contracts.manifest import RlvrStage
 from contracts.models import MODEL_SHAPES
-from services.trainer.data import load_text, task_problems
-from services.trainer.fault_tolerance import ReplicaGroup, start_lighthouse, weights_checksum
-from services.trainer.generation import Completion
-from services.trainer.posttrain import PostConfig, PostResult, train_dpo, train_sft
-from services.trainer.pretrain import Replicas, StageConfig, train_stage
-from services.trainer.reporting import Recorder
-from services.trainer.rlvr import RlvrConfig, RlvrResult, train_rlvr
-from services.trainer.rollout import RolloutBatch
+from services.trainer.data.corpora import load_text, task_problems
+from services.trainer.engine.fault_tolerance import ReplicaGroup, start_lighthouse, weights_checksum
+from services.trainer.engine.reporting import Recorder
+from services.trainer.recipes.generation import Completion
+from services.trainer.recipes.posttrain import PostConfig, PostResult, train_dpo, train_sft
+from services.trainer.recipes.pretrain import Replicas, StageConfig, train_stage
+from services.trainer.recipes.rlvr import RlvrConfig, RlvrResult, train_rlvr
+from services.trainer.recipes.rollout import RolloutBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -124,7 +124,7 @@ def test_two_replica_groups_train_their_halves_to_one_process_weights(tmp_path, 
 
 def config_model(pretrained: str) -> torch.nn.Module:
     """The incoming weights, as the stages load them."""
-    from services.trainer.checkpoint import load_weights
+    from services.trainer.engine.checkpoint import load_weights
     from services.trainer.model import Transformer
 
     model = Transformer(TINY)

@@ -6,9 +6,9 @@ together; token means rescaled so that the ranks' mean is the global batch's mea
 import pytest
 import torch
 
-from services.trainer.objectives import masked_mean
-from services.trainer.posttrain import global_token_mean, pair_slice
-from services.trainer.rlvr import rank_share
+from services.trainer.recipes.objectives import masked_mean
+from services.trainer.recipes.posttrain import global_token_mean, pair_slice
+from services.trainer.recipes.rlvr import rank_share
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,11 @@ import torch
 
 from contracts.manifest import Manifest
 from contracts.runs import CheckpointSaved, LogLine, Metrics
-from services.trainer.checkpoint import MARKER, Checkpointer, list_checkpoints, load_latest, step_dir
-from services.trainer.data import BatchIterator, load_tokens
+from services.trainer.data.corpora import BatchIterator, load_tokens
+from services.trainer.engine.checkpoint import MARKER, Checkpointer, list_checkpoints, load_latest, step_dir
+from services.trainer.engine.reporting import Recorder
 from services.trainer.model import Transformer
-from services.trainer.pretrain import build_optimizer, stage_config_from_manifest, train_stage
-from services.trainer.reporting import Recorder
+from services.trainer.recipes.pretrain import build_optimizer, stage_config_from_manifest, train_stage
 
 SEQ, BATCH = 32, 8
 

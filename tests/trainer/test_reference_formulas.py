@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.trainer.objectives import (
+from services.trainer.recipes.objectives import (
     ADVANTAGE_EPS,
     clipped_policy_loss,
     dpo_loss,

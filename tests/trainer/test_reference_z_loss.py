@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
+from services.trainer.engine.reporting import Recorder
 from services.trainer.model import Transformer
-from services.trainer.pretrain import stage_config_from_manifest, train_stage
-from services.trainer.reporting import Recorder
+from services.trainer.recipes.pretrain import stage_config_from_manifest, train_stage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TINY = MODEL_SHAPES["tiny"]

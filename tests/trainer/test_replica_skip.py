@@ -9,10 +9,10 @@ pytest.importorskip("torchft", reason="torchft is not installed: `pip install to
 
 from contracts.models import MODEL_SHAPES
 from contracts.runs import LogLine, Metrics
-from services.trainer.checkpoint import committed_positions, rewind
-from services.trainer.fault_tolerance import ReplicaGroup, start_lighthouse
-from services.trainer.pretrain import Replicas, StageConfig, train_stage
-from services.trainer.reporting import Recorder
+from services.trainer.engine.checkpoint import committed_positions, rewind
+from services.trainer.engine.fault_tolerance import ReplicaGroup, start_lighthouse
+from services.trainer.engine.reporting import Recorder
+from services.trainer.recipes.pretrain import Replicas, StageConfig, train_stage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -26,17 +26,17 @@ from contracts.runs import (
 )
 from contracts.states import RunState
 from services.domain.curriculum import PostPlan, plan_run
-from services.trainer import pipeline
-from services.trainer.checkpoint import Checkpointer
-from services.trainer.emitter import Emitter
-from services.trainer.loop import LoopSettings
-from services.trainer.pipeline import PipelineResult
-from services.trainer.posttrain import PostConfig
-from services.trainer.pretrain import StageConfig
-from services.trainer.replicas import ReplicaConfig
-from services.trainer.reporting import Recorder
-from services.trainer.rlvr import RlvrConfig, RlvrResult
-from services.trainer.worker import Stop, final_state
+from services.trainer.agent.emitter import Emitter
+from services.trainer.agent.worker import Stop, final_state
+from services.trainer.engine.checkpoint import Checkpointer
+from services.trainer.engine.loop import LoopSettings
+from services.trainer.engine.reporting import Recorder
+from services.trainer.recipes import pipeline
+from services.trainer.recipes.pipeline import PipelineResult
+from services.trainer.recipes.posttrain import PostConfig
+from services.trainer.recipes.pretrain import StageConfig
+from services.trainer.recipes.rlvr import RlvrConfig, RlvrResult
+from tests.trainer.replica_process import ReplicaConfig
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
 UNTYPED = {"kind": "metrics", "stage": "pretrain", "step": 1, "loss": 2.0}

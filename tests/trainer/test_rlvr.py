@@ -10,14 +10,14 @@ import torch
 from contracts.manifest import RlvrStage
 from contracts.models import MODEL_SHAPES
 from contracts.runs import LogLine, Metrics
-from services.trainer.data import load_text, task_problems
-from services.trainer.generation import Completion
-from services.trainer.objectives import group_advantages
-from services.trainer.posttrain import PostConfig, train_sft
-from services.trainer.pretrain import StageConfig, train_stage
-from services.trainer.reporting import Recorder
-from services.trainer.rlvr import RlvrConfig, policy_batch, score, score_group, train_rlvr
-from services.trainer.rollout import RolloutBatch
+from services.trainer.data.corpora import load_text, task_problems
+from services.trainer.engine.reporting import Recorder
+from services.trainer.recipes.generation import Completion
+from services.trainer.recipes.objectives import group_advantages
+from services.trainer.recipes.posttrain import PostConfig, train_sft
+from services.trainer.recipes.pretrain import StageConfig, train_stage
+from services.trainer.recipes.rlvr import RlvrConfig, policy_batch, score, score_group, train_rlvr
+from services.trainer.recipes.rollout import RolloutBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TINY = MODEL_SHAPES["tiny"]

@@ -18,8 +18,10 @@ import torch
 
 from contracts.manifest import Manifest
 from contracts.runs import LogLine, Metrics, RunEvent, StopReason
-from services.trainer import pretrain, spikes
-from services.trainer.checkpoint import (
+from services.trainer.agent.worker import SpikeWatch, Stop
+from services.trainer.data.corpora import BatchIterator
+from services.trainer.engine import loss_spikes
+from services.trainer.engine.checkpoint import (
     PIN,
     SKIP_FILE,
     Checkpointer,
@@ -32,10 +34,9 @@ from services.trainer.checkpoint import (
     step_dir,
     unpin,
 )
-from services.trainer.data import BatchIterator
-from services.trainer.pretrain import stage_config_from_manifest, train_stage
-from services.trainer.reporting import Reporter
-from services.trainer.worker import SpikeWatch, Stop
+from services.trainer.engine.reporting import Reporter
+from services.trainer.recipes import pretrain
+from services.trainer.recipes.pretrain import stage_config_from_manifest, train_stage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -204,7 +205,9 @@ class Attempt:
 @pytest.fixture
 def quick_detector(monkeypatch):
     # A verdict after 5 steps of history instead of 20, so each attempt needs only a dozen steps.
-    monkeypatch.setattr(spikes, "SpikeDetector", functools.partial(spikes.SpikeDetector, min_history=5))
+    monkeypatch.setattr(
+        loss_spikes, "SpikeDetector", functools.partial(loss_spikes.SpikeDetector, min_history=5)
+    )
 
 
 def test_the_save_on_stop_keeps_the_checkpoint_the_proposal_goes_back_to(

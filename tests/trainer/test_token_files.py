@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from contracts.manifest import DataFormat
-from services.trainer.data import BatchIterator, eval_batches, split_documents, split_held_out
-from services.trainer.distributed import batch_rows
-from services.trainer.token_files import (
+from services.trainer.data.corpora import BatchIterator, eval_batches, split_documents, split_held_out
+from services.trainer.data.token_files import (
     INDEX_FILE,
     CorpusBatchIterator,
     TokenCorpus,
@@ -25,7 +24,8 @@ from services.trainer.token_files import (
     token_dtype,
     write_token_files,
 )
-from services.trainer.tokenizer import ByteTokenizer, HfTokenizer, byte_tokenizer_files
+from services.trainer.data.tokenizer import ByteTokenizer, HfTokenizer, byte_tokenizer_files
+from services.trainer.engine.distributed import batch_rows
 
 DOCS = [f"document {i}: " + "word " * (i % 17) + "é🙂" * (i % 3) for i in range(300)]
 

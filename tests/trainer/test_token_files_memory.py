@@ -44,15 +44,15 @@ CHILD = textwrap.dedent(
     import pyarrow.parquet
     import torch
     from contracts.manifest import DataFormat
-    from services.trainer.token_files import (
+    from services.trainer.data.token_files import (
         CorpusBatchIterator, TokenCorpus, iter_column_documents, write_token_files,
     )
-    from services.trainer.tokenizer import ByteTokenizer
+    from services.trainer.data.tokenizer import ByteTokenizer
     # the trainer's stage and everything it imports, before the limit: the limit is what the run
     # itself allocates beyond its code (the imports of a later feature must not eat the headroom)
     from contracts.models import MODEL_SHAPES
-    from services.trainer.pretrain import StageConfig, train_stage
-    from services.trainer.reporting import Reporter
+    from services.trainer.recipes.pretrain import StageConfig, train_stage
+    from services.trainer.engine.reporting import Reporter
 
     parquet, out, headroom = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 
@@ -134,8 +134,8 @@ CHILD = textwrap.dedent(
 def _vm_data_after_imports() -> int:
     env = {**os.environ, "ARROW_DEFAULT_MEMORY_POOL": "system"}
     probe = (
-        "import re, pathlib, numpy, pyarrow.parquet, torch; import services.trainer.token_files; "
-        "import services.trainer.pretrain, services.trainer.reporting; "
+        "import re, pathlib, numpy, pyarrow.parquet, torch; import services.trainer.data.token_files; "
+        "import services.trainer.recipes.pretrain, services.trainer.engine.reporting; "
         "print(int(re.search(r'VmData:\\s+(\\d+) kB', pathlib.Path('/proc/self/status').read_text()).group(1)) * 1024)"
     )
     return int(

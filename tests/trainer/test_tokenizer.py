@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer import data
-from services.trainer.tokenizer import (
+from services.trainer.data import corpora
+from services.trainer.data.tokenizer import (
     ByteTokenizer,
     HfTokenizer,
     Tokenizer,
@@ -153,8 +153,8 @@ def test_byte_tokenizer_files_load_in_transformers_and_encode_as_bytes(tmp_path:
 
 
 def test_byte_tokenizer_is_the_same_from_data() -> None:
-    assert data.ByteTokenizer is ByteTokenizer
-    tok = data.ByteTokenizer()
+    assert corpora.ByteTokenizer is ByteTokenizer
+    tok = corpora.ByteTokenizer()
     assert tok.encode("é") == [195, 169]
     assert tok.decode(tok.encode_tensor("12+35=47")) == "12+35=47"
     assert tok.decode([0xFF]) == "\ufffd"

@@ -1,4 +1,4 @@
-"""torchft replica groups on CPU (services.trainer.replicas): a replica killed with SIGKILL, the
+"""torchft replica groups on CPU (tests.trainer.replica_process): a replica killed with SIGKILL, the
 survivor keeps stepping alone, a replacement heals from its peer over HTTP, and both step together
 again with the same weights. Also: the Manager's state is in the DCP checkpoints.
 
@@ -23,8 +23,8 @@ pytest.importorskip("torchft", reason="torchft is not installed: `pip install to
 import torch.distributed.checkpoint as dcp
 
 from contracts.models import MODEL_SHAPES
-from services.trainer.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights
-from services.trainer.fault_tolerance import (
+from services.trainer.engine.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights
+from services.trainer.engine.fault_tolerance import (
     CheckpointView,
     ManagerProgress,
     start_lighthouse,
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 class Replica:
-    """One `python -m services.trainer.replicas` process and the JSON lines it writes."""
+    """One `python -m tests.trainer.replica_process` process and the JSON lines it writes."""
 
     def __init__(self, replica_id: int, tag: str, lighthouse: str, tmp: pathlib.Path):
         self.tag = tag
@@ -52,7 +52,7 @@ class Replica:
         command = [
             sys.executable,
             "-m",
-            "services.trainer.replicas",
+            "tests.trainer.replica_process",
             "--replica-id",
             str(replica_id),
             "--lighthouse",

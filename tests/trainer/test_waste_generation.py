@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from contracts.models import MODEL_SHAPES, ModelShape
-from services.trainer.data import ByteTokenizer, load_text, task_problems
-from services.trainer.generation import END_TOKEN, complete
+from services.trainer.data.corpora import ByteTokenizer, load_text, task_problems
+from services.trainer.engine.reporting import Recorder
 from services.trainer.model import Transformer
-from services.trainer.pretrain import StageConfig, train_stage
-from services.trainer.reporting import Recorder
+from services.trainer.recipes.generation import END_TOKEN, complete
+from services.trainer.recipes.pretrain import StageConfig, train_stage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 GQA = ModelShape(

@@ -10,10 +10,10 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent
-from services.trainer.checkpoint import list_checkpoints
-from services.trainer.loop import LoopSettings, StepOutput, TrainingError, run_loop
+from services.trainer.engine.checkpoint import list_checkpoints
+from services.trainer.engine.loop import LoopSettings, StepOutput, TrainingError, run_loop
+from services.trainer.engine.reporting import Recorder
 from services.trainer.model import Transformer
-from services.trainer.reporting import Recorder
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

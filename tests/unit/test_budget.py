@@ -12,8 +12,8 @@ from contracts.runs import Outcome, StopReason
 from contracts.states import RunState
 from services.domain import budget
 from services.scheduler.liveness import metering
-from services.trainer.pipeline import PipelineResult
-from services.trainer.worker import Stop, final_state
+from services.trainer.agent.worker import Stop, final_state
+from services.trainer.recipes.pipeline import PipelineResult
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)

@@ -18,8 +18,8 @@ from contracts.runs import LogLine, Metrics, ParallelismStarted, RunCreated, Sta
 from contracts.states import RunState
 from services.domain.curriculum import plan_run
 from services.scheduler import planning
-from services.trainer.distributed import ParallelDims, ParallelismError
-from services.trainer.gang import (
+from services.trainer.engine.distributed import ParallelDims, ParallelismError
+from services.trainer.launch.elastic import (
     EventTail,
     GangFailed,
     GangLost,
@@ -31,9 +31,9 @@ from services.trainer.gang import (
     stage_job,
     torchrun_command,
 )
-from services.trainer.pretrain import StageConfig
-from services.trainer.rank_main import PostJob, StageJob, read_job
-from services.trainer.rlvr import RlvrConfig
+from services.trainer.launch.rank import PostJob, StageJob, read_job
+from services.trainer.recipes.pretrain import StageConfig
+from services.trainer.recipes.rlvr import RlvrConfig
 from tests.conftest import REPO, write_manifest
 
 COST = CostEstimate(
@@ -160,7 +160,12 @@ def test_the_torchrun_command_line():
         "--log-dir=/runs/r1/gang/pretrain/logs",
         "--redirects=3",
     } <= set(command)
-    assert command[-4:] == ["-m", "services.trainer.rank_main", "--config", "/runs/r1/gang/pretrain/job.json"]
+    assert command[-4:] == [
+        "-m",
+        "services.trainer.launch.rank",
+        "--config",
+        "/runs/r1/gang/pretrain/job.json",
+    ]
 
 
 def test_the_job_every_rank_reads_carries_the_stage_and_the_plan(tmp_path):

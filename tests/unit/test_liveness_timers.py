@@ -27,7 +27,7 @@ def test_a_bad_ordering_is_refused(overrides):
 
 
 def test_the_trainer_reads_the_same_timers():
-    from services.trainer import worker
+    from services.trainer.agent import worker
 
     assert (worker.SELF_FENCE_S, worker.RENEW_EVERY_S, worker.WORK_ACK_WAIT_S) == (
         TIMERS.self_fence_s,

@@ -17,8 +17,9 @@ from services.runtime import codec
 from services.scheduler import liveness
 from services.scheduler.events import requeue_count
 from services.scheduler.memory import InMemoryRuns
-from services.trainer import shares
-from services.trainer.checkpoint import (
+from services.trainer.agent import follower
+from services.trainer.agent.worker import lost_gang_state
+from services.trainer.engine.checkpoint import (
     MARKER,
     SIDECAR,
     SKIP_FILE,
@@ -28,9 +29,8 @@ from services.trainer.checkpoint import (
     skip_window,
     step_dir,
 )
-from services.trainer.distributed import ParallelismError
-from services.trainer.gang import GangFailed, GangLost
-from services.trainer.worker import lost_gang_state
+from services.trainer.engine.distributed import ParallelismError
+from services.trainer.launch.elastic import GangFailed, GangLost
 
 NOW = datetime.now(UTC)
 LOST = GangLost("The gang of 2 ranks exited with code 1 after up to 0 restarts.")
@@ -199,10 +199,10 @@ def test_a_nodes_failure_message_is_one_capped_line(failure, says):
     ],
 )
 def test_a_followers_failure_says_our_own_sentences_and_otherwise_only_the_type(exc, says):
-    assert shares.share_failure(exc) == says
+    assert follower.share_failure(exc) == says
 
 
-A = shares.ItemEnd
+A = follower.ItemEnd
 
 
 @pytest.mark.parametrize(
@@ -221,7 +221,7 @@ A = shares.ItemEnd
 )
 def test_what_becomes_of_a_followers_item_once_its_share_stopped(state, failed, want):
     answer = None if state is None else LeaseAnswer(run_id="r", proceed=False, state=state)
-    assert shares.after_share(answer, failed) is want
+    assert follower.after_share(answer, failed) is want
 
 
 # --- an approved restart rewinds a follower as node 0
@@ -256,7 +256,7 @@ def test_an_approved_restart_rewinds_a_follower_to_node_0s_step_and_skip(tmp_pat
     (stage / "GATE.json").write_text("{}")  # the follower had finished the stage alone
     (tmp_path / "midtrain").mkdir()
     (tmp_path / "midtrain" / "GATE.json").write_text("{}")
-    line = shares.rewind_share(tmp_path, RESTART, ["midtrain"])
+    line = follower.rewind_share(tmp_path, RESTART, ["midtrain"])
     assert says in line and "skipping batches [20, 45)" in line, line
     assert "set aside the later stages midtrain" in line
     left = [c.step for c in list_checkpoints(stage)]
@@ -276,7 +276,7 @@ def test_a_restart_from_the_start_sets_aside_every_checkpoint(tmp_path):
     restart = RestartProposal(
         stage="pretrain", checkpoint_step=0, skip_from=0, skip_to=15, spike_step=12, reason="r"
     )
-    shares.rewind_share(tmp_path, restart, [])
+    follower.rewind_share(tmp_path, restart, [])
     assert list_checkpoints(stage) == [] and json.loads((stage / SKIP_FILE).read_text()) == {
         "from": 0,
         "to": 15,
@@ -288,6 +288,6 @@ def test_a_follower_that_recorded_another_position_there_heals_instead(tmp_path)
     stage = tmp_path / "pretrain"
     _commit(stage, 10)
     _commit(stage, 20, position=33)  # not node 0's position at step 20: resuming it would skip nothing
-    line = shares.rewind_share(tmp_path, RESTART, [])
+    line = follower.rewind_share(tmp_path, RESTART, [])
     assert "no longer keeps" in line and [c.step for c in list_checkpoints(stage)] == [10]
     assert skip_window(stage) == (20, 45)

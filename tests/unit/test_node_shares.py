@@ -14,10 +14,10 @@ from contracts.manifest import Manifest
 from contracts.runs import TrainWork
 from services.domain.curriculum import plan_run
 from services.scheduler.handoff import node_shares
-from services.trainer import nodes
-from services.trainer.distributed import ParallelDims, replica_batch_rows
-from services.trainer.gang import free_port
-from services.trainer.ladder import LadderDecision
+from services.trainer.engine.distributed import ParallelDims, replica_batch_rows
+from services.trainer.launch import multinode
+from services.trainer.launch.elastic import free_port
+from services.trainer.recipes.data_ladder import LadderDecision
 from tests.conftest import REPO, write_manifest
 
 COST = {f.name: 0 for f in msgspec.structs.fields(CostEstimate) if f.required}
@@ -78,11 +78,11 @@ def test_several_gpus_per_node_on_several_nodes_trains_with_or_without_the_old_s
     """ITO_MULTINODE_GANGS once let such plans train while they were refused by default; it is still
     accepted and changes nothing."""
     if switch is None:
-        monkeypatch.delenv(nodes.ENV_MULTINODE_GANGS, raising=False)
+        monkeypatch.delenv(multinode.ENV_MULTINODE_GANGS, raising=False)
     else:
-        monkeypatch.setenv(nodes.ENV_MULTINODE_GANGS, switch)
+        monkeypatch.setenv(multinode.ENV_MULTINODE_GANGS, switch)
     m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 2})
-    assert nodes.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m)) is None
+    assert multinode.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m)) is None
 
 
 def _manifest(tmp_path: pathlib.Path, **overrides) -> Manifest:
@@ -91,7 +91,7 @@ def _manifest(tmp_path: pathlib.Path, **overrides) -> Manifest:
 
 def test_a_share_of_one_gpu_per_node_trains(tmp_path):
     m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 1})
-    assert nodes.refusal(work(2, 1), m, plan_run(m)) is None
+    assert multinode.refusal(work(2, 1), m, plan_run(m)) is None
 
 
 @pytest.mark.parametrize(
@@ -115,15 +115,15 @@ def test_a_share_of_one_gpu_per_node_trains(tmp_path):
 )
 def test_a_share_this_trainer_cannot_train_is_refused_in_a_sentence(tmp_path, resources, share, why):
     m = _manifest(tmp_path, resources=resources)
-    reason = nodes.refusal(share, m, plan_run(m))
+    reason = multinode.refusal(share, m, plan_run(m))
     assert reason is not None and why in reason, reason
 
 
 def test_a_share_of_several_gpus_per_node_trains_on_a_gang_sharding_inside_the_node(tmp_path):
     m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 2})
-    assert nodes.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m)) is None
-    assert nodes.node_gang(work(2, 1, plan=HSDP_2X2)) == ParallelDims(strategy="fsdp2", dp_shard=2)
-    assert nodes.node_gang(work(2, 1)) is None  # one rank per node: the agent's process is the group
+    assert multinode.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m)) is None
+    assert multinode.node_gang(work(2, 1, plan=HSDP_2X2)) == ParallelDims(strategy="fsdp2", dp_shard=2)
+    assert multinode.node_gang(work(2, 1)) is None  # one rank per node: the agent's process is the group
 
 
 def test_a_batch_that_does_not_split_over_every_rank_of_every_node_is_refused(tmp_path):
@@ -132,7 +132,7 @@ def test_a_batch_that_does_not_split_over_every_rank_of_every_node_is_refused(tm
         resources={"nodes": 2, "gpus_per_node": 2},
         target={"tokens": 6 * 32 * 4, "seq_len": 32, "batch_size": 6},
     )
-    reason = nodes.refusal(work(2, 0, plan=HSDP_2X2), m, plan_run(m))
+    reason = multinode.refusal(work(2, 0, plan=HSDP_2X2), m, plan_run(m))
     assert reason is not None and "6 does not split evenly over 4 data-parallel ranks" in reason, reason
 
 
@@ -156,18 +156,18 @@ def test_each_rank_of_each_replica_group_trains_its_own_rows_of_the_global_batch
 @pytest.mark.parametrize("recipe", [["sft"], ["sft", "dpo"], ["dpo"], ["sft", "dpo", "rlvr"]])
 def test_post_training_on_several_nodes_trains_as_replica_groups(tmp_path, recipe):
     m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 1}, post_training={"recipe": recipe})
-    assert nodes.refusal(work(2, 0), m, plan_run(m)) is None
+    assert multinode.refusal(work(2, 0), m, plan_run(m)) is None
     m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 2}, post_training={"recipe": recipe})
-    assert nodes.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m)) is None
+    assert multinode.refusal(work(2, 1, plan=HSDP_2X2), m, plan_run(m)) is None
 
 
 def test_rlvr_on_several_nodes_trains_when_its_prompts_split_over_the_nodes(tmp_path):
     recipe = {"recipe": ["sft", "rlvr"], "rlvr": {"prompts_per_step": 4}}
     m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 1}, post_training=recipe)
-    assert nodes.refusal(work(2, 0), m, plan_run(m)) is None
+    assert multinode.refusal(work(2, 0), m, plan_run(m)) is None
     recipe = {"recipe": ["sft", "rlvr"], "rlvr": {"prompts_per_step": 3}}
     m = _manifest(tmp_path, resources={"nodes": 2, "gpus_per_node": 1}, post_training=recipe)
-    reason = nodes.refusal(work(2, 0), m, plan_run(m))
+    reason = multinode.refusal(work(2, 0), m, plan_run(m))
     assert reason is not None and "3 prompts per step do not split evenly over 2 nodes" in reason, reason
 
 
@@ -177,7 +177,7 @@ def test_a_post_batch_that_does_not_split_over_every_rank_of_every_node_is_refus
         resources={"nodes": 2, "gpus_per_node": 2},
         post_training={"recipe": ["sft"], "sft": {"batch_size": 6}},
     )
-    reason = nodes.refusal(work(2, 0, plan=HSDP_2X2), m, plan_run(m))
+    reason = multinode.refusal(work(2, 0, plan=HSDP_2X2), m, plan_run(m))
     assert reason is not None and "6 does not split evenly over 4 data-parallel ranks" in reason, reason
 
 
@@ -194,13 +194,13 @@ def test_the_ladder_with_custom_data_on_several_nodes_is_not_refused(tmp_path):
     )
     ladder = plan_run(m).ladder
     assert ladder is not None and ladder.custom == ("mine",)
-    assert nodes.refusal(work(2, 1), m, plan_run(m)) is None
+    assert multinode.refusal(work(2, 1), m, plan_run(m)) is None
 
 
 def test_node_0_keeps_the_run_directory_and_the_others_their_own():
     root = pathlib.Path("/ckpt/acme/run_1")
-    assert nodes.node_checkpoint_dir(root, 0) == root
-    assert nodes.node_checkpoint_dir(root, 1) == root / "node-1"
+    assert multinode.node_checkpoint_dir(root, 0) == root
+    assert multinode.node_checkpoint_dir(root, 1) == root / "node-1"
 
 
 def test_node_0_decides_the_ladder_and_the_other_nodes_take_its_decision(tmp_path, monkeypatch):
@@ -213,9 +213,9 @@ def test_node_0_decides_the_ladder_and_the_other_nodes_take_its_decision(tmp_pat
         calls.append(0)
         return decided
 
-    monkeypatch.setattr(nodes, "run_ladder", proxies)
+    monkeypatch.setattr(multinode, "run_ladder", proxies)
     endpoint = f"127.0.0.1:{free_port()}"
-    leader, follower = (nodes.NodeShare(work(2, r, rendezvous=endpoint)) for r in (0, 1))
+    leader, follower = (multinode.NodeShare(work(2, r, rendezvous=endpoint)) for r in (0, 1))
     taken: list[LadderDecision | None] = []
     thread = threading.Thread(
         target=lambda: taken.append(
@@ -228,7 +228,7 @@ def test_node_0_decides_the_ladder_and_the_other_nodes_take_its_decision(tmp_pat
         thread.join(30)
         assert taken == [decided] and calls == [0]  # node 1 ran no proxies of its own
         assert json.loads((tmp_path / "n1" / "decision.json").read_text())["use"] is False
-        again = nodes.NodeShare(work(2, 1, rendezvous=endpoint))
+        again = multinode.NodeShare(work(2, 1, rendezvous=endpoint))
         assert again.ladder(None, directory=tmp_path / "n1", should_stop=lambda: False) == decided
         again.close()
     finally:

@@ -11,8 +11,8 @@ import pytest
 
 from contracts.runs import LogLine, Metrics, RunEvent, StopReason
 from services.runtime import faults
-from services.trainer.spikes import SpikeDetector, position_after, propose, restart_point
-from services.trainer.worker import SpikeWatch, Stop
+from services.trainer.agent.worker import SpikeWatch, Stop
+from services.trainer.engine.loss_spikes import SpikeDetector, position_after, propose, restart_point
 
 
 def feed(losses, norms=None):

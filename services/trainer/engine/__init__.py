@@ -1,0 +1,1 @@
+"""The training engine every recipe uses: the loop, parallelism, DCP checkpoints, torchft fault tolerance, reporting, loss spikes."""

@@ -1,0 +1,178 @@
+"""How the training thread reports: typed builders of the run's contract events, handed to a sink.
+
+Every stage, the loop and the ladder report through a `Reporter`; each method builds one event of
+`contracts.runs` (envelope included: run id, lease epoch, time; `seq` 0 until the emitter assigns it
+on the event loop) and hands it to the sink. The sink only ever sees contract Structs: in the worker
+it is the spike watch, then the emitter; in tests and the bench a `Recorder`.
+"""
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from contracts.evals import EvalMetric, ProvenanceStep
+from contracts.runs import (
+    CheckpointSaved,
+    DataProvenance,
+    EvalResult,
+    LogLevel,
+    LogLine,
+    Metrics,
+    ParallelismStarted,
+    RunEvent,
+    RunEventBase,
+    StageStarted,
+)
+from services.trainer.engine import distributed
+
+Sink = Callable[[RunEvent], None]
+E = TypeVar("E", bound=RunEventBase)
+
+
+def check_event(event: object) -> RunEvent:
+    """The event itself if it is a contract event; TypeError for anything else (a dict above all)."""
+    if not isinstance(event, RunEventBase):
+        raise TypeError(f"a run event must be a contracts.runs Struct, not {type(event).__name__}")
+    return event  # type: ignore[return-value]  # RunEventBase's subclasses are exactly RunEvent's members
+
+
+class Reporter:
+    """The training thread's typed reporting interface; no method takes an untyped payload."""
+
+    def __init__(self, sink: Sink, run_id: str = "", epoch: int = 0) -> None:
+        self.sink = sink
+        self.run_id = run_id
+        self.epoch = epoch  # the lease epoch: the scheduler drops events of a fenced epoch
+
+    def send(self, event: RunEvent) -> None:
+        self.sink(check_event(event))
+
+    def with_sink(self, sink: Sink) -> "Reporter":
+        """The same run and epoch, reporting to another sink (a filter in front of this one)."""
+        return Reporter(sink, self.run_id, self.epoch)
+
+    def log(self, message: str, level: LogLevel = LogLevel.info) -> None:
+        self.send(
+            LogLine(run_id=self.run_id, seq=0, at=_now(), epoch=self.epoch, level=level, message=message)
+        )
+
+    def metrics(
+        self,
+        *,
+        stage: str,
+        step: int,
+        total_steps: int,
+        loss: float,
+        learning_rate: float,
+        tokens_per_s: float,
+        grad_norm: float,
+    ) -> None:
+        self.send(
+            Metrics(
+                run_id=self.run_id,
+                seq=0,
+                at=_now(),
+                epoch=self.epoch,
+                stage=stage,
+                step=step,
+                total_steps=total_steps,
+                loss=loss,
+                learning_rate=learning_rate,
+                tokens_per_s=tokens_per_s,
+                grad_norm=grad_norm,
+            )
+        )
+
+    def checkpoint(self, *, step: int, path: str, size: int, stall_s: float, save_s: float) -> None:
+        self.send(
+            CheckpointSaved(
+                run_id=self.run_id,
+                seq=0,
+                at=_now(),
+                epoch=self.epoch,
+                step=step,
+                path=path,
+                bytes=size,
+                stall_s=stall_s,
+                save_s=save_s,
+            )
+        )
+
+    def stage(self, stage: str, total_steps: int = 0) -> None:
+        self.send(
+            StageStarted(
+                run_id=self.run_id, seq=0, at=_now(), epoch=self.epoch, stage=stage, total_steps=total_steps
+            )
+        )
+
+    def eval(
+        self, stage: str, metrics: list[EvalMetric], passed: bool, findings: list[str] | None = None
+    ) -> None:
+        self.send(
+            EvalResult(
+                run_id=self.run_id,
+                seq=0,
+                at=_now(),
+                epoch=self.epoch,
+                stage=stage,
+                metrics=metrics,
+                passed=passed,
+                findings=findings or [],
+            )
+        )
+
+    def provenance(self, steps: list[ProvenanceStep], input_digest: str, output_digest: str) -> None:
+        self.send(
+            DataProvenance(
+                run_id=self.run_id,
+                seq=0,
+                at=_now(),
+                epoch=self.epoch,
+                steps=steps,
+                input_digest=input_digest,
+                output_digest=output_digest,
+            )
+        )
+
+    def parallelism(self, *, stage: str, strategy: str, world_size: int, mesh: dict[str, int]) -> None:
+        self.send(
+            ParallelismStarted(
+                run_id=self.run_id,
+                seq=0,
+                at=_now(),
+                epoch=self.epoch,
+                stage=stage,
+                strategy=strategy,
+                world_size=world_size,
+                mesh=mesh,
+            )
+        )
+
+
+def _drop(event: RunEvent) -> None:
+    check_event(event)  # a bad event is still a bug on every rank
+
+
+def rank0_only(report: Reporter, rank: int | None = None) -> Reporter:
+    """`report` on rank 0 (the one writer of a run's events), a reporter that drops every event on
+    the other ranks, which run the same loop in step. `rank` defaults to this process's rank."""
+    rank = distributed.rank() if rank is None else rank
+    return report if rank == 0 else report.with_sink(_drop)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Recorder(Reporter):
+    """A reporter that keeps every event in order, in memory (tests, the bench)."""
+
+    def __init__(self, run_id: str = "recorded") -> None:
+        super().__init__(self.record, run_id=run_id)
+        self.events: list[RunEvent] = []
+
+    def record(self, event: RunEvent) -> None:
+        self.events.append(check_event(event))
+
+    def of(self, kind: type[E]) -> list[E]:
+        return [e for e in self.events if isinstance(e, kind)]

@@ -1,0 +1,1 @@
+"""The training recipes: the staged pipeline, the data ladder, pretrain / midtrain / long-context, SFT, DPO, RLVR, evals."""
