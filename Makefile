@@ -54,7 +54,7 @@ bench: install
 
 # Fault scenarios (trainer/scheduler SIGKILL, NATS/Redis restarts) on embedded infra -> a table.
 chaos: install
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m services.ops.chaos
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m chaos.scenarios
 
 # ITO_CLUSTER=1 (here and for `make demo`): a 3-node NATS cluster and two instances of every service.
 up: install

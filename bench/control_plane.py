@@ -151,10 +151,10 @@ async def service_hop_round_trips(stack: Stack, samples: int) -> list[float]:
     import msgspec
 
     from contracts.endpoints import Endpoint
-    from services.runtime.bus import Router, serve
-    from services.runtime.secrets import Secrets
-    from services.runtime.service import scheduler_verifier
-    from services.runtime.signing import Signer
+    from services.runtime.messaging.bus import Router, serve
+    from services.runtime.messaging.service import scheduler_verifier
+    from services.runtime.security.secrets import Secrets
+    from services.runtime.security.signing import Signer
 
     class Echo(msgspec.Struct):
         data: str
@@ -258,7 +258,7 @@ async def _redis_connect_times(make_redis: Callable[[], Any], n: int) -> list[fl
 def _start_servers_without_auth(root: pathlib.Path) -> list:
     """A nats-server and a redis-server without authentication, for the comparison only: loopback,
     fresh ports, Redis with the same durability as the stack's (AOF, fsync always)."""
-    from services.runtime import infra
+    from devstack import infra
 
     def plain_nats(port: int):
         config = root / "nats.conf"
@@ -302,7 +302,8 @@ async def auth_cost(stack: Stack, samples: int) -> dict:
     import nats
     import redis.asyncio as aioredis
 
-    from services.runtime import connections, infra
+    from devstack import infra
+    from services.runtime.messaging import connections
 
     connects = max(10, min(samples, MAX_CONNECT_SAMPLES))
     root = pathlib.Path(tempfile.mkdtemp(prefix="ito-bench-noauth-"))

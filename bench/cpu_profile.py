@@ -28,13 +28,13 @@ from collections.abc import Iterable
 from bench.stack import Stack, confirmations, cpu_delta, cpu_seconds, drive
 
 PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("signatures", ("services/runtime/signing.py", "nacl/", "hashlib")),
-    ("decode/encode", ("services/runtime/codec.py", "msgspec/")),
+    ("signatures", ("services/runtime/security/signing.py", "nacl/", "hashlib")),
+    ("decode/encode", ("services/runtime/messaging/codec.py", "msgspec/")),
     ("redis client", ("redis/",)),
     ("nats client", ("nats/",)),
     ("faststream", ("faststream/", "fast_depends/", "pydantic/")),
     ("audit", ("services/scheduler/audit.py",)),
-    ("metrics", ("prometheus_client/", "services/runtime/metrics.py")),
+    ("metrics", ("prometheus_client/", "services/runtime/messaging/metrics.py")),
     ("logging", ("logging/",)),
     (
         "plan and gate 5",
@@ -61,7 +61,7 @@ _FRAME = re.compile(r"^(?P<function>.*) \((?P<path>.*):\d+\)$")
 
 
 def frame_path(frame: str) -> str:
-    """`answer_coded (services/runtime/codec.py:122)` -> `services/runtime/codec.py`."""
+    """`answer_coded (services/runtime/messaging/codec.py:122)` -> `services/runtime/messaging/codec.py`."""
     m = _FRAME.match(frame.strip())
     return m["path"] if m else ""
 

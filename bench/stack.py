@@ -26,8 +26,8 @@ import msgspec
 
 from contracts import subjects
 from contracts.api import Action, ConfirmRequest, TrainRequest
-from services.runtime import infra
-from services.runtime.settings import (
+from devstack import infra
+from services.runtime.configuration.settings import (
     ENV_DATA_DIR,
     ENV_NAMESPACE,
     ENV_NATS_URL,
@@ -117,19 +117,19 @@ class Stack:
         return self._state()["infra"]
 
     def settings(self):
-        from services.runtime import settings as settings_mod
+        from services.runtime.configuration import settings as settings_mod
 
         return settings_mod.load(self.env)
 
     async def nats(self, identity: str = "operator", **options):
         """A plain nats-py connection as one of the stack's identities (operator: the probes)."""
-        from services.ops.authority import connect
+        from devstack.authority import connect
 
         return await connect(self.settings(), identity, **options)
 
     def redis(self, identity: str = "admin"):
         """An asyncio Redis client as one ACL user (admin: the probes; MONITOR, INFO, CONFIG GET)."""
-        from services.runtime import connections
+        from services.runtime.messaging import connections
 
         return connections.make_redis(self.settings(), identity)
 
@@ -157,7 +157,7 @@ class Stack:
         """One account (made by `ito-training accounts create`, which also reloads the NATS server
         so that it accepts the new NKey) with one completed booking, and wait until the
         entitlement service has projected it."""
-        from services.ops import booking_sim
+        from devstack import booking_sim
 
         self.account = "bench-" + uuid.uuid4().hex[:8]
         created = await asyncio.to_thread(self.ito, "accounts", "create", self.account)

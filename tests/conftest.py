@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from services.runtime import infra
-from services.runtime import settings as settings_mod
+from devstack import infra
+from services.runtime.configuration import settings as settings_mod
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
@@ -23,7 +23,7 @@ BIN = pathlib.Path(sys.executable).parent
 
 class Infra:
     """An authenticated NATS and Redis of our own for one namespace, started exactly as
-    `ito-training up` starts them (services/ops/authority.py): no test talks to a server without
+    `ito-training up` starts them (devstack/authority.py): no test talks to a server without
     authentication. `settings` carries the URLs and the secrets dir; connect as any identity."""
 
     def __init__(self, settings, started) -> None:
@@ -39,12 +39,12 @@ class Infra:
         return self.settings.redis_url
 
     def redis(self, identity: str = "admin"):
-        from services.runtime import connections
+        from services.runtime.messaging import connections
 
         return connections.make_redis(self.settings, identity)
 
     async def nats(self, identity: str = "operator", **options):
-        from services.ops.authority import connect
+        from devstack.authority import connect
 
         return await connect(self.settings, identity, **options)
 
@@ -56,7 +56,7 @@ class Infra:
 def start_infra(directory: pathlib.Path, namespace: str, nats: bool = True) -> Infra:
     import dataclasses
 
-    from services.ops import authority
+    from devstack import authority
 
     s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(directory)})
     if nats:
@@ -106,7 +106,7 @@ class Stack:
         """A synchronous Redis client as one identity (admin: the test's eyes, not a service's)."""
         import redis
 
-        from services.runtime.secrets import Secrets
+        from services.runtime.security.secrets import Secrets
 
         return redis.Redis.from_url(
             self.env["ITO_REDIS_URL"],
@@ -115,7 +115,7 @@ class Stack:
         )
 
     async def nats(self, identity: str = "operator", **options):
-        from services.ops.authority import connect
+        from devstack.authority import connect
 
         return await connect(self.settings, identity, **options)
 
@@ -138,7 +138,7 @@ class Stack:
 
     def restart_infra(self, name: str):
         """Start the stack's `nats` or `redis` again on its port (after the test killed it)."""
-        from services.ops import stack as ops_stack
+        from devstack import stack as ops_stack
 
         return ops_stack.restart_infra(self.settings, name)
 

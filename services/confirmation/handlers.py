@@ -10,8 +10,8 @@ from contracts.internal import ConfirmationCreate, ConfirmationResolve, Outstand
 from services.confirmation.store import Confirmations, new_ref
 from services.domain import binding
 from services.domain.quotas import DEFAULTS, confirmation_breach
-from services.runtime.codec import Refusal
-from services.runtime.quotas import Quotas, breach_refusal
+from services.runtime.messaging.codec import Refusal
+from services.runtime.security.quotas import Quotas, breach_refusal
 
 
 def _issued(ref: str, s: binding.Stored) -> ConfirmationIssued:

@@ -14,8 +14,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from services.domain.binding import FIELDS, Stored
 from services.domain.quotas import OUTSTANDING_LUA
-from services.runtime.connections import RedisClient
-from services.runtime.keys import Keys
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging.connections import RedisClient
 
 RETAIN_AFTER_EXPIRY_S = 24 * 3600
 

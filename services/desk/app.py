@@ -8,9 +8,9 @@ NATS as the desk identity. It prints where it listens once it does; the token st
 import asyncio
 import json
 
-from services.runtime.secrets import DESK_TOKEN, SecretError, Secrets
-from services.runtime.settings import Settings
-from services.runtime.tls import Certs
+from services.runtime.configuration.settings import Settings
+from services.runtime.security.secrets import DESK_TOKEN, SecretError, Secrets
+from services.runtime.security.tls import Certs
 
 DEFAULT_HOST = "127.0.0.1"  # loopback; with TLS on (ITO_TLS=1) it serves HTTPS itself
 DEFAULT_PORT = 8765
@@ -20,9 +20,9 @@ GRACEFUL_S = 3  # open event streams are cut after this long on shutdown
 def main(settings: Settings, host: str, port: int, as_json: bool) -> int:
     import uvicorn
 
+    from devstack import infra
     from services.desk.source import DeskSource
     from services.desk.web import build
-    from services.runtime import infra
 
     secrets = Secrets(settings.secrets_dir)
     token = secrets.token(DESK_TOKEN)

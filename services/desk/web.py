@@ -31,7 +31,7 @@ from starlette.staticfiles import StaticFiles
 from services.desk import board, pages
 from services.desk.gauges import exposition
 from services.desk.source import DeskSource, NotFound, Unavailable
-from services.runtime.metrics import authorized as bearer
+from services.runtime.messaging.metrics import authorized as bearer
 
 log = logging.getLogger("ito.desk.web")
 
@@ -56,7 +56,7 @@ def session_value(token: str) -> str:
 
 
 def authorized(headers: Mapping[str, str], cookies: Mapping[str, str], token: str) -> bool:
-    """Bearer token (services/runtime/metrics.py's check) or session cookie, compared in constant
+    """Bearer token (services/runtime/messaging/metrics.py's check) or session cookie, compared in constant
     time; anything else is refused."""
     if bearer(headers, token):
         return True

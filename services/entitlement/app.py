@@ -9,9 +9,15 @@ from contracts import endpoints, subjects
 from contracts.booking import BookingEvent
 from services.entitlement.handlers import EntitlementHandlers
 from services.entitlement.store import Bookings, BookingStore
-from services.runtime import faults
-from services.runtime import settings as settings_mod
-from services.runtime.service import Wiring, build_app, configure_logging, consume_in_order, serve_requests
+from services.runtime.configuration import faults
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.messaging.service import (
+    Wiring,
+    build_app,
+    configure_logging,
+    consume_in_order,
+    serve_requests,
+)
 
 log = logging.getLogger("ito.entitlement")
 BOOKING_ACK_WAIT_S = 5  # applying an event takes milliseconds; a lost service's events come back fast

@@ -13,7 +13,7 @@ from contracts.internal import (
 )
 from services.entitlement import projection, signing
 from services.entitlement.store import Bookings
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
 
 log = logging.getLogger("ito.entitlement")
 

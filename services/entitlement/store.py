@@ -12,9 +12,9 @@ import msgspec
 
 from contracts.booking import Booking, BookingEvent
 from services.entitlement.projection import Outcome, apply_outcome
-from services.runtime.codec import redis_text
-from services.runtime.connections import RedisClient
-from services.runtime.keys import Keys
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging.codec import redis_text
+from services.runtime.messaging.connections import RedisClient
 
 APPLY_LUA = """
 local current = redis.call('HGET', KEYS[1], 'version')

@@ -7,8 +7,8 @@ from faststream import FastStream
 from contracts import endpoints
 from services.ledger.handlers import LedgerHandlers
 from services.ledger.store import Ledger, LedgerStore
-from services.runtime import settings as settings_mod
-from services.runtime.service import Wiring, build_app, configure_logging, serve_requests
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.messaging.service import Wiring, build_app, configure_logging, serve_requests
 
 
 def register(w: Wiring, store: Ledger | None = None) -> None:

@@ -13,7 +13,7 @@ from contracts.internal import (
     LedgerPendingAnswer,
 )
 from services.ledger.store import Ledger
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
 
 
 class LedgerHandlers:

@@ -18,10 +18,10 @@ import msgspec
 
 from contracts.internal import LedgerAccept, LedgerEntry
 from services.domain import binding
-from services.runtime import accounts
-from services.runtime.codec import Refusal
-from services.runtime.connections import RedisClient
-from services.runtime.keys import Keys
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging.codec import Refusal
+from services.runtime.messaging.connections import RedisClient
+from services.runtime.security import accounts
 
 BOUND_KEY = '"cost_bound_usd":'
 """The entry's last field as msgspec writes it; null until the script writes the confirmation's bound."""

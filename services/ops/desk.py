@@ -12,7 +12,7 @@ import msgspec
 
 from contracts import subjects
 from contracts.telemetry import BADPUT, Rollup, RunTelemetry
-from services.runtime.settings import Settings
+from services.runtime.configuration.settings import Settings
 
 IDLE_FETCH_S = 1.0  # without --follow: stop once the stream has had nothing new for this long
 _rollup = msgspec.json.Decoder(Rollup)
@@ -45,8 +45,8 @@ async def telemetry(settings: Settings, follow: bool, as_json: bool) -> int:
     import nats
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
-    from services.ops.authority import connect
-    from services.runtime.identities import DESK
+    from devstack.authority import connect
+    from services.runtime.security.identities import DESK
 
     nc = await connect(settings, DESK)  # read-only: desk telemetry and nothing else
     try:

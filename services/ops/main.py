@@ -13,8 +13,8 @@ from typing import Any
 from contracts.connection import Connection
 from contracts.subjects import SERVICES
 from ecc import connection as ecc_connection
-from services.runtime import settings as settings_mod
-from services.runtime.settings import ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.configuration.settings import ENV_NATS_URL, ENV_REDIS_URL, ENV_SECRETS_DIR
 
 Log = Callable[[str], None]
 
@@ -24,7 +24,7 @@ def resolve_settings() -> settings_mod.Settings:
     import os
 
     s = settings_mod.load()
-    from services.ops.stack import read_state
+    from devstack.stack import read_state
 
     state = read_state(s)
     if state:
@@ -223,16 +223,17 @@ QUOTA_FLAGS = {
 async def _accounts(
     s: settings_mod.Settings, action: str, account: str, changes: dict[str, float] | None = None
 ) -> dict[str, Any]:
-    from services.runtime import accounts, connections
-    from services.runtime.identities import ACCOUNTS
-    from services.runtime.keys import Keys
+    from services.runtime.configuration.keys import Keys
+    from services.runtime.messaging import connections
+    from services.runtime.security import accounts
+    from services.runtime.security.identities import ACCOUNTS
 
     r = connections.make_redis(s, ACCOUNTS)
     try:
         if action == "quota":
             import msgspec
 
-            from services.runtime.quotas import RedisQuotas
+            from services.runtime.security.quotas import RedisQuotas
 
             if not accounts.valid_account(account):
                 raise ValueError("account names are 1-64 ASCII letters, digits, '-' or '_'")
@@ -249,9 +250,9 @@ async def _accounts(
 def _secrets(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     """Write the secrets dir for containers; with --rotate, replace identities' credentials first.
     A running stack (`up`) gets its config rewritten and reloaded too."""
-    from services.ops import nats_cluster, stack
-    from services.runtime.identities import NATS_IDENTITIES, REDIS_IDENTITIES
-    from services.runtime.secrets import Secrets
+    from devstack import nats_cluster, stack
+    from services.runtime.security.identities import NATS_IDENTITIES, REDIS_IDENTITIES
+    from services.runtime.security.secrets import Secrets
 
     sec = Secrets(s.secrets_dir)
     admin = (
@@ -287,8 +288,8 @@ def _secrets(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> in
 def _certs(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     """Create what is missing under `<secrets dir>/tls`; with --rotate, new leaves from the same
     CA, and a running stack's NATS reloads its config (nats-server reads the files again)."""
-    from services.ops import stack
-    from services.runtime.tls import Certs, names_in
+    from devstack import stack
+    from services.runtime.security.tls import Certs, names_in
 
     certs = Certs(s.tls_dir)
     written = certs.rotate(args.san) if args.rotate else certs.ensure(args.san)
@@ -313,7 +314,7 @@ def _certs(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
 
 
 def _up(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
-    from services.ops import stack
+    from devstack import stack
 
     chosen = tuple(n.strip() for n in args.services.split(",") if n.strip())
     unknown = set(chosen) - set(SERVICES)
@@ -359,7 +360,7 @@ def _write_connection(state: dict[str, Any]) -> pathlib.Path:
 
 
 def _down(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
-    from services.ops import stack
+    from devstack import stack
 
     state = stack.read_state(s)
     _print(args, stack.down(s, log), "")
@@ -379,7 +380,7 @@ def _desk(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
 
 
 def _accounts_command(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
-    from services.ops import stack
+    from devstack import stack
 
     if args.action == "quota":
         return _quota_command(s, args)
@@ -395,7 +396,7 @@ def _accounts_command(s: settings_mod.Settings, args: argparse.Namespace, log: L
 
 
 def _quota_command(s: settings_mod.Settings, args: argparse.Namespace) -> int:
-    from services.runtime.codec import Refusal
+    from services.runtime.messaging.codec import Refusal
 
     changes = {
         name: getattr(args, flag) for flag, name in QUOTA_FLAGS.items() if getattr(args, flag) is not None
@@ -419,7 +420,7 @@ def _quota_command(s: settings_mod.Settings, args: argparse.Namespace) -> int:
 def _models(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     import msgspec
 
-    from services.runtime.model_store import ModelStore
+    from services.runtime.storage.model_store import ModelStore
 
     store = ModelStore(s.model_store)
     if args.action == "list":
@@ -445,7 +446,7 @@ def _models(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int
 
 
 def _simulate_booking(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
-    from services.ops import booking_sim
+    from devstack import booking_sim
 
     ev = booking_sim.event(
         account=args.account,

@@ -1,2 +1,5 @@
-"""Shared runtime for the services and the operator CLI: settings, connections, the envelope
-codec, Redis key layout, accounts and embedded infra. It is not a service and holds no policy."""
+"""Shared runtime for the services and the operator CLI, in four rooms: `messaging` (the Bus,
+codec, connections, streams, app wiring, metrics), `security` (accounts, identities, secrets,
+signatures, TLS, quotas), `configuration` (settings, Redis keys, liveness timers, fault points) and
+`storage` (checkpoint paths and stores, data files, the model store). It is not a service and holds
+no policy; the embedded development stack is `devstack/`, the chaos harness `chaos/`."""

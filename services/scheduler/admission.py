@@ -10,8 +10,8 @@ from typing import Any
 
 from contracts.api import Action, AuthInfo
 from contracts.errors import ErrorCode
-from services.runtime import accounts
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
+from services.runtime.security import accounts
 
 MAX_IDEMPOTENCY_KEY = 255
 

@@ -58,13 +58,13 @@ from services.domain import binding, budget
 from services.domain import quotas as quota_rules
 from services.domain.curriculum import RunPlan
 from services.domain.quotas import Taken
-from services.runtime import faults
-from services.runtime.accounts import Credentials
-from services.runtime.checkpoint_paths import run_dir
-from services.runtime.codec import Refusal
-from services.runtime.model_store import ModelStore
-from services.runtime.quotas import InMemoryQuotas, Quotas, breach_refusal
-from services.runtime.quotas import refusal as rate_refusal
+from services.runtime.configuration import faults
+from services.runtime.messaging.codec import Refusal
+from services.runtime.security.accounts import Credentials
+from services.runtime.security.quotas import InMemoryQuotas, Quotas, breach_refusal
+from services.runtime.security.quotas import refusal as rate_refusal
+from services.runtime.storage.checkpoint_paths import run_dir
+from services.runtime.storage.model_store import ModelStore
 from services.scheduler import planning
 from services.scheduler.admission import MAX_IDEMPOTENCY_KEY as MAX_IDEMPOTENCY_KEY  # re-exported
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
@@ -126,7 +126,9 @@ class Api:
         quotas: Quotas | None = None,
     ) -> None:
         self.auditor = auditor
-        self.count_accepted = count_accepted  # `ito_runs_accepted_total` (services/runtime/metrics.py)
+        self.count_accepted = (
+            count_accepted  # `ito_runs_accepted_total` (services/runtime/messaging/metrics.py)
+        )
         self.small_model_gangs = small_model_gangs  # settings.Settings.small_model_gangs
         self.credentials = credentials
         self.backends = backends

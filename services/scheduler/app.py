@@ -10,13 +10,8 @@ from faststream import FastStream
 
 from contracts import endpoints, subjects
 from contracts.runs import RunEvent
-from services.runtime import settings as settings_mod
-from services.runtime.accounts import Credentials, RedisAccounts
-from services.runtime.identities import DESK, service_inbox
-from services.runtime.model_store import ModelStore
-from services.runtime.quotas import InMemoryQuotas, Quotas, RedisQuotas
-from services.runtime.secrets import Secrets
-from services.runtime.service import (
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.messaging.service import (
     Wiring,
     build_app,
     configure_logging,
@@ -24,7 +19,12 @@ from services.runtime.service import (
     serve_requests,
     serve_tenant_requests,
 )
-from services.runtime.signing import Signer
+from services.runtime.security.accounts import Credentials, RedisAccounts
+from services.runtime.security.identities import DESK, service_inbox
+from services.runtime.security.quotas import InMemoryQuotas, Quotas, RedisQuotas
+from services.runtime.security.secrets import Secrets
+from services.runtime.security.signing import Signer
+from services.runtime.storage.model_store import ModelStore
 from services.scheduler import liveness, planning
 from services.scheduler.api import Api
 from services.scheduler.audit import Auditor

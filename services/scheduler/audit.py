@@ -17,10 +17,10 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from contracts import subjects
 from contracts.api import Action
 from contracts.audit import AuditRecord, GateDecision
-from services.runtime.bus import Bus
-from services.runtime.codec import Refusal
-from services.runtime.publishing import MSG_ID_HEADER
-from services.runtime.settings import Settings
+from services.runtime.configuration.settings import Settings
+from services.runtime.messaging.bus import Bus
+from services.runtime.messaging.codec import Refusal
+from services.runtime.messaging.publishing import MSG_ID_HEADER
 
 T = TypeVar("T")
 log = logging.getLogger("ito.scheduler.audit")

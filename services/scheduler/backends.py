@@ -44,11 +44,11 @@ from contracts.internal import (
     OutstandingQuery,
 )
 from contracts.manifest import Manifest
-from services.runtime import bus, codec
-from services.runtime.bus import Bus
-from services.runtime.codec import Refusal
-from services.runtime.settings import Settings
-from services.runtime.signing import Signer
+from services.runtime.configuration.settings import Settings
+from services.runtime.messaging import bus, codec
+from services.runtime.messaging.bus import Bus
+from services.runtime.messaging.codec import Refusal
+from services.runtime.security.signing import Signer
 
 T = TypeVar("T")
 CLEANUP_TIMEOUT_S = 30.0  # removing a large checkpoint tree takes longer than one control hop

@@ -24,8 +24,8 @@ from contracts.api import (
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.runs import TrainWork
-from services.runtime.accounts import Credentials
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
+from services.runtime.security.accounts import Credentials
 from services.scheduler.admission import authenticate
 from services.scheduler.backends import Backends
 from services.scheduler.store import RunRecords

@@ -29,8 +29,8 @@ from contracts.manifest import Manifest
 from contracts.runs import RunCreated, TrainWork
 from contracts.states import RunState
 from services.domain import budget
-from services.runtime.bus import Bus
-from services.runtime.settings import Settings
+from services.runtime.configuration.settings import Settings
+from services.runtime.messaging.bus import Bus
 from services.scheduler.backends import Backends
 from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import RunRecords

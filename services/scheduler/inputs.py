@@ -22,9 +22,9 @@ from services.domain import plan_inputs
 from services.domain.curriculum import RunPlan, plan_run
 from services.domain.data_schemas import file_format, reads_rows
 from services.domain.model_shapes import UnsupportedConfig, shape_from_hf_config
-from services.runtime.codec import Refusal
-from services.runtime.data_files import schema_of, sha256_file
-from services.runtime.model_store import MAX_CONFIG_BYTES, ModelStore
+from services.runtime.messaging.codec import Refusal
+from services.runtime.storage.data_files import schema_of, sha256_file
+from services.runtime.storage.model_store import MAX_CONFIG_BYTES, ModelStore
 
 FILES_KEPT = 1024  # data files whose digest and columns are remembered
 

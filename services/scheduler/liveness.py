@@ -10,7 +10,7 @@ holder reports its share's failure through it (`LeaseQuery.failure`): the run fa
 (`node_failure_message`), through `move` as every transition. The work item itself comes back from JetStream when its ack
 deadline passes, and the next trainer leases the run with a higher epoch: the old holder, if it was
 only cut off, is fenced (its renewals and its events are refused) and has stopped by itself before
-the new one can start. The timers and their ordering: services/runtime/liveness.py.
+the new one can start. The timers and their ordering: services/runtime/configuration/liveness.py.
 """
 
 import asyncio
@@ -26,8 +26,8 @@ from contracts.errors import ErrorCode
 from contracts.runs import Interruption
 from contracts.states import LEASABLE, TERMINAL_STATES, RunState
 from services.domain import budget
-from services.runtime import codec
-from services.runtime.liveness import TIMERS
+from services.runtime.configuration.liveness import TIMERS
+from services.runtime.messaging import codec
 from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import Runs
 

@@ -18,7 +18,7 @@ from contracts import manifest_check  # the schema check ecc runs too: one list 
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from services.domain.curriculum import plan_run
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
 from services.scheduler.secret_scan import find_secret
 
 MAX_MANIFEST_BYTES = 1024 * 1024  # 1 MiB, the same cap the client enforces before sending

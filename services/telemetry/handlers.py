@@ -12,8 +12,8 @@ from contracts import subjects
 from contracts.runs import EvalResult, Interruption, RunCreated, RunEvent, StageStarted, StateChanged
 from contracts.states import TERMINAL_STATES
 from contracts.telemetry import ROLLUP_BY
-from services.runtime.bus import Bus
-from services.runtime.settings import Settings
+from services.runtime.configuration.settings import Settings
+from services.runtime.messaging.bus import Bus
 from services.telemetry import accounting
 from services.telemetry.store import Telemetry
 

@@ -1,4 +1,4 @@
-"""The CI subset of `make chaos`'s cluster section (services/ops/chaos_cluster.py): an exactly-once
+"""The CI subset of `make chaos`'s cluster section (chaos/cluster.py): an exactly-once
 burst of train requests on `ito-training up --cluster` (control plane only) while the NATS node
 leading the WORK stream is SIGKILLed and a Redis primary is failed over. Every key gets exactly
 one run, found again by its key, with exactly one work item. The happy path and a NATS node lost
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from services.ops import chaos_cluster, chaos_stack
+from chaos import cluster as chaos_cluster
+from chaos import stack as chaos_stack
 
 pytestmark = pytest.mark.e2e
 

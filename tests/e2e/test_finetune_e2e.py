@@ -88,7 +88,7 @@ def _our_logits(stack, account: str, run_id: str, name: str, manifest_path: path
     import torch
 
     from contracts.manifest import Manifest
-    from services.runtime.model_store import ModelStore
+    from services.runtime.storage.model_store import ModelStore
     from services.trainer.outputs import restore
 
     manifest = msgspec.json.decode(manifest_path.read_bytes(), type=Manifest)

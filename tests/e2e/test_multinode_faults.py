@@ -15,7 +15,7 @@ import pathlib
 
 import pytest
 
-from services.runtime import faults
+from services.runtime.configuration import faults
 from services.trainer.engine.checkpoint import committed_positions
 from tests.support import (
     approve_restart,

@@ -16,7 +16,7 @@ from contracts import subjects
 from contracts.api import Action
 from contracts.desk import DeskRunsRequest
 from contracts.internal import ConfirmationCreate, LedgerAccept
-from services.ops import booking_sim
+from devstack import booking_sim
 from tests.security.conftest import settle
 from tests.support import eventually_async
 
@@ -40,7 +40,7 @@ def test_no_credential_no_connection(stack):
 
 
 def test_an_unknown_nkey_is_refused(stack):
-    from services.runtime.secrets import new_nkey_seed
+    from services.runtime.security.secrets import new_nkey_seed
 
     async def stranger():
         await nats.connect(
@@ -399,7 +399,7 @@ def test_clients_refuse_a_server_without_authentication(tmp_path):
     import subprocess
     import sys
 
-    from services.runtime import infra
+    from devstack import infra
 
     port = infra.free_port()
     config = tmp_path / "open.conf"
@@ -411,7 +411,7 @@ def test_clients_refuse_a_server_without_authentication(tmp_path):
             "ITO_NATS_URL": f"nats://127.0.0.1:{port}",
             "ECC_CONFIG_DIR": str(tmp_path / "ecc"),
         }
-        from services.runtime.secrets import new_nkey_seed
+        from services.runtime.security.secrets import new_nkey_seed
 
         login = subprocess.run(
             [str(pathlib.Path(sys.executable).parent / "ecc"), "ito", "login", "--account", "a", "--json"],

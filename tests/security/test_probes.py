@@ -12,9 +12,9 @@ import time
 import pytest
 import yaml
 
-from services.runtime.infra import free_port
-from services.runtime.metrics import MetricsServer, ServiceMetrics, metrics_app
-from services.runtime.tls import Certs
+from devstack.infra import free_port
+from services.runtime.messaging.metrics import MetricsServer, ServiceMetrics, metrics_app
+from services.runtime.security.tls import Certs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SERVICES = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from services.runtime import redis_cluster
-from services.runtime import settings as settings_mod
+from devstack import redis_cluster
+from services.runtime.configuration import settings as settings_mod
 from tests.conftest import new_namespace
 
 
@@ -19,14 +19,14 @@ class ClusterInfra:
         self.cluster = cluster
 
     def redis(self, identity: str = "admin"):
-        from services.runtime import connections
+        from services.runtime.messaging import connections
 
         return connections.make_redis(self.settings, identity)
 
 
 @pytest.fixture(scope="session")
 def cluster_infra(tmp_path_factory):
-    from services.ops import authority
+    from devstack import authority
 
     root = tmp_path_factory.mktemp("redis-cluster")
     s = settings_mod.load(

@@ -24,8 +24,8 @@ from services.confirmation.store import ConfirmationStore, InMemoryConfirmations
 from services.domain import binding
 from services.ledger.handlers import LedgerHandlers
 from services.ledger.store import InMemoryLedger, LedgerStore
-from services.runtime.codec import Refusal
-from services.runtime.keys import Keys
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging.codec import Refusal
 from tests.conftest import new_namespace, start_infra
 from tests.unit.test_node_shares import work as _node_work
 

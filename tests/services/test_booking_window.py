@@ -23,7 +23,7 @@ from contracts.api import (
     TrainRequest,
 )
 from contracts.errors import ErrorCode
-from services.ops.booking_sim import event
+from devstack.booking_sim import event
 from services.scheduler.manifests import digest_of
 from tests.services.test_handlers_inmemory import REPO_MANIFEST, call, code, data, login, publish_booking
 from tests.services.test_handlers_inmemory import bus as bus

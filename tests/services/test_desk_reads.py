@@ -13,9 +13,9 @@ from contracts.endpoints import DESK
 from contracts.errors import ErrorCode
 from contracts.runs import Metrics, RunCreated, StateChanged
 from contracts.states import RunState
-from services.runtime.bus import Router
-from services.runtime.codec import Refusal
-from services.runtime.settings import load
+from services.runtime.configuration.settings import load
+from services.runtime.messaging.bus import Router
+from services.runtime.messaging.codec import Refusal
 from services.scheduler.desk import DeskReads
 from services.scheduler.memory import InMemoryRuns
 from services.scheduler.planning import load_prices

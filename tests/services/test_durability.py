@@ -12,14 +12,14 @@ import pytest
 from contracts.api import Action
 from contracts.errors import ErrorCode
 from contracts.internal import LedgerAccept, LedgerEntry
+from devstack import authority, infra
 from services.confirmation.store import ConfirmationStore, new_ref
 from services.domain.binding import Stored
 from services.ledger.store import LedgerStore
-from services.ops import authority
-from services.runtime import connections, infra
-from services.runtime import settings as settings_mod
-from services.runtime.codec import Refusal
-from services.runtime.keys import Keys
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging import connections
+from services.runtime.messaging.codec import Refusal
 
 
 def start(tmp_path, port=None):

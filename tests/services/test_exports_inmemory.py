@@ -24,13 +24,13 @@ from contracts.api import (
 )
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
-from services.runtime import connections
-from services.runtime import settings as settings_mod
-from services.runtime.bus import LocalBus
-from services.runtime.identities import NATS_IDENTITIES
-from services.runtime.keys import Keys
-from services.runtime.secrets import Secrets
-from services.runtime.service import Wiring, scheduler_verifier
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging import connections
+from services.runtime.messaging.bus import LocalBus
+from services.runtime.messaging.service import Wiring, scheduler_verifier
+from services.runtime.security.identities import NATS_IDENTITIES
+from services.runtime.security.secrets import Secrets
 from services.trainer.agent.worker import Worker
 from services.trainer.outputs import exports
 from tests.services.test_handlers_inmemory import (

@@ -48,15 +48,15 @@ from services.entitlement import app as entitlement_app
 from services.entitlement.store import Bookings, BookingStore, InMemoryBookings
 from services.ledger import app as ledger_app
 from services.ledger.store import InMemoryLedger, LedgerStore
-from services.runtime import codec, connections
-from services.runtime import settings as settings_mod
-from services.runtime.accounts import InMemoryAccounts, RedisAccounts
-from services.runtime.bus import LocalBus
-from services.runtime.identities import NATS_IDENTITIES
-from services.runtime.keys import Keys
-from services.runtime.quotas import InMemoryQuotas, Quotas, RedisQuotas
-from services.runtime.secrets import Secrets
-from services.runtime.service import Wiring
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging import codec, connections
+from services.runtime.messaging.bus import LocalBus
+from services.runtime.messaging.service import Wiring
+from services.runtime.security.accounts import InMemoryAccounts, RedisAccounts
+from services.runtime.security.identities import NATS_IDENTITIES
+from services.runtime.security.quotas import InMemoryQuotas, Quotas, RedisQuotas
+from services.runtime.security.secrets import Secrets
 from services.scheduler import app as scheduler_app
 from services.scheduler.manifests import digest_of
 from services.scheduler.memory import InMemoryRuns

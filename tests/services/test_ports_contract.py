@@ -14,9 +14,9 @@ from contracts.errors import ErrorCode
 from contracts.states import RunState
 from services.entitlement.projection import Outcome
 from services.entitlement.store import BookingStore, InMemoryBookings
-from services.runtime import accounts
-from services.runtime.codec import Refusal
-from services.runtime.keys import Keys
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging.codec import Refusal
+from services.runtime.security import accounts
 from services.scheduler.memory import InMemoryRuns
 from services.scheduler.store import RunStore
 from tests.conftest import new_namespace, start_infra

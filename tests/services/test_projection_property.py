@@ -13,7 +13,7 @@ from contracts.booking import BookingEvent, BookingEventKind, Fabric, Topology
 from services.entitlement.handlers import EntitlementHandlers
 from services.entitlement.projection import STATE_AFTER
 from services.entitlement.store import BookingStore
-from services.runtime.keys import Keys
+from services.runtime.configuration.keys import Keys
 from tests.conftest import start_infra
 
 KINDS = list(BookingEventKind)

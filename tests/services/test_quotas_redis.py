@@ -15,8 +15,8 @@ from contracts.states import RunState
 from services.confirmation.store import ConfirmationStore
 from services.domain import quotas
 from services.domain.binding import Stored
-from services.runtime.keys import Keys
-from services.runtime.quotas import RedisQuotas
+from services.runtime.configuration.keys import Keys
+from services.runtime.security.quotas import RedisQuotas
 from services.scheduler.store import RunStore
 from tests.conftest import new_namespace, start_infra
 from tests.unit.test_quotas import BUCKET_ROWS

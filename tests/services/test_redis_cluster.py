@@ -24,17 +24,18 @@ from contracts.booking import Booking, BookingState, Fabric, Topology
 from contracts.internal import ConfirmationCreate, LedgerAccept
 from contracts.runs import LogLine, Metrics
 from contracts.states import RunState
+from devstack import redis_cluster
 from services.confirmation.handlers import ConfirmationHandlers
 from services.confirmation.store import ConfirmationStore
 from services.entitlement.projection import Outcome
 from services.entitlement.store import BookingStore
 from services.ledger.handlers import LedgerHandlers
 from services.ledger.store import LedgerStore
-from services.runtime import accounts, redis_cluster
-from services.runtime.identities import ADMIN, REPLICATION
-from services.runtime.keys import SHARDS, Keys
-from services.runtime.secrets import Secrets
-from services.runtime.settings import load
+from services.runtime.configuration.keys import SHARDS, Keys
+from services.runtime.configuration.settings import load
+from services.runtime.security import accounts
+from services.runtime.security.identities import ADMIN, REPLICATION
+from services.runtime.security.secrets import Secrets
 from services.scheduler.store import RunStore
 from services.telemetry.store import TelemetryStore
 from tests.support import eventually_async
@@ -258,7 +259,7 @@ async def test_rotated_credentials_reach_every_node_and_the_replicas_log_in_anew
     """A rotation (as `ito-training` rotates: new password files, the ACL file written again),
     then `apply_credentials`: the new password works on every shard, the old one nowhere, and the
     replicas, made to log in again, do so with the new replication password."""
-    from services.ops import authority
+    from devstack import authority
 
     cluster, s = cluster_infra.cluster, cluster_infra.settings
     secrets = Secrets(s.secrets_dir)

@@ -10,14 +10,14 @@ from contracts import endpoints, subjects
 from contracts.api import CostEstimate, LeaseAnswer, LeaseQuery, Plan
 from contracts.runs import RunEvent, StateChanged, TrainWork
 from contracts.states import RunState
-from services.runtime import connections, streams
-from services.runtime import settings as settings_mod
-from services.runtime.bus import LocalBus
-from services.runtime.identities import NATS_IDENTITIES
-from services.runtime.keys import Keys
-from services.runtime.secrets import Secrets
-from services.runtime.service import Wiring
-from services.runtime.signing import Signer
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging import connections, streams
+from services.runtime.messaging.bus import LocalBus
+from services.runtime.messaging.service import Wiring
+from services.runtime.security.identities import NATS_IDENTITIES
+from services.runtime.security.secrets import Secrets
+from services.runtime.security.signing import Signer
 from services.trainer.agent import app as trainer_app
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from contracts.errors import ErrorCode
 from contracts.export_files import export_digest
 from contracts.manifest import Manifest
 from services.domain.curriculum import plan_run
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
 from services.trainer.engine.checkpoint import Checkpointer
 from services.trainer.model import Transformer
 from services.trainer.outputs import exports, restore, sampling

@@ -1,4 +1,4 @@
-"""`ito-training certs`: the deployment's CA and certificates (services/runtime/tls.py), and the
+"""`ito-training certs`: the deployment's CA and certificates (services/runtime/security/tls.py), and the
 nats-server configs that require TLS with them (single server, cluster nodes, compose)."""
 
 import json
@@ -11,8 +11,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from services.runtime import settings as settings_mod
-from services.runtime.tls import Certs, names_in, server_names
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.security.tls import Certs, names_in, server_names
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FILES = (
@@ -105,7 +105,7 @@ def test_certs_again_keeps_everything_and_rotate_keeps_the_ca_only(issued, tmp_p
 
 
 def test_rotate_without_a_ca_is_refused(tmp_path):
-    from services.runtime.tls import CertError
+    from services.runtime.security.tls import CertError
 
     with pytest.raises(CertError, match="run `ito-training certs` first"):
         Certs(tmp_path / "tls").rotate()
@@ -121,8 +121,8 @@ def test_server_names_start_with_loopback_and_drop_duplicates():
 
 
 def test_containers_get_certificates_and_configs_that_require_tls_on_clients_and_routes(tmp_path):
-    from services.ops import nats_cluster
-    from services.runtime.tls import CONTAINER_DIR
+    from devstack import nats_cluster
+    from services.runtime.security.tls import CONTAINER_DIR
 
     s = settings_mod.load({"ITO_DATA_DIR": str(tmp_path), "ITO_NAMESPACE": "tc"})
     written = {p.name for p in nats_cluster.write_for_containers(s, [])}
@@ -143,7 +143,7 @@ def test_containers_get_certificates_and_configs_that_require_tls_on_clients_and
 def test_a_local_config_requires_tls_only_when_tls_is_on(tmp_path):
     import dataclasses
 
-    from services.ops import authority
+    from devstack import authority
 
     s = settings_mod.load({"ITO_DATA_DIR": str(tmp_path), "ITO_NAMESPACE": "tl"})
     plain = json.loads(authority.write_nats_config(s, 4999, []).read_text())

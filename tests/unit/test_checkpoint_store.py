@@ -7,8 +7,8 @@ import pathlib
 import pytest
 import torch
 
-from services.runtime import checkpoint_store as cs
-from services.runtime.infra import free_port
+from devstack.infra import free_port
+from services.runtime.storage import checkpoint_store as cs
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_a_path_part_cannot_climb_or_nest(part):
 
 
 def test_the_settings_refuse_a_checkpoint_url_they_cannot_use(tmp_path):
-    from services.runtime import settings
+    from services.runtime.configuration import settings
 
     env = {settings.ENV_DATA_DIR: str(tmp_path)}
     assert settings.load(env).checkpoint_url == ""

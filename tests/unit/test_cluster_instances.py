@@ -24,11 +24,11 @@ from contracts import subjects
 from contracts.api import RunView
 from contracts.internal import LedgerEntry
 from contracts.states import LEASABLE, RunState
-from services.runtime import connections
-from services.runtime.bus import NatsBus
-from services.runtime.keys import Keys
-from services.runtime.liveness import TIMERS
-from services.runtime.service import Wiring, consume_in_order
+from services.runtime.configuration.keys import Keys
+from services.runtime.configuration.liveness import TIMERS
+from services.runtime.messaging import connections
+from services.runtime.messaging.bus import NatsBus
+from services.runtime.messaging.service import Wiring, consume_in_order
 from services.scheduler import liveness
 from services.scheduler.handoff import Handoff
 from services.scheduler.publish import RunEventPublisher

@@ -1141,7 +1141,7 @@ def test_contract_files_found():
 )
 async def test_a_store_that_does_not_answer_is_backend_unavailable_not_internal(fault):
     """A Redis node lost or a failover under way: the client is told to retry (same key)."""
-    from services.runtime import codec
+    from services.runtime.messaging import codec
 
     async def handler(request):
         raise fault

@@ -14,9 +14,9 @@ import sys
 import pytest
 
 from contracts.connection import Connection
+from devstack import infra
 from ecc import connection
-from services.runtime import infra
-from services.runtime.secrets import new_nkey_seed
+from services.runtime.security.secrets import new_nkey_seed
 
 BIN = pathlib.Path(sys.executable).parent
 REPO = pathlib.Path(__file__).resolve().parents[2]

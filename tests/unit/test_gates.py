@@ -17,7 +17,7 @@ from contracts.internal import EligibilityBody, EligibilityQuery, EligibilitySta
 from services.confirmation.binding import Stored, check
 from services.entitlement.projection import STATE_AFTER, eligibility, project
 from services.entitlement.signing import sign
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
 from services.scheduler.api import MAX_IDEMPOTENCY_KEY, fingerprint, valid_idempotency_key
 from services.scheduler.backends import CLOCK_SKEW, verify_statement
 

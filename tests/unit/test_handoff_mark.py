@@ -10,8 +10,8 @@ import msgspec
 from contracts.errors import ErrorCode
 from contracts.internal import LedgerEntry
 from contracts.states import RunState
-from services.runtime.codec import Refusal
-from services.runtime.settings import load
+from services.runtime.configuration.settings import load
+from services.runtime.messaging.codec import Refusal
 from services.scheduler.handoff import Handoff
 from services.scheduler.memory import InMemoryRuns
 from tests.unit.test_node_shares import work

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.runtime.liveness import TIMERS, LivenessTimers
+from services.runtime.configuration.liveness import TIMERS, LivenessTimers
 
 
 def test_the_defaults_keep_the_fencing_order():

@@ -1,4 +1,4 @@
-"""Prometheus metrics (services/runtime/metrics.py): the bearer check and the label mapping as
+"""Prometheus metrics (services/runtime/messaging/metrics.py): the bearer check and the label mapping as
 tables; the router's counting, the consumer-lag refresh and the `/metrics` server in one process
 (no NATS, no stack); the token file, the port setting and `up`'s port choice."""
 
@@ -15,21 +15,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from contracts.endpoints import Endpoint
 from contracts.errors import ErrorCode
-from services.ops import stack
-from services.runtime import codec
-from services.runtime import settings as settings_mod
-from services.runtime.bus import Router
-from services.runtime.codec import Refusal
-from services.runtime.identities import tenant_inbox
-from services.runtime.metrics import (
+from devstack import stack
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.messaging import codec
+from services.runtime.messaging.bus import Router
+from services.runtime.messaging.codec import Refusal
+from services.runtime.messaging.metrics import (
     MetricsServer,
     ServiceMetrics,
     authorized,
     endpoint_label,
     metrics_app,
 )
-from services.runtime.secrets import SecretError, Secrets
-from services.runtime.signing import Verifier
+from services.runtime.security.identities import tenant_inbox
+from services.runtime.security.secrets import SecretError, Secrets
+from services.runtime.security.signing import Verifier
 
 TOKEN = "s3cret-token_value"
 

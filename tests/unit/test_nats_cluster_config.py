@@ -1,4 +1,4 @@
-"""The NATS cluster's configs (services/ops/nats_cluster.py) as pure functions: each node's name,
+"""The NATS cluster's configs (devstack/nats_cluster.py) as pure functions: each node's name,
 ports, store and routes; the route secret in 0600 files only, never in a server's arguments."""
 
 import json
@@ -8,10 +8,9 @@ import subprocess
 
 import pytest
 
-from services.ops import nats_cluster
-from services.runtime import infra
-from services.runtime.identities import NATS_IDENTITIES
-from services.runtime.settings import load, nats_servers
+from devstack import infra, nats_cluster
+from services.runtime.configuration.settings import load, nats_servers
+from services.runtime.security.identities import NATS_IDENTITIES
 
 PORTS = [14222, 14223, 14224, 16222, 16223, 16224]
 SECRET = "ab" * 32

@@ -13,7 +13,7 @@ import pytest
 from contracts.api import LeaseAnswer, LeaseQuery, RestartProposal, RunView
 from contracts.runs import StateChanged
 from contracts.states import RunState
-from services.runtime import codec
+from services.runtime.messaging import codec
 from services.scheduler import liveness
 from services.scheduler.events import requeue_count
 from services.scheduler.memory import InMemoryRuns

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from contracts.errors import ErrorCode
 from services.domain.curriculum import plan_run
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
 from services.scheduler.manifests import digest_of, verify
 
 TINY = json.loads(

@@ -2,7 +2,7 @@
 handled before the settings are resolved (serve, manifest-schema) or has exactly one entry."""
 
 from services.ops import main
-from services.runtime.settings import ENV_DATA_DIR, ENV_SECRETS_DIR
+from services.runtime.configuration.settings import ENV_DATA_DIR, ENV_SECRETS_DIR
 
 BEFORE_SETTINGS = {"serve", "manifest-schema"}
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from contracts.runs import LogLine, Metrics, RunEvent, StopReason
-from services.runtime import faults
+from services.runtime.configuration import faults
 from services.trainer.agent.worker import SpikeWatch, Stop
 from services.trainer.engine.loss_spikes import SpikeDetector, position_after, propose, restart_point
 

@@ -13,7 +13,7 @@ from contracts.errors import ErrorCode
 from contracts.manifest import Gate, LongContextGate, Manifest
 from services.domain import gates
 from services.domain.curriculum import plan_run
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
 from services.scheduler.manifests import digest_of, verify
 from services.scheduler.planning import stage_gates
 

@@ -12,9 +12,9 @@ from faststream import AckPolicy, FastStream
 from faststream.nats import ConsumerConfig, NatsMessage, PullSub
 
 from contracts import endpoints, subjects
-from services.runtime import settings as settings_mod
-from services.runtime import streams
-from services.runtime.service import Wiring, build_app, configure_logging, scheduler_verifier
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.messaging import streams
+from services.runtime.messaging.service import Wiring, build_app, configure_logging, scheduler_verifier
 from services.trainer.agent.worker import WORK_ACK_WAIT_S, Worker, decode_work
 
 

@@ -15,8 +15,8 @@ from contracts import subjects
 from contracts.api import RestartProposal
 from contracts.runs import LogLevel, LogLine, ProposalMade, RunEvent, StateChanged
 from contracts.states import RunState
-from services.runtime.bus import Bus
-from services.runtime.settings import Settings
+from services.runtime.configuration.settings import Settings
+from services.runtime.messaging.bus import Bus
 from services.trainer.engine.reporting import Reporter, check_event
 
 log = logging.getLogger("ito.trainer.emitter")

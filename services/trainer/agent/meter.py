@@ -14,7 +14,7 @@ import time
 from typing import Final
 
 from contracts.runs import CheckpointSaved, Metrics, RunEvent
-from services.runtime import faults
+from services.runtime.configuration import faults
 
 ENV_STEP_DELAY_S: Final = "ITO_FAULT_STEP_DELAY_S"  # with the trainer.slow_steps fault point
 

@@ -56,13 +56,14 @@ from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
 from contracts.states import LEASABLE, TERMINAL_STATES, RunState
 from services.domain import budget
 from services.domain.curriculum import plan_run
-from services.runtime import codec, faults
-from services.runtime.bus import Bus
-from services.runtime.checkpoint_paths import inside, run_dir, storage_root
-from services.runtime.codec import Refusal
-from services.runtime.liveness import TIMERS
-from services.runtime.model_store import ModelStore
-from services.runtime.settings import ENV_TRAINER_THREADS, Settings
+from services.runtime.configuration import faults
+from services.runtime.configuration.liveness import TIMERS
+from services.runtime.configuration.settings import ENV_TRAINER_THREADS, Settings
+from services.runtime.messaging import codec
+from services.runtime.messaging.bus import Bus
+from services.runtime.messaging.codec import Refusal
+from services.runtime.storage.checkpoint_paths import inside, run_dir, storage_root
+from services.runtime.storage.model_store import ModelStore
 from services.trainer.agent import follower, storage
 from services.trainer.agent.emitter import Emitter
 from services.trainer.agent.meter import Meter
@@ -79,7 +80,7 @@ from services.trainer.recipes.pretrain import train_stage
 
 log = logging.getLogger("ito.trainer.worker")
 
-# The liveness timers and their ordering live in one checked object (services/runtime/liveness.py).
+# The liveness timers and their ordering live in one checked object (services/runtime/configuration/liveness.py).
 WORK_ACK_WAIT_S = TIMERS.ack_wait_s  # a dead trainer's item comes back this long after its last in_progress
 IN_PROGRESS_EVERY_S = TIMERS.in_progress_every_s
 RENEW_EVERY_S = TIMERS.renew_every_s  # the lease renewal is the heartbeat the scheduler's watcher listens for
@@ -282,7 +283,7 @@ def decode_work(body: bytes) -> tuple[TrainWork, Manifest]:
 
 class Worker:
     def __init__(self, bus: Bus, settings: Settings) -> None:
-        self.bus = bus  # lease queries and run events (services/runtime/bus.py)
+        self.bus = bus  # lease queries and run events (services/runtime/messaging/bus.py)
         self.settings = settings
         self.threads = int(os.environ.get(ENV_TRAINER_THREADS) or os.cpu_count() or 1)
         self.trainer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

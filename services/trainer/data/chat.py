@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from contracts.manifest import DataFormat
-from services.runtime.data_files import iter_batches
+from services.runtime.storage.data_files import iter_batches
 from services.trainer.data.tokenizer import Message, Tokenizer
 
 IGNORE = -100  # the label of a token without loss (PyTorch's cross_entropy ignore_index, TRL's)

@@ -1,5 +1,5 @@
 """Rows of the field's data files (JSONL and Parquet) as the pipeline handles them: read by column
-(services/runtime/data_files.py, never a whole file at once), each row's text for data preparation
+(services/runtime/storage/data_files.py, never a whole file at once), each row's text for data preparation
 (dedup and decontamination judge what a row says, whatever its schema), and the rows that survive
 preparation written back as JSONL, so the stages read the prepared file like any other.
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from contracts.manifest import DataFormat, DataRef
-from services.runtime import data_files
+from services.runtime.storage import data_files
 
 ROW_CAP = 1_000_000  # rows of one ref held at once for data prep and post-training
 KNOWN_COLUMNS = ("text", "messages", "prompt", "chosen", "rejected", "answer")

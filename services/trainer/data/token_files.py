@@ -10,7 +10,7 @@ and renamed when complete: a finished one is reused by a redelivered run (same t
 sources), a half-written one is never read (it has no index, or is not at the final name).
 
 Documents come from iterators that never hold a whole file: text files read in chunks and split
-at blank lines, JSONL/Parquet `text` columns through `services.runtime.data_files.iter_batches`,
+at blank lines, JSONL/Parquet `text` columns through `services.runtime.storage.data_files.iter_batches`,
 and the builtin/generated sources of `data.load_documents` (small by construction).
 
 `TokenCorpus` maps the shards read-only (`numpy.memmap`): a read-only shared file mapping costs
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from contracts.manifest import DataFormat
-from services.runtime.data_files import ROW_BATCH, iter_batches
+from services.runtime.storage.data_files import ROW_BATCH, iter_batches
 from services.trainer.data.corpora import BatchIterator
 from services.trainer.data.tokenizer import ByteTokenizer, Tokenizer
 

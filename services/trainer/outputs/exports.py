@@ -1,6 +1,6 @@
 """A run's exports: the export area, the export job, its digest, and the chunks a download reads.
 
-Layout, beside the run's checkpoints (services/runtime/checkpoint_paths.py decides the run's
+Layout, beside the run's checkpoints (services/runtime/storage/checkpoint_paths.py decides the run's
 directory): `<run dir>/exports/<stage>-<format>/` holds the exported files and, written last and
 atomically, `EXPORT.json` (stage, format, step, every file's size and SHA-256, the digest). An
 export without `EXPORT.json` is not ready and nothing of it can be downloaded.
@@ -49,7 +49,7 @@ from contracts.errors import ErrorCode
 from contracts.evals import StageGate
 from contracts.export_files import export_digest, export_id, parse_export_id, safe_relative
 from contracts.manifest import Manifest
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
 from services.trainer.outputs import restore
 from services.trainer.outputs.restore import StageSource, Unavailable
 

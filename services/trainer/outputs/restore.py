@@ -26,8 +26,8 @@ from contracts.errors import ErrorCode
 from contracts.manifest import Lora, Manifest
 from contracts.models import BaseModel
 from services.domain.curriculum import LmPlan, PostPlan, RunPlan, plan_run
-from services.runtime.checkpoint_paths import inside, run_dir, storage_root
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
+from services.runtime.storage.checkpoint_paths import inside, run_dir, storage_root
 from services.trainer.engine.checkpoint import CheckpointInfo, list_checkpoints, load_weights
 from services.trainer.model import Transformer
 from services.trainer.recipes.pretrain import build_model
@@ -135,7 +135,7 @@ def model_store_root(data_dir: pathlib.Path) -> pathlib.Path:
 
 def store_dir(data_dir: pathlib.Path, digest: str) -> pathlib.Path:
     """The model store's directory of an entry (a base model or a tokenizer), by digest."""
-    store = optional("services.runtime.model_store", "has no model store").ModelStore(
+    store = optional("services.runtime.storage.model_store", "has no model store").ModelStore(
         model_store_root(data_dir)
     )
     path = pathlib.Path(store.path(digest))

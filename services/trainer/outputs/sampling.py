@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from contracts.api import SampleOrder, SampleRequest, SampleResult
 from contracts.errors import ErrorCode
-from services.runtime.codec import Refusal
+from services.runtime.messaging.codec import Refusal
 from services.trainer.model import Transformer
 from services.trainer.outputs import restore
 from services.trainer.outputs.restore import StageSource

@@ -39,7 +39,7 @@ from contracts.models import BaseModel, ModelShape
 from contracts.runs import LogLevel, Outcome
 from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan, plan_run
 from services.domain.gates import overfitting, sentence, threshold
-from services.runtime import data_files
+from services.runtime.storage import data_files
 from services.trainer.data import prep, rows
 from services.trainer.data.corpora import (
     join_documents,

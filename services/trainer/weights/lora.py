@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from contracts.api import ExportFile
 from contracts.manifest import Lora
-from services.runtime.data_files import sha256_file
+from services.runtime.storage.data_files import sha256_file
 from services.trainer.model import Transformer
 
 # Hugging Face projection names (what a manifest's target_modules and peft speak) -> ours, in the block.

@@ -40,11 +40,11 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from chaos import stack as chaos_stack
 from contracts import subjects
 from contracts.errors import ErrorCode
-from services.ops import chaos_stack
-from services.runtime.bus import INSTANCE_HEADER
-from services.runtime.settings import ENV_INSTANCE, ENV_NATS_REPLICAS, ENV_REDIS_CLUSTER
+from services.runtime.configuration.settings import ENV_INSTANCE, ENV_NATS_REPLICAS, ENV_REDIS_CLUSTER
+from services.runtime.messaging.bus import INSTANCE_HEADER
 
 REQUESTS, KEYS, CLIENTS = 10_000, 1_000, 64  # the issue's burst; the CI subset runs 1,000 over 100
 KEY_BLOCK = 50  # keys sent together: their requests interleave, so a key's requests overlap in time
@@ -267,7 +267,7 @@ class Faults:
         )
 
     async def _fail_over_redis(self) -> None:
-        from services.runtime import redis_cluster
+        from devstack import redis_cluster
 
         cluster = redis_cluster.Cluster.from_dict(self.stack._state()["redis_nodes"])
         roles = await asyncio.gather(
@@ -282,7 +282,7 @@ class Faults:
     async def _restart(self, name: str) -> None:
         """`restart_infra`, retried (bounded): a NATS node reads the tenants from Redis to start,
         which fails while a primary is failing over."""
-        from services.ops.stack import restart_infra
+        from devstack.stack import restart_infra
 
         for n in range(1, RESTART_ATTEMPTS + 1):
             try:
@@ -297,8 +297,8 @@ class Faults:
 
 async def _work_leader(stack: chaos_stack.Stack) -> str:
     """The NATS node leading the WORK stream (its loss moves the stream's leader too)."""
-    from services.ops.authority import connect
-    from services.runtime.identities import OPERATOR
+    from devstack.authority import connect
+    from services.runtime.security.identities import OPERATOR
 
     s = stack.settings()
     nc = await connect(s, OPERATOR, allow_reconnect=False)
@@ -431,8 +431,8 @@ def start_replacement(stack: chaos_stack.Stack) -> subprocess.Popen:
 
 async def _answers(stack: chaos_stack.Stack, instance: str) -> bool:
     """Whether `instance` answered one of a few scheduler health checks (a queue group picks one)."""
-    from services.ops.authority import connect
-    from services.runtime.identities import OPERATOR
+    from devstack.authority import connect
+    from services.runtime.security.identities import OPERATOR
 
     s = stack.settings()
     nc = await connect(s, OPERATOR, allow_reconnect=False)

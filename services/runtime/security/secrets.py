@@ -7,7 +7,7 @@ Layout (`ITO_SECRETS_DIR`, default `<data dir>/secrets`):
 - `signing/scheduler.ed25519`: the scheduler's Ed25519 seed; it signs work items, cancel notices
   and internal requests. `signing/scheduler.pub` is the public half that verifiers read;
 - `tokens/<name>.token`: bearer tokens of the HTTP endpoints (`desk`: the desk app's operator
-  token; `metrics`: the one every `/metrics` endpoint asks for, services/runtime/metrics.py, in a
+  token; `metrics`: the one every `/metrics` endpoint asks for, services/runtime/messaging/metrics.py, in a
   file of its own so that Prometheus can read it: `authorization: {credentials_file: ...}`).
 
 Nothing here is ever logged, put in an argument, an event or an answer. Files are created with
@@ -26,7 +26,7 @@ SCHEDULER_SIGNING_KEY = "scheduler.ed25519"
 SCHEDULER_VERIFY_KEY = "scheduler.pub"
 TOKEN_DIR = "tokens"
 DESK_TOKEN = "desk"  # the desk app's operator token (services/desk/web.py)
-METRICS_TOKEN = "metrics"  # every service's /metrics (services/runtime/metrics.py)
+METRICS_TOKEN = "metrics"  # every service's /metrics (services/runtime/messaging/metrics.py)
 TOKENS = (DESK_TOKEN, METRICS_TOKEN)
 
 

@@ -6,7 +6,7 @@ What it owns:
 - `ServiceMetrics`: one `CollectorRegistry` per service (never prometheus_client's global default,
   so that tests and several services in one process keep apart) and every family on it.
 - `EndpointStats`: one request/reply endpoint's labelled children, made once when the endpoint is
-  served (services/runtime/bus.py `Router`), so counting a request costs no label lookup: a
+  served (services/runtime/messaging/bus.py `Router`), so counting a request costs no label lookup: a
   histogram observation, and a counter increment when the answer is a refusal (its code as
   `codec.answer_coded` built the envelope with, never decoded again).
 - `authorized`, `metrics_endpoint`, `metrics_app`: GET /metrics in the Prometheus text format,
@@ -14,7 +14,7 @@ What it owns:
   constant time and never logged. The desk app mounts the same handler with its own registry.
   Beside it, GET /healthz without any credential (container healthchecks, Kubernetes probes):
   200 `ok` or 503 `unhealthy`, nothing else (no metric, no name, no secret), from `healthy()`.
-- `MetricsServer`: uvicorn inside the service's own event loop (services/runtime/service.py
+- `MetricsServer`: uvicorn inside the service's own event loop (services/runtime/messaging/service.py
   starts it after start-up and stops it on shutdown). It never takes SIGTERM or SIGINT:
   FastStream owns them, and its shutdown stops this server.
 
@@ -211,7 +211,7 @@ class ServiceMetrics:
 
     async def refresh_consumers(self, js: Any) -> None:
         """One `$JS.API.CONSUMER.INFO.<stream>.<durable>` per watched durable (each service's
-        identity may ask it of its own durables: services/runtime/identities.py `_durable`);
+        identity may ask it of its own durables: services/runtime/security/identities.py `_durable`);
         `js` is a nats-py JetStream context whose timeout bounds each request."""
         import nats.errors
 
@@ -346,7 +346,7 @@ class MetricsServer:
     """`app` served by uvicorn in the running event loop on `host:port` (0: any free port)."""
 
     def __init__(self, app: Any, host: str, port: int, tls_files: tuple[str, str] | None = None) -> None:
-        """`tls_files`: (certificate, key): HTTPS only (services/runtime/tls.py), else plain HTTP."""
+        """`tls_files`: (certificate, key): HTTPS only (services/runtime/security/tls.py), else plain HTTP."""
         self.app, self.host, self.port = app, host, port
         self.tls_files = tls_files
         self._server: Any = None

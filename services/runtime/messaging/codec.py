@@ -9,7 +9,7 @@ import redis.exceptions
 
 from contracts.envelope import Envelope
 from contracts.errors import ApiError, ErrorCode, QuotaBreach
-from services.runtime.settings import MAX_REQUEST_BYTES
+from services.runtime.configuration.settings import MAX_REQUEST_BYTES
 
 T = TypeVar("T")
 log = logging.getLogger("ito.codec")

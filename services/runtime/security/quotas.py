@@ -13,9 +13,9 @@ from typing import Protocol
 from contracts.api import QuotaLimits
 from contracts.errors import ErrorCode
 from services.domain import quotas as decide
-from services.runtime.codec import Refusal, redis_text
-from services.runtime.connections import RedisClient
-from services.runtime.keys import Keys
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging.codec import Refusal, redis_text
+from services.runtime.messaging.connections import RedisClient
 
 MAX_REMEMBERED = 10_000  # accounts whose refusal one scheduler instance remembers at once
 

@@ -15,11 +15,11 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from services.runtime.bus import REQUEST_CONCURRENCY
-from services.runtime.identities import service_inbox
-from services.runtime.secrets import Secrets
-from services.runtime.settings import Settings
-from services.runtime.tls import Certs, client_context
+from services.runtime.configuration.settings import Settings
+from services.runtime.messaging.bus import REQUEST_CONCURRENCY
+from services.runtime.security.identities import service_inbox
+from services.runtime.security.secrets import Secrets
+from services.runtime.security.tls import Certs, client_context
 
 NATS_CONNECT_TIMEOUT_S = 2
 NATS_RECONNECT_WAIT_S = 1  # bounded backoff between reconnect attempts

@@ -8,7 +8,7 @@ anything is created.
 
 Redis layout: `<ns>:apikeys:<account>` maps each public nkey of the account to its KeyRecord (one
 read authenticates a request); the account names are a set split in shards (`<ns>:accounts:<n>`,
-services/runtime/keys.py), so that no one key, hence no one Redis Cluster slot, takes every
+services/runtime/configuration/keys.py), so that no one key, hence no one Redis Cluster slot, takes every
 account. Only the `accounts` identity (operator tooling) writes them; the scheduler reads the keys,
 the ledger the names.
 
@@ -23,10 +23,10 @@ import msgspec
 
 from contracts.api import AuthInfo
 from contracts.errors import ErrorCode
-from services.runtime.codec import Refusal, redis_text
-from services.runtime.connections import RedisClient
-from services.runtime.keys import Keys
-from services.runtime.secrets import new_nkey_seed, nkey_public
+from services.runtime.configuration.keys import Keys
+from services.runtime.messaging.codec import Refusal, redis_text
+from services.runtime.messaging.connections import RedisClient
+from services.runtime.security.secrets import new_nkey_seed, nkey_public
 
 KEY_PREFIX = "ito_sk_"
 MAX_ACCOUNT_LEN = 64

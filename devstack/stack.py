@@ -2,10 +2,10 @@
 `<data_dir>/up.json`. `up` never uses a server it did not start: the machine's NATS and Redis on
 the standard ports have no authentication.
 
-`up --cluster`: a 3-node NATS cluster (services/ops/nats_cluster.py, every stream R3) and
+`up --cluster`: a 3-node NATS cluster (devstack/nats_cluster.py, every stream R3) and
 CLUSTER_INSTANCES instances of every service (`scheduler-1`, `scheduler-2`, ...), each with the
 whole server pool. The instances of a service share its requests (one queue group per service) and
-its durable consumers (one message in flight per durable: services/runtime/service.py); `up`
+its durable consumers (one message in flight per durable: services/runtime/messaging/service.py); `up`
 returns once every instance has answered a health check itself.
 
 Every service process (every instance) serves Prometheus' `/metrics` on a free loopback port of its
@@ -26,12 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from contracts.subjects import HEALTH, SERVICES
-from services.ops import authority, nats_cluster
-from services.runtime import infra
-from services.runtime.bus import INSTANCE_HEADER
-from services.runtime.identities import OPERATOR
-from services.runtime.secrets import DESK_TOKEN, Secrets
-from services.runtime.settings import (
+from devstack import authority, infra, nats_cluster
+from services.runtime.configuration.settings import (
     ENV_DATA_DIR,
     ENV_DESK_PORT,
     ENV_INSTANCE,
@@ -48,7 +44,10 @@ from services.runtime.settings import (
     entitlement_key,
     nats_servers,
 )
-from services.runtime.tls import Certs
+from services.runtime.messaging.bus import INSTANCE_HEADER
+from services.runtime.security.identities import OPERATOR
+from services.runtime.security.secrets import DESK_TOKEN, Secrets
+from services.runtime.security.tls import Certs
 
 SERVICES_READY_TIMEOUT_S = 90.0  # the trainer imports torch; a cold 2-core machine is slow
 CLUSTER_INSTANCES = 2  # of every service under `up --cluster`: one may die, the other serves
@@ -117,7 +116,7 @@ def up(
     and, with `desk`, the desk's web app; returns the recorded state once every one answers its
     health check (or stops everything and raises). With `tls` (or `settings.tls`): NATS requires
     TLS on its client (and route) listeners, the desk and every /metrics serve HTTPS, all with
-    the certificates under `<secrets dir>/tls` (created when missing: services/runtime/tls.py)."""
+    the certificates under `<secrets dir>/tls` (created when missing: services/runtime/security/tls.py)."""
     if tls:
         settings = dataclasses.replace(settings, tls=True)
     existing = read_state(settings)
@@ -188,9 +187,9 @@ def _redis_name(index: int) -> str:
 
 
 def _start_redis_cluster(settings: Settings, logs: pathlib.Path) -> dict[str, Any]:
-    """The Redis Cluster (services/runtime/redis_cluster.py: 3 primaries, a replica each, the
+    """The Redis Cluster (devstack/redis_cluster.py: 3 primaries, a replica each, the
     same ACL file on every node), as `up` records it (`Cluster.as_dict`: no secret in it)."""
-    from services.runtime import redis_cluster
+    from devstack import redis_cluster
 
     aclfile = authority.write_redis_acl(settings)
     root = settings.data_dir / "redis-cluster"
@@ -306,7 +305,7 @@ def _start_desk(env: dict[str, str], logs: pathlib.Path, ca: pathlib.Path | None
     (https, verified with `ca`, when the stack speaks TLS)."""
     import urllib.request
 
-    from services.runtime.tls import client_context
+    from services.runtime.security.tls import client_context
 
     context = client_context(ca) if ca is not None else None
     port = infra.free_port(int(env.get(ENV_DESK_PORT) or DESK_PORT))
@@ -408,7 +407,7 @@ def restart_infra(settings: Settings, name: str) -> infra.Started:
 def _restart_redis_node(state: dict[str, Any], name: str) -> infra.Started:
     """A Redis Cluster node again from its directory, on its port (a failed-over primary rejoins
     as a replica); the recorded cluster gets its new pid."""
-    from services.runtime import redis_cluster
+    from devstack import redis_cluster
 
     cluster = redis_cluster.Cluster.from_dict(state["redis_nodes"])
     node = next(n for n in cluster.nodes if _redis_name(n.index) == name)
@@ -454,7 +453,7 @@ def reload_redis_acl(settings: Settings, admin_password: str) -> None:
         raise RuntimeError("not up")
     aclfile = authority.write_redis_acl(settings)
     if "redis_nodes" in state:  # every node: its replication login and the ACL file
-        from services.runtime import redis_cluster
+        from devstack import redis_cluster
 
         redis_cluster.apply_credentials(
             redis_cluster.Cluster.from_dict(state["redis_nodes"]), aclfile, admin_password

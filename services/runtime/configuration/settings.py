@@ -1,19 +1,19 @@
 """Settings from the environment: every env-var name and its default, in one place (the checkpoint
-store names its own two, ITO_CHECKPOINT_URL and ITO_S3_ENDPOINT_URL: services/runtime/checkpoint_store.py)."""
+store names its own two, ITO_CHECKPOINT_URL and ITO_S3_ENDPOINT_URL: services/runtime/storage/checkpoint_store.py)."""
 
 import os
 import pathlib
 from dataclasses import dataclass
 
-from services.runtime import checkpoint_store
-from services.runtime.checkpoint_store import ENV_CHECKPOINT_URL  # the store owns its names
+from services.runtime.storage import checkpoint_store
+from services.runtime.storage.checkpoint_store import ENV_CHECKPOINT_URL  # the store owns its names
 
 ENV_NATS_URL = "ITO_NATS_URL"
 ENV_REDIS_URL = "ITO_REDIS_URL"
 ENV_REDIS_CLUSTER = "ITO_REDIS_CLUSTER"
 ENV_NAMESPACE = "ITO_NAMESPACE"
 ENV_DATA_DIR = "ITO_DATA_DIR"
-ENV_MODEL_STORE = "ITO_MODEL_STORE"  # base models and tokenizers (services/runtime/model_store.py)
+ENV_MODEL_STORE = "ITO_MODEL_STORE"  # base models and tokenizers (services/runtime/storage/model_store.py)
 ENV_SECRETS_DIR = "ITO_SECRETS_DIR"
 ENV_ENTITLEMENT_KEY = "ITO_ENTITLEMENT_KEY"
 ENV_ENTITLEMENT_KEY_FILE = "ITO_ENTITLEMENT_KEY_FILE"
@@ -29,9 +29,7 @@ ENV_INSTANCE = "ITO_INSTANCE"
 ENV_DESK_PORT = "ITO_DESK_PORT"  # the desk app's port under `up --desk` (default 8765 when free)
 ENV_METRICS_PORT = "ITO_METRICS_PORT"
 ENV_METRICS_HOST = "ITO_METRICS_HOST"
-ENV_TLS = (
-    "ITO_TLS"  # "1": NATS, the desk and /metrics speak TLS with <secrets dir>/tls (services/runtime/tls.py)
-)
+ENV_TLS = "ITO_TLS"  # "1": NATS, the desk and /metrics speak TLS with <secrets dir>/tls (services/runtime/security/tls.py)
 ENV_NATS_CA = "ITO_NATS_CA"  # ecc: the CA file that signed the NATS server's certificate
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # or a comma-separated list: a cluster's server pool
@@ -86,7 +84,7 @@ class Settings:
     data_dir: pathlib.Path
     """Embedded infra state, logs, checkpoints."""
     secrets_dir: pathlib.Path
-    """Credentials, one 0600 file each (services/runtime/secrets.py); default `<data_dir>/secrets`."""
+    """Credentials, one 0600 file each (services/runtime/security/secrets.py); default `<data_dir>/secrets`."""
     model_store_dir: pathlib.Path | None = None
     """The model store (`ITO_MODEL_STORE`); None: `<data_dir>/models` (`model_store`)."""
     confirmation_ttl_s: float
@@ -107,7 +105,7 @@ class Settings:
     instance: str = ""
     """This process's name among several instances of its service (`scheduler-2`); "" for one."""
     metrics_port: int = DEFAULT_METRICS_PORT
-    """Where this process serves Prometheus' `/metrics` (services/runtime/metrics.py, bearer token
+    """Where this process serves Prometheus' `/metrics` (services/runtime/messaging/metrics.py, bearer token
     required); 0: not at all."""
     metrics_host: str = DEFAULT_METRICS_HOST
     """The address `/metrics` listens on."""
@@ -117,7 +115,7 @@ class Settings:
     the NATS server against its `ca.pem`. Off: plain, for a stack on loopback only."""
     checkpoint_url: str = ""
     """Where checkpoints and exports may also live (`ITO_CHECKPOINT_URL`): "" for
-    `<data_dir>/checkpoints`, a shared path, or `s3://bucket/prefix` (services/runtime/checkpoint_store.py)."""
+    `<data_dir>/checkpoints`, a shared path, or `s3://bucket/prefix` (services/runtime/storage/checkpoint_store.py)."""
 
     def __post_init__(self) -> None:
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
@@ -132,12 +130,12 @@ class Settings:
 
     @property
     def model_store(self) -> pathlib.Path:
-        """Where base models and tokenizers live (services/runtime/model_store.py)."""
+        """Where base models and tokenizers live (services/runtime/storage/model_store.py)."""
         return self.model_store_dir or self.data_dir / "models"
 
     @property
     def tls_dir(self) -> pathlib.Path:
-        """The CA and the certificates (services/runtime/tls.py): `<secrets_dir>/tls`."""
+        """The CA and the certificates (services/runtime/security/tls.py): `<secrets_dir>/tls`."""
         return self.secrets_dir / "tls"
 
     @property

@@ -13,7 +13,7 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from contracts import subjects
-from services.runtime.settings import Settings
+from services.runtime.configuration.settings import Settings
 
 DUPLICATE_WINDOW_S = 120.0  # dedup by Nats-Msg-Id; the ledger, not this window, makes runs exactly-once
 RUN_EVENTS_MAX_AGE_S = 30 * 24 * 3600.0  # run events are replayable for a month

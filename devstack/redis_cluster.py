@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import redis
 
-from services.runtime import infra
-from services.runtime.identities import ADMIN, REPLICATION
-from services.runtime.secrets import Secrets
+from devstack import infra
+from services.runtime.security.identities import ADMIN, REPLICATION
+from services.runtime.security.secrets import Secrets
 
 PRIMARIES = 3
 REPLICAS_PER_PRIMARY = 1

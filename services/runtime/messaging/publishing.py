@@ -3,7 +3,7 @@
 The stream drops a second message with the same id inside its duplicate window
 (`streams.DUPLICATE_WINDOW_S`), so a publisher that retries after a lost PubAck never stores a
 message twice. Every stream publish in the services goes through the one `Bus.publish_once`
-(services/runtime/bus.py); the id is the caller's, because only the caller knows what makes two
+(services/runtime/messaging/bus.py); the id is the caller's, because only the caller knows what makes two
 messages "the same".
 """
 

@@ -6,7 +6,7 @@ node 1's agent of a run on two agents (two nodes, torchft replica groups) SIGKIL
 replaced, node 0 training on;
 the scheduler killed between the ledger's reservation and the hand-off; NATS killed and restarted, then Redis, during a stream of train
 requests. For each: detection time, resume time, runs lost, duplicate runs, steps lost (work redone
-since the last checkpoint). The cluster section (services/ops/chaos_cluster.py, `--only cluster`):
+since the last checkpoint). The cluster section (chaos/cluster.py, `--only cluster`):
 exactly-once bursts on `up --cluster` through a NATS node, a Redis primary and a scheduler instance
 killed.
 
@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from services.ops.chaos_stack import (
+from chaos.stack import (
     BIN,
     BURST_REQUEST_TIMEOUT_S,
     CONTROL_PLANE,
@@ -41,7 +41,7 @@ from services.ops.chaos_stack import (
     tenant_connection,
     wait,
 )
-from services.runtime import faults
+from services.runtime.configuration import faults
 
 
 def trainer_killed(root) -> dict:
@@ -362,7 +362,7 @@ async def _burst_with_restart(stack, booking, text, digest, name):
 
 async def _kill_and_restart(stack, name) -> float:
     """SIGKILL the server a second into the burst; the seconds until it answers again."""
-    from services.ops.stack import restart_infra
+    from devstack.stack import restart_infra
 
     await asyncio.sleep(1.0)
     os.kill(stack.infra_pid(name), signal.SIGKILL)
@@ -427,7 +427,7 @@ def record(rows: list[dict], whole: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m services.ops.chaos", description="Fault scenarios on stacks of our own, as a table."
+        prog="python -m chaos.scenarios", description="Fault scenarios on stacks of our own, as a table."
     )
     parser.add_argument(
         "--only",
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "their rows replace theirs in bench/chaos.json, the others are kept",
     )
     args = parser.parse_args(argv)
-    from services.ops import chaos_cluster
+    from chaos import cluster as chaos_cluster
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="ito-chaos-"))
     rows: list[dict] = []

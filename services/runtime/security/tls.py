@@ -26,7 +26,7 @@ import pathlib
 import ssl
 from dataclasses import dataclass
 
-from services.runtime.secrets import read_private, write_once
+from services.runtime.security.secrets import read_private, write_once
 
 TLS_DIR = "tls"
 CA_CERT, CA_KEY = "ca.pem", "ca.key"

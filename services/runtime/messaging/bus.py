@@ -6,7 +6,7 @@ scheduler's signature on internal endpoints; the account the NATS server authent
 endpoints, whose answer must go to that account's own inbox), decodes the request at the edge,
 calls the handler and turns the outcome into the Envelope (`codec.answer`, the one place a refusal
 becomes an envelope). With a `ServiceMetrics` it also times each answer and counts each refusal by
-its code (services/runtime/metrics.py), through children made once per endpoint. `serve`
+its code (services/runtime/messaging/metrics.py), through children made once per endpoint. `serve`
 subscribes a router's subjects on a nats-py connection in a queue group, with a bounded number of
 handlers running at once; tests call `Router.handle` with no broker at all.
 
@@ -31,14 +31,14 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from contracts.endpoints import Endpoint
 from contracts.errors import ErrorCode
-from services.runtime import codec
-from services.runtime.codec import Refusal
-from services.runtime.identities import tenant_inbox
-from services.runtime.publishing import headers_for
-from services.runtime.signing import Verifier
+from services.runtime.messaging import codec
+from services.runtime.messaging.codec import Refusal
+from services.runtime.messaging.publishing import headers_for
+from services.runtime.security.identities import tenant_inbox
+from services.runtime.security.signing import Verifier
 
 if TYPE_CHECKING:  # the request path needs only the children it is handed
-    from services.runtime.metrics import EndpointStats, ServiceMetrics
+    from services.runtime.messaging.metrics import EndpointStats, ServiceMetrics
 
 log = logging.getLogger("ito.bus")
 

@@ -1,5 +1,5 @@
 """What every service's entry point shares: build a FastStream app with a health answer, serve
-request/reply endpoints on nats-py (services/runtime/bus.py: internal ones only when the scheduler
+request/reply endpoints on nats-py (services/runtime/messaging/bus.py: internal ones only when the scheduler
 signed the request; tenant ones with the account the NATS server authenticated), consume JetStream
 streams through FastStream, serve Prometheus' `/metrics` on `ITO_METRICS_PORT` (services/runtime/
 metrics.py: each endpoint's latency and refusals, each durable's lag), and close Redis on the way out.
@@ -20,15 +20,15 @@ from faststream.nats import NatsBroker, NatsMessage
 from contracts.endpoints import Endpoint
 from contracts.internal import Health, HealthQuery
 from contracts.subjects import HEALTH
-from services.runtime import connections
-from services.runtime.bus import Bus, Handler, NatsBus, Router, TenantHandler, serve
-from services.runtime.identities import REDIS_SERVICES, service_inbox
-from services.runtime.keys import Keys
-from services.runtime.metrics import MetricsServer, ServiceMetrics, metrics_app
-from services.runtime.secrets import Secrets
-from services.runtime.settings import Settings
-from services.runtime.signing import Verifier
-from services.runtime.tls import Certs
+from services.runtime.configuration.keys import Keys
+from services.runtime.configuration.settings import Settings
+from services.runtime.messaging import connections
+from services.runtime.messaging.bus import Bus, Handler, NatsBus, Router, TenantHandler, serve
+from services.runtime.messaging.metrics import MetricsServer, ServiceMetrics, metrics_app
+from services.runtime.security.identities import REDIS_SERVICES, service_inbox
+from services.runtime.security.secrets import Secrets
+from services.runtime.security.signing import Verifier
+from services.runtime.security.tls import Certs
 
 log = logging.getLogger("ito.service")
 
@@ -121,7 +121,7 @@ def consume_in_order(
     from faststream import AckPolicy
     from faststream.nats import ConsumerConfig, PullSub
 
-    from services.runtime import streams
+    from services.runtime.messaging import streams
 
     s = w.settings
     decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(message_type)

@@ -1,0 +1,1 @@
+"""The embedded development stack: our own authenticated NATS (one server or a 3-node cluster) and Redis (one or a Redis Cluster) on loopback, the stack `ito-training up` starts, and the booking simulator. Not the product: what a developer, the demo and the suite run on."""
