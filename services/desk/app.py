@@ -7,6 +7,7 @@ NATS as the desk identity. It prints where it listens once it does; the token st
 
 import asyncio
 import json
+import socket
 
 from services.runtime.configuration.settings import Settings
 from services.runtime.security.secrets import DESK_TOKEN, SecretError, Secrets
@@ -17,10 +18,16 @@ DEFAULT_PORT = 8765
 GRACEFUL_S = 3  # open event streams are cut after this long on shutdown
 
 
+def free_port() -> int:
+    """A port nothing listens on now (the desk's own: the product image has no development stack)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(settings: Settings, host: str, port: int, as_json: bool) -> int:
     import uvicorn
 
-    from devstack import infra
     from services.desk.source import DeskSource
     from services.desk.web import build
 
@@ -30,7 +37,7 @@ def main(settings: Settings, host: str, port: int, as_json: bool) -> int:
         scrape_token = secrets.metrics_token()
     except SecretError:
         scrape_token = ""
-    port = port or infra.free_port()
+    port = port or free_port()
     # TLS on (ITO_TLS=1, `up --tls`, compose): HTTPS with the server certificate, no plain HTTP
     cert, key = Certs(settings.tls_dir).server_files() if settings.tls else (None, None)
     app = build(DeskSource(settings), token, scrape_token)

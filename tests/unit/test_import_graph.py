@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("contracts", "ecc", "services", "bench")
+PACKAGES = ("contracts", "ecc", "services", "bench", "devstack", "chaos")
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -134,3 +134,18 @@ def test_contracts_need_nothing_of_ours():
     assert {
         (m, t) for m in edges if m.startswith("contracts") for t in edges[m] if not t.startswith("contracts")
     } == set()
+
+
+def test_the_product_needs_no_development_stack_and_no_chaos_harness():
+    # issue 29: the embedded stack and the chaos harness lived in services/runtime and services/ops;
+    # now they are packages of their own, and only the operator CLI (`ito-training up`) starts one.
+    # The containers carry services/ alone: a service importing devstack would fail there.
+    edges = graph(REPO)
+    reaching = {
+        (m, t)
+        for m in edges
+        if m.startswith("services") and not m.startswith("services.ops")
+        for t in edges[m]
+        if t.startswith(("devstack", "chaos"))
+    }
+    assert reaching == set()
