@@ -40,10 +40,11 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# One process by default. Side by side: `make test PYTEST_ARGS="-n 3 --dist loadgroup"` (pytest-xdist);
-# the timing-sensitive fault and multi-process tests then form one group that one worker runs in turn
-# (tests/conftest.py). Not the default yet: on 2 busy cores it was not faster and not yet flake-free.
-PYTEST_ARGS ?=
+# Two workers side by side (pytest-xdist): most e2e time is waiting on stacks. The timing-sensitive
+# multi-process tests form one group that one worker runs in turn, and a module whose fixture is
+# expensive (a stack, the quick bench) stays on one worker (tests/conftest.py). One process:
+# `make test PYTEST_ARGS=`. The long fault scenarios are `make chaos`'s (marker `chaos`).
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 test: install sysdeps lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
 
@@ -52,9 +53,11 @@ BENCH_ARGS ?=
 bench: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.run $(BENCH_ARGS)
 
-# Fault scenarios (trainer/scheduler SIGKILL, NATS/Redis restarts) on embedded infra -> a table.
+# Fault scenarios (trainer/scheduler SIGKILL, NATS/Redis restarts) on embedded infra -> a table;
+# then the suite's long fault tests (marker `chaos`), whole.
 chaos: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m chaos.scenarios
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -m chaos
 
 # ITO_CLUSTER=1 (here and for `make demo`): a 3-node NATS cluster and two instances of every service.
 up: install

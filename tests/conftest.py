@@ -259,10 +259,11 @@ def namespace():
     return new_namespace()
 
 
-# The suite can run side by side under pytest-xdist (`make test PYTEST_ARGS="-n 3 --dist loadgroup"`): most e2e time is
-# waiting on stacks, not CPU. The long fault scenarios and the multi-process trainings are timing-
+# The suite runs side by side under pytest-xdist (`make test`: `-n 2 --dist loadgroup`): most e2e
+# time is waiting on stacks, not CPU. The fault scenarios and the multi-process trainings are timing-
 # sensitive under load, so they share one group: one worker runs them one after another while the
-# others take the rest.
+# other takes the rest. A module whose tests share an expensive module-scoped fixture (a stack, the
+# quick bench, a built model) is a group of its own, so that fixture is made once, not once per worker.
 SERIAL_FILES = (
     "tests/e2e/test_multinode_e2e.py",
     "tests/e2e/test_multinode_faults.py",
@@ -277,8 +278,23 @@ SERIAL_FILES = (
 )
 
 
+def module_scoped(item) -> bool:
+    """Does the test use a fixture made once per module?"""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope == "module" for chain in defs for d in chain)
+
+
+def xdist_group(path: str, item) -> str | None:
+    if path.startswith(SERIAL_FILES):
+        return "serial"
+    if module_scoped(item):
+        return path
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        path = pathlib.Path(str(item.fspath)).relative_to(REPO).as_posix()
-        if path.startswith(SERIAL_FILES):
-            item.add_marker(pytest.mark.xdist_group("serial"))
+        group = xdist_group(pathlib.Path(str(item.fspath)).relative_to(REPO).as_posix(), item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

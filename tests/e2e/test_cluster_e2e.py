@@ -104,6 +104,7 @@ async def replicas(s: Stack) -> dict[str, int]:
         await nc.close()
 
 
+@pytest.mark.chaos  # long: `make chaos` runs it (its short version stays in the suite)
 def test_cluster_trains_through_the_loss_of_a_nats_node(tmp_path_factory, manifest):
     began = time.monotonic()
     s, started = start_cluster(tmp_path_factory.mktemp("cluster"))

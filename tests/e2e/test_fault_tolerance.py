@@ -31,6 +31,7 @@ def rollup_of(stack, booking):
     return rollups.get(("booking", booking))
 
 
+@pytest.mark.chaos  # long: `make chaos` runs it (its short version stays in the suite)
 def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
     stack = make_stack()
     account, _, env = stack.account()

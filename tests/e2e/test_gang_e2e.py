@@ -119,6 +119,7 @@ def _rank_pids(job: pathlib.Path) -> list[int]:
     return pids
 
 
+@pytest.mark.chaos  # long: `make chaos` runs it (its short version stays in the suite)
 def test_a_rank_killed_mid_stage_is_restarted_from_the_last_checkpoint(stack, manifest):
     env, booking = _tenant(stack)
     tokens = 60 * 8 * 32

@@ -120,6 +120,7 @@ def _alive(pid: int) -> bool:
     return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
+@pytest.mark.chaos  # long: `make chaos` runs it (its short version stays in the suite)
 @pytest.mark.skipif(not pathlib.Path("/proc/self/fd").is_dir(), reason="finds node 1's agent through /proc")
 def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack, manifest):
     account, _, env = stack.account()

@@ -38,6 +38,7 @@ def _node_events(run_dir: pathlib.Path, node: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.chaos  # long: `make chaos` runs it (its short version stays in the suite)
 def test_an_approved_spike_restart_rewinds_every_node_alike(tmp_path_factory, manifest):
     spike_env = {faults.ENV_FAULT_POINT: faults.TRAINER_LOSS_SPIKE, faults.ENV_SPIKE_STEP: "24"}
     with multi_agent_stack(tmp_path_factory.mktemp("multinode-spike"), spike_env) as stack:
@@ -93,6 +94,7 @@ def test_an_approved_spike_restart_rewinds_every_node_alike(tmp_path_factory, ma
         assert node0[steps] == node1[steps] == steps + (28 - 20), (node0, node1)
 
 
+@pytest.mark.chaos  # long: `make chaos` runs it (its short version stays in the suite)
 def test_a_follower_stopped_by_the_pause_heals_from_node_0_at_the_restart(tmp_path_factory, manifest):
     """A long stage: node 1 trains on alone while node 0 waits for it after the spike, until the
     pause withdraws its lease; it has pruned the proposal's checkpoint by then, so at the restart it
