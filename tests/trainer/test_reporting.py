@@ -30,7 +30,8 @@ from services.trainer.agent.emitter import Emitter
 from services.trainer.agent.worker import Stop, final_state
 from services.trainer.engine.checkpoint import Checkpointer
 from services.trainer.engine.loop import LoopSettings
-from services.trainer.engine.reporting import Recorder
+from services.trainer.engine.reporting import EventFile, Recorder, Reporter
+from services.trainer.launch.elastic import EventTail
 from services.trainer.recipes import pipeline
 from services.trainer.recipes.pipeline import PipelineResult
 from services.trainer.recipes.posttrain import PostConfig
@@ -119,6 +120,27 @@ def test_the_emitter_publishes_typed_events_from_the_thread_and_refuses_dicts(ru
         ("run-1:3:1", LogLine, 1, 3),
         ("run-1:3:2", StageStarted, 2, 3),
     ]
+
+
+def test_one_file_sink_written_from_two_threads_reads_back_whole(tmp_path):
+    # issue 29: a node's log and a gang's rank-0 events file were two writers of one format (with
+    # `EventTail` reading it, three shapes of one thing); `EventFile` is the one file sink now.
+    path = tmp_path / "events.jsonl"
+    with EventFile(path) as sink:
+        reports = [Reporter(sink, run_id=f"run-{i}") for i in range(2)]
+        threads = [
+            threading.Thread(target=lambda r=r: [r.log(f"line {n}") for n in range(200)]) for r in reports
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    reports[0].log("after the close: dropped, not raised")
+    read = EventTail(path).read()
+    assert len(read) == 400 and all(isinstance(e, LogLine) for e in read)
+    assert sorted(e.run_id for e in read) == ["run-0"] * 200 + ["run-1"] * 200
+    with pytest.raises(TypeError):
+        EventFile(tmp_path / "other.jsonl")(UNTYPED)  # type: ignore[arg-type]
 
 
 # --- outcomes and stop reasons ------------------------------------------------------------------

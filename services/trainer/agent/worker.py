@@ -71,7 +71,7 @@ from services.trainer.agent.storage import StorageUnavailable
 from services.trainer.engine import loss_spikes
 from services.trainer.engine.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.engine.distributed import ParallelismError
-from services.trainer.engine.reporting import Reporter, Sink, check_event
+from services.trainer.engine.reporting import EventFile, Reporter, Sink, check_event
 from services.trainer.launch import multinode
 from services.trainer.launch.elastic import Gang, GangFailed, GangLost, gang_dims, refusal
 from services.trainer.outputs import exports, sampling
@@ -253,26 +253,6 @@ class SpikeWatch:
         )
         pin(stage_dir, proposal.checkpoint_step)
         return proposal
-
-
-class NodeLog:
-    """A node's events (n > 0 of a multi-node run) as JSON lines; written from the training thread
-    and torchft's quorum thread alike."""
-
-    def __init__(self, path: pathlib.Path) -> None:
-        self._file = open(path, "ab")
-        self._lock = threading.Lock()
-
-    def write(self, event: RunEvent) -> None:
-        line = msgspec.json.encode(check_event(event)) + b"\n"
-        with self._lock:
-            if not self._file.closed:
-                self._file.write(line)
-                self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            self._file.close()
 
 
 def decode_work(body: bytes) -> tuple[TrainWork, Manifest]:
@@ -588,8 +568,8 @@ class Worker:
         stop = self.stops[run_id] = Stop()
         self.epochs[run_id], self.node_ranks[run_id] = epoch, work.node_rank
         keep_alive = asyncio.create_task(self._keep_alive(msg, run_id, epoch, stop, work.node_rank))
-        node_log = NodeLog(checkpoint_dir / "node.jsonl")
-        report = Reporter(node_log.write, run_id=run_id, epoch=epoch)
+        node_log = EventFile(checkpoint_dir / "node.jsonl")
+        report = Reporter(node_log, run_id=run_id, epoch=epoch)
         share: multinode.NodeShare | None = None
         failure: str | None = None
         try:

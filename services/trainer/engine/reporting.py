@@ -2,13 +2,19 @@
 
 Every stage, the loop and the ladder report through a `Reporter`; each method builds one event of
 `contracts.runs` (envelope included: run id, lease epoch, time; `seq` 0 until the emitter assigns it
-on the event loop) and hands it to the sink. The sink only ever sees contract Structs: in the worker
-it is the spike watch, then the emitter; in tests and the bench a `Recorder`.
+on the event loop) and hands it to the sink. A sink is one protocol, `Sink` (a callable taking a
+contract event), with three kinds behind it: the agent's emitter (to the bus, through the spike
+watch), an `EventFile` (JSON lines on disk: a gang's rank 0, a follower node), and a `Recorder`
+(memory: tests and the bench).
 """
 
+import pathlib
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TypeVar
+
+import msgspec
 
 from contracts.evals import EvalMetric, ProvenanceStep
 from contracts.runs import (
@@ -162,6 +168,32 @@ def rank0_only(report: Reporter, rank: int | None = None) -> Reporter:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+class EventFile:
+    """A `Sink` writing each event as one JSON line, flushed; safe from several threads (a training
+    thread and torchft's quorum thread). Read back with `launch.elastic.EventTail`."""
+
+    def __init__(self, path: pathlib.Path | str) -> None:
+        self._file = open(path, "ab")
+        self._lock = threading.Lock()
+
+    def __call__(self, event: RunEvent) -> None:
+        line = msgspec.json.encode(check_event(event)) + b"\n"
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> "EventFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Recorder(Reporter):

@@ -36,7 +36,7 @@ from services.trainer.engine.checkpoint import CHECKPOINT_DEFAULTS
 from services.trainer.engine.distributed import ParallelDims, ParallelismError
 from services.trainer.engine.fault_tolerance import GangStore, ReplicaGroup
 from services.trainer.engine.loop import pick_device
-from services.trainer.engine.reporting import Reporter, Sink, rank0_only
+from services.trainer.engine.reporting import EventFile, Reporter, Sink, rank0_only
 from services.trainer.recipes.posttrain import PostConfig, PostResult, Problem
 from services.trainer.recipes.pretrain import Replicas, StageConfig, StageResult, train_stage
 from services.trainer.recipes.rlvr import RlvrConfig, RlvrResult, train_post
@@ -233,13 +233,12 @@ def post_config(job: PostJob, dims: ParallelDims, device: str) -> PostConfig:
     return RlvrConfig(**fields, rlvr=job.rlvr, threads=job.threads)
 
 
-def _file_sink(events: TextIO | None, losses: TextIO | None) -> Sink:
-    encoder = msgspec.json.Encoder()
+def _file_sink(events: EventFile | None, losses: TextIO | None) -> Sink:
+    """The events file's sink, and each step's loss line in the losses file (the gang tests' curves)."""
 
     def sink(event: RunEvent) -> None:
         if events is not None:
-            events.write(encoder.encode(event).decode() + "\n")
-            events.flush()
+            events(event)
         if losses is not None and isinstance(event, Metrics):
             line = {
                 "step": event.step,
@@ -311,7 +310,7 @@ def _rank0_reporter(job: Job) -> Iterator[Reporter]:
     `rank0_only`: only rank 0's reporter writes, so the files hold one copy of each event whatever
     the world size."""
     with (
-        open(job.events_path, "a") if job.events_path else nullcontext() as events,
+        EventFile(job.events_path) if job.events_path else nullcontext() as events,
         open(job.losses_path, "a") if job.losses_path else nullcontext() as losses,
     ):
         yield rank0_only(Reporter(_file_sink(events, losses), run_id=f"gang-{job.stage}"))
