@@ -19,7 +19,6 @@ import pytest
 
 from contracts.runs import CheckpointSaved, LogLine, Metrics
 from services.trainer.engine.checkpoint import MARKER, SIDECAR, list_checkpoints
-from services.trainer.launch.rank import StageJob
 from tests.distributed import torchrun
 
 pytestmark = pytest.mark.distributed
@@ -29,7 +28,7 @@ STEPS = 12
 
 
 def _job(tmp: Path, name: str, **overrides) -> Path:
-    job = StageJob(
+    job = torchrun.stage_job(
         steps=STEPS,
         batch_size=8,
         seq_len=32,

@@ -17,7 +17,7 @@ from contracts.models import MODEL_SHAPES
 from services.trainer.data.corpora import load_text, task_problems
 from services.trainer.engine.checkpoint import load_weights
 from services.trainer.engine.fault_tolerance import start_lighthouse
-from services.trainer.launch.rank import PostJob, ReplicaJob
+from services.trainer.launch.rank import ReplicaJob
 from services.trainer.model import Transformer
 from tests.distributed import torchrun
 
@@ -31,9 +31,9 @@ def _job(directory: Path, replica_group: ReplicaJob | None, **dims) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     problems = directory / "problems.json"
     problems.write_bytes(msgspec.json.encode(task_problems(load_text("generated:small_arithmetic"))))
-    job = PostJob(
+    job = torchrun.post_job(
         stage="sft",
-        problems_path=str(problems),
+        problems=msgspec.json.decode(problems.read_bytes(), type=list[tuple[str, str]]),
         steps=STEPS,
         batch_size=8,
         learning_rate=1e-3,

@@ -21,7 +21,6 @@ from contracts.manifest import RlvrStage
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted
 from services.trainer.data.corpora import load_text, task_problems
 from services.trainer.engine.checkpoint import list_checkpoints
-from services.trainer.launch.rank import PostJob
 from tests.distributed import torchrun
 
 pytestmark = pytest.mark.distributed
@@ -46,9 +45,9 @@ def problems(post_dir) -> Path:
 
 
 def _job(tmp: Path, problems: Path, name: str, stage: str, **overrides) -> Path:
-    job = PostJob(
+    job = torchrun.post_job(
         stage=stage,
-        problems_path=str(problems),
+        problems=msgspec.json.decode(problems.read_bytes(), type=list[tuple[str, str]]),
         steps=overrides.pop("steps"),
         batch_size=overrides.pop("batch_size", 8),
         learning_rate=overrides.pop("learning_rate", 1e-3),

@@ -28,7 +28,7 @@ from contracts.models import MODEL_SHAPES
 from contracts.runs import LogLine, RunEvent
 from services.trainer.engine.checkpoint import list_checkpoints
 from services.trainer.engine.fault_tolerance import start_lighthouse
-from services.trainer.launch.rank import ReplicaJob, StageJob
+from services.trainer.launch.rank import ReplicaJob
 from services.trainer.model import Transformer
 from tests.distributed import torchrun
 from tests.support import eventually
@@ -48,7 +48,7 @@ class GangGroup:
         self.dir = tmp / f"group-{replica_id}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.dir / "ckpt"
-        job = StageJob(
+        job = torchrun.stage_job(
             steps=STEPS,
             batch_size=8,
             seq_len=32,

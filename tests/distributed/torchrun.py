@@ -1,6 +1,7 @@
 """What the distributed tests share: starting a script or `rank_main` on N ranks under torchrun
 (or in one process), and reading what rank 0 wrote (its summary, losses and events)."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -10,7 +11,13 @@ from pathlib import Path
 
 import msgspec
 
+from contracts.models import MODEL_SHAPES
 from contracts.runs import RunEvent
+from services.trainer.engine.distributed import ParallelDims
+from services.trainer.launch.rank import Job, PostJob, ReplicaJob, RlvrJob, StageJob
+from services.trainer.recipes.posttrain import PostConfig
+from services.trainer.recipes.pretrain import StageConfig
+from services.trainer.recipes.rlvr import RlvrConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240  # one torchrun of 2-4 ranks takes 10-30 s on 2 cores, longer beside other gangs
@@ -25,6 +32,48 @@ def rank0_files(directory: Path) -> dict[str, str]:
         "losses_path": str(directory / "losses.jsonl"),
         "events_path": str(directory / "events.jsonl"),
     }
+
+
+FILES = ("losses_path", "events_path", "result_path")
+
+
+def stage_job(
+    *,
+    strategy: str = "single",
+    degrees: dict[str, int] | None = None,
+    replica_group: ReplicaJob | None = None,
+    **fields,
+) -> StageJob:
+    """A tiny next-token stage's job: rank 0's files and the config's fields by name (the tiny
+    model, generated arithmetic, lr 3e-3 unless given), the plan's dims from strategy and degrees."""
+    files = {k: fields.pop(k) for k in FILES if k in fields}
+    config = StageConfig(
+        **{
+            "stage": "pretrain",
+            "shape": MODEL_SHAPES["tiny"],
+            "train_sources": ["generated:arithmetic"],
+            "learning_rate": 3e-3,
+            **fields,
+        }
+    )
+    dims = ParallelDims.from_plan(strategy, degrees or {})
+    return StageJob(config=dataclasses.replace(config, parallel=dims), replica_group=replica_group, **files)
+
+
+def post_job(
+    *,
+    strategy: str = "single",
+    degrees: dict[str, int] | None = None,
+    replica_group: ReplicaJob | None = None,
+    **fields,
+) -> Job:
+    """A post stage's job (an RlvrJob when the fields name an `rlvr` section), as `stage_job`."""
+    files = {k: fields.pop(k) for k in FILES if k in fields}
+    fields = {"shape": MODEL_SHAPES["tiny"], "rope_base": None, "seed": 0, **fields}
+    config = RlvrConfig(**fields) if "rlvr" in fields else PostConfig(**fields)
+    dims = ParallelDims.from_plan(strategy, degrees or {})
+    kind = RlvrJob if isinstance(config, RlvrConfig) else PostJob
+    return kind(config=dataclasses.replace(config, parallel=dims), replica_group=replica_group, **files)
 
 
 def write_job(directory: Path, job: msgspec.Struct) -> Path:

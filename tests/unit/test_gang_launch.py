@@ -2,6 +2,7 @@
 the torchrun command line, the job every rank reads (a next-token or a post-training stage), rank 0's events handed on, and how the
 launcher's exit code and rank 0's result become the stage's outcome."""
 
+import dataclasses
 import json
 import pathlib
 from datetime import UTC, datetime
@@ -25,13 +26,12 @@ from services.trainer.launch.elastic import (
     GangLost,
     LaunchSpec,
     gang_dims,
-    post_job,
     read_outcome,
     refusal,
-    stage_job,
     torchrun_command,
 )
-from services.trainer.launch.rank import PostJob, StageJob, read_job
+from services.trainer.launch.rank import JOB_CAP_BYTES, PostJob, RlvrJob, StageJob, job_for, main, read_job
+from services.trainer.recipes.posttrain import PostConfig
 from services.trainer.recipes.pretrain import StageConfig
 from services.trainer.recipes.rlvr import RlvrConfig
 from tests.conftest import REPO, write_manifest
@@ -168,8 +168,8 @@ def test_the_torchrun_command_line():
     ]
 
 
-def test_the_job_every_rank_reads_carries_the_stage_and_the_plan(tmp_path):
-    cfg = StageConfig(
+def _config() -> StageConfig:
+    return StageConfig(
         stage="long_context",
         shape=MODEL_SHAPES["tiny"],
         train_sources=["generated:arithmetic"],
@@ -187,24 +187,27 @@ def test_the_job_every_rank_reads_carries_the_stage_and_the_plan(tmp_path):
         checkpoint_interval=2,
         keep_last=3,
     )
-    job = stage_job(cfg, ParallelDims(strategy="fsdp2", dp_shard=4), tmp_path)
+
+
+def test_the_job_every_rank_reads_carries_the_stage_config_whole_and_the_plan(tmp_path):
+    # issue 29: the job was a field-by-field copy of the config (StageJob), rebuilt on the rank
+    # field by field (rank_main.stage_config): what the copy forgot (weight decay, betas, grad clip,
+    # held-out share, ...) trained with its default on a gang. The job carries the config whole now.
+    cfg = dataclasses.replace(
+        _config(), weight_decay=0.05, betas=(0.8, 0.9), grad_clip=0.5, held_out_fraction=0.2, z_loss=1e-4
+    )
+    dims = ParallelDims(strategy="fsdp2", dp_shard=4)
+    job = job_for(cfg, dims, tmp_path)
     path = tmp_path / "job.json"
     path.write_bytes(msgspec.json.encode(job))
     back = read_job(str(path))
     assert isinstance(back, StageJob)
-    assert (back.strategy, back.degrees) == ("fsdp2", {"dp_shard": 4})
-    assert (back.stage, back.steps, back.batch_size, back.seq_len) == ("long_context", 5, 8, 32)
-    assert (back.decay, back.min_lr_ratio, back.rope_base) == ("linear", 0.0, 40000.0)
-    assert (back.init_from, back.checkpoint_dir, back.eval_sources) == (
-        "/runs/r1/midtrain",
-        "/runs/r1/long_context",
-        ["generated:arithmetic"],
-    )
+    assert back.config == dataclasses.replace(cfg, parallel=dims)
     assert back.events_path == str(tmp_path / "events.jsonl")
     assert back.result_path == str(tmp_path / "result.json")
 
 
-def test_the_job_of_a_post_stage_carries_its_section_and_the_plan(tmp_path):
+def test_the_job_of_a_post_stage_carries_its_config_and_data_whole(tmp_path):
     section = RlvrStage(steps=3, prompts_per_step=2, group_size=4)
     cfg = RlvrConfig(
         stage="rlvr",
@@ -220,18 +223,27 @@ def test_the_job_of_a_post_stage_carries_its_section_and_the_plan(tmp_path):
         rlvr=section,
         threads=3,
     )
-    job = post_job(cfg, ParallelDims(strategy="ddp", dp_replicate=2), tmp_path)
+    dims = ParallelDims(strategy="ddp", dp_replicate=2)
+    sft = PostConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PostConfig)})
+    for config, kind in ((cfg, RlvrJob), (dataclasses.replace(sft, stage="sft"), PostJob)):
+        path = tmp_path / "job.json"
+        path.write_bytes(msgspec.json.encode(job_for(config, dims, tmp_path)))
+        back = read_job(str(path))
+        assert type(back) is kind and back.config == dataclasses.replace(config, parallel=dims)
+        assert (back.events_path, back.result_path) == (
+            str(tmp_path / "events.jsonl"),
+            str(tmp_path / "result.json"),
+        )
+
+
+def test_a_job_whose_config_fails_its_checks_is_refused_with_its_result_written(tmp_path):
+    job = msgspec.json.decode(msgspec.json.encode(job_for(_config(), ParallelDims(), tmp_path)))
+    job["config"]["steps"] = 0  # StageConfig's own check, run on decode
     path = tmp_path / "job.json"
-    path.write_bytes(msgspec.json.encode(job))
-    back = read_job(str(path))
-    assert isinstance(back, PostJob)
-    assert (back.stage, back.strategy, back.degrees, back.seed) == ("rlvr", "ddp", {"dp_replicate": 2}, 7)
-    assert (back.rlvr, back.threads, back.init_from) == (section, 3, "/runs/r1/dpo")
-    assert back.problems_path == str(tmp_path / "problems.json")
-    assert (back.events_path, back.result_path) == (
-        str(tmp_path / "events.jsonl"),
-        str(tmp_path / "result.json"),
-    )
+    path.write_text(json.dumps(job))
+    assert main(["--config", str(path)]) == 2
+    assert "at least 1 step" in json.loads((tmp_path / "result.json").read_text())["refused"]
+    assert JOB_CAP_BYTES >= 64 << 20  # a post stage's job carries its tasks, examples or pairs
 
 
 @pytest.mark.parametrize(

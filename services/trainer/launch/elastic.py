@@ -2,8 +2,8 @@
 every stage (next-token and post-training) on a gang that PyTorch's elastic launcher starts, never
 on one process.
 
-For each stage the agent writes a `rank_main.StageJob` (pretrain, midtrain, long_context) or a
-`rank_main.PostJob` (SFT, DPO, RLVR, with the stage's prepared tasks in a file beside it), starts `python -m torch.distributed.run`
+For each stage the agent writes the stage's job (`launch.rank.job_for`: the stage's own config, whole,
+with the plan's dims: pretrain, midtrain, long_context, SFT, DPO, RLVR), starts `python -m torch.distributed.run`
 (c10d rendezvous on a loopback port, `--max-restarts`, per-rank logs under the stage's gang
 directory) as a child process, and tails rank 0's events file into its own reporter (the spike
 watch, then the bus: ranks hold no bus credentials). A stop (cancel, fence, spike) is a SIGTERM to
@@ -47,7 +47,7 @@ from services.trainer.engine.checkpoint import load_weights
 from services.trainer.engine.distributed import ParallelDims, ParallelismError
 from services.trainer.engine.loop import pick_device
 from services.trainer.engine.reporting import Reporter
-from services.trainer.launch.rank import Job, PostJob, ReplicaJob, StageJob
+from services.trainer.launch.rank import Job, ReplicaJob, job_for
 from services.trainer.model import Transformer
 from services.trainer.recipes.posttrain import PostConfig, PostResult
 from services.trainer.recipes.pretrain import StageConfig, StageResult, build_model
@@ -145,75 +145,6 @@ def torchrun_command(spec: LaunchSpec, job: pathlib.Path) -> list[str]:
     ]
 
 
-def stage_job(
-    cfg: StageConfig, dims: ParallelDims, directory: pathlib.Path, replica_group: ReplicaJob | None = None
-) -> StageJob:
-    """The job every rank of the gang runs: the stage's config, the plan's dims (this node's, for a
-    multi-node run's replica group), rank 0's files."""
-    return StageJob(
-        shape=cfg.shape,
-        steps=cfg.steps,
-        batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        seed=cfg.seed,
-        learning_rate=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
-        strategy=dims.strategy,
-        degrees=dims.degrees(),
-        checkpoint_dir=cfg.checkpoint_dir,
-        checkpoint_interval=cfg.checkpoint_interval,
-        keep_last=cfg.keep_last,
-        train_sources=list(cfg.train_sources),
-        stage=cfg.stage,
-        device=cfg.device,
-        events_path=str(directory / "events.jsonl"),
-        result_path=str(directory / "result.json"),
-        eval_sources=list(cfg.eval_sources),
-        min_lr_ratio=cfg.min_lr_ratio,
-        decay=cfg.decay,
-        rope_base=cfg.rope_base,
-        init_from=cfg.init_from,
-        z_loss=cfg.z_loss,
-        replica_group=replica_group,
-    )
-
-
-def post_job(
-    cfg: PostConfig, dims: ParallelDims, directory: pathlib.Path, replica_group: ReplicaJob | None = None
-) -> PostJob:
-    """The job every rank of the gang runs for a post-training stage; its tasks go to
-    `directory/problems.json` (written by `Gang.train_post`), which every rank reads.
-    `replica_group`: the gang is its node's replica group of a multi-node run (SFT, DPO)."""
-    rlvr = cfg if isinstance(cfg, RlvrConfig) else None
-    return PostJob(
-        stage=cfg.stage,
-        shape=cfg.shape,
-        rope_base=cfg.rope_base,
-        problems_path=str(directory / "problems.json"),
-        examples_path=str(directory / "examples.json") if cfg.examples else None,
-        pairs_path=str(directory / "pairs.json") if cfg.pairs else None,
-        pad_id=cfg.pad_id,
-        lora=cfg.lora,
-        steps=cfg.steps,
-        batch_size=cfg.batch_size,
-        learning_rate=cfg.learning_rate,
-        seed=cfg.seed,
-        checkpoint_dir=cfg.checkpoint_dir,
-        checkpoint_interval=cfg.checkpoint_interval,
-        keep_last=cfg.keep_last,
-        init_from=cfg.init_from,
-        beta=cfg.beta,
-        rlvr=rlvr.rlvr if rlvr is not None else None,
-        threads=rlvr.threads if rlvr is not None else 1,
-        strategy=dims.strategy,
-        degrees=dims.degrees(),
-        device=cfg.device,
-        events_path=str(directory / "events.jsonl"),
-        result_path=str(directory / "result.json"),
-        replica_group=replica_group,
-    )
-
-
 def read_outcome(
     rc: int, result: dict[str, Any] | None, stopped: bool, spec: LaunchSpec
 ) -> dict[str, Any] | None:
@@ -282,7 +213,7 @@ class Gang:
     def train_stage(self, cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool]) -> StageResult:
         directory = self.run_dir / "gang" / cfg.stage
         directory.mkdir(parents=True, exist_ok=True)
-        summary = self._run_job(stage_job(cfg, self.dims, directory, self.replica_group), report, should_stop)
+        summary = self._run_job(job_for(cfg, self.dims, directory, self.replica_group), report, should_stop)
         if summary is None:
             return StageResult(
                 final_step=0, first_loss=None, final_loss=None, held_out_loss=None, stopped=True, tokens=0
@@ -292,21 +223,11 @@ class Gang:
     def train_post(
         self, cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]
     ) -> PostResult | RlvrResult:
-        """SFT, DPO or RLVR (`cfg` an RlvrConfig) on the gang; the tasks the agent prepared go to the
-        ranks in a file."""
+        """SFT, DPO or RLVR (`cfg` an RlvrConfig) on the gang; the data the agent prepared goes to
+        the ranks inside the job."""
         directory = self.run_dir / "gang" / cfg.stage
         directory.mkdir(parents=True, exist_ok=True)
-        job = post_job(cfg, self.dims, directory, self.replica_group)
-        for path, rows in (
-            (job.problems_path, cfg.problems),
-            (job.examples_path, cfg.examples),
-            (job.pairs_path, cfg.pairs),
-        ):
-            if path is not None:
-                target = pathlib.Path(path)
-                target.with_name(target.name + ".tmp").write_bytes(msgspec.json.encode(rows))
-                os.replace(target.with_name(target.name + ".tmp"), target)
-        summary = self._run_job(job, report, should_stop)
+        summary = self._run_job(job_for(cfg, self.dims, directory, self.replica_group), report, should_stop)
         if summary is None:
             return PostResult(final_step=0, first_loss=None, final_loss=None, stopped=True)
         model = self._trained_model(
@@ -345,7 +266,8 @@ class Gang:
         events_path = pathlib.Path(job.events_path)
         events_path.unlink(missing_ok=True)  # a redelivered run's earlier attempt was reported then
         job_path = result_path.parent / "job.json"
-        job_path.write_bytes(msgspec.json.encode(job))
+        job_path.with_name("job.json.tmp").write_bytes(msgspec.json.encode(job))
+        os.replace(job_path.with_name("job.json.tmp"), job_path)
         spec = LaunchSpec(
             nproc=self.dims.world_size,
             port=free_port(),
@@ -353,7 +275,7 @@ class Gang:
             log_dir=result_path.parent / "logs",
         )
         report.log(
-            f"{job.stage}: starting a gang of {spec.nproc} ranks ({self.dims.strategy} "
+            f"{job.config.stage}: starting a gang of {spec.nproc} ranks ({self.dims.strategy} "
             f"{self.dims.degrees()}) with torchrun, up to {spec.max_restarts} restarts"
         )
         rc, stopped = self._launch(spec, job_path, EventTail(events_path), report, should_stop)

@@ -23,7 +23,7 @@ starts late, or replaces a lost one, heals rank by rank from the same rank of a 
 shards; see fault_tolerance).
 
 Post-training trains the same way (`NodeShare.train_post`): each node's share is its replica group
-(its process, or its gang with a `replica_group` in the gang's PostJob). SFT and DPO: the groups
+(its process, or its gang with a `replica_group` in the gang's job). SFT and DPO: the groups
 split the global batch and each group's ranks its share, token means over the global batch
 (services/trainer/recipes/posttrain.py). RLVR: rank 0 of each group runs one rollout worker and samples the
 group's share of the step's prompts (prompts of its own), and the token mean is over every group's
