@@ -22,7 +22,7 @@ from services.runtime.configuration.settings import (
 )
 
 BIN = pathlib.Path(sys.executable).parent
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 CONTROL_PLANE = "entitlement,confirmation,ledger,scheduler"
 UP_TIMEOUT_S = 180  # `up` waits up to 90 s for health; the trainer imports torch
 BURST_REQUEST_TIMEOUT_S = 8  # one request of the burst; an outage answers as a transport error

@@ -302,27 +302,46 @@ DESK_READY_TIMEOUT_S = 30.0
 
 def _start_desk(env: dict[str, str], logs: pathlib.Path, ca: pathlib.Path | None = None) -> dict[str, Any]:
     """`ito-training desk serve` as a process of its own, once its /healthz answers: its pid and URL
-    (https, verified with `ca`, when the stack speaks TLS)."""
+    (https, verified with `ca`, when the stack speaks TLS). The preferred port first; a desk that
+    exits at start (another stack's desk took the port between the check and the bind) is started
+    again on any free port, up to `DESK_ATTEMPTS` times."""
+    for attempt in range(DESK_ATTEMPTS):
+        preferred = int(env.get(ENV_DESK_PORT) or DESK_PORT) if attempt == 0 else None
+        try:
+            return _desk_on(infra.free_port(preferred), env, logs, ca)
+        except _ExitedAtStart:
+            if attempt == DESK_ATTEMPTS - 1:
+                raise RuntimeError(f"the desk app exited at start; see {logs / 'desk.log'}") from None
+    raise AssertionError("unreachable")
+
+
+DESK_ATTEMPTS = 3
+
+
+class _ExitedAtStart(Exception):
+    pass
+
+
+def _desk_on(port: int, env: dict[str, str], logs: pathlib.Path, ca: pathlib.Path | None) -> dict[str, Any]:
     import urllib.request
 
     from services.runtime.security.tls import client_context
 
     context = client_context(ca) if ca is not None else None
-    port = infra.free_port(int(env.get(ENV_DESK_PORT) or DESK_PORT))
-    out = open(logs / "desk.log", "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.ops.main", "desk", "serve", "--port", str(port)],
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with open(logs / "desk.log", "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.ops.main", "desk", "serve", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     url = f"{'https' if ca is not None else 'http'}://127.0.0.1:{port}"
     deadline = time.monotonic() + DESK_READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the desk app exited at start; see {logs / 'desk.log'}")
+            raise _ExitedAtStart()
         try:
             with urllib.request.urlopen(url + "/healthz", timeout=1, context=context) as answer:
                 if answer.status == 200:

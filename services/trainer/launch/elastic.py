@@ -60,7 +60,7 @@ DEFAULT_MAX_RESTARTS = 2  # a rank lost to a node hiccup is restarted twice; a t
 POLL_S = 0.2  # how often the agent tails rank 0's events and checks for a stop
 STOP_GRACE_S = 90.0  # after a SIGTERM, the ranks save a checkpoint; past this the launcher is killed
 EVENT_LINE_CAP = 1 << 20  # one event is a few hundred bytes; a longer line is not one of ours
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 # The events a rank may hand on: what training reports. State, creation and interruption events
 # are the agent's and the scheduler's alone.
 FORWARDED = (LogLine, Metrics, CheckpointSaved, StageStarted, ParallelismStarted)
