@@ -40,8 +40,8 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# Two workers side by side (pytest-xdist): most e2e time is waiting on stacks. The timing-sensitive
-# multi-process tests form one group that one worker runs in turn, and a module whose fixture is
+# Two workers side by side (pytest-xdist): most e2e time is waiting on stacks. The timed fault
+# scenarios form one group that one worker runs in turn, and a module whose fixture is
 # expensive (a stack, the quick bench) stays on one worker (tests/conftest.py). One process:
 # `make test PYTEST_ARGS=`. The long fault scenarios are `make chaos`'s (marker `chaos`).
 PYTEST_ARGS ?= -n 2 --dist loadgroup
