@@ -73,6 +73,21 @@ def trainer_wiring(s: settings_mod.Settings, broker) -> Wiring:
 )
 async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
     monkeypatch.setenv("ITO_TRAINER_THREADS", "1")
+    # issue 29: the trainer planned a run's stages up to three times (a gang's or a node share's
+    # refusal check and restart in the agent, the pipeline again); the agent plans once and passes
+    # the plan down (here the one-process path: one plan, the agent's)
+    from services.domain import curriculum
+    from services.trainer.agent import worker as worker_mod
+    from services.trainer.recipes import pipeline as pipeline_mod
+
+    planned: list[object] = []
+
+    def counted(manifest, base=None):
+        planned.append(manifest)
+        return curriculum.plan_run(manifest, base)
+
+    monkeypatch.setattr(worker_mod, "plan_run", counted)
+    monkeypatch.setattr(pipeline_mod, "plan_run", counted)
     s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(tmp_path)})
     Secrets(s.secrets_dir).ensure(NATS_IDENTITIES, ())
     broker = connections.make_broker(s, "trainer")
@@ -128,6 +143,7 @@ async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
         assert "GB free" in failed.message and not [e for e in events if type(e).__name__ == "Metrics"]
         return
     assert states == ["running", final]
+    assert len(planned) == 1
     metrics = [e for e in events if type(e).__name__ == "Metrics"]
     assert [m.step for m in metrics] == list(range(1, 13))
     assert any(type(e).__name__ == "CheckpointSaved" for e in events)

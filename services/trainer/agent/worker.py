@@ -55,7 +55,7 @@ from contracts.manifest import Manifest
 from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
 from contracts.states import LEASABLE, TERMINAL_STATES, RunState
 from services.domain import budget
-from services.domain.curriculum import plan_run
+from services.domain.curriculum import RunPlan, plan_run
 from services.runtime.configuration import faults
 from services.runtime.configuration.liveness import TIMERS
 from services.runtime.configuration.settings import ENV_TRAINER_THREADS, Settings
@@ -480,8 +480,10 @@ class Worker:
                 f"approved restart: {r.stage} from checkpoint step {r.checkpoint_step} "
                 f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})"
             )
-        # a refused plan trains nothing
-        train_lm, share = self._train_lm(work, manifest, checkpoint_dir, emitter.epoch)
+        # the run's stages, planned once here and passed down (ValueError, in a sentence, before
+        # anything trains); a refused plan trains nothing
+        run = plan_run(manifest, work.base)
+        train_lm, share = self._train_lm(work, manifest, run, checkpoint_dir, emitter.epoch)
         await emitter.state(RunState.running, message="training started")
         meter = self.meters.get(work.run_id)
 
@@ -493,7 +495,7 @@ class Worker:
         report = emitter.reporter().with_sink(sink)
         try:
             result = await asyncio.to_thread(
-                partial(run_pipeline, **self._inputs(work)),
+                partial(run_pipeline, **self._inputs(work, run)),
                 manifest,
                 checkpoint_dir,
                 report,
@@ -523,21 +525,22 @@ class Worker:
         await emitter.state(final, stage=result.last_stage, message=message)
         return final
 
-    def _inputs(self, work: TrainWork) -> dict[str, Any]:
-        """What the pipeline reads from the model store: the base model the scheduler resolved (its
-        Hugging Face directory, by digest) and the store's root (tokenizer entries)."""
+    def _inputs(self, work: TrainWork, run: RunPlan) -> dict[str, Any]:
+        """What the pipeline takes beside the manifest: the run's plan (made once, in the agent), the
+        base model the scheduler resolved (its Hugging Face directory in the model store, by digest)
+        and the store's root (tokenizer entries)."""
         store = ModelStore(self.settings.model_store)
         base_dir = store.path(work.base.digest) if work.base is not None else None
-        return {"base": work.base, "base_dir": base_dir, "store_root": store.root}
+        return {"plan": run, "base": work.base, "base_dir": base_dir, "store_root": store.root}
 
     def _train_lm(
-        self, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path, epoch: int = 0
+        self, work: TrainWork, manifest: Manifest, run: RunPlan, checkpoint_dir: pathlib.Path, epoch: int = 0
     ) -> tuple[TrainLm | Trainers, multinode.NodeShare | None]:
         """How the run's stages train: in this process for a one-rank plan (as always), on a gang of
         this node's ranks for more (post-training too), as this node's replica group for a multi-node run
         (then with the share to close); ParallelismError for a plan the node cannot realise."""
         if manifest.resources.nodes > 1 or work.nodes > 1:
-            refused = multinode.refusal(work, manifest, plan_run(manifest, work.base))
+            refused = multinode.refusal(work, manifest, run)
             if refused is not None:
                 raise ParallelismError(refused)
             share = multinode.NodeShare(work, checkpoint_dir, self.threads, epoch)
@@ -545,7 +548,7 @@ class Worker:
         dims = gang_dims(work.plan)
         if dims is None:
             return train_stage, None
-        refused = refusal(dims, manifest, plan_run(manifest, work.base))
+        refused = refusal(dims, manifest, run)
         if refused is not None:
             raise ParallelismError(refused)
         gang = Gang(dims, checkpoint_dir, self.threads)
@@ -573,15 +576,16 @@ class Worker:
         share: multinode.NodeShare | None = None
         failure: str | None = None
         try:
+            run = plan_run(manifest, work.base)  # planned once, passed down
             if work.restart is not None:
-                names = plan_run(manifest, work.base).stage_names
+                names = run.stage_names
                 later = names[names.index(work.restart.stage) + 1 :] if work.restart.stage in names else []
                 report.log(follower.rewind_share(checkpoint_dir, work.restart, later))
-            train_lm, share = self._train_lm(work, manifest, checkpoint_dir, epoch)
+            train_lm, share = self._train_lm(work, manifest, run, checkpoint_dir, epoch)
             if faults.active(faults.TRAINER_SHARE_FAILS):  # fault injection (tests, make chaos)
                 raise RuntimeError("planted fault: this node's share fails")
             result = await asyncio.to_thread(
-                partial(run_pipeline, **self._inputs(work)),
+                partial(run_pipeline, **self._inputs(work, run)),
                 manifest,
                 checkpoint_dir,
                 report,

@@ -767,6 +767,7 @@ def run_pipeline(
     threads: int,
     train_lm: TrainLm | Trainers = train_stage,
     *,
+    plan: RunPlan | None = None,
     base: BaseModel | None = None,
     base_dir: pathlib.Path | None = None,
     store_root: pathlib.Path | None = None,
@@ -775,10 +776,11 @@ def run_pipeline(
     training stage (a gang's, for a run on several ranks); post-training stages otherwise train in
     this process. `base` / `base_dir`: the manifest's base model as the scheduler resolved it, and
     its Hugging Face directory in the model store: the first stage starts from its weights and the
-    run tokenizes with its tokenizer."""
+    run tokenizes with its tokenizer. `plan`: the run's stages as the agent planned them (once);
+    planned here when not given (tests, the bench)."""
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    plan = plan_run(manifest, base)  # ValueError, in a sentence, before anything trains
+    plan = plan if plan is not None else plan_run(manifest, base)  # ValueError, in a sentence
     if base is not None and (base_dir is None or not is_hf_model_dir(base_dir)):
         raise ValueError(f"The base model {base.name} ({base.digest}) is not in this trainer's model store.")
     model = manifest.model.base or (manifest.model.size.value if manifest.model.size else "")
