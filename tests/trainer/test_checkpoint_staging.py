@@ -374,3 +374,39 @@ def test_the_loop_thread_only_starts_a_save_one_writer_thread_does_the_rest(tmp_
     assert threads["sidecar"] == threads["state_dict"]  # the same writer thread, every save
     for step in range(1, 4):
         assert_same_state(saved_state(str(step_dir(tmp_path, step))), expected[step])
+
+
+class _Plain:
+    """An object the stager copies through `__reduce_ex__` (its class among the arguments)."""
+
+    def __init__(self) -> None:
+        self.n = 3
+
+
+def test_a_stager_whose_copy_table_was_emptied_is_replaced(tmp_path):
+    # Seen on an H200 with torch 2.11: its stager empties its copy table after every copy, so every
+    # save after a Checkpointer's first failed with `KeyError: <class 'type'>`; the run's final
+    # checkpoint failed and so did the run. Here 2.11's emptied table is made by clearing it.
+    from services.trainer.engine.checkpoint import copy_table_intact
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    stager = DefaultStager(checkpoint_module.staging_options())
+    state = {"w": torch.ones(3), "extra": _Plain()}
+    try:
+        stager._state_dict_stager._deepcopy_dispatch.clear()  # what 2.11's close() leaves
+        assert not copy_table_intact(stager)
+        with pytest.raises(KeyError):
+            copy = stager.stage(state)
+            copy.result() if hasattr(copy, "result") else copy
+    finally:
+        stager.close()
+    checkpointer = Checkpointer(tmp_path)
+    try:
+        for step in (1, 2, 3):
+            checkpointer.save(step, model, optimizer)
+            checkpointer.wait()
+            checkpointer._stager._state_dict_stager._deepcopy_dispatch.clear()  # 2.11, after each copy
+        assert [c.step for c in list_checkpoints(tmp_path)][-1] == 3
+    finally:
+        checkpointer.close()

@@ -209,6 +209,17 @@ def _shards_in_forward(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def copy_table_intact(stager: DefaultStager) -> bool:
+    """Can this stager copy a state again? In torch 2.11 its state-dict stager's `close()`, which
+    `DefaultStager` calls after every copy, empties its copy table, and the one lookup that indexes
+    the table directly (a class object, reached through any object copied by reduction) then fails:
+    every save after a Checkpointer's first failed on a GPU with `KeyError: <class 'type'>` (seen on
+    an H200 with torch 2.11.0+cu130; the run's final checkpoint failed, and so did the run). torch
+    2.13's table survives the copy."""
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    return not isinstance(table, dict) or type in table
+
+
 def staging_options() -> StagingOptions:
     """How a Checkpointer's stager copies the state: in a thread of its own (the loop goes on
     meanwhile); into pinned host memory with non-blocking copies when there is an accelerator to copy
@@ -360,6 +371,9 @@ class Checkpointer:
         )
 
     def _ready_stager(self) -> DefaultStager:
+        if self._stager is not None and not copy_table_intact(self._stager):
+            self._stager.close()  # the last save, its only reader, finished in `_finish`
+            self._stager = None  # a new one copies, with buffers of its own
         if self._stager is None:
             # Made here, not in __init__: a Checkpointer that never saves holds no thread, and on an
             # accelerator the stager's stream is made after the training stream is in use (as
