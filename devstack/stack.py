@@ -305,14 +305,13 @@ def _start_desk(env: dict[str, str], logs: pathlib.Path, ca: pathlib.Path | None
     (https, verified with `ca`, when the stack speaks TLS). The preferred port first; a desk that
     exits at start (another stack's desk took the port between the check and the bind) is started
     again on any free port, up to `DESK_ATTEMPTS` times."""
-    for attempt in range(DESK_ATTEMPTS):
-        preferred = int(env.get(ENV_DESK_PORT) or DESK_PORT) if attempt == 0 else None
+    preferred: int | None = int(env.get(ENV_DESK_PORT) or DESK_PORT)
+    for _ in range(DESK_ATTEMPTS):
         try:
             return _desk_on(infra.free_port(preferred), env, logs, ca)
         except _ExitedAtStart:
-            if attempt == DESK_ATTEMPTS - 1:
-                raise RuntimeError(f"the desk app exited at start; see {logs / 'desk.log'}") from None
-    raise AssertionError("unreachable")
+            preferred = None  # any free port next time
+    raise RuntimeError(f"the desk app exited at start; see {logs / 'desk.log'}")
 
 
 DESK_ATTEMPTS = 3

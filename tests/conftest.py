@@ -307,7 +307,7 @@ def grouped(item, group: str) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    loadgroup = bool(config.getvalue("loadgroup")) if hasattr(config.option, "loadgroup") else False
+    loadgroup = getattr(config.option, "loadgroup", False)  # set on xdist's workers only
     for item in items:
         group = xdist_group(pathlib.Path(str(item.fspath)).relative_to(REPO).as_posix(), item)
         if group is None:
