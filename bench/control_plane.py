@@ -145,7 +145,7 @@ async def bare_nats_round_trips(
 async def service_hop_round_trips(stack: Stack, samples: int) -> list[float]:
     """One request/reply hop through our services' own plumbing around a do-nothing handler: a
     `bus.Router` endpoint served by `bus.serve` on nats-py (the scheduler's signature verified,
-    msgspec decode, Envelope encode), the request signed with the scheduler's key as `Backends`
+    msgspec decode, Envelope encode), the request signed with the scheduler's key as `Peers`
     signs every internal request. Run in this process, like the bare echo; as the operator
     identity, the only one that may serve a subject outside the services' own."""
     import msgspec
@@ -153,8 +153,8 @@ async def service_hop_round_trips(stack: Stack, samples: int) -> list[float]:
     from contracts.endpoints import Endpoint
     from services.runtime.messaging.bus import Router, serve
     from services.runtime.messaging.service import scheduler_verifier
+    from services.runtime.security.order_signatures import Signer
     from services.runtime.security.secrets import Secrets
-    from services.runtime.security.signing import Signer
 
     class Echo(msgspec.Struct):
         data: str

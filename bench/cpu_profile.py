@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from bench.stack import Stack, confirmations, cpu_delta, cpu_seconds, drive
 
 PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("signatures", ("services/runtime/security/signing.py", "nacl/", "hashlib")),
+    ("signatures", ("services/runtime/security/order_signatures.py", "nacl/", "hashlib")),
     ("decode/encode", ("services/runtime/messaging/codec.py", "msgspec/")),
     ("redis client", ("redis/",)),
     ("nats client", ("nats/",)),

@@ -91,7 +91,7 @@ def trainer_killed(root) -> dict:
 
 
 def gang_ranks(job: pathlib.Path) -> list[int]:
-    """The pids of the ranks running a gang's `job` (rank_main processes, not their launcher)."""
+    """The pids of the ranks running a gang's `job` (launch.rank processes, not their launcher)."""
     pids = []
     for proc in pathlib.Path("/proc").iterdir():
         try:

@@ -40,6 +40,11 @@ class TrainWork(Internal, frozen=True, kw_only=True):
     # spend. The run's spend limit is never above it (services/domain/budget.py); None on items
     # signed before the bound was carried (their limit is the manifest's alone).
     cost_bound_usd: float | None = None
+    # The SHA-256 of the run's curriculum (its stages, data, steps and gates) as the scheduler planned
+    # and priced it (services/domain/curriculum.py `curriculum_digest`): the trainer plans the stages
+    # once from the manifest above and trains them only if they are these. Empty on items signed
+    # before it was carried.
+    curriculum_digest: str = ""
 
 
 class LogLevel(enum.StrEnum):

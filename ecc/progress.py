@@ -5,7 +5,7 @@ metric points that arrived since the last tick; it answers what changed (`Tick`:
 update, in the order the stages appeared, the gate verdicts that landed since, and the run's state
 when it changed: queued, running, awaiting_approval with its message), tested as tables without a
 terminal. `Screen` draws ticks with rich, which loads only when a Screen is made: on a
-terminal, never for `--json`, a pipe, or `--help` (tests/services/test_client_imports.py holds this).
+terminal, never for `--json`, a pipe, or `--help` (tests/ecc/test_client_imports.py holds this).
 
 What a bar says comes from two places: the view is authoritative for the stage the run is in
 (its step, total and loss, so a restart from a checkpoint moves the bar back); metric points give

@@ -266,7 +266,7 @@ def input_schema(tool: Tool) -> dict[str, Any]:
 @functools.cache
 def output_schema(tool: Tool) -> dict[str, Any]:
     """The Envelope of the tool's answer type, with its root inlined (MCP wants an object there):
-    every answer validates against it (tests/unit/test_ecc_tools.py)."""
+    every answer validates against it (tests/ecc/test_ecc_tools.py)."""
     root, defs = _inline_root(msgspec.json.schema(Envelope[tool.answer]))  # type: ignore[name-defined]  # a type held in a value
     return {**root, "$defs": defs}
 

@@ -5,6 +5,7 @@ A stack is `ito-training up` in a data dir of its own: its own nats-server and r
 generated credentials, under a namespace unique to the test run. `down` stops all of it.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -14,7 +15,7 @@ import uuid
 
 import pytest
 
-from devstack import infra
+from devstack import infra, redis_cluster
 from services.runtime.configuration import settings as settings_mod
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -295,7 +296,7 @@ def xdist_group(path: str, item) -> str | None:
 def grouped(item, group: str) -> None:
     """Put `item` in xdist group `group`. pytest-xdist 3.8 marks a group by appending `@group` to
     the item's `_nodeid`, which pytest 9 no longer reads (a node's id is `_id`): every group was
-    silently ignored, the serial one included (tests/unit/test_xdist_groups.py). The suffix is
+    silently ignored, the serial one included (tests/house/test_xdist_groups.py). The suffix is
     written here the way pytest 9 keeps it; the scheduler then sends the group to one worker."""
     item.add_marker(pytest.mark.xdist_group(group))
     try:
@@ -316,3 +317,34 @@ def pytest_collection_modifyitems(config, items):
             grouped(item, group)
         else:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+# A Redis Cluster of our own (3 primaries, a replica each; ACLs, AOF always), started once for the
+# session by the first test that asks for it: the store contracts run on it as on a single server.
+class ClusterInfra:
+    """The cluster and the settings that name it (`redis_cluster` on): connect as any identity.
+    `cluster` is replaced when a test restarts a node, so that the teardown stops the new process."""
+
+    def __init__(self, settings: settings_mod.Settings, cluster: redis_cluster.Cluster) -> None:
+        self.settings = settings
+        self.cluster = cluster
+
+    def redis(self, identity: str = "admin"):
+        from services.runtime.messaging import connections
+
+        return connections.make_redis(self.settings, identity)
+
+
+@pytest.fixture(scope="session")
+def cluster_infra(tmp_path_factory):
+    from devstack import authority
+
+    root = tmp_path_factory.mktemp("redis-cluster")
+    s = settings_mod.load(
+        {"ITO_NAMESPACE": new_namespace(), "ITO_DATA_DIR": str(root), "ITO_REDIS_CLUSTER": "1"}
+    )
+    aclfile = authority.write_redis_acl(s)  # as `up` writes it: the credentials, then the users
+    cluster = redis_cluster.start_cluster(root / "redis-cluster", aclfile, s.secrets_dir, root / "logs")
+    infra = ClusterInfra(dataclasses.replace(s, redis_url=cluster.url), cluster)
+    yield infra
+    redis_cluster.stop_cluster(infra.cluster)

@@ -186,3 +186,19 @@ def lua_checks() -> str:
     for rule in RULES:
         lines.append(f"if {rule.lua} then return {{'refused', '{rule.reason.value}', unpack(conf)}} end")
     return "\n".join(lines)
+
+
+def check(
+    stored: Stored,
+    *,
+    account: str,
+    action: Action,
+    target: str,
+    digest: str | None,
+    cost: float | None,
+    now: float,
+) -> tuple[ErrorCode, str] | None:
+    """None when the confirmation authorizes the request; else the refusal, in RULES' order."""
+    wanted = Wanted(account=account, action=action, target=target, digest=digest, cost=cost)
+    reason = refused(stored, wanted, now)
+    return None if reason is None else refusal(reason, stored, wanted)

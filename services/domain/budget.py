@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from contracts.api import CostEstimate
 from contracts.manifest import Manifest
-from services.runtime.configuration.liveness import TIMERS
+from services.runtime.configuration.timers import TIMERS
 
 STOP_ALLOWANCE_S = 3.0  # on top of the trainer's own stop figure: the final report and its ack, and
 # a renewal that arrives late on a busy machine; raise it where the bus is slow

@@ -1,5 +1,7 @@
-"""The run plan: which stages a manifest runs, in what order, on which data, for how many steps,
-with which gate. A pure function of the manifest (`plan_run`): the one validation, used twice. The
+"""The curriculum: which stages a manifest runs, in what order, on which data, for how many steps,
+with which gate. A pure function of the manifest (`curriculum_of`): the one validation, used twice.
+(Not to be confused with `contracts.api.Plan`, the `plan` verb's answer: the resources and the
+cost, which `services/scheduler/planning.plan` prices from a curriculum.) The
 scheduler's plan gate calls it before anything is reserved (`manifest_invalid` with the sentence),
 and the trainer calls it again as its own guard, so a manifest the plan accepts always runs.
 
@@ -16,6 +18,7 @@ Formats are decided from the manifest alone (`DataRef.format`, else the suffix):
 themselves are the scheduler's plan-time check (services/scheduler/inputs.py), not this function's.
 """
 
+import hashlib
 from dataclasses import dataclass
 
 import msgspec
@@ -84,7 +87,9 @@ class LadderPlan:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunPlan:
+class Curriculum:
+    """The stages a manifest runs (`curriculum_of`), with what they read and how they are judged."""
+
     train_refs: dict[str, str]  # name -> source, in manifest order
     eval_refs: dict[str, str]
     data_prep: DataPrepStage | None
@@ -184,7 +189,7 @@ def model_shape(manifest: Manifest, base: BaseModel | None = None) -> ModelShape
     return base.shape
 
 
-def plan_run(manifest: Manifest, base: BaseModel | None = None) -> RunPlan:
+def curriculum_of(manifest: Manifest, base: BaseModel | None = None) -> Curriculum:
     """The stages `manifest` runs, or ValueError with what to change. Checks run in a fixed order
     (refs, pre-training stages in run order, the recipe, the ladder, data prep), so a manifest with
     several faults is always told about the same one first. `base` is the manifest's base model as
@@ -202,7 +207,7 @@ def plan_run(manifest: Manifest, base: BaseModel | None = None) -> RunPlan:
         raise ValueError(
             "The manifest trains nothing: no pre-training stage and an empty post-training recipe."
         )
-    return RunPlan(
+    return Curriculum(
         train_refs=refs.train,
         eval_refs=refs.evals,
         data_prep=data_prep,
@@ -214,6 +219,30 @@ def plan_run(manifest: Manifest, base: BaseModel | None = None) -> RunPlan:
         chat_evals=tuple(r.name for r in manifest.data if r.role is DataRole.eval and reads_rows(r)),
         size=manifest.model.size.value if manifest.model.size is not None and base is None else None,
     )
+
+
+def curriculum_digest(curriculum: Curriculum) -> str:
+    """The SHA-256 of `curriculum` in msgspec's deterministic JSON (sets and keys sorted): what the
+    scheduler signs into the work item with the cost it priced on it."""
+    return hashlib.sha256(msgspec.json.encode(curriculum, order="deterministic")).hexdigest()
+
+
+class CurriculumMismatch(ValueError):
+    """The trainer plans a run's stages otherwise than the scheduler priced and signed them."""
+
+
+def bound_curriculum(manifest: Manifest, base: BaseModel | None, signed_digest: str) -> Curriculum:
+    """The run's curriculum, as the trainer plans it from the signed manifest, provided it is the one
+    the scheduler priced (`signed_digest`, from the signed work item; empty on items signed before it
+    was carried): CurriculumMismatch otherwise (a scheduler and a trainer of different versions), so a
+    run trains the stages its person confirmed the cost of, or none. ValueError as `curriculum_of`."""
+    curriculum = curriculum_of(manifest, base)
+    if signed_digest and curriculum_digest(curriculum) != signed_digest:
+        raise CurriculumMismatch(
+            "this trainer plans the run's stages otherwise than the scheduler priced them (the two run "
+            "different versions); nothing trained: retry once both run the same version"
+        )
+    return curriculum
 
 
 def _refs(manifest: Manifest) -> _Refs:

@@ -11,7 +11,7 @@ from contracts.internal import (
     EligibilityQuery,
     EligibilityStatement,
 )
-from services.entitlement import projection, signing
+from services.entitlement import projection, statements
 from services.entitlement.store import Bookings
 from services.runtime.messaging.codec import Refusal
 
@@ -72,7 +72,7 @@ class EntitlementHandlers:
             issued_at=now,
             expires_at=now + self.ttl,
         )
-        return signing.sign(body, self._key)
+        return statements.sign(body, self._key)
 
     async def bookings(self, query: BookingsQuery) -> BookingsAnswer:
         return BookingsAnswer(bookings=await self.store.of_account(query.account))

@@ -374,9 +374,9 @@ def _desk(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
         from services.desk import app
 
         return app.main(s, args.host, args.port, args.json)
-    from services.ops import desk
+    from services.ops import desk_telemetry
 
-    return desk.main(s, args.follow, args.json)
+    return desk_telemetry.main(s, args.follow, args.json)
 
 
 def _accounts_command(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:

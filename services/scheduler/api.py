@@ -56,7 +56,7 @@ from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from contracts.states import CANCELLABLE
 from services.domain import binding, budget
 from services.domain import quotas as quota_rules
-from services.domain.curriculum import RunPlan
+from services.domain.curriculum import Curriculum, curriculum_digest
 from services.domain.quotas import Taken
 from services.runtime.configuration import faults
 from services.runtime.messaging.codec import Refusal
@@ -70,10 +70,10 @@ from services.scheduler.admission import MAX_IDEMPOTENCY_KEY as MAX_IDEMPOTENCY_
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
 from services.scheduler.admission import valid_idempotency_key as valid_idempotency_key  # re-exported
 from services.scheduler.audit import Auditor, Trail
-from services.scheduler.backends import Backends
 from services.scheduler.handoff import Handoff
 from services.scheduler.inputs import ManifestInputs
 from services.scheduler.manifests import parsed
+from services.scheduler.peers import Peers
 from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.api")
@@ -113,7 +113,7 @@ class Api:
     def __init__(
         self,
         credentials: Credentials,
-        backends: Backends,
+        peers: Peers,
         runs: RunRecords,
         handoff: Handoff,
         auditor: Auditor,
@@ -131,7 +131,7 @@ class Api:
         )
         self.small_model_gangs = small_model_gangs  # settings.Settings.small_model_gangs
         self.credentials = credentials
-        self.backends = backends
+        self.peers = peers
         self.runs = runs
         self.handoff = handoff
         self.prices = prices
@@ -186,9 +186,7 @@ class Api:
         taken = await self.quotas.take(info.account, cost=0)
         unfinished, waiting = quota_rules.run_usage(await self.runs.open_states(info.account))
         try:
-            outstanding: int | None = (
-                await self.backends.outstanding_confirmations(info.account)
-            ).confirmations
+            outstanding: int | None = (await self.peers.outstanding_confirmations(info.account)).confirmations
         except Refusal:  # the confirmation service is away: `auth` still says who the caller is
             outstanding = None
         usage = QuotaUsage(
@@ -200,7 +198,7 @@ class Api:
         account = await self._account(caller, req)
         now = datetime.now(UTC)
         views = []
-        for b in (await self.backends.bookings(account)).bookings:
+        for b in (await self.peers.bookings(account)).bookings:
             allows = b.state is BookingState.completed and now < b.window_end
             reason = (
                 None if allows else ("window over" if b.state is BookingState.completed else b.state.value)
@@ -211,7 +209,7 @@ class Api:
     async def _plan(
         self, account: str, booking_id: str, manifest: Manifest, digest: str, base: BaseModel | None
     ) -> tuple[Plan, EligibilityBody]:
-        body = await self.backends.verified_eligibility(account, booking_id, manifest)
+        body = await self.peers.verified_eligibility(account, booking_id, manifest)
         return self._plan_on(account, manifest, digest, base, body), body
 
     def _plan_on(
@@ -221,7 +219,7 @@ class Api:
         digest: str,
         base: BaseModel | None,
         body: EligibilityBody,
-        run: RunPlan | None = None,
+        run: Curriculum | None = None,
     ) -> Plan:
         return planning.plan(
             manifest,
@@ -269,7 +267,7 @@ class Api:
         if req.action is Action.release_booking:
             if req.booking_id is None:
                 raise Refusal(ErrorCode.request_invalid, "confirm --action release_booking needs --booking")
-            owned = {b.booking_id for b in (await self.backends.bookings(account)).bookings}
+            owned = {b.booking_id for b in (await self.peers.bookings(account)).bookings}
             if req.booking_id not in owned:
                 raise Refusal(ErrorCode.booking_not_found, "no such booking for this account")
             target = req.booking_id
@@ -285,7 +283,7 @@ class Api:
                     f"the run is {view.state.value}: it cannot be cancelled, so there is nothing to confirm",
                 )
             target = req.run_id
-        return await self.backends.create_confirmation(
+        return await self.peers.create_confirmation(
             ConfirmationCreate(
                 account=account,
                 action=req.action,
@@ -312,7 +310,7 @@ class Api:
                 ErrorCode.budget_exceeded,
                 f"the estimate {p.cost.total_usd:.2f} USD is above --max-cost {max_cost:.2f} USD",
             )
-        return await self.backends.create_confirmation(
+        return await self.peers.create_confirmation(
             ConfirmationCreate(
                 account=account,
                 action=Action.train,
@@ -325,7 +323,7 @@ class Api:
     async def _refreshed(
         self, account: str, booking_id: str, manifest: Manifest, planned_on: EligibilityBody
     ) -> EligibilityBody:
-        body = await self.backends.verified_eligibility(account, booking_id, manifest)
+        body = await self.peers.verified_eligibility(account, booking_id, manifest)
         if body.booking_version != planned_on.booking_version:
             raise Refusal(
                 ErrorCode.eligibility_stale,
@@ -386,7 +384,7 @@ class Api:
         quota, inputs, eligibility = await asyncio.gather(
             self._run_quota_boxed(account, taken),
             asyncio.to_thread(self.inputs.runnable, manifest, account),
-            self.backends.verified_eligibility(account, req.booking_id, manifest),
+            self.peers.verified_eligibility(account, req.booking_id, manifest),
             return_exceptions=True,
         )
         trail.check("quota", _raised(quota)[0])
@@ -407,11 +405,11 @@ class Api:
                     "run `ecc ito confirm --action train` first and pass --confirmation-ref",
                 ),
             )
-        if not self.backends.still_fresh(body, datetime.now(UTC)):
+        if not self.peers.still_fresh(body, datetime.now(UTC)):
             # Re-fetched, never stretched: the gate is checked again at the moment of creation,
             # and the plan holds only for the booking version it was made on.
             await trail.gate("eligibility_refresh", self._refreshed(account, req.booking_id, manifest, body))
-        work = self._work(trail.request_id, account, req, manifest, digest, p, base)
+        work = self._work(trail.request_id, account, req, manifest, digest, p, base, run_plan)
         entry = await self._accepted(account, req, fp, work, trail)
         if entry.run_id != work.run_id:  # the key already has a run (or a concurrent request won it)
             return await trail.gate("replay", self._replay(entry, fp))
@@ -425,7 +423,7 @@ class Api:
         """The entry of a key whose request a gate refused (a replay answers with its run); None
         when the key has none, or when the ledger cannot say (the refusal then stands)."""
         try:
-            return await trail.gate("ledger_lookup", self.backends.ledger_lookup(account, key))
+            return await trail.gate("ledger_lookup", self.peers.ledger_lookup(account, key))
         except Refusal:
             return None
 
@@ -452,7 +450,7 @@ class Api:
         if refusal.code is not ErrorCode.confirmation_not_found or not req.confirmation_ref:
             return refusal
         try:
-            await self.backends.resolve_confirmation(
+            await self.peers.resolve_confirmation(
                 account,
                 req.confirmation_ref,
                 Action.train,
@@ -482,7 +480,7 @@ class Api:
         base: BaseModel | None,
         body: EligibilityBody,
         trail: Trail,
-        run: RunPlan,
+        run: Curriculum,
     ) -> Plan:
         p = self._plan_on(account, manifest, digest, base, body, run)
         for check in p.checks:
@@ -501,6 +499,7 @@ class Api:
         digest: str,
         p: Plan,
         base: BaseModel | None,
+        run: Curriculum,
     ) -> TrainWork:
         return TrainWork(
             run_id=run_id,
@@ -517,11 +516,12 @@ class Api:
             # the estimate; the ledger's accept records the consumed confirmation's bound and the
             # hand-off writes that one in (services/scheduler/handoff.py `bounded`)
             cost_bound_usd=p.cost.total_usd,
+            curriculum_digest=curriculum_digest(run),  # what `p` priced: the trainer trains this or nothing
         )
 
     async def _reserve(self, account: str, req: TrainRequest, fp: str, work: TrainWork) -> LedgerEntry:
         """Consume the confirmation and reserve the key, one atomic step in the ledger."""
-        return await self.backends.ledger_accept(
+        return await self.peers.ledger_accept(
             LedgerAccept(
                 account=account,
                 idempotency_key=req.idempotency_key,
@@ -545,7 +545,7 @@ class Api:
             return view
         if req.idempotency_key is None:
             raise Refusal(ErrorCode.request_invalid, "status needs a run id or --idempotency-key")
-        entry = await self.backends.ledger_lookup(account, req.idempotency_key)
+        entry = await self.peers.ledger_lookup(account, req.idempotency_key)
         if entry is None:
             raise Refusal(ErrorCode.run_not_found, "no run was created with this idempotency key")
         view = await self.runs.get(account, entry.run_id)

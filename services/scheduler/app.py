@@ -21,20 +21,20 @@ from services.runtime.messaging.service import (
 )
 from services.runtime.security.accounts import Credentials, RedisAccounts
 from services.runtime.security.identities import DESK, service_inbox
+from services.runtime.security.order_signatures import Signer
 from services.runtime.security.quotas import InMemoryQuotas, Quotas, RedisQuotas
 from services.runtime.security.secrets import Secrets
-from services.runtime.security.signing import Signer
 from services.runtime.storage.model_store import ModelStore
-from services.scheduler import liveness, planning
+from services.scheduler import leases, planning
 from services.scheduler.api import Api
 from services.scheduler.audit import Auditor
-from services.scheduler.backends import Backends
-from services.scheduler.desk import DeskReads
+from services.scheduler.desk_reads import DeskReads
 from services.scheduler.events import TRAINER_KINDS, RunEvents
 from services.scheduler.exports import Outputs
 from services.scheduler.handoff import Handoff
 from services.scheduler.listing import RunListing
 from services.scheduler.mutations import Mutations
+from services.scheduler.peers import Peers
 from services.scheduler.store import RunRecords, RunStore
 
 ROUTES = {  # API verb -> Api method name (contracts/endpoints.py: the verb's subject and types)
@@ -67,15 +67,13 @@ def register(
     s = w.settings
     if quotas is None:
         quotas = RedisQuotas(w.redis, w.keys) if w.redis is not None else InMemoryQuotas()
-    backends = Backends(
-        w.bus, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key())
-    )
+    peers = Peers(w.bus, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key()))
     runs = runs if runs is not None else RunStore(w.require_redis(), w.keys)
     credentials = credentials if credentials is not None else RedisAccounts(w.require_redis(), w.keys)
-    handoff = Handoff(w.bus, s, runs, backends)
+    handoff = Handoff(w.bus, s, runs, peers)
     api = Api(
         credentials,
-        backends,
+        peers,
         runs,
         handoff,
         Auditor(w.bus, w.broker, s),
@@ -89,8 +87,8 @@ def register(
     run_events = RunEvents(runs)
     auditor = api.auditor
 
-    mutations = Mutations(credentials, backends, runs)
-    outputs = Outputs(credentials, backends, runs)
+    mutations = Mutations(credentials, peers, runs)
+    outputs = Outputs(credentials, peers, runs)
     listing = RunListing(credentials, runs)
     serve_tenant_requests(
         w,
@@ -100,7 +98,7 @@ def register(
         + [(endpoints.API[verb], getattr(listing, verb)) for verb in LISTS],
     )
     # Only trainers may publish lease queries (NATS permissions); the answer is checked against the run.
-    serve_requests(w, [(endpoints.RUN_LEASE, liveness.Heartbeats(runs).heartbeat)], signed=False)
+    serve_requests(w, [(endpoints.RUN_LEASE, leases.Heartbeats(runs).heartbeat)], signed=False)
     # Only the desk may ask these (NATS permissions), and only its own inbox hears the answer.
     desk = DeskReads(runs, auditor, api.prices)
     serve_requests(
@@ -123,7 +121,7 @@ def register(
     )
 
     w.tasks.append(handoff.reconcile_forever)
-    w.tasks.append(lambda: liveness.watch_forever(runs, handoff.events))
+    w.tasks.append(lambda: leases.watch_forever(runs, handoff.events))
 
 
 def build(settings: settings_mod.Settings | None = None) -> FastStream:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from contracts.manifest import Manifest, RlvrStage
 from contracts.models import ModelShape
-from services.domain.curriculum import LmPlan, PostPlan, RunPlan
+from services.domain.curriculum import Curriculum, LmPlan, PostPlan
 from services.domain.model_shapes import count_parameters
 
 CALIBRATION_PATH = pathlib.Path(__file__).with_name("desk_calibration.json")
@@ -98,14 +98,14 @@ def stage_steps(stage: LmPlan | PostPlan, post_seq_len: int) -> tuple[int, float
     return section.steps, STEP_FLOPS_PER_TOKEN.get(stage.name, 6.0) * seq * sequences
 
 
-def saves(run: RunPlan, manifest: Manifest) -> int:
+def saves(run: Curriculum, manifest: Manifest) -> int:
     """Checkpoint saves: every `interval_steps` of each stage, and each stage's last step."""
     interval = max(manifest.checkpoint.interval_steps, 1)
     return sum(stage_steps(s, manifest.target.seq_len)[0] // interval + 1 for s in run.stages)
 
 
 def phases(
-    run: RunPlan, manifest: Manifest, shape: ModelShape, gpus: int, gpu_flops_s: float, f: Figures
+    run: Curriculum, manifest: Manifest, shape: ModelShape, gpus: int, gpu_flops_s: float, f: Figures
 ) -> Phases:
     """The run's wall seconds by phase, on `gpus` GPUs that reach `gpu_flops_s` (peak x assumed
     MFU) each, with figures `f`."""

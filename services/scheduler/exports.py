@@ -27,7 +27,7 @@ from contracts.runs import TrainWork
 from services.runtime.messaging.codec import Refusal
 from services.runtime.security.accounts import Credentials
 from services.scheduler.admission import authenticate
-from services.scheduler.backends import Backends
+from services.scheduler.peers import Peers
 from services.scheduler.store import RunRecords
 
 _work_decoder = msgspec.json.Decoder(TrainWork)
@@ -35,9 +35,9 @@ _manifest_decoder = msgspec.json.Decoder(Manifest)
 
 
 class Outputs:
-    def __init__(self, credentials: Credentials, backends: Backends, runs: RunRecords) -> None:
+    def __init__(self, credentials: Credentials, peers: Peers, runs: RunRecords) -> None:
         self.credentials = credentials
-        self.backends = backends
+        self.peers = peers
         self.runs = runs
 
     async def _run(self, caller: str, req, run_id: str) -> tuple[str, RunView, TrainWork, str]:
@@ -69,7 +69,7 @@ class Outputs:
             gates=view.gates,
             checkpoint_dir=view.checkpoint_dir or "",
         )
-        return await self.backends.trainer_export(order)
+        return await self.peers.trainer_export(order)
 
     async def download(self, caller: str, req: DownloadRequest) -> DownloadChunk:
         account, _, _, storage = await self._run(caller, req, req.run_id)
@@ -82,7 +82,7 @@ class Outputs:
             length=req.length,
             storage=storage,
         )
-        return await self.backends.trainer_download(order)
+        return await self.peers.trainer_download(order)
 
     async def sample(self, caller: str, req: SampleRequest) -> SampleResult:
         account, view, work, storage = await self._run(caller, req, req.run_id)
@@ -95,4 +95,4 @@ class Outputs:
             base=work.base,
             checkpoint_dir=view.checkpoint_dir or "",
         )
-        return await self.backends.trainer_sample(order)
+        return await self.peers.trainer_sample(order)

@@ -31,7 +31,7 @@ from contracts.states import RunState
 from services.domain import budget
 from services.runtime.configuration.settings import Settings
 from services.runtime.messaging.bus import Bus
-from services.scheduler.backends import Backends
+from services.scheduler.peers import Peers
 from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import RunRecords
 
@@ -93,10 +93,10 @@ def free_port(host: str) -> int:
 
 
 class Handoff:
-    def __init__(self, bus: Bus, settings: Settings, runs: RunRecords, backends: Backends) -> None:
+    def __init__(self, bus: Bus, settings: Settings, runs: RunRecords, peers: Peers) -> None:
         self.settings = settings
         self.runs = runs
-        self.backends = backends
+        self.peers = peers
         self.events = RunEventPublisher(bus, settings)
         self._marks: set[asyncio.Task] = set()
 
@@ -168,10 +168,10 @@ class Handoff:
             self.runs.create(view, work=entry.work),  # the item kept for an approved restart
             self.events.publish(created, f"{view.run_id}:created"),
         )
-        await self.backends.publish_work(entry.run_id, entry.work, entry.run_id)
+        await self.peers.publish_work(entry.run_id, entry.work, entry.run_id)
         for share, msg_id in node_shares(_work_decoder.decode(entry.work))[1:]:
-            await self.backends.publish_work(entry.run_id, msgspec.json.encode(share), msg_id)
-        mark = self.backends.ledger_handed_off(entry.account, entry.idempotency_key)
+            await self.peers.publish_work(entry.run_id, msgspec.json.encode(share), msg_id)
+        mark = self.peers.ledger_handed_off(entry.account, entry.idempotency_key)
         if wait_for_mark:
             await mark
         else:
@@ -183,7 +183,7 @@ class Handoff:
     async def reconcile_once(self) -> int:
         """Finish the hand-offs the ledger still holds as pending after RECONCILE_AFTER_S."""
         done = 0
-        for entry in await self.backends.ledger_pending(RECONCILE_AFTER_S):
+        for entry in await self.peers.ledger_pending(RECONCILE_AFTER_S):
             log.warning("reconciler: finishing the hand-off of run %s", entry.run_id)
             await self.hand_off(entry)
             done += 1

@@ -19,7 +19,7 @@ from contracts.errors import ErrorCode
 from contracts.manifest import DataFormat, DataRef, DataRole, Manifest
 from contracts.models import BaseModel
 from services.domain import plan_inputs
-from services.domain.curriculum import RunPlan, plan_run
+from services.domain.curriculum import Curriculum, curriculum_of
 from services.domain.data_schemas import file_format, reads_rows
 from services.domain.model_shapes import UnsupportedConfig, shape_from_hf_config
 from services.runtime.messaging.codec import Refusal
@@ -44,8 +44,8 @@ class ManifestInputs:
             OrderedDict()
         )
 
-    def runnable(self, manifest: Manifest, account: str) -> tuple[RunPlan, BaseModel | None]:
-        """The run plan and the resolved base model, or a Refusal: the model's codes first, then
+    def runnable(self, manifest: Manifest, account: str) -> tuple[Curriculum, BaseModel | None]:
+        """The curriculum and the resolved base model, or a Refusal: the model's codes first, then
         the manifest's own (`manifest_invalid`), the tokenizer, the data files in manifest order."""
         spec = manifest.model
         base = None
@@ -54,10 +54,10 @@ class ManifestInputs:
             _refuse(plan_inputs.model_refusal(spec, facts))
             base = facts.entry
         try:
-            plan = plan_run(manifest, base)
+            plan = curriculum_of(manifest, base)
         except ValueError as exc:
             raise Refusal(ErrorCode.manifest_invalid, f"the manifest cannot run: {exc}") from None
-        assert plan.shape is not None, "plan_run sets the starting shape"
+        assert plan.shape is not None, "curriculum_of sets the starting shape"
         _refuse(plan_inputs.tokenizer_refusal(spec, plan.shape, base, self._tokenizer_vocab(spec.tokenizer)))
         readers: dict[str, list[str]] = {}
         for stage in plan.stages:

@@ -3,7 +3,7 @@
 Read from the account's own run index (`RunRecords.account_runs`: `<ns>:{<account>}:runs`, written
 beside the run's view when the run is created), so a tenant never reads another account's run,
 whatever it sends: the account is the authenticated subject's. The desk's list of every account's
-runs is services/scheduler/desk.py and no tenant reaches it.
+runs is services/scheduler/desk_reads.py and no tenant reaches it.
 
 The cursor is the position of the last run a page read (its creation time and run id), so a page
 holds still while new runs are created: asking for the next page never repeats a run nor skips one

@@ -1,5 +1,5 @@
 """Server-side manifest verification: recompute the digest over the exact bytes, parse them
-strictly, refuse secrets, and refuse what the trainer could not run (the same `plan_run` it
+strictly, refuse secrets, and refuse what the trainer could not run (the same `curriculum_of` it
 calls). The client's digest is compared, never trusted alone.
 
 Parsing and the secret scan are a pure function of the bytes, so a manifest that passed them is
@@ -17,7 +17,7 @@ import msgspec
 from contracts import manifest_check  # the schema check ecc runs too: one list of problems on both sides
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
-from services.domain.curriculum import plan_run
+from services.domain.curriculum import curriculum_of
 from services.runtime.messaging.codec import Refusal
 from services.scheduler.secret_scan import find_secret
 
@@ -37,7 +37,7 @@ def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -
     inputs to check (the table tests' form; the API checks the inputs too: `Api._verified`)."""
     manifest, digest = parsed(text, client_digest, max_bytes)
     try:
-        plan_run(manifest)  # accepted here means runnable there: the trainer's own guard is this call
+        curriculum_of(manifest)  # accepted here means runnable there: the trainer's own guard is this call
     except ValueError as exc:
         raise Refusal(ErrorCode.manifest_invalid, f"the manifest cannot run: {exc}") from None
     return manifest, digest

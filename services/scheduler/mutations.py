@@ -32,8 +32,8 @@ from contracts.states import CANCEL_TO, CANCELLABLE, TERMINAL_STATES, RunState
 from services.runtime.messaging.codec import Refusal
 from services.runtime.security.accounts import Credentials
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
-from services.scheduler.backends import Backends
 from services.scheduler.handoff import node_shares
+from services.scheduler.peers import Peers
 from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.mutations")
@@ -63,9 +63,9 @@ def approved_message(proposal: RestartProposal) -> str:
 
 
 class Mutations:
-    def __init__(self, credentials: Credentials, backends: Backends, runs: RunRecords) -> None:
+    def __init__(self, credentials: Credentials, peers: Peers, runs: RunRecords) -> None:
         self.credentials = credentials
-        self.backends = backends
+        self.peers = peers
         self.runs = runs
 
     async def _run(self, caller: str, req: Any, run_id: str, key: str) -> tuple[str, RunView]:
@@ -86,8 +86,8 @@ class Mutations:
                 ErrorCode.confirmation_required,
                 f"run `ecc ito confirm --action {action.value}` first and pass its reference",
             )
-        await self.backends.resolve_confirmation(account, ref, action, target, None, None)
-        return await self.backends.ledger_accept(
+        await self.peers.resolve_confirmation(account, ref, action, target, None, None)
+        return await self.peers.ledger_accept(
             LedgerAccept(
                 account=account,
                 idempotency_key=key,
@@ -100,7 +100,7 @@ class Mutations:
         )
 
     async def _existing(self, account: str, key: str, action: Action, target: str) -> LedgerEntry | None:
-        entry = await self.backends.ledger_lookup(account, key)
+        entry = await self.peers.ledger_lookup(account, key)
         if entry is not None and entry.fingerprint != fingerprint(action, account, target, ""):
             raise key_conflict()
         return entry
@@ -122,7 +122,7 @@ class Mutations:
             raise key_conflict()
         updated, _ = await self.runs.move(account, req.run_id, CANCEL_TO, message="cancelled by the account")
         state = updated.state if updated is not None else view.state
-        await self.backends.notify_cancel(req.run_id)
+        await self.peers.notify_cancel(req.run_id)
         log.info("run %s: cancel accepted (%s)", req.run_id, state.value)
         return MutationResult(run_id=req.run_id, action=Action.cancel, state=state, **ids), None
 
@@ -133,7 +133,7 @@ class Mutations:
             return await self._cleanup_replay(account, view, req)
         release_ref = self._check_cleanup(view, req)
         if release_ref is not None:  # checked before anything is consumed, so a refusal changes nothing
-            await self.backends.resolve_confirmation(
+            await self.peers.resolve_confirmation(
                 account, release_ref, Action.release_booking, view.booking_id, None, None
             )
         await self._accept(account, req.idempotency_key, Action.cleanup, req.run_id, req.confirmation_ref)
@@ -190,12 +190,12 @@ class Mutations:
         order = CleanupOrder(
             account=account, run_id=view.run_id, checkpoint_dir=view.checkpoint_dir or "", storage=storage
         )
-        result = await self.backends.trainer_cleanup(order)
+        result = await self.peers.trainer_cleanup(order)
         await self.runs.forget_checkpoints(account, view.run_id)
         return result
 
     async def _release_booking(self, account: str, view: RunView, req: CleanupRequest, ref: str) -> None:
-        await self.backends.ledger_accept(
+        await self.peers.ledger_accept(
             LedgerAccept(
                 account=account,
                 idempotency_key=f"{req.idempotency_key}#release_booking",
@@ -206,7 +206,7 @@ class Mutations:
                 target=view.booking_id,
             )
         )
-        await self.backends.request_release(account, view.booking_id, req.run_id)
+        await self.peers.request_release(account, view.booking_id, req.run_id)
 
     async def approve(self, caller: str, req: ApproveRequest) -> tuple[MutationResult, str | None]:
         """A paused run's restart proposal: approved only with a `restart_from_checkpoint`
@@ -265,4 +265,4 @@ class Mutations:
             proposal=None,
         )
         for share, share_id in node_shares(restart, msg_id):  # a multi-node run restarts on every node
-            await self.backends.publish_work(req.run_id, msgspec.json.encode(share), share_id)
+            await self.peers.publish_work(req.run_id, msgspec.json.encode(share), share_id)

@@ -21,7 +21,7 @@ from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
 from contracts.manifest import DataRole, Lora, Manifest
 from contracts.models import BaseModel, ModelShape
-from services.domain.curriculum import LmPlan, RunPlan, model_shape, plan_run
+from services.domain.curriculum import Curriculum, LmPlan, curriculum_of, model_shape
 from services.domain.model_shapes import count_parameters, head_dim
 from services.scheduler import calibration, capacity
 
@@ -287,7 +287,7 @@ def calibrated(
     prices: PriceTable,
     gpu_model: str,
     base: BaseModel | None = None,
-    run: RunPlan | None = None,
+    run: Curriculum | None = None,
 ) -> CostEstimate:
     """The estimate on the wall seconds the run will hold its GPUs (start-up, data prep, steps,
     evals, checkpoints: calibration.phases), with its basis; unchanged (basis "flops") when the
@@ -295,7 +295,7 @@ def calibrated(
     flops_only = msgspec.structs.replace(estimate, flops_gpu_hours=estimate.gpu_hours)
     if not prices.calibration:
         return flops_only
-    run = run or _run_plan(manifest, base)
+    run = run or _curriculum(manifest, base)
     if run is None:
         return flops_only
     figures = calibration.figures_for(prices.calibration, gpu_model)
@@ -316,11 +316,11 @@ def calibrated(
     )
 
 
-def _run_plan(manifest: Manifest, base: BaseModel | None) -> RunPlan | None:
+def _curriculum(manifest: Manifest, base: BaseModel | None) -> Curriculum | None:
     """The manifest's stages, or None for a manifest that cannot run (its refusal comes from the
     manifest gate, not from here)."""
     try:
-        return plan_run(manifest, base)
+        return curriculum_of(manifest, base)
     except ValueError:
         return None
 
@@ -337,11 +337,11 @@ def data_policy(manifest: Manifest) -> tuple[ErrorCode, str] | None:
 
 
 def stage_gates(
-    manifest: Manifest, base: BaseModel | None = None, run: RunPlan | None = None
+    manifest: Manifest, base: BaseModel | None = None, run: Curriculum | None = None
 ) -> list[StageGatePlan]:
     """Every stage's gate as the trainer will judge it (services/domain/gates.py), in run order;
     empty for a manifest that cannot run (the manifest gate refuses it before planning)."""
-    run = run or _run_plan(manifest, base)
+    run = run or _curriculum(manifest, base)
     if run is None:
         return []
     return [
@@ -417,12 +417,12 @@ def expected_wall_hours(estimate: CostEstimate) -> float:
 
 
 def checkpoint_every_hours(
-    manifest: Manifest, wall_hours: float, base: BaseModel | None, run: RunPlan | None = None
+    manifest: Manifest, wall_hours: float, base: BaseModel | None, run: Curriculum | None = None
 ) -> float:
     """The expected wall time between two checkpoints: the next-token stages' steps in the run's
     wall time, one every checkpoint.interval_steps (the whole run when it has no such steps)."""
     target = manifest.target
-    run = run or _run_plan(manifest, base)
+    run = run or _curriculum(manifest, base)
     if run is not None:
         steps = sum(s.steps for s in run.stages if isinstance(s, LmPlan))
     else:  # a manifest the manifest gate refuses: the target's own steps
@@ -438,7 +438,7 @@ def data_parallel_alternative(
     statement: EligibilityBody,
     prices: PriceTable,
     small_model_gangs: bool,
-    run: RunPlan | None = None,
+    run: Curriculum | None = None,
 ) -> capacity.Alternative:
     """The plan over every GPU of the booking (the layout the planner picks), for the suggestion."""
     topo = statement.topology
@@ -447,7 +447,7 @@ def data_parallel_alternative(
     )
     wide = msgspec.structs.replace(manifest, resources=resources)
     s = strategy(params, shape, wide, gpu, statement.fabric, small_model_gangs)
-    est = calibrated(  # the run's stages do not depend on its resources: the same RunPlan
+    est = calibrated(  # the run's stages do not depend on its resources: the same Curriculum
         cost(params, wide, gpu, prices, 0.0, 0.0, shape), wide, shape, gpu, prices, topo.gpu_model, run=run
     )
     reason = None if s.refusal is None else f"{s.refusal[0].value}: {s.refusal[1]}"
@@ -468,7 +468,7 @@ def capacity_and_window(
     *,
     small_model_gangs: bool = False,
     base: BaseModel | None = None,
-    run: RunPlan | None = None,
+    run: Curriculum | None = None,
 ) -> tuple[CapacityPlan, WindowPlan, PlanCheck]:
     """The booking's held and idle GPUs, the run against the remaining window, and the
     `booking_window` check (services/scheduler/capacity.py)."""
@@ -503,14 +503,14 @@ def plan(
     small_model_gangs: bool = False,
     base: BaseModel | None = None,
     now: datetime | None = None,
-    run: RunPlan | None = None,
+    run: Curriculum | None = None,
 ) -> Plan:
     """The plan and its checks, in a fixed order: price, fabric, parallelism, data policy,
     checkpoint storage, budget cap, incremental cost, booking window. `now` (default: when the
     eligibility statement was issued) is what the booking's remaining window is measured from.
     `run`: the manifest's stages when the caller has them already (planned once, used by every
     part of the plan below that needs them)."""
-    run = run or _run_plan(manifest, base)
+    run = run or _curriculum(manifest, base)
     shape = model_shape(manifest, base)
     params = parameter_count(shape)
     topo = statement.topology

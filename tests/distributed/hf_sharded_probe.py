@@ -87,7 +87,7 @@ def main(model_dir: str, out: str, strategy: str, degrees: str) -> None:
     # runs, and there a rank sometimes aborted in C++ ("terminate called without an active
     # exception", no Python frame; about 1 run in 8 on 2 loaded cores, both strategies, with the
     # model freed before the group or not). A bare process group with the same imports never did
-    # (0 in 40), nor has rank_main in the gang tests; the cause is not found, and this test is about
+    # (0 in 40), nor has launch.rank in the gang tests; the cause is not found, and this test is about
     # what the ranks loaded, so the probe leaves without that teardown.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -134,13 +134,13 @@ def test_a_stage_checkpointed_on_four_ranks_resumes_on_two(gang_dir, single, hsd
 
 def test_a_plan_that_does_not_fit_the_started_ranks_is_refused(gang_dir):
     job = _job(gang_dir, "misfit", strategy="fsdp2", degrees={"dp_shard": 4})
-    result = torchrun.rank_main(job, 2)
+    result = torchrun.run_rank(job, 2)
     assert result.returncode != 0
     assert "The plan fsdp2 {'dp_shard': 4} needs 4 ranks, but 2 were started." in result.stderr
     assert not (gang_dir / "misfit" / "losses.jsonl").exists(), "a refused plan trained anyway"
 
 
 def test_one_process_refuses_a_multi_rank_plan(gang_dir):
-    result = torchrun.rank_main(_job(gang_dir, "alone", strategy="ddp", degrees={"dp_replicate": 2}), 1)
+    result = torchrun.run_rank(_job(gang_dir, "alone", strategy="ddp", degrees={"dp_replicate": 2}), 1)
     assert result.returncode == 2
     assert "error: The plan ddp {'dp_replicate': 2} needs 2 ranks, but 1 was started." in result.stderr

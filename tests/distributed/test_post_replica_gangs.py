@@ -1,6 +1,6 @@
 """SFT on two gangs of 2 ranks (FSDP2 over each gang's ranks) as two torchft replica groups, on
 CPU/gloo: a run of several GPUs per node on several nodes, post-training, without the services
-(rank_main's PostJob with a `replica_group`). Each rank trains its quarter of every global batch;
+(launch.rank's PostJob with a `replica_group`). Each rank trains its quarter of every global batch;
 both gangs finish every step and hold the same weights; the weights are one process's on the whole
 batch (token means over the global batch), within float tolerance."""
 

@@ -1,4 +1,4 @@
-"""What the distributed tests share: starting a script or `rank_main` on N ranks under torchrun
+"""What the distributed tests share: starting a script or the rank entry (services/trainer/launch/rank.py) on N ranks under torchrun
 (or in one process), and reading what rank 0 wrote (its summary, losses and events)."""
 
 import dataclasses
@@ -117,7 +117,7 @@ def launch(target: list[str], ranks: int) -> subprocess.CompletedProcess:
     )
 
 
-def rank_main(job: Path, ranks: int) -> subprocess.CompletedProcess:
+def run_rank(job: Path, ranks: int) -> subprocess.CompletedProcess:
     return launch([*RANK_MAIN, str(job)], ranks)
 
 
@@ -149,5 +149,5 @@ def assert_same_curve(got: dict[int, float], want: dict[int, float], atol: float
 
 
 def summary_of(job: Path, ranks: int) -> dict:
-    """rank_main on `job` (one process, or `ranks` under torchrun): rank 0's summary."""
-    return summary(rank_main(job, ranks))
+    """The rank entry on `job` (one process, or `ranks` under torchrun): rank 0's summary."""
+    return summary(run_rank(job, ranks))

@@ -104,7 +104,7 @@ def test_a_four_gpu_plan_trains_on_four_ranks(stack, manifest):
 
 
 def _rank_pids(job: pathlib.Path) -> list[int]:
-    """The pids of the ranks running `job` (rank_main processes, not the launcher)."""
+    """The pids of the ranks running `job` (launch.rank processes, not the launcher)."""
     pids = []
     for proc in pathlib.Path("/proc").iterdir():
         if not proc.name.isdigit():

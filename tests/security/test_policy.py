@@ -9,7 +9,7 @@ import pytest
 
 from services.runtime.configuration import settings as settings_mod
 from services.runtime.security import identities as ids
-from services.runtime.security.signing import Signer, Verifier
+from services.runtime.security.order_signatures import Signer, Verifier
 
 S = settings_mod.load({"ITO_NAMESPACE": "ito", "ITO_DATA_DIR": "/tmp/x"})
 

@@ -14,8 +14,8 @@ import pytest
 from contracts import subjects
 from contracts.runs import LogLine, RunCreated, StateChanged, TrainWork
 from contracts.states import RunState
+from services.runtime.security.order_signatures import Signer
 from services.runtime.security.secrets import Secrets
-from services.runtime.security.signing import Signer
 from tests.e2e.test_lifecycle import LONG, confirm, start_run
 from tests.security.conftest import settle
 from tests.support import eventually_async, run_status

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from contracts.manifest import Manifest
-from services.domain.curriculum import LmPlan, PostPlan, plan_run
+from services.domain.curriculum import LmPlan, PostPlan, curriculum_of
 from services.trainer.recipes.evals import Check, describe, judge
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
@@ -33,7 +33,7 @@ def manifest(stages=None, recipe=(), data=None, post=None, tokens=100_000) -> Ma
 
 
 def test_without_stages_a_run_preps_its_data_and_pretrains_on_every_training_ref():
-    plan = plan_run(manifest())
+    plan = curriculum_of(manifest())
     assert plan.stage_names == ["data_prep", "pretrain"]  # there are eval refs to keep out of training
     [pre] = plan.stages
     assert pre.steps == 100_000 // (64 * 16) and pre.data == ("docs", "arith", "needle")
@@ -47,13 +47,13 @@ def test_without_stages_a_run_preps_its_data_and_pretrains_on_every_training_ref
 def test_tiny_example_does_the_data_prep_it_declares():
     """Declared means done: tiny.json declares 13-gram decontamination by ito-training data-prep."""
     tiny = msgspec.json.decode((EXAMPLES / "tiny.json").read_bytes(), type=Manifest)
-    plan = plan_run(tiny)
+    plan = curriculum_of(tiny)
     assert plan.stage_names == ["data_prep", "pretrain"] and plan.stages[0].steps == 400
     assert plan.data_prep.decontamination_ngram == 13
 
 
 def test_no_declaration_and_no_eval_data_means_no_data_prep():
-    plan = plan_run(manifest(data=[{"name": "docs", "source": "builtin:pydoc_topics"}]))
+    plan = curriculum_of(manifest(data=[{"name": "docs", "source": "builtin:pydoc_topics"}]))
     assert plan.stage_names == ["pretrain"]
 
 
@@ -68,12 +68,12 @@ def test_no_declaration_and_no_eval_data_means_no_data_prep():
 def test_a_declaration_the_backend_cannot_honour_is_refused(deco, why):
     data = [{**DATA[0], "decontamination": deco}, *DATA[1:]]
     with pytest.raises(ValueError, match=why):
-        plan_run(manifest(data=data))
+        curriculum_of(manifest(data=data))
 
 
 def test_full_example_runs_every_stage_in_curriculum_order():
     full = msgspec.json.decode((EXAMPLES / "full.json").read_bytes(), type=Manifest)
-    plan = plan_run(full)
+    plan = curriculum_of(full)
     assert plan.stage_names == [
         "data_prep",
         "ladder",
@@ -93,12 +93,12 @@ def test_full_example_runs_every_stage_in_curriculum_order():
 
 
 def test_stage_data_defaults_and_selection():
-    plan = plan_run(manifest(stages={"pretrain": {"data": ["docs"]}, "midtrain": {"tokens": 10_240}}))
+    plan = curriculum_of(manifest(stages={"pretrain": {"data": ["docs"]}, "midtrain": {"tokens": 10_240}}))
     assert [p.data for p in plan.stages] == [("docs",), ("docs", "arith", "needle")]
 
 
 def test_post_training_defaults_to_the_task_refs():
-    plan = plan_run(manifest(recipe=["sft", "rlvr"]))
+    plan = curriculum_of(manifest(recipe=["sft", "rlvr"]))
     assert [(p.name, p.data) for p in plan.stages] == [
         ("pretrain", ("docs", "arith", "needle")),
         ("sft", ("arith",)),
@@ -147,12 +147,12 @@ def test_post_training_defaults_to_the_task_refs():
 )
 def test_manifests_that_cannot_run_are_refused_before_training(kwargs, words):
     with pytest.raises(ValueError, match=words):
-        plan_run(manifest(**kwargs))
+        curriculum_of(manifest(**kwargs))
 
 
 def test_ladder_is_bounded_by_its_budget_fraction():
     data = [*DATA, {"name": "mine", "source": "file:/tmp/mine.txt"}]
-    plan = plan_run(
+    plan = curriculum_of(
         manifest(
             stages={"ladder": {"proxy_steps": 500, "max_budget_fraction": 0.1}, "pretrain": {}}, data=data
         )
@@ -160,7 +160,7 @@ def test_ladder_is_bounded_by_its_budget_fraction():
     pretrain_steps = plan.stages[0].steps  # 97
     assert plan.ladder.proxy_steps == int(0.1 * pretrain_steps) // 2 == 4
     assert plan.ladder.custom == ("mine",) and plan.ladder.reference == ("docs", "arith", "needle")
-    skipped = plan_run(manifest(stages={"ladder": {}, "pretrain": {}}))
+    skipped = curriculum_of(manifest(stages={"ladder": {}, "pretrain": {}}))
     assert skipped.ladder.custom == ()  # nothing to decide: the pipeline logs and skips it
 
 
@@ -205,5 +205,5 @@ def test_describe_states_the_numbers():
 
 
 def test_plans_are_lm_then_post():
-    plan = plan_run(manifest(recipe=["dpo"]))
+    plan = curriculum_of(manifest(recipe=["dpo"]))
     assert [type(p) for p in plan.stages] == [LmPlan, PostPlan]

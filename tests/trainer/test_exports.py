@@ -17,7 +17,7 @@ from contracts.api import DOWNLOAD_CHUNK_MAX, ExportFile, ExportFormat, SampleRe
 from contracts.errors import ErrorCode
 from contracts.export_files import export_digest
 from contracts.manifest import Manifest
-from services.domain.curriculum import plan_run
+from services.domain.curriculum import curriculum_of
 from services.runtime.messaging.codec import Refusal
 from services.trainer.engine.checkpoint import Checkpointer
 from services.trainer.model import Transformer
@@ -35,7 +35,7 @@ def tiny_manifest(**overrides) -> Manifest:
 
 def commit_checkpoint(stage_dir: pathlib.Path, manifest: Manifest, step: int, seed: int = 0) -> Transformer:
     """A committed checkpoint of the stage's model at `step` (seeded weights), as training writes one."""
-    stage = plan_run(manifest).stages[0]
+    stage = curriculum_of(manifest).stages[0]
     torch.manual_seed(seed)
     model = Transformer(stage.shape, rope_base=stage.rope_base)
     opt = torch.optim.AdamW(model.parameters())

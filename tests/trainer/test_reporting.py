@@ -25,7 +25,7 @@ from contracts.runs import (
     StopReason,
 )
 from contracts.states import RunState
-from services.domain.curriculum import PostPlan, plan_run
+from services.domain.curriculum import PostPlan, curriculum_of
 from services.trainer.agent.emitter import Emitter
 from services.trainer.agent.worker import Stop, final_state
 from services.trainer.engine.checkpoint import Checkpointer
@@ -233,7 +233,7 @@ def test_the_pipeline_hands_rlvr_the_manifests_section(tmp_path):
             final_step=0, first_loss=None, final_loss=None, stopped=True, stats=[], stale_dropped=0
         )
 
-    plan = plan_run(manifest)
+    plan = curriculum_of(manifest)
     run = pipeline._Run(manifest, plan, tmp_path, Recorder(), lambda: False, threads=2, train_post=train_post)
     [stage] = [s for s in plan.stages if isinstance(s, PostPlan) and s.name == "rlvr"]
     assert run.post_stage(stage, tmp_path / "rlvr") == ([], True)

@@ -35,7 +35,7 @@ from services.runtime.messaging import codec
 from services.runtime.messaging.codec import Refusal
 from services.runtime.messaging.publishing import headers_for
 from services.runtime.security.identities import tenant_inbox
-from services.runtime.security.signing import Verifier
+from services.runtime.security.order_signatures import Verifier
 
 if TYPE_CHECKING:  # the request path needs only the children it is handed
     from services.runtime.messaging.metrics import EndpointStats, ServiceMetrics

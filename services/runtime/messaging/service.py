@@ -26,8 +26,8 @@ from services.runtime.messaging import connections
 from services.runtime.messaging.bus import Bus, Handler, NatsBus, Router, TenantHandler, serve
 from services.runtime.messaging.metrics import MetricsServer, ServiceMetrics, metrics_app
 from services.runtime.security.identities import REDIS_SERVICES, service_inbox
+from services.runtime.security.order_signatures import Verifier
 from services.runtime.security.secrets import Secrets
-from services.runtime.security.signing import Verifier
 from services.runtime.security.tls import Certs
 
 log = logging.getLogger("ito.service")

@@ -55,10 +55,10 @@ from contracts.manifest import Manifest
 from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
 from contracts.states import LEASABLE, TERMINAL_STATES, RunState
 from services.domain import budget
-from services.domain.curriculum import RunPlan, plan_run
+from services.domain.curriculum import Curriculum, CurriculumMismatch, bound_curriculum
 from services.runtime.configuration import faults
-from services.runtime.configuration.liveness import TIMERS
 from services.runtime.configuration.settings import ENV_TRAINER_THREADS, Settings
+from services.runtime.configuration.timers import TIMERS
 from services.runtime.messaging import codec
 from services.runtime.messaging.bus import Bus
 from services.runtime.messaging.codec import Refusal
@@ -72,15 +72,14 @@ from services.trainer.engine import loss_spikes
 from services.trainer.engine.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
 from services.trainer.engine.distributed import ParallelismError
 from services.trainer.engine.reporting import EventFile, Reporter, Sink, check_event
-from services.trainer.launch import multinode
-from services.trainer.launch.elastic import Gang, GangFailed, GangLost, gang_dims, refusal
+from services.trainer.launch import launcher, multinode
+from services.trainer.launch.elastic import GangFailed, GangLost
 from services.trainer.outputs import exports, sampling
-from services.trainer.recipes.pipeline import PipelineResult, Trainers, TrainLm, run_pipeline
-from services.trainer.recipes.pretrain import train_stage
+from services.trainer.recipes.pipeline import PipelineResult, run_pipeline
 
 log = logging.getLogger("ito.trainer.worker")
 
-# The liveness timers and their ordering live in one checked object (services/runtime/configuration/liveness.py).
+# The liveness timers and their ordering live in one checked object (services/runtime/configuration/timers.py).
 WORK_ACK_WAIT_S = TIMERS.ack_wait_s  # a dead trainer's item comes back this long after its last in_progress
 IN_PROGRESS_EVERY_S = TIMERS.in_progress_every_s
 RENEW_EVERY_S = TIMERS.renew_every_s  # the lease renewal is the heartbeat the scheduler's watcher listens for
@@ -414,7 +413,7 @@ class Worker:
             final, message, requeues = lost_gang_state(exc, gang_requeues, max_requeues)
             log.warning("run %s: %s", work.run_id, message)
             await emitter.state(final, message=message, gang_requeues=requeues)
-        except StorageUnavailable as exc:  # checked before the first step: no GPU time spent
+        except (StorageUnavailable, CurriculumMismatch) as exc:  # before the first step: no GPU time spent
             log.warning("run %s: %s", work.run_id, exc)
             final = RunState.failed
             await emitter.state(final, message=f"training failed: {exc}")
@@ -481,9 +480,9 @@ class Worker:
                 f"(set aside later ones: {moved}), skipping batches [{r.skip_from}, {r.skip_to})"
             )
         # the run's stages, planned once here and passed down (ValueError, in a sentence, before
-        # anything trains); a refused plan trains nothing
-        run = plan_run(manifest, work.base)
-        train_lm, share = self._train_lm(work, manifest, run, checkpoint_dir, emitter.epoch)
+        # anything trains), and only the ones the scheduler priced and signed; a refused plan trains nothing
+        run = bound_curriculum(manifest, work.base, work.curriculum_digest)
+        how = launcher.launch(work, manifest, run, checkpoint_dir, self.threads, emitter.epoch)
         await emitter.state(RunState.running, message="training started")
         meter = self.meters.get(work.run_id)
 
@@ -501,11 +500,10 @@ class Worker:
                 report,
                 stop.is_set,
                 self.threads,
-                train_lm,
+                how.trainers,
             )
         finally:
-            if share is not None:
-                share.close()
+            how.close()
         if stop.reason is StopReason.fenced:  # report nothing
             log.warning(
                 "run %s: fenced at epoch %d; leaving it to the new lease holder", work.run_id, emitter.epoch
@@ -525,34 +523,13 @@ class Worker:
         await emitter.state(final, stage=result.last_stage, message=message)
         return final
 
-    def _inputs(self, work: TrainWork, run: RunPlan) -> dict[str, Any]:
+    def _inputs(self, work: TrainWork, run: Curriculum) -> dict[str, Any]:
         """What the pipeline takes beside the manifest: the run's plan (made once, in the agent), the
         base model the scheduler resolved (its Hugging Face directory in the model store, by digest)
         and the store's root (tokenizer entries)."""
         store = ModelStore(self.settings.model_store)
         base_dir = store.path(work.base.digest) if work.base is not None else None
         return {"plan": run, "base": work.base, "base_dir": base_dir, "store_root": store.root}
-
-    def _train_lm(
-        self, work: TrainWork, manifest: Manifest, run: RunPlan, checkpoint_dir: pathlib.Path, epoch: int = 0
-    ) -> tuple[TrainLm | Trainers, multinode.NodeShare | None]:
-        """How the run's stages train: in this process for a one-rank plan (as always), on a gang of
-        this node's ranks for more (post-training too), as this node's replica group for a multi-node run
-        (then with the share to close); ParallelismError for a plan the node cannot realise."""
-        if manifest.resources.nodes > 1 or work.nodes > 1:
-            refused = multinode.refusal(work, manifest, run)
-            if refused is not None:
-                raise ParallelismError(refused)
-            share = multinode.NodeShare(work, checkpoint_dir, self.threads, epoch)
-            return Trainers(lm=share.train_stage, post=share.train_post, ladder=share.ladder), share
-        dims = gang_dims(work.plan)
-        if dims is None:
-            return train_stage, None
-        refused = refusal(dims, manifest, run)
-        if refused is not None:
-            raise ParallelismError(refused)
-        gang = Gang(dims, checkpoint_dir, self.threads)
-        return Trainers(lm=gang.train_stage, post=gang.train_post), None
 
     async def _train_share(self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int) -> None:
         """Node n > 0 of a multi-node run: train this node's share under its own lease; events go to
@@ -573,15 +550,15 @@ class Worker:
         keep_alive = asyncio.create_task(self._keep_alive(msg, run_id, epoch, stop, work.node_rank))
         node_log = EventFile(checkpoint_dir / "node.jsonl")
         report = Reporter(node_log, run_id=run_id, epoch=epoch)
-        share: multinode.NodeShare | None = None
+        how: launcher.Launch | None = None
         failure: str | None = None
         try:
-            run = plan_run(manifest, work.base)  # planned once, passed down
+            run = bound_curriculum(manifest, work.base, work.curriculum_digest)  # once, passed down
             if work.restart is not None:
                 names = run.stage_names
                 later = names[names.index(work.restart.stage) + 1 :] if work.restart.stage in names else []
                 report.log(follower.rewind_share(checkpoint_dir, work.restart, later))
-            train_lm, share = self._train_lm(work, manifest, run, checkpoint_dir, epoch)
+            how = launcher.launch(work, manifest, run, checkpoint_dir, self.threads, epoch)
             if faults.active(faults.TRAINER_SHARE_FAILS):  # fault injection (tests, make chaos)
                 raise RuntimeError("planted fault: this node's share fails")
             result = await asyncio.to_thread(
@@ -591,7 +568,7 @@ class Worker:
                 report,
                 stop.is_set,
                 self.threads,
-                train_lm,
+                how.trainers,
             )
             report.log(f"node {work.node_rank}: {result.outcome.value}: {result.summary}")
         except Exception as exc:  # a stop explains a failure on the way out; anything else fails the run
@@ -603,8 +580,8 @@ class Worker:
             failure = None if stop.is_set() else follower.share_failure(exc)
         finally:
             keep_alive.cancel()
-            if share is not None:
-                share.close()
+            if how is not None:
+                how.close()
             self.stops.pop(run_id, None)
             self.epochs.pop(run_id, None)
             self.node_ranks.pop(run_id, None)

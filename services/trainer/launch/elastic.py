@@ -42,7 +42,7 @@ from contracts.api import Plan
 from contracts.manifest import DpoStage, Lora, Manifest, SftStage
 from contracts.models import ModelShape
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted, RunEvent, StageStarted
-from services.domain.curriculum import LmPlan, RunPlan
+from services.domain.curriculum import Curriculum, LmPlan
 from services.trainer.engine.checkpoint import load_weights
 from services.trainer.engine.distributed import ParallelDims, ParallelismError
 from services.trainer.engine.loop import pick_device
@@ -84,7 +84,7 @@ def gang_dims(plan: Plan) -> ParallelDims | None:
     return dims if dims.world_size > 1 else None
 
 
-def refusal(dims: ParallelDims, manifest: Manifest, run_plan: RunPlan) -> str | None:
+def refusal(dims: ParallelDims, manifest: Manifest, run_plan: Curriculum) -> str | None:
     """Why this node cannot realise `dims` for this run, or None: more than one node, too few GPUs
     here, or a model or batch the mesh cannot split. (The ladder's proxy runs are the agent's own,
     single-process, before the stages: nothing of them runs on the gang.)"""
@@ -125,7 +125,7 @@ class LaunchSpec:
 
 
 def torchrun_command(spec: LaunchSpec, job: pathlib.Path) -> list[str]:
-    """The elastic launcher's command line: every rank runs rank_main on `job`; stdout and stderr
+    """The elastic launcher's command line: every rank runs launch.rank on `job`; stdout and stderr
     of each rank go to `log_dir/<run>/attempt_<n>/<rank>/`."""
     return [
         sys.executable,
@@ -149,7 +149,7 @@ def read_outcome(
     rc: int, result: dict[str, Any] | None, stopped: bool, spec: LaunchSpec
 ) -> dict[str, Any] | None:
     """Rank 0's summary of a finished stage; None when the gang was stopped on request.
-    ParallelismError when rank 0 refused the job (rank_main's exit 2); GangLost when the launcher
+    ParallelismError when rank 0 refused the job (launch.rank's exit 2); GangLost when the launcher
     gave up after `max_restarts` (a non-zero exit); GangFailed for a clean exit without a result."""
     if result is not None and "refused" in result:
         raise ParallelismError(f"The gang refused the stage: {result['refused']}")

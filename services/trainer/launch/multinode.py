@@ -17,7 +17,7 @@ reporter is the run's (events to the bus); the others write a per-node log file 
 
 A node of several GPUs (the plan's hsdp {dp_replicate: nodes, dp_shard: gpus_per_node}) trains its
 share on a gang of its ranks under torchrun (launch/elastic.py), FSDP2 over them; the gang's ranks together
-are the node's replica group (rank_main.replicas: each rank's Manager with the gang's rank, world
+are the node's replica group (launch.rank.replicas: each rank's Manager with the gang's rank, world
 size and store), and torchft averages each rank's gradient shards over the groups. A gang that
 starts late, or replaces a lost one, heals rank by rank from the same rank of a peer gang (its local
 shards; see fault_tolerance).
@@ -48,7 +48,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.manifest import DpoStage, Manifest, RlvrStage, SftStage
 from contracts.runs import TrainWork
-from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan
+from services.domain.curriculum import Curriculum, LadderPlan, LmPlan, PostPlan
 from services.trainer.engine.distributed import ParallelDims, ParallelismError
 from services.trainer.engine.fault_tolerance import ReplicaGroup, start_lighthouse
 from services.trainer.engine.reporting import Reporter
@@ -87,7 +87,7 @@ def node_checkpoint_dir(run_dir: pathlib.Path, node_rank: int) -> pathlib.Path:
     return run_dir if node_rank == 0 else run_dir / f"node-{node_rank}"
 
 
-def refusal(work: TrainWork, manifest: Manifest, run_plan: RunPlan) -> str | None:
+def refusal(work: TrainWork, manifest: Manifest, run_plan: Curriculum) -> str | None:
     """Why this node cannot train its share, or None."""
     nodes, gpn = manifest.resources.nodes, manifest.resources.gpus_per_node
     if work.nodes != nodes or not 0 <= work.node_rank < nodes:
@@ -285,7 +285,7 @@ class NodeShare:
             mesh={"dp_replicate": self.nodes, **({"dp_shard": gang.dp_shard} if gang else {})},
         )
         try:
-            if gang is not None:  # this node's ranks under torchrun are the group (rank_main.replicas)
+            if gang is not None:  # this node's ranks under torchrun are the group (launch.rank.replicas)
                 assert self.run_dir is not None, "a node of several ranks needs its run directory"
                 group = ReplicaJob(replica_id=self.node_rank, groups=self.nodes, lighthouse=lighthouse)
                 return on_gang(Gang(gang, self.run_dir, self.threads, group))

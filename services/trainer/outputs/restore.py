@@ -2,7 +2,7 @@
 the model built to its shape with those weights in it, and the run's tokenizer.
 
 Shared by exports (services/trainer/outputs/exports.py) and sampling (services/trainer/outputs/sampling.py). The
-stage's shape and RoPE base come from the plan (`plan_run(manifest, base)`, the one validation),
+stage's shape and RoPE base come from the plan (`curriculum_of(manifest, base)`, the one validation),
 its weights from the stage's last committed checkpoint (a directory without its COMMITTED marker is
 never read). A LoRA stage's checkpoint holds its adapters only: the model it adapts is the incoming
 one (the previous stage's committed weights, or the base model from the model store), the adapters
@@ -25,7 +25,7 @@ import torch
 from contracts.errors import ErrorCode
 from contracts.manifest import Lora, Manifest
 from contracts.models import BaseModel
-from services.domain.curriculum import LmPlan, PostPlan, RunPlan, plan_run
+from services.domain.curriculum import Curriculum, LmPlan, PostPlan, curriculum_of
 from services.runtime.messaging.codec import Refusal
 from services.runtime.storage.checkpoint_paths import inside, run_dir, storage_root
 from services.trainer.engine.checkpoint import CheckpointInfo, list_checkpoints, load_weights
@@ -57,7 +57,7 @@ class StageSource:
     run_id: str
     manifest: Manifest
     base: BaseModel | None
-    plan: RunPlan
+    plan: Curriculum
     stage: LmPlan | PostPlan
     checkpoint: CheckpointInfo  # the stage's last committed checkpoint, as located
     stage_dir: pathlib.Path
@@ -97,7 +97,7 @@ def locate(
     """The stage to read (`stage`, or the last stage with a committed checkpoint) and its last
     committed checkpoint; `export_not_found` when there is none."""
     try:
-        plan = plan_run(manifest, base)
+        plan = curriculum_of(manifest, base)
     except ValueError as exc:  # a manifest the plan accepted always plans again; say so if not
         raise Refusal(ErrorCode.export_not_found, f"the run's manifest no longer plans: {exc}") from None
     committed = {s.name: list_checkpoints(run_dir / s.name) for s in plan.stages}

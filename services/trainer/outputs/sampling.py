@@ -27,7 +27,7 @@ from services.trainer.outputs import restore
 from services.trainer.outputs.restore import StageSource
 
 MAX_NEW_TOKENS = 512  # the contract's cap too (contracts/api.py SampleRequest)
-SAMPLE_DEADLINE_S = 50.0  # under the scheduler's call timeout (services/scheduler/backends.py)
+SAMPLE_DEADLINE_S = 50.0  # under the scheduler's call timeout (services/scheduler/peers.py)
 
 
 @dataclass(frozen=True, slots=True)

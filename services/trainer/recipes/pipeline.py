@@ -37,7 +37,7 @@ from contracts.evals import EvalMetric, ProvenanceStep
 from contracts.manifest import DataPrepStage, DpoStage, LongContextGate, Manifest, RlvrStage, SftStage
 from contracts.models import BaseModel, ModelShape
 from contracts.runs import LogLevel, Outcome
-from services.domain.curriculum import LadderPlan, LmPlan, PostPlan, RunPlan, plan_run
+from services.domain.curriculum import Curriculum, LadderPlan, LmPlan, PostPlan, curriculum_of
 from services.domain.gates import overfitting, sentence, threshold
 from services.runtime.storage import data_files
 from services.trainer.data import prep, rows
@@ -101,7 +101,7 @@ TrainPost = Callable[[PostConfig, Reporter, Callable[[], bool]], PostResult | Rl
 process, or a gang's."""
 DecideLadder = Callable[..., LadderDecision | None]
 """How the ladder decides (`ladder.run_ladder`'s arguments): its proxy runs in this process, or, on a
-run of several nodes, node 0's decision read by the others (`nodes.NodeShare.ladder`)."""
+run of several nodes, node 0's decision read by the others (`multinode.NodeShare.ladder`)."""
 NEEDLE_ANSWER_ROOM = 6  # five key digits and a spare byte after the needle prompt
 
 
@@ -113,6 +113,9 @@ class Trainers:
     lm: TrainLm = train_stage
     post: TrainPost = train_post
     ladder: DecideLadder = run_ladder
+
+
+IN_PROCESS = Trainers()  # one rank: every stage in the calling process
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,7 +164,7 @@ class _Run:
     def __init__(
         self,
         manifest: Manifest,
-        plan: RunPlan,
+        plan: Curriculum,
         root: pathlib.Path,
         report: Reporter,
         should_stop: Callable[[], bool],
@@ -765,27 +768,25 @@ def run_pipeline(
     report: Reporter,
     should_stop: Callable[[], bool],
     threads: int,
-    train_lm: TrainLm | Trainers = train_stage,
+    trainers: Trainers = IN_PROCESS,
     *,
-    plan: RunPlan | None = None,
+    plan: Curriculum | None = None,
     base: BaseModel | None = None,
     base_dir: pathlib.Path | None = None,
     store_root: pathlib.Path | None = None,
 ) -> PipelineResult:
-    """`train_lm` trains each next-token stage (default: in this process), or, as `Trainers`, every
-    training stage (a gang's, for a run on several ranks); post-training stages otherwise train in
-    this process. `base` / `base_dir`: the manifest's base model as the scheduler resolved it, and
+    """`trainers` train the stages: in this process by default; a gang's or a node share's as the
+    launcher chose them (services/trainer/launch/launcher.py). `base` / `base_dir`: the manifest's base model as the scheduler resolved it, and
     its Hugging Face directory in the model store: the first stage starts from its weights and the
     run tokenizes with its tokenizer. `plan`: the run's stages as the agent planned them (once);
     planned here when not given (tests, the bench)."""
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    plan = plan if plan is not None else plan_run(manifest, base)  # ValueError, in a sentence
+    plan = plan if plan is not None else curriculum_of(manifest, base)  # ValueError, in a sentence
     if base is not None and (base_dir is None or not is_hf_model_dir(base_dir)):
         raise ValueError(f"The base model {base.name} ({base.digest}) is not in this trainer's model store.")
     model = manifest.model.base or (manifest.model.size.value if manifest.model.size else "")
     report.log(f"plan: {' -> '.join(plan.stage_names)} on {model}")
-    trainers = train_lm if isinstance(train_lm, Trainers) else Trainers(lm=train_lm)
     run = _Run(
         manifest,
         plan,

@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.manifest import Lora, Manifest
 from contracts.models import ModelShape
-from services.domain.curriculum import LmPlan, plan_run
+from services.domain.curriculum import LmPlan, curriculum_of
 from services.trainer.data.corpora import (
     VOCAB_SIZE,
     BatchIterator,
@@ -203,7 +203,7 @@ def stage_config_from_manifest(
     manifest: Manifest, checkpoint_dir: str | os.PathLike, stage: str = "pretrain"
 ) -> StageConfig:
     """The config of one planned next-token stage on the manifest's raw (unprepared) data."""
-    plan = plan_run(manifest)
+    plan = curriculum_of(manifest)
     lm = next((p for p in plan.stages if p.name == stage and isinstance(p, LmPlan)), None)
     if lm is None:
         raise ValueError(f"The manifest does not run a {stage} stage.")
