@@ -11,7 +11,7 @@ from services.confirmation.store import Confirmations, new_ref
 from services.domain import binding
 from services.domain.quotas import DEFAULTS, confirmation_breach
 from services.runtime.messaging.codec import Refusal
-from services.runtime.security.quotas import Quotas, breach_refusal
+from services.runtime.security.quota_stores import Quotas, breach_refusal
 
 
 def _issued(ref: str, s: binding.Stored) -> ConfirmationIssued:

@@ -1,7 +1,7 @@
 """Per-tenant quotas, defined once: the defaults, the token bucket's math, the admission of a
 confirmation and of a run, and the same bucket in Lua for the scheduler's atomic take.
 
-The operator writes an account's limits (`ito-training accounts quota`, services/runtime/security/quotas.py);
+The operator writes an account's limits (`ito-training accounts quota`, services/runtime/security/quota_stores.py);
 an account without them has DEFAULTS. The scheduler takes one token from the account's bucket for
 each plan, confirm and train request (BUCKET_LUA: one script on the account's own slot, so that
 every scheduler instance shares one bucket); the confirmation service admits a confirmation against

@@ -233,7 +233,7 @@ async def _accounts(
         if action == "quota":
             import msgspec
 
-            from services.runtime.security.quotas import RedisQuotas
+            from services.runtime.security.quota_stores import RedisQuotas
 
             if not accounts.valid_account(account):
                 raise ValueError("account names are 1-64 ASCII letters, digits, '-' or '_'")

@@ -61,8 +61,8 @@ from services.domain.quotas import Taken
 from services.runtime.configuration import faults
 from services.runtime.messaging.codec import Refusal
 from services.runtime.security.accounts import Credentials
-from services.runtime.security.quotas import InMemoryQuotas, Quotas, breach_refusal
-from services.runtime.security.quotas import refusal as rate_refusal
+from services.runtime.security.quota_stores import InMemoryQuotas, Quotas, breach_refusal
+from services.runtime.security.quota_stores import refusal as rate_refusal
 from services.runtime.storage.checkpoint_paths import run_dir
 from services.runtime.storage.model_store import ModelStore
 from services.scheduler import planning

@@ -22,7 +22,7 @@ from services.runtime.messaging.service import (
 from services.runtime.security.accounts import Credentials, RedisAccounts
 from services.runtime.security.identities import DESK, service_inbox
 from services.runtime.security.order_signatures import Signer
-from services.runtime.security.quotas import InMemoryQuotas, Quotas, RedisQuotas
+from services.runtime.security.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
 from services.runtime.security.secrets import Secrets
 from services.runtime.storage.model_store import ModelStore
 from services.scheduler import leases, planning

@@ -20,6 +20,7 @@ from services.trainer.engine.fault_tolerance import start_lighthouse
 from services.trainer.launch.rank import ReplicaJob
 from services.trainer.model import Transformer
 from tests.distributed import torchrun
+from tests.support import replica_seal
 
 pytestmark = pytest.mark.distributed
 
@@ -59,7 +60,7 @@ def test_sft_on_two_gangs_as_replica_groups_ends_with_one_process_weights(tmp_pa
     procs, logs = [], []
     try:
         for i in (0, 1):
-            group = ReplicaJob(replica_id=i, groups=2, lighthouse=lighthouse.address())
+            group = ReplicaJob(replica_id=i, groups=2, lighthouse=lighthouse.address(), seal=replica_seal(i))
             job = _job(tmp_path / f"group-{i}", group, strategy="fsdp2", degrees={"dp_shard": 2})
             log = (tmp_path / f"group-{i}.log").open("wb")
             logs.append(log)

@@ -31,7 +31,7 @@ from services.trainer.engine.fault_tolerance import start_lighthouse
 from services.trainer.launch.rank import ReplicaJob
 from services.trainer.model import Transformer
 from tests.distributed import torchrun
-from tests.support import eventually
+from tests.support import eventually, replica_seal
 
 pytestmark = pytest.mark.distributed
 
@@ -60,7 +60,9 @@ class GangGroup:
             keep_last=1_000,
             losses_path=str(self.dir / "losses.jsonl"),
             events_path=str(self.dir / "events.jsonl"),
-            replica_group=ReplicaJob(replica_id=replica_id, groups=2, lighthouse=lighthouse),
+            replica_group=ReplicaJob(
+                replica_id=replica_id, groups=2, lighthouse=lighthouse, seal=replica_seal(replica_id)
+            ),
         )
         (self.dir / "job.json").write_bytes(msgspec.json.encode(job))
         command = torchrun.command([*torchrun.RANK_MAIN, str(self.dir / "job.json")], 2)

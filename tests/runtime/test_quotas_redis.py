@@ -16,7 +16,7 @@ from services.confirmation.store import ConfirmationStore
 from services.domain import quotas
 from services.domain.binding import Stored
 from services.runtime.configuration.keys import Keys
-from services.runtime.security.quotas import RedisQuotas
+from services.runtime.security.quota_stores import RedisQuotas
 from services.scheduler.store import RunStore
 from tests.conftest import new_namespace, start_infra
 from tests.domain.test_quotas import BUCKET_ROWS

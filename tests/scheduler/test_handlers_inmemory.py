@@ -55,7 +55,7 @@ from services.runtime.messaging.bus import LocalBus
 from services.runtime.messaging.service import Wiring
 from services.runtime.security.accounts import InMemoryAccounts, RedisAccounts
 from services.runtime.security.identities import NATS_IDENTITIES
-from services.runtime.security.quotas import InMemoryQuotas, Quotas, RedisQuotas
+from services.runtime.security.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
 from services.runtime.security.secrets import Secrets
 from services.scheduler import app as scheduler_app
 from services.scheduler.manifests import digest_of

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 from torch.distributed import TCPStore
 
+from services.runtime.security import sealed
 from services.trainer.launch import rendezvous as rs
 from services.trainer.launch.rendezvous import (
     Hello,
@@ -73,7 +74,9 @@ def test_a_stranger_reads_nothing(server: RendezvousServer) -> None:
     sock = _raw(server)
     sock.sendall(b"\x00" * 64 + b"ladder")
     got = _read_all(sock)
-    assert got.startswith(rs.MAGIC) and len(got) == len(rs.MAGIC) + rs.NONCE_BYTES  # the nonce, nothing else
+    assert (
+        got.startswith(rs.MAGIC) and len(got) == len(rs.MAGIC) + sealed.NONCE_BYTES
+    )  # the nonce, nothing else
     assert b"10.0.0.1" not in got and b"mixture" not in got
 
 
@@ -93,7 +96,7 @@ def test_a_stranger_writes_nothing(server: RendezvousServer) -> None:
     channel ends instead, and the store keeps node 0's values."""
     node1 = RendezvousClient(server.address, KEY, RUN, node_rank=1, epoch=1, timeout_s=5)
     # an attacker who spliced bytes into node 1's connection: the frame fails its seal
-    rs._send(node1._channel.sock, b"\x01" * 40)
+    sealed.send_frame(node1._channel.sock, b"\x01" * 40)
     with pytest.raises((RendezvousRefused, OSError)):
         node1._call(rs.Op("get", "ladder"))
     assert server.data["ladder"] == b'{"mixture": "a"}'
@@ -119,7 +122,7 @@ def test_half_open_connections_stall_no_one(server: RendezvousServer) -> None:
     assert time.monotonic() - started < rs.HANDSHAKE_TIMEOUT_S  # not made to wait for the flood
     for sock in hanging:
         got = _read_all(sock)  # the nonce, then closed by the server
-        assert got.startswith(rs.MAGIC) and len(got) == len(rs.MAGIC) + rs.NONCE_BYTES
+        assert got.startswith(rs.MAGIC) and len(got) == len(rs.MAGIC) + sealed.NONCE_BYTES
         sock.close()
     node1.close()
 
@@ -146,9 +149,9 @@ def test_an_impostor_node0_is_not_believed() -> None:
 
     def impostor() -> None:
         conn, _ = listener.accept()
-        conn.sendall(rs.MAGIC + b"\x00" * rs.NONCE_BYTES)
-        rs._recv(conn), rs._recv(conn)
-        rs._send(conn, b"\x00" * 32)
+        conn.sendall(rs.MAGIC + b"\x00" * sealed.NONCE_BYTES)
+        sealed.recv_frame(conn, 4096), sealed.recv_frame(conn, 4096)
+        sealed.send_frame(conn, b"\x00" * 32)
         conn.close()
 
     threading.Thread(target=impostor, daemon=True).start()

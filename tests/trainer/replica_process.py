@@ -62,6 +62,7 @@ from services.trainer.engine.fault_tolerance import (
 from services.trainer.engine.loop import LoopSettings, StepOutput, run_loop
 from services.trainer.engine.reporting import Reporter
 from services.trainer.model import Transformer
+from tests.support import replica_seal
 
 STAGE = "replicas"  # the stage name in the loop's log lines and metrics
 
@@ -162,6 +163,7 @@ def train_replica(config: ReplicaConfig, log: ProgressLog, stop: threading.Event
         scheduler=scheduler,
         replica_id=config.replica_id,
         lighthouse=config.lighthouse,
+        seal=replica_seal(config.replica_id),
         store_host=config.store_host,
         timeout_s=config.timeout_s,
         quorum_timeout_s=config.quorum_timeout_s,

@@ -22,6 +22,7 @@ from services.trainer.recipes.posttrain import PostConfig, PostResult, train_dpo
 from services.trainer.recipes.pretrain import Replicas, StageConfig, train_stage
 from services.trainer.recipes.rlvr import RlvrConfig, RlvrResult, train_rlvr
 from services.trainer.recipes.rollout import RolloutBatch
+from tests.support import replica_seal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -86,6 +87,7 @@ def test_two_replica_groups_train_their_halves_to_one_process_weights(tmp_path, 
                 scheduler=scheduler,
                 replica_id=replica_id,
                 lighthouse=lighthouse.address(),
+                seal=replica_seal(replica_id),
                 expected_groups=2,
                 progress=lambda event, /, **f: (
                     steps[replica_id].append(int(f["participants"])) if event == "step" else None
@@ -218,6 +220,7 @@ def test_two_replica_groups_run_rlvr_each_with_its_own_rollout_worker(tmp_path, 
                 scheduler=scheduler,
                 replica_id=replica_id,
                 lighthouse=lighthouse.address(),
+                seal=replica_seal(replica_id),
                 expected_groups=2,
             )
 

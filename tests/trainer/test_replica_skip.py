@@ -13,6 +13,7 @@ from services.trainer.engine.checkpoint import committed_positions, rewind
 from services.trainer.engine.fault_tolerance import ReplicaGroup, start_lighthouse
 from services.trainer.engine.reporting import Recorder
 from services.trainer.recipes.pretrain import Replicas, StageConfig, train_stage
+from tests.support import replica_seal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -44,6 +45,7 @@ def test_a_replica_group_resumed_at_an_approved_restart_skips_its_window(tmp_pat
                 scheduler=scheduler,
                 replica_id=0,
                 lighthouse=lighthouse.address(),
+                seal=replica_seal(0),
             ),
         )
 

@@ -25,8 +25,10 @@ What torchft gives through these hooks:
     syncs every group to one of them (its initial sync is a heal). Without this, a gang that starts
     a few seconds sooner trains alone, and a short stage may end before the other joins.
   - A replacement (or a group that starts late) joins the next quorum behind the others' step;
-    torchft heals it by fetching the model, optimizer and schedule state from a peer over HTTP
-    (`_peer_state` there, `_load_peer_state` here), and from then on they step together with the
+    torchft heals it by fetching the model, optimizer and schedule state from a peer
+    (`_peer_state` there, `_load_peer_state` here) over the sealed transport: only a group of the
+    same run, holding its key, gets a byte, and what arrives is loaded without pickle
+    (services/trainer/engine/heal_transport.py), and from then on they step together with the
     same weights.
   - The quorum is synchronous (`start_step` waits for it, `use_async_quorum=False`): torchft reads
     the state a peer heals from on its quorum thread, and with FSDP2 that read is only safe while
@@ -67,9 +69,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from torchft import Manager, ProcessGroupGloo
-from torchft.checkpointing.http_transport import HTTPTransport
 
 from services.trainer.engine.checkpoint import ResumeState, load_latest
+from services.trainer.engine.heal_transport import Seal, SealedTransport
 
 # Lighthouse defaults. torchft's own are 5 s heartbeat and 60 s join timeouts, sized for clusters;
 # these are sized for a few processes on one host, so a kill is noticed in ~2 s.
@@ -187,6 +189,7 @@ class ReplicaGroup:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         replica_id: int,
         lighthouse: str,
+        seal: Seal,
         store_host: str = "127.0.0.1",
         timeout_s: float = TIMEOUT_S,
         quorum_timeout_s: float = QUORUM_TIMEOUT_S,
@@ -221,7 +224,8 @@ class ReplicaGroup:
             state_dict=self._peer_state,
             min_replica_size=min_replica_size,
             use_async_quorum=False,  # the peer state is read and loaded outside forward/backward (above)
-            checkpoint_transport=HTTPTransport(timeout=timedelta(seconds=TRANSFER_TIMEOUT_S), num_chunks=0),
+            # healing transfers behind the run's key, loaded without pickle (engine/heal_transport.py)
+            checkpoint_transport=SealedTransport(seal, store_host, timedelta(seconds=TRANSFER_TIMEOUT_S)),
             timeout=timeout,
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
             connect_timeout=timedelta(seconds=connect_timeout_s),
@@ -307,7 +311,7 @@ class ReplicaGroup:
         return resumed
 
     def close(self) -> None:
-        """Stop the Manager's servers (HTTP, gRPC) and its quorum thread."""
+        """Stop the Manager's servers (the sealed transport, gRPC) and its quorum thread."""
         self.manager.shutdown(wait=False)
 
     # --- the state a healing peer receives. torchft calls `_peer_state` on its quorum thread while

@@ -4,7 +4,8 @@ A run booked on N nodes is N work items (services/scheduler/handoff.py), one per
 by one trainer agent. Data parallelism across the nodes is torchft's (`fault_tolerance.ReplicaGroup`,
 replica id = node rank): the nodes need no shared c10d rendezvous, only a Lighthouse. Node 0 hosts
 the run's rendezvous store at the endpoint the scheduler put in the work item (`TrainWork.rendezvous`)
-and, per stage, a Lighthouse whose address it publishes there; every node reads it, waits (bounded)
+and, per stage, a Lighthouse on its loopback behind a sealed relay (launch/lighthouse_relay.py), whose
+address it publishes there; every node reads it, dials it through a sealed entry of its own, waits (bounded)
 for the others so that they start together, and trains the stage with the same loop as any run,
 its group passed in (`pretrain.Replicas`). A node lost mid-stage does not stop the others (they go
 on without it after the Lighthouse's heartbeat timeout); its replacement resumes from its own
@@ -51,8 +52,10 @@ from contracts.runs import TrainWork
 from services.domain.curriculum import Curriculum, LadderPlan, LmPlan, PostPlan
 from services.trainer.engine.distributed import ParallelDims, ParallelismError
 from services.trainer.engine.fault_tolerance import ReplicaGroup, start_lighthouse
+from services.trainer.engine.heal_transport import Seal, heal_key
 from services.trainer.engine.reporting import Reporter
 from services.trainer.launch.elastic import Gang
+from services.trainer.launch.lighthouse_relay import Entry, Relay, relay_key
 from services.trainer.launch.rank import ReplicaJob
 from services.trainer.launch.rendezvous import RendezvousClient, RendezvousServer, store_key
 from services.trainer.recipes.data_ladder import (
@@ -154,18 +157,27 @@ class Rendezvous:
         self.store = RendezvousClient(
             work.rendezvous, key, work.run_id, work.node_rank, epoch, timeout_s=CONNECT_TIMEOUT_S
         )
-        self.lighthouses: dict[str, Any] = {}
+        self.run_id, self.epoch = work.run_id, epoch
+        self.relay_key = relay_key(work.rendezvous_key, work.run_id)  # never logged
+        self.lighthouses: dict[str, list[Callable[[], object]]] = {}  # a stage's: what to stop at its end
 
     def lighthouse(self, stage: str) -> str:
-        """The stage's Lighthouse address: node 0 starts one and publishes it; the others read it
-        (waiting up to CONNECT_TIMEOUT_S)."""
+        """The stage's Lighthouse, as this node's replica group dials it. Node 0 starts one on its
+        loopback with a sealed relay in front (launch/lighthouse_relay.py) and publishes the relay's
+        address; the others read it (waiting up to CONNECT_TIMEOUT_S) and dial it through a sealed
+        entry on their own loopback."""
         key = f"{stage}:lighthouse"
         if self.node_rank == 0:
-            server = self.lighthouses[stage] = start_lighthouse("[::]:0")
-            address = f"http://{self.host}:{urlparse(server.address()).port}"
-            self.store.set(key, address)
-            return address
-        return self.store.get(key).decode()
+            server = start_lighthouse("127.0.0.1:0")
+            port = urlparse(server.address()).port
+            assert port is not None, "a started Lighthouse has a port"
+            relay = Relay(self.host.strip("[]"), port, self.relay_key, self.run_id)
+            self.lighthouses[stage] = [relay.close, server.shutdown]
+            self.store.set(key, relay.address)
+            return f"http://127.0.0.1:{port}"
+        entry = Entry(self.store.get(key).decode(), self.relay_key, self.run_id, self.node_rank, self.epoch)
+        self.lighthouses[stage] = [entry.close]
+        return entry.lighthouse
 
     def meet(self, stage: str, what: str, timeout_s: float) -> int:
         """Count this node in `what` and wait until every node has, or `timeout_s`; the count seen."""
@@ -178,9 +190,8 @@ class Rendezvous:
         return count
 
     def end_stage(self, stage: str) -> None:
-        server = self.lighthouses.pop(stage, None)
-        if server is not None:
-            server.shutdown()
+        for stop in self.lighthouses.pop(stage, []):
+            stop()
 
     def close(self) -> None:
         for stage in list(self.lighthouses):
@@ -206,6 +217,13 @@ class NodeShare:
         self.gang_dims = node_gang(work)
         self.node_rank, self.nodes = work.node_rank, work.nodes
         self.node_host = os.environ.get(ENV_NODE_HOST) or DEFAULT_NODE_HOST
+        # the healing transfers between the nodes' groups, behind the run's key (never logged)
+        self.seal = Seal(
+            key=heal_key(work.rendezvous_key, work.run_id),
+            run_id=work.run_id,
+            replica_id=work.node_rank,
+            epoch=epoch,
+        )
         self._rendezvous: Rendezvous | None = None
 
     def close(self) -> None:
@@ -287,7 +305,13 @@ class NodeShare:
         try:
             if gang is not None:  # this node's ranks under torchrun are the group (launch.rank.replicas)
                 assert self.run_dir is not None, "a node of several ranks needs its run directory"
-                group = ReplicaJob(replica_id=self.node_rank, groups=self.nodes, lighthouse=lighthouse)
+                group = ReplicaJob(
+                    replica_id=self.node_rank,
+                    groups=self.nodes,
+                    lighthouse=lighthouse,
+                    seal=self.seal,
+                    host=self.node_host,
+                )
                 return on_gang(Gang(gang, self.run_dir, self.threads, group))
 
             def progress(event: str, /, **fields: object) -> None:
@@ -305,6 +329,7 @@ class NodeShare:
                     scheduler=scheduler,
                     replica_id=self.node_rank,
                     lighthouse=lighthouse,
+                    seal=self.seal,
                     store_host=self.node_host,
                     progress=progress,
                     expected_groups=self.nodes,  # the first step waits (bounded) for every node

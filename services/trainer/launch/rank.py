@@ -35,6 +35,7 @@ from contracts.runs import Metrics, RunEvent
 from services.trainer.engine import distributed
 from services.trainer.engine.distributed import ParallelDims, ParallelismError
 from services.trainer.engine.fault_tolerance import GangStore, ReplicaGroup
+from services.trainer.engine.heal_transport import Seal
 from services.trainer.engine.loop import pick_device
 from services.trainer.engine.reporting import EventFile, Reporter, Sink, rank0_only
 from services.trainer.recipes.posttrain import PostConfig, PostResult
@@ -52,6 +53,8 @@ class ReplicaJob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     replica_id: Annotated[int, msgspec.Meta(ge=0)]
     groups: Annotated[int, msgspec.Meta(ge=1)]
     lighthouse: str
+    seal: Seal  # the run's heal key and this group's place (engine/heal_transport.py); the job file is 0600
+    host: str = "127.0.0.1"  # where this node's ranks serve healing transfers to the other groups
 
 
 class _Files(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -173,6 +176,8 @@ def replicas(group: ReplicaJob, report: Reporter, stage: str) -> Replicas:
             scheduler=scheduler,
             replica_id=group.replica_id,
             lighthouse=group.lighthouse,
+            seal=group.seal,
+            store_host=group.host,
             progress=progress,
             expected_groups=group.groups,  # the first step waits (bounded) for every node's gang
             gang=GangStore(

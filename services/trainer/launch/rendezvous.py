@@ -3,7 +3,8 @@
 torch's TCPStore answers anyone who can reach its port: a process on a trainer host could read a
 run's keys, overwrite node 0's ladder decision or bump the `joined` / `done` counters the nodes meet
 on. This store keeps the same few operations (`set`, `get` waiting for the key, `add`, `check`) and
-admits a connection only after a mutual challenge-response on the run's rendezvous key:
+admits a connection only after a mutual challenge-response on the run's rendezvous key (the sealed
+channel, services/runtime/security/sealed.py, which a replica group's healing transfers speak too):
 
 - the scheduler mints a random key per run (`TrainWork.rendezvous_key`, inside the signed work
   item; never logged, never in an event or answer); both ends derive the run's store key from it
@@ -28,7 +29,6 @@ tests/security/test_rendezvous_attacks.py.
 
 import hashlib
 import hmac
-import os
 import socket
 import struct
 import threading
@@ -37,29 +37,17 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from services.runtime.security import sealed
+from services.runtime.security.sealed import HANDSHAKE_TIMEOUT_S, Channel, Hello
 
 MAGIC: Final = b"ITO-RDZV1"
-NONCE_BYTES: Final = 16
 MAX_FRAME: Final = 1 << 20  # a ladder decision is a few KB; anything near this is not ours
-HANDSHAKE_TIMEOUT_S: Final = 3.0
 MAX_PENDING: Final = 128  # half-open handshakes at once; past it a connection is closed at once
 POLL_S: Final = 0.05
+__all__ = ["HANDSHAKE_TIMEOUT_S", "Hello", "RendezvousClient", "RendezvousRefused", "RendezvousServer"]
 
-
-class RendezvousRefused(Exception):
-    """The other end is not this run's: the handshake failed (or the connection ended)."""
-
-
-class _NoNonce(Exception):
-    """The server closed before its nonce: every handshake slot was taken; try again."""
-
-
-class Hello(msgspec.Struct, frozen=True):
-    run_id: str
-    node_rank: int
-    epoch: int
-    nonce: bytes
+RendezvousRefused = sealed.Refused  # the other end is not this run's (or the connection ended)
 
 
 class Op(msgspec.Struct, frozen=True):
@@ -81,18 +69,6 @@ def store_key(rendezvous_key: str, run_id: str) -> bytes:
     return hmac.new(rendezvous_key.encode(), b"ito-rdzv-store|" + run_id.encode(), hashlib.sha256).digest()
 
 
-def client_tag(key: bytes, server_nonce: bytes, hello: bytes) -> bytes:
-    return hmac.new(key, b"client|" + server_nonce + hello, hashlib.sha256).digest()
-
-
-def server_tag(key: bytes, server_nonce: bytes, hello: bytes) -> bytes:
-    return hmac.new(key, b"server|" + server_nonce + hello, hashlib.sha256).digest()
-
-
-def session_key(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(key, b"session|" + server_nonce + client_nonce, hashlib.sha256).digest()
-
-
 def admit(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
     """Why a hello whose tag checked out is still refused (None: admitted): another run's id, or a
     lease epoch lower than one this node rank already presented (its lease was taken over)."""
@@ -101,53 +77,6 @@ def admit(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
     if hello.epoch < epochs.get(hello.node_rank, hello.epoch):
         return "a stale lease epoch"
     return None
-
-
-def _send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(struct.pack(">I", len(payload)) + payload)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise RendezvousRefused("the connection ended")
-        data += chunk
-    return bytes(data)
-
-
-def _recv(sock: socket.socket) -> bytes:
-    (size,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if size > MAX_FRAME:
-        raise RendezvousRefused("frame too large")
-    return _recv_exact(sock, size)
-
-
-@dataclass
-class _Channel:
-    """AES-GCM frames under the session key; the nonce is the direction and a counter."""
-
-    sock: socket.socket
-    aead: AESGCM
-    send_dir: bytes
-    recv_dir: bytes
-    sent: int = 0
-    received: int = 0
-
-    def send(self, obj: object) -> None:
-        nonce = self.send_dir + self.sent.to_bytes(11, "big")
-        self.sent += 1
-        _send(self.sock, self.aead.encrypt(nonce, msgspec.msgpack.encode(obj), None))
-
-    def recv(self, kind: type) -> object:
-        nonce = self.recv_dir + self.received.to_bytes(11, "big")
-        self.received += 1
-        try:
-            plain = self.aead.decrypt(nonce, _recv(self.sock), None)
-        except Exception as exc:  # InvalidTag: altered, replayed or reordered
-            raise RendezvousRefused("a frame failed its seal") from exc
-        return msgspec.msgpack.decode(plain, type=kind)
 
 
 @dataclass
@@ -182,7 +111,7 @@ class RendezvousServer:
         with self._lock:
             for socks in self._sessions.values():
                 for s in socks:
-                    _quietly_close(s)
+                    sealed.quietly_close(s)
             self._sessions.clear()
 
     def _accept(self) -> None:
@@ -195,32 +124,24 @@ class RendezvousServer:
                 return
             if not self._pending.acquire(blocking=False):
                 self.refused += 1
-                _quietly_close(conn)  # too many half-open handshakes: refuse, stall no one
+                sealed.quietly_close(conn)  # too many half-open handshakes: refuse, stall no one
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="rdzv-conn", daemon=True).start()
 
-    def _handshake(self, conn: socket.socket) -> tuple[_Channel, Hello]:
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        nonce = os.urandom(NONCE_BYTES)
-        conn.sendall(MAGIC + nonce)
-        raw = _recv(conn)
-        tag = _recv(conn)
-        if not hmac.compare_digest(tag, client_tag(self.key, nonce, raw)):
-            raise RendezvousRefused("wrong key")
-        hello = msgspec.msgpack.decode(raw, type=Hello)
-        with self._lock:
-            why = admit(hello, self.run_id, self.epochs)
-            if why is not None:
-                raise RendezvousRefused(why)
-            if hello.epoch > self.epochs.get(hello.node_rank, -1):
-                for old in self._sessions.pop(hello.node_rank, []):
-                    _quietly_close(old)  # the fenced holder's connections end now
-            self.epochs[hello.node_rank] = hello.epoch
-            self._sessions.setdefault(hello.node_rank, []).append(conn)
-        _send(conn, server_tag(self.key, nonce, raw))
-        conn.settimeout(None)
-        aead = AESGCM(session_key(self.key, nonce, hello.nonce))
-        return _Channel(conn, aead, send_dir=b"s", recv_dir=b"c"), hello
+    def _handshake(self, conn: socket.socket) -> tuple[Channel, Hello]:
+        def admitted(hello: Hello) -> str | None:
+            with self._lock:
+                why = admit(hello, self.run_id, self.epochs)
+                if why is not None:
+                    return why
+                if hello.epoch > self.epochs.get(hello.node_rank, -1):
+                    for old in self._sessions.pop(hello.node_rank, []):
+                        sealed.quietly_close(old)  # the fenced holder's connections end now
+                self.epochs[hello.node_rank] = hello.epoch
+                self._sessions.setdefault(hello.node_rank, []).append(conn)
+            return None
+
+        return sealed.server_handshake(conn, self.key, MAGIC, admitted, MAX_FRAME)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -230,7 +151,7 @@ class RendezvousServer:
                 self._pending.release()
         except (RendezvousRefused, OSError, msgspec.DecodeError, struct.error):
             self.refused += 1
-            _quietly_close(conn)
+            sealed.quietly_close(conn)
             return
         try:
             while not self._closed.is_set():
@@ -240,7 +161,7 @@ class RendezvousServer:
         except (RendezvousRefused, OSError, msgspec.DecodeError, struct.error):
             pass
         finally:
-            _quietly_close(conn)
+            sealed.quietly_close(conn)
 
     def _apply(self, op: Op) -> Reply:
         with self._lock:
@@ -275,38 +196,21 @@ class RendezvousClient:
                 time.sleep(0.2)
                 continue
             try:
-                hello = Hello(run_id, node_rank, epoch, os.urandom(NONCE_BYTES))
-                self._channel = self._handshake(sock, key, hello)
+                hello = sealed.hello(run_id, node_rank, epoch)
+                self._channel = sealed.client_handshake(sock, key, MAGIC, hello, MAX_FRAME)
                 break
-            except _NoNonce:
-                _quietly_close(sock)  # closed before the nonce: no slot free yet, not a refusal
+            except sealed.NoNonce:
+                sealed.quietly_close(sock)  # closed before the nonce: no slot free yet, not a refusal
                 if time.monotonic() > deadline:
                     raise RendezvousRefused("node 0's store took no connection in time") from None
                 time.sleep(0.2)
             except (OSError, struct.error) as exc:
-                _quietly_close(sock)
+                sealed.quietly_close(sock)
                 raise RendezvousRefused("node 0's store did not finish the handshake") from exc
             except RendezvousRefused:
-                _quietly_close(sock)
+                sealed.quietly_close(sock)
                 raise
         self._lock = threading.Lock()
-
-    @staticmethod
-    def _handshake(sock: socket.socket, key: bytes, hello: Hello) -> _Channel:
-        try:
-            head = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
-        except (RendezvousRefused, OSError) as exc:
-            raise _NoNonce() from exc
-        if not head.startswith(MAGIC):
-            raise RendezvousRefused("not a rendezvous store")
-        nonce = head[len(MAGIC) :]
-        raw = msgspec.msgpack.encode(hello)
-        _send(sock, raw)
-        _send(sock, client_tag(key, nonce, raw))
-        if not hmac.compare_digest(_recv(sock), server_tag(key, nonce, raw)):
-            raise RendezvousRefused("the store did not prove it holds the run's key")
-        sock.settimeout(None)
-        return _Channel(sock, AESGCM(session_key(key, nonce, hello.nonce)), send_dir=b"c", recv_dir=b"s")
 
     def _call(self, op: Op) -> Reply:
         with self._lock:
@@ -335,12 +239,4 @@ class RendezvousClient:
             time.sleep(POLL_S)
 
     def close(self) -> None:
-        _quietly_close(self._channel.sock)
-
-
-def _quietly_close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
+        sealed.quietly_close(self._channel.sock)

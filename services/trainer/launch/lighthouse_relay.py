@@ -1,0 +1,182 @@
+"""A stage's Lighthouse behind the run's key: node 0's torchft Lighthouse listens on its loopback
+only, and the other nodes reach it through a sealed relay (services/runtime/security/sealed.py).
+
+torchft's Lighthouse (gRPC) has no authentication: whoever reaches its port can join a quorum as a
+replica (and, ahead of the others' step, be the one the others heal from), or stall every quorum.
+Here:
+
+- node 0 starts the Lighthouse on 127.0.0.1 and a `Relay` on its routable address; the relay admits
+  a connection only after the mutual challenge-response on the run's Lighthouse key (`relay_key`:
+  the scheduler's per-run secret bound to the run id and to this purpose), from a node of the same
+  run whose lease epoch is not older than one it presented before, and then carries its bytes, sealed
+  with AES-GCM, to the Lighthouse and back;
+- every other node starts an `Entry` on its own loopback, which its replica group (or the node's
+  ranks) dials as the Lighthouse: each connection made to it is carried over a fresh sealed
+  connection to node 0's relay, once the relay proved it holds the key.
+
+Loopback is the boundary: a container or a pod has a network namespace of its own, so only the
+trainer's own processes reach 127.0.0.1 there (compose and the Kubernetes manifests run each trainer
+agent in its own). The replica groups' data plane (torchft's per-quorum store and the gloo
+connections it dials) is not carried here: see docs/security.md.
+"""
+
+import hashlib
+import hmac
+import socket
+import threading
+from typing import Final
+
+import msgspec
+
+from services.runtime.security import sealed
+from services.runtime.security.sealed import Channel, Hello
+
+MAGIC: Final = b"ITO-LHR1"
+CHUNK: Final = 64 << 10  # raw bytes read at once and sealed as one frame
+MAX_PENDING: Final = 64  # half-open handshakes at once
+CONNECT_TIMEOUT_S: Final = 10.0
+
+
+def relay_key(rendezvous_key: str, run_id: str) -> bytes:
+    """The run's Lighthouse key: the per-run secret bound to the run id and to the Lighthouse (the
+    store's and the healing transfers' keys are others)."""
+    return hmac.new(rendezvous_key.encode(), b"ito-lighthouse|" + run_id.encode(), hashlib.sha256).digest()
+
+
+def admit(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
+    """Why an authenticated hello is still refused (None: admitted): another run, or a lease epoch
+    lower than one the same node already presented (a fenced holder)."""
+    if hello.run_id != run_id:
+        return "another run"
+    if hello.epoch < epochs.get(hello.node_rank, hello.epoch):
+        return "a stale lease epoch"
+    return None
+
+
+def _raw_to_sealed(raw: socket.socket, channel: Channel) -> None:
+    while data := raw.recv(CHUNK):
+        channel.send_bytes(data)
+
+
+def _sealed_to_raw(channel: Channel, raw: socket.socket) -> None:
+    while True:
+        raw.sendall(channel.recv_bytes())
+
+
+def _carry(raw: socket.socket, channel: Channel) -> None:
+    """Carry bytes both ways until either side ends; then end both."""
+
+    def one_way(pump, *args) -> None:  # type: ignore[no-untyped-def]
+        try:
+            pump(*args)
+        except (sealed.Refused, OSError, ValueError):
+            pass
+        finally:
+            sealed.quietly_close(raw)
+            sealed.quietly_close(channel.sock)
+
+    back = threading.Thread(target=one_way, args=(_sealed_to_raw, channel, raw), daemon=True)
+    back.start()
+    one_way(_raw_to_sealed, raw, channel)
+    back.join()
+
+
+class _Listener:
+    """An accept loop that hands each connection to `serve` on a thread of its own, at most
+    MAX_PENDING still in their handshake."""
+
+    def __init__(self, host: str) -> None:
+        self._sock = socket.create_server((host, 0))
+        self._sock.settimeout(0.2)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._closed = threading.Event()
+        self.refused = 0
+        threading.Thread(target=self._accept, name=type(self).__name__, daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._pending.acquire(blocking=False):
+                self.refused += 1
+                sealed.quietly_close(conn)
+                continue
+            threading.Thread(target=self._guarded, args=(conn,), daemon=True).start()
+
+    def _guarded(self, conn: socket.socket) -> None:
+        try:
+            self.serve(conn, self._pending.release)
+        except (sealed.Refused, sealed.NoNonce, OSError, msgspec.DecodeError, ValueError):
+            self.refused += 1
+            sealed.quietly_close(conn)
+
+    def serve(self, conn: socket.socket, handshake_done) -> None:  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+
+class Relay(_Listener):
+    """Node 0's side: listens on `host` (routable) and carries each admitted connection to the
+    Lighthouse at `target` (its loopback port)."""
+
+    def __init__(self, host: str, target: int, key: bytes, run_id: str) -> None:
+        self.target, self.key, self.run_id = target, key, run_id
+        self._epochs: dict[int, int] = {}
+        self._lock = threading.Lock()
+        super().__init__(host)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _admitted(self, hello: Hello) -> str | None:
+        with self._lock:
+            why = admit(hello, self.run_id, self._epochs)
+            if why is None:
+                self._epochs[hello.node_rank] = max(hello.epoch, self._epochs.get(hello.node_rank, -1))
+            return why
+
+    def serve(self, conn: socket.socket, handshake_done) -> None:  # type: ignore[no-untyped-def]
+        try:
+            channel, _ = sealed.server_handshake(conn, self.key, MAGIC, self._admitted, CHUNK)
+        finally:
+            handshake_done()
+        lighthouse = socket.create_connection(("127.0.0.1", self.target), timeout=CONNECT_TIMEOUT_S)
+        lighthouse.settimeout(None)
+        _carry(lighthouse, channel)
+
+
+class Entry(_Listener):
+    """Another node's side: listens on this node's loopback; each connection its replica group makes
+    is carried over a fresh sealed connection to node 0's relay at `relay`."""
+
+    def __init__(self, relay: str, key: bytes, run_id: str, node_rank: int, epoch: int) -> None:
+        host, _, port = relay.rpartition(":")
+        self.relay = (host.strip("[]"), int(port))
+        self.key, self.run_id, self.node_rank, self.epoch = key, run_id, node_rank, epoch
+        super().__init__("127.0.0.1")
+
+    @property
+    def lighthouse(self) -> str:
+        """What this node's replica group dials as its Lighthouse."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def serve(self, conn: socket.socket, handshake_done) -> None:  # type: ignore[no-untyped-def]
+        handshake_done()  # a local connection has no handshake of its own
+        upstream = socket.create_connection(self.relay, timeout=CONNECT_TIMEOUT_S)
+        try:
+            hello = sealed.hello(self.run_id, self.node_rank, self.epoch)
+            channel = sealed.client_handshake(upstream, self.key, MAGIC, hello, CHUNK)
+        except BaseException:
+            sealed.quietly_close(upstream)
+            raise
+        conn.settimeout(None)
+        _carry(conn, channel)
