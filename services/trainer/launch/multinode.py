@@ -145,7 +145,7 @@ def node_gang(work: TrainWork) -> ParallelDims | None:
 class Rendezvous:
     """The run's rendezvous store: node 0 hosts it, every node (node 0 too) connects with the run's
     key and its lease epoch (launch/rendezvous.py: nothing else gets in). Per stage: the stage's
-    Lighthouse address (node 0 starts it) and two counters, `joined` and `done`."""
+    Lighthouse's relay address (node 0 starts both) and two counters, `joined` and `done`."""
 
     def __init__(self, work: TrainWork, epoch: int) -> None:
         host, _, port = work.rendezvous.rpartition(":")
