@@ -55,3 +55,18 @@ async def settle(w: Watched, seconds: float = 0.5) -> None:
     """Give the server time to report a violation (it comes asynchronously)."""
     await w.nc.flush(timeout=2)
     await asyncio.sleep(seconds)
+
+
+def read_until_closed(sock) -> bytes:
+    """Everything a sealed endpoint sends a stranger before it closes the connection (the
+    handshake's bound and a little more)."""
+    from services.runtime.security.sealed import HANDSHAKE_TIMEOUT_S
+
+    sock.settimeout(HANDSHAKE_TIMEOUT_S + 2)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data

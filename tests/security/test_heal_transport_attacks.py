@@ -18,6 +18,7 @@ from torchft.checkpointing.http_transport import HTTPTransport
 from services.runtime.security import sealed
 from services.trainer.engine import heal_transport as ht
 from services.trainer.engine.heal_transport import Seal, SealedTransport, heal_key
+from tests.security.conftest import read_until_closed
 
 RUN = "run_0123456789abcdef01234567"
 SECRET = "per-run-secret-minted-by-the-scheduler"
@@ -58,17 +59,6 @@ def _client(**seal) -> SealedTransport:
     return SealedTransport(_seal(1, **seal), "127.0.0.1", TIMEOUT)
 
 
-def _read_all(sock: socket.socket) -> bytes:
-    sock.settimeout(sealed.HANDSHAKE_TIMEOUT_S + 2)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return data
-
-
 def test_torchfts_http_transport_serves_anyone() -> None:
     """The defect: whoever reaches the port reads the whole state (and a healing group would load
     whatever it is served with pickle)."""
@@ -100,7 +90,7 @@ def test_a_stranger_reads_nothing(serving: SealedTransport) -> None:
         urllib.request.urlopen(f"http://{serving.metadata()}/checkpoint/7/full", timeout=5).read()
     sock = socket.create_connection(("127.0.0.1", serving.port), timeout=5)
     sock.sendall(b"GET /checkpoint/7/full HTTP/1.1\r\n\r\n" + b"\x00" * 64)
-    got = _read_all(sock)
+    got = read_until_closed(sock)
     assert got.startswith(ht.MAGIC) and len(got) == len(ht.MAGIC) + sealed.NONCE_BYTES
     assert WEIGHT.numpy().tobytes()[:16] not in got
 

@@ -13,8 +13,9 @@ import pytest
 from services.runtime.security import sealed
 from services.trainer.engine.fault_tolerance import start_lighthouse
 from services.trainer.launch import lighthouse_relay as lr
-from services.trainer.launch.lighthouse_relay import Entry, Relay, admit, relay_key
+from services.trainer.launch.lighthouse_relay import Entry, Relay, relay_key
 from services.trainer.launch.rendezvous import store_key
+from tests.security.conftest import read_until_closed
 
 RUN = "run_0123456789abcdef01234567"
 SECRET = "per-run-secret-minted-by-the-scheduler"
@@ -99,13 +100,7 @@ def test_a_stranger_speaking_grpc_to_the_relay_gets_the_nonce_and_nothing_else(n
     assert not _quorum_reachable(f"http://{relay.address}")
     sock = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
     sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00" * 64)
-    sock.settimeout(sealed.HANDSHAKE_TIMEOUT_S + 2)
-    got = b""
-    try:
-        while chunk := sock.recv(65536):
-            got += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
+    got = read_until_closed(sock)
     assert got.startswith(lr.MAGIC) and len(got) == len(lr.MAGIC) + sealed.NONCE_BYTES
 
 
@@ -170,4 +165,4 @@ def test_half_open_connections_stall_no_node(node0) -> None:
     ],
 )
 def test_admit(run_id, epoch, seen, why) -> None:
-    assert admit(sealed.Hello(run_id, 1, epoch, b"n" * 16), RUN, dict(seen)) == why
+    assert sealed.admit(sealed.Hello(run_id, 1, epoch, b"n" * 16), RUN, dict(seen)) == why

@@ -23,6 +23,7 @@ from services.trainer.launch.rendezvous import (
     admit,
     store_key,
 )
+from tests.security.conftest import read_until_closed
 
 RUN = "run_0123456789abcdef01234567"
 SECRET = "per-run-secret-minted-by-the-scheduler"
@@ -45,17 +46,6 @@ def _raw(server: RendezvousServer) -> socket.socket:
     return socket.create_connection(("127.0.0.1", server.port), timeout=5)
 
 
-def _read_all(sock: socket.socket) -> bytes:
-    sock.settimeout(rs.HANDSHAKE_TIMEOUT_S + 2)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return data
-
-
 def test_tcpstore_answers_anyone() -> None:
     """The defect: any process that reaches a TCPStore reads and overwrites the run's keys."""
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
@@ -73,7 +63,7 @@ def test_a_stranger_reads_nothing(server: RendezvousServer) -> None:
         stranger("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2)).get("ladder")
     sock = _raw(server)
     sock.sendall(b"\x00" * 64 + b"ladder")
-    got = _read_all(sock)
+    got = read_until_closed(sock)
     assert (
         got.startswith(rs.MAGIC) and len(got) == len(rs.MAGIC) + sealed.NONCE_BYTES
     )  # the nonce, nothing else
@@ -121,7 +111,7 @@ def test_half_open_connections_stall_no_one(server: RendezvousServer) -> None:
     assert node1.add("pretrain:joined", 1) == 2
     assert time.monotonic() - started < rs.HANDSHAKE_TIMEOUT_S  # not made to wait for the flood
     for sock in hanging:
-        got = _read_all(sock)  # the nonce, then closed by the server
+        got = read_until_closed(sock)  # the nonce, then closed by the server
         assert got.startswith(rs.MAGIC) and len(got) == len(rs.MAGIC) + sealed.NONCE_BYTES
         sock.close()
     node1.close()

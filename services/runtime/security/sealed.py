@@ -21,6 +21,7 @@ import hmac
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -46,6 +47,16 @@ class Hello(msgspec.Struct, frozen=True):
     node_rank: int
     epoch: int
     nonce: bytes
+
+
+def admit(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
+    """Why a hello whose tag checked out is still refused (None: admitted): another run's id, or a
+    lease epoch lower than one this node rank already presented (its lease was taken over)."""
+    if hello.run_id != run_id:
+        return "another run"
+    if hello.epoch < epochs.get(hello.node_rank, hello.epoch):
+        return "a stale lease epoch"
+    return None
 
 
 def client_tag(key: bytes, server_nonce: bytes, hello: bytes) -> bytes:
@@ -159,6 +170,62 @@ def client_handshake(sock: socket.socket, key: bytes, magic: bytes, hello: Hello
     sock.settimeout(None)
     aead = AESGCM(session_key(key, nonce, hello.nonce))
     return Channel(sock, aead, send_dir=b"c", recv_dir=b"s", max_frame=max_frame)
+
+
+Serve = Callable[[socket.socket, Callable[[], None]], None]
+REFUSALS = (Refused, NoNonce, OSError, msgspec.DecodeError, struct.error, ValueError)
+
+
+class Listener:
+    """An endpoint's accept loop: each connection is served by `serve(conn, handshake_done)` on a
+    thread of its own, and at most `max_pending` may be in their handshake at once (`handshake_done`
+    frees the slot); past it a connection is closed at once, so a flood of half-open connections
+    stalls no one already in. A connection whose `serve` raises one of REFUSALS is closed and counted
+    in `refused` (tests and logs read it)."""
+
+    def __init__(self, host: str, port: int, serve: Serve, max_pending: int, name: str) -> None:
+        self._sock = socket.create_server((host, port))
+        self._sock.settimeout(0.2)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._serve, self._name = serve, name
+        self._pending = threading.BoundedSemaphore(max_pending)
+        self.closed = threading.Event()
+        self.refused = 0
+        threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
+
+    def close(self) -> None:
+        self.closed.set()
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._pending.acquire(blocking=False):
+                self.refused += 1
+                quietly_close(conn)
+                continue
+            threading.Thread(target=self._guarded, args=(conn,), name=self._name, daemon=True).start()
+
+    def _guarded(self, conn: socket.socket) -> None:
+        released = threading.Event()
+
+        def handshake_done() -> None:
+            if not released.is_set():
+                released.set()
+                self._pending.release()
+
+        try:
+            self._serve(conn, handshake_done)
+        except REFUSALS:
+            self.refused += 1
+            quietly_close(conn)
+        finally:
+            handshake_done()
 
 
 def hello(run_id: str, node_rank: int, epoch: int) -> Hello:

@@ -28,6 +28,7 @@ import io
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Final
 
@@ -64,16 +65,6 @@ def heal_key(rendezvous_key: str, run_id: str) -> bytes:
     return hmac.new(rendezvous_key.encode(), b"ito-heal|" + run_id.encode(), hashlib.sha256).digest()
 
 
-def admit(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
-    """Why an authenticated hello is still refused (None: admitted): another run, or a lease epoch
-    lower than one the same replica already presented (a fenced holder)."""
-    if hello.run_id != run_id:
-        return "another run"
-    if hello.epoch < epochs.get(hello.node_rank, hello.epoch):
-        return "a stale lease epoch"
-    return None
-
-
 class _Ask(msgspec.Struct, frozen=True):
     step: int
 
@@ -92,13 +83,13 @@ class SealedTransport(CheckpointTransport[Any]):
         self._step: int | None = None  # the step served now; None: nothing is
         self._payload = b""
         self._epochs: dict[int, int] = {}
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
-        self._closed = threading.Event()
-        self.refused = 0  # connections dropped at the handshake (tests read it)
-        self._listener = socket.create_server((host, 0))
-        self._listener.settimeout(0.2)
-        self.host, self.port = host, self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, name="heal-accept", daemon=True).start()
+        self._listener = sealed.Listener(host, 0, self._serve, MAX_PENDING, "heal")
+        self.host, self.port = host, self._listener.port
+
+    @property
+    def refused(self) -> int:
+        """Connections dropped at the handshake, or before it when every slot was taken."""
+        return self._listener.refused
 
     # --- torchft's CheckpointTransport
 
@@ -138,43 +129,25 @@ class SealedTransport(CheckpointTransport[Any]):
         return torch.load(io.BytesIO(bytes(data)), weights_only=True)
 
     def shutdown(self, wait: bool = True) -> None:
-        self._closed.set()
         self._listener.close()
-        self.disallow_checkpoint()
+        with self._served:
+            self._step, self._payload = None, b""
+            self._served.notify_all()
 
     # --- the server
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not self._pending.acquire(blocking=False):
-                self.refused += 1
-                sealed.quietly_close(conn)
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="heal-conn", daemon=True).start()
-
     def _admitted(self, hello: Hello) -> str | None:
         with self._served:
-            why = admit(hello, self.seal.run_id, self._epochs)
+            why = sealed.admit(hello, self.seal.run_id, self._epochs)
             if why is None:
                 self._epochs[hello.node_rank] = max(hello.epoch, self._epochs.get(hello.node_rank, -1))
             return why
 
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            try:
-                channel, _ = sealed.server_handshake(conn, self.seal.key, MAGIC, self._admitted, 4096)
-            finally:
-                self._pending.release()
-        except (sealed.Refused, OSError, msgspec.DecodeError, ValueError):
-            self.refused += 1
-            sealed.quietly_close(conn)
-            return
+    def _serve(self, conn: socket.socket, handshake_done: Callable[[], None]) -> None:
+        try:  # a refusal is the listener's to count and close
+            channel, _ = sealed.server_handshake(conn, self.seal.key, MAGIC, self._admitted, 4096)
+        finally:
+            handshake_done()
         try:
             conn.settimeout(self.timeout.total_seconds())
             ask = channel.recv(_Ask)
@@ -187,7 +160,7 @@ class SealedTransport(CheckpointTransport[Any]):
             view = memoryview(payload)
             for start in range(0, len(payload), FRAME_BYTES):
                 channel.send_bytes(bytes(view[start : start + FRAME_BYTES]))
-        except (sealed.Refused, OSError, msgspec.DecodeError, ValueError):
+        except sealed.REFUSALS:
             pass
         finally:
             sealed.quietly_close(conn)
@@ -197,7 +170,7 @@ class SealedTransport(CheckpointTransport[Any]):
         timeout)."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         with self._served:
-            while self._step is None and not self._closed.is_set():
+            while self._step is None and not self._listener.closed.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None

@@ -24,9 +24,8 @@ import hashlib
 import hmac
 import socket
 import threading
+from collections.abc import Callable
 from typing import Final
-
-import msgspec
 
 from services.runtime.security import sealed
 from services.runtime.security.sealed import Channel, Hello
@@ -43,16 +42,6 @@ def relay_key(rendezvous_key: str, run_id: str) -> bytes:
     return hmac.new(rendezvous_key.encode(), b"ito-lighthouse|" + run_id.encode(), hashlib.sha256).digest()
 
 
-def admit(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
-    """Why an authenticated hello is still refused (None: admitted): another run, or a lease epoch
-    lower than one the same node already presented (a fenced holder)."""
-    if hello.run_id != run_id:
-        return "another run"
-    if hello.epoch < epochs.get(hello.node_rank, hello.epoch):
-        return "a stale lease epoch"
-    return None
-
-
 def _raw_to_sealed(raw: socket.socket, channel: Channel) -> None:
     while data := raw.recv(CHUNK):
         channel.send_bytes(data)
@@ -66,10 +55,10 @@ def _sealed_to_raw(channel: Channel, raw: socket.socket) -> None:
 def _carry(raw: socket.socket, channel: Channel) -> None:
     """Carry bytes both ways until either side ends; then end both."""
 
-    def one_way(pump, *args) -> None:  # type: ignore[no-untyped-def]
+    def one_way(pump: Callable[..., None], *args: object) -> None:
         try:
             pump(*args)
-        except (sealed.Refused, OSError, ValueError):
+        except sealed.REFUSALS:
             pass
         finally:
             sealed.quietly_close(raw)
@@ -81,49 +70,7 @@ def _carry(raw: socket.socket, channel: Channel) -> None:
     back.join()
 
 
-class _Listener:
-    """An accept loop that hands each connection to `serve` on a thread of its own, at most
-    MAX_PENDING still in their handshake."""
-
-    def __init__(self, host: str) -> None:
-        self._sock = socket.create_server((host, 0))
-        self._sock.settimeout(0.2)
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
-        self._closed = threading.Event()
-        self.refused = 0
-        threading.Thread(target=self._accept, name=type(self).__name__, daemon=True).start()
-
-    def close(self) -> None:
-        self._closed.set()
-        self._sock.close()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not self._pending.acquire(blocking=False):
-                self.refused += 1
-                sealed.quietly_close(conn)
-                continue
-            threading.Thread(target=self._guarded, args=(conn,), daemon=True).start()
-
-    def _guarded(self, conn: socket.socket) -> None:
-        try:
-            self.serve(conn, self._pending.release)
-        except (sealed.Refused, sealed.NoNonce, OSError, msgspec.DecodeError, ValueError):
-            self.refused += 1
-            sealed.quietly_close(conn)
-
-    def serve(self, conn: socket.socket, handshake_done) -> None:  # type: ignore[no-untyped-def]
-        raise NotImplementedError
-
-
-class Relay(_Listener):
+class Relay:
     """Node 0's side: listens on `host` (routable) and carries each admitted connection to the
     Lighthouse at `target` (its loopback port)."""
 
@@ -131,7 +78,15 @@ class Relay(_Listener):
         self.target, self.key, self.run_id = target, key, run_id
         self._epochs: dict[int, int] = {}
         self._lock = threading.Lock()
-        super().__init__(host)
+        self._listener = sealed.Listener(host, 0, self.serve, MAX_PENDING, "lighthouse-relay")
+        self.host, self.port = host, self._listener.port
+
+    @property
+    def refused(self) -> int:
+        return self._listener.refused
+
+    def close(self) -> None:
+        self._listener.close()
 
     @property
     def address(self) -> str:
@@ -139,12 +94,12 @@ class Relay(_Listener):
 
     def _admitted(self, hello: Hello) -> str | None:
         with self._lock:
-            why = admit(hello, self.run_id, self._epochs)
+            why = sealed.admit(hello, self.run_id, self._epochs)
             if why is None:
                 self._epochs[hello.node_rank] = max(hello.epoch, self._epochs.get(hello.node_rank, -1))
             return why
 
-    def serve(self, conn: socket.socket, handshake_done) -> None:  # type: ignore[no-untyped-def]
+    def serve(self, conn: socket.socket, handshake_done: Callable[[], None]) -> None:
         try:
             channel, _ = sealed.server_handshake(conn, self.key, MAGIC, self._admitted, CHUNK)
         finally:
@@ -154,7 +109,7 @@ class Relay(_Listener):
         _carry(lighthouse, channel)
 
 
-class Entry(_Listener):
+class Entry:
     """Another node's side: listens on this node's loopback; each connection its replica group makes
     is carried over a fresh sealed connection to node 0's relay at `relay`."""
 
@@ -162,14 +117,18 @@ class Entry(_Listener):
         host, _, port = relay.rpartition(":")
         self.relay = (host.strip("[]"), int(port))
         self.key, self.run_id, self.node_rank, self.epoch = key, run_id, node_rank, epoch
-        super().__init__("127.0.0.1")
+        self._listener = sealed.Listener("127.0.0.1", 0, self.serve, MAX_PENDING, "lighthouse-entry")
+        self.port = self._listener.port
+
+    def close(self) -> None:
+        self._listener.close()
 
     @property
     def lighthouse(self) -> str:
         """What this node's replica group dials as its Lighthouse."""
         return f"http://127.0.0.1:{self.port}"
 
-    def serve(self, conn: socket.socket, handshake_done) -> None:  # type: ignore[no-untyped-def]
+    def serve(self, conn: socket.socket, handshake_done: Callable[[], None]) -> None:
         handshake_done()  # a local connection has no handshake of its own
         upstream = socket.create_connection(self.relay, timeout=CONNECT_TIMEOUT_S)
         try:

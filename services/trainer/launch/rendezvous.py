@@ -33,6 +33,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -69,14 +70,7 @@ def store_key(rendezvous_key: str, run_id: str) -> bytes:
     return hmac.new(rendezvous_key.encode(), b"ito-rdzv-store|" + run_id.encode(), hashlib.sha256).digest()
 
 
-def admit(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
-    """Why a hello whose tag checked out is still refused (None: admitted): another run's id, or a
-    lease epoch lower than one this node rank already presented (its lease was taken over)."""
-    if hello.run_id != run_id:
-        return "another run"
-    if hello.epoch < epochs.get(hello.node_rank, hello.epoch):
-        return "a stale lease epoch"
-    return None
+admit = sealed.admit  # another run's id, or a stale lease epoch: the one rule (runtime/security/sealed.py)
 
 
 @dataclass
@@ -89,44 +83,29 @@ class RendezvousServer:
     key: bytes
     data: dict[str, bytes] = field(default_factory=dict)
     epochs: dict[int, int] = field(default_factory=dict)
-    refused: int = 0  # connections dropped at the handshake (tests and logs read it)
 
     def __post_init__(self) -> None:
         self._lock = threading.Condition()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
         self._sessions: dict[int, list[socket.socket]] = {}
-        self._listener = socket.create_server((self.host, self.port), reuse_port=False)
-        self._listener.settimeout(0.2)
-        self.port = self._listener.getsockname()[1]
-        self._closed = threading.Event()
-        threading.Thread(target=self._accept, name="rdzv-accept", daemon=True).start()
+        self._listener = sealed.Listener(self.host, self.port, self._serve, MAX_PENDING, "rdzv")
+        self.port = self._listener.port
+
+    @property
+    def refused(self) -> int:
+        """Connections dropped at the handshake, or before it when every slot was taken."""
+        return self._listener.refused
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def close(self) -> None:
-        self._closed.set()
         self._listener.close()
         with self._lock:
             for socks in self._sessions.values():
                 for s in socks:
                     sealed.quietly_close(s)
             self._sessions.clear()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not self._pending.acquire(blocking=False):
-                self.refused += 1
-                sealed.quietly_close(conn)  # too many half-open handshakes: refuse, stall no one
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="rdzv-conn", daemon=True).start()
 
     def _handshake(self, conn: socket.socket) -> tuple[Channel, Hello]:
         def admitted(hello: Hello) -> str | None:
@@ -143,22 +122,17 @@ class RendezvousServer:
 
         return sealed.server_handshake(conn, self.key, MAGIC, admitted, MAX_FRAME)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, handshake_done: Callable[[], None]) -> None:
         try:
-            try:
-                channel, _ = self._handshake(conn)
-            finally:
-                self._pending.release()
-        except (RendezvousRefused, OSError, msgspec.DecodeError, struct.error):
-            self.refused += 1
-            sealed.quietly_close(conn)
-            return
+            channel, _ = self._handshake(conn)  # a refusal is the listener's to count and close
+        finally:
+            handshake_done()
         try:
-            while not self._closed.is_set():
+            while not self._listener.closed.is_set():
                 op = channel.recv(Op)
                 assert isinstance(op, Op)
                 channel.send(self._apply(op))
-        except (RendezvousRefused, OSError, msgspec.DecodeError, struct.error):
+        except sealed.REFUSALS:
             pass
         finally:
             sealed.quietly_close(conn)
