@@ -59,6 +59,15 @@ def admit(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
     return None
 
 
+def admit_and_record(hello: Hello, run_id: str, epochs: dict[int, int]) -> str | None:
+    """`admit`, and an admitted hello's epoch recorded as its node rank's newest (the caller holds
+    the lock that guards `epochs`)."""
+    why = admit(hello, run_id, epochs)
+    if why is None:
+        epochs[hello.node_rank] = max(hello.epoch, epochs.get(hello.node_rank, -1))
+    return why
+
+
 def client_tag(key: bytes, server_nonce: bytes, hello: bytes) -> bytes:
     return hmac.new(key, b"client|" + server_nonce + hello, hashlib.sha256).digest()
 

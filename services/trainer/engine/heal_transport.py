@@ -138,10 +138,7 @@ class SealedTransport(CheckpointTransport[Any]):
 
     def _admitted(self, hello: Hello) -> str | None:
         with self._served:
-            why = sealed.admit(hello, self.seal.run_id, self._epochs)
-            if why is None:
-                self._epochs[hello.node_rank] = max(hello.epoch, self._epochs.get(hello.node_rank, -1))
-            return why
+            return sealed.admit_and_record(hello, self.seal.run_id, self._epochs)
 
     def _serve(self, conn: socket.socket, handshake_done: Callable[[], None]) -> None:
         try:  # a refusal is the listener's to count and close

@@ -48,9 +48,13 @@ class Launch:
     close: Callable[[], None] = _nothing
 
 
+def _multinode(work: TrainWork, manifest: Manifest) -> bool:
+    return manifest.resources.nodes > 1 or work.nodes > 1
+
+
 def mode_for(work: TrainWork, manifest: Manifest) -> Mode:
     """In process, a gang or a node share: decided by the plan's nodes and its ranks (pure)."""
-    if manifest.resources.nodes > 1 or work.nodes > 1:
+    if _multinode(work, manifest):
         return Mode.node_share
     return Mode.gang if elastic.gang_dims(work.plan) is not None else Mode.in_process
 
@@ -64,25 +68,26 @@ def launch(
     epoch: int = 0,
 ) -> Launch:
     """This node's way of training the run's stages; ParallelismError for a plan it cannot realise."""
-    mode = mode_for(work, manifest)
-    if mode is Mode.node_share:
+    if _multinode(work, manifest):
         refused = multinode.refusal(work, manifest, curriculum)
         if refused is not None:
             raise ParallelismError(refused)
         share = multinode.NodeShare(work, checkpoint_dir, threads, epoch)
         return Launch(
-            mode=mode,
+            mode=Mode.node_share,
             processes=share.gang_dims.world_size if share.gang_dims is not None else 1,
             trainers=Trainers(lm=share.train_stage, post=share.train_post, ladder=share.ladder),
             close=share.close,
         )
-    dims = elastic.gang_dims(work.plan)
-    if mode is Mode.in_process or dims is None:
+    dims = elastic.gang_dims(work.plan)  # ParallelismError for strategy and degrees that disagree
+    if dims is None:
         return Launch(mode=Mode.in_process, processes=1)
     refused = elastic.refusal(dims, manifest, curriculum)
     if refused is not None:
         raise ParallelismError(refused)
     gang = elastic.Gang(dims, checkpoint_dir, threads)
     return Launch(
-        mode=mode, processes=dims.world_size, trainers=Trainers(lm=gang.train_stage, post=gang.train_post)
+        mode=Mode.gang,
+        processes=dims.world_size,
+        trainers=Trainers(lm=gang.train_stage, post=gang.train_post),
     )

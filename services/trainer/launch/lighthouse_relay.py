@@ -94,10 +94,7 @@ class Relay:
 
     def _admitted(self, hello: Hello) -> str | None:
         with self._lock:
-            why = sealed.admit(hello, self.run_id, self._epochs)
-            if why is None:
-                self._epochs[hello.node_rank] = max(hello.epoch, self._epochs.get(hello.node_rank, -1))
-            return why
+            return sealed.admit_and_record(hello, self.run_id, self._epochs)
 
     def serve(self, conn: socket.socket, handshake_done: Callable[[], None]) -> None:
         try:
