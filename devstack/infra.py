@@ -182,12 +182,19 @@ def start_redis(store: pathlib.Path, aclfile: pathlib.Path, port: int, log_path:
 
 
 def alive(pid: int) -> bool:
-    """Does process `pid` exist (a zombie counts: reap it to know it ended)?"""
+    """Is process `pid` running? One that exited is not, reaped or not: a zombie waits for its
+    parent, and a stopped service's parent is init, which may reap it only seconds later."""
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:  # reaped since; or a system without /proc, where kill's answer stands
+        return not pathlib.Path("/proc/self").exists()
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the command's name "(...)"
 
 
 def stop_pid(pid: int, timeout: float = 10.0) -> None:
@@ -198,27 +205,25 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
 def stop_pids(pids: list[int], timeout: float = 10.0) -> None:
     """SIGTERM to every pid at once, wait (bounded by `timeout` for all of them together), then
     SIGKILL what is left: the processes shut down side by side, not one after another."""
-    alive = []
+    left = []
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
-            alive.append(pid)
+            left.append(pid)
         except ProcessLookupError:
             continue
     deadline = time.monotonic() + timeout
-    while alive and time.monotonic() < deadline:
-        for pid in list(alive):
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
             try:
                 os.waitpid(pid, os.WNOHANG)  # reap our own children, so they do not linger as zombies
             except ChildProcessError:
                 pass
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                alive.remove(pid)
-        if alive:
+            if not alive(pid):
+                left.remove(pid)
+        if left:
             time.sleep(0.05)
-    for pid in alive:
+    for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
