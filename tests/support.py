@@ -8,6 +8,7 @@ hang is a failure with a reason, never a stuck suite.
 import asyncio
 import contextlib
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -16,6 +17,11 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+"""Torch threads for training in a test process: its worker's share of the cores. Two workers on
+two cores with two threads each oversubscribe the cores, and OpenMP's waiting threads spin: the
+in-process trainer tests took a quarter longer (tests/conftest.py sets it for every process)."""
 
 
 def eventually(probe: Callable[[], T], *, timeout: float, interval: float = 0.3, what: str = "") -> T:

@@ -14,6 +14,7 @@ from services.domain import gates
 from services.trainer.engine.checkpoint import list_checkpoints
 from services.trainer.engine.reporting import Recorder
 from services.trainer.recipes.pipeline import run_pipeline
+from tests.support import THREADS
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
@@ -95,7 +96,7 @@ def small_manifest(stages: dict, recipe=(), **post) -> Manifest:
 
 def test_every_stage_runs_end_to_end_to_succeeded(tmp_path):
     emit = Recorder()
-    result = run_pipeline(full_manifest(tmp_path), tmp_path / "ckpt", emit, never, threads=2)
+    result = run_pipeline(full_manifest(tmp_path), tmp_path / "ckpt", emit, never, threads=THREADS)
     assert result.outcome is Outcome.succeeded, result.summary
     assert result.last_stage == "rlvr" and result.final_loss is not None and result.held_out_loss is not None
 
@@ -153,7 +154,7 @@ def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
         {"pretrain": {"gate": {"max_held_out_loss": 0.01}}, "midtrain": {"tokens": 4 * 16 * 32}}
     )
     emit = Recorder()
-    result = run_pipeline(manifest, tmp_path, emit, never, threads=2)
+    result = run_pipeline(manifest, tmp_path, emit, never, threads=THREADS)
     assert result.outcome is Outcome.gate_failed and result.last_stage == "pretrain"
     [gate] = emit.of(EvalResult)
     assert gate.stage == "pretrain" and gate.passed is False
@@ -171,7 +172,7 @@ def test_a_gate_above_reach_fails_the_run_with_its_numbers(tmp_path):
 
     # Redelivered: the recorded verdict stands; nothing is retrained and nothing overrides it.
     again = Recorder()
-    repeat = run_pipeline(manifest, tmp_path, again, never, threads=2)
+    repeat = run_pipeline(manifest, tmp_path, again, never, threads=THREADS)
     assert repeat.outcome is Outcome.gate_failed and repeat.summary == result.summary
     assert again.of(Metrics) == [] and again.of(EvalResult)[0].passed is False
 
@@ -184,7 +185,7 @@ def test_an_sft_that_raises_held_out_loss_ends_gate_failed(tmp_path):
         {"pretrain": {}}, recipe=["sft"], sft={"steps": 6, "batch_size": 8, "learning_rate": 0.05}
     )
     emit = Recorder()
-    result = run_pipeline(manifest, tmp_path, emit, never, threads=2)
+    result = run_pipeline(manifest, tmp_path, emit, never, threads=THREADS)
     assert result.outcome is Outcome.gate_failed and result.last_stage == "sft", result.summary
     pretrain, sft = emit.of(EvalResult)
     assert pretrain.passed and not sft.passed
@@ -208,18 +209,18 @@ def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):
     )
     straight = Recorder()
     assert (
-        run_pipeline(manifest, tmp_path / "straight", straight, never, threads=2).outcome is Outcome.succeeded
+        run_pipeline(manifest, tmp_path / "straight", straight, never, threads=THREADS).outcome is Outcome.succeeded
     )
 
     first = Recorder()
-    stopped = run_pipeline(manifest, tmp_path / "resumed", first, stop_in(first, "midtrain", 5), threads=2)
+    stopped = run_pipeline(manifest, tmp_path / "resumed", first, stop_in(first, "midtrain", 5), threads=THREADS)
     assert stopped.outcome is Outcome.stopped and stopped.last_stage == "midtrain"
     assert "stopped during midtrain" in stopped.summary
     assert list_checkpoints(tmp_path / "resumed" / "midtrain")[-1].step == 5  # committed before returning
     assert [s.stage for s in first.of(StageStarted)] == ["data_prep", "pretrain", "midtrain"]
 
     second = Recorder()
-    finished = run_pipeline(manifest, tmp_path / "resumed", second, never, threads=2)
+    finished = run_pipeline(manifest, tmp_path / "resumed", second, never, threads=THREADS)
     assert finished.outcome is Outcome.succeeded
     assert metrics_of(second, "pretrain") == []  # judged already: skipped, its gate re-reported
     assert [e.stage for e in second.of(EvalResult)] == ["pretrain", "midtrain", "sft"]
@@ -234,7 +235,7 @@ def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):
 def test_the_default_manifest_is_pretrain_only_and_reports_its_battery(tmp_path):
     manifest = small_manifest({"pretrain": {}})
     emit = Recorder()
-    result = run_pipeline(manifest, tmp_path, emit, never, threads=2)
+    result = run_pipeline(manifest, tmp_path, emit, never, threads=THREADS)
     assert result.outcome is Outcome.succeeded and result.last_stage == "pretrain"
     assert [s.stage for s in emit.of(StageStarted)] == [
         "data_prep",
@@ -249,5 +250,5 @@ def test_an_invalid_manifest_is_refused_before_training(tmp_path):
     manifest = small_manifest({"pretrain": {"data": ["missing"]}})
     emit = Recorder()
     with pytest.raises(ValueError, match="no training ref"):
-        run_pipeline(manifest, tmp_path, emit, never, threads=2)
+        run_pipeline(manifest, tmp_path, emit, never, threads=THREADS)
     assert emit.of(Metrics) == [] and emit.of(StageStarted) == []

@@ -18,6 +18,7 @@ from services.trainer.recipes.posttrain import PostConfig, train_sft
 from services.trainer.recipes.pretrain import StageConfig, train_stage
 from services.trainer.recipes.rlvr import RlvrConfig, policy_batch, score, score_group, train_rlvr
 from services.trainer.recipes.rollout import RolloutBatch
+from tests.support import THREADS
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TINY = MODEL_SHAPES["tiny"]
@@ -33,7 +34,7 @@ def sft_checkpoint(tmp_path_factory) -> str:
     """A tiny model pretrained on single-digit arithmetic, then SFT'd on it: greedy answers are
     mostly right, sampled ones (temperature 1) about half the time, which leaves RL room to act."""
     root = tmp_path_factory.mktemp("warm")
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     pre = StageConfig(
         stage="pretrain",
         shape=TINY,
