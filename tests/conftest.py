@@ -19,9 +19,11 @@ from tests.support import THREADS
 
 # Before torch is imported anywhere in this process or the processes tests start (stacks, torchrun,
 # the bench): OpenMP and torch use this worker's share of the cores, not all of them.
-os.environ["OMP_NUM_THREADS"] = str(THREADS)  # set: xdist workers inherit the controller's, made for one process
+os.environ["OMP_NUM_THREADS"] = str(
+    THREADS
+)  # set: xdist workers inherit the controller's, made for one process
 
-from devstack import infra, redis_cluster  # noqa: E402
+from devstack import infra, redis_cluster
 from services.runtime.configuration import settings as settings_mod
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -209,11 +209,14 @@ def test_stop_then_resume_across_stages_matches_an_uninterrupted_run(tmp_path):
     )
     straight = Recorder()
     assert (
-        run_pipeline(manifest, tmp_path / "straight", straight, never, threads=THREADS).outcome is Outcome.succeeded
+        run_pipeline(manifest, tmp_path / "straight", straight, never, threads=THREADS).outcome
+        is Outcome.succeeded
     )
 
     first = Recorder()
-    stopped = run_pipeline(manifest, tmp_path / "resumed", first, stop_in(first, "midtrain", 5), threads=THREADS)
+    stopped = run_pipeline(
+        manifest, tmp_path / "resumed", first, stop_in(first, "midtrain", 5), threads=THREADS
+    )
     assert stopped.outcome is Outcome.stopped and stopped.last_stage == "midtrain"
     assert "stopped during midtrain" in stopped.summary
     assert list_checkpoints(tmp_path / "resumed" / "midtrain")[-1].step == 5  # committed before returning

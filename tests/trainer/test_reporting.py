@@ -37,8 +37,8 @@ from services.trainer.recipes.pipeline import PipelineResult
 from services.trainer.recipes.posttrain import PostConfig
 from services.trainer.recipes.pretrain import StageConfig
 from services.trainer.recipes.rlvr import RlvrConfig, RlvrResult
-from tests.trainer.replica_process import ReplicaConfig
 from tests.support import THREADS
+from tests.trainer.replica_process import ReplicaConfig
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
 UNTYPED = {"kind": "metrics", "stage": "pretrain", "step": 1, "loss": 2.0}
@@ -235,7 +235,9 @@ def test_the_pipeline_hands_rlvr_the_manifests_section(tmp_path):
         )
 
     plan = curriculum_of(manifest)
-    run = pipeline._Run(manifest, plan, tmp_path, Recorder(), lambda: False, threads=THREADS, train_post=train_post)
+    run = pipeline._Run(
+        manifest, plan, tmp_path, Recorder(), lambda: False, threads=THREADS, train_post=train_post
+    )
     [stage] = [s for s in plan.stages if isinstance(s, PostPlan) and s.name == "rlvr"]
     assert run.post_stage(stage, tmp_path / "rlvr") == ([], True)
     [cfg] = seen
