@@ -18,10 +18,9 @@ import pytest
 from tests.support import THREADS
 
 # Before torch is imported anywhere in this process or the processes tests start (stacks, torchrun,
-# the bench): OpenMP and torch use this worker's share of the cores, not all of them.
-os.environ["OMP_NUM_THREADS"] = str(
-    THREADS
-)  # set: xdist workers inherit the controller's, made for one process
+# the bench): OpenMP and torch use this worker's share of the cores, not all of them. Set, not
+# defaulted: xdist's workers inherit the controller's value, made for one process.
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 from devstack import infra, redis_cluster
 from services.runtime.configuration import settings as settings_mod
