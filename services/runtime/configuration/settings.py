@@ -3,6 +3,7 @@ store names its own two, ITO_CHECKPOINT_URL and ITO_S3_ENDPOINT_URL: services/ru
 
 import os
 import pathlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.runtime.storage import checkpoint_store
@@ -49,6 +50,28 @@ DEFAULT_METRICS_PORT = 0  # no /metrics endpoint; `ito-training up` gives each s
 DEFAULT_METRICS_HOST = "127.0.0.1"  # loopback; a container's address where Prometheus runs elsewhere
 
 MAX_REQUEST_BYTES = 2 * 1024 * 1024  # an API request; the manifest inside is capped at 1 MiB
+
+
+def trainer_threads(environ: Mapping[str, str], cpus: int) -> int:
+    """Torch threads for a trainer agent: ITO_TRAINER_THREADS, else the OMP_NUM_THREADS it was
+    given (torch's own knob: a process started with it trains with it), else `cpus` (the cores
+    this process may run on); at least one. ValueError names a variable that is not a count."""
+    for name in (ENV_TRAINER_THREADS, "OMP_NUM_THREADS"):
+        value = environ.get(name, "").strip()
+        if value:
+            try:
+                return max(1, int(value))
+            except ValueError:
+                raise ValueError(f"{name} must be a whole number of threads, not {value!r}") from None
+    return max(1, cpus)
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity: a container's limit), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _float(env: dict[str, str], name: str, default: float) -> float:

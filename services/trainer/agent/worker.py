@@ -57,7 +57,7 @@ from contracts.states import LEASABLE, TERMINAL_STATES, RunState
 from services.domain import budget
 from services.domain.curriculum import Curriculum, CurriculumMismatch, bound_curriculum
 from services.runtime.configuration import faults
-from services.runtime.configuration.settings import ENV_TRAINER_THREADS, Settings
+from services.runtime.configuration.settings import Settings, trainer_threads, usable_cpus
 from services.runtime.configuration.timers import TIMERS
 from services.runtime.messaging import codec
 from services.runtime.messaging.bus import Bus
@@ -264,7 +264,7 @@ class Worker:
     def __init__(self, bus: Bus, settings: Settings) -> None:
         self.bus = bus  # lease queries and run events (services/runtime/messaging/bus.py)
         self.settings = settings
-        self.threads = int(os.environ.get(ENV_TRAINER_THREADS) or os.cpu_count() or 1)
+        self.threads = trainer_threads(os.environ, usable_cpus())
         self.trainer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stops: dict[str, Stop] = {}
         self.epochs: dict[str, int] = {}
