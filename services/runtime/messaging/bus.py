@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-from faststream.nats import NatsBroker
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -37,7 +36,9 @@ from services.runtime.messaging.publishing import headers_for
 from services.runtime.security.identities import tenant_inbox
 from services.runtime.security.order_signatures import Verifier
 
-if TYPE_CHECKING:  # the request path needs only the children it is handed
+if TYPE_CHECKING:  # the request path needs only the children it is handed; the CLIs no FastStream
+    from faststream.nats import NatsBroker
+
     from services.runtime.messaging.metrics import EndpointStats, ServiceMetrics
 
 log = logging.getLogger("ito.bus")
@@ -231,7 +232,7 @@ class NoAnswer(Exception):
 class NatsBus:
     """The Bus on the broker's own nats-py connection (one connection per service)."""
 
-    def __init__(self, broker: NatsBroker) -> None:
+    def __init__(self, broker: "NatsBroker") -> None:
         self.broker = broker
         self._nc: NatsClient | None = None
 
@@ -283,7 +284,7 @@ class LocalBus:
     no connection); publishes go to `broker` (FastStream's in-memory TestNatsBroker hands stream
     messages to the JetStream consumers registered on it)."""
 
-    def __init__(self, router: Router, broker: NatsBroker) -> None:
+    def __init__(self, router: Router, broker: "NatsBroker") -> None:
         self.router = router
         self.broker = broker
 

@@ -5,12 +5,10 @@ and its own inbox prefix, Redis with the identity's ACL user and password file. 
 anonymous path: a missing secret file is an error at start, never a fallback."""
 
 import logging
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
-from fast_depends.msgspec import MsgSpecSerializer
-from faststream.nats import NatsBroker
-from faststream.nats.security import NatsNKey
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -20,6 +18,9 @@ from services.runtime.messaging.bus import REQUEST_CONCURRENCY
 from services.runtime.security.identities import service_inbox
 from services.runtime.security.secrets import Secrets
 from services.runtime.security.tls import Certs, client_context
+
+if TYPE_CHECKING:
+    from faststream.nats import NatsBroker
 
 NATS_CONNECT_TIMEOUT_S = 2
 NATS_RECONNECT_WAIT_S = 1  # bounded backoff between reconnect attempts
@@ -49,7 +50,14 @@ def nats_auth(settings: Settings, identity: str) -> dict:
     return options
 
 
-def make_broker(settings: Settings, service: str) -> NatsBroker:
+def make_broker(settings: Settings, service: str) -> "NatsBroker":
+    """A service's broker. FastStream is imported here, by the services only: the operator CLI
+    (`accounts create`, `simulate-booking`) needs Redis and plain NATS, and FastStream's import
+    was most of its start."""
+    from fast_depends.msgspec import MsgSpecSerializer
+    from faststream.nats import NatsBroker
+    from faststream.nats.security import NatsNKey
+
     log = logging.getLogger(f"ito.{service}.nats")
     auth = nats_auth(settings, service)
 

@@ -6,14 +6,17 @@ only. Request/reply subjects stay out of every filter (see contracts.subjects). 
 """
 
 import logging
+from typing import TYPE_CHECKING
 
-from faststream.nats import JStream
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from contracts import subjects
 from services.runtime.configuration.settings import Settings
+
+if TYPE_CHECKING:  # the services' subscribers; `up` and the CLIs declare streams on nats-py alone
+    from faststream.nats import JStream
 
 DUPLICATE_WINDOW_S = 120.0  # dedup by Nats-Msg-Id; the ledger, not this window, makes runs exactly-once
 RUN_EVENTS_MAX_AGE_S = 30 * 24 * 3600.0  # run events are replayable for a month
@@ -69,5 +72,7 @@ async def delete(js: JetStreamContext, settings: Settings) -> None:
             pass
 
 
-def ref(settings: Settings, name: str) -> JStream:
+def ref(settings: Settings, name: str) -> "JStream":
+    from faststream.nats import JStream
+
     return JStream(settings.stream(name), declare=False)
