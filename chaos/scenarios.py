@@ -41,6 +41,7 @@ from chaos.stack import (
     tenant_connection,
     wait,
 )
+from devstack.infra import alive, holder_of
 from services.runtime.configuration import faults
 
 
@@ -157,30 +158,6 @@ def gang_rank_killed(root, max_restarts: int) -> dict:
         }
     finally:
         stack.down()
-
-
-def holder_of(path: pathlib.Path, pids: list[int]) -> int | None:
-    """The process (of `pids`) that has `path` open: the agent training that node's share."""
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
-                    return pid
-            except OSError:
-                continue
-    return None
-
-
-def alive(pid: int) -> bool:
-    """Is `pid` running (not gone, not a zombie)?"""
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def node_events(path: pathlib.Path) -> list[dict]:

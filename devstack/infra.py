@@ -197,6 +197,22 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the command's name "(...)"
 
 
+def holder_of(path: pathlib.Path, pids: list[int]) -> int | None:
+    """The process (of `pids`) that has `path` open, read from /proc (None where there is none)."""
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
 def stop_pid(pid: int, timeout: float = 10.0) -> None:
     """SIGTERM, wait, then SIGKILL. A pid that is gone already is fine."""
     stop_pids([pid], timeout)

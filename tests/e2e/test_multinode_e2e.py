@@ -22,6 +22,7 @@ import signal
 import pytest
 
 from contracts.models import MODEL_SHAPES
+from devstack.infra import alive, holder_of
 from services.trainer.engine.checkpoint import load_weights
 from services.trainer.engine.fault_tolerance import weights_checksum
 from services.trainer.model import Transformer
@@ -96,30 +97,6 @@ def test_a_two_node_run_trains_on_two_agents(stack, manifest):
     assert "world size 2, mesh dp_replicate 2, 2 nodes" in human.stdout, human.stdout
 
 
-def _holder_of(path: pathlib.Path, pids: list[int]) -> int | None:
-    """The agent (of `pids`) that has `path` open: the one training that node's share."""
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
-                    return pid
-            except OSError:
-                continue
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-
 @pytest.mark.chaos  # long: `make chaos` runs it (its short version stays in the suite)
 @pytest.mark.skipif(not pathlib.Path("/proc/self/fd").is_dir(), reason="finds node 1's agent through /proc")
 def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack, manifest):
@@ -155,8 +132,8 @@ def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack,
     eventually(node1_committed, timeout=90, interval=0.2, what="node 1 committed a checkpoint")
     up_trainer = json.loads((stack.data_dir / "up.json").read_text())["services"]["trainer"]
     agents = [up_trainer] + [a.pid for a in stack.agents if a.poll() is None]
-    node1_pid = eventually(lambda: _holder_of(node1_log, agents), timeout=10, what="node 1's agent")
-    node0_pid = next(pid for pid in agents if pid != node1_pid and _alive(pid))
+    node1_pid = eventually(lambda: holder_of(node1_log, agents), timeout=10, what="node 1's agent")
+    node0_pid = next(pid for pid in agents if pid != node1_pid and alive(pid))
     os.kill(node1_pid, signal.SIGKILL)
     killed_at = max(e["step"] for e in _node_events(run_dir, 1) if e.get("kind") == "metrics")
     stack.start_agent()  # the replacement; JetStream redelivers node 1's item to it after AckWait
@@ -165,7 +142,7 @@ def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack,
         stack, env, run_id, lambda v: never_interrupted(v)["state"] == "succeeded", timeout=RUN_TIMEOUT_S
     )
     assert final["step"] == final["total_steps"] == steps, final
-    assert _alive(node0_pid), "node 0's agent was stopped"
+    assert alive(node0_pid), "node 0's agent was stopped"
 
     events = _node_events(run_dir, 1)
     epochs = sorted({e["epoch"] for e in events})
