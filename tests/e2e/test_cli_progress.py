@@ -109,13 +109,19 @@ def test_a_terminal_shows_bars_in_place_then_the_verdict_and_sparklines(stack, m
         final = exited(terminal, "follow", timeout=240)
         assert "ECC-EXIT=0" in final, final
         summary = next(i for i, ln in enumerate(final) if ln.startswith(f"run {run_id}: succeeded"))
-        verdict, prep, bar = final[summary - 3 : summary]  # above the summary: the verdict, then the bars
-        assert re.match(r"^gate pretrain: passed: held-out loss \d+\.\d{4} must be at most \d", verdict), (
-            final
-        )
+        prep, bar = final[summary - 2 : summary]  # above the summary: the bars, drawn in place
         assert prep.startswith("data_prep ") and prep.endswith(" done"), final
         assert BAR.match(bar) and f" {STEPS}/{STEPS} " in bar and bar.endswith(" done"), final
-        assert all(said(ln) for ln in final[: summary - 3]), final
+        # above the bars: log and state lines, and the gate's verdict once. The verdict comes with a
+        # poll of the run and log lines with its event stream, so the stage's last log line may land
+        # after it (seen on a busy machine): its place among them is not asserted.
+        above = final[: summary - 2]
+        verdicts = [ln for ln in above if ln.startswith("gate ")]
+        assert len(verdicts) == 1, final
+        assert re.match(
+            r"^gate pretrain: passed: held-out loss \d+\.\d{4} must be at most \d", verdicts[0]
+        ), final
+        assert all(said(ln) for ln in above if ln not in verdicts), final
 
         terminal.start("metrics", f"{ecc} ito metrics {run_id}")
         curves = exited(terminal, "metrics", timeout=60)
