@@ -42,7 +42,8 @@ lint: install
 
 # Two workers side by side (pytest-xdist): most e2e time is waiting on stacks. The timed fault
 # scenarios form one group that one worker runs in turn, and a module whose fixture is
-# expensive (a stack, the quick bench) stays on one worker (tests/conftest.py). One process:
+# expensive (a stack, the quick bench) stays on one worker (tests/conftest.py). Each worker, and what
+# it starts, trains on its share of the cores (OMP_NUM_THREADS: tests/support.py THREADS). One process:
 # `make test PYTEST_ARGS=`. The long fault scenarios are `make chaos`'s (marker `chaos`).
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 test: install sysdeps lint
