@@ -16,9 +16,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
+from services.runtime.configuration.settings import usable_cpus
+
 T = TypeVar("T")
 
-THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+THREADS = max(1, usable_cpus() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
 """Torch threads for training in a test process: its worker's share of the cores. Two workers on
 two cores with two threads each oversubscribe the cores, and OpenMP's waiting threads spin: the
 in-process trainer tests took a quarter longer (tests/conftest.py sets it for every process)."""
