@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps demo desk screenshots lint test bench chaos up down clean
+.PHONY: install sysdeps demo desk screenshots lint test suite-times bench chaos up down clean
 
 install: $(STAMP)
 
@@ -48,6 +48,11 @@ lint: install
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 test: install sysdeps lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+# The suite as `make test` runs it, each test's time recorded: per-worker busy time, the slowest
+# tests and files (bench/suite_times.py; figures in bench/suite-times/summary.json).
+suite-times: install sysdeps
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.suite_times -- $(PYTEST_ARGS)
 
 # Writes bench/results.json and prints a table; `make bench BENCH_ARGS=--quick` runs tiny sizes.
 BENCH_ARGS ?=
