@@ -25,6 +25,10 @@ Count = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
 Usd = Annotated[float, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 RefNames = Annotated[list[Name], msgspec.Meta(max_length=64)]  # names of the manifest's data refs
+# Bounds on the work one manifest can cause (issue 39: 100,000 empty data entries in ~300 KB took
+# 11-27 s to refuse): a manifest is read, checked and planned on every plan, confirm and train.
+MAX_DATA_REFS = 256  # data refs in one manifest; real ones name a handful of sources
+MAX_LIST = 64  # any other list of names in a manifest (suites checked against, recipe stages)
 
 
 class ModelSize(enum.StrEnum):
@@ -54,7 +58,7 @@ class Decontamination(Contract, frozen=True, kw_only=True):
     """Where the reference's decontamination was established, and against what."""
 
     method: str  # e.g. "13-gram"
-    against: list[str] = []  # eval suite names checked against
+    against: Annotated[list[str], msgspec.Meta(max_length=MAX_LIST)] = []  # eval suite names checked against
     provenance: str  # who/what vouched for it, e.g. "ito-training data-prep" or a report digest
 
 
@@ -241,7 +245,9 @@ class RlvrStage(Contract, frozen=True, kw_only=True):
 
 
 class PostTraining(Contract, frozen=True, kw_only=True):
-    recipe: list[str] = []  # ordered subset of "sft", "dpo", "rlvr"
+    recipe: Annotated[
+        list[str], msgspec.Meta(max_length=MAX_LIST)
+    ] = []  # ordered subset of "sft", "dpo", "rlvr"
     sft: SftStage = SftStage()
     dpo: DpoStage = DpoStage()
     rlvr: RlvrStage = RlvrStage()
@@ -273,7 +279,7 @@ class Manifest(Contract, frozen=True, kw_only=True):
     schema_version: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
     name: Name
     model: ModelSpec
-    data: list[DataRef]
+    data: Annotated[list[DataRef], msgspec.Meta(max_length=MAX_DATA_REFS)]
     target: Target
     post_training: PostTraining = msgspec.field(default_factory=PostTraining)
     checkpoint: CheckpointPolicy = msgspec.field(default_factory=CheckpointPolicy)

@@ -36,6 +36,11 @@ FIELDS = ("rate_per_s", "burst", "confirmations", "runs", "queued")
 """The limits' hash fields (`<ns>:{<account>}:quota`); a field not set is its default."""
 MAX_LIMIT = 1_000_000  # a count above this is a typo, not a quota
 
+MANIFEST_BYTES_PER_TOKEN = 64 * 1024
+"""A rated request costs one token, and one more per this many bytes of the manifest it carries: a
+manifest's checks grow with its bytes (~0.1 s for 1 MiB of pathological JSON), so a burst of heavy
+manifests drains the bucket as fast as the work it causes (issue 39), and a 1 MiB one costs 17."""
+
 RATED_VERBS = frozenset({"plan", "confirm", "train"})
 """The verbs that cost the bucket a token: each parses a manifest and asks for a signed eligibility
 statement (train and confirm also reserve). Reads (status, logs, runs, ...) are not rated."""
@@ -91,12 +96,19 @@ class Taken:
     unfinished runs, so that `may_breach` can spare a train the read of every open run."""
 
 
+def request_cost(manifest_bytes: int) -> float:
+    """The tokens a plan, confirm or train costs: 1, plus 1 per MANIFEST_BYTES_PER_TOKEN it carries."""
+    return 1.0 + max(0, manifest_bytes) // MANIFEST_BYTES_PER_TOKEN
+
+
 def take(
     tokens: float | None, at: float | None, now: float, rate: float, burst: float, cost: float = 1.0
 ) -> Taken:
     """The token bucket: `tokens` as of `at` (None: a new bucket, full), refilled at `rate` per second
-    up to `burst`; admitted when `cost` tokens are there (cost 0: a look that takes nothing). A
-    clock that went back refills nothing. BUCKET_LUA is the same arithmetic."""
+    up to `burst`; admitted when `cost` tokens are there (cost 0: a look that takes nothing; a cost
+    above `burst` costs `burst`, so that a full bucket always admits a request). A clock that went
+    back refills nothing. BUCKET_LUA is the same arithmetic."""
+    cost = min(cost, burst)
     if tokens is None or at is None:
         level = burst
     else:
@@ -182,7 +194,7 @@ local burst = tonumber(q[2]) or tonumber(ARGV[3])
 if rate <= 0 then rate = tonumber(ARGV[2]) end
 if burst <= 0 then burst = tonumber(ARGV[3]) end
 burst = math.floor(burst)
-local cost = tonumber(ARGV[4])
+local cost = math.min(tonumber(ARGV[4]), burst)
 local b = redis.call('HMGET', KEYS[1], 'tokens', 'at')
 local level = burst
 if b[1] and b[2] then

@@ -72,7 +72,7 @@ from services.scheduler.admission import valid_idempotency_key as valid_idempote
 from services.scheduler.audit import Auditor, Trail
 from services.scheduler.handoff import Handoff
 from services.scheduler.inputs import ManifestInputs
-from services.scheduler.manifests import parsed
+from services.scheduler.manifests import parsed_off_loop
 from services.scheduler.peers import Peers
 from services.scheduler.store import RunRecords
 
@@ -152,8 +152,9 @@ class Api:
         remembered = self.quotas.remembered(caller)
         if remembered is not None:
             raise rate_refusal(remembered) or Refusal(ErrorCode.rate_limited, "over the request rate")
+        carried = len((getattr(req, "manifest_text", None) or "").encode())  # plan, confirm, train
         took, info = await asyncio.gather(
-            self.quotas.take(caller, open_runs=open_runs),
+            self.quotas.take(caller, cost=quota_rules.request_cost(carried), open_runs=open_runs),
             authenticate(self.credentials, caller, req),
             return_exceptions=True,
         )
@@ -238,7 +239,7 @@ class Api:
         """The manifest gate: the bytes (remembered by digest), then its inputs and its plan, every
         time (services/scheduler/inputs.py), in a worker thread: hashing a new data file must not
         stall every other request on the event loop."""
-        manifest, digest = parsed(text, client_digest)
+        manifest, digest = await parsed_off_loop(text, client_digest)
         _plan, base = await asyncio.to_thread(self.inputs.runnable, manifest, account)
         return manifest, digest, base
 
@@ -355,7 +356,7 @@ class Api:
         a request refused by a gate is answered with its key's run when the key has one."""
         trail.record("authenticate", True)
         trail.check("idempotency_key_format", key_refusal(req.idempotency_key))
-        manifest, digest = self._manifest(req, trail)
+        manifest, digest = await self._manifest(req, trail)
         fp = fingerprint(Action.train, account, req.booking_id, digest)
         try:
             return await self._create(req, account, manifest, digest, fp, taken, trail)
@@ -463,9 +464,9 @@ class Api:
         return refusal
 
     @staticmethod
-    def _manifest(req: TrainRequest, trail: Trail) -> tuple[Manifest, str]:
+    async def _manifest(req: TrainRequest, trail: Trail) -> tuple[Manifest, str]:
         try:
-            manifest, digest = parsed(req.manifest_text, req.manifest_digest)
+            manifest, digest = await parsed_off_loop(req.manifest_text, req.manifest_digest)
         except Refusal as refusal:
             trail.refuse("manifest", refusal)
         trail.digest = digest

@@ -31,6 +31,7 @@ SECRET_FIELD_NAMES = re.compile(
 )
 
 
+MIN_MATCH_CHARS = 8  # no pattern above matches fewer characters ("a://b:c@"): shorter strings are skipped
 MAX_DEPTH = 64  # deeper documents are refused before this scan (and no manifest needs it)
 
 
@@ -57,6 +58,8 @@ def find_secret(document: Any) -> str | None:
         where = path or "the manifest"
         if is_key and SECRET_FIELD_NAMES.match(text):  # a known word: safe to name
             return f"field {path + '.' if path else ''}{text} is named like a credential"
+        if len(text) < MIN_MATCH_CHARS:
+            continue
         for kind, pattern in PATTERNS:
             if pattern.search(text):
                 return f"a key under {where} looks like {kind}" if is_key else f"{where} looks like {kind}"

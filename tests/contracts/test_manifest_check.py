@@ -169,3 +169,38 @@ def test_the_servers_refusal_of_invalid_json_says_where():
     with pytest.raises(Refusal) as refused:
         verify(text, digest_of(text.encode()))
     assert "not valid JSON: line 2, column 10" in refused.value.message
+
+
+# --- bounded in work (issue 39: 100,000 empty data entries took 11-27 s to refuse) ---
+
+
+def test_100000_empty_data_entries_are_one_problem_the_data_lists_length():
+    doc = changed((["data"], [{} for _ in range(100_000)]))
+    [problem] = problems_of(doc)
+    assert problem.path == "$.data"
+    assert problem.message == "takes at most 256 items, has 100000"
+
+
+def test_a_manifest_with_more_problems_than_the_bound_says_so_and_lists_the_first():
+    bad = {"name": 1, "source": 2, "role": "wizard", "format": "csv", "verifier": 3}
+    doc = changed((["data"], [bad] * 256))  # five mistakes an entry, 1,280 in all
+    problems = problems_of(doc)
+    assert len(problems) == manifest_check.MAX_FOUND
+    assert [p.path for p in problems[:2]] == ["$.data[0].name", "$.data[0].source"]
+    assert problems == sorted(problems, key=lambda p: (p.line, p.column))
+    text = manifest_check.message(problems)
+    assert text.startswith(f"invalid manifest, at least {manifest_check.MAX_FOUND} problems:\n")
+    assert text.endswith(f"- ... and more (the check stops at {manifest_check.MAX_FOUND} problems)")
+    assert text.count("\n- $.data[") == manifest_check.MAX_SHOWN
+
+
+def test_lines_and_columns_of_many_problems_are_each_where_its_value_is():
+    doc = changed((["data"], [{"name": i} for i in range(200)]))
+    text = json.dumps(doc, indent=2)
+    _, problems = manifest_check.check(text)
+    lines = text.splitlines()
+    names = [p for p in problems if p.path.endswith(".name")]
+    assert len(names) == 200
+    for p in names:  # each points at its own value
+        index = int(p.path.split("[")[1].split("]")[0])
+        assert lines[p.line - 1][p.column - 1 :].startswith(str(index))

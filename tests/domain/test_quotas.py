@@ -17,6 +17,8 @@ BUCKET_ROWS = [
     ((1.0, 100.0, 1000.0, 1.0, 3, 1.0), (True, 2.0, 0.0)),  # never above the burst
     ((2.0, 100.0, 50.0, 1.0, 3, 1.0), (True, 1.0, 0.0)),  # a clock that went back refills nothing
     ((0.0, 100.0, 100.0, 1.0, 3, 0.0), (True, 0.0, 0.0)),  # cost 0: a look, admitted, takes nothing
+    ((None, None, 100.0, 1.0, 3, 17.0), (True, 0.0, 0.0)),  # a cost above the burst costs the burst
+    ((2.0, 100.0, 100.0, 1.0, 3, 17.0), (False, 2.0, 1.0)),  # ...and waits for a full bucket
 ]
 
 
@@ -128,3 +130,12 @@ def test_a_confirmation_breach_names_the_quota_and_its_numbers():
 def test_a_refusal_is_remembered_for_at_most_a_second(taken, now, later, retry):
     found = quotas.remembered(quotas.memory_of(taken, now), later)
     assert found == (None if retry is None else pytest.approx(retry))
+
+
+@pytest.mark.parametrize(
+    ("manifest_bytes", "cost"),
+    [(0, 1.0), (1000, 1.0), (64 * 1024 - 1, 1.0), (64 * 1024, 2.0), (400_411, 7.0), (1024 * 1024, 17.0)],
+)
+def test_a_request_costs_one_token_and_one_more_per_64_kib_of_manifest(manifest_bytes, cost):
+    # issue 39: a burst of heavy manifests was admitted at the rate of light ones, hundreds at once
+    assert quotas.request_cost(manifest_bytes) == cost

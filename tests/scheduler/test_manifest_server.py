@@ -16,7 +16,7 @@ from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from services.runtime.messaging.codec import Refusal
 from services.scheduler.manifests import MAX_MANIFEST_BYTES, digest_of, verify
-from services.scheduler.secret_scan import PATTERNS, find_secret
+from services.scheduler.secret_scan import MIN_MATCH_CHARS, PATTERNS, find_secret
 
 VALID = {
     "name": "demo-run",
@@ -448,3 +448,17 @@ def test_a_refused_manifest_is_refused_every_time(monkeypatch):
             verify(bad, digest_of(bad.encode()))
         assert refused.value.code is ErrorCode.manifest_invalid
     assert not manifests._verified
+
+
+def test_the_shortest_matches_of_the_patterns_are_at_least_the_scans_floor():
+    # the scan skips strings under MIN_MATCH_CHARS (issue 39: 200,000 short strings were each
+    # searched 13 times); the shortest strings the patterns can match are that long
+    shortest = {"a password in a URL": "a://b:c@", "an assigned password or secret": "pwd=abcdef"}
+    for kind, text in shortest.items():
+        assert len(text) >= MIN_MATCH_CHARS
+        assert any(k == kind and p.search(text) for k, p in PATTERNS)
+
+
+@given(st.text(alphabet="abcdkpswAKI_-:=/@.+ 0123456789", max_size=MIN_MATCH_CHARS - 1))
+def test_no_pattern_matches_a_string_shorter_than_the_scans_floor(text):
+    assert not any(p.search(text) for _, p in PATTERNS)
