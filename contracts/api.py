@@ -30,10 +30,14 @@ class Action(enum.StrEnum):
     cleanup = "cleanup"
     release_booking = "release_booking"
     restart_from_checkpoint = "restart_from_checkpoint"
+    delete_file = "delete_file"  # one of the account's uploaded files (`ecc ito files delete`)
 
 
 BOOKING_ACTIONS: frozenset[Action] = frozenset({Action.train, Action.release_booking})
-"""The actions whose confirmation targets a booking; the others target one of the account's runs."""
+"""The actions whose confirmation targets a booking; the others target one of the account's runs
+(or, FILE_ACTIONS, one of its files)."""
+FILE_ACTIONS: frozenset[Action] = frozenset({Action.delete_file})
+"""The actions whose confirmation targets one of the account's uploaded files."""
 
 
 DOWNLOAD_CHUNK_MAX = 512 * 1024  # bytes per download chunk: well under NATS's 1 MiB payload once base64
@@ -66,6 +70,7 @@ class ConfirmRequest(Contract, frozen=True, kw_only=True):
     manifest_text: str | None = None
     manifest_digest: str | None = None
     max_cost_usd: float | None = None
+    file_id: str | None = None  # delete_file: the file (`ecc ito files list`)
 
 
 class TrainRequest(Contract, frozen=True, kw_only=True):
@@ -111,6 +116,11 @@ class QuotaLimits(Internal, frozen=True, kw_only=True):
     confirmations: int  # confirmations issued and neither consumed nor expired
     runs: int  # runs not finished (every state but succeeded, failed, gate_failed, cancelled)
     queued: int  # runs waiting for a trainer (accepted, queued, interrupted)
+    # Added with uploads (contracts/files.py): what the account may keep in the tenant store and the
+    # model store. 0: not reported (an older scheduler).
+    file_bytes: int = 0  # bytes of files and uploaded models, uploads under way included
+    files: int = 0  # data files, uploads under way included
+    models: int = 0  # models the account uploaded (`ecc ito models upload`)
 
 
 class QuotaUsage(Internal, frozen=True, kw_only=True):
@@ -118,6 +128,9 @@ class QuotaUsage(Internal, frozen=True, kw_only=True):
     confirmations: int | None  # None: the confirmation service did not answer in time
     runs: int
     queued: int
+    file_bytes: int = 0
+    files: int = 0
+    models: int = 0
 
 
 class QuotaStatus(Internal, frozen=True, kw_only=True):

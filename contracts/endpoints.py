@@ -51,6 +51,22 @@ from contracts.api import (
 )
 from contracts.audit import AuditRequest, AuditTrail
 from contracts.desk import DeskRun, DeskRunRequest, DeskRuns, DeskRunsRequest
+from contracts.files import (
+    ConnectionList,
+    ConnectionsRequest,
+    FileDeleted,
+    FileDeleteRequest,
+    FileList,
+    FileRequest,
+    FilesRequest,
+    FileView,
+    UploadCommitRequest,
+    UploadPartAck,
+    UploadPartRequest,
+    UploadRequest,
+    UploadSession,
+    UploadView,
+)
 from contracts.internal import (
     BookingsAnswer,
     BookingsQuery,
@@ -103,6 +119,13 @@ API: dict[str, Endpoint[Any, Any]] = {
     "export": Endpoint(subjects.API_EXPORT, ExportRequest, ExportView),
     "download": Endpoint(subjects.API_DOWNLOAD, DownloadRequest, DownloadChunk),
     "sample": Endpoint(subjects.API_SAMPLE, SampleRequest, SampleResult),
+    "upload": Endpoint(subjects.API_UPLOAD, UploadRequest, UploadSession),
+    "upload_part": Endpoint(subjects.API_UPLOAD_PART, UploadPartRequest, UploadPartAck),
+    "upload_commit": Endpoint(subjects.API_UPLOAD_COMMIT, UploadCommitRequest, UploadView),
+    "files": Endpoint(subjects.API_FILES, FilesRequest, FileList),
+    "file": Endpoint(subjects.API_FILE, FileRequest, FileView),
+    "file_delete": Endpoint(subjects.API_FILE_DELETE, FileDeleteRequest, FileDeleted),
+    "connections": Endpoint(subjects.API_CONNECTIONS, ConnectionsRequest, ConnectionList),
 }
 """The canonical API, by `ecc ito` verb (login and logout are local: they call `auth`)."""
 

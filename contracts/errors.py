@@ -86,6 +86,11 @@ class ErrorCode(enum.StrEnum):
     # booking plus max_incremental_cost_usd) and the scheduler stopped it with a checkpoint. The run
     # ends in state `budget_exhausted`; its message says what was spent against which limit.
     budget_exhausted = "budget_exhausted"
+    # Added with a tenant's own inputs (contracts/files.py): a data ref, upload, file or connection
+    # that is not this account's (or is not there: the two are never told apart); an upload
+    # committed before every byte of it arrived (the message says which file and how much).
+    data_not_found = "data_not_found"
+    upload_incomplete = "upload_incomplete"
 
 
 class QuotaBreach(Internal, frozen=True, kw_only=True):

@@ -79,12 +79,17 @@ class DataRef(Contract, frozen=True, kw_only=True):
     `chosen` / `rejected` (DPO), `prompt` + `answer` with a named `verifier` (RLVR)."""
 
     name: str
-    source: str  # "builtin:pydoc_topics", "generated:arithmetic", "file:/abs/path"
+    # "builtin:pydoc_topics", "generated:arithmetic"; your own data: "upload:file-<id>" (or
+    # "upload:sha256:<hex>"), "s3://bucket/key" with `connection`, or "file:/abs/path" under your
+    # account's file root where the operator configured one (services/domain/data_refs.py)
+    source: str
     role: DataRole = DataRole.train
     decontamination: Decontamination | None = None
     format: DataFormat | None = None  # None: from the file's suffix (.jsonl, .parquet), else text
     digest: str | None = None  # "sha256:<hex>" of the file's bytes: required for jsonl and parquet
     verifier: str | None = None  # RLVR rows: "exact" (stripped equality) or "number" (last number)
+    # An s3:// source's named connection (`ecc ito connections`): the credential stays the backend's.
+    connection: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
 
 
 class Target(Contract, frozen=True, kw_only=True):
@@ -137,7 +142,7 @@ class DataPrepStage(Contract, frozen=True, kw_only=True):
 
 
 class LadderStage(Contract, frozen=True, kw_only=True):
-    """The pre-check for custom (`file:`) data: two short proxy runs, reference mix vs reference mix
+    """The pre-check for custom data (your own: upload:, s3://, file:): two short proxy runs, reference mix vs reference mix
     plus the custom data, compared on the run's held-out eval; the custom data is used only if it
     does not make held-out loss worse by more than `max_loss_regression`."""
 

@@ -8,6 +8,7 @@ import msgspec
 from contracts.api import Plan, RestartProposal
 from contracts.base import Internal
 from contracts.evals import EvalMetric, ProvenanceStep, StageGate
+from contracts.files import DataInput
 from contracts.models import BaseModel
 from contracts.states import RunState
 
@@ -45,6 +46,11 @@ class TrainWork(Internal, frozen=True, kw_only=True):
     # once from the manifest above and trains them only if they are these. Empty on items signed
     # before it was carried.
     curriculum_digest: str = ""
+    # The tenant's own data refs (uploads, `file:` refs under its root, `s3://` objects through its
+    # connections) as the scheduler resolved and checked them at plan time: the trainer reads each
+    # by its locator and trains on it only if its bytes are the digest here; it never opens a path
+    # the manifest wrote. Empty on items signed before it was carried (their tenant refs are refused).
+    inputs: list[DataInput] = []
 
 
 class LogLevel(enum.StrEnum):

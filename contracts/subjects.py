@@ -26,6 +26,14 @@ API_MODELS = "v1.api.models"
 API_EXPORT = "v1.api.export"
 API_DOWNLOAD = "v1.api.download"
 API_SAMPLE = "v1.api.sample"
+# A tenant's own inputs (contracts/files.py): uploads in parts, the files they become, connections.
+API_UPLOAD = "v1.api.upload"  # begin (or resume) an upload
+API_UPLOAD_PART = "v1.api.upload_part"  # one part of one of its files
+API_UPLOAD_COMMIT = "v1.api.upload_commit"  # check it and keep it (asked again: its state)
+API_FILES = "v1.api.files"  # the account's files and open uploads
+API_FILE = "v1.api.file"  # one file
+API_FILE_DELETE = "v1.api.file_delete"  # a confirmed, idempotent delete
+API_CONNECTIONS = "v1.api.connections"  # the named connections the operator made for the account
 
 # --- desk -> scheduler (core NATS request/reply): every run, and one in detail (contracts/desk.py) ---
 DESK_RUNS = "v1.desk.runs"

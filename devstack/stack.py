@@ -28,8 +28,10 @@ from typing import Any
 from contracts.subjects import HEALTH, SERVICES
 from devstack import authority, infra, nats_cluster
 from services.runtime.configuration.settings import (
+    EMBEDDED_FILE_ROOT,
     ENV_DATA_DIR,
     ENV_DESK_PORT,
+    ENV_FILE_ROOT,
     ENV_INSTANCE,
     ENV_METRICS_HOST,
     ENV_METRICS_PORT,
@@ -122,7 +124,7 @@ def up(
     existing = read_state(settings)
     if existing and any(infra.alive(p) for p in existing.get("services", {}).values()):
         raise RuntimeError(f"already up (see {state_path(settings)}); run `ito-training down` first")
-    logs = settings.data_dir / "logs"
+    logs = private_dirs(settings)
     began = time.monotonic()
     if settings.tls:
         authority.ensure_certs(settings)
@@ -135,6 +137,10 @@ def up(
     log(f"NATS {state['nats_url']}; Redis {state['redis_url']}")
     entitlement_key(settings)  # created once, before any service reads it
     env = _service_env(settings, state["nats_url"], state["redis_url"])
+    if ENV_FILE_ROOT not in os.environ:  # the embedded stack's `file:` root (off by default elsewhere)
+        root = settings.data_dir / EMBEDDED_FILE_ROOT
+        root.mkdir(mode=0o700, exist_ok=True)
+        env[ENV_FILE_ROOT] = str(root)
     if settings.tls:
         env[ENV_TLS] = "1"
     if cluster:
@@ -167,6 +173,20 @@ def up(
     state["ready_s"] = round(time.monotonic() - began, 2)
     write_state(settings, state)
     return state
+
+
+def private_dirs(settings: Settings) -> pathlib.Path:
+    """The data dir and its logs, the service user's alone (issue 39: 0755 and 0644 let a local user
+    read every tenant's run ids, accounts and bookings in scheduler.log): 0700 directories, 0600
+    files, and the same for everything `up` and the services it starts make afterwards (umask)."""
+    os.umask(0o077)
+    logs = settings.data_dir / "logs"
+    for directory in (settings.data_dir, logs):
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(directory, 0o700)
+    for old in logs.glob("*.log"):  # a log an earlier stack left keeps no wider mode
+        os.chmod(old, 0o600)
+    return logs
 
 
 def _start_infra(settings: Settings, logs: pathlib.Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from ecc.verb_help import OPTION_HELP, VERB_HELP
 
 CONNECT_TIMEOUT_HELP = f"seconds to wait for the connection (default {DEFAULT_CONNECT_TIMEOUT_S:g})"
 TIMEOUT_HELP = f"overall seconds for the call (default {DEFAULT_TIMEOUT_S:g})"
-CONFIRM_ACTIONS = ["train", "cancel", "cleanup", "release_booking", "restart_from_checkpoint"]
+CONFIRM_ACTIONS = ["train", "cancel", "cleanup", "release_booking", "restart_from_checkpoint", "delete_file"]
 RUN_STATES = [  # contracts.states.RunState's values, spelled here: `--help` imports no contract
     "accepted",
     "queued",
@@ -37,6 +37,7 @@ CONFIRM_FOR = {  # the `ecc ito confirm` that makes each verb's --confirmation-r
     "cancel": "ecc ito confirm --action cancel --run RUN",
     "cleanup": "ecc ito confirm --action cleanup --run RUN",
     "approve": "ecc ito confirm --action restart_from_checkpoint --run RUN",
+    "files": "ecc ito confirm --action delete_file --file FILE",
 }
 MISSING_HELP = {
     "--account": "the account name that came with your API key",
@@ -108,6 +109,7 @@ def _creation_verbs(verbs: Verbs) -> None:
     p.add_argument("--action", required=True, choices=CONFIRM_ACTIONS)
     p.add_argument("--booking")
     p.add_argument("--run")
+    p.add_argument("--file", help="delete_file: the file's id (`ecc ito files list`)")
     p.add_argument("--manifest")
     p.add_argument("--max-cost", type=float, help=OPTION_HELP["confirm"]["max_cost"])
     _common(p)
@@ -202,10 +204,36 @@ def _output_verbs(verbs: Verbs) -> None:
 
 
 def _model_verbs(verbs: Verbs) -> None:
-    """What a manifest may name: models, validate."""
-    _common(verbs.add_parser("models", help=VERB_HELP["models"]))
+    """What a manifest may name: models, files, connections, validate."""
+    p = verbs.add_parser("models", help=VERB_HELP["models"])
+    p.add_argument("action", nargs="?", choices=["list", "upload"], default="list")
+    p.add_argument("directory", nargs="?", help="upload: " + OPTION_HELP["upload"]["path"])
+    p.add_argument("--name", help="upload: the model's name in your manifests (default: the directory's)")
+    _upload_options(p)
+    p = verbs.add_parser("files", help=VERB_HELP["files"])
+    p.add_argument("action", choices=["upload", "list", "show", "delete"])
+    p.add_argument("target", nargs="?", help="upload: the file's path; show, delete: its id")
+    p.add_argument("--name", help=OPTION_HELP["upload"]["name"])
+    p.add_argument(
+        "--purpose", choices=["train", "eval"], default="train", help=OPTION_HELP["upload"]["purpose"]
+    )
+    p.add_argument("--format", choices=["jsonl", "parquet"], help=OPTION_HELP["upload"]["format"])
+    p.add_argument("--confirmation-ref", help="delete: a delete_file confirmation for the file")
+    p.add_argument("--idempotency-key", help="delete: " + MISSING_HELP["--idempotency-key"])
+    _upload_options(p)
+    _common(verbs.add_parser("connections", help=VERB_HELP["connections"]))
     p = verbs.add_parser("validate", help=VERB_HELP["validate"])
     p.add_argument("--manifest", required=True, help="path of the manifest to check")
+    _common(p)
+
+
+def _upload_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=600.0,
+        help="upload: seconds to wait for the server's check of the upload (default 600)",
+    )
     _common(p)
 
 

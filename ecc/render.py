@@ -21,6 +21,7 @@ import msgspec
 
 from contracts.api import (
     BOOKING_ACTIONS,
+    FILE_ACTIONS,
     AuthInfo,
     BookingView,
     CleanupResult,
@@ -45,10 +46,19 @@ from contracts.api import (
 from contracts.audit import AuditTrail
 from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
+from contracts.files import (
+    ConnectionList,
+    FileDeleted,
+    FileList,
+    FileView,
+    UploadPartAck,
+    UploadSession,
+    UploadView,
+)
 from contracts.manifest_check import Checked
 from contracts.runs import CheckpointList, EvalList, Metrics, MetricsPage
 from contracts.states import TERMINAL_STATES
-from ecc import charts
+from ecc import charts, files_view
 from ecc.gates import bound, gate_line
 from ecc.transport import Client, SentButUnanswered
 
@@ -106,6 +116,13 @@ Answer = (
     | DownloadChunk
     | SampleResult
     | ModelList
+    | UploadSession
+    | UploadPartAck
+    | UploadView
+    | FileList
+    | FileView
+    | FileDeleted
+    | ConnectionList
     | LoggedOut
     | LogsFollowed
     | Downloaded
@@ -185,6 +202,20 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
             return _downloaded(answer)
         case ModelList():
             return _models(answer)
+        case UploadSession():
+            return files_view.session(answer)
+        case UploadPartAck():
+            return files_view.part(answer)
+        case UploadView():
+            return files_view.upload_view(answer)
+        case FileList():
+            return files_view.files(answer)
+        case FileView():
+            return files_view.file_view(answer)
+        case FileDeleted():
+            return files_view.deleted(answer)
+        case ConnectionList():
+            return files_view.connections(answer)
         case Checked():
             return f"{answer.name}: valid (sha256 {answer.manifest_digest}); {answer.note}"
         case LoggedOut() | LogsFollowed() | None:  # no words to add: their JSON says it all
@@ -237,7 +268,9 @@ def gpu_time(gpu_hours: float) -> str:
 def _confirmation(issued: ConfirmationIssued) -> str:
     """What the person just authorised, every bound of it: the reference, then the action and its
     target, the manifest (by digest) and the most it may cost, where bound, and when it expires."""
-    target = "booking" if issued.action in BOOKING_ACTIONS else "run"
+    target = (
+        "booking" if issued.action in BOOKING_ACTIONS else "file" if issued.action in FILE_ACTIONS else "run"
+    )
     rows = [
         f"confirmation_ref: {issued.confirmation_ref}",
         f"  authorises: {issued.action.value} on {target} {issued.target}, once",

@@ -29,7 +29,7 @@ import shlex
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -37,6 +37,8 @@ from contracts.api import ApproveRequest, CancelRequest, CleanupRequest, RunView
 from contracts.endpoints import API
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
+from contracts.files import FileDeleteRequest, FilePurpose, UploadKind, UploadView
+from contracts.manifest import DataFormat
 from contracts.states import TERMINAL_STATES, RunState
 from ecc import credentials, manifest_store, render, verbs
 from ecc.transport import KEY_PREFIX, local_error
@@ -78,6 +80,17 @@ class DownloadToolRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     export_id: str | None = None
 
 
+class UploadToolRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`upload`'s arguments: a whole file (or a checkpoint directory) on this machine, sent in parts
+    and committed (the CLI's `ecc ito files upload` / `models upload`), not one part."""
+
+    path: str
+    kind: Literal["data", "model"] = "data"
+    name: str | None = None
+    purpose: Literal["train", "eval"] = "train"
+    format: Literal["jsonl", "parquet"] | None = None
+
+
 LOGIN_NOTE = (
     "unauthenticated or credential_revoked: a person must log in (`ecc ito login`); stop and ask, "
     "never retry."
@@ -112,6 +125,14 @@ AGENT_NOTES: dict[str, str] = {
     "export": "Call again with the same arguments until state is ready (or failed); then download it.",
     "download": "to: a directory here; called again, an interrupted download resumes.",
     "sample": "Seeded: the same arguments give the same text.",
+    "upload": "path: a file here (kind data) or a checkpoint directory (kind model). Called again, an "
+    "interrupted upload resumes. Answers the file (name it as upload:<file_id>) or the model, or every "
+    "problem with its line.",
+    "files": "Your files and uploads under way.",
+    "file": "",
+    "file_delete": "Needs a delete_file confirmation your person makes (`ecc ito confirm --action "
+    "delete_file --file ID`). " + MUTATION_NOTE,
+    "connections": "Names an s3:// data ref's connection may take.",
 }
 """What an agent must know beyond the CLI's help line, by tool."""
 
@@ -191,9 +212,17 @@ TOOLS: dict[str, Tool] = {
             read_only=False,
         ),
         _tool("sample", reads_manifest=False),
+        Tool("upload", "upload", UploadToolRequest, UploadView, reads_manifest=False, read_only=False),
+        _tool("files", reads_manifest=False),
+        _tool("file", reads_manifest=False),
+        _tool("file_delete", reads_manifest=False, mutation=True, destructive=True),
+        _tool("connections", reads_manifest=False),
     )
 }
-"""Every tool: the API verbs but `confirm` (a person's), and `wait`; `download` fetches a whole export."""
+"""Every tool: the API verbs but `confirm` (a person's), and `wait`; `download` fetches a whole export,
+`upload` sends a whole file (its parts and commit are not tools of their own: FOLDED)."""
+FOLDED = frozenset({"upload_part", "upload_commit"})
+"""API verbs an agent reaches through another tool (`upload`), never by themselves."""
 
 
 def _inline_root(schema: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -352,6 +381,8 @@ def confirmations_needed(request: Any, manifest_path: str | None) -> list[str]:
             return needed
         case ApproveRequest(confirmation_ref=ref, reject=False) if not ref:
             return [_confirm_command("restart_from_checkpoint", run=request.run_id)]
+        case FileDeleteRequest(confirmation_ref=ref) if not ref:
+            return [_confirm_command("delete_file", file=request.file_id)]
     return []
 
 
@@ -419,6 +450,8 @@ async def call(
         return _invalid("give run_id or idempotency_key")
     if tool.name == "wait":
         return guarded(await wait(request, bounds, progress))
+    if tool.name == "upload":
+        return guarded(await _upload(request, bounds))
     if tool.name == "download":
         from ecc import download
 
@@ -428,6 +461,35 @@ async def call(
             )
         )
     return guarded(await verbs.answer(tool.verb, request, bounds))
+
+
+async def _upload(request: UploadToolRequest, bounds: verbs.Bounds) -> Envelope[Any]:
+    """The whole upload the CLI makes (ecc/upload.py); the path is the agent's machine's."""
+    import pathlib
+
+    from ecc import upload
+
+    where = pathlib.Path(request.path).expanduser()
+    if not where.is_absolute():
+        return _invalid("path: an absolute path on this machine")
+    try:
+        if request.kind == "model":
+            files = upload.model_files(where)
+            kind = UploadKind.model
+        else:
+            files, kind = [(where, where.name)], UploadKind.data
+    except upload.UploadFailed as exc:
+        return local_error(exc.code, exc.message)
+    return await upload.upload(
+        kind,
+        request.name or where.name,
+        files,
+        bounds.connect_timeout_s,
+        bounds.timeout_s,
+        purpose=FilePurpose(request.purpose),
+        fmt=DataFormat(request.format) if request.format else None,
+        progress=lambda _sent, _total: None,
+    )
 
 
 def progress_words(view: RunView) -> str:

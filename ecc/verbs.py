@@ -63,7 +63,7 @@ def bounds_of(args: argparse.Namespace) -> Bounds:
     return Bounds(args.connect_timeout, args.timeout)
 
 
-MUTATIONS = frozenset({"cancel", "cleanup", "approve"})
+MUTATIONS = frozenset({"cancel", "cleanup", "approve", "file_delete"})
 """The verbs besides `train` that change a run: each takes a confirmation and an idempotency key."""
 
 
@@ -267,6 +267,7 @@ def _confirm(args: argparse.Namespace) -> Envelope[Any]:
         manifest_text=text,
         manifest_digest=digest,
         max_cost_usd=args.max_cost,
+        file_id=args.file,
     )
     return _run("confirm", req, args)
 
@@ -380,6 +381,78 @@ def _download(args: argparse.Namespace) -> Envelope[Any]:
     return asyncio.run(download.download(args.run, args.export, args.to, args.connect_timeout, args.timeout))
 
 
+def _models_verb(args: argparse.Namespace) -> Envelope[Any]:
+    """`models` lists; `models upload DIR` sends a checkpoint (ecc/upload.py)."""
+    if args.action == "list":
+        return _models(args)
+    if not args.directory:
+        return local_error(ErrorCode.request_invalid, "models upload needs the checkpoint's directory")
+    from contracts.files import UploadKind
+    from ecc import upload
+
+    directory = pathlib.Path(args.directory).expanduser().absolute()
+    try:
+        files = upload.model_files(directory)
+    except upload.UploadFailed as exc:
+        return local_error(exc.code, exc.message)
+    name = args.name or directory.name
+    return asyncio.run(
+        upload.upload(UploadKind.model, name, files, args.connect_timeout, args.timeout, wait_s=args.wait)
+    )
+
+
+def _files(args: argparse.Namespace) -> Envelope[Any]:
+    """`files upload PATH | list | show ID | delete ID`."""
+    from contracts.files import FileDeleteRequest, FileRequest, FilesRequest
+
+    if args.action == "list":
+        return _run("files", FilesRequest(), args)
+    if not args.target:
+        what = "the file's path" if args.action == "upload" else "the file's id (`ecc ito files list`)"
+        return local_error(ErrorCode.request_invalid, f"files {args.action} needs {what}")
+    if args.action == "show":
+        return _run("file", FileRequest(file_id=args.target), args)
+    if args.action == "delete":
+        if not args.idempotency_key:
+            return local_error(
+                ErrorCode.request_invalid, "files delete needs --idempotency-key (a new unique string)"
+            )
+        req = FileDeleteRequest(
+            file_id=args.target, confirmation_ref=args.confirmation_ref, idempotency_key=args.idempotency_key
+        )
+        return _run("file_delete", req, args)
+    return upload_file(args.target, args.name, args.purpose, args.format, bounds_of(args), args.wait)
+
+
+def upload_file(
+    path: str, name: str | None, purpose: str, fmt: str | None, bounds: Bounds, wait_s: float
+) -> Envelope[Any]:
+    """A data file's whole upload (the CLI's `files upload` and the MCP `upload` tool)."""
+    from contracts.files import FilePurpose, UploadKind
+    from contracts.manifest import DataFormat
+    from ecc import upload
+
+    local = pathlib.Path(path).expanduser().absolute()
+    return asyncio.run(
+        upload.upload(
+            UploadKind.data,
+            name or local.name,
+            [(local, local.name)],
+            bounds.connect_timeout_s,
+            bounds.timeout_s,
+            purpose=FilePurpose(purpose),
+            fmt=DataFormat(fmt) if fmt else None,
+            wait_s=wait_s,
+        )
+    )
+
+
+def _connections(args: argparse.Namespace) -> Envelope[Any]:
+    from contracts.files import ConnectionsRequest
+
+    return _run("connections", ConnectionsRequest(), args)
+
+
 def _sample(args: argparse.Namespace) -> Envelope[Any]:
     try:
         req = msgspec.convert(
@@ -424,7 +497,9 @@ LOGGED_IN: dict[str, Verb] = {
     "export": _export,
     "download": _download,
     "sample": _sample,
-    "models": _models,
+    "models": _models_verb,
+    "files": _files,
+    "connections": _connections,
 }
 """Verbs that need a stored credential: without one they answer `unauthenticated` and call nothing."""
 

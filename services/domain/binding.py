@@ -14,7 +14,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from contracts.api import BOOKING_ACTIONS, Action
+from contracts.api import BOOKING_ACTIONS, FILE_ACTIONS, Action
 from contracts.errors import ErrorCode
 
 FIELDS = ("account", "action", "target", "digest", "max_cost", "expires_at", "consumed")
@@ -168,7 +168,8 @@ def confirm_command(action: Action, target: str) -> str:
     """The `ecc ito confirm` command that makes a confirmation for `action` on `target` (a train's
     manifest is the person's own path, named by a placeholder); no secret is in it."""
     words = ["ecc", "ito", "confirm", "--action", action.value]
-    words += ["--booking" if action in BOOKING_ACTIONS else "--run", shlex.quote(target)]
+    flag = "--booking" if action in BOOKING_ACTIONS else "--file" if action in FILE_ACTIONS else "--run"
+    words += [flag, shlex.quote(target)]
     if action is Action.train:
         words += ["--manifest", "MANIFEST"]
     return " ".join(words)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import msgspec
 
 from contracts.manifest import (
+    DataFormat,
     DataPrepStage,
     DataRole,
     DpoStage,
@@ -35,6 +36,7 @@ from contracts.manifest import (
 )
 from contracts.models import MODEL_SHAPES, BaseModel, ModelShape
 from services.domain import gates
+from services.domain.data_refs import SourceKind, is_tenant, kind_of
 from services.domain.data_schemas import ROW_FORMATS, file_format, reads_rows
 
 POST_STAGES = ("sft", "dpo", "rlvr")
@@ -83,7 +85,9 @@ class LadderPlan:
     max_loss_regression: float
     proxy_shape: ModelShape
     reference: tuple[str, ...]  # non-file training refs (the reference mix)
-    custom: tuple[str, ...]  # file: training refs; empty: nothing to decide, the ladder is skipped
+    custom: tuple[
+        str, ...
+    ]  # the tenant's own training refs (upload:, s3://, file:); empty: the ladder is skipped
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,10 +254,15 @@ def _refs(manifest: Manifest) -> _Refs:
     if len(set(names)) != len(names):
         raise ValueError("Data ref names must be unique: stages refer to data by name.")
     for i, ref in enumerate(manifest.data):
-        if file_format(ref) in ROW_FORMATS and not ref.source.startswith("file:"):
+        if file_format(ref) in ROW_FORMATS and not is_tenant(ref.source):
             raise ValueError(
-                f"data[{i}].format is {file_format(ref).value}, which only a file: source has "
-                f"(source {ref.source!r})."
+                f"data[{i}].format is {file_format(ref).value}, which only your own data has (an "
+                f"upload:, s3:// or file: source; source {ref.source!r})."
+            )
+        if kind_of(ref.source) is SourceKind.upload and ref.format is DataFormat.text:
+            raise ValueError(
+                f"data[{i}].format is text; an upload is JSONL or Parquet (leave format out: "
+                "its record says which)."
             )
     train = {ref.name: ref.source for ref in manifest.data if ref.role is DataRole.train}
     evals = {ref.name: ref.source for ref in manifest.data if ref.role is DataRole.eval}
@@ -389,7 +398,7 @@ def _post_plans(
         if not data or any(n not in readable for n in data):
             raise ValueError(
                 f"{name} trains on verifiable tasks or on JSONL/Parquet files: name training refs "
-                f"with source {' or '.join(TASK_SOURCES)}, or file: refs in jsonl or parquet."
+                f"with source {' or '.join(TASK_SOURCES)}, or your own data in jsonl or parquet (upload:, s3://, file:)."
             )
         if name == "rlvr" and (any(n in refs.rows for n in data) or not _byte_tokens(manifest)):
             raise ValueError(
@@ -411,11 +420,11 @@ def _byte_tokens(manifest: Manifest) -> bool:
 
 
 def _ladder_plan(manifest: Manifest, refs: _Refs, lm: list[LmPlan]) -> LadderPlan | None:
-    """Two proxy runs (reference mix vs with the custom file: refs), bounded to the budget fraction."""
+    """Two proxy runs (reference mix vs with the tenant's own refs), bounded to the budget fraction."""
     lad = manifest.stages.ladder
     if lad is None:
         return None
-    custom = tuple(n for n, src in refs.train.items() if src.startswith("file:"))
+    custom = tuple(n for n, src in refs.train.items() if is_tenant(src))
     reference = tuple(n for n in refs.train if n not in custom)
     budget_steps = sum(p.steps for p in lm)
     bound = int(lad.max_budget_fraction * budget_steps) // 2  # two proxy runs share the fraction

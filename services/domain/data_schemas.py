@@ -11,6 +11,7 @@
 from dataclasses import dataclass
 
 from contracts.manifest import DataFormat, DataRef
+from services.domain.data_refs import SourceKind, kind_of, suffix_format
 
 ROW_FORMATS = (DataFormat.jsonl, DataFormat.parquet)
 """The formats read by column (a schema per stage); text files are read as documents."""
@@ -42,21 +43,28 @@ STAGE_SCHEMA = {
 
 
 def file_format(ref: DataRef) -> DataFormat:
-    """The ref's declared format, else the file suffix's (.jsonl/.json/.ndjson -> jsonl,
-    .parquet/.pq -> parquet), else text. Pure: the planner decides from the manifest alone."""
+    """The ref's declared format, else the suffix of the file or object it names (.jsonl/.json/
+    .ndjson -> jsonl, .parquet/.pq -> parquet), else text. Pure: the planner decides from the
+    manifest alone. An `upload:` ref without a declared format is nominally jsonl: an upload is
+    JSONL or Parquet, which is all the plan needs to know here; its record says which, and the
+    scheduler and the trainer read that."""
     if ref.format is not None:
         return ref.format
-    path = ref.source.removeprefix("file:")
-    if path.endswith((".jsonl", ".json", ".ndjson")):
+    suffix = suffix_format(ref.source) if kind_of(ref.source) in (SourceKind.file, SourceKind.s3) else None
+    if suffix is not None:
+        return DataFormat(suffix)
+    if kind_of(ref.source) is SourceKind.upload:
         return DataFormat.jsonl
-    if path.endswith((".parquet", ".pq")):
-        return DataFormat.parquet
     return DataFormat.text
 
 
 def reads_rows(ref: DataRef) -> bool:
-    """A `file:` ref in JSONL or Parquet: read by column, with the schema of the stages reading it."""
-    return ref.source.startswith("file:") and file_format(ref) in ROW_FORMATS
+    """A tenant's JSONL or Parquet data (an upload; a `file:` or `s3://` ref in one of those
+    formats): read by column, with the schema of the stages reading it."""
+    kind = kind_of(ref.source)
+    if kind is SourceKind.upload:
+        return True
+    return kind in (SourceKind.file, SourceKind.s3) and file_format(ref) in ROW_FORMATS
 
 
 def _is_string(type_text: str) -> bool:

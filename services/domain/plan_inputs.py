@@ -14,15 +14,11 @@ trains embeddings no data ever reaches (bytes on 128,256 rows: 99.8% of them).
 from dataclasses import dataclass
 
 from contracts.errors import ErrorCode
-from contracts.manifest import DataRef, ModelSpec
+from contracts.manifest import DataFormat, DataRef, ModelSpec
 from contracts.models import BaseModel, ModelShape
-from services.domain.data_schemas import (
-    STAGE_SCHEMA,
-    file_format,
-    reads_rows,
-    schema_problem,
-    verifier_problem,
-)
+from services.domain.data_refs import SourceKind, kind_of
+from services.domain.data_rows import stage_kind
+from services.domain.data_schemas import STAGE_SCHEMA, file_format, reads_rows, verifier_problem
 
 Refusal = tuple[ErrorCode, str]
 BYTES = "bytes"
@@ -142,49 +138,81 @@ def tokenizer_refusal(
 
 @dataclass(frozen=True, slots=True)
 class FileFacts:
-    """A data file as the scheduler read it: its digest (None: no readable file) and, for JSONL and
-    Parquet, its columns ({name: pyarrow type}) or why they cannot be read."""
+    """A tenant data file as the scheduler found it: its digest, what its check found (the kinds of
+    row every row is, its columns, its problems, each at its 1-based line or row), and its format
+    where a record says it (an upload). `unreadable`: why there is no report (a sentence about the
+    tenant's own data, never a server path)."""
 
     digest: str | None
-    columns: dict[str, str] | None = None
+    kinds: tuple[str, ...] = ()
+    columns: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
+    more_problems: int = 0
     unreadable: str | None = None
+    format: DataFormat | None = None
+
+
+def _problems(i: int, facts: FileFacts) -> str:
+    count = len(facts.problems) + facts.more_problems
+    lines = "\n".join(f"- {p}" for p in facts.problems)
+    more = f"\n- ... and {facts.more_problems} more" if facts.more_problems else ""
+    return f"data[{i}]: {count} problem{'s' if count > 1 else ''} in the file:\n{lines}{more}"
+
+
+def _kind_problem(stage: str, facts: FileFacts) -> str | None:
+    """Why rows of `facts.kinds` cannot feed `stage` (an eval ref: text, or messages for a chat
+    split), with the columns the stage reads and the ones the file has."""
+    if stage not in STAGE_SCHEMA:
+        if "text" in facts.kinds or "messages" in facts.kinds:
+            return None
+        have = ", ".join(facts.columns) or "none"
+        return (
+            "the held-out eval (text, or messages for a chat split) reads the column(s) text or "
+            f"messages; the file has neither (its columns: {have})"
+        )
+    kind = stage_kind(stage)
+    if kind in facts.kinds:
+        return None
+    schema = STAGE_SCHEMA[stage]
+    have = ", ".join(facts.columns) or "none"
+    rows = " / ".join(facts.kinds) or "of no kind a stage reads"
+    return (
+        f"{stage} reads the column(s) {', '.join(schema.columns)} ({schema.kind} rows); the file's rows "
+        f"are {rows} (its columns: {have})"
+    )
 
 
 def data_refusal(i: int, ref: DataRef, readers: list[str], facts: FileFacts) -> Refusal | None:
-    """data_digest_mismatch or data_schema_invalid for the file ref `data[i]`, read by the stages
-    `readers` (their names: "pretrain", "sft", ...; an eval ref is read as text, "eval")."""
-    fmt = file_format(ref)
+    """data_digest_mismatch or data_schema_invalid for the tenant's data ref `data[i]`, read by
+    the stages `readers` (their names: "pretrain", "sft", ...; an eval ref is read as "eval")."""
     rows = reads_rows(ref)
-    if rows and ref.digest is None:
+    upload = kind_of(ref.source) is SourceKind.upload
+    if rows and not upload and ref.digest is None:
+        fmt = file_format(ref)
         return (
             ErrorCode.data_digest_mismatch,
             f"data[{i}].digest: a {fmt.value} file needs the sha256 of its bytes "
             '("sha256:<hex>", as `sha256sum` prints it) so the run trains on what was reviewed',
         )
-    if ref.digest is not None:
-        if facts.digest is None:
-            return ErrorCode.data_digest_mismatch, f"data[{i}].source: no readable file at {ref.source!r}"
-        if facts.digest != ref.digest:
-            return (
-                ErrorCode.data_digest_mismatch,
-                f"data[{i}].digest: {ref.digest!r} is not the sha256 of the file's bytes (the file "
-                "changed, or the digest is another file's)",
-            )
-    if not rows:
-        return None
     if facts.unreadable is not None:
         return ErrorCode.data_schema_invalid, f"data[{i}]: {facts.unreadable}"
-    columns = facts.columns or {}
+    if ref.digest is not None and facts.digest != ref.digest:
+        return (
+            ErrorCode.data_digest_mismatch,
+            f"data[{i}].digest: {ref.digest!r} is not the sha256 of the file's bytes (the file "
+            "changed, or the digest is another file's)",
+        )
+    if upload and ref.format is not None and facts.format is not None and ref.format is not facts.format:
+        return (
+            ErrorCode.data_schema_invalid,
+            f"data[{i}].format: the upload is {facts.format.value}, not {ref.format.value} (leave format out)",
+        )
+    if facts.problems or facts.more_problems:
+        return ErrorCode.data_schema_invalid, _problems(i, facts)
+    if not rows:
+        return None
     for stage in readers:
-        if stage not in STAGE_SCHEMA:  # an eval ref: held-out loss on `text` rows, or a chat eval split
-            chat = schema_problem("sft", columns) is None
-            problem = None if chat else schema_problem("pretrain", columns)
-            if problem is not None:
-                problem = problem.replace(
-                    "pretrain", "the held-out eval (text, or messages for a chat split)", 1
-                )
-        else:
-            problem = schema_problem(stage, columns)
+        problem = _kind_problem(stage, facts)
         if problem is not None:
             return ErrorCode.data_schema_invalid, f"data[{i}]: {problem}"
         if stage == "rlvr" and (why := verifier_problem(ref.verifier)) is not None:

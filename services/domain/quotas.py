@@ -24,6 +24,9 @@ DEFAULT_BURST = 600  # requests at once after a quiet half minute
 DEFAULT_CONFIRMATIONS = 256  # outstanding confirmations (each lives confirmation_ttl_s at most)
 DEFAULT_RUNS = 256  # unfinished runs
 DEFAULT_QUEUED = 256  # runs waiting for a trainer
+DEFAULT_FILE_BYTES = 256 * 1024**3  # files and uploaded models together: a few corpora and checkpoints
+DEFAULT_FILES = 1000  # data files (uploads under way count)
+DEFAULT_MODELS = 64  # models uploaded by the account
 
 DEFAULTS = QuotaLimits(
     rate_per_s=DEFAULT_RATE_PER_S,
@@ -31,10 +34,14 @@ DEFAULTS = QuotaLimits(
     confirmations=DEFAULT_CONFIRMATIONS,
     runs=DEFAULT_RUNS,
     queued=DEFAULT_QUEUED,
+    file_bytes=DEFAULT_FILE_BYTES,
+    files=DEFAULT_FILES,
+    models=DEFAULT_MODELS,
 )
-FIELDS = ("rate_per_s", "burst", "confirmations", "runs", "queued")
+FIELDS = ("rate_per_s", "burst", "confirmations", "runs", "queued", "file_bytes", "files", "models")
 """The limits' hash fields (`<ns>:{<account>}:quota`); a field not set is its default."""
 MAX_LIMIT = 1_000_000  # a count above this is a typo, not a quota
+MAX_BYTES_LIMIT = 1 << 50  # a byte limit above a petabyte is a typo
 
 MANIFEST_BYTES_PER_TOKEN = 64 * 1024
 """A rated request costs one token, and one more per this many bytes of the manifest it carries: a
@@ -65,6 +72,9 @@ def limits_from(fields: Mapping[str, str]) -> QuotaLimits:
         confirmations=int(number("confirmations", DEFAULTS.confirmations)),
         runs=int(number("runs", DEFAULTS.runs)),
         queued=int(number("queued", DEFAULTS.queued)),
+        file_bytes=int(number("file_bytes", DEFAULTS.file_bytes)),
+        files=int(number("files", DEFAULTS.files)),
+        models=int(number("models", DEFAULTS.models)),
     )
 
 
@@ -74,8 +84,9 @@ def invalid_limit(name: str, value: float) -> str | None:
         return f"unknown quota {name!r}; one of {', '.join(FIELDS)}"
     if not math.isfinite(value) or value <= 0:
         return f"--{name.split('_')[0]} needs to be a positive number, got {value}"
-    if name != "rate_per_s" and (value != int(value) or value > MAX_LIMIT):
-        return f"--{name} needs to be a whole number up to {MAX_LIMIT}, got {value}"
+    largest = MAX_BYTES_LIMIT if name == "file_bytes" else MAX_LIMIT
+    if name != "rate_per_s" and (value != int(value) or value > largest):
+        return f"--{name.replace('_', '-')} needs to be a whole number up to {largest}, got {value}"
     return None
 
 
@@ -153,6 +164,19 @@ def over(quota: str, current: int, limit: int, what: str) -> tuple[QuotaBreach, 
     return QuotaBreach(quota=quota, current=current, limit=limit), (
         f"quota {quota}: this account has {current} {what} and may have {limit}; "
         "wait for some to finish, or ask the operator for more"
+    )
+
+
+STORAGE_WORDS = {"file_bytes": "bytes of files and models", "files": "files", "models": "uploaded models"}
+
+
+def storage_message(breach: QuotaBreach, needed_bytes: int) -> str:
+    """Why an upload was refused for the account's storage quota, and what to do."""
+    what = STORAGE_WORDS.get(breach.quota, breach.quota)
+    return (
+        f"quota {breach.quota}: this account holds {breach.current:,} {what} and may hold "
+        f"{breach.limit:,}; this upload needs {needed_bytes:,} bytes and one more: delete files "
+        "(`ecc ito files delete`) or ask the operator for more"
     )
 
 

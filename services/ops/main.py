@@ -106,6 +106,13 @@ def _desk_commands(cmds: Commands) -> None:
     )
     q.add_argument("--runs", type=float, help="unfinished runs (default 256)")
     q.add_argument("--queued", type=float, help="runs waiting for a trainer (default 256)")
+    q.add_argument(
+        "--file-bytes",
+        type=float,
+        help="bytes of uploaded files and models, uploads under way included (default 256 GiB)",
+    )
+    q.add_argument("--files", type=float, help="uploaded data files (default 1000)")
+    q.add_argument("--models", type=float, help="uploaded models (default 64)")
     q.add_argument("--json", action="store_true")
     p = cmds.add_parser("desk", help="the desk's views")
     desk = p.add_subparsers(dest="view", required=True)
@@ -216,6 +223,9 @@ QUOTA_FLAGS = {
     "confirmations": "confirmations",
     "runs": "runs",
     "queued": "queued",
+    "file_bytes": "file_bytes",
+    "files": "files",
+    "models": "models",
 }
 """`accounts quota`'s flags and the limits they set (services/domain/quotas.py)."""
 
@@ -411,7 +421,8 @@ def _quota_command(s: settings_mod.Settings, args: argparse.Namespace) -> int:
     human = (
         f"account {data['account']}: {q['rate_per_s']:g} requests/s (bursts of {q['burst']}), "
         f"{q['confirmations']} outstanding confirmations, {q['runs']} unfinished runs, "
-        f"{q['queued']} waiting runs"
+        f"{q['queued']} waiting runs, {q['file_bytes']:,} bytes of files and models, {q['files']} files, "
+        f"{q['models']} uploaded models"
     )
     _print(args, data, human)
     return 0

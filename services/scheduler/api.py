@@ -70,8 +70,10 @@ from services.scheduler.admission import MAX_IDEMPOTENCY_KEY as MAX_IDEMPOTENCY_
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
 from services.scheduler.admission import valid_idempotency_key as valid_idempotency_key  # re-exported
 from services.scheduler.audit import Auditor, Trail
+from services.scheduler.data_facts import DataFacts
+from services.scheduler.file_records import FileRecords
 from services.scheduler.handoff import Handoff
-from services.scheduler.inputs import ManifestInputs
+from services.scheduler.inputs import ManifestInputs, Runnable
 from services.scheduler.manifests import parsed_off_loop
 from services.scheduler.peers import Peers
 from services.scheduler.store import RunRecords
@@ -124,6 +126,9 @@ class Api:
         count_accepted: Callable[[], None] = lambda: None,
         model_store: ModelStore | None = None,
         quotas: Quotas | None = None,
+        files: FileRecords | None = None,
+        data_facts: DataFacts | None = None,
+        file_root: str | None = None,
     ) -> None:
         self.auditor = auditor
         self.count_accepted = (
@@ -137,7 +142,7 @@ class Api:
         self.prices = prices
         self.checkpoint_root = checkpoint_root
         self.model_store = model_store  # None: no base model resolves (every one is model_not_found)
-        self.inputs = ManifestInputs(model_store)
+        self.inputs = ManifestInputs(model_store, files, data_facts, file_root)
         self.quotas = quotas if quotas is not None else InMemoryQuotas()  # RedisQuotas in the service
 
     async def _account(self, caller: str, req) -> str:
@@ -237,11 +242,11 @@ class Api:
         self, account: str, text: str, client_digest: str
     ) -> tuple[Manifest, str, BaseModel | None]:
         """The manifest gate: the bytes (remembered by digest), then its inputs and its plan, every
-        time (services/scheduler/inputs.py), in a worker thread: hashing a new data file must not
-        stall every other request on the event loop."""
+        time (services/scheduler/inputs.py: store reads in worker threads, data checks in child
+        processes: nothing stalls every other request on the event loop)."""
         manifest, digest = await parsed_off_loop(text, client_digest)
-        _plan, base = await asyncio.to_thread(self.inputs.runnable, manifest, account)
-        return manifest, digest, base
+        runnable = await self.inputs.runnable(manifest, account)
+        return manifest, digest, runnable.base
 
     async def models(self, caller: str, req: ModelsRequest) -> ModelList:
         """The base models this account may name (never another account's)."""
@@ -265,7 +270,14 @@ class Api:
         account, _ = await self._rated(caller, req)
         if req.action is Action.train:
             return await self._confirm_train(account, req)
-        if req.action is Action.release_booking:
+        if req.action is Action.delete_file:
+            if req.file_id is None:
+                raise Refusal(ErrorCode.request_invalid, "confirm --action delete_file needs --file")
+            files = self.inputs.files
+            if files is None or await files.file(account, req.file_id) is None:
+                raise Refusal(ErrorCode.data_not_found, f"no file {req.file_id!r} for this account")
+            target = req.file_id
+        elif req.action is Action.release_booking:
             if req.booking_id is None:
                 raise Refusal(ErrorCode.request_invalid, "confirm --action release_booking needs --booking")
             owned = {b.booking_id for b in (await self.peers.bookings(account)).bookings}
@@ -384,14 +396,15 @@ class Api:
         # answered anyway.
         quota, inputs, eligibility = await asyncio.gather(
             self._run_quota_boxed(account, taken),
-            asyncio.to_thread(self.inputs.runnable, manifest, account),
+            self.inputs.runnable(manifest, account),
             self.peers.verified_eligibility(account, req.booking_id, manifest),
             return_exceptions=True,
         )
         trail.check("quota", _raised(quota)[0])
         if isinstance(inputs, Refusal):
             trail.refuse("manifest_inputs", inputs)
-        run_plan, base = _raised(inputs)
+        runnable: Runnable = _raised(inputs)
+        run_plan, base = runnable.curriculum, runnable.base
         trail.record("manifest_inputs", True)
         if isinstance(eligibility, Refusal):
             trail.refuse("eligibility", eligibility)
@@ -410,7 +423,7 @@ class Api:
             # Re-fetched, never stretched: the gate is checked again at the moment of creation,
             # and the plan holds only for the booking version it was made on.
             await trail.gate("eligibility_refresh", self._refreshed(account, req.booking_id, manifest, body))
-        work = self._work(trail.request_id, account, req, manifest, digest, p, base, run_plan)
+        work = self._work(trail.request_id, account, req, manifest, digest, p, base, runnable)
         entry = await self._accepted(account, req, fp, work, trail)
         if entry.run_id != work.run_id:  # the key already has a run (or a concurrent request won it)
             return await trail.gate("replay", self._replay(entry, fp))
@@ -500,7 +513,7 @@ class Api:
         digest: str,
         p: Plan,
         base: BaseModel | None,
-        run: Curriculum,
+        runnable: Runnable,
     ) -> TrainWork:
         return TrainWork(
             run_id=run_id,
@@ -517,7 +530,8 @@ class Api:
             # the estimate; the ledger's accept records the consumed confirmation's bound and the
             # hand-off writes that one in (services/scheduler/handoff.py `bounded`)
             cost_bound_usd=p.cost.total_usd,
-            curriculum_digest=curriculum_digest(run),  # what `p` priced: the trainer trains this or nothing
+            curriculum_digest=curriculum_digest(runnable.curriculum),  # what `p` priced: this or nothing
+            inputs=runnable.inputs,  # the tenant's data as resolved and checked: read by locator, by digest
         )
 
     async def _reserve(self, account: str, req: TrainRequest, fp: str, work: TrainWork) -> LedgerEntry:

@@ -26,7 +26,7 @@ from services.domain.model_shapes import count_parameters, head_dim
 from services.scheduler import calibration, capacity
 
 PRICES_PATH = pathlib.Path(__file__).with_name("desk_prices.json")
-ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "file:/")  # no remote URLs at run time
+ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "upload:", "s3://", "file:/")  # what data_refs reads
 BYTES_PER_PARAM_TRAINING = 16  # bf16 weights + bf16 grads + fp32 master + two fp32 Adam moments
 BYTES_PER_PARAM_CHECKPOINT = 12  # fp32 weights + two fp32 Adam moments
 BYTES_PER_PARAM_FROZEN = 2  # a LoRA stage's base: bf16 weights, no gradients, no optimizer state
@@ -329,6 +329,8 @@ def data_policy(manifest: Manifest) -> tuple[ErrorCode, str] | None:
     for ref in manifest.data:
         if not ref.source.startswith(ALLOWED_SOURCE_PREFIXES):
             return ErrorCode.data_policy_violation, f"data {ref.name!r}: source is not in the allowed list"
+        if ref.source.startswith("s3://") and ref.connection is None:
+            return ErrorCode.data_policy_violation, f"data {ref.name!r}: an s3:// source names no connection"
         if ref.role is DataRole.train and ref.decontamination is None:
             return ErrorCode.data_policy_violation, f"data {ref.name!r}: no decontamination provenance"
     if not any(ref.role is DataRole.train for ref in manifest.data):

@@ -24,6 +24,7 @@ from contracts import (
     envelope,
     errors,
     evals,
+    files,
     internal,
     manifest,
     manifest_check,
@@ -756,6 +757,89 @@ SAMPLES.update(
     }
 )
 
+DIGEST = "sha256:" + "ab" * 32
+UPLOAD_FILE = files.UploadFile(path="chat.jsonl", bytes=1234, sha256=DIGEST)
+FILE_VIEW = files.FileView(
+    file_id="file-" + "0a" * 12,
+    name="chat.jsonl",
+    purpose=files.FilePurpose.train,
+    format=manifest.DataFormat.jsonl,
+    bytes=1234,
+    sha256=DIGEST,
+    rows=40,
+    kinds=["messages"],
+    created_at=T0,
+    source="upload:file-" + "0a" * 12,
+)
+UPLOAD_SESSION = files.UploadSession(
+    upload_id="up-" + "0b" * 12,
+    kind=files.UploadKind.data,
+    name="chat.jsonl",
+    state="uploading",
+    files=[
+        files.UploadedFile(
+            path="chat.jsonl",
+            bytes=1234,
+            sha256=DIGEST,
+            received=1000,
+            put=files.PresignedPut(url="https://s3.example/put?sig=x", headers={"a": "b"}, expires_at=T0),
+        )
+    ],
+    expires_at=T0,
+)
+SAMPLES.update(
+    {
+        files.UploadFile: UPLOAD_FILE,
+        files.UploadRequest: files.UploadRequest(
+            name="chat.jsonl", files=[UPLOAD_FILE], purpose=files.FilePurpose.eval
+        ),
+        files.PresignedPut: UPLOAD_SESSION.files[0].put,
+        files.UploadedFile: UPLOAD_SESSION.files[0],
+        files.UploadSession: UPLOAD_SESSION,
+        files.UploadPartRequest: files.UploadPartRequest(
+            upload_id="up-" + "0b" * 12, path="chat.jsonl", offset=1000, data=b"{}\n"
+        ),
+        files.UploadPartAck: files.UploadPartAck(
+            upload_id="up-" + "0b" * 12, path="chat.jsonl", received=1003
+        ),
+        files.UploadCommitRequest: files.UploadCommitRequest(upload_id="up-" + "0b" * 12),
+        files.DataReport: files.DataReport(
+            format=manifest.DataFormat.jsonl,
+            bytes=1234,
+            sha256=DIGEST,
+            rows=40,
+            kinds=["messages"],
+            columns=["messages"],
+            problems=["line 3: not valid JSON"],
+            more_problems=2,
+        ),
+        files.FileView: FILE_VIEW,
+        files.UploadView: files.UploadView(
+            upload_id="up-" + "0b" * 12, kind=files.UploadKind.data, state="ready", file=FILE_VIEW
+        ),
+        files.FilesRequest: files.FilesRequest(),
+        files.FileList: files.FileList(files=[FILE_VIEW], uploads=[UPLOAD_SESSION]),
+        files.FileRequest: files.FileRequest(file_id=FILE_VIEW.file_id),
+        files.FileDeleteRequest: files.FileDeleteRequest(
+            file_id=FILE_VIEW.file_id, confirmation_ref="cf_1", idempotency_key="k1"
+        ),
+        files.FileDeleted: files.FileDeleted(file_id=FILE_VIEW.file_id, bytes=1234, idempotency_key="k1"),
+        files.ConnectionsRequest: files.ConnectionsRequest(),
+        files.ConnectionView: files.ConnectionView(name="corpus", kind="s3", endpoint="http://minio:9000"),
+        files.ConnectionList: files.ConnectionList(
+            connections=[files.ConnectionView(name="corpus", kind="s3")]
+        ),
+        files.DataInput: files.DataInput(
+            name="chat",
+            kind=files.InputKind.upload,
+            locator=FILE_VIEW.file_id,
+            digest=DIGEST,
+            format=manifest.DataFormat.jsonl,
+            bytes=1234,
+        ),
+    }
+)
+
 STRUCTS = defined_structs()
 RUN_EVENT_CLASSES = [
     runs.StateChanged,
@@ -867,7 +951,7 @@ def from_outside(cls: type) -> bool:
     """Input that outsiders write: API requests, the manifest, upstream booking events."""
     return (
         cls.__name__.endswith("Request")
-        or cls in (api.Credential, base.Contract)
+        or cls in (api.Credential, base.Contract, files.UploadFile)
         or cls.__module__ == "contracts.manifest"
         or cls in (booking.BookingEvent, booking.Topology)
     )

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from contracts.errors import ErrorCode
-from contracts.manifest import DataRef, Lora, Manifest, ModelSpec
+from contracts.manifest import DataFormat, DataRef, Lora, Manifest, ModelSpec
 from contracts.models import MODEL_SHAPES, BaseModel, ModelShape
 from services.domain import plan_inputs as pi
 from services.domain.curriculum import curriculum_of
@@ -208,74 +208,79 @@ def test_the_unused_row_allowance_is_128_or_one_percent():
     assert [pi.max_unused_rows(n) for n in (256, 12_800, 32_000, 128_256)] == [128, 128, 320, 1282]
 
 
-CHAT = {"messages": "list<item: struct<role: string, content: string>>"}
-PREFS = {"prompt": "string", "chosen": "string", "rejected": "string"}
+CHAT = ("messages",)
+PREFS = ("preference",)
 
 
 def ref(path="file:/d/chat.jsonl", **fields) -> DataRef:
     return msgspec.convert({"name": "r", "source": path, "digest": DIGEST, **fields}, DataRef)
 
 
+def facts(digest=DIGEST, kinds=(), **more) -> pi.FileFacts:
+    return pi.FileFacts(digest, kinds=kinds, columns=more.pop("columns", ()), **more)
+
+
+UPLOAD = "upload:file-" + "0a" * 12
+
+
 @pytest.mark.parametrize(
     "data, readers, facts, code, starts",
     [
-        (ref(), ["sft"], pi.FileFacts(DIGEST, CHAT), None, None),
-        (
-            ref(digest=None),
-            ["sft"],
-            pi.FileFacts(DIGEST, CHAT),
-            ErrorCode.data_digest_mismatch,
-            "data[3].digest: ",
-        ),
-        (ref(), ["sft"], pi.FileFacts(OTHER, CHAT), ErrorCode.data_digest_mismatch, "data[3].digest: "),
-        (ref(), ["sft"], pi.FileFacts(None), ErrorCode.data_digest_mismatch, "data[3].source: "),
-        (ref(), ["sft"], pi.FileFacts(DIGEST, PREFS), ErrorCode.data_schema_invalid, "data[3]: sft reads"),
-        (ref(), ["dpo"], pi.FileFacts(DIGEST, PREFS), None, None),
-        (
-            ref(),
-            ["dpo"],
-            pi.FileFacts(DIGEST, PREFS | {"chosen": "int64"}),
-            ErrorCode.data_schema_invalid,
-            "data[3]: dpo needs",
-        ),
-        (ref(), ["pretrain"], pi.FileFacts(DIGEST, {"text": "string"}), None, None),
-        (ref(), ["eval"], pi.FileFacts(DIGEST, CHAT), None, None),  # a chat eval split
+        (ref(), ["sft"], facts(kinds=CHAT), None, None),
+        (ref(digest=None), ["sft"], facts(kinds=CHAT), ErrorCode.data_digest_mismatch, "data[3].digest: "),
+        (ref(), ["sft"], facts(OTHER, CHAT), ErrorCode.data_digest_mismatch, "data[3].digest: "),
+        (ref(), ["sft"], facts(kinds=PREFS), ErrorCode.data_schema_invalid, "data[3]: sft reads"),
+        (ref(), ["dpo"], facts(kinds=PREFS), None, None),
+        (ref(), ["dpo"], facts(kinds=("verifiable",)), ErrorCode.data_schema_invalid, "data[3]: dpo reads"),
+        (ref(), ["pretrain"], facts(kinds=("text",)), None, None),
+        (ref(), ["eval"], facts(kinds=CHAT), None, None),  # a chat eval split
         (
             ref(),
             ["eval"],
-            pi.FileFacts(DIGEST, PREFS),
+            facts(kinds=PREFS, columns=("prompt", "chosen", "rejected")),
             ErrorCode.data_schema_invalid,
             "data[3]: the held-out eval (text, or messages for a chat split) reads",
         ),
-        (
-            ref(),
-            ["rlvr"],
-            pi.FileFacts(DIGEST, {"prompt": "string", "answer": "string"}),
-            ErrorCode.data_schema_invalid,
-            "data[3].verifier: ",
-        ),
-        (
-            ref(verifier="number"),
-            ["rlvr"],
-            pi.FileFacts(DIGEST, {"prompt": "string", "answer": "string"}),
-            None,
-            None,
-        ),
+        (ref(), ["rlvr"], facts(kinds=("verifiable",)), ErrorCode.data_schema_invalid, "data[3].verifier: "),
+        (ref(verifier="number"), ["rlvr"], facts(kinds=("verifiable",)), None, None),
         (
             ref(path="file:/d/c.parquet"),
             ["sft"],
-            pi.FileFacts(DIGEST, unreadable="c.parquet cannot be read"),
+            facts(None, unreadable="the check of the file failed"),
             ErrorCode.data_schema_invalid,
-            "data[3]: c.parquet",
+            "data[3]: the check of the file failed",
         ),
-        # a text file: its digest only when declared; no columns
-        (ref(path="file:/d/notes.txt", digest=None), ["pretrain"], pi.FileFacts(None), None, None),
+        (  # every problem the check found, each at its line (issue 39)
+            ref(),
+            ["sft"],
+            facts(kinds=CHAT, problems=("line 14: messages[0].role is 'wizard'", "line 15: not valid JSON")),
+            ErrorCode.data_schema_invalid,
+            "data[3]: 2 problems in the file:\n- line 14: messages[0].role is 'wizard'\n- line 15",
+        ),
+        # a text file: its digest only when declared; no columns, but its problems
+        (ref(path="file:/d/notes.txt", digest=None), ["pretrain"], facts(kinds=("text",)), None, None),
         (
             ref(path="file:/d/notes.txt"),
             ["pretrain"],
-            pi.FileFacts(OTHER),
+            facts(OTHER, ("text",)),
             ErrorCode.data_digest_mismatch,
             "data[3].digest: ",
+        ),
+        (
+            ref(path="file:/d/notes.txt", digest=None),
+            ["pretrain"],
+            facts(problems=("line 2: not UTF-8 text (byte 0xff at column 10)",)),
+            ErrorCode.data_schema_invalid,
+            "data[3]: 1 problem in the file:\n- line 2: not UTF-8",
+        ),
+        # an upload: its digest is its record's; its format its record's
+        (ref(path=UPLOAD, digest=None), ["sft"], facts(kinds=CHAT), None, None),
+        (
+            ref(path=UPLOAD, digest=None, format="jsonl"),
+            ["sft"],
+            facts(kinds=CHAT, format=DataFormat.parquet),
+            ErrorCode.data_schema_invalid,
+            "data[3].format: the upload is parquet",
         ),
     ],
 )

@@ -2,6 +2,7 @@
 same rows run against its Lua twin on Redis: tests/runtime/test_quotas_redis.py), the limits as
 stored, the operator's values, and the admission of a run."""
 
+import msgspec
 import pytest
 
 from contracts.api import QuotaLimits
@@ -44,7 +45,11 @@ def test_a_flood_is_admitted_at_the_rate_and_no_faster():
         ({}, quotas.DEFAULTS),
         (
             {"rate_per_s": "2.5", "runs": "3.0"},
-            QuotaLimits(rate_per_s=2.5, burst=600, confirmations=256, runs=3, queued=256),
+            msgspec.structs.replace(quotas.DEFAULTS, rate_per_s=2.5, runs=3),
+        ),
+        (
+            {"file_bytes": "1e9", "files": "2.0", "models": "1"},
+            msgspec.structs.replace(quotas.DEFAULTS, file_bytes=10**9, files=2, models=1),
         ),
         ({"burst": "junk", "queued": "-1", "confirmations": "inf"}, quotas.DEFAULTS),  # unreadable: default
     ],
@@ -63,6 +68,9 @@ def test_limits_as_stored(stored, expected):
         ("runs", -1.0, True),
         ("queued", 1e9, True),  # a typo, not a quota
         ("tokens", 1.0, True),  # no such quota
+        ("file_bytes", 1e12, False),  # bytes: far above the counts' bound
+        ("file_bytes", 2.0**51, True),
+        ("files", 2e6, True),
     ],
 )
 def test_the_operators_values(name, value, refused):

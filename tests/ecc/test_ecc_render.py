@@ -48,6 +48,20 @@ from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from contracts.evals import EvalMetric, Provenance, ProvenanceStep, StageGate
+from contracts.files import (
+    ConnectionList,
+    ConnectionView,
+    FileDeleted,
+    FileList,
+    FilePurpose,
+    FileView,
+    UploadedFile,
+    UploadKind,
+    UploadPartAck,
+    UploadSession,
+    UploadView,
+)
+from contracts.manifest import DataFormat
 from contracts.runs import CheckpointList, CheckpointSaved, EvalList, Metrics, MetricsPage
 from contracts.states import RunState
 from ecc import render, transport
@@ -129,6 +143,19 @@ BOOKING = Booking(
 )
 
 # One example of every API verb's answer, and every line a person reads for it.
+FILE = FileView(
+    file_id="file-" + "0a" * 12,
+    name="chat.jsonl",
+    purpose=FilePurpose.train,
+    format=DataFormat.jsonl,
+    bytes=1234,
+    sha256="sha256:" + "cd" * 32,
+    rows=40,
+    kinds=["messages"],
+    created_at=datetime(2026, 12, 2, tzinfo=UTC),
+    source="upload:file-" + "0a" * 12,
+)
+
 EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
     "auth": (AuthInfo(account="acme", key_id="UAKEY"), ["logged in as acme (key UAKEY)"]),
     "find": (
@@ -365,6 +392,56 @@ EXAMPLES: dict[str, tuple[typing.Any, list[str]]] = {
             + "ab" * 32
             + " (LlamaForCausalLM, 45,600 parameters, vocab 320, context 128, chat template)"
         ],
+    ),
+    "upload": (
+        UploadSession(
+            upload_id="up-1",
+            kind=UploadKind.data,
+            name="chat.jsonl",
+            state="uploading",
+            files=[UploadedFile(path="chat.jsonl", bytes=3 * 2**20, sha256=FILE.sha256, received=2**20)],
+        ),
+        ["upload up-1: uploading (data chat.jsonl)", "  chat.jsonl: 1.0 MiB of 3.0 MiB"],
+    ),
+    "upload_part": (
+        UploadPartAck(upload_id="up-1", path="chat.jsonl", received=2048),
+        ["chat.jsonl: 2,048 bytes received"],
+    ),
+    "upload_commit": (
+        UploadView(
+            upload_id="up-1",
+            kind=UploadKind.data,
+            state="rejected",
+            message="chat.jsonl was not kept: 2 problems",
+            problems=["line 14: messages[0].role is 'wizard'; use one of system, user, assistant, tool"],
+            more_problems=1,
+        ),
+        [
+            "upload up-1: rejected: chat.jsonl was not kept: 2 problems",
+            "  - line 14: messages[0].role is 'wizard'; use one of system, user, assistant, tool",
+            "  - ... and 1 more",
+        ],
+    ),
+    "files": (
+        FileList(files=[FILE]),
+        [f"{FILE.file_id}  chat.jsonl  jsonl  1.2 KiB  40 rows  messages"],
+    ),
+    "file": (
+        FILE,
+        [
+            f"file {FILE.file_id}: chat.jsonl (jsonl, 1.2 KiB, 40 rows: messages)",
+            f"  sha256: {FILE.sha256}",
+            "  purpose: train; kept 2026-12-02T00:00:00+00:00",
+            f'  in a manifest: {{"name": "chat", "source": "upload:{FILE.file_id}", "digest": "{FILE.sha256}"}}',
+        ],
+    ),
+    "file_delete": (
+        FileDeleted(file_id=FILE.file_id, bytes=1234, idempotency_key="k"),
+        [f"file {FILE.file_id}: deleted (1.2 KiB freed)"],
+    ),
+    "connections": (
+        ConnectionList(connections=[ConnectionView(name="corpus", kind="s3", endpoint="http://minio:9000")]),
+        ["corpus  s3  http://minio:9000"],
     ),
 }
 

@@ -31,6 +31,8 @@ VERBS = {
     "download": ["r", "--to", "/tmp/x"],
     "sample": ["r", "--prompt", "2+2="],
     "models": [],
+    "files": ["list"],
+    "connections": [],
     "validate": ["--manifest", "/m"],
 }
 

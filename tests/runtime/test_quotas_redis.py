@@ -187,16 +187,23 @@ def test_the_operator_sets_and_shows_quotas_with_ito_training(redis_infra, monke
         "confirmations": quotas.DEFAULT_CONFIRMATIONS,
         "runs": quotas.DEFAULT_RUNS,
         "queued": quotas.DEFAULT_QUEUED,
+        "file_bytes": quotas.DEFAULT_FILE_BYTES,
+        "files": quotas.DEFAULT_FILES,
+        "models": quotas.DEFAULT_MODELS,
     }
     rc, shown = quota(
-        "--rate", "2.5", "--burst", "10", "--confirmations", "3", "--runs", "2", "--queued", "1"
-    )
+        "--rate", "2.5", "--burst", "10", "--confirmations", "3", "--runs", "2", "--queued", "1",
+        "--file-bytes", "1000000", "--files", "4", "--models", "1",
+    )  # fmt: skip
     assert rc == 0 and shown["quotas"] == {
         "rate_per_s": 2.5,
         "burst": 10,
         "confirmations": 3,
         "runs": 2,
         "queued": 1,
+        "file_bytes": 1_000_000,
+        "files": 4,
+        "models": 1,
     }
     rc, shown = quota("--runs", "0")
     assert rc == 2 and "positive" in shown["error"]

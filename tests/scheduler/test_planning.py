@@ -644,10 +644,16 @@ DATA_TABLE = [
         "not in the allowed list",
     ),
     (
-        "s3-source",
+        "s3-source-without-a-connection",
         [{"name": "a", "source": "s3://bucket/key", "decontamination": DECON}],
-        "not in the allowed list",
+        "names no connection",
     ),
+    (
+        "s3-source-through-a-connection",
+        [{"name": "a", "source": "s3://bucket/key", "connection": "c", "decontamination": DECON}],
+        None,
+    ),
+    ("upload-source", [{"name": "a", "source": "upload:file-" + "0" * 24, "decontamination": DECON}], None),
     (
         "relative-file-source",
         [{"name": "a", "source": "file:data.txt", "decontamination": DECON}],

@@ -32,6 +32,11 @@ ENV_METRICS_PORT = "ITO_METRICS_PORT"
 ENV_METRICS_HOST = "ITO_METRICS_HOST"
 ENV_TLS = "ITO_TLS"  # "1": NATS, the desk and /metrics speak TLS with <secrets dir>/tls (services/runtime/security/tls.py)
 ENV_NATS_CA = "ITO_NATS_CA"  # ecc: the CA file that signed the NATS server's certificate
+ENV_FILE_STORE_URL = "ITO_FILE_STORE_URL"  # the tenant store (services/runtime/storage/tenant_files.py)
+ENV_FILE_ROOT = "ITO_FILE_ROOT"  # where `file:` data refs may point: <root>/<account>/...; unset: nowhere
+ENV_CHECKPOINT_ROOTS = "ITO_CHECKPOINT_ROOTS"  # absolute dirs a manifest's checkpoint.storage may name
+ENV_UPLOAD_TTL_S = "ITO_UPLOAD_TTL_S"
+EMBEDDED_FILE_ROOT = "file-root"  # `ito-training up` sets ITO_FILE_ROOT to <data dir>/file-root unless set
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # or a comma-separated list: a cluster's server pool
 DEFAULT_NATS_REPLICAS = 1  # 3 on a 3-node cluster (`ito-training up --cluster`): every stream R3
@@ -46,6 +51,7 @@ DEFAULT_RENDEZVOUS_HOST = (
     "127.0.0.1"  # node 0's address as the other nodes reach it; a routable one across hosts
 )
 
+DEFAULT_UPLOAD_TTL_S = 24 * 3600.0  # an upload not committed by then is removed and its quota given back
 DEFAULT_METRICS_PORT = 0  # no /metrics endpoint; `ito-training up` gives each service a free port
 DEFAULT_METRICS_HOST = "127.0.0.1"  # loopback; a container's address where Prometheus runs elsewhere
 
@@ -139,6 +145,20 @@ class Settings:
     checkpoint_url: str = ""
     """Where checkpoints and exports may also live (`ITO_CHECKPOINT_URL`): "" for
     `<data_dir>/checkpoints`, a shared path, or `s3://bucket/prefix` (services/runtime/storage/checkpoint_store.py)."""
+    file_store_url: str = ""
+    """The tenant store, where uploads and files live (`ITO_FILE_STORE_URL`): "" for
+    `<data_dir>/tenant-files`, an absolute path, or `s3://bucket/prefix` (services/runtime/storage/tenant_files.py)."""
+    file_root: pathlib.Path | None = None
+    """Where `file:` data refs may point (`ITO_FILE_ROOT`): account A's are below `<root>/A/`,
+    opened from the root down with O_NOFOLLOW. None (the default): `file:` refs are refused, a
+    tenant uploads its data. `ito-training up` (the embedded development stack) sets
+    `<data_dir>/file-root` unless told otherwise."""
+    checkpoint_roots: tuple[pathlib.Path, ...] = ()
+    """The absolute directories a manifest's `checkpoint.storage` may name (`ITO_CHECKPOINT_ROOTS`,
+    separated by ':'); none: only "local". A run's directory below one is made from the root down
+    with O_NOFOLLOW, so a link in it is refused, never followed."""
+    upload_ttl_s: float = DEFAULT_UPLOAD_TTL_S
+    """How long an upload may stay uncommitted before it is removed and its quota given back."""
 
     def __post_init__(self) -> None:
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
@@ -220,7 +240,27 @@ def load(env: dict[str, str] | None = None) -> Settings:
         metrics_host=env.get(ENV_METRICS_HOST) or DEFAULT_METRICS_HOST,
         tls=env.get(ENV_TLS, "") == "1",
         checkpoint_url=env.get(ENV_CHECKPOINT_URL, ""),
+        file_store_url=env.get(ENV_FILE_STORE_URL, ""),
+        file_root=_absolute(env, ENV_FILE_ROOT),
+        checkpoint_roots=tuple(
+            _absolute_dir(ENV_CHECKPOINT_ROOTS, part)
+            for part in env.get(ENV_CHECKPOINT_ROOTS, "").split(":")
+            if part.strip()
+        ),
+        upload_ttl_s=_float(env, ENV_UPLOAD_TTL_S, DEFAULT_UPLOAD_TTL_S),
     )
+
+
+def _absolute_dir(name: str, value: str) -> pathlib.Path:
+    path = pathlib.Path(value.strip())
+    if not path.is_absolute():
+        raise ValueError(f"{name} takes absolute paths, got {value!r}.")
+    return pathlib.Path(os.path.normpath(path))
+
+
+def _absolute(env: dict[str, str], name: str) -> pathlib.Path | None:
+    value = env.get(name, "").strip()
+    return _absolute_dir(name, value) if value else None
 
 
 def entitlement_key(settings: Settings, env: dict[str, str] | None = None) -> bytes:

@@ -275,8 +275,18 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
                     f"{acct}:quota",  # the operator's limits (read; the bucket script reads them too)
                     f"{acct}:bucket",  # the request-rate bucket, shared by every scheduler instance
                     f"{acct}:open-runs",  # the unfinished runs: the `runs` and `queued` quotas
+                    # a tenant's uploads and files (services/scheduler/file_records.py)
+                    f"{acct}:upload:*",
+                    f"{acct}:upload-spec:*",
+                    f"{acct}:uploads",
+                    f"{acct}:stored",
+                    f"{acct}:file:*",
+                    f"{acct}:files",
+                    f"{acct}:file-digest:*",
+                    f"{ns}:upload-expiry:*",
                 ),
-                "+get +set +del +hget +hmget +hset +hsetnx +hdel +hgetall +zadd +zrevrange +zrevrangebyscore "
+                "+get +set +mget +del +hget +hmget +hset +hsetnx +hdel +hgetall +hincrby +zadd +zrem +zrange "
+                "+zrangebyscore +zrevrange +zrevrangebyscore "
                 "+rpush +ltrim +llen +lrange +sadd +srem +smembers +scard +pexpire +time "
                 f"+multi +exec +discard {scripts}",
             )

@@ -7,14 +7,18 @@ Layout under the root (`ITO_MODEL_STORE`, default `<ITO_DATA_DIR>/models`):
     <hex>/                 one base model: the HF directory's files, as added, plus MODEL.json
     <hex>/MODEL.json       the `BaseModel` the planner reads and every file's sha256 (`Recorded`)
     tokenizers/<hex>/      a tokenizer: tokenizer.json (+ tokenizer_config.json) and TOKENIZER.json
-    names.json             {name: {"digest": "sha256:<hex>", "accounts": [...]}}
+    names.json             {name: {"digest": "sha256:<hex>", "accounts": [...]}}; a tenant's own
+                           model (`ecc ito models upload`, a run's export) as "@<account>/<name>"
 
 The content digest is sha256 over the sorted lines "<relative path>\\0<sha256 of the file>\\n" of
 every file but the store's own record (MODEL.json / TOKENIZER.json): stable, independent of the
 order files were written in, and the same on every machine. Names point to digests (names.json),
 so the same content added twice is one directory, and a name can be moved to new content (a
 manifest pinned to the old revision is then refused: that is what the revision is for). Which
-accounts may use a model is the name's: `accounts: []` is every account's.
+accounts may use a model is the name's: `accounts: []` is every account's. A tenant's own model is
+named under its account ("@<account>/<name>": no manifest or operator name can be one), so the same
+name in two accounts is two models, and only its account resolves or lists it; an account's own
+name comes before a shared one of the same name.
 
 Writes are atomic: a model is copied into a temporary directory under the root, checked, and
 renamed into place; names.json is replaced by rename under a lock file. Modes are the trainer's
@@ -99,6 +103,12 @@ class TokenizerEntry(msgspec.Struct, frozen=True, kw_only=True):
 class NameEntry(msgspec.Struct, frozen=True, kw_only=True):
     digest: str
     accounts: list[str] = []
+    owner: str = ""  # a tenant's own model: its account ("" for the operator's shared ones)
+
+
+def own_key(account: str, name: str) -> str:
+    """names.json's key of `account`'s own model `name`."""
+    return f"@{account}/{name}"
 
 
 _names_decoder = msgspec.json.Decoder(dict[str, NameEntry])
@@ -345,21 +355,36 @@ class ModelStore:
         return msgspec.structs.replace(rec.model, name=name, accounts=list(named.accounts))
 
     def list(self, account: str | None = None) -> list[BaseModel]:
-        """Every named model `account` may use (None: every model), by name."""
-        out = []
-        for name, named in sorted(self.names().items()):
-            if account is not None and named.accounts and account not in named.accounts:
-                continue
-            entry = self._entry(name, named)
-            if entry is not None:
-                out.append(entry)
-        return out
+        """Every named model `account` may use, by name: its own (under their plain names) and the
+        shared ones it may use (an own name hides a shared one of the same name). None: every model,
+        tenants' own ones under their "@<account>/<name>" keys (the operator's view)."""
+        names = self.names()
+        if account is None:
+            found = [self._entry(name, named) for name, named in sorted(names.items())]
+            return [e for e in found if e is not None]
+        prefix = own_key(account, "")
+        own = {key.removeprefix(prefix): named for key, named in names.items() if key.startswith(prefix)}
+        shared = {
+            name: named
+            for name, named in names.items()
+            if not named.owner
+            and not name.startswith("@")
+            and (not named.accounts or account in named.accounts)
+        }
+        found = [self._entry(name, named) for name, named in sorted((shared | own).items())]
+        return [e for e in found if e is not None]
 
     def resolve(self, name: str, account: str) -> BaseModel | None:
-        """The model `name` as `account` may use it, or None (no such name, or not this account's:
-        the two are not told apart, so a name leaks nothing)."""
-        named = self.names().get(name)
-        if named is None or (named.accounts and account not in named.accounts):
+        """The model `name` as `account` may use it (its own first, then a shared one), or None (no
+        such name, or not this account's: the two are not told apart, so a name leaks nothing)."""
+        names = self.names()
+        named = names.get(own_key(account, name))
+        if named is not None:
+            return self._entry(name, named)
+        if name.startswith("@"):
+            return None
+        named = names.get(name)
+        if named is None or named.owner or (named.accounts and account not in named.accounts):
             return None
         return self._entry(name, named)
 
@@ -405,10 +430,17 @@ class ModelStore:
         finally:
             os.close(fd)
 
-    def add(self, path: pathlib.Path, name: str | None = None, accounts: Sequence[str] = ()) -> BaseModel:
+    def add(
+        self,
+        path: pathlib.Path,
+        name: str | None = None,
+        accounts: Sequence[str] = (),
+        owner: str | None = None,
+    ) -> BaseModel:
         """Check and copy the HF directory at `path` in; point `name` (default: the directory's
-        name) at it for `accounts` ([] = every account). The same content again is the same entry;
-        its name's accounts are replaced by these."""
+        name) at it for `accounts` ([] = every account), or, with `owner`, as that account's own
+        model (only it may use it). The same content again is the same entry; its name's accounts
+        are replaced by these."""
         src = pathlib.Path(path)
         if src.is_symlink() or not src.is_dir():
             raise ModelStoreError(f"{src} is not a directory.")
@@ -445,12 +477,19 @@ class ModelStore:
             dest = self.path(digest)
             if self.record(digest) is None:
                 self._copy_in(src, files, dest, RECORD, _encoder.encode(Recorded(model=model, files=files)))
-            names = self.names()
-            names[name] = NameEntry(digest=digest, accounts=sorted(set(accounts)))
-            _write(self.root / NAMES, _encoder.encode(dict(sorted(names.items()))))
-        entry = self.resolve(name, next(iter(accounts), ""))
+            self._name(name, digest, accounts, owner)
+        entry = self.resolve(name, owner or next(iter(accounts), ""))
         assert entry is not None, "just stored"
         return entry
+
+    def _name(self, name: str, digest: str, accounts: Sequence[str], owner: str | None) -> None:
+        """Point `name` at `digest` (under the store's lock)."""
+        names = self.names()
+        if owner:
+            names[own_key(owner, name)] = NameEntry(digest=digest, accounts=[owner], owner=owner)
+        else:
+            names[name] = NameEntry(digest=digest, accounts=sorted(set(accounts)))
+        _write(self.root / NAMES, _encoder.encode(dict(sorted(names.items()))))
 
     def add_tokenizer(self, path: pathlib.Path) -> TokenizerEntry:
         """A tokenizer-only directory (tokenizer.json, optionally tokenizer_config.json), by digest."""
@@ -496,3 +535,38 @@ class ModelStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+class AddOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What `python -m services.runtime.storage.model_store add` prints: the model, or why not."""
+
+    model: BaseModel | None = None
+    error: str | None = None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`add --root ROOT --owner ACCOUNT --name NAME DIR`: a tenant's upload checked and stored in a
+    process of its own (the scheduler's `models upload` commit: a hostile checkpoint's headers and
+    tokenizer are parsed here, bounded by the caller's time limit, never in the service)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="model_store")
+    sub = parser.add_subparsers(dest="action", required=True)
+    add = sub.add_parser("add")
+    add.add_argument("--root", required=True, type=pathlib.Path)
+    add.add_argument("--owner", required=True)
+    add.add_argument("--name", required=True)
+    add.add_argument("directory", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    try:
+        model = ModelStore(args.root).add(args.directory, name=args.name, owner=args.owner)
+        outcome = AddOutcome(model=model)
+    except ModelStoreError as exc:
+        outcome = AddOutcome(error=str(exc))
+    sys.stdout.buffer.write(_encoder.encode(outcome))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
