@@ -129,6 +129,7 @@ class Api:
         files: FileRecords | None = None,
         data_facts: DataFacts | None = None,
         file_root: str | None = None,
+        storage_roots: tuple[pathlib.Path, ...] = (),
     ) -> None:
         self.auditor = auditor
         self.count_accepted = (
@@ -143,6 +144,7 @@ class Api:
         self.checkpoint_root = checkpoint_root
         self.model_store = model_store  # None: no base model resolves (every one is model_not_found)
         self.inputs = ManifestInputs(model_store, files, data_facts, file_root)
+        self.storage_roots = storage_roots  # ITO_CHECKPOINT_ROOTS: what checkpoint.storage may name
         self.quotas = quotas if quotas is not None else InMemoryQuotas()  # RedisQuotas in the service
 
     async def _account(self, caller: str, req) -> str:
@@ -236,6 +238,7 @@ class Api:
             base=base,
             now=datetime.now(UTC),  # the booking's remaining window is measured from now
             run=run,  # the stages the manifest-inputs gate planned: planned once per request
+            storage_roots=self.storage_roots,
         )
 
     async def _verified(

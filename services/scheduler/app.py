@@ -96,6 +96,7 @@ def register(
         files=files,
         data_facts=DataFacts(s.file_root, s.secrets_dir, s.data_dir / "spool"),
         file_root=str(s.file_root) if s.file_root is not None else None,
+        storage_roots=s.checkpoint_roots,
     )
     run_events = RunEvents(runs)
     auditor = api.auditor

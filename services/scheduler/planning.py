@@ -506,6 +506,7 @@ def plan(
     base: BaseModel | None = None,
     now: datetime | None = None,
     run: Curriculum | None = None,
+    storage_roots: tuple[pathlib.Path, ...] = (),
 ) -> Plan:
     """The plan and its checks, in a fixed order: price, fabric, parallelism, data policy,
     checkpoint storage, budget cap, incremental cost, booking window. `now` (default: when the
@@ -531,7 +532,7 @@ def plan(
     checks.append(
         _check(
             "checkpoint_storage",
-            storage_policy_refusal(manifest),
+            storage_policy_refusal(manifest, storage_roots),
             f"the trainer checks its storage is writable with ~{needed / 1e9:.1f} GB free before it trains",
         )
     )
@@ -568,13 +569,30 @@ def plan(
     )
 
 
-def storage_policy_refusal(manifest: Manifest) -> tuple[ErrorCode, str] | None:
+def storage_policy_refusal(
+    manifest: Manifest, roots: tuple[pathlib.Path, ...] = ()
+) -> tuple[ErrorCode, str] | None:
     """What the scheduler can judge of the checkpoint storage without touching a disk: it is the
-    trainer's own ('local') or an absolute path; the trainer checks the rest where it writes."""
+    trainer's own ('local') or a path under one of the storage roots the operator allows (`roots`,
+    ITO_CHECKPOINT_ROOTS), judged on its text alone (the same answer whatever is on the disk); the
+    trainer checks the rest where it writes, from the root down with no link followed."""
     storage = manifest.checkpoint.storage
-    if storage == "local" or os.path.isabs(storage):
+    if storage == "local":
         return None
-    return ErrorCode.checkpoint_storage_unavailable, "checkpoint storage must be 'local' or an absolute path"
+    if os.path.isabs(storage) and within(storage, roots):
+        return None
+    allowed = ", ".join(str(r) for r in roots) or "none on this backend"
+    return (
+        ErrorCode.checkpoint_storage_unavailable,
+        f"checkpoint storage must be 'local' or a path under a storage root the operator allows ({allowed})",
+    )
+
+
+def within(path: str, roots: tuple[pathlib.Path, ...]) -> bool:
+    """Is the absolute, normal `path` one of `roots` or below one? (text only)"""
+    if os.path.normpath(path) != path:
+        return False
+    return any(path == str(r) or path.startswith(str(r).rstrip("/") + "/") for r in roots)
 
 
 def first_refusal(p: Plan) -> tuple[ErrorCode, str] | None:

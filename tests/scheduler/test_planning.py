@@ -13,6 +13,7 @@ The arithmetic behind each expected value uses the module's constants and desk_p
 """
 
 import math
+import pathlib
 from datetime import UTC, datetime, timedelta
 
 import msgspec
@@ -579,20 +580,36 @@ def test_first_refusal_follows_check_order():
     assert code_of(p) == "fabric_unsupported"
 
 
+ROOTS = (pathlib.Path("/mnt/ckpt"),)
+
+
 @pytest.mark.parametrize(
-    "storage, refused", [("local", False), ("/mnt/ckpt", False), ("relative/dir", True), ("", True)]
+    "storage, roots, refused",
+    [
+        ("local", (), False),
+        ("/mnt/ckpt", ROOTS, False),
+        ("/mnt/ckpt/team", ROOTS, False),
+        # issue 39: a tenant named any absolute path (a link there took the trainer anywhere)
+        ("/mnt/ckpt", (), True),
+        ("/etc", ROOTS, True),
+        ("/mnt/ckpt2", ROOTS, True),
+        ("/mnt/ckpt/../../etc", ROOTS, True),
+        ("relative/dir", ROOTS, True),
+        ("", ROOTS, True),
+    ],
 )
-def test_the_storage_policy_is_judged_without_a_disk(storage, refused):
+def test_the_storage_policy_is_judged_without_a_disk(storage, roots, refused):
     # issue 29: the scheduler measured its own disk (and made a directory inside `plan`); the
     # storage is the trainer's. The plan judges the policy's form and says how much room is needed.
     m = manifest("tiny")
     m = msgspec.structs.replace(m, checkpoint=msgspec.structs.replace(m.checkpoint, storage=storage))
-    p = run_plan(m, body())
-    expected = (
-        ErrorCode.checkpoint_storage_unavailable,
-        "checkpoint storage must be 'local' or an absolute path",
-    )
-    assert first_refusal(p) == (expected if refused else None)
+    p = plan(m, "d" * 64, body(), PRICES, storage_roots=roots)
+    refusal = first_refusal(p)
+    if refused:
+        assert refusal is not None and refusal[0] is ErrorCode.checkpoint_storage_unavailable
+        assert refusal[1].startswith("checkpoint storage must be 'local' or a path under a storage root")
+    else:
+        assert refusal is None
     one = checkpoint_bytes(m, model_shape(m, None))
     assert one > 0 and p.checkpoint_bytes == one * m.checkpoint.keep_last
 

@@ -130,7 +130,8 @@ def test_rows_stream_from_jsonl_and_parquet(tmp_path: Path) -> None:
     tasks.write_text('{"prompt": "2+2=", "answer": "4"}\n{"prompt": "1+1=", "answer": null}\n')
     rows = verifiable_rows(tasks, DataFormat.jsonl)
     assert next(rows) == ("2+2=", "4")
-    with pytest.raises(ValueError, match="row 1: answer must be a string"):
+    # issue 39: the second line was reported as "row 1"; rows are counted from 1, as lines are
+    with pytest.raises(ValueError, match=r"tasks\.jsonl row 2: answer must be a string"):
         next(rows)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user"}]}\n')

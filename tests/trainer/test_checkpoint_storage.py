@@ -21,14 +21,46 @@ def test_local_storage_is_made_and_a_run_that_fits_passes(tmp_path):
 def test_an_absolute_storage_path_is_never_created(tmp_path):
     root = tmp_path / "mnt" / "ckpt"
     with pytest.raises(StorageUnavailable, match="does not exist"):
-        prepare(root, root / "acme" / "r1", needed=0, absolute=True)
+        prepare(root, root / "acme" / "r1", needed=0, absolute=True, allowed=(tmp_path / "mnt",))
     assert not root.exists()
+
+
+def test_an_absolute_storage_path_outside_the_allowed_roots_is_refused(tmp_path):
+    # issue 39: any absolute path a manifest named was written to
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with pytest.raises(StorageUnavailable, match="not one this trainer allows"):
+        prepare(elsewhere, elsewhere / "acme" / "r1", needed=0, absolute=True, allowed=(tmp_path / "ckpt",))
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_link_in_the_storage_is_refused_and_nothing_is_made_through_it(tmp_path):
+    # issue 39: a local user made <storage>/<account> a link to a root-owned directory, and the
+    # trainer created run_*/data_prep, run_*/pretrain inside it (mkdir(parents=True), no link check)
+    storage, precious = tmp_path / "ckpt", tmp_path / "precious"
+    storage.mkdir()
+    precious.mkdir()
+    (storage / "acme").symlink_to(precious)
+    for absolute, allowed in ((True, (storage,)), (False, ())):
+        with pytest.raises(StorageUnavailable, match="link") as refused:
+            prepare(storage, storage / "acme" / "r1", needed=0, absolute=absolute, allowed=allowed)
+        assert str(refused.value).startswith("checkpoint_storage_unavailable: ")
+        assert list(precious.iterdir()) == []
+
+
+def test_a_directory_someone_else_could_write_is_refused(tmp_path):
+    storage = tmp_path / "ckpt"
+    (storage / "acme").mkdir(parents=True)
+    (storage / "acme").chmod(0o777)  # another user could plant a link inside it
+    with pytest.raises(StorageUnavailable, match="not the trainer's"):
+        prepare(storage, storage / "acme" / "r1", needed=0, absolute=False)
+    assert not (storage / "acme" / "r1").exists()
 
 
 def test_storage_that_takes_no_file_is_refused(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")  # refused for root too, unlike a mode bit
-    with pytest.raises(StorageUnavailable, match="not writable") as refused:
+    with pytest.raises(StorageUnavailable) as refused:
         prepare(tmp_path, blocker / "acme" / "r1", needed=0, absolute=False)
     assert str(refused.value).startswith("checkpoint_storage_unavailable: ")
 
@@ -41,13 +73,14 @@ def test_the_room_needed_counts_what_the_run_holds_already(tmp_path, monkeypatch
     # the disk's free bytes fixed (a real disk's move while the suite runs beside this test)
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda _path: SimpleNamespace(free=FREE))
     run = tmp_path / "acme" / "r1"
-    run.mkdir(parents=True)
+    run.mkdir(parents=True, mode=0o700)
+    (tmp_path / "acme").chmod(0o700)
     if held:
         (run / "step-1").mkdir()
         (run / "step-1" / "shard").write_bytes(b"x" * held)  # a resumed run rotates its own
     needed = FREE + over
     if refused:
         with pytest.raises(StorageUnavailable, match="GB free"):
-            prepare(tmp_path, run, needed=needed, absolute=True)
+            prepare(tmp_path, run, needed=needed, absolute=True, allowed=(tmp_path,))
     else:
-        prepare(tmp_path, run, needed=needed, absolute=True)
+        prepare(tmp_path, run, needed=needed, absolute=True, allowed=(tmp_path,))

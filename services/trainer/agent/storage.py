@@ -1,12 +1,17 @@
 """The checkpoint storage check, where checkpoints are written: the trainer's own disk.
 
-The scheduler judges only the policy's form ('local' or an absolute path) and puts the room a run
-needs into the signed plan (`Plan.checkpoint_bytes`: `keep_last` checkpoints of the largest stage).
-Before its first step the trainer makes the run's directory and checks it here: an absolute storage
-path must exist already (the trainer never creates a mount point), the directory must take a file,
-and the disk must have the room the plan asks for, less what this run's checkpoints hold already
-(a resumed run rotates its own). A refusal fails the run with `checkpoint_storage_unavailable`
-before any GPU time is spent.
+The scheduler judges only the policy's form ('local', or a path under one of the storage roots the
+operator allows: `ITO_CHECKPOINT_ROOTS`) and puts the room a run needs into the signed plan
+(`Plan.checkpoint_bytes`: `keep_last` checkpoints of the largest stage). Before its first step the
+trainer makes the run's directory and checks it here: an absolute storage path must be under one
+of this trainer's allowed roots and must exist already (the trainer never creates a mount point);
+the run's directories are made from the storage root down, component by component with
+O_NOFOLLOW (services/runtime/storage/confined.py), so a link anywhere on the way (a local user's
+`<root>/<account>` pointing at a directory of root's, issue 39) is refused and nothing is made
+through it, and a directory that is not the trainer's alone is refused too; the directory must
+take a file, and the disk must have the room the plan asks for, less what this run's checkpoints
+hold already (a resumed run rotates its own). A refusal fails the run with
+`checkpoint_storage_unavailable` before any GPU time is spent.
 """
 
 import os
@@ -15,6 +20,7 @@ import shutil
 import tempfile
 
 from contracts.errors import ErrorCode
+from services.runtime.storage import confined
 
 CODE = ErrorCode.checkpoint_storage_unavailable
 
@@ -38,13 +44,62 @@ def used_bytes(directory: pathlib.Path) -> int:
     return total
 
 
-def prepare(root: pathlib.Path, run_dir: pathlib.Path, needed: int, absolute: bool) -> None:
-    """Make `run_dir` (0700) under `root` and check it can take `needed` bytes of checkpoints;
-    `StorageUnavailable` otherwise. `absolute`: the manifest named `root`, which must exist."""
-    if absolute and not root.is_dir():
-        raise StorageUnavailable("the checkpoint storage path does not exist on the trainer")
+def allowed_root(storage: pathlib.Path, roots: tuple[pathlib.Path, ...]) -> tuple[pathlib.Path, str] | None:
+    """(the allowed root, the storage's path below it) for an absolute storage path, or None when
+    it is under none of `roots` (judged on the text: normal, absolute, no `..`)."""
+    text = os.path.normpath(storage)
+    if text != str(storage) or not storage.is_absolute():
+        return None
+    for root in roots:
+        base = os.path.normpath(root)
+        if text == base:
+            return pathlib.Path(base), ""
+        if text.startswith(base.rstrip("/") + "/"):
+            return pathlib.Path(base), text[len(base.rstrip("/")) + 1 :]
+    return None
+
+
+def _made(root: pathlib.Path, below: str, run_dir: pathlib.Path, absolute: bool) -> None:
+    """The run's directory made under the storage root (`root`/`below`), from the root down."""
+    storage = root / below if below else root
+    relative = run_dir.relative_to(storage).as_posix()
+    if not absolute:
+        storage.mkdir(parents=True, exist_ok=True, mode=0o700)  # the trainer's own `<data dir>/checkpoints`
     try:
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        top = confined.open_dir(root, below) if below else confined.open_root(root)
+    except confined.Confined:
+        raise StorageUnavailable("the checkpoint storage path does not exist on the trainer") from None
+    try:
+        os.close(confined.make_dirs(top, relative))
+    except confined.Confined as exc:
+        if exc.reason in ("link", "foreign"):
+            raise StorageUnavailable(
+                "the checkpoint storage leads through a link or a directory that is not the trainer's "
+                "alone; nothing was made there"
+            ) from None
+        raise StorageUnavailable("the checkpoint storage is not writable by the trainer") from None
+    finally:
+        os.close(top)
+
+
+def prepare(
+    root: pathlib.Path,
+    run_dir: pathlib.Path,
+    needed: int,
+    absolute: bool,
+    allowed: tuple[pathlib.Path, ...] = (),
+) -> None:
+    """Make `run_dir` (0700) under `root` and check it can take `needed` bytes of checkpoints;
+    `StorageUnavailable` otherwise. `absolute`: the manifest named `root`, which must be under one
+    of `allowed` (this trainer's ITO_CHECKPOINT_ROOTS) and exist."""
+    if absolute:
+        found = allowed_root(root, allowed)
+        if found is None:
+            raise StorageUnavailable("the checkpoint storage is not one this trainer allows")
+        _made(found[0], found[1], run_dir, absolute=True)
+    else:
+        _made(root, "", run_dir, absolute=False)
+    try:
         with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".probe-"):
             pass  # a write that works is the only proof of writability (root passes every access())
     except OSError:

@@ -66,6 +66,7 @@ from services.runtime.storage.checkpoint_paths import inside, run_dir, storage_r
 from services.runtime.storage.model_store import ModelStore
 from services.trainer.agent import follower, storage
 from services.trainer.agent.emitter import Emitter
+from services.trainer.agent.inputs import InputsUnavailable, materialize
 from services.trainer.agent.meter import Meter
 from services.trainer.agent.storage import StorageUnavailable
 from services.trainer.engine import loss_spikes
@@ -413,7 +414,7 @@ class Worker:
             final, message, requeues = lost_gang_state(exc, gang_requeues, max_requeues)
             log.warning("run %s: %s", work.run_id, message)
             await emitter.state(final, message=message, gang_requeues=requeues)
-        except (StorageUnavailable, CurriculumMismatch) as exc:  # before the first step: no GPU time spent
+        except (StorageUnavailable, CurriculumMismatch, InputsUnavailable) as exc:  # before the first step
             log.warning("run %s: %s", work.run_id, exc)
             final = RunState.failed
             await emitter.state(final, message=f"training failed: {exc}")
@@ -460,6 +461,7 @@ class Worker:
             checkpoint_dir,
             work.plan.checkpoint_bytes,
             os.path.isabs(policy),
+            self.settings.checkpoint_roots,
         )
 
     async def _run(
@@ -482,6 +484,7 @@ class Worker:
         # the run's stages, planned once here and passed down (ValueError, in a sentence, before
         # anything trains), and only the ones the scheduler priced and signed; a refused plan trains nothing
         run = bound_curriculum(manifest, work.base, work.curriculum_digest)
+        local = await asyncio.to_thread(materialize, work, manifest, checkpoint_dir, self.settings)
         how = launcher.launch(work, manifest, run, checkpoint_dir, self.threads, emitter.epoch)
         await emitter.state(RunState.running, message="training started")
         meter = self.meters.get(work.run_id)
@@ -494,7 +497,7 @@ class Worker:
         report = emitter.reporter().with_sink(sink)
         try:
             result = await asyncio.to_thread(
-                partial(run_pipeline, **self._inputs(work, run)),
+                partial(run_pipeline, **self._inputs(work, run), local_inputs=local),
                 manifest,
                 checkpoint_dir,
                 report,
@@ -558,11 +561,12 @@ class Worker:
                 names = run.stage_names
                 later = names[names.index(work.restart.stage) + 1 :] if work.restart.stage in names else []
                 report.log(follower.rewind_share(checkpoint_dir, work.restart, later))
+            local = await asyncio.to_thread(materialize, work, manifest, checkpoint_dir, self.settings)
             how = launcher.launch(work, manifest, run, checkpoint_dir, self.threads, epoch)
             if faults.active(faults.TRAINER_SHARE_FAILS):  # fault injection (tests, make chaos)
                 raise RuntimeError("planted fault: this node's share fails")
             result = await asyncio.to_thread(
-                partial(run_pipeline, **self._inputs(work, run)),
+                partial(run_pipeline, **self._inputs(work, run), local_inputs=local),
                 manifest,
                 checkpoint_dir,
                 report,

@@ -73,18 +73,18 @@ def iter_rows(path: Path, fmt: DataFormat, columns: list[str]) -> Iterator[tuple
 
 def messages_rows(path: Path, fmt: DataFormat) -> Iterator[list[dict[str, str]]]:
     for n, row in iter_rows(path, fmt, ["messages"]):
-        yield _messages(row, f"{Path(path).name} row {n}")
+        yield _messages(row, f"{Path(path).name} row {n + 1}")
 
 
 def preference_rows(path: Path, fmt: DataFormat) -> Iterator[tuple[str, str, str]]:
     for n, row in iter_rows(path, fmt, ["prompt", "chosen", "rejected"]):
-        where = f"{Path(path).name} row {n}"
+        where = f"{Path(path).name} row {n + 1}"
         yield _string(row, "prompt", where), _string(row, "chosen", where), _string(row, "rejected", where)
 
 
 def verifiable_rows(path: Path, fmt: DataFormat) -> Iterator[tuple[str, str]]:
     for n, row in iter_rows(path, fmt, ["prompt", "answer"]):
-        where = f"{Path(path).name} row {n}"
+        where = f"{Path(path).name} row {n + 1}"
         yield _string(row, "prompt", where), _string(row, "answer", where)
 
 

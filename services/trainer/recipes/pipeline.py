@@ -34,10 +34,20 @@ import msgspec
 import torch
 
 from contracts.evals import EvalMetric, ProvenanceStep
-from contracts.manifest import DataPrepStage, DpoStage, LongContextGate, Manifest, RlvrStage, SftStage
+from contracts.manifest import (
+    DataFormat,
+    DataPrepStage,
+    DataRef,
+    DpoStage,
+    LongContextGate,
+    Manifest,
+    RlvrStage,
+    SftStage,
+)
 from contracts.models import BaseModel, ModelShape
 from contracts.runs import LogLevel, Outcome
 from services.domain.curriculum import Curriculum, LadderPlan, LmPlan, PostPlan, curriculum_of
+from services.domain.data_refs import is_tenant
 from services.domain.gates import overfitting, sentence, threshold
 from services.runtime.storage import data_files
 from services.trainer.data import prep, rows
@@ -283,7 +293,7 @@ class _Run:
     def _token_files(self, key: str, names: tuple[str, ...]) -> str:
         """`names`' documents tokenized once into `<run>/tokens/<key>/` (reused when complete for the
         same tokenizer and inputs): a `tokens:` source the stage memory-maps."""
-        fmt = {n: data_files.file_format(self.refs[n]) for n in names}
+        fmt = {n: self._format(n) for n in names}
         documents = itertools.chain.from_iterable(
             iter_source_documents(self.sources[n], fmt[n], seed=self.manifest.seed) for n in names
         )
@@ -667,6 +677,15 @@ class _Run:
         ]
         return [], pairs
 
+    def _format(self, name: str) -> DataFormat:
+        """The format of what a ref's stages read now: the prepared file's own (data prep writes a
+        structured ref's surviving rows as JSONL, whatever it came in: issue 39, a Parquet corpus
+        was then opened as Parquet), else the ref's."""
+        source = self.sources.get(name, self.refs[name].source)
+        if source != self.refs[name].source:
+            return data_files.file_format(DataRef(name=name, source=source))
+        return data_files.file_format(self.refs[name])
+
     def _rows(self, name: str) -> list[rows.Row]:
         """A JSONL / Parquet ref's rows: the prepared file's once data prep ran, else the original."""
         source = self.sources.get(name, self.refs[name].source)
@@ -762,6 +781,28 @@ class _Run:
         return line
 
 
+def localized(
+    manifest: Manifest, plan: Curriculum, local: dict[str, tuple[pathlib.Path, DataFormat]]
+) -> tuple[Manifest, Curriculum]:
+    """The manifest and plan with each tenant data ref pointing at its checked copy (its format the
+    resolved one); a tenant ref without a copy is refused here, so no stage can open a path a
+    manifest wrote (the agent copies every one: tests and the bench pass their own files)."""
+    data, train, evals = [], dict(plan.train_refs), dict(plan.eval_refs)
+    for ref in manifest.data:
+        if ref.name in local:
+            path, fmt = local[ref.name]
+            source = f"file:{path}"
+            ref = msgspec.structs.replace(ref, source=source, format=fmt)
+            for table in (train, evals):
+                if ref.name in table:
+                    table[ref.name] = source
+        elif is_tenant(ref.source) and not ref.source.startswith("file:"):
+            raise ValueError(f"data {ref.name!r} was not copied into the run; nothing trains on it")
+        data.append(ref)
+    manifest = msgspec.structs.replace(manifest, data=data)
+    return manifest, dataclasses.replace(plan, train_refs=train, eval_refs=evals)
+
+
 def run_pipeline(
     manifest: Manifest,
     checkpoint_dir: pathlib.Path,
@@ -774,15 +815,19 @@ def run_pipeline(
     base: BaseModel | None = None,
     base_dir: pathlib.Path | None = None,
     store_root: pathlib.Path | None = None,
+    local_inputs: dict[str, tuple[pathlib.Path, DataFormat]] | None = None,
 ) -> PipelineResult:
     """`trainers` train the stages: in this process by default; a gang's or a node share's as the
     launcher chose them (services/trainer/launch/launcher.py). `base` / `base_dir`: the manifest's base model as the scheduler resolved it, and
     its Hugging Face directory in the model store: the first stage starts from its weights and the
     run tokenizes with its tokenizer. `plan`: the run's stages as the agent planned them (once);
-    planned here when not given (tests, the bench)."""
+    planned here when not given (tests, the bench). `local_inputs`: the tenant's data refs as the
+    agent copied them into the run's directory (services/trainer/agent/inputs.py); every stage reads
+    those copies, never a path the manifest wrote."""
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     plan = plan if plan is not None else curriculum_of(manifest, base)  # ValueError, in a sentence
+    manifest, plan = localized(manifest, plan, local_inputs or {})
     if base is not None and (base_dir is None or not is_hf_model_dir(base_dir)):
         raise ValueError(f"The base model {base.name} ({base.digest}) is not in this trainer's model store.")
     model = manifest.model.base or (manifest.model.size.value if manifest.model.size else "")
