@@ -51,10 +51,15 @@ def model_refusal(spec: ModelSpec, facts: ModelFacts) -> Refusal | None:
     """model_not_found, model_digest_mismatch or model_unsupported for a manifest naming a base."""
     entry = facts.entry
     if entry is None:
+        run = (
+            "; a stage of one of your runs is one once exported (`ecc ito export RUN --stage STAGE`)"
+            if (spec.base or "").startswith("run:")
+            else ""
+        )
         return (
             ErrorCode.model_not_found,
             f"model.base: no model {spec.base!r} in the model store for this account "
-            "(`ecc ito models` lists the ones you may use)",
+            f"(`ecc ito models` lists the ones you may use){run}",
         )
     if spec.revision != entry.digest:
         return (

@@ -247,6 +247,11 @@ class Uploads:
     async def upload_commit(self, caller: str, req: UploadCommitRequest) -> UploadView:
         account = await self._account(caller, req)
         record = await self._open(account, req.upload_id)
+        if record.state == "expired":
+            raise Refusal(
+                ErrorCode.upload_incomplete,
+                "the upload expired before it was committed and was removed; upload the file again",
+            )
         if record.state == "uploading":
             for f in record.files:
                 got = await asyncio.to_thread(self.store.received, account, record.upload_id, f.path)

@@ -153,3 +153,46 @@ def test_a_name_a_manifest_cannot_spell_is_refused(checkpoint, tmp_path):
     with pytest.raises(ModelStoreError, match="name 'has space'"):
         ModelStore(tmp_path / "store").add(checkpoint, "has space", [])
     assert ModelStore(tmp_path / "store").add(checkpoint, "org/Model-1.5B_v2", []).name == "org/Model-1.5B_v2"
+
+
+# --- a tenant's own models (issue 39: only the operator could put a model in) ---
+
+
+def test_a_tenants_own_model_is_its_own(checkpoint, tmp_path):
+    store = ModelStore(tmp_path / "store")
+    shared = store.add(checkpoint, "tiny", [])
+    mine = store.add(checkpoint, "mine", owner="acme")
+    assert mine.digest == shared.digest  # the same content is one entry on disk
+    assert store.resolve("mine", "acme") is not None
+    assert store.resolve("mine", "rival") is None  # the same answer as a name nobody has
+    assert store.resolve("@acme/mine", "rival") is None and store.resolve("@acme/mine", "acme") is None
+    assert [m.name for m in store.list("acme")] == ["mine", "tiny"]
+    assert [m.name for m in store.list("rival")] == ["tiny"]
+    assert "@acme/mine" in {m.name for m in store.list()}  # the operator's view
+
+
+def test_the_same_name_in_two_accounts_is_two_models_and_an_own_name_hides_a_shared_one(built, tmp_path):
+    store = ModelStore(tmp_path / "store")
+    store.add(built["qwen2"], "tiny", [])
+    a = store.add(built["llama"], "tiny", owner="acme")
+    b = store.add(built["qwen2"], "tiny", owner="rival")
+    assert store.resolve("tiny", "acme").digest == a.digest
+    assert store.resolve("tiny", "rival").digest == b.digest
+    assert store.resolve("tiny", "third").family == "qwen2"
+
+
+def test_a_runs_stage_is_a_name_only_an_account_may_hold(checkpoint, tmp_path):
+    store = ModelStore(tmp_path / "store")
+    name = "run:run_" + "ab" * 12 + "/sft"
+    with pytest.raises(ModelStoreError, match="use 1-256 letters"):
+        store.add(checkpoint, name, [])
+    entry = store.add(checkpoint, name, owner="acme")
+    assert store.resolve(name, "acme") == entry and store.resolve(name, "rival") is None
+
+
+def test_an_exports_control_files_are_not_the_models(checkpoint, tmp_path):
+    (checkpoint / "EXPORT.json").write_text("{}")
+    store = ModelStore(tmp_path / "store")
+    entry = store.add(checkpoint, "x", owner="acme", ignore=("EXPORT.json",), link=True)
+    assert not (store.path(entry.digest) / "EXPORT.json").exists()
+    store.verify(entry.digest)

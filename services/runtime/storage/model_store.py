@@ -45,7 +45,7 @@ import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -65,6 +65,7 @@ MAX_CONFIG_BYTES = 1024 * 1024  # config.json, tokenizer_config.json, an index
 WEIGHT_DTYPES = ("F32", "F16", "BF16")  # what the trainer loads; quantized checkpoints are refused
 DIR_MODE, FILE_MODE = 0o700, 0o600
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,255}")  # what manifests name as model.base
+RUN_NAME_RE = re.compile(r"run:run_[0-9a-f]{24}/[a-z_]{1,32}")  # a tenant's run stage, once exported
 
 
 class ModelStoreError(ValueError):
@@ -140,8 +141,10 @@ def _hex(digest: str) -> str:
     return hexpart
 
 
-def _files(src: pathlib.Path, skip: str) -> list[pathlib.Path]:
-    """Every regular file under `src` (relative), refusing symlinks and anything else odd."""
+def _files(src: pathlib.Path, skip: str | frozenset[str]) -> list[pathlib.Path]:
+    """Every regular file under `src` (relative), refusing symlinks and anything else odd; `skip`:
+    top-level names that are not the model's (the store's record, an export's control files)."""
+    skipped = {skip} if isinstance(skip, str) else set(skip)
     found: list[pathlib.Path] = []
     for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
         here = pathlib.Path(dirpath)
@@ -154,7 +157,7 @@ def _files(src: pathlib.Path, skip: str) -> list[pathlib.Path]:
                 continue
             if not p.is_file():
                 raise ModelStoreError(f"{rel} is not a regular file.")
-            if rel.as_posix() != skip:
+            if rel.as_posix() not in skipped:
                 found.append(rel)
     return sorted(found)
 
@@ -291,7 +294,7 @@ def tokenizer_facts(src: pathlib.Path) -> tuple[int | None, bool, str | None]:
     return vocab, chat, eos
 
 
-def _record_files(src: pathlib.Path, skip: str) -> list[StoredFile]:
+def _record_files(src: pathlib.Path, skip: str | frozenset[str]) -> list[StoredFile]:
     return [
         StoredFile(path=rel.as_posix(), bytes=(src / rel).stat().st_size, sha256=sha256_of(src / rel))
         for rel in _files(src, skip)
@@ -436,20 +439,24 @@ class ModelStore:
         name: str | None = None,
         accounts: Sequence[str] = (),
         owner: str | None = None,
+        ignore: Collection[str] = (),
+        link: bool = False,
     ) -> BaseModel:
         """Check and copy the HF directory at `path` in; point `name` (default: the directory's
         name) at it for `accounts` ([] = every account), or, with `owner`, as that account's own
-        model (only it may use it). The same content again is the same entry; its name's accounts
-        are replaced by these."""
+        model (only it may use it; a run's export is named `run:<run id>/<stage>`). The same
+        content again is the same entry; its name's accounts are replaced by these. `ignore`:
+        top-level files that are not the model's (an export's record); `link`: hard-link the files
+        in where the filesystem allows (an export the trainer wrote and never changes)."""
         src = pathlib.Path(path)
         if src.is_symlink() or not src.is_dir():
             raise ModelStoreError(f"{src} is not a directory.")
         name = name or src.resolve().name
-        if not NAME_RE.fullmatch(name):
+        if not NAME_RE.fullmatch(name) and not (owner and RUN_NAME_RE.fullmatch(name)):
             raise ModelStoreError(
                 f"name {name!r}: use 1-256 letters, digits and . _ - / (as `--name` or the directory's name)."
             )
-        files = _record_files(src, RECORD)
+        files = _record_files(src, frozenset({RECORD, *ignore}))
         if not (src / "config.json").is_file():
             raise ModelStoreError("no config.json: a base model is a Hugging Face directory.")
         try:
@@ -476,7 +483,8 @@ class ModelStore:
         with self._locked():
             dest = self.path(digest)
             if self.record(digest) is None:
-                self._copy_in(src, files, dest, RECORD, _encoder.encode(Recorded(model=model, files=files)))
+                record = _encoder.encode(Recorded(model=model, files=files))
+                self._copy_in(src, files, dest, RECORD, record, link=link)
             self._name(name, digest, accounts, owner)
         entry = self.resolve(name, owner or next(iter(accounts), ""))
         assert entry is not None, "just stored"
@@ -516,15 +524,28 @@ class ModelStore:
         assert stored is not None, "just stored"
         return stored
 
-    def _copy_in(self, src: pathlib.Path, files: Files, dest: pathlib.Path, record: str, data: bytes) -> None:
-        """Copy `files` into a temporary directory beside `dest`, check each copy's hash, write the
-        record, and rename the directory into place."""
+    def _copy_in(
+        self,
+        src: pathlib.Path,
+        files: Files,
+        dest: pathlib.Path,
+        record: str,
+        data: bytes,
+        link: bool = False,
+    ) -> None:
+        """Copy (or, `link`, hard-link) `files` into a temporary directory beside `dest`, check each
+        copy's hash, write the record, and rename the directory into place."""
         tmp = pathlib.Path(tempfile.mkdtemp(dir=dest.parent, prefix=".adding-"))
         try:
             for f in files:
                 target = tmp / f.path
                 target.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-                shutil.copyfile(src / f.path, target, follow_symlinks=False)
+                try:
+                    if not link:
+                        raise OSError("copy")
+                    os.link(src / f.path, target, follow_symlinks=False)
+                except OSError:
+                    shutil.copyfile(src / f.path, target, follow_symlinks=False)
                 os.chmod(target, FILE_MODE)
                 if sha256_of(target) != f.sha256:
                     raise ModelStoreError(f"{f.path} changed while it was copied; add it again.")

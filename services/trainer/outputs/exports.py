@@ -266,6 +266,7 @@ class ExportJob:
     directory: pathlib.Path
     manifest_digest: str
     gates: list[StageGate] = field(default_factory=list)
+    account: str = ""  # whose run: an hf export becomes that account's model `run:<run id>/<stage>`
 
     @property
     def export_id(self) -> str:
@@ -299,7 +300,7 @@ def write_export(
             step=info.step,
             base_model=src.base.name if src.base is not None else None,
             base_digest=src.base.digest if src.base is not None else None,
-            data={d.name: d.digest or d.source for d in src.manifest.data},
+            data={d.name: d.digest or _shown_source(d.source) for d in src.manifest.data},
             gates=[(g.stage, g.passed, verdict(g)) for g in job.gates],
         )
         state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
@@ -327,8 +328,45 @@ def write_export(
         digest=export_digest(files),
         manifest_digest=job.manifest_digest,
     )
+    register(job, record, restore.model_store_root(data_dir))  # before it is ready: then it is a model too
     _write_atomic(job.directory / RECORD, msgspec.json.encode(record))
     return record
+
+
+def _shown_source(source: str) -> str:
+    """A data source as a model card may show it: a `file:` ref's path is the server's, never shown."""
+    return "file: (under the account's file root)" if source.startswith("file:") else source
+
+
+def run_model_name(run_id: str, stage: str) -> str:
+    """What a manifest's `model.base` names a run's exported stage by (`run:<run id>/<stage>`)."""
+    return f"run:{run_id}/{stage}"
+
+
+def register(job: ExportJob, record: ExportRecord, store_root: pathlib.Path) -> None:
+    """A ready hf export made its account's model `run:<run id>/<stage>` in the model store, so a
+    next run can start from it with no operator step (`model.base`, pinned by the export's digest,
+    which is the store's content digest of the same files). A stage the store cannot take (a shape
+    no family reproduces) stays an export only: the run's user reads why in the trainer's log."""
+    if job.fmt is not ExportFormat.hf or not job.account:
+        return
+    from services.runtime.storage.model_store import ModelStore, ModelStoreError
+
+    name = run_model_name(record.run_id, record.stage)
+    try:
+        model = ModelStore(store_root).add(
+            job.directory, name=name, owner=job.account, ignore=CONTROL_FILES, link=True
+        )
+    except ModelStoreError as exc:
+        log.warning("export %s of run %s: not a model of the store: %s", job.export_id, record.run_id, exc)
+        return
+    if model.digest != record.digest:  # the same files, the same digest: a difference is a bug
+        log.error(
+            "export %s of run %s: the store's digest %s is not the export's",
+            job.export_id,
+            record.run_id,
+            model.digest,
+        )
 
 
 class Exports:
@@ -497,6 +535,7 @@ def answer_export(exports: Exports, local_root: pathlib.Path, order: ExportOrder
         directory=run / EXPORTS_DIR / export_id(src.stage.name, order.format),
         manifest_digest=order.manifest_digest,
         gates=list(order.gates),
+        account=order.account,
     )
     return exports.order(job)
 
