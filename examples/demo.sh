@@ -3,8 +3,9 @@
 # -> plan -> confirm -> train -> follow to `succeeded` -> down. Run it with `make demo`;
 # `make demo DEMO_ARGS=--keep` (or ITO_DEMO_KEEP=1) leaves everything up to look at the dashboard.
 # `make demo DEMO_ARGS=--finetune` then brings a model in and takes it out: a tiny Hugging Face base
-# model into the model store, SFT -> DPO on chat JSONL (examples/manifests/finetune.json), export
-# and download of the result as a directory transformers loads.
+# model and chat JSONL uploaded by the account (`ecc ito models upload`, `ecc ito files upload`),
+# SFT -> DPO on them (examples/manifests/finetune.json), export and download of the result as a
+# directory transformers loads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KEEP="${ITO_DEMO_KEEP:-0}"
@@ -74,11 +75,16 @@ STATE=$(ecc ito status "$RUN" --json | json '["data"]["state"]')
 
 if [ "$FINETUNE" = 1 ]; then
   ASSETS="$ITO_DATA_DIR/finetune-demo"
-  echo "== 8. bring a model: a tiny Llama checkpoint (HF layout) and chat JSONL, built locally"
+  echo "== 8. bring a model and data: a tiny Llama checkpoint (HF layout) and chat JSONL, built locally and uploaded"
   python examples/finetune_assets.py "$ASSETS" >/dev/null
-  DIGEST=$(ito-training models add "$ASSETS/base" --name tiny-llama --account demo --json | json '["digest"]')
-  python examples/finetune_assets.py "$ASSETS" --revision "$DIGEST" --manifest-out "$ASSETS/finetune.json" >/dev/null
+  DIGEST=$(ecc ito models upload "$ASSETS/base" --name tiny-llama --json | json '["data"]["model"]["digest"]')
+  CHAT=$(ecc ito files upload "$ASSETS/sft.jsonl" --json | json '["data"]["file"]["source"]')
+  PREFS=$(ecc ito files upload "$ASSETS/dpo.jsonl" --json | json '["data"]["file"]["source"]')
+  EVAL=$(ecc ito files upload "$ASSETS/eval.jsonl" --purpose eval --json | json '["data"]["file"]["source"]')
+  python examples/finetune_assets.py "$ASSETS" --revision "$DIGEST" --source "chat=$CHAT" \
+    --source "prefs=$PREFS" --source "chat-eval=$EVAL" --manifest-out "$ASSETS/finetune.json" >/dev/null
   ecc ito models
+  ecc ito files list
   FT_MANIFEST="$ASSETS/finetune.json"
   ecc ito plan --booking "$BOOKING" --manifest "$FT_MANIFEST"
   REF=$(ecc ito confirm --action train --booking "$BOOKING" --manifest "$FT_MANIFEST" --json | json '["data"]["confirmation_ref"]')

@@ -4,10 +4,13 @@ small BPE trained here with the `tokenizers` library on text that ships with Pyt
 chat template), and chat data in the formats people already use (`messages` JSONL for SFT,
 `prompt`/`chosen`/`rejected` JSONL for DPO). Nothing is downloaded.
 
-    python examples/finetune_assets.py DIR [--family llama|qwen2] [--manifest-out PATH]
+    python examples/finetune_assets.py DIR [--family llama|qwen2]
+    python examples/finetune_assets.py DIR --revision sha256:... --source chat=upload:file-... \
+        --source prefs=upload:file-... --source chat-eval=upload:file-... --manifest-out PATH
 
-writes DIR/base (the checkpoint), DIR/sft.jsonl, DIR/dpo.jsonl, DIR/eval.jsonl and, with
---manifest-out, a fine-tune manifest naming them by digest (examples/manifests/finetune.json is its
+writes DIR/base (the checkpoint), DIR/sft.jsonl, DIR/dpo.jsonl, DIR/eval.jsonl; with
+--manifest-out, a fine-tune manifest naming the base model and the uploaded files (what
+`ecc ito models upload` and `ecc ito files upload` answered; examples/manifests/finetune.json is its
 template). The demo, the tests and the bench use the same functions.
 """
 
@@ -141,17 +144,15 @@ def sha256_file(path: pathlib.Path) -> str:
 
 
 def finetune_manifest(
-    template: pathlib.Path, *, base: str, revision: str, data: dict[str, pathlib.Path]
+    template: pathlib.Path, *, base: str, revision: str, sources: dict[str, str]
 ) -> dict[str, object]:
-    """The template manifest with the base model's name and digest and the data files' paths and
-    digests filled in."""
+    """The template manifest with the base model's name and digest and each data ref's source
+    (`upload:<file id>` as `ecc ito files upload` answered it) filled in."""
     manifest = json.loads(template.read_text())
     manifest["model"]["base"] = base
     manifest["model"]["revision"] = revision
     for ref in manifest["data"]:
-        path = data[ref["name"]]
-        ref["source"] = f"file:{path}"
-        ref["digest"] = sha256_file(path)
+        ref["source"] = sources[ref["name"]]
     return manifest
 
 
@@ -160,19 +161,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=pathlib.Path)
     parser.add_argument("--family", choices=("llama", "qwen2"), default="llama")
     parser.add_argument("--manifest-out", type=pathlib.Path, help="write the fine-tune manifest here")
-    parser.add_argument("--base-name", default="tiny-llama", help="the model store's name for the base")
+    parser.add_argument("--base-name", default="tiny-llama", help="the base model's name (`ecc ito models`)")
     parser.add_argument(
-        "--revision", default="", help="the base's digest (`ito-training models add` prints it)"
+        "--revision", default="", help="the base's digest (`ecc ito models upload` prints it)"
+    )
+    parser.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=SOURCE",
+        help="a data ref's source, e.g. chat=upload:file-... (as `ecc ito files upload` answered it)",
     )
     args = parser.parse_args(argv)
     root = args.directory.absolute()
     if not (root / "base" / "config.json").exists():
         write_base_model(root / "base", args.family)
-    files = write_chat_data(root)
+    write_chat_data(root)
     if args.manifest_out is not None:
         template = pathlib.Path(__file__).resolve().parent / "manifests" / "finetune.json"
-        data = {"chat": files["sft"], "prefs": files["dpo"], "chat-eval": files["eval"]}
-        manifest = finetune_manifest(template, base=args.base_name, revision=args.revision, data=data)
+        sources = dict(s.split("=", 1) for s in args.source)
+        manifest = finetune_manifest(template, base=args.base_name, revision=args.revision, sources=sources)
         args.manifest_out.write_text(json.dumps(manifest, indent=2) + "\n")
         args.manifest_out.chmod(0o600)
     print(root / "base")

@@ -150,6 +150,19 @@ class Stack:
 
         return ops_stack.restart_infra(self.settings, name)
 
+    def run_dir(self, run_id: str) -> pathlib.Path:
+        """A run's directory on the stack's disk (the test's eyes: a tenant's answers never say it)."""
+        found = list((self.data_dir / "checkpoints").glob(f"*/{run_id}"))
+        assert len(found) == 1, f"run {run_id} has {len(found)} directories under the stack's checkpoints"
+        return found[0]
+
+    def file_root(self, account: str) -> pathlib.Path:
+        """Where `account`'s `file:` data refs may point on this (embedded) stack: `<data dir>/
+        file-root/<account>` (ITO_FILE_ROOT, which `up` sets), made here as the operator would."""
+        root = self.data_dir / "file-root" / account
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return root
+
     def infra_pid(self, name: str) -> int:
         return json.loads((self.data_dir / "up.json").read_text())["infra"][name]
 
@@ -205,6 +218,8 @@ def start_stack(data_dir: pathlib.Path, services: str | None = None, env: dict |
         "ITO_SECRETS_DIR": str(data_dir / "secrets"),
         "ITO_TRAINER_THREADS": "1",
         "ECC_CONNECTION_FILE": str(data_dir / "connection.json"),  # `up` writes it: never into $HOME
+        # `up`'s own default, said here so that an agent the test starts itself has it too
+        "ITO_FILE_ROOT": str(data_dir / "file-root"),
         "PATH": f"{BIN}:{os.environ['PATH']}",
         **(env or {}),
     }

@@ -154,7 +154,8 @@ def full_recipe(
     manifest: Callable[..., pathlib.Path], directory: pathlib.Path, resources: dict
 ) -> pathlib.Path:
     """A manifest (through the `manifest` fixture) of every stage on the tiny model, a few steps
-    each: data_prep -> ladder deciding on custom data (a file under `directory`) -> pretrain (12
+    each: data_prep -> ladder deciding on custom data (a `file:` ref under `directory`: the
+    account's file root on the stack, `Stack.file_root`) -> pretrain (12
     steps) -> sft (6) -> rlvr (3), on `resources`. No DPO: its gate asks held-out preference accuracy
     above chance and a positive margin, which a 12-step model does not reach in a few steps (at
     chance, 0.48-0.50, from 4 to 48 steps and lr 1e-4 to 3e-3); DPO through gangs is covered by the

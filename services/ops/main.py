@@ -187,6 +187,36 @@ def _model_commands(cmds: Commands) -> None:
     q.add_argument("--json", action="store_true")
 
 
+def _connection_commands(cmds: Commands) -> None:
+    """A tenant's named connections to its own buckets: connections add, list, remove."""
+    p = cmds.add_parser(
+        "connections",
+        help="named connections: how the backend reads a tenant's own bucket with a credential it "
+        "holds (a manifest names s3://bucket/key and the connection, never the secret)",
+    )
+    verbs = p.add_subparsers(dest="action", required=True)
+    q = verbs.add_parser("add", help="keep a connection for an account; the secret is read from a 0600 file")
+    q.add_argument("name")
+    q.add_argument("--account", required=True)
+    q.add_argument(
+        "--secret-file",
+        required=True,
+        type=pathlib.Path,
+        help="a 0600 JSON file: access_key_id, secret_access_key (optionally session_token)",
+    )
+    q.add_argument("--endpoint-url", default="", help="an S3-compatible store's endpoint (default: AWS)")
+    q.add_argument("--region", default="", help="the bucket's region (default us-east-1)")
+    q.add_argument("--replace", action="store_true", help="replace a connection of that name")
+    q.add_argument("--json", action="store_true")
+    q = verbs.add_parser("list", help="an account's connections (never their secrets)")
+    q.add_argument("--account", required=True)
+    q.add_argument("--json", action="store_true")
+    q = verbs.add_parser("remove", help="forget a connection")
+    q.add_argument("name")
+    q.add_argument("--account", required=True)
+    q.add_argument("--json", action="store_true")
+
+
 def _simulation_commands(cmds: Commands) -> None:
     """Stand-ins for ito-compute: simulate-booking."""
     p = cmds.add_parser("simulate-booking", help="publish an ito-compute booking event")
@@ -208,7 +238,14 @@ def _simulation_commands(cmds: Commands) -> None:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ito-training", description="ito-training services and operations")
     cmds = top.add_subparsers(dest="cmd", required=True)
-    for add_group in (_stack_commands, _desk_commands, _certs_command, _model_commands, _simulation_commands):
+    for add_group in (
+        _stack_commands,
+        _desk_commands,
+        _certs_command,
+        _model_commands,
+        _connection_commands,
+        _simulation_commands,
+    ):
         add_group(cmds)
     return top
 
@@ -456,6 +493,40 @@ def _models(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int
     return 0
 
 
+def _connections(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
+    import msgspec
+
+    from services.runtime.security.accounts import valid_account
+    from services.runtime.storage import data_connections
+
+    if not valid_account(args.account):
+        raise ValueError("account names are 1-64 ASCII letters, digits, '-' or '_'")
+    if args.action == "list":
+        listed = data_connections.listed(s.secrets_dir, args.account)
+        human = "\n".join(f"{c.name}: {c.kind} {c.endpoint or '(AWS)'} {c.region}".rstrip() for c in listed)
+        _print(args, {"connections": msgspec.to_builtins(listed)}, human or "(no connections)")
+        return 0
+    if args.action == "remove":
+        removed = data_connections.remove(s.secrets_dir, args.account, args.name)
+        _print(args, {"removed": removed}, f"connection {args.name}: {'removed' if removed else 'not there'}")
+        return 0
+    view = data_connections.add(
+        s.secrets_dir,
+        args.account,
+        args.name,
+        args.secret_file,
+        endpoint_url=args.endpoint_url,
+        region=args.region,
+        replace=args.replace,
+    )
+    _print(
+        args,
+        {"connection": msgspec.to_builtins(view), "account": args.account},
+        f"connection {view.name} for {args.account}: a manifest names it as `connection` beside an s3:// source",
+    )
+    return 0
+
+
 def _simulate_booking(s: settings_mod.Settings, args: argparse.Namespace, log: Log) -> int:
     from devstack import booking_sim
 
@@ -484,6 +555,7 @@ COMMANDS: dict[str, Callable[[settings_mod.Settings, argparse.Namespace, Log], i
     "desk": _desk,
     "accounts": _accounts_command,
     "models": _models,
+    "connections": _connections,
     "simulate-booking": _simulate_booking,
 }
 """The commands that act on the resolved settings: (settings, arguments, progress log) -> exit code."""

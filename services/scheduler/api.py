@@ -103,6 +103,12 @@ def model_view(m: BaseModel) -> ModelView:
     )
 
 
+def tenant_view(view: RunView) -> RunView:
+    """A run as its tenant reads it: the scheduler's own record less the server's directories (the
+    run's checkpoint directory is where the trainer writes, not something a tenant names)."""
+    return msgspec.structs.replace(view, checkpoint_dir=None)
+
+
 CONFIRMATION_REFUSALS = frozenset(binding.CODES.values())
 """The codes of a confirmation's binding: the confirmation gate's."""
 
@@ -555,6 +561,9 @@ class Api:
         )
 
     async def status(self, caller: str, req: StatusRequest) -> RunView:
+        return tenant_view(await self._status(caller, req))
+
+    async def _status(self, caller: str, req: StatusRequest) -> RunView:
         account = await self._account(caller, req)
         if req.run_id is not None:
             view = await self.runs.get(account, req.run_id)

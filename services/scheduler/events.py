@@ -8,8 +8,11 @@ with no implausible jump (the store decides, RunStore.update). The scheduler's o
 """
 
 import logging
+import pathlib
 import typing
 from typing import Any
+
+import msgspec
 
 from contracts.api import LogLineView, RunView
 from contracts.runs import (
@@ -93,7 +96,10 @@ class RunEvents:
             case Metrics():
                 await self.runs.append_metrics(account, event.run_id, event)
             case CheckpointSaved():
-                await self.runs.append_checkpoint(account, event.run_id, event)
+                shown = in_run(event.path, view.checkpoint_dir if view is not None else None)
+                await self.runs.append_checkpoint(
+                    account, event.run_id, msgspec.structs.replace(event, path=shown)
+                )
 
     async def _apply(self, account: str, event: RunEvent) -> tuple[RunView | None, bool]:
         """A state change through the store's `move` (lifecycle.move), anything else through
@@ -115,3 +121,11 @@ class RunEvents:
         return await self.runs.update(
             account, event.run_id, seq, lambda view: lifecycle.apply_event(view, event), epoch
         )
+
+
+def in_run(path: str, run_dir: str | None) -> str:
+    """A checkpoint's path as the tenant reads it (`ecc ito checkpoints`): below its run's directory
+    (`pretrain/step-00000012`), never the server's directories (issue 39)."""
+    if run_dir and path.startswith(run_dir.rstrip("/") + "/"):
+        return path[len(run_dir.rstrip("/")) + 1 :]
+    return "/".join(pathlib.PurePosixPath(path).parts[-2:])

@@ -1,7 +1,8 @@
-"""Bring your model and data, take the model home, with real processes: the operator stores a tiny
-Hugging Face checkpoint (`ito-training models add`), the account sees it (`ecc ito models`), a
-manifest names it by digest with chat JSONL data (SFT on `messages`, DPO on `prompt` / `chosen` /
-`rejected`, a chat eval split), and `ecc ito train` fine-tunes it to `succeeded`: a Llama on one
+"""Bring your model and data, take the model home, with real processes: the tenant uploads a tiny
+Hugging Face checkpoint (`ecc ito models upload`) and chat JSONL (`ecc ito files upload`), sees
+the model (`ecc ito models`), a manifest names it by digest and the files as `upload:<id>` (SFT on
+`messages`, DPO on `prompt` / `chosen` / `rejected`, a chat eval split), and `ecc ito train`
+fine-tunes it to `succeeded`: a Llama on one
 process, a Qwen2 on a 2-rank FSDP2 gang with LoRA SFT then DPO (which starts from the merged model). Then `ecc ito export` + `ecc ito download`
 give a directory that transformers loads with the trainer's logits (max abs diff <= 1e-4 fp32), and
 the LoRA stage's PEFT adapter loads in peft."""
@@ -41,24 +42,32 @@ def stack(tmp_path_factory):
         s.run("ito-training", "down", timeout=60)
 
 
-def _store(stack, tmp: pathlib.Path, family: str, account: str) -> tuple[str, str, dict]:
-    """(store name, digest, data files) of a fresh tiny `family` checkpoint added for `account`."""
+def _store(stack, env, tmp: pathlib.Path, family: str) -> tuple[str, str, dict]:
+    """(model name, digest, data sources) of a fresh tiny `family` checkpoint and chat data, sent by
+    the tenant itself: `ecc ito models upload` and `ecc ito files upload` (no operator step)."""
     fa = _assets()
     fa.write_base_model(tmp / "base", family)
     files = fa.write_chat_data(tmp / "data")
-    name = f"tiny-{family}-{account}"
-    proc = stack.run(
-        "ito-training", "models", "add", str(tmp / "base"), "--name", name, "--account", account, "--json"
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    digest = json.loads(proc.stdout.strip().splitlines()[-1])["digest"]
-    return name, digest, {"chat": files["sft"], "prefs": files["dpo"], "chat-eval": files["eval"]}
+    name = f"tiny-{family}"
+    rc, out = stack.ecc("models", "upload", str(tmp / "base"), "--name", name, env=env, timeout=240)
+    assert rc == 0 and out["data"]["state"] == "ready", out
+    digest = out["data"]["model"]["digest"]
+    sources = {}
+    for ref, key, purpose in (
+        ("chat", "sft", "train"),
+        ("prefs", "dpo", "train"),
+        ("chat-eval", "eval", "eval"),
+    ):
+        rc, up = stack.ecc("files", "upload", str(files[key]), "--purpose", purpose, env=env)
+        assert rc == 0 and up["data"]["state"] == "ready", up
+        sources[ref] = up["data"]["file"]["source"]
+    return name, digest, sources
 
 
 def _manifest(tmp: pathlib.Path, name: str, digest: str, data: dict, **patch) -> pathlib.Path:
     fa = _assets()
     m = fa.finetune_manifest(
-        REPO / "examples" / "manifests" / "finetune.json", base=name, revision=digest, data=data
+        REPO / "examples" / "manifests" / "finetune.json", base=name, revision=digest, sources=data
     )
     for key, value in patch.items():
         section, _, field = key.partition("__")
@@ -106,7 +115,7 @@ def test_a_llama_fine_tunes_on_chat_jsonl_and_comes_out_for_transformers(stack, 
 
     account, _, env = stack.account()
     booking = stack.booking(account)
-    name, digest, data = _store(stack, tmp_path, "llama", account)
+    name, digest, data = _store(stack, env, tmp_path, "llama")
 
     rc, listed = stack.ecc("models", env=env)
     assert rc == 0 and [m["digest"] for m in listed["data"]["models"] if m["name"] == name] == [digest]
@@ -158,7 +167,7 @@ def test_a_qwen2_fine_tunes_with_lora_then_dpo_on_a_two_rank_gang_and_its_adapte
 
     account, _, env = stack.account()
     booking = stack.booking(account, gpus_per_node=8)
-    name, digest, data = _store(stack, tmp_path, "qwen2", account)
+    name, digest, data = _store(stack, env, tmp_path, "qwen2")
     manifest_path = _manifest(
         tmp_path,
         name,

@@ -90,7 +90,7 @@ def test_a_four_gpu_plan_trains_on_four_ranks(stack, manifest):
     used = final["parallelism"]
     assert used["strategy"] == strategy and used["world_size"] == 4, used
     assert used["mesh"] == {k: v for k, v in degrees.items() if v > 1}, (used, degrees)
-    assert _rank_logs(pathlib.Path(final["checkpoint_dir"]))[0] == [0, 1, 2, 3]
+    assert _rank_logs(stack.run_dir(run_id))[0] == [0, 1, 2, 3]
 
     human = stack.run("ecc", "ito", "status", run_id, env=env)
     assert human.returncode == 0, human.stderr
@@ -133,14 +133,14 @@ def test_a_rank_killed_mid_stage_is_restarted_from_the_last_checkpoint(stack, ma
         stack, env, run_id, lambda v: (v.get("last_checkpoint_step") or 0) >= 5, timeout=RUN_TIMEOUT_S
     )
     assert view["state"] == "running" and view["step"] < 60, view
-    job = pathlib.Path(view["checkpoint_dir"]) / "gang" / "pretrain" / "job.json"
+    job = stack.run_dir(run_id) / "gang" / "pretrain" / "job.json"
     pids = eventually(lambda: _rank_pids(job), timeout=30, what="the gang's ranks")
     os.kill(pids[-1], signal.SIGKILL)
 
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=RUN_TIMEOUT_S)
     assert final["state"] == "succeeded", final
     assert final["step"] == 60
-    attempts = _rank_logs(pathlib.Path(final["checkpoint_dir"]))
+    attempts = _rank_logs(stack.run_dir(run_id))
     assert attempts.get(1) == [0, 1, 2, 3], attempts  # the launcher restarted the whole gang once
     rc, logs = stack.ecc("logs", run_id, env=env)
     assert rc == 0, logs
@@ -152,15 +152,16 @@ def test_post_training_and_a_custom_data_ladder_train_on_a_two_rank_gang(stack, 
     """data_prep -> ladder (custom data) -> pretrain -> sft -> rlvr with 2 GPUs planned: every
     stage trains on a gang of 2 ranks; data preparation and the ladder's proxy runs happen once, in
     the agent; each stage's events come once (rank 0's), and RLVR has one rollout worker."""
-    env, booking = _tenant(stack)
-    m = full_recipe(manifest, tmp_path, {"nodes": 1, "gpus_per_node": 2})
+    account, _, env = stack.account()
+    booking = stack.booking(account, gpus_per_node=8)
+    m = full_recipe(manifest, stack.file_root(account), {"nodes": 1, "gpus_per_node": 2})
     run_id = _train(stack, env, booking, str(m), "gang-post")
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=2 * RUN_TIMEOUT_S)
     assert final["state"] == "succeeded", final
     assert [g["stage"] for g in final["gates"]] == ["ladder", "pretrain", "sft", "rlvr"], final["gates"]
     assert final["parallelism"]["world_size"] == 2 and final["parallelism"]["stage"] == "rlvr", final
 
-    run_dir = pathlib.Path(final["checkpoint_dir"])
+    run_dir = stack.run_dir(run_id)
     assert {s["name"] for s in final["provenance"]["steps"]} >= {"exact_dedup", "decontamination"}
     assert [p.relative_to(run_dir) for p in run_dir.rglob("provenance.json")] == [
         pathlib.Path("data_prep/provenance.json")

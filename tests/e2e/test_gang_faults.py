@@ -50,7 +50,7 @@ def _running_ranks(stack, env, run_id: str) -> tuple[dict, pathlib.Path, list[in
         stack, env, run_id, lambda v: (v.get("last_checkpoint_step") or 0) >= 5, timeout=RUN_TIMEOUT_S
     )
     assert view["state"] == "running", view
-    job = pathlib.Path(view["checkpoint_dir"]) / "gang" / "pretrain" / "job.json"
+    job = stack.run_dir(run_id) / "gang" / "pretrain" / "job.json"
     pids = eventually(lambda: len(p := _rank_pids(job)) == 2 and p, timeout=30, what="the gang's 2 ranks")
     return view, job, pids
 
@@ -88,7 +88,7 @@ def test_a_gang_lost_past_its_restarts_is_interrupted_requeued_and_resumed(stack
     resumed = [m for m in messages if m.startswith("Resuming pretrain")]
     assert resumed, "the requeued run did not resume from a checkpoint"
     assert sum("starting a gang of 2 ranks" in m for m in messages) == 2, messages  # one per delivery
-    assert _rank_logs(pathlib.Path(final["checkpoint_dir"])), "no per-rank logs"
+    assert _rank_logs(stack.run_dir(run_id)), "no per-rank logs"
 
 
 def test_a_confirmed_cancel_stops_every_rank_of_the_gang(stack, manifest):

@@ -63,12 +63,12 @@ def test_models_are_listed_per_account_and_bad_inputs_are_refused_at_plan_time(s
     rc, theirs = stack.ecc("models", env=other_env)
     assert rc == 0 and {m["name"] for m in theirs["data"]["models"]} & set(mine) == {f"qwen-{tag}"}
 
-    chat = tmp_path / "chat.jsonl"
+    chat = stack.file_root(account) / "chat.jsonl"  # file: refs name the account's own root
     chat_digest = jsonl(
         chat,
         [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 4,
     )
-    prefs = tmp_path / "prefs.jsonl"
+    prefs = stack.file_root(account) / "prefs.jsonl"
     prefs_digest = jsonl(prefs, [{"prompt": "2+2?", "chosen": "4", "rejected": "5"}] * 4)
     deco = {"method": "13-gram", "against": [], "provenance": "test"}
 

@@ -83,7 +83,7 @@ def test_a_two_node_run_trains_on_two_agents(stack, manifest):
     assert rc == 0, logs
     messages = [ln["message"] for ln in logs["data"]["lines"]]
     assert any("node 0 of 2 joins as replica group 0" in msg for msg in messages), messages
-    run_dir = pathlib.Path(final["checkpoint_dir"])
+    run_dir = stack.run_dir(run_id)
     events = _node_events(run_dir, 1)
     joined = [e["message"] for e in events if "joins as replica group 1" in e.get("message", "")]
     assert joined and "2 of 2 nodes met" in joined[0], events[:5]
@@ -115,11 +115,8 @@ def test_node_1s_agent_killed_mid_stage_is_replaced_and_heals_from_node_0(stack,
         assert view["state"] in ("accepted", "queued", "running", "succeeded"), view
         return view
 
-    run_dir = pathlib.Path(
-        run_status(
-            stack, env, run_id, lambda v: never_interrupted(v) and v.get("checkpoint_dir"), timeout=60
-        )["checkpoint_dir"]
-    )
+    run_status(stack, env, run_id, lambda v: never_interrupted(v) and v["state"] != "accepted", timeout=60)
+    run_dir = stack.run_dir(run_id)
     node1_log = run_dir / "node-1" / "node.jsonl"
 
     def node1_committed():
@@ -169,7 +166,7 @@ def test_a_custom_data_ladder_and_post_training_train_on_two_nodes(stack, manife
     nodes end with the same weights."""
     account, _, env = stack.account()
     booking = stack.booking(account, nodes=2, gpus_per_node=1)
-    m = full_recipe(manifest, tmp_path, NODES)
+    m = full_recipe(manifest, stack.file_root(account), NODES)
     train = confirm_and_train(stack, env, booking, str(m), "two-nodes-post")
     run_id = train["data"]["run_id"]
     final = run_state(stack, env, run_id, {"succeeded", "failed", "gate_failed"}, timeout=2 * RUN_TIMEOUT_S)
@@ -177,7 +174,7 @@ def test_a_custom_data_ladder_and_post_training_train_on_two_nodes(stack, manife
     assert [g["stage"] for g in final["gates"]] == ["ladder", "pretrain", "sft", "rlvr"], final["gates"]
     assert final["parallelism"]["stage"] == "rlvr" and final["parallelism"]["mesh"] == {"dp_replicate": 2}
 
-    run_dir = pathlib.Path(final["checkpoint_dir"])
+    run_dir = stack.run_dir(run_id)
     node1 = run_dir / "node-1"
     decision = json.loads((run_dir / "ladder" / "decision.json").read_text())
     assert json.loads((node1 / "ladder" / "decision.json").read_text()) == decision  # node 0's, taken

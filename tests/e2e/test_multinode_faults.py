@@ -61,7 +61,7 @@ def test_an_approved_spike_restart_rewinds_every_node_alike(tmp_path_factory, ma
         assert proposal["spike_step"] == 24 and proposal["checkpoint_step"] == 20, proposal
         window = (proposal["skip_from"], proposal["skip_to"])
         assert window == (20, 28), proposal  # 5% of the stage back, 10% past the spike
-        run_dir = pathlib.Path(view["checkpoint_dir"])
+        run_dir = stack.run_dir(run_id)
 
         approve_restart(stack, env, run_id, "ok-2-nodes")
         final = run_state(stack, env, run_id, TERMINAL | {"awaiting_approval"}, timeout=RUN_TIMEOUT_S)
@@ -113,7 +113,7 @@ def test_a_follower_stopped_by_the_pause_heals_from_node_0_at_the_restart(tmp_pa
         assert view["state"] == "awaiting_approval", view
         proposal = view["proposal"]
         assert proposal["checkpoint_step"] == 20, proposal
-        run_dir = pathlib.Path(view["checkpoint_dir"])
+        run_dir = stack.run_dir(run_id)
 
         def over():  # node 1's share ended with the pause (stopped, or failing on its way out as
             # node 0's Lighthouse and store went away): its log says so, and it trains no more

@@ -6,8 +6,6 @@ processes on one machine, their ranks on CPU/gloo over loopback. The two gangs m
 quorum and train together from step 1: one of them takes the other's state at step 0 (torchft's
 initial sync, the same heal, rank by rank, that a late or replaced gang goes through)."""
 
-import pathlib
-
 import pytest
 
 from tests.support import confirm_and_train, multi_agent_stack, run_state
@@ -52,7 +50,7 @@ def test_two_nodes_of_two_ranks_train_as_two_replica_groups_of_fsdp2_gangs(stack
     assert used["world_size"] == 4 and used["mesh"] == {"dp_replicate": 2, "dp_shard": 2}, used
 
     # Each node trained on a gang of 2 ranks: per-rank logs under its own directory.
-    run_dir = pathlib.Path(final["checkpoint_dir"])
+    run_dir = stack.run_dir(run_id)
     for node_dir in (run_dir, run_dir / "node-1"):
         ranks = {p.parent.name for p in (node_dir / "gang" / "pretrain" / "logs").rglob("stdout.log")}
         assert ranks == {"0", "1"}, (node_dir, ranks)

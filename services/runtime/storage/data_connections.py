@@ -44,13 +44,13 @@ class Stored(msgspec.Struct, frozen=True, kw_only=True):
 _stored_decoder = msgspec.json.Decoder(Stored)
 
 
-class ConnectionError_(ValueError):
+class BadConnection(ValueError):
     """A connection that cannot be made or read; the message names it, never its secret."""
 
 
 def _path(secrets_dir: pathlib.Path, account: str, name: str) -> pathlib.Path:
     if not NAME.fullmatch(name):
-        raise ConnectionError_(f"connection names are 1-64 letters, digits, '.', '_' or '-', got {name!r}")
+        raise BadConnection(f"connection names are 1-64 letters, digits, '.', '_' or '-', got {name!r}")
     return secrets_dir / CONNECTIONS_DIR / account / f"{name}.json"
 
 
@@ -69,13 +69,11 @@ def add(
     try:
         secret = json.loads(read_private(secret_file))
     except SecretError as exc:
-        raise ConnectionError_(str(exc)) from None
+        raise BadConnection(str(exc)) from None
     except ValueError:
-        raise ConnectionError_(
-            f"{secret_file} is not JSON with access_key_id and secret_access_key"
-        ) from None
+        raise BadConnection(f"{secret_file} is not JSON with access_key_id and secret_access_key") from None
     if not isinstance(secret, dict) or not secret.get("access_key_id") or not secret.get("secret_access_key"):
-        raise ConnectionError_(f"{secret_file} needs access_key_id and secret_access_key")
+        raise BadConnection(f"{secret_file} needs access_key_id and secret_access_key")
     stored = Stored(
         endpoint_url=endpoint_url,
         region=region,
@@ -84,7 +82,7 @@ def add(
         session_token=str(secret.get("session_token") or ""),
     )
     if path.exists() and not replace:
-        raise ConnectionError_(f"account {account} has a connection {name} already (--replace changes it)")
+        raise BadConnection(f"account {account} has a connection {name} already (--replace changes it)")
     tmp = path.with_suffix(".new")
     tmp.unlink(missing_ok=True)
     write_once(tmp, msgspec.json.encode(stored))
@@ -130,7 +128,7 @@ def endpoint_of(secrets_dir: pathlib.Path, account: str, name: str) -> Endpoint 
     there: the same answer)."""
     try:
         stored = _read(_path(secrets_dir, account, name))
-    except ConnectionError_:
+    except BadConnection:
         return None
     if stored is None:
         return None

@@ -650,7 +650,9 @@ class Worker:
         removed = []
         if path.exists():
             for file in sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink()):
-                removed.append(RemovedArtifact(path=str(file), bytes=file.stat().st_size))
+                removed.append(
+                    RemovedArtifact(path=file.relative_to(path).as_posix(), bytes=file.stat().st_size)
+                )
             shutil.rmtree(path)
         log.info("run %s: cleanup removed %d artifacts", order.run_id, len(removed))
         return CleanupResult(run_id=order.run_id, removed=removed)

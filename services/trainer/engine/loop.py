@@ -51,7 +51,7 @@ from services.trainer.engine.checkpoint import (
     load_weights,
 )
 from services.trainer.engine.distributed import any_true, clip_grad_norm, uses_tp, world_size
-from services.trainer.engine.reporting import Reporter, rank0_only
+from services.trainer.engine.reporting import Reporter, rank0_only, where
 
 ShouldStop = Callable[[], bool]
 
@@ -192,10 +192,10 @@ def resume_or_init(
         # Adapter-only checkpoints: the frozen base they adapt is loaded first, resumed or not.
         if load_weights(init_from, model, model_keys=lambda k: not keys(k)) is None:
             raise TrainingError(f"{settings.stage} adapts {init_from}, which holds no committed checkpoint.")
-        report.log(f"{settings.stage} adapts the weights of {init_from}.")
+        report.log(f"{settings.stage} adapts the weights of {where(init_from)}.")
     resumed = load_latest(settings.checkpoint_dir, model, optimizer, scheduler=scheduler, model_keys=keys)
     if resumed is not None:
-        report.log(f"Resuming {settings.stage} from step {resumed.step} ({resumed.path}).")
+        report.log(f"Resuming {settings.stage} from step {resumed.step} ({where(resumed.path)}).")
         return resumed
     if init_from is not None and keys is None:
         source = load_weights(init_from, model)
@@ -203,7 +203,7 @@ def resume_or_init(
             raise TrainingError(
                 f"{settings.stage} starts from {init_from}, which holds no committed checkpoint."
             )
-        report.log(f"{settings.stage} starts from {source.path}.")
+        report.log(f"{settings.stage} starts from {where(source.path)}.")
     return None
 
 

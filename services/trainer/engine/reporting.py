@@ -35,6 +35,16 @@ Sink = Callable[[RunEvent], None]
 E = TypeVar("E", bound=RunEventBase)
 
 
+def where(path: "str | pathlib.Path") -> str:
+    """A directory as a run's log names it: its last two parts (`pretrain/step-00000012`,
+    `<run id>/sft`), or a base model by its digest; never the server's own directories (issue 39:
+    `sft starts from <data dir>/.ito/models/<digest>` reached the tenant's log)."""
+    parts = pathlib.Path(path).parts
+    if parts and len(parts[-1]) == 64 and all(c in "0123456789abcdef" for c in parts[-1]):
+        return f"the base model sha256:{parts[-1]}"
+    return "/".join(parts[-2:])
+
+
 def check_event(event: object) -> RunEvent:
     """The event itself if it is a contract event; TypeError for anything else (a dict above all)."""
     if not isinstance(event, RunEventBase):

@@ -53,7 +53,7 @@ from services.trainer.engine.loop import (
     run_loop,
     to_device,
 )
-from services.trainer.engine.reporting import Reporter, rank0_only
+from services.trainer.engine.reporting import Reporter, rank0_only, where
 from services.trainer.model import Transformer
 from services.trainer.recipes.generation import END_TOKEN
 from services.trainer.recipes.objectives import dpo_loss, sft_loss, token_logprobs
@@ -374,7 +374,7 @@ def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) 
         init_from = None if from_hf is not None else cfg.init_from  # already loaded by build_model
         resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=init_from)
         if resumed is None and from_hf is not None:
-            report.log(f"{cfg.stage} starts from {from_hf}.")
+            report.log(f"{cfg.stage} starts from {where(from_hf)}.")
         return _Stage(model, optimizer, scheduler, settings, resumed.step if resumed else 0, device)
     if cfg.lora is not None:
         raise ValueError(f"{cfg.stage} with LoRA does not run as torchft replica groups yet.")

@@ -60,7 +60,7 @@ from services.trainer.engine.loop import (
     run_loop,
     to_device,
 )
-from services.trainer.engine.reporting import Reporter, rank0_only
+from services.trainer.engine.reporting import Reporter, rank0_only, where
 from services.trainer.model import Transformer, count_parameters
 from services.trainer.weights import lora as lora_adapters
 from services.trainer.weights.hf_load import load_hf_weights
@@ -424,7 +424,7 @@ def join_replica(
         source = load_weights(init_from, model)
         if source is None:
             raise TrainingError(f"{stage} starts from {init_from}, which holds no committed checkpoint.")
-        report.log(f"{stage} starts from {source.path}.")
+        report.log(f"{stage} starts from {where(source.path)}.")
     return False
 
 
