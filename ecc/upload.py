@@ -179,6 +179,8 @@ def put_file(url: str, local: Local) -> None:
     with local.path.open("rb") as f:
         request = urllib.request.Request(url, data=f, method="PUT")  # type: ignore[arg-type]  # a file streams
         request.add_header("Content-Length", str(local.bytes))
+        # urllib's default for a body is a form's type, which a store may parse as a form and empty
+        request.add_header("Content-Type", "application/octet-stream")
         try:
             with urllib.request.urlopen(request, timeout=PUT_TIMEOUT_S) as answer:
                 if answer.status >= 300:

@@ -39,9 +39,19 @@ class S3Error(Exception):
     """An object that cannot be read or written; the message is safe to show (no credential)."""
 
 
+QUIET_LOGGERS = ("botocore", "urllib3", "s3transfer")
+"""botocore logs requests at DEBUG, credentials and signatures included: never below WARNING here,
+whatever level a process's root logger is at."""
+
+
 def client(endpoint: Endpoint) -> Any:
+    import logging
+
     import botocore.config
     import botocore.session
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     config = botocore.config.Config(
         connect_timeout=CONNECT_TIMEOUT_S,

@@ -121,6 +121,7 @@ class Reader:
                 s3_objects.get_into(endpoint, bucket, key, fd, max(item.bytes, 0) or 1 << 40)
             except s3_objects.S3Error as exc:
                 raise InputsUnavailable(f"data {item.name!r}: {exc}") from None
+            os.lseek(fd, 0, os.SEEK_SET)
             yield fd
         finally:
             os.close(fd)
