@@ -43,6 +43,8 @@ class Config:
     checkpoint: CheckpointSizes
     cli_runs: int
     """Launches per CLI figure (median)."""
+    upload_megabytes: int
+    """The file `ecc ito files upload` sends in the upload throughput figure."""
     hf: HfSizes
     """Ours against TRL / datasets / save_pretrained on the tiny HF-format model (bench/hf_compare.py)."""
 
@@ -57,6 +59,7 @@ def full() -> Config:
         trainer=TrainerSizes(steps=40, warmup=5, repeats=8),
         checkpoint=CheckpointSizes(shapes=("tiny", "150M"), repeats=3),  # 150M: ~1.6 GB of state
         cli_runs=9,
+        upload_megabytes=500,
         hf=HfSizes(steps=30, warmup=5, repeats=6, corpus_rows=30_000, export_repeats=5),
     )
 
@@ -71,6 +74,7 @@ def quick() -> Config:
         trainer=TrainerSizes(steps=6, warmup=2, repeats=2),
         checkpoint=CheckpointSizes(shapes=("tiny",), repeats=1),
         cli_runs=3,
+        upload_megabytes=20,
         hf=HfSizes(steps=4, warmup=2, repeats=2, corpus_rows=2000, export_repeats=2),
     )
 
@@ -116,7 +120,7 @@ def _measured(run: Callable[[], dict[str, dict]], names: list[str]) -> dict[str,
 def _stack_groups(cfg: Config, groups: set[str], env: dict) -> dict[str, dict]:
     """The benchmarks that need a running stack: one `ito-training up` (its own authenticated
     NATS and Redis), measured, then stopped. Records the servers it ran on in `env["infra"]`."""
-    from bench import cli_startup, control_plane
+    from bench import cli_startup, control_plane, tenant_inputs
     from bench.stack import Stack, infra_facts
 
     results: dict[str, dict] = {}
@@ -143,6 +147,13 @@ def _stack_groups(cfg: Config, groups: set[str], env: dict) -> dict[str, dict]:
                     "exactly_once",
                     "quota_fairness",
                 ],
+            )
+        if "control_plane" in groups:  # issue 39: a manifest bounded in work; uploads beside a copy
+            results |= _measured(
+                lambda: asyncio.run(
+                    tenant_inputs.run_all(stack, max(30, cfg.latency_samples // 5), cfg.upload_megabytes)
+                ),
+                ["heavy_manifests", "upload_throughput"],
             )
         if "cli" in groups:
             results |= _measured(

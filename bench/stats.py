@@ -23,10 +23,11 @@ def ms(seconds: float) -> float:
 
 
 def latency_summary(samples_s: list[float]) -> dict[str, float]:
-    """p50, p90, p99, mean and max in milliseconds, and the sample count."""
+    """p50, p90, p95, p99, mean and max in milliseconds, and the sample count."""
     return {
         "p50_ms": ms(percentile(samples_s, 50)),
         "p90_ms": ms(percentile(samples_s, 90)),
+        "p95_ms": ms(percentile(samples_s, 95)),
         "p99_ms": ms(percentile(samples_s, 99)),
         "mean_ms": ms(statistics.fmean(samples_s)),
         "max_ms": ms(max(samples_s)),

@@ -16,7 +16,7 @@ from contracts.files import (
 )
 
 
-def _size(n: int) -> str:
+def size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:,.1f} {unit}"
@@ -33,7 +33,7 @@ def file_view(view: FileView) -> str:
     kinds = ", ".join(view.kinds) or "no kind a stage reads"
     return "\n".join(
         [
-            f"file {view.file_id}: {view.name} ({view.format.value}, {_size(view.bytes)}, {view.rows:,} rows: {kinds})",
+            f"file {view.file_id}: {view.name} ({view.format.value}, {size(view.bytes)}, {view.rows:,} rows: {kinds})",
             f"  sha256: {view.sha256}",
             f"  purpose: {view.purpose.value}; kept {view.created_at.isoformat(timespec='seconds')}",
             f"  in a manifest: {data_ref(view)}",
@@ -59,26 +59,26 @@ def upload_view(view: UploadView) -> str:
 
 def session(s: UploadSession) -> str:
     lines = [f"upload {s.upload_id}: {s.state} ({s.kind.value} {s.name})"]
-    lines += [f"  {f.path}: {_size(f.received)} of {_size(f.bytes)}" for f in s.files]
+    lines += [f"  {f.path}: {size(f.received)} of {size(f.bytes)}" for f in s.files]
     return "\n".join(lines)
 
 
 def files(listed: FileList) -> str:
     lines = [
-        f"{f.file_id}  {f.name}  {f.format.value}  {_size(f.bytes)}  {f.rows:,} rows  {', '.join(f.kinds)}"
+        f"{f.file_id}  {f.name}  {f.format.value}  {size(f.bytes)}  {f.rows:,} rows  {', '.join(f.kinds)}"
         for f in listed.files
     ]
     for s in listed.uploads:
         got = sum(f.received for f in s.files)
         want = sum(f.bytes for f in s.files)
         lines.append(
-            f"{s.upload_id}  {s.name}  {s.state}: {_size(got)} of {_size(want)} (run the upload again to resume)"
+            f"{s.upload_id}  {s.name}  {s.state}: {size(got)} of {size(want)} (run the upload again to resume)"
         )
     return "\n".join(lines) or "(no files)"
 
 
 def deleted(done: FileDeleted) -> str:
-    return f"file {done.file_id}: deleted ({_size(done.bytes)} freed)" + (" (replay)" if done.replay else "")
+    return f"file {done.file_id}: deleted ({size(done.bytes)} freed)" + (" (replay)" if done.replay else "")
 
 
 def part(ack: UploadPartAck) -> str:

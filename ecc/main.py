@@ -215,9 +215,14 @@ def _model_verbs(verbs: Verbs) -> None:
     p.add_argument("target", nargs="?", help="upload: the file's path; show, delete: its id")
     p.add_argument("--name", help=OPTION_HELP["upload"]["name"])
     p.add_argument(
-        "--purpose", choices=["train", "eval"], default="train", help=OPTION_HELP["upload"]["purpose"]
+        "--purpose",
+        choices=["train", "eval"],
+        default="train",
+        help="train or eval: what the file is for (`files list` shows it)",
     )
-    p.add_argument("--format", choices=["jsonl", "parquet"], help=OPTION_HELP["upload"]["format"])
+    p.add_argument(
+        "--format", choices=["jsonl", "parquet"], help="jsonl or parquet (default: from the file's suffix)"
+    )
     p.add_argument("--confirmation-ref", help="delete: a delete_file confirmation for the file")
     p.add_argument("--idempotency-key", help="delete: " + MISSING_HELP["--idempotency-key"])
     _upload_options(p)

@@ -159,6 +159,11 @@ def _auth(info: AuthInfo) -> str:
             f"  runs           {use.runs} / {lim.runs} unfinished",
             f"  queued         {use.queued} / {lim.queued} waiting for a trainer",
         ]
+        if lim.files:  # 0: a scheduler from before uploads
+            lines.append(
+                f"  files          {use.files} / {lim.files} ({files_view.size(use.file_bytes)} of "
+                f"{files_view.size(lim.file_bytes)}), models {use.models} / {lim.models}"
+            )
     return "\n".join(lines)
 
 

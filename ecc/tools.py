@@ -37,7 +37,15 @@ from contracts.api import ApproveRequest, CancelRequest, CleanupRequest, RunView
 from contracts.endpoints import API
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
-from contracts.files import FileDeleteRequest, FilePurpose, UploadKind, UploadView
+from contracts.files import (
+    FileDeleteRequest,
+    FileList,
+    FilePurpose,
+    FileRequest,
+    FilesRequest,
+    UploadKind,
+    UploadView,
+)
 from contracts.manifest import DataFormat
 from contracts.states import TERMINAL_STATES, RunState
 from ecc import credentials, manifest_store, render, verbs
@@ -91,58 +99,59 @@ class UploadToolRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     format: Literal["jsonl", "parquet"] | None = None
 
 
+class FilesToolRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`files`' arguments: every file and upload under way, or one file by its id (the `file` verb)."""
+
+    file_id: str | None = None
+
+
 LOGIN_NOTE = (
     "unauthenticated or credential_revoked: a person must log in (`ecc ito login`); stop and ask, "
     "never retry."
 )
-MUTATION_NOTE = (
-    "Needs a confirmation_ref your person makes with `ecc ito confirm` (you cannot); without one: "
-    "confirmation_required with the command to ask for. A new idempotency_key per request, the same "
-    "on a retry; transport_ambiguous: ask status first."
+MUTATIONS_SAID_ONCE = (
+    "A mutation (train, cancel, cleanup, approve, file_delete) needs a confirmation_ref your person "
+    "makes with `ecc ito confirm` (you cannot); without one: confirmation_required with the command to "
+    "ask for (a run is checked first: e.g. run_not_cancellable asks no one). A new idempotency_key "
+    "per request, the same on a retry; transport_ambiguous: ask status first."
 )
-RUN_CHECKED = "The run is checked first (e.g. run_not_cancellable: no one is asked to confirm). "
-MANIFEST_NOTE = "manifest: an absolute path on this machine; or manifest_json: the manifest's JSON text."
 AGENT_NOTES: dict[str, str] = {
     "auth": "",
     "find": "allows_training true: can be planned and trained on.",
-    "plan": "Creates and spends nothing: show the plan, checks and cost to your person. " + MANIFEST_NOTE,
-    "train": "The manifest the person confirmed (same path, or same manifest_json text). " + MUTATION_NOTE,
-    "runs": "Newest first; pass next as cursor for older ones (null: no more).",
+    "plan": "Creates and spends nothing: show the plan, checks and cost to your person.",
+    "train": "The manifest the person confirmed (its path or its text).",
+    "runs": "next null: no more.",
     "status": "idempotency_key: the train's (resolves a transport_ambiguous train).",
     "wait": f"Polls every {POLL_EVERY_S:g} s until the run ends or awaits_approval, a refusal, or "
-    "max_wait_s (then notice says so: call again). Sends progress notifications when asked.",
-    "logs": "Pass next as since for later lines.",
-    "metrics": "Pass since to skip points you have.",
+    "max_wait_s (then call again); progress notifications when asked.",
+    "logs": "next: the since of later lines.",
+    "metrics": "since: skip the points you have.",
     "checkpoints": "",
     "evals": "",
     "audit": "",
     "models": "digest: a manifest's model.revision; name: its model.base.",
-    "cancel": RUN_CHECKED + MUTATION_NOTE,
-    "cleanup": "release_booking needs its own confirmation. " + RUN_CHECKED + MUTATION_NOTE,
-    "approve": "reject needs no confirmation; approving needs restart_from_checkpoint. "
-    + RUN_CHECKED
-    + MUTATION_NOTE,
-    "export": "Call again with the same arguments until state is ready (or failed); then download it.",
-    "download": "to: a directory here; called again, an interrupted download resumes.",
+    "cancel": "",
+    "cleanup": "release_booking: its own confirmation.",
+    "approve": "",  # its help says both ways
+    "export": "Call again until state is ready (or failed); then download.",
+    "download": "to: a directory here.",
     "sample": "Seeded: the same arguments give the same text.",
-    "upload": "path: a file here (kind data) or a checkpoint directory (kind model). Called again, an "
-    "interrupted upload resumes. Answers the file (name it as upload:<file_id>) or the model, or every "
-    "problem with its line.",
-    "files": "Your files and uploads under way.",
-    "file": "",
-    "file_delete": "Needs a delete_file confirmation your person makes (`ecc ito confirm --action "
-    "delete_file --file ID`). " + MUTATION_NOTE,
-    "connections": "Names an s3:// data ref's connection may take.",
+    "upload": "",
+    "files": "",
+    "file_delete": "",
+    "connections": "",
 }
 """What an agent must know beyond the CLI's help line, by tool."""
 
 INSTRUCTIONS = (
-    "ito-training: managed LLM training on booked GPU compute. You can find bookings, plan, train, "
-    "watch, cancel and clean up runs, and export, download and sample a trained model; you can never "
+    "ito-training: managed LLM training on booked GPU compute. You can find bookings, upload your "
+    "person's data and models, plan, train, watch, cancel and clean up runs, and export, download "
+    "and sample a trained model; you can never "
     "authorise spending. A person logs in (`ecc ito "
     "login`) and creates each confirmation (`ecc ito confirm ...`) and hands you "
     "its opaque confirmation_ref: a mutation without one answers confirmation_required with the "
-    "command to ask them to run. " + LOGIN_NOTE + " A manifest is an absolute path on the machine "
+    "command to ask them to run. " + MUTATIONS_SAID_ONCE + " " + LOGIN_NOTE + " A manifest is an "
+    "absolute path on the machine "
     "this server runs on (manifest) or its JSON text (manifest_json), stored here 0600 and read as "
     "a file: the same bytes have the same digest either way. Every answer is {ok, "
     "live_api_contacted, notice, data | error{code, message}}: the data is the JSON `ecc ito --json` "
@@ -213,16 +222,15 @@ TOOLS: dict[str, Tool] = {
         ),
         _tool("sample", reads_manifest=False),
         Tool("upload", "upload", UploadToolRequest, UploadView, reads_manifest=False, read_only=False),
-        _tool("files", reads_manifest=False),
-        _tool("file", reads_manifest=False),
+        Tool("files", "files", FilesToolRequest, FileList, reads_manifest=False, read_only=True),
         _tool("file_delete", reads_manifest=False, mutation=True, destructive=True),
         _tool("connections", reads_manifest=False),
     )
 }
 """Every tool: the API verbs but `confirm` (a person's), and `wait`; `download` fetches a whole export,
 `upload` sends a whole file (its parts and commit are not tools of their own: FOLDED)."""
-FOLDED = frozenset({"upload_part", "upload_commit"})
-"""API verbs an agent reaches through another tool (`upload`), never by themselves."""
+FOLDED = frozenset({"upload_part", "upload_commit", "file"})
+"""API verbs an agent reaches through another tool (`upload`; `files` with a file_id), never by themselves."""
 
 
 def _inline_root(schema: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -452,6 +460,13 @@ async def call(
         return guarded(await wait(request, bounds, progress))
     if tool.name == "upload":
         return guarded(await _upload(request, bounds))
+    if tool.name == "files":
+        if request.file_id is None:
+            return guarded(await verbs.answer("files", FilesRequest(), bounds))
+        one = await verbs.answer("file", FileRequest(file_id=request.file_id), bounds)
+        if one.ok:  # the same answer type as the whole list: that file alone
+            one = msgspec.structs.replace(one, data=FileList(files=[one.data]))
+        return guarded(one)
     if tool.name == "download":
         from ecc import download
 

@@ -33,17 +33,14 @@ VERB_HELP: dict[str, str] = {
     "models": "the base models your account may fine-tune (put the digest in model.revision); "
     "`models upload DIR --name NAME` adds your own Hugging Face checkpoint",
     # A tenant's own inputs (contracts/files.py): nothing on the server is named by its path.
-    "upload": "upload a JSONL or Parquet file (`files upload PATH`) or a Hugging Face checkpoint "
-    "(`models upload DIR`) in resumable, digest-checked parts; it is checked whole, every problem "
-    "at its line, before it is kept",
+    "upload": "upload a JSONL/Parquet file or a Hugging Face checkpoint: resumable, checked whole before "
+    "it is kept",
     "upload_part": "one part of an upload's file (the `files upload` client sends them)",
     "upload_commit": "check an upload and keep it; asked again, its state (the `files upload` client calls it)",
-    "files": "your uploaded files (name them in a manifest as upload:<file_id>) and uploads under way; "
-    "`files show ID`, `files delete ID`",
+    "files": "your files (a manifest names one as upload:<file_id>) and uploads under way",
     "file": "one of your files: its digest, rows and kinds of row",
-    "file_delete": "delete one of your files (needs its own delete_file confirmation and an idempotency key)",
-    "connections": "the named connections your operator made for your account (a manifest's s3:// ref "
-    "names one; the credential stays the backend's)",
+    "file_delete": "delete one of your files (confirm --action delete_file first)",
+    "connections": "your named connections (an s3:// data ref names one)",
     "validate": "check a manifest against its JSON Schema: every problem at once, with its path, line, "
     "column and the allowed values (sends nothing, needs no login)",
 }
@@ -71,11 +68,9 @@ OPTION_HELP: dict[str, dict[str, str]] = {
     },
     "approve": {"reject": "keep the run paused; nothing restarts"},
     "upload": {
-        "path": "the file (files upload) or Hugging Face directory (models upload) on this machine",
-        "kind": "data: a JSONL or Parquet file; model: a Hugging Face checkpoint directory",
-        "name": "a file's name as you know it (default: its file name); a model's name in manifests",
-        "purpose": "train or eval: what the file is for (shown in `files list`)",
-        "format": "jsonl or parquet (default: from the file's suffix)",
+        "path": "the file, or the checkpoint's directory, on this machine",
+        "kind": "data (a file) or model (a checkpoint directory)",
+        "name": "default: the file's or directory's",
     },
     "file_delete": {"file_id": "the file's id (from `files list`)"},
     "logs": {"since": "index of the first line"},

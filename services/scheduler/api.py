@@ -203,8 +203,15 @@ class Api:
             outstanding: int | None = (await self.peers.outstanding_confirmations(info.account)).confirmations
         except Refusal:  # the confirmation service is away: `auth` still says who the caller is
             outstanding = None
+        stored = await self.inputs.files.usage(info.account) if self.inputs.files is not None else {}
         usage = QuotaUsage(
-            tokens=round(taken.tokens, 2), confirmations=outstanding, runs=unfinished, queued=waiting
+            tokens=round(taken.tokens, 2),
+            confirmations=outstanding,
+            runs=unfinished,
+            queued=waiting,
+            file_bytes=stored.get("file_bytes", 0),
+            files=stored.get("files", 0),
+            models=stored.get("models", 0),
         )
         return msgspec.structs.replace(info, quotas=QuotaStatus(limits=limits, usage=usage))
 

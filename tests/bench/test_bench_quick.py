@@ -20,6 +20,8 @@ QUICK_BENCHMARKS = {
     "control_plane_profile",
     "exactly_once",
     "quota_fairness",
+    "heavy_manifests",
+    "upload_throughput",
     "cli_startup",
     "trainer_pretrain",
     "trainer_dpo",

@@ -204,3 +204,14 @@ def test_lines_and_columns_of_many_problems_are_each_where_its_value_is():
     for p in names:  # each points at its own value
         index = int(p.path.split("[")[1].split("]")[0])
         assert lines[p.line - 1][p.column - 1 :].startswith(str(index))
+
+
+def test_the_first_run_manifest_names_the_example_data_by_its_digest():
+    """README's first run uploads examples/data/first-run.jsonl and its manifest names that upload
+    by digest: a change to either keeps the other in step."""
+    import hashlib
+
+    data = (EXAMPLES.parent / "data" / "first-run.jsonl").read_bytes()
+    doc = json.loads((EXAMPLES / "first-run.json").read_text())
+    (ref,) = [r for r in doc["data"] if r["source"].startswith("upload:")]
+    assert ref["source"] == "upload:sha256:" + hashlib.sha256(data).hexdigest()

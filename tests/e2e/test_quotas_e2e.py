@@ -18,7 +18,15 @@ def test_the_operators_quotas_are_shown_and_enforced(stack, manifest):
     assert rc == 0 and out["ok"], out
     quotas = out["data"]["quotas"]
     assert quotas["limits"]["burst"] == 2 and quotas["limits"]["runs"] == 3
-    assert quotas["usage"] == {"tokens": 2.0, "confirmations": 0, "runs": 0, "queued": 0}
+    assert quotas["usage"] == {
+        "tokens": 2.0,
+        "confirmations": 0,
+        "runs": 0,
+        "queued": 0,
+        "file_bytes": 0,
+        "files": 0,
+        "models": 0,
+    }
 
     m = str(manifest())
     for _ in range(2):  # the burst (each plan refused on its own: no such booking)

@@ -41,6 +41,7 @@ def test_the_block_is_the_walkthrough_it_promises() -> None:
         "ito-training accounts create",
         "ecc ito login",
         "simulate-booking",
+        "ecc ito files upload",  # issue 39: a remote user's data goes up through the API
         "ecc ito validate",
         "ecc ito plan",
         "ecc ito confirm",
@@ -52,6 +53,8 @@ def test_the_block_is_the_walkthrough_it_promises() -> None:
     ):
         assert step in joined, step
     assert joined.index("make up") < joined.index("ecc ito train") < joined.index("make down")
+    assert joined.index("ecc ito files upload") < joined.index("ecc ito plan")
+    assert "file:" not in joined  # no path on the server is named: `file:` is the operator's option
 
 
 def _run(line: str, env: dict[str, str], stdin: str | None, env_file: pathlib.Path) -> str:

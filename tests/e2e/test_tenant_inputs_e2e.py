@@ -461,7 +461,7 @@ def _mcp_answers(stack, account: str, key: str, run_id: str, file_id: str) -> li
             async with agent(env) as a:
                 for name, args in (
                     ("files", {}),
-                    ("file", {"file_id": file_id}),
+                    ("files", {"file_id": file_id}),
                     ("connections", {}),
                     ("models", {}),
                     ("status", {"run_id": run_id}),

@@ -83,6 +83,9 @@ def add(
     )
     if path.exists() and not replace:
         raise BadConnection(f"account {account} has a connection {name} already (--replace changes it)")
+    for directory in (secrets_dir / CONNECTIONS_DIR, path.parent):  # the secrets dir's rule: 0700
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(directory, 0o700)
     tmp = path.with_suffix(".new")
     tmp.unlink(missing_ok=True)
     write_once(tmp, msgspec.json.encode(stored))
