@@ -28,13 +28,7 @@ TOOLS |= {"audit", "cancel", "cleanup", "approve"}
 TOOLS |= {"export", "download", "sample"}  # a trained model out (tests/e2e/test_export_e2e.py drives them)
 TOOLS |= {"models"}
 TOOLS |= {"runs"}  # the account's own runs (tests/e2e/test_runs_e2e.py drives it)
-TOOLS |= {
-    "upload",
-    "files",
-    "file",
-    "file_delete",
-    "connections",
-}  # its own inputs (test_tenant_inputs_e2e.py)
+TOOLS |= {"upload", "files", "file_delete", "connections"}  # its own inputs (test_tenant_inputs_e2e.py)
 LOCAL_TOOLS = {"validate", "manifest_schema"}  # no server, no login (tests/e2e/test_mcp_manifest.py)
 TERMINAL = {"succeeded", "failed", "gate_failed", "cancelled"}
 LONG = {"tokens": 4000 * 8 * 32, "seq_len": 32, "batch_size": 8, "learning_rate": 0.003}
