@@ -43,6 +43,7 @@ from contracts.files import (
     FilePurpose,
     FileRequest,
     FilesRequest,
+    FileView,
     UploadKind,
     UploadView,
 )
@@ -464,7 +465,7 @@ async def call(
         if request.file_id is None:
             return guarded(await verbs.answer("files", FilesRequest(), bounds))
         one = await verbs.answer("file", FileRequest(file_id=request.file_id), bounds)
-        if one.ok:  # the same answer type as the whole list: that file alone
+        if one.ok and isinstance(one.data, FileView):  # the whole list's answer type: that file alone
             one = msgspec.structs.replace(one, data=FileList(files=[one.data]))
         return guarded(one)
     if tool.name == "download":

@@ -172,6 +172,11 @@ STORAGE_WORDS = {"file_bytes": "bytes of files and models", "files": "files", "m
 
 def storage_message(breach: QuotaBreach, needed_bytes: int) -> str:
     """Why an upload was refused for the account's storage quota, and what to do."""
+    if breach.quota == "open_uploads":
+        return (
+            f"quota open_uploads: this account has {breach.current:,} uploads begun and not committed, "
+            f"the most it may have open; finish them (`ecc ito files list` shows them) or let them expire"
+        )
     what = STORAGE_WORDS.get(breach.quota, breach.quota)
     return (
         f"quota {breach.quota}: this account holds {breach.current:,} {what} and may hold "

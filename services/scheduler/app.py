@@ -24,7 +24,7 @@ from services.runtime.security.identities import DESK, service_inbox
 from services.runtime.security.order_signatures import Signer
 from services.runtime.security.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
 from services.runtime.security.secrets import Secrets
-from services.runtime.storage import tenant_files
+from services.runtime.storage import data_checks, tenant_files
 from services.runtime.storage.checkpoint_store import ENV_S3_ENDPOINT_URL
 from services.runtime.storage.model_store import ModelStore
 from services.scheduler import leases, planning
@@ -77,6 +77,7 @@ def register(
         quotas = RedisQuotas(w.redis, w.keys) if w.redis is not None else InMemoryQuotas()
     if files is None:
         files = RedisFileRecords(w.redis, w.keys) if w.redis is not None else InMemoryFileRecords()
+    slots = data_checks.CheckSlots()  # the data checks this instance runs at once, plans' and uploads'
     peers = Peers(w.bus, s, settings_mod.entitlement_key(s), Signer(Secrets(s.secrets_dir).signing_key()))
     runs = runs if runs is not None else RunStore(w.require_redis(), w.keys)
     credentials = credentials if credentials is not None else RedisAccounts(w.require_redis(), w.keys)
@@ -94,7 +95,7 @@ def register(
         model_store=ModelStore(s.model_store),
         quotas=quotas,
         files=files,
-        data_facts=DataFacts(s.file_root, s.secrets_dir, s.data_dir / "spool"),
+        data_facts=DataFacts(s.file_root, s.secrets_dir, s.data_dir / "spool", slots),
         file_root=str(s.file_root) if s.file_root is not None else None,
         storage_roots=s.checkpoint_roots,
     )
@@ -105,7 +106,7 @@ def register(
     outputs = Outputs(credentials, peers, runs)
     listing = RunListing(credentials, runs)
     store = tenant_files.open_store(s.file_store_url, s.data_dir, storage_options_endpoint())
-    uploads = Uploads(credentials, files, store, quotas, peers, s, ModelStore(s.model_store))
+    uploads = Uploads(credentials, files, store, quotas, peers, s, ModelStore(s.model_store), slots)
     serve_tenant_requests(
         w,
         [(endpoints.API[verb], getattr(api, method)) for verb, method in ROUTES.items()]

@@ -41,8 +41,13 @@ Key = tuple[object, ...]
 
 class DataFacts:
     def __init__(
-        self, file_root: pathlib.Path | None, secrets_dir: pathlib.Path, spool: pathlib.Path
+        self,
+        file_root: pathlib.Path | None,
+        secrets_dir: pathlib.Path,
+        spool: pathlib.Path,
+        slots: data_checks.CheckSlots | None = None,
     ) -> None:
+        self.slots = slots if slots is not None else data_checks.CheckSlots()  # shared with uploads
         self.file_root = file_root
         self.secrets_dir = secrets_dir
         self.spool = spool
@@ -93,7 +98,7 @@ class DataFacts:
             async def make() -> Facts:
                 dup = os.dup(fd)  # the check's own descriptor: this call may return before it ends
                 try:
-                    return await self._checked(dup, fmt)
+                    return await self._checked(account, dup, fmt)
                 finally:
                     os.close(dup)
 
@@ -130,7 +135,7 @@ class DataFacts:
                     )
                 except s3_objects.S3Error as exc:
                     return Facts(unreadable=str(exc))
-                return await self._checked(fd, fmt)
+                return await self._checked(account, fd, fmt)
             finally:
                 os.close(fd)
 
@@ -144,10 +149,10 @@ class DataFacts:
 
     # --- both ------------------------------------------------------------------------------------
 
-    @staticmethod
-    async def _checked(fd: int, fmt: DataFormat) -> Facts:
+    async def _checked(self, account: str, fd: int, fmt: DataFormat) -> Facts:
         try:
-            return Facts(report=await data_checks.run_check(fd, fmt))
+            async with self.slots.held(account):
+                return Facts(report=await data_checks.run_check(fd, fmt))
         except data_checks.CheckFailed as exc:
             return Facts(unreadable=str(exc))
 

@@ -56,6 +56,7 @@ class UploadRecord(msgspec.Struct, frozen=True, kw_only=True):
 _upload_decoder = msgspec.json.Decoder(UploadRecord)
 _file_decoder = msgspec.json.Decoder(FileView)
 OPEN = ("uploading", "checking")
+MAX_OPEN_UPLOADS = 16  # an account's uploads begun and not yet committed (each holds a check's queue place)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,7 @@ class StorageLimits:
     file_bytes: int
     files: int
     models: int
+    open_uploads: int = MAX_OPEN_UPLOADS
 
 
 class FileRecords(Protocol):
@@ -78,12 +80,19 @@ class FileRecords(Protocol):
         """An open upload's record as it changes (state `checking`)."""
         ...
 
-    async def release(self, record: UploadRecord) -> None:
-        """A rejected or expired upload: recorded so, and its reservation given back (once)."""
+    async def claim(self, record: UploadRecord, owner: str, now: float, until: float) -> bool:
+        """The upload's check (or expiry) is `owner`'s until `until`; False: another's is live, or
+        the upload is over."""
         ...
 
-    async def finish(self, record: UploadRecord, file: FileView | None) -> None:
-        """A ready upload: recorded so; a data upload's file recorded, keeping its reservation."""
+    async def release(self, record: UploadRecord) -> bool:
+        """A rejected or expired upload: recorded so, and its reservation given back (once); False
+        when it was kept meanwhile (then nothing changes)."""
+        ...
+
+    async def finish(self, record: UploadRecord, file: FileView | None) -> bool:
+        """A ready upload: recorded so; a data upload's file recorded, keeping its reservation.
+        False when the reservation was released meanwhile (nothing is recorded)."""
         ...
 
     async def file(self, account: str, file_id: str) -> FileView | None: ...
@@ -102,8 +111,13 @@ class FileRecords(Protocol):
         """{"file_bytes", "files", "models"} the account holds and has reserved."""
         ...
 
+    async def later(self, account: str, upload_id: str, at: float | None) -> None:
+        """Look at the upload again at `at` (epoch s; None: never again): its expiry while it is
+        open, the sweep of what a late presigned PUT left once it is over."""
+        ...
+
     async def expired(self, now: float, limit: int = 100) -> list[tuple[str, str]]:
-        """(account, upload id) of uploads past their expiry, oldest first."""
+        """(account, upload id) of uploads due a look (`later`, first at their expiry), oldest first."""
         ...
 
 
@@ -117,6 +131,10 @@ local limit_count = tonumber(ARGV[6])
 local s = redis.call('HMGET', KEYS[4], 'file_bytes', ARGV[4])
 local used_bytes = tonumber(s[1]) or 0
 local used_count = tonumber(s[2]) or 0
+local open = redis.call('ZCARD', KEYS[3])
+if open + 1 > tonumber(ARGV[9]) then
+  return {'breach', 'open_uploads', tostring(open), ARGV[9]}
+end
 if used_bytes + tonumber(ARGV[3]) > limit_bytes then
   return {'breach', 'file_bytes', tostring(used_bytes), tostring(limit_bytes)}
 end
@@ -136,6 +154,7 @@ scheduler read them: services/domain/quotas.py), the spec key's lifetime (ms), t
 
 RELEASE_LUA = """
 local held = redis.call('HGET', KEYS[1], 'held')
+if held == 'kept' then return 0 end
 redis.call('HSET', KEYS[1], 'json', ARGV[2], 'held', '0')
 redis.call('ZREM', KEYS[2], ARGV[1])
 if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
@@ -147,9 +166,11 @@ end
 return 0
 """
 """KEYS: the record, the open uploads, the usage, the spec's key. ARGV: upload id, record, bytes,
-the count's name. Gives the reservation back only while it is held: a repeat gives nothing."""
+the count's name. Gives the reservation back only while it is held: a repeat gives nothing, and a
+kept upload (its file counts) is never released."""
 
 FINISH_LUA = """
+if redis.call('HGET', KEYS[1], 'held') ~= '1' then return 0 end
 redis.call('HSET', KEYS[1], 'json', ARGV[2], 'held', 'kept')
 redis.call('ZREM', KEYS[2], ARGV[1])
 if redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
@@ -161,7 +182,21 @@ end
 return 1
 """
 """KEYS: the record, the open uploads, the spec's key, the file's record, the account's files, the
-file's digest key. ARGV: upload id, record, the file ('' for a model), its id, its creation time."""
+file's digest key. ARGV: upload id, record, the file ('' for a model), its id, its creation time.
+Only while the reservation is held (0 otherwise: it was released meanwhile, the file is not
+recorded and its caller removes it): a file is never kept without the bytes it counts."""
+
+CLAIM_LUA = """
+if redis.call('HGET', KEYS[1], 'held') ~= '1' then return 0 end
+local owner = redis.call('HGET', KEYS[1], 'claim_owner')
+local untl = tonumber(redis.call('HGET', KEYS[1], 'claim_until') or '0')
+if owner and owner ~= ARGV[1] and untl > tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], 'claim_owner', ARGV[1], 'claim_until', ARGV[3])
+return 1
+"""
+"""KEYS: the record. ARGV: the claimant, now, until (epoch s). One check (or expiry) of an upload at a
+time across every scheduler instance: the claim is taken while the reservation is held and no
+other claimant's is live; a claimant that died leaves a claim that runs out."""
 
 DELETE_LUA = """
 local raw = redis.call('GET', KEYS[1])
@@ -190,6 +225,7 @@ class RedisFileRecords:
         self._begin = redis.register_script(BEGIN_LUA)
         self._release = redis.register_script(RELEASE_LUA)
         self._finish = redis.register_script(FINISH_LUA)
+        self._claim = redis.register_script(CLAIM_LUA)
         self._delete = redis.register_script(DELETE_LUA)
 
     def _k(self, account: str, rest: str) -> str:
@@ -219,6 +255,7 @@ class RedisFileRecords:
                 count_limit,
                 SPEC_KEPT_MS,
                 _epoch(record.expires_at),
+                limits.open_uploads,
             ],
         )
         kind = _text(result[0])
@@ -241,9 +278,13 @@ class RedisFileRecords:
             self._k(record.account, f"upload:{record.upload_id}"), "json", msgspec.json.encode(record)
         )
 
-    async def release(self, record: UploadRecord) -> None:
+    async def claim(self, record: UploadRecord, owner: str, now: float, until: float) -> bool:
+        key = self._k(record.account, f"upload:{record.upload_id}")
+        return bool(await self._claim(keys=[key], args=[owner, now, until]))
+
+    async def release(self, record: UploadRecord) -> bool:
         a = record.account
-        await self._release(
+        released = await self._release(
             keys=[
                 self._k(a, f"upload:{record.upload_id}"),
                 self._k(a, "uploads"),
@@ -252,12 +293,17 @@ class RedisFileRecords:
             ],
             args=[record.upload_id, msgspec.json.encode(record), record.bytes, record.counts],
         )
-        await self.redis.zrem(self._expiry(a), f"{a}/{record.upload_id}")
+        return bool(released) or await self._held(record) == "0"
 
-    async def finish(self, record: UploadRecord, file: FileView | None) -> None:
+    async def _held(self, record: UploadRecord) -> str:
+        return _text(
+            await self.redis.hget(self._k(record.account, f"upload:{record.upload_id}"), "held") or b""
+        )
+
+    async def finish(self, record: UploadRecord, file: FileView | None) -> bool:
         a = record.account
         file_id = file.file_id if file is not None else "-"
-        await self._finish(
+        finished = await self._finish(
             keys=[
                 self._k(a, f"upload:{record.upload_id}"),
                 self._k(a, "uploads"),
@@ -274,7 +320,14 @@ class RedisFileRecords:
                 _epoch(file.created_at) if file is not None else 0,
             ],
         )
-        await self.redis.zrem(self._expiry(a), f"{a}/{record.upload_id}")
+        return bool(finished)
+
+    async def later(self, account: str, upload_id: str, at: float | None) -> None:
+        member = f"{account}/{upload_id}"
+        if at is None:
+            await self.redis.zrem(self._expiry(account), member)
+        else:
+            await self.redis.zadd(self._expiry(account), {member: at})
 
     async def file(self, account: str, file_id: str) -> FileView | None:
         raw = await self.redis.get(self._k(account, f"file:{file_id}"))
@@ -344,6 +397,8 @@ class InMemoryFileRecords:
     stored: dict[str, dict[str, int]] = field(default_factory=dict)
     records: dict[tuple[str, str], FileView] = field(default_factory=dict)
     digests: dict[tuple[str, str], str] = field(default_factory=dict)
+    claims: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    due: dict[tuple[str, str], float] = field(default_factory=dict)
 
     async def begin(
         self, record: UploadRecord, limits: StorageLimits
@@ -353,6 +408,9 @@ class InMemoryFileRecords:
         if existing is not None:
             return self.uploads[(a, existing)], None
         usage = self.stored.setdefault(a, {"file_bytes": 0, "files": 0, "models": 0})
+        open_now = len([k for k, held in self.held.items() if k[0] == a and held == "1"])
+        if open_now + 1 > limits.open_uploads:
+            return None, QuotaBreach(quota="open_uploads", current=open_now, limit=limits.open_uploads)
         count_limit = limits.models if record.counts == "models" else limits.files
         if usage["file_bytes"] + record.bytes > limits.file_bytes:
             return None, QuotaBreach(quota="file_bytes", current=usage["file_bytes"], limit=limits.file_bytes)
@@ -363,6 +421,7 @@ class InMemoryFileRecords:
         self.uploads[(a, record.upload_id)] = record
         self.held[(a, record.upload_id)] = "1"
         self.specs[(a, record.spec)] = record.upload_id
+        self.due[(a, record.upload_id)] = record.expires_at.timestamp()
         return record, None
 
     async def upload(self, account: str, upload_id: str) -> UploadRecord | None:
@@ -371,8 +430,20 @@ class InMemoryFileRecords:
     async def save(self, record: UploadRecord) -> None:
         self.uploads[(record.account, record.upload_id)] = record
 
-    async def release(self, record: UploadRecord) -> None:
+    async def claim(self, record: UploadRecord, owner: str, now: float, until: float) -> bool:
+        key = (record.account, record.upload_id)
+        if self.held.get(key) != "1":
+            return False
+        holder = self.claims.get(key)
+        if holder is not None and holder[0] != owner and holder[1] > now:
+            return False
+        self.claims[key] = (owner, until)
+        return True
+
+    async def release(self, record: UploadRecord) -> bool:
         a, key = record.account, (record.account, record.upload_id)
+        if self.held.get(key) == "kept":
+            return False
         self.uploads[key] = record
         if self.specs.get((a, record.spec)) == record.upload_id:
             del self.specs[(a, record.spec)]
@@ -381,9 +452,12 @@ class InMemoryFileRecords:
             usage["file_bytes"] -= record.bytes
             usage[record.counts] -= 1
         self.held[key] = "0"
+        return True
 
-    async def finish(self, record: UploadRecord, file: FileView | None) -> None:
+    async def finish(self, record: UploadRecord, file: FileView | None) -> bool:
         a, key = record.account, (record.account, record.upload_id)
+        if self.held.get(key) != "1":
+            return False
         self.uploads[key] = record
         self.held[key] = "kept"
         if self.specs.get((a, record.spec)) == record.upload_id:
@@ -391,6 +465,7 @@ class InMemoryFileRecords:
         if file is not None:
             self.records[(a, file.file_id)] = file
             self.digests[(a, file.sha256)] = file.file_id
+        return True
 
     async def file(self, account: str, file_id: str) -> FileView | None:
         return self.records.get((account, file_id))
@@ -420,10 +495,12 @@ class InMemoryFileRecords:
     async def usage(self, account: str) -> dict[str, int]:
         return dict(self.stored.get(account, {"file_bytes": 0, "files": 0, "models": 0}))
 
+    async def later(self, account: str, upload_id: str, at: float | None) -> None:
+        if at is None:
+            self.due.pop((account, upload_id), None)
+        else:
+            self.due[(account, upload_id)] = at
+
     async def expired(self, now: float, limit: int = 100) -> list[tuple[str, str]]:
-        due = [
-            (r.expires_at.timestamp(), a, u)
-            for (a, u), r in self.uploads.items()
-            if r.state in OPEN and r.expires_at.timestamp() <= now
-        ]
-        return [(a, u) for _, a, u in sorted(due)][:limit]
+        due = sorted((at, a, u) for (a, u), at in self.due.items() if at <= now)
+        return [(a, u) for _, a, u in due][:limit]

@@ -581,8 +581,8 @@ def storage_policy_refusal(
         return None
     if os.path.isabs(storage) and within(storage, roots):
         return None
-    allowed = ", ".join(str(r) for r in roots) or "none on this backend"
-    return (
+    allowed = "the operator names them" if roots else "this backend allows none"
+    return (  # the roots themselves are the operator's to tell: no answer lists a server path
         ErrorCode.checkpoint_storage_unavailable,
         f"checkpoint storage must be 'local' or a path under a storage root the operator allows ({allowed})",
     )

@@ -6,8 +6,17 @@ Tenant-scoped like every verb: the account is the one the NATS server authentica
 file or connection of another account is `data_not_found` with the same words as one that does
 not exist. Bounded: a part is at most UPLOAD_CHUNK_MAX bytes and must come at the offset the store
 holds; an upload reserves its bytes against the account's quotas when it begins; its check runs
-with a time bound and a memory cap, off the event loop; an upload not committed within
-`upload_ttl_s` is removed and its reservation given back (`expire_forever`).
+with a time bound and a memory cap, off the event loop, a few at once (`CheckSlots`); an account
+has at most MAX_OPEN_UPLOADS uploads open, and beginning one or starting its check spends a token of
+its request rate; an upload not committed within `upload_ttl_s` is removed and its reservation given
+back (`expire_forever`).
+
+One check of an upload at a time across every scheduler instance: the check (or the expiry) claims
+the upload first (`FileRecords.claim`, until its time bound has passed half again), and the file is
+recorded only while the reservation is held (`finish` answers False otherwise: the bytes checked
+are removed). A bucket's object is checked and kept at its ETag: a PUT after the check makes the
+keep fail. Whatever a late presigned PUT leaves once the upload is over is swept SWEEP_AFTER_S
+later (every URL of it has run out by then).
 """
 
 import asyncio
@@ -57,9 +66,10 @@ from services.runtime.configuration.settings import Settings
 from services.runtime.messaging.codec import Refusal
 from services.runtime.security.accounts import Credentials
 from services.runtime.security.quota_stores import Quotas
+from services.runtime.security.quota_stores import refusal as rate_refusal
 from services.runtime.storage import confined, data_checks, data_connections
 from services.runtime.storage.model_store import NAME_RE, AddOutcome, ModelStore
-from services.runtime.storage.tenant_files import StoreError, TenantStore
+from services.runtime.storage.tenant_files import PRESIGN_EXPIRES_S, StoreError, TenantStore
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
 from services.scheduler.file_records import FileRecords, StorageLimits, UploadRecord
 from services.scheduler.peers import Peers
@@ -67,7 +77,12 @@ from services.scheduler.peers import Peers
 log = logging.getLogger("ito.scheduler.uploads")
 
 COMMIT_WAIT_S = 5.0  # a commit answers the check's verdict when it is this quick, else "checking"
-STALE_CHECK_FACTOR = 1.5  # a check "checking" past its time bound by this much was an instance's that died
+CLAIM_FACTOR = (
+    1.5  # a check's claim lasts its time bound and half again (an instance that died lets it run out)
+)
+EXPIRY_CLAIM_S = 120.0  # the expiry's claim: the time to release an upload and remove its bytes
+SWEEP_AFTER_S = PRESIGN_EXPIRES_S + 3600  # an over upload's leftovers go once its last PUT has ended
+MAX_NAME_BYTES = 255  # one component of an upload's path (the most a file system's name holds)
 MODEL_ADD_TIMEOUT_S = 600.0  # checking and storing an uploaded checkpoint (hashing gigabytes)
 EXPIRE_EVERY_S = 60.0
 _outcome_decoder = msgspec.json.Decoder(AddOutcome)
@@ -82,6 +97,27 @@ def spec_of(req: UploadRequest) -> str:
     fields = (req.kind.value, req.name, req.purpose.value, req.format.value if req.format else "")
     listed = [(f.path, f.bytes, f.sha256) for f in req.files]
     return hashlib.sha256(msgspec.json.encode([fields, listed])).hexdigest()
+
+
+def paths_refusal(paths: list[str]) -> str | None:
+    """Why an upload's paths cannot be its files' (None: they can): each a plain relative path of
+    names a file system holds, named once, and none the directory of another."""
+    for path in paths:
+        try:
+            names = confined.parts(path)
+        except confined.Confined:
+            return f"{path!r} is not a plain relative path"
+        if any(len(name.encode()) > MAX_NAME_BYTES for name in names):
+            return f"{path!r}: a name in it is longer than {MAX_NAME_BYTES} bytes"
+    if len(set(paths)) != len(paths):
+        return "an upload names each file once"
+    named = set(paths)
+    for path in paths:
+        names = path.split("/")
+        for i in range(1, len(names)):
+            if (above := "/".join(names[:i])) in named:
+                return f"{above!r} is a file and the directory of {path!r}: name each file once"
+    return None
 
 
 def data_format(req: UploadRequest) -> DataFormat | None:
@@ -126,7 +162,10 @@ class Uploads:
         peers: Peers,
         settings: Settings,
         model_store: ModelStore,
+        slots: data_checks.CheckSlots | None = None,
     ) -> None:
+        self.slots = slots if slots is not None else data_checks.CheckSlots()
+        self.owner = secrets.token_hex(8)  # this instance, as the claimant of the checks it runs
         self.credentials = credentials
         self.records = records
         self.store = store
@@ -139,18 +178,19 @@ class Uploads:
     async def _account(self, caller: str, req: object) -> str:
         return (await authenticate(self.credentials, caller, req)).account
 
+    async def _rated(self, account: str) -> None:
+        """A token of the account's request rate (beginning an upload, starting its check): the
+        same bucket plan, confirm and train spend from."""
+        refusal = rate_refusal(await self.quotas.take(account, cost=1))
+        if refusal is not None:
+            raise refusal
+
     # --- begin, parts -----------------------------------------------------------------------------
 
     async def upload(self, caller: str, req: UploadRequest) -> UploadSession:
         account = await self._account(caller, req)
-        paths = [f.path for f in req.files]
-        for path in paths:
-            try:
-                confined.parts(path)
-            except confined.Confined:
-                raise Refusal(ErrorCode.request_invalid, f"{path!r} is not a plain relative path") from None
-        if len(set(paths)) != len(paths):
-            raise Refusal(ErrorCode.request_invalid, "an upload names each file once")
+        if (why := paths_refusal([f.path for f in req.files])) is not None:
+            raise Refusal(ErrorCode.request_invalid, why)
         fmt = None
         if req.kind is UploadKind.data:
             if len(req.files) != 1:
@@ -163,6 +203,7 @@ class Uploads:
                 )
         elif not NAME_RE.fullmatch(req.name):
             raise Refusal(ErrorCode.request_invalid, "a model's name is 1-256 letters, digits and . _ - /")
+        await self._rated(account)
         now = datetime.now(UTC)
         limits = await self.quotas.limits(account)
         record = UploadRecord(
@@ -190,7 +231,12 @@ class Uploads:
     async def _session(self, record: UploadRecord, resumed: bool = False) -> UploadSession:
         files = []
         for f in record.files:
-            received = await asyncio.to_thread(self.store.received, record.account, record.upload_id, f.path)
+            try:
+                received = await asyncio.to_thread(
+                    self.store.received, record.account, record.upload_id, f.path
+                )
+            except StoreError:  # what is there cannot be read back: send it again
+                received = 0
             put = None
             if self.store.remote and received < f.bytes:
                 signed = await asyncio.to_thread(
@@ -253,6 +299,7 @@ class Uploads:
                 "the upload expired before it was committed and was removed; upload the file again",
             )
         if record.state == "uploading":
+            await self._rated(account)
             for f in record.files:
                 got = await asyncio.to_thread(self.store.received, account, record.upload_id, f.path)
                 if got != f.bytes:
@@ -284,6 +331,12 @@ class Uploads:
         return task
 
     async def _guarded(self, record: UploadRecord, check) -> None:
+        now = datetime.now(UTC).timestamp()
+        bound = data_checks.time_bound(record.bytes)
+        if record.kind is UploadKind.model:
+            bound += MODEL_ADD_TIMEOUT_S
+        if not await self.records.claim(record, self.owner, now, now + bound * CLAIM_FACTOR):
+            return  # another instance checks it (or it is over): the commit answers what it finds
         try:
             await check(record)
         except Exception as exc:  # the check itself failed: the upload is rejected, its quota given back
@@ -297,14 +350,23 @@ class Uploads:
         rejected = msgspec.structs.replace(
             record, state="rejected", message=message, problems=problems, more_problems=more
         )
-        await self.records.release(rejected)
+        if await self.records.release(rejected):
+            await self._over(record)
+
+    async def _over(self, record: UploadRecord) -> None:
+        """An upload that is over: its bytes removed now, and again once its last PUT has ended."""
         await asyncio.to_thread(self.store.drop_upload, record.account, record.upload_id)
+        await self.records.later(
+            record.account, record.upload_id, datetime.now(UTC).timestamp() + SWEEP_AFTER_S
+        )
 
     async def _check_data(self, record: UploadRecord) -> None:
         declared = record.files[0]
         fmt = record.format or DataFormat.jsonl
-        with self.store.opened_upload(record.account, record.upload_id, declared.path) as fd:
-            report: DataReport = await data_checks.run_check(fd, fmt)
+        version = await asyncio.to_thread(self.store.version, record.account, record.upload_id, declared.path)
+        async with self.slots.held(record.account):
+            with self.store.opened_upload(record.account, record.upload_id, declared.path, version) as fd:
+                report: DataReport = await data_checks.run_check(fd, fmt)
         if report.sha256 != declared.sha256 or report.bytes != declared.bytes:
             await self._reject(
                 record,
@@ -323,7 +385,9 @@ class Uploads:
             )
             return
         file_id = FILE_ID_PREFIX + secrets.token_hex(12)
-        await asyncio.to_thread(self.store.keep, record.account, record.upload_id, declared.path, file_id)
+        await asyncio.to_thread(
+            self.store.keep, record.account, record.upload_id, declared.path, file_id, version
+        )
         file = FileView(
             file_id=file_id,
             name=record.name,
@@ -337,8 +401,13 @@ class Uploads:
             created_at=datetime.now(UTC),
             source=f"upload:{file_id}",
         )
-        await self.records.finish(msgspec.structs.replace(record, state="ready", file_id=file_id), file)
-        await asyncio.to_thread(self.store.drop_upload, record.account, record.upload_id)
+        if not await self.records.finish(
+            msgspec.structs.replace(record, state="ready", file_id=file_id), file
+        ):
+            log.warning("upload %s: released while it was checked; its file is removed", record.upload_id)
+            await asyncio.to_thread(self.store.delete_file, record.account, file_id)
+            return
+        await self._over(record)
         log.info("upload %s: file %s kept (%d rows)", record.upload_id, file_id, report.rows)
 
     async def _store_model(self, record: UploadRecord) -> None:
@@ -348,14 +417,19 @@ class Uploads:
         try:
             for f in record.files:
                 await asyncio.to_thread(self._gather, record, f.path, f.sha256, scratch)
-            outcome = await self._add_model(scratch, record)
+            async with self.slots.held(record.account):
+                outcome = await self._add_model(scratch, record)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if outcome.model is None:
             await self._reject(record, f"the model was not kept: {outcome.error}", [])
             return
-        await self.records.finish(msgspec.structs.replace(record, state="ready", model=record.name), None)
-        await asyncio.to_thread(self.store.drop_upload, record.account, record.upload_id)
+        if not await self.records.finish(
+            msgspec.structs.replace(record, state="ready", model=record.name), None
+        ):
+            log.warning("upload %s: released while its model was stored", record.upload_id)
+            return
+        await self._over(record)
 
     def _scratch(self) -> pathlib.Path:
         where = self.settings.data_dir / "spool"
@@ -485,16 +559,21 @@ class Uploads:
     # --- expiry -----------------------------------------------------------------------------------
 
     async def expire_once(self, now: float | None = None) -> int:
-        """Remove the uploads past their expiry (and give their quota back); how many."""
-        due = await self.records.expired(now if now is not None else datetime.now(UTC).timestamp())
+        """The uploads due a look: an open one past its expiry is removed and its quota given back
+        (unless a live check holds it: next time), an over one's leftovers swept; how many."""
+        at = now if now is not None else datetime.now(UTC).timestamp()
+        due = await self.records.expired(at)
         for account, upload_id in due:
             record = await self.records.upload(account, upload_id)
-            if record is None or record.state not in ("uploading", "checking"):
-                continue
-            await self.records.release(
-                msgspec.structs.replace(record, state="expired", message="not committed in time")
-            )
-            await asyncio.to_thread(self.store.drop_upload, account, upload_id)
+            if record is None:
+                await self.records.later(account, upload_id, None)
+            elif record.state not in ("uploading", "checking"):  # over: what a late PUT left goes
+                await asyncio.to_thread(self.store.drop_upload, account, upload_id)
+                await self.records.later(account, upload_id, None)
+            elif await self.records.claim(record, self.owner, at, at + EXPIRY_CLAIM_S):
+                expired = msgspec.structs.replace(record, state="expired", message="not committed in time")
+                if await self.records.release(expired):
+                    await self._over(record)
         return len(due)
 
     async def expire_forever(self) -> None:

@@ -133,3 +133,30 @@ def test_a_check_past_its_time_bound_is_stopped(tmp_path):
             asyncio.run(data_checks.run_check(fd, DataFormat.jsonl, timeout_s=0.01))
     finally:
         os.close(fd)
+
+
+def test_a_parquet_row_group_too_large_to_read_whole_is_one_problem(tmp_path, monkeypatch):
+    table = pa.table({"text": [os.urandom(64).hex() for _ in range(64)]})  # 8 KiB, every row its own
+    monkeypatch.setattr(data_checks, "MAX_ROW_GROUP_BYTES", 4096)  # in this process: the check's own
+    report = report_of(tmp_path, parquet_bytes(tmp_path, table), DataFormat.parquet)
+    assert len(report.problems) == 1 and "row group 0 holds" in report.problems[0]
+    assert "smaller row groups" in report.problems[0]
+
+
+async def test_checks_wait_their_turn_a_few_at_once_and_one_per_account():
+    slots = data_checks.CheckSlots(total=2, per_account=1)
+    running: list[str] = []
+    most: dict[str, int] = {"all": 0}
+
+    async def check(account: str) -> None:
+        async with slots.held(account):
+            running.append(account)
+            most["all"] = max(most["all"], len(running))
+            most[account] = max(most.get(account, 0), running.count(account))
+            await asyncio.sleep(0.01)
+            running.remove(account)
+
+    await asyncio.gather(*(check(a) for a in ["acme"] * 4 + ["rival"] * 4 + ["third"] * 2))
+    assert most["all"] == 2
+    assert most["acme"] == most["rival"] == most["third"] == 1
+    assert slots._accounts == {}  # nothing kept for an account with no check waiting

@@ -19,7 +19,7 @@ from devstack.infra import free_port
 from services.runtime.configuration import settings as settings_mod
 from services.runtime.storage import data_connections, s3_objects
 from services.runtime.storage.data_connections import BadConnection
-from services.runtime.storage.tenant_files import BucketStore
+from services.runtime.storage.tenant_files import BucketStore, StoreError
 from services.scheduler.data_facts import DataFacts
 from services.trainer.agent.inputs import Reader
 
@@ -63,7 +63,10 @@ def test_an_upload_goes_by_presigned_put_into_the_bucket_and_is_kept(moto, tmp_p
     with store.opened_file("acme", "file-1") as fd:
         assert os.read(fd, len(ROWS) + 1) == ROWS
     assert list((tmp_path / "spool").iterdir()) == []  # a read's copy has no name: nothing is left
-    keys = {o["Key"] for o in s3_objects.client(moto).list_objects_v2(Bucket="tenant-store")["Contents"]}
+    keys = {
+        o["Key"]
+        for o in s3_objects.client(moto).list_objects_v2(Bucket="tenant-store", Prefix="uploads/")["Contents"]
+    }
     assert keys == {"uploads/acme/files/file-1"}  # the upload's object became the file's
 
 
@@ -118,3 +121,23 @@ def test_an_object_is_checked_at_plan_time_and_copied_at_train_time_through_the_
         assert os.read(fd, len(ROWS) + 1) == ROWS
     ours = "\n".join(r.getMessage() for r in caplog.records if not r.name.startswith(("moto", "werkzeug")))
     assert SECRET not in ours and KEY_ID not in ours  # the backend's logs (moto's own are its server's)
+
+
+def test_a_put_after_the_check_is_never_kept(moto, tmp_path):
+    """The object is kept at the ETag that was checked: bytes put after the check make the keep
+    fail, and nothing unchecked becomes a file."""
+    store = BucketStore(bucket="tenant-store", prefix="race", endpoint=moto, spool=tmp_path / "spool")
+    client = s3_objects.client(moto)
+    key = "race/acme/uploads/up-2/corpus.jsonl"
+    client.put_object(Bucket="tenant-store", Key=key, Body=ROWS)
+    checked = store.version("acme", "up-2", "corpus.jsonl")
+    with store.opened_upload("acme", "up-2", "corpus.jsonl", checked) as fd:
+        assert os.read(fd, len(ROWS) + 1) == ROWS
+    client.put_object(Bucket="tenant-store", Key=key, Body=b'{"text": "swapped after the check"}\n')
+    with pytest.raises(StoreError):
+        store.keep("acme", "up-2", "corpus.jsonl", "file-2", checked)
+    with pytest.raises(StoreError):
+        with store.opened_upload("acme", "up-2", "corpus.jsonl", checked):
+            pass
+    listed = client.list_objects_v2(Bucket="tenant-store", Prefix="race/acme/files/").get("Contents", [])
+    assert listed == []

@@ -6,11 +6,14 @@ given back; another tenant can neither see nor name any of it; a delete is a sep
 idempotent mutation; an upload left uncommitted expires and gives its quota back; and a manifest
 names a file as `upload:<id>`, resolved into the work item (issue 39)."""
 
+import asyncio
 import hashlib
 import json
 import uuid
+from datetime import UTC, datetime
 
 import msgspec
+import pytest
 
 from contracts import subjects
 from contracts.api import (
@@ -32,6 +35,7 @@ from contracts.files import (
     FilesRequest,
     UploadCommitRequest,
     UploadFile,
+    UploadKind,
     UploadPartAck,
     UploadPartRequest,
     UploadRequest,
@@ -39,8 +43,9 @@ from contracts.files import (
     UploadView,
 )
 from contracts.runs import TrainWork
+from services.scheduler.file_records import MAX_OPEN_UPLOADS
 from services.scheduler.manifests import digest_of
-from services.scheduler.uploads import Uploads
+from services.scheduler.uploads import SWEEP_AFTER_S, Uploads, paths_refusal
 from tests.scheduler.test_handlers_inmemory import (
     REPO_MANIFEST,
     Bus,
@@ -317,3 +322,117 @@ async def test_a_manifest_names_an_upload_and_the_work_item_carries_it_resolved(
     (item,) = work.inputs
     assert (item.name, item.kind.value, item.locator) == ("mine", "upload", view.file.file_id)
     assert (item.digest, item.bytes) == (view.file.sha256, view.file.bytes)
+
+
+# --- what the attacker found (issue 39's review) ----------------------------------------------------
+
+
+def twin(uploads: Uploads) -> Uploads:
+    """A second scheduler instance: the same records, store and quotas, its own checks."""
+    u = uploads
+    return Uploads(u.credentials, u.records, u.store, u.quotas, u.peers, u.settings, u.model_store)
+
+
+async def checking(bus: Bus, account: str = "acme"):
+    session = data(await call(bus, subjects.API_UPLOAD, begin(TEXT_ROWS), account), UploadSession)
+    await send(bus, account, session, TEXT_ROWS)
+    uploads = uploads_of(bus)
+    record = await uploads.records.upload(account, session.upload_id)
+    record = msgspec.structs.replace(record, state="checking")
+    await uploads.records.save(record)
+    return uploads, record
+
+
+async def test_two_instances_check_an_upload_once_and_its_quota_is_counted_once(bus):
+    await login(bus)
+    first, record = await checking(bus)
+    second = twin(first)
+    await asyncio.gather(
+        first._guarded(record, first._check_data), second._guarded(record, second._check_data)
+    )
+    listed = data(await call(bus, subjects.API_FILES, FilesRequest(), "acme"), FileList)
+    assert len(listed.files) == 1
+    assert await first.records.usage("acme") == {"file_bytes": len(TEXT_ROWS), "files": 1, "models": 0}
+    view = data(await committed(bus, "acme", record.upload_id), UploadView)
+    assert view.state == "ready" and view.file == listed.files[0]
+
+
+async def test_the_expiry_waits_for_a_live_check_and_never_releases_a_kept_file(bus):
+    await login(bus)
+    uploads, record = await checking(bus)
+    late = record.expires_at.timestamp() + 1
+    assert await uploads.records.claim(record, "another-instance", late, late + 600)
+    await uploads.expire_once(now=late)  # another instance's check is live: the upload stays
+    assert (await uploads.records.upload("acme", record.upload_id)).state == "checking"
+    assert (await uploads.records.usage("acme"))["file_bytes"] == len(TEXT_ROWS)
+    await uploads.expire_once(now=late + 601)  # that instance died: its claim ran out
+    assert (await uploads.records.upload("acme", record.upload_id)).state == "expired"
+    assert await uploads.records.usage("acme") == {"file_bytes": 0, "files": 0, "models": 0}
+    # a kept upload is never released, whoever asks
+    kept = await uploaded(bus, "acme", name="kept.jsonl")
+    record = await uploads.records.upload("acme", kept.upload_id)
+    assert record is not None and record.state == "ready"
+    assert not await uploads.records.release(msgspec.structs.replace(record, state="expired"))
+    assert not await uploads.records.claim(record, "anyone", late, late + 1)
+    assert await uploads.records.usage("acme") == {"file_bytes": len(TEXT_ROWS), "files": 1, "models": 0}
+
+
+async def test_what_a_late_put_leaves_after_an_upload_is_over_is_swept(bus):
+    await login(bus)
+    view = await uploaded(bus, "acme")
+    assert view.state == "ready"
+    uploads = uploads_of(bus)
+    uploads.store.write("acme", view.upload_id, "corpus.jsonl", 0, b"late")  # a PUT that came late
+    assert uploads.store.received("acme", view.upload_id, "corpus.jsonl") == 4
+    await uploads.expire_once(now=datetime.now(UTC).timestamp() + SWEEP_AFTER_S + 1)
+    assert uploads.store.received("acme", view.upload_id, "corpus.jsonl") == 0
+    assert await uploads.records.expired(datetime.now(UTC).timestamp() + 10 * SWEEP_AFTER_S) == []
+
+
+@pytest.mark.parametrize(
+    "paths, why",
+    [
+        (["a.jsonl"], None),
+        (["config.json", "model.safetensors", "tok/vocab.json"], None),
+        (["config.json", "config.json"], "each file once"),
+        (["tok", "tok/vocab.json"], "is a file and the directory of"),
+        (["a/b", "a/b/c/d"], "is a file and the directory of"),
+        (["../etc/passwd"], "not a plain relative path"),
+        (["/abs"], "not a plain relative path"),
+        (["x" * 256], "longer than 255 bytes"),
+        (["d/" + "é" * 128], "longer than 255 bytes"),
+    ],
+)
+def test_an_uploads_paths_are_files_a_file_system_holds(paths, why):
+    found = paths_refusal(paths)
+    assert (found is None) if why is None else (found is not None and why in found)
+
+
+async def test_a_model_upload_whose_paths_conflict_is_refused_before_anything_is_reserved(bus):
+    await login(bus)
+    files = [UploadFile(path=p, bytes=1, sha256=sha(b"x")) for p in ("tok", "tok/vocab.json")]
+    req = UploadRequest(kind=UploadKind.model, name="mine", files=files)
+    out = await call(bus, subjects.API_UPLOAD, req, "acme")
+    assert code(out) is ErrorCode.request_invalid and "directory of" in out.error.message
+    assert await uploads_of(bus).records.usage("acme") == {"file_bytes": 0, "files": 0, "models": 0}
+
+
+async def test_an_account_has_a_bounded_number_of_uploads_open(bus):
+    await login(bus)
+    for i in range(MAX_OPEN_UPLOADS):
+        data(await call(bus, subjects.API_UPLOAD, begin(TEXT_ROWS, f"c{i}.jsonl"), "acme"), UploadSession)
+    out = await call(bus, subjects.API_UPLOAD, begin(TEXT_ROWS, "one-more.jsonl"), "acme")
+    assert code(out) is ErrorCode.quota_exceeded and out.error.quota.quota == "open_uploads"
+    assert "begun and not committed" in out.error.message
+    # the same request again is the upload it began, not one more
+    again = await call(bus, subjects.API_UPLOAD, begin(TEXT_ROWS, "c0.jsonl"), "acme")
+    assert data(again, UploadSession).resumed
+
+
+async def test_beginning_uploads_spends_the_accounts_request_rate(bus):
+    await login(bus)
+    await bus.quotas.set_limits("acme", {"rate_per_s": 0.01, "burst": 2})  # no refill during the test
+    for i in range(2):
+        data(await call(bus, subjects.API_UPLOAD, begin(TEXT_ROWS, f"r{i}.jsonl"), "acme"), UploadSession)
+    out = await call(bus, subjects.API_UPLOAD, begin(TEXT_ROWS, "r2.jsonl"), "acme")
+    assert code(out) is ErrorCode.rate_limited

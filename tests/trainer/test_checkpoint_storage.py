@@ -1,5 +1,6 @@
 """The trainer's checkpoint storage check (services/trainer/agent/storage.py), on real directories."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -84,3 +85,28 @@ def test_the_room_needed_counts_what_the_run_holds_already(tmp_path, monkeypatch
             prepare(tmp_path, run, needed=needed, absolute=True, allowed=(tmp_path,))
     else:
         prepare(tmp_path, run, needed=needed, absolute=True, allowed=(tmp_path,))
+
+
+def test_a_storage_directory_another_user_owns_is_refused(tmp_path):
+    # found by the review of issue 39: a tenant who owned <root>/own passed the link checks, and
+    # after the trainer's check renamed <own>/<account> away and put its own tree there (a planted
+    # checkpoint the next stage would load); the chain from the root down must be the trainer's
+    root = tmp_path / "ckpt"
+    (root / "own").mkdir(parents=True)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the directory to another user")
+    os.chown(root / "own", 65534, 65534)  # nobody's
+    with pytest.raises(StorageUnavailable, match="not the trainer's"):
+        prepare(root / "own", root / "own" / "acme" / "r1", needed=0, absolute=True, allowed=(root,))
+    assert list((root / "own").iterdir()) == []
+
+
+def test_a_root_others_may_write_is_refused_unless_sticky(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(StorageUnavailable, match="not the trainer's"):
+        prepare(root, root / "acme" / "r1", needed=0, absolute=True, allowed=(root,))
+    root.chmod(0o1777)  # /tmp's: others cannot rename what is not theirs
+    prepare(root, root / "acme" / "r1", needed=0, absolute=True, allowed=(root,))
+    assert (root / "acme" / "r1").is_dir()

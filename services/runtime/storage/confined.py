@@ -106,6 +106,32 @@ def _ours(fd: int, rel: str) -> None:
         raise Confined("foreign", f"{rel} is not this service's alone (its owner or mode)")
 
 
+def _root_safe(fd: int) -> None:
+    """A root others may write is safe only with the sticky bit (they cannot rename our entries)."""
+    st = os.fstat(fd)
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise Confined("foreign", "the storage root may be changed by other users")
+
+
+def open_trusted_dir(root: str | os.PathLike[str], relative: str = "") -> int:
+    """A descriptor of the directory `relative` below `root` through a chain nobody else can
+    change: the root is not writable by others (or is sticky) and every directory below it is this
+    process's user's alone. Only then may a path through it be used later (a tenant who owned a
+    directory on the way could rename it away and put its own tree in its place)."""
+    fd = open_root(root)
+    try:
+        _root_safe(fd)
+        for name in parts(relative) if relative else []:
+            nxt = _step(fd, name, relative)
+            os.close(fd)
+            fd = nxt
+            _ours(fd, relative)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def make_dirs(root: str | os.PathLike[str] | int, relative: str, mode: int = DIR_MODE) -> int:
     """A descriptor of the directory `relative` below `root`, made (0700) where missing. A component
     that is a link, a file, or a directory not ours alone is refused: nothing is made through it."""

@@ -8,18 +8,21 @@ planned (remembered while its bytes are the same).
 The check runs in a child process (`run_check`): it reads the file from its standard input (a
 descriptor the service opened safely; the child opens no path), is killed past its time bound,
 and its memory is capped, so a hostile file costs a bounded amount of one process's work and
-never the service's event loop. What comes back is decoded into `DataReport` at the edge.
+never the service's event loop. What comes back is decoded into `DataReport` at the edge. An
+instance runs a few checks at once (`CheckSlots`: half its cores, one per account); the others
+wait their turn.
 
     python -m services.runtime.storage.data_checks --format jsonl < FILE   # prints the report (JSON)
 """
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import os
 import resource
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import IO, Any
 
 import msgspec
@@ -33,7 +36,8 @@ PARQUET_BATCH = 4096
 MAX_LINE_BYTES = 64 * 1024 * 1024  # one JSONL row; pyarrow's largest block (data_files.JSONL_MAX_BLOCK)
 BASE_TIMEOUT_S = 60.0  # the check's time bound: this, plus PER_GB_TIMEOUT_S per GB of the file
 PER_GB_TIMEOUT_S = 120.0
-MEMORY_LIMIT_BYTES = 8 << 30  # the child's address space; a row batch is small, a hostile file is not
+MEMORY_LIMIT_BYTES = 4 << 30  # the child's address space; a row batch is small, a hostile file is not
+MAX_ROW_GROUP_BYTES = 512 << 20  # a Parquet row group (uncompressed): the trainer reads one whole
 _report_decoder = msgspec.json.Decoder(DataReport)
 
 
@@ -185,6 +189,15 @@ def check_parquet(f: IO[bytes]) -> DataReport:
     found = _Findings("row")
     try:
         parquet = pq.ParquetFile(f)
+        groups = parquet.metadata
+        for i in range(groups.num_row_groups):
+            if (held := groups.row_group(i).total_byte_size) > MAX_ROW_GROUP_BYTES:
+                found.add(
+                    1,
+                    f"row group {i} holds {held:,} bytes uncompressed; a row group is read whole, so "
+                    f"at most {MAX_ROW_GROUP_BYTES:,}: write the file with smaller row groups",
+                )
+                return found.report(DataFormat.parquet, size, "sha256:" + digest.hexdigest())
         columns = [c for c in data_rows.KNOWN_COLUMNS if c in parquet.schema_arrow.names]
         at = 0
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH, columns=columns):
@@ -242,6 +255,34 @@ def check(f: IO[bytes], fmt: DataFormat) -> DataReport:
 
 
 # --- in a child process ---------------------------------------------------------------------------
+
+
+class CheckSlots:
+    """The checks one instance runs at once: at most `total` (half its cores: a check is one busy
+    process) and at most `per_account` of them one account's; the others wait their turn (an
+    account's own first, so one account's many uploads never hold every slot)."""
+
+    def __init__(self, total: int | None = None, per_account: int = 1) -> None:
+        self.total = total or max(1, (os.cpu_count() or 2) // 2)
+        self.per_account = per_account
+        self._all: asyncio.Semaphore | None = None
+        self._accounts: dict[str, tuple[asyncio.Semaphore, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def held(self, account: str) -> AsyncIterator[None]:
+        if self._all is None:
+            self._all = asyncio.Semaphore(self.total)
+        mine, users = self._accounts.get(account) or (asyncio.Semaphore(self.per_account), 0)
+        self._accounts[account] = (mine, users + 1)
+        try:
+            async with mine, self._all:
+                yield
+        finally:
+            mine, users = self._accounts[account]
+            if users == 1:
+                del self._accounts[account]
+            else:
+                self._accounts[account] = (mine, users - 1)
 
 
 def time_bound(size: int) -> float:

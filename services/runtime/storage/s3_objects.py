@@ -99,11 +99,15 @@ def head(endpoint: Endpoint, bucket: str, key: str) -> tuple[int, str] | None:
     return int(meta["ContentLength"]), str(meta.get("ETag", ""))
 
 
-def get_into(endpoint: Endpoint, bucket: str, key: str, fd: int, max_bytes: int) -> tuple[int, str]:
+def get_into(
+    endpoint: Endpoint, bucket: str, key: str, fd: int, max_bytes: int, if_match: str = ""
+) -> tuple[int, str]:
     """The object's bytes written to `fd` from its current offset: (size, "sha256:<hex>"). S3Error
-    when it cannot be read or is larger than `max_bytes`."""
+    when it cannot be read, is larger than `max_bytes`, or (with `if_match`) is no longer that
+    version (its ETag)."""
     try:
-        body = client(endpoint).get_object(Bucket=bucket, Key=key)["Body"]
+        extra = {"IfMatch": if_match} if if_match else {}
+        body = client(endpoint).get_object(Bucket=bucket, Key=key, **extra)["Body"]
     except Exception as exc:
         raise _failed(f"s3://{bucket}/{key} cannot be read", exc) from None
     digest, size = hashlib.sha256(), 0
@@ -125,11 +129,21 @@ def get_into(endpoint: Endpoint, bucket: str, key: str, fd: int, max_bytes: int)
     return size, "sha256:" + digest.hexdigest()
 
 
-def copy(endpoint: Endpoint, bucket: str, source: str, target: str) -> None:
+def copy(endpoint: Endpoint, bucket: str, source: str, target: str, if_match: str = "") -> None:
+    """A server-side copy; with `if_match`, only of that version of the source (its ETag): S3
+    refuses the copy of another (CopySourceIfMatch), and where a store does not, the copy's own
+    ETag (a single PUT's is its bytes' MD5, the same in the copy) says so and the copy is removed."""
+    extra = {"CopySourceIfMatch": if_match} if if_match else {}
     try:
-        client(endpoint).copy_object(Bucket=bucket, Key=target, CopySource={"Bucket": bucket, "Key": source})
+        made = client(endpoint).copy_object(
+            Bucket=bucket, Key=target, CopySource={"Bucket": bucket, "Key": source}, **extra
+        )
     except Exception as exc:
         raise _failed(f"s3://{bucket}/{source} cannot be copied", exc) from None
+    copied = str(made.get("CopyObjectResult", {}).get("ETag", ""))
+    if if_match and "-" not in if_match and copied and copied != if_match:
+        delete(endpoint, bucket, target)
+        raise S3Error(f"s3://{bucket}/{source} changed after it was checked")
 
 
 def delete(endpoint: Endpoint, bucket: str, key: str) -> None:

@@ -21,7 +21,6 @@ copies the object to its file key; reads go through a temporary copy on the read
 import contextlib
 import os
 import pathlib
-import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +32,9 @@ from services.runtime.storage import confined, s3_objects
 from services.runtime.storage.confined import Confined
 
 ENV_FILE_STORE_URL = "ITO_FILE_STORE_URL"  # "", an absolute path, or s3://bucket/prefix
-PRESIGN_EXPIRES_S = 3600  # a presigned PUT is good for an hour; asking the upload again makes another
+PRESIGN_EXPIRES_S = 900  # a presigned PUT is good this long (S3 checks it when the PUT starts, so a long
+# PUT still ends); asking the upload again makes another. Whatever a PUT leaves after its upload is
+# over is swept once every URL of it has run out (services/scheduler/uploads.py, SWEEP_AFTER_S).
 COPY_BLOCK = 4 * 1024 * 1024
 
 
@@ -59,13 +60,19 @@ class TenantStore(Protocol):
         """A presigned PUT for the file (a bucket), or None (parts over the API)."""
         ...
 
-    @contextlib.contextmanager
-    def opened_upload(self, account: str, upload_id: str, path: str) -> Iterator[int]:
-        """A read-only descriptor of what the upload received for `path`."""
+    def version(self, account: str, upload_id: str, path: str) -> str:
+        """What identifies the bytes received for `path` now ("" where they cannot change once
+        complete: a local file takes no write past its size; a bucket's object: its ETag)."""
         ...
 
-    def keep(self, account: str, upload_id: str, path: str, file_id: str) -> None:
-        """Make the upload's `path` the file `file_id` (immutable from now on)."""
+    @contextlib.contextmanager
+    def opened_upload(self, account: str, upload_id: str, path: str, version: str = "") -> Iterator[int]:
+        """A read-only descriptor of what the upload received for `path` (that `version` of it)."""
+        ...
+
+    def keep(self, account: str, upload_id: str, path: str, file_id: str, version: str = "") -> None:
+        """Make the upload's `path` (that `version` of it: the one checked) the file `file_id`,
+        immutable from now on."""
         ...
 
     @contextlib.contextmanager
@@ -110,7 +117,7 @@ class LocalStore:
         except Confined as exc:
             if exc.reason == "missing":
                 return 0
-            raise StoreError(exc.message) from None
+            raise StoreError(f"{path} cannot be read back") from None
         try:
             return os.fstat(fd).st_size
         finally:
@@ -123,8 +130,10 @@ class LocalStore:
             parent = confined.make_dirs(root, rel.rsplit("/", 1)[0])
             os.close(parent)
             fd = confined.open_file(root, rel, os.O_WRONLY | os.O_CREAT)
-        except Confined as exc:
-            raise StoreError(exc.message) from None
+        except Confined:  # the store's own layout is never in an answer: the tenant's path only
+            raise StoreError(
+                f"{path} cannot be written (another of the upload's paths is in its way)"
+            ) from None
         finally:
             os.close(root)
         try:
@@ -143,8 +152,11 @@ class LocalStore:
     def presign(self, account: str, upload_id: str, path: str, size: int) -> tuple[str, datetime] | None:
         return None
 
+    def version(self, account: str, upload_id: str, path: str) -> str:
+        return ""
+
     @contextlib.contextmanager
-    def opened_upload(self, account: str, upload_id: str, path: str) -> Iterator[int]:
+    def opened_upload(self, account: str, upload_id: str, path: str, version: str = "") -> Iterator[int]:
         try:
             fd = confined.open_file(self.root, self._upload_rel(account, upload_id, path))
         except Confined as exc:
@@ -154,13 +166,13 @@ class LocalStore:
         finally:
             os.close(fd)
 
-    def keep(self, account: str, upload_id: str, path: str, file_id: str) -> None:
+    def keep(self, account: str, upload_id: str, path: str, file_id: str, version: str = "") -> None:
         root = self._root_fd()
         try:
             source = confined.open_dir(root, self._upload_rel(account, upload_id, path).rsplit("/", 1)[0])
             target = confined.make_dirs(root, f"{_name(account)}/files")
-        except Confined as exc:
-            raise StoreError(exc.message) from None
+        except Confined:
+            raise StoreError(f"{path} cannot be kept") from None
         finally:
             os.close(root)
         try:
@@ -253,14 +265,18 @@ class BucketStore:
         key = self._key(account, "uploads", upload_id, path)
         return s3_objects.presign_put(self.endpoint, self.bucket, key, size, PRESIGN_EXPIRES_S)
 
+    def version(self, account: str, upload_id: str, path: str) -> str:
+        found = s3_objects.head(self.endpoint, self.bucket, self._key(account, "uploads", upload_id, path))
+        return found[1] if found is not None else ""
+
     @contextlib.contextmanager
-    def _spooled(self, key: str) -> Iterator[int]:
+    def _spooled(self, key: str, version: str = "") -> Iterator[int]:
         self.spool.mkdir(parents=True, exist_ok=True, mode=confined.DIR_MODE)
         fd, name = tempfile.mkstemp(dir=self.spool, prefix=".spool-")
         os.unlink(name)  # the copy has no name: it goes with the descriptor
         try:
             try:
-                s3_objects.get_into(self.endpoint, self.bucket, key, fd, self.max_bytes)
+                s3_objects.get_into(self.endpoint, self.bucket, key, fd, self.max_bytes, if_match=version)
             except s3_objects.S3Error as exc:
                 raise StoreError(str(exc).replace(f"s3://{self.bucket}/{key}", "the object")) from None
             os.lseek(fd, 0, os.SEEK_SET)
@@ -269,14 +285,18 @@ class BucketStore:
             os.close(fd)
 
     @contextlib.contextmanager
-    def opened_upload(self, account: str, upload_id: str, path: str) -> Iterator[int]:
-        with self._spooled(self._key(account, "uploads", upload_id, path)) as fd:
+    def opened_upload(self, account: str, upload_id: str, path: str, version: str = "") -> Iterator[int]:
+        with self._spooled(self._key(account, "uploads", upload_id, path), version) as fd:
             yield fd
 
-    def keep(self, account: str, upload_id: str, path: str, file_id: str) -> None:
+    def keep(self, account: str, upload_id: str, path: str, file_id: str, version: str = "") -> None:
+        """The checked version only (a PUT after the check makes the copy fail: nothing unchecked
+        becomes a file)."""
         source = self._key(account, "uploads", upload_id, path)
         try:
-            s3_objects.copy(self.endpoint, self.bucket, source, self._key(account, "files", file_id))
+            s3_objects.copy(
+                self.endpoint, self.bucket, source, self._key(account, "files", file_id), if_match=version
+            )
             s3_objects.delete(self.endpoint, self.bucket, source)
         except s3_objects.S3Error as exc:
             raise StoreError("the upload could not be kept in the bucket") from exc
@@ -315,20 +335,3 @@ def open_store(url: str, data_dir: pathlib.Path, endpoint_url: str = "") -> Tena
             spool=data_dir / "spool",
         )
     raise ValueError(f"{ENV_FILE_STORE_URL} must be an absolute path or s3://bucket/prefix, got {url!r}.")
-
-
-def copy_fd(source: int, target: int, limit: int) -> int:
-    """Copy `source` (from its start) to `target`; the bytes copied (at most `limit`)."""
-    os.lseek(source, 0, os.SEEK_SET)
-    with os.fdopen(os.dup(source), "rb") as src, os.fdopen(os.dup(target), "wb") as dst:
-        copied = 0
-        while block := src.read(min(COPY_BLOCK, limit - copied + 1)):
-            copied += len(block)
-            if copied > limit:
-                raise StoreError(f"larger than {limit} bytes")
-            dst.write(block)
-    return copied
-
-
-def move_tree(source: pathlib.Path, target: pathlib.Path) -> None:
-    shutil.move(str(source), str(target))

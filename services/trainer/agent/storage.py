@@ -8,7 +8,10 @@ of this trainer's allowed roots and must exist already (the trainer never create
 the run's directories are made from the storage root down, component by component with
 O_NOFOLLOW (services/runtime/storage/confined.py), so a link anywhere on the way (a local user's
 `<root>/<account>` pointing at a directory of root's, issue 39) is refused and nothing is made
-through it, and a directory that is not the trainer's alone is refused too; the directory must
+through it; and the whole chain from the root down must be one nobody else can change (the root
+not writable by others unless sticky, every directory below it the trainer's alone), because the
+run's files are used by path afterwards: a directory a tenant owned on the way could be renamed
+away and replaced by a tree of its own (checkpoints the trainer would load, records it would read); the directory must
 take a file, and the disk must have the room the plan asks for, less what this run's checkpoints
 hold already (a resumed run rotates its own). A refusal fails the run with
 `checkpoint_storage_unavailable` before any GPU time is spent.
@@ -66,9 +69,14 @@ def _made(root: pathlib.Path, below: str, run_dir: pathlib.Path, absolute: bool)
     if not absolute:
         storage.mkdir(parents=True, exist_ok=True, mode=0o700)  # the trainer's own `<data dir>/checkpoints`
     try:
-        top = confined.open_dir(root, below) if below else confined.open_root(root)
-    except confined.Confined:
-        raise StorageUnavailable("the checkpoint storage path does not exist on the trainer") from None
+        top = confined.open_trusted_dir(root, below)
+    except confined.Confined as exc:
+        if exc.reason == "missing":
+            raise StorageUnavailable("the checkpoint storage path does not exist on the trainer") from None
+        raise StorageUnavailable(
+            "the checkpoint storage leads through a link or a directory that is not the trainer's "
+            "alone; nothing was made there"
+        ) from None
     try:
         os.close(confined.make_dirs(top, relative))
     except confined.Confined as exc:
