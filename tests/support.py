@@ -210,3 +210,21 @@ def replica_seal(replica_id: int, run_id: str = "run_replicas_test", epoch: int 
     return Seal(
         key=heal_key("test-rendezvous-secret", run_id), run_id=run_id, replica_id=replica_id, epoch=epoch
     )
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[str]:
+    """An S3-compatible server in this process (moto), on a port of its own: its URL. Skips the
+    test where moto is not installed."""
+    import pytest
+
+    from devstack.infra import free_port
+
+    server_mod = pytest.importorskip("moto.server")
+    port = free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()

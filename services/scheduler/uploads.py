@@ -33,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 
 import msgspec
 
-from contracts.api import Action, ModelView
+from contracts.api import Action
 from contracts.errors import ErrorCode
 from contracts.files import (
     FILE_ID_PREFIX,
@@ -59,7 +59,6 @@ from contracts.files import (
 )
 from contracts.internal import LedgerAccept
 from contracts.manifest import DataFormat
-from contracts.models import BaseModel
 from services.domain import data_refs
 from services.domain import quotas as quota_rules
 from services.runtime.configuration.settings import Settings
@@ -71,6 +70,7 @@ from services.runtime.storage import confined, data_checks, data_connections
 from services.runtime.storage.model_store import NAME_RE, AddOutcome, ModelStore
 from services.runtime.storage.tenant_files import PRESIGN_EXPIRES_S, StoreError, TenantStore
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
+from services.scheduler.api import model_view
 from services.scheduler.file_records import FileRecords, StorageLimits, UploadRecord
 from services.scheduler.peers import Peers
 
@@ -126,21 +126,6 @@ def data_format(req: UploadRequest) -> DataFormat | None:
         return req.format
     suffix = data_refs.suffix_format(req.files[0].path) or data_refs.suffix_format(req.name)
     return DataFormat(suffix) if suffix else None
-
-
-def model_view(m: BaseModel) -> ModelView:
-    return ModelView(
-        name=m.name,
-        digest=m.digest,
-        family=m.family,
-        architecture=m.architecture,
-        parameters=m.parameters,
-        vocab_size=m.shape.vocab_size,
-        max_seq_len=m.shape.max_seq_len,
-        tokenizer=m.tokenizer_vocab is not None,
-        chat_template=m.chat_template,
-        bytes=m.bytes,
-    )
 
 
 def rejection(view: UploadView) -> Refusal:

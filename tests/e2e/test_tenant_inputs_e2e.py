@@ -29,9 +29,8 @@ import uuid
 
 import pytest
 
-from devstack.infra import free_port
 from services.runtime.storage import s3_objects
-from tests.support import eventually
+from tests.support import eventually, moto_s3
 
 pytestmark = [pytest.mark.e2e]
 
@@ -183,12 +182,8 @@ class Tenant:
 
 @pytest.fixture(scope="module")
 def moto_url():
-    server_mod = pytest.importorskip("moto.server")
-    port = free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_s3() as url:
+        yield url
 
 
 @pytest.fixture

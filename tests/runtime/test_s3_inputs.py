@@ -15,13 +15,13 @@ import pytest
 
 from contracts.files import DataInput, InputKind
 from contracts.manifest import DataFormat
-from devstack.infra import free_port
 from services.runtime.configuration import settings as settings_mod
 from services.runtime.storage import data_connections, s3_objects
 from services.runtime.storage.data_connections import BadConnection
 from services.runtime.storage.tenant_files import BucketStore, StoreError
 from services.scheduler.data_facts import DataFacts
 from services.trainer.agent.inputs import Reader
+from tests.support import moto_s3
 
 ROWS = b"".join(json.dumps({"text": f"the river runs under bridge {i}"}).encode() + b"\n" for i in range(40))
 KEY_ID, SECRET = "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
@@ -29,18 +29,12 @@ KEY_ID, SECRET = "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEK
 
 @pytest.fixture(scope="module")
 def moto():
-    server_mod = pytest.importorskip("moto.server")
-    port = free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = s3_objects.Endpoint(
-        endpoint_url=f"http://127.0.0.1:{port}", access_key_id=KEY_ID, secret_access_key=SECRET
-    )
-    client = s3_objects.client(endpoint)
-    for bucket in ("tenant-store", "acme-corpora"):
-        client.create_bucket(Bucket=bucket)
-    yield endpoint
-    server.stop()
+    with moto_s3() as url:
+        endpoint = s3_objects.Endpoint(endpoint_url=url, access_key_id=KEY_ID, secret_access_key=SECRET)
+        client = s3_objects.client(endpoint)
+        for bucket in ("tenant-store", "acme-corpora"):
+            client.create_bucket(Bucket=bucket)
+        yield endpoint
 
 
 def sha(data: bytes) -> str:

@@ -22,7 +22,6 @@ from contracts.files import (
     UploadView,
 )
 from contracts.manifest import DataFormat
-from devstack.infra import free_port
 from ecc.upload import Local, put_file
 from services.runtime.configuration import settings as settings_mod
 from services.runtime.configuration.keys import Keys
@@ -34,18 +33,15 @@ from services.runtime.security.secrets import Secrets
 from services.runtime.storage import s3_objects
 from services.trainer.agent.inputs import Reader
 from tests.scheduler.test_handlers_inmemory import Bus, call, data, login, register_all
+from tests.support import moto_s3
 
 ROWS = b"".join(json.dumps({"text": f"row {i} of the bucket's corpus"}).encode() + b"\n" for i in range(30))
 
 
 @pytest.fixture(scope="module")
 def moto_url():
-    server_mod = pytest.importorskip("moto.server")
-    port = free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_s3() as url:
+        yield url
 
 
 @pytest.fixture

@@ -121,29 +121,31 @@ def open_trusted_dir(root: str | os.PathLike[str], relative: str = "") -> int:
     fd = open_root(root)
     try:
         _root_safe(fd)
-        for name in parts(relative) if relative else []:
-            nxt = _step(fd, name, relative)
-            os.close(fd)
-            fd = nxt
-            _ours(fd, relative)
-        return fd
     except BaseException:
         os.close(fd)
         raise
+    return _walk(fd, relative, None)
 
 
 def make_dirs(root: str | os.PathLike[str] | int, relative: str, mode: int = DIR_MODE) -> int:
     """A descriptor of the directory `relative` below `root`, made (0700) where missing. A component
     that is a link, a file, or a directory not ours alone is refused: nothing is made through it."""
     fd = open_root(root) if not isinstance(root, int) else os.dup(root)
+    return _walk(fd, relative, mode)
+
+
+def _walk(fd: int, relative: str, make: int | None) -> int:
+    """From the directory `fd` (this call's to close) down `relative`, each directory made with mode
+    `make` where missing (None: none made) and refused unless it is ours alone."""
     try:
-        for name in parts(relative):
-            try:
-                os.mkdir(name, mode, dir_fd=fd)
-            except FileExistsError:
-                pass
-            except OSError as exc:
-                raise Confined("missing", f"{relative} cannot be made ({exc.strerror})") from None
+        for name in parts(relative) if relative else []:
+            if make is not None:
+                try:
+                    os.mkdir(name, make, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                except OSError as exc:
+                    raise Confined("missing", f"{relative} cannot be made ({exc.strerror})") from None
             nxt = _step(fd, name, relative)
             os.close(fd)
             fd = nxt
