@@ -285,7 +285,7 @@ def redis_rules(identity: str, s: Settings) -> tuple[tuple[str, ...], str]:
                     f"{acct}:file-digest:*",
                     f"{ns}:upload-expiry:*",
                 ),
-                "+get +set +mget +del +hget +hmget +hset +hsetnx +hdel +hgetall +hincrby +zadd +zrem +zrange "
+                "+get +set +mget +del +hget +hmget +hset +hsetnx +hdel +hgetall +hincrby +zadd +zrem +zrange +zcard "
                 "+zrangebyscore +zrevrange +zrevrangebyscore "
                 "+rpush +ltrim +llen +lrange +sadd +srem +smembers +scard +pexpire +time "
                 f"+multi +exec +discard {scripts}",
