@@ -16,7 +16,11 @@ RUN groupadd -g "${ITO_UID}" ito \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY contracts ./contracts
+COPY domain ./domain
+COPY runtime ./runtime
+COPY training ./training
 COPY services ./services
+COPY ops ./ops
 COPY ecc ./ecc
 # torch first, pinned exactly, from TORCH_INDEX (PyPI's own Linux wheel is a multi-GB CUDA build).
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" torch==2.13.0 \

@@ -1,5 +1,5 @@
 """Checkpoint benchmarks: how long the training loop stalls for an asynchronous DCP save
-(`services.trainer.engine.checkpoint.Checkpointer`) against a synchronous `torch.save` of the same state,
+(`training.engine.checkpoint.Checkpointer`) against a synchronous `torch.save` of the same state,
 and the checkpoint's write bandwidth against a raw file write of the same number of bytes.
 
 The state is a model of a named shape with its AdamW state materialised by one optimizer step.
@@ -34,7 +34,7 @@ import torch
 
 from bench import stats
 from contracts.models import MODEL_SHAPES
-from services.trainer.model import Transformer, count_parameters
+from training.model import Transformer, count_parameters
 
 RAW_CHUNK_BYTES = 16 * 1024 * 1024  # large sequential writes: the disk's best case
 # Tokens in the forward and backward between a save and the next optimizer step (batch 1): small,
@@ -87,7 +87,7 @@ def _raw_write(path: pathlib.Path, n_bytes: int) -> float:
 def _loop_save(checkpointer, step: int, model, optimizer, tokens: torch.Tensor) -> dict[str, float]:
     """One save in the loop's pattern: save, forward and backward, wait_staged, optimizer step.
     Then the write is waited for and committed (what the loop's next steps would overlap)."""
-    from services.trainer.engine.checkpoint import CheckpointInfo
+    from training.engine.checkpoint import CheckpointInfo
 
     started = time.perf_counter()
     checkpointer.save(step, model, optimizer, data_position=step)
@@ -113,7 +113,7 @@ def _loop_save(checkpointer, step: int, model, optimizer, tokens: torch.Tensor) 
 
 
 def measure(shape_name: str, repeats: int, step_tokens: int = STEP_TOKENS) -> dict:
-    from services.trainer.engine.checkpoint import Checkpointer
+    from training.engine.checkpoint import Checkpointer
 
     model, optimizer = _state(shape_name)
     shape = MODEL_SHAPES[shape_name]

@@ -151,10 +151,10 @@ async def service_hop_round_trips(stack: Stack, samples: int) -> list[float]:
     import msgspec
 
     from contracts.endpoints import Endpoint
-    from services.runtime.messaging.bus import Router, serve
-    from services.runtime.messaging.service import scheduler_verifier
-    from services.runtime.security.order_signatures import Signer
-    from services.runtime.security.secrets import Secrets
+    from runtime.messaging.bus import Router, serve
+    from runtime.messaging.service import scheduler_verifier
+    from runtime.security.order_signatures import Signer
+    from runtime.security.secrets import Secrets
 
     class Echo(msgspec.Struct):
         data: str
@@ -303,7 +303,7 @@ async def auth_cost(stack: Stack, samples: int) -> dict:
     import redis.asyncio as aioredis
 
     from devstack import infra
-    from services.runtime.messaging import connections
+    from runtime.messaging import connections
 
     connects = max(10, min(samples, MAX_CONNECT_SAMPLES))
     root = pathlib.Path(tempfile.mkdtemp(prefix="ito-bench-noauth-"))

@@ -28,17 +28,17 @@ from collections.abc import Iterable
 from bench.stack import Stack, confirmations, cpu_delta, cpu_seconds, drive
 
 PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("signatures", ("services/runtime/security/order_signatures.py", "nacl/", "hashlib")),
-    ("decode/encode", ("services/runtime/messaging/codec.py", "msgspec/")),
+    ("signatures", ("runtime/security/order_signatures.py", "nacl/", "hashlib")),
+    ("decode/encode", ("runtime/messaging/codec.py", "msgspec/")),
     ("redis client", ("redis/",)),
     ("nats client", ("nats/",)),
     ("faststream", ("faststream/", "fast_depends/", "pydantic/")),
     ("audit", ("services/scheduler/audit.py",)),
-    ("metrics", ("prometheus_client/", "services/runtime/messaging/metrics.py")),
+    ("metrics", ("prometheus_client/", "runtime/messaging/metrics.py")),
     ("logging", ("logging/",)),
     (
         "plan and gate 5",
-        ("services/scheduler/planning.py", "services/domain/", "services/scheduler/capacity.py"),
+        ("services/scheduler/planning.py", "domain/", "services/scheduler/capacity.py"),
     ),
     (
         "manifest",
@@ -61,7 +61,7 @@ _FRAME = re.compile(r"^(?P<function>.*) \((?P<path>.*):\d+\)$")
 
 
 def frame_path(frame: str) -> str:
-    """`answer_coded (services/runtime/messaging/codec.py:122)` -> `services/runtime/messaging/codec.py`."""
+    """`answer_coded (runtime/messaging/codec.py:122)` -> `runtime/messaging/codec.py`."""
     m = _FRAME.match(frame.strip())
     return m["path"] if m else ""
 

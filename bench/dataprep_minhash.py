@@ -2,12 +2,12 @@
 by the hand-written numpy MinHash-LSH against `datasketch` (MinHash + MinHashLSH), side by side.
 
 Corpora: the data prep's shipped source, `builtin:pydoc_topics` (the documents
-`services.trainer.data.corpora.load_documents` gives the pipeline: 79 long help texts); the same topics
+`training.data.corpora.load_documents` gives the pipeline: 79 long help texts); the same topics
 plus planted near copies; and the training mix of `examples/manifests/full.json` (the topics and
 the generated line sources: ~35k documents, most of them one 5-word shingle long). Exact duplicates
 are dropped first, as `prepare` does.
 
-Rows: `numpy (before)` is the hand-written implementation `services/trainer/data/prep.py` carried
+Rows: `numpy (before)` is the hand-written implementation `training/data/prep.py` carried
 (kept here verbatim so the comparison can be rerun); `datasketch (stage)` is what the stage runs now
 (`prep.near_duplicate_sets`), which settles one-shingle documents by a set lookup (exact: see
 there) and hands the rest to datasketch; `numpy + one-shingle path` gives the hand-written code the
@@ -49,8 +49,8 @@ import numpy as np
 from datasketch import MinHashLSH
 from scipy import sparse
 
-from services.trainer.data import prep
-from services.trainer.data.corpora import load_documents
+from training.data import prep
+from training.data.corpora import load_documents
 
 SOURCE = "builtin:pydoc_topics"
 EXAMPLE_MANIFEST = pathlib.Path(__file__).resolve().parent.parent / "examples" / "manifests" / "full.json"
@@ -62,7 +62,7 @@ MERSENNE_31 = (1 << 31) - 1
 SIGNATURE_CHUNK = 1 << 16
 
 
-# --- the hand-written numpy MinHash-LSH (what services/trainer/data/prep.py shipped before datasketch) ---
+# --- the hand-written numpy MinHash-LSH (what training/data/prep.py shipped before datasketch) ---
 
 
 def numpy_signatures(sets: Sequence[np.ndarray], permutations: int, seed: int) -> np.ndarray:
@@ -160,7 +160,7 @@ def one_shingle_path(keep_fn: Callable, pairs_fn: Callable) -> tuple[Callable, C
     return keep, pairs
 
 
-# --- datasketch: what services/trainer/data/prep.py runs -------------------------------------------------
+# --- datasketch: what training/data/prep.py runs -------------------------------------------------
 
 
 def datasketch_keep(sets: Sequence[np.ndarray], seed: int) -> list[bool]:

@@ -1,7 +1,7 @@
 """`python -m bench.gpu [--shapes 150M,1B] [--steps N] [--compile/--no-compile] [--fsdp] [--dry-run]
 [--out PATH]`: training throughput and MFU of the trainer's model on GPUs.
 
-Trains each shape from `contracts.models.MODEL_SHAPES` (the model of `services/trainer/model.py`,
+Trains each shape from `contracts.models.MODEL_SHAPES` (the model of `training/model.py`,
 imported as it is) for `--warmup` + `--steps` optimizer steps on one fixed synthetic batch and
 reports tokens/s, step time, peak GPU memory, achieved TFLOPS per GPU and MFU. A step is what the
 trainer does: forward, cross-entropy, backward, gradient clipping at 1.0, fused AdamW, zero_grad.
@@ -52,7 +52,7 @@ import torch
 
 from bench import report, stats
 from contracts.models import MODEL_SHAPES, ModelShape
-from services.trainer.model import Transformer, count_parameters
+from training.model import Transformer, count_parameters
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent

@@ -91,7 +91,7 @@ def write_assets(root: pathlib.Path) -> Assets:
 
 
 def _shape(base: pathlib.Path):
-    from services.domain.model_shapes import shape_from_hf_config
+    from domain.model_shapes import shape_from_hf_config
 
     return shape_from_hf_config(json.loads((base / "config.json").read_text())).shape
 
@@ -214,7 +214,7 @@ def _hf_common(directory: str, total: int, lr: float) -> dict:
 def _drawn(stage: str, n: int, total: int) -> list[int]:
     """The row indices our stage draws, step after step (posttrain.batch_rng): TRL reads the rows in
     this order, so both sides train on the same batches."""
-    from services.trainer.recipes.posttrain import batch_rng
+    from training.recipes.posttrain import batch_rng
 
     order = []
     indices = list(range(n))
@@ -225,7 +225,7 @@ def _drawn(stage: str, n: int, total: int) -> list[int]:
 
 
 def _post_config(stage: str, shape, init_from: str, total: int, directory: str, pad_id: int, **kw):
-    from services.trainer.recipes.posttrain import PostConfig
+    from training.recipes.posttrain import PostConfig
 
     return PostConfig(
         stage=stage,
@@ -252,9 +252,9 @@ def sft(assets: Assets, sizes: Sizes) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from services.trainer.data import rows
-    from services.trainer.data.tokenizer import HfTokenizer
-    from services.trainer.recipes import posttrain
+    from training.data import rows
+    from training.data.tokenizer import HfTokenizer
+    from training.recipes import posttrain
 
     total = sizes.warmup + sizes.steps
     shape = _shape(assets.base)
@@ -319,9 +319,9 @@ def dpo(assets: Assets, sizes: Sizes) -> dict:
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from services.trainer.data import rows
-    from services.trainer.data.tokenizer import HfTokenizer
-    from services.trainer.recipes import posttrain
+    from training.data import rows
+    from training.data.tokenizer import HfTokenizer
+    from training.recipes import posttrain
 
     total = sizes.warmup + sizes.steps
     shape = _shape(assets.base)
@@ -411,12 +411,12 @@ def write_corpus(path: pathlib.Path, rows: int) -> int:
 
 
 def _ours_tokenize(corpus: pathlib.Path, base: pathlib.Path, out: pathlib.Path) -> tuple[int, int]:
-    """Data prep's path (services/trainer/data/token_files.py): the JSONL's text column streamed,
+    """Data prep's path (training/data/token_files.py): the JSONL's text column streamed,
     tokenized with the base's tokenizer (eos after each document) into sharded, memory-mapped
     uint16 token files: (rows, tokens)."""
     from contracts.manifest import DataFormat
-    from services.trainer.data.token_files import iter_column_documents, write_token_files
-    from services.trainer.data.tokenizer import HfTokenizer
+    from training.data.token_files import iter_column_documents, write_token_files
+    from training.data.tokenizer import HfTokenizer
 
     tok = HfTokenizer.from_dir(base)
     documents = iter_column_documents(corpus, DataFormat.jsonl)
@@ -489,17 +489,17 @@ def _ours_export(state: dict[str, torch.Tensor], shape, base: pathlib.Path, out:
     """services/trainer/hf_export.write_hf_export when it is there; until then the same files
     written here (HF names, one safetensors file, config.json from hf_config_from_shape, the
     tokenizer files). Returns which ran."""
-    from services.trainer.data.tokenizer import tokenizer_files
+    from training.data.tokenizer import tokenizer_files
 
     files = tokenizer_files(base)
-    hf_export = _optional("services.trainer.weights.hf_export")
+    hf_export = _optional("training.weights.hf_export")
     if hf_export is not None:
         hf_export.write_hf_export(state, shape, out, tokenizer_files=files)
         return "hf_export.write_hf_export"
     from safetensors.torch import save_file
 
-    from services.domain.model_shapes import hf_config_from_shape
-    from services.trainer.weights.hf_adapter import to_hf
+    from domain.model_shapes import hf_config_from_shape
+    from training.weights.hf_adapter import to_hf
 
     hf = {k: v.contiguous() for k, v in to_hf(state, shape).items()}
     out.mkdir(parents=True)
@@ -513,7 +513,7 @@ def _ours_export(state: dict[str, torch.Tensor], shape, base: pathlib.Path, out:
 def export(assets: Assets, sizes: Sizes) -> dict:
     from safetensors.torch import load_file
 
-    from services.trainer.weights.hf_adapter import from_hf
+    from training.weights.hf_adapter import from_hf
 
     shape = _shape(assets.base)
     state = from_hf(load_file(str(assets.base / "model.safetensors")), shape)

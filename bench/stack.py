@@ -27,7 +27,7 @@ import msgspec
 from contracts import subjects
 from contracts.api import Action, ConfirmRequest, TrainRequest
 from devstack import infra
-from services.runtime.configuration.settings import (
+from runtime.configuration.settings import (
     ENV_DATA_DIR,
     ENV_NAMESPACE,
     ENV_NATS_URL,
@@ -117,7 +117,7 @@ class Stack:
         return self._state()["infra"]
 
     def settings(self):
-        from services.runtime.configuration import settings as settings_mod
+        from runtime.configuration import settings as settings_mod
 
         return settings_mod.load(self.env)
 
@@ -129,7 +129,7 @@ class Stack:
 
     def redis(self, identity: str = "admin"):
         """An asyncio Redis client as one ACL user (admin: the probes; MONITOR, INFO, CONFIG GET)."""
-        from services.runtime.messaging import connections
+        from runtime.messaging import connections
 
         return connections.make_redis(self.settings(), identity)
 

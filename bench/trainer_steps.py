@@ -1,9 +1,9 @@
 """Trainer benchmarks: optimizer steps per second of our training code against a plain torch loop
 on the same model, data and batch, for pretraining, DPO and GRPO.
 
-Pretraining runs `services.trainer.recipes.pretrain.train_stage` and DPO `services.trainer.recipes.posttrain.train_dpo`
-on the tiny model. GRPO runs the shared optimizer loop (`services.trainer.engine.loop.run_loop`) with a
-step built from the pure losses in `services.trainer.recipes.objectives` on fixed rollouts: the RLVR stage
+Pretraining runs `training.recipes.pretrain.train_stage` and DPO `training.recipes.posttrain.train_dpo`
+on the tiny model. GRPO runs the shared optimizer loop (`training.engine.loop.run_loop`) with a
+step built from the pure losses in `training.recipes.objectives` on fixed rollouts: the RLVR stage
 also samples its rollouts inside each step, which is generation, not the loss being compared. Each plain loop is what a person would write by hand: forward,
 the same loss written inline, backward, gradient clipping, AdamW, zero_grad, `loss.item()`.
 
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from bench import stats
 from contracts.models import MODEL_SHAPES
-from services.trainer.data.corpora import BatchIterator
-from services.trainer.model import Transformer
+from training.data.corpora import BatchIterator
+from training.model import Transformer
 
 SHAPE = "tiny"
 SEQ_LEN, BATCH_SIZE = 64, 16  # examples/manifests/tiny.json's target
@@ -132,7 +132,7 @@ def _fresh_model(seed: int = 0) -> Transformer:
 
 
 def pretrain(sizes: Sizes) -> dict:
-    from services.trainer.recipes.pretrain import StageConfig, load_stage_data, train_stage
+    from training.recipes.pretrain import StageConfig, load_stage_data, train_stage
 
     total = sizes.warmup + sizes.steps
 
@@ -186,8 +186,8 @@ def dpo(sizes: Sizes) -> dict:
     """`posttrain.train_dpo` (our DPO stage: batches of right/wrong answers to arithmetic tasks,
     policy and frozen reference forwards, `objectives.dpo_loss`, the shared loop) against a plain
     loop that builds the same batches and writes the DPO loss inline."""
-    from services.trainer.data.corpora import load_text, task_problems
-    from services.trainer.recipes import posttrain
+    from training.data.corpora import load_text, task_problems
+    from training.recipes import posttrain
 
     total = sizes.warmup + sizes.steps
     problems = task_problems(load_text("generated:arithmetic", seed=0))
@@ -266,7 +266,7 @@ def _sequences(n: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tens
 def _timed(times: list[float], losses: list[float]):
     """A reporter that notes when each step's metrics arrive, and their loss."""
     from contracts.runs import Metrics, RunEvent
-    from services.trainer.engine.reporting import Reporter
+    from training.engine.reporting import Reporter
 
     def sink(event: RunEvent) -> None:
         if isinstance(event, Metrics):
@@ -281,7 +281,7 @@ def _run_ours(
 ) -> tuple[list[float], float]:
     from torch.optim.lr_scheduler import LambdaLR
 
-    from services.trainer.engine.loop import LoopSettings, StepOutput, run_loop
+    from training.engine.loop import LoopSettings, StepOutput, run_loop
 
     optimizer = _plain_optimizer(model)
     scheduler = LambdaLR(optimizer, lambda _: 1.0)
@@ -310,7 +310,7 @@ def grpo(sizes: Sizes) -> dict:
     """One GRPO/DAPO update on fixed rollouts (rewards, rollout-time log-probabilities): group
     advantages and the clipped surrogate from `objectives` in `run_loop`, against the same written
     inline in a plain loop."""
-    from services.trainer.recipes import objectives
+    from training.recipes import objectives
 
     total = sizes.warmup + sizes.steps
     n = GROUPS * GROUP_SIZE

@@ -43,8 +43,8 @@ from typing import Any
 from chaos import stack as chaos_stack
 from contracts import subjects
 from contracts.errors import ErrorCode
-from services.runtime.configuration.settings import ENV_INSTANCE, ENV_NATS_REPLICAS, ENV_REDIS_CLUSTER
-from services.runtime.messaging.bus import INSTANCE_HEADER
+from runtime.configuration.settings import ENV_INSTANCE, ENV_NATS_REPLICAS, ENV_REDIS_CLUSTER
+from runtime.messaging.bus import INSTANCE_HEADER
 
 REQUESTS, KEYS, CLIENTS = 10_000, 1_000, 64  # the issue's burst; the CI subset runs 1,000 over 100
 KEY_BLOCK = 50  # keys sent together: their requests interleave, so a key's requests overlap in time
@@ -298,7 +298,7 @@ class Faults:
 async def _work_leader(stack: chaos_stack.Stack) -> str:
     """The NATS node leading the WORK stream (its loss moves the stream's leader too)."""
     from devstack.authority import connect
-    from services.runtime.security.identities import OPERATOR
+    from runtime.security.identities import OPERATOR
 
     s = stack.settings()
     nc = await connect(s, OPERATOR, allow_reconnect=False)
@@ -432,7 +432,7 @@ def start_replacement(stack: chaos_stack.Stack) -> subprocess.Popen:
 async def _answers(stack: chaos_stack.Stack, instance: str) -> bool:
     """Whether `instance` answered one of a few scheduler health checks (a queue group picks one)."""
     from devstack.authority import connect
-    from services.runtime.security.identities import OPERATOR
+    from runtime.security.identities import OPERATOR
 
     s = stack.settings()
     nc = await connect(s, OPERATOR, allow_reconnect=False)

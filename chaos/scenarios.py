@@ -42,7 +42,7 @@ from chaos.stack import (
     wait,
 )
 from devstack.infra import alive, holder_of
-from services.runtime.configuration import faults
+from runtime.configuration import faults
 
 
 def trainer_killed(root) -> dict:
@@ -101,7 +101,7 @@ def gang_ranks(job: pathlib.Path) -> list[int]:
             continue
         if (
             str(job).encode() in argv
-            and b"services.trainer.launch.rank" in argv
+            and b"training.launch.rank" in argv
             and b"torch.distributed.run" not in argv
         ):
             pids.append(int(proc.name))

@@ -12,8 +12,8 @@ import time
 import uuid
 
 from contracts import subjects
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.configuration.settings import (
+from runtime.configuration import settings as settings_mod
+from runtime.configuration.settings import (
     ENV_DATA_DIR,
     ENV_NAMESPACE,
     ENV_NATS_URL,
@@ -164,7 +164,7 @@ class Stack:
     def queued(self) -> int:
         async def count():
             from devstack.authority import connect
-            from services.runtime.security.identities import OPERATOR
+            from runtime.security.identities import OPERATOR
 
             s = self.settings()
             nc = await connect(s, OPERATOR, allow_reconnect=False)  # the stream probe is operator tooling

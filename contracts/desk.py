@@ -1,6 +1,6 @@
 """What the desk reads through the scheduler: every run (not one account's), one run in detail.
 
-The desk identity (services/runtime/security/identities.py) may ask these two endpoints and read the DESK
+The desk identity (runtime/security/identities.py) may ask these two endpoints and read the DESK
 stream, nothing else: no tenant verb, no Redis. Answers carry the same views a tenant sees of its
 own runs, plus the history only the desk needs (state changes, interruptions, the audit trail).
 """

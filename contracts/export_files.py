@@ -1,5 +1,5 @@
 """What an export's files are, as both ends check them: the trainer that writes and serves them
-(services/trainer/outputs/exports.py) and `ecc ito download`, which writes them on the user's machine
+(services/trainer/exports.py) and `ecc ito download`, which writes them on the user's machine
 (ecc/download.py). Pure: no I/O, no torch (the client imports this).
 
 - An export id is "<stage>-<format>" (`dpo-hf`, `sft-peft`).

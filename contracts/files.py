@@ -118,7 +118,7 @@ class UploadCommitRequest(Contract, frozen=True, kw_only=True):
 
 
 class DataReport(Internal, frozen=True, kw_only=True):
-    """What a data file's check found (services/runtime/storage/data_checks.py): its bytes and
+    """What a data file's check found (runtime/storage/data_checks.py): its bytes and
     digest, its rows, the kinds of row every row is (`text`, `messages`, `preference`,
     `verifiable`) and every problem, each starting with its 1-based "line N" or "row N"."""
 

@@ -81,7 +81,7 @@ class DataRef(Contract, frozen=True, kw_only=True):
     name: str
     # "builtin:pydoc_topics", "generated:arithmetic"; your own data: "upload:file-<id>" (or
     # "upload:sha256:<hex>"), "s3://bucket/key" with `connection`, or "file:/abs/path" under your
-    # account's file root where the operator configured one (services/domain/data_refs.py)
+    # account's file root where the operator configured one (domain/data_refs.py)
     source: str
     role: DataRole = DataRole.train
     decontamination: Decontamination | None = None

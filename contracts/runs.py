@@ -31,18 +31,18 @@ class TrainWork(Internal, frozen=True, kw_only=True):
     nodes: int = 1
     rendezvous: str = ""
     # The run's rendezvous key (multi-node runs): a random secret the scheduler mints per run, from
-    # which node 0's store and every node derive the store key (services/trainer/launch/rendezvous.py):
+    # which node 0's store and every node derive the store key (training/launch/rendezvous.py):
     # only the run's own nodes get in. Never logged, never in an event or an answer.
     rendezvous_key: str = ""
     # The base model the manifest names, as the scheduler resolved it from the model store at plan
     # time (its digest checked); the trainer reads its weights from the store by this digest.
     base: BaseModel | None = None
     # The cost bound of the confirmation the run consumed: the most the person authorised it to
-    # spend. The run's spend limit is never above it (services/domain/budget.py); None on items
+    # spend. The run's spend limit is never above it (domain/budget.py); None on items
     # signed before the bound was carried (their limit is the manifest's alone).
     cost_bound_usd: float | None = None
     # The SHA-256 of the run's curriculum (its stages, data, steps and gates) as the scheduler planned
-    # and priced it (services/domain/curriculum.py `curriculum_digest`): the trainer plans the stages
+    # and priced it (domain/curriculum.py `curriculum_digest`): the trainer plans the stages
     # once from the manifest above and trains them only if they are these. Empty on items signed
     # before it was carried.
     curriculum_digest: str = ""

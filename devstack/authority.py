@@ -1,9 +1,9 @@
 """Embedded infra with authentication: write the servers' auth config from the policy
-(services/runtime/security/identities.py) and the account registry, start the servers, apply changes.
+(runtime/security/identities.py) and the account registry, start the servers, apply changes.
 
 Files, all under the secrets dir (0700), each 0600: `nats.conf` (public nkeys and permissions),
 `redis.acl` (users, SHA-256 of passwords, key patterns, commands), and the credentials themselves
-(services/runtime/security/secrets.py). A tenant added or revoked rewrites `nats.conf` and reloads the
+(runtime/security/secrets.py). A tenant added or revoked rewrites `nats.conf` and reloads the
 running nats-server (SIGHUP): a revoked credential's open connections are dropped at once.
 """
 
@@ -16,9 +16,9 @@ import time
 from contextlib import contextmanager
 
 from devstack import infra
-from services.runtime.configuration.settings import Settings, nats_servers
-from services.runtime.messaging import streams
-from services.runtime.security.identities import (
+from runtime.configuration.settings import Settings, nats_servers
+from runtime.messaging import streams
+from runtime.security.identities import (
     ACCOUNTS,
     NATS_IDENTITIES,
     OPERATOR,
@@ -26,8 +26,8 @@ from services.runtime.security.identities import (
     nats_config,
     redis_acl,
 )
-from services.runtime.security.secrets import Secrets
-from services.runtime.security.tls import Certs
+from runtime.security.secrets import Secrets
+from runtime.security.tls import Certs
 
 RELOAD_TIMEOUT_S = 10.0
 NATS_CONFIG = "nats.conf"
@@ -110,9 +110,9 @@ def ensure_certs(s: Settings) -> Certs:
 async def active_tenants(s: Settings, redis_url: str) -> list[tuple[str, str]]:
     import dataclasses
 
-    from services.runtime.configuration.keys import Keys
-    from services.runtime.messaging import connections
-    from services.runtime.security import accounts
+    from runtime.configuration.keys import Keys
+    from runtime.messaging import connections
+    from runtime.tenancy import accounts
 
     r = connections.make_redis(dataclasses.replace(s, redis_url=redis_url), ACCOUNTS)
     try:
@@ -133,7 +133,7 @@ async def connect(s: Settings, identity: str, url: str | None = None, **options)
     """A plain nats-py connection as one identity (operator tooling, tests, benchmarks)."""
     import nats
 
-    from services.runtime.messaging.connections import nats_auth
+    from runtime.messaging.connections import nats_auth
 
     servers = nats_servers(url or s.nats_url)  # a cluster's URLs: the client's server pool
     nc = await nats.connect(servers, connect_timeout=2, **nats_auth(s, identity), **options)

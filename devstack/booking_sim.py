@@ -8,8 +8,8 @@ import msgspec
 
 from contracts import subjects
 from contracts.booking import BookingEvent, BookingEventKind, Fabric, Topology
-from services.runtime.configuration.settings import Settings
-from services.runtime.messaging.publishing import headers_for
+from runtime.configuration.settings import Settings
+from runtime.messaging.publishing import headers_for
 
 GPU_MEMORY_GB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
 
@@ -52,7 +52,7 @@ def event(
 
 async def publish(settings: Settings, ev: BookingEvent) -> dict:
     from devstack.authority import connect
-    from services.runtime.security.identities import COMPUTE
+    from runtime.security.identities import COMPUTE
 
     nc = await connect(settings, COMPUTE, allow_reconnect=False)  # ito-compute's own identity
     try:

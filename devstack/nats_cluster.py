@@ -1,6 +1,6 @@
 """A 3-node NATS cluster for `ito-training up --cluster`: the nodes' configs, start, reload.
 
-Each node is the single server's config (services/runtime/security/identities.py: the same nkeys and
+Each node is the single server's config (runtime/security/identities.py: the same nkeys and
 per-identity permissions, written by `nats_config`) plus its own `server_name`, JetStream
 `store_dir`, client port and cluster port, and a `cluster` block: routes to the other nodes on
 loopback, authenticated with one generated route secret. The secret lives in a 0600 file
@@ -9,7 +9,7 @@ never in an argument, an environment variable or a log line (nats-server redacts
 
 Clients get every node's URL (`pool_url`, comma-separated in ITO_NATS_URL): nats-py picks one at
 random, fails over to another when it dies, and learns the cluster's other URLs from the server.
-Streams are declared with `num_replicas = CLUSTER_SIZE` (services/runtime/messaging/streams.py), so any one
+Streams are declared with `num_replicas = CLUSTER_SIZE` (runtime/messaging/streams.py), so any one
 node may die with nothing lost. Configs are pure functions of the nodes (tested as tables);
 `start` and `apply_tenants` do the I/O.
 """
@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from devstack import authority, infra
-from services.runtime.configuration.settings import Settings
-from services.runtime.messaging import streams
-from services.runtime.security import tls
-from services.runtime.security.identities import NATS_IDENTITIES, OPERATOR, nats_config
-from services.runtime.security.secrets import read_private, write_once
+from runtime.configuration.settings import Settings
+from runtime.messaging import streams
+from runtime.security import tls
+from runtime.security.identities import NATS_IDENTITIES, OPERATOR, nats_config
+from runtime.security.secrets import read_private, write_once
 
 CLUSTER_SIZE = 3  # the smallest that survives one node's loss with a JetStream quorum (2 of 3)
 CLUSTER_NAME = "ito"

@@ -15,7 +15,7 @@ again as it was (same ports; the nodes find each other from those files).
 
 Failover is the cluster's own: `cluster-node-timeout` (NODE_TIMEOUT_MS) after a primary stops
 answering, the others mark it failed and its replica is elected in its place; `fail_over` kills a
-primary and measures that. `ito-training up --cluster` (services/ops) calls `start_cluster` and
+primary and measures that. `ito-training up --cluster` (ops) calls `start_cluster` and
 `stop_cluster` and hands `Cluster.url` to the services with `ITO_REDIS_CLUSTER=1`; after a
 credential rotation, `apply_credentials` gives every node the new ACL file and replication login.
 """
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import redis
 
 from devstack import infra
-from services.runtime.security.identities import ADMIN, REPLICATION
-from services.runtime.security.secrets import Secrets
+from runtime.security.identities import ADMIN, REPLICATION
+from runtime.security.secrets import Secrets
 
 PRIMARIES = 3
 REPLICAS_PER_PRIMARY = 1

@@ -5,7 +5,7 @@ the standard ports have no authentication.
 `up --cluster`: a 3-node NATS cluster (devstack/nats_cluster.py, every stream R3) and
 CLUSTER_INSTANCES instances of every service (`scheduler-1`, `scheduler-2`, ...), each with the
 whole server pool. The instances of a service share its requests (one queue group per service) and
-its durable consumers (one message in flight per durable: services/runtime/messaging/service.py); `up`
+its durable consumers (one message in flight per durable: runtime/messaging/service.py); `up`
 returns once every instance has answered a health check itself.
 
 Every service process (every instance) serves Prometheus' `/metrics` on a free loopback port of its
@@ -27,7 +27,7 @@ from typing import Any
 
 from contracts.subjects import HEALTH, SERVICES
 from devstack import authority, infra, nats_cluster
-from services.runtime.configuration.settings import (
+from runtime.configuration.settings import (
     EMBEDDED_FILE_ROOT,
     ENV_DATA_DIR,
     ENV_DESK_PORT,
@@ -46,10 +46,10 @@ from services.runtime.configuration.settings import (
     entitlement_key,
     nats_servers,
 )
-from services.runtime.messaging.bus import INSTANCE_HEADER
-from services.runtime.security.identities import OPERATOR
-from services.runtime.security.secrets import DESK_TOKEN, Secrets
-from services.runtime.security.tls import Certs
+from runtime.messaging.bus import INSTANCE_HEADER
+from runtime.security.identities import OPERATOR
+from runtime.security.secrets import DESK_TOKEN, Secrets
+from runtime.security.tls import Certs
 
 SERVICES_READY_TIMEOUT_S = 90.0  # the trainer imports torch; a cold 2-core machine is slow
 CLUSTER_INSTANCES = 2  # of every service under `up --cluster`: one may die, the other serves
@@ -118,7 +118,7 @@ def up(
     and, with `desk`, the desk's web app; returns the recorded state once every one answers its
     health check (or stops everything and raises). With `tls` (or `settings.tls`): NATS requires
     TLS on its client (and route) listeners, the desk and every /metrics serve HTTPS, all with
-    the certificates under `<secrets dir>/tls` (created when missing: services/runtime/security/tls.py)."""
+    the certificates under `<secrets dir>/tls` (created when missing: runtime/security/tls.py)."""
     if tls:
         settings = dataclasses.replace(settings, tls=True)
     existing = read_state(settings)
@@ -282,7 +282,7 @@ def _spawn(name: str, service: str, env: dict[str, str], logs: pathlib.Path) -> 
     an instance (`name` is not the service's) knows its name (ITO_INSTANCE)."""
     out = open(logs / f"{name}.log", "ab")  # the child keeps it open; ours closes when `up` exits
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.ops.main", "serve", service],
+        [sys.executable, "-m", "ops.main", "serve", service],
         env={**env, ENV_INSTANCE: name if name != service else ""},
         stdout=out,
         stderr=subprocess.STDOUT,
@@ -344,12 +344,12 @@ class _ExitedAtStart(Exception):
 def _desk_on(port: int, env: dict[str, str], logs: pathlib.Path, ca: pathlib.Path | None) -> dict[str, Any]:
     import urllib.request
 
-    from services.runtime.security.tls import client_context
+    from runtime.security.tls import client_context
 
     context = client_context(ca) if ca is not None else None
     with open(logs / "desk.log", "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.ops.main", "desk", "serve", "--port", str(port)],
+            [sys.executable, "-m", "ops.main", "desk", "serve", "--port", str(port)],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -23,7 +23,7 @@ from ecc import credentials
 
 ENV_CONNECTION_FILE = "ECC_CONNECTION_FILE"
 FILE_NAME = "connection.json"
-# The same names and defaults as services/runtime/configuration/settings.py: the client imports no service.
+# The same names and defaults as runtime/configuration/settings.py: the client imports no service.
 ENV_NATS_URL = "ITO_NATS_URL"
 ENV_NAMESPACE = "ITO_NAMESPACE"
 ENV_NATS_CA = "ITO_NATS_CA"  # the CA file that verifies the server's TLS (docs/tls.md)

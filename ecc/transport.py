@@ -102,7 +102,7 @@ def seed_of(api_key: str) -> bytes | None:
 
 
 def tenant_inbox(account: str) -> str:
-    return f"_INBOX_t_{account}"  # the same rule as services/runtime/security/identities.py (ecc imports no service)
+    return f"_INBOX_t_{account}"  # the same rule as runtime/security/identities.py (ecc imports no service)
 
 
 def _is_cert_failure(exc: BaseException) -> bool:

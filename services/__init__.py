@@ -1,2 +1,3 @@
-"""ito-training services. Each subpackage is one service; they share only `contracts` and the
-small `services.runtime` (settings, connections, codec, embedded infra). No service imports another."""
+"""ito-training's services, one subpackage each: entitlement, confirmation, ledger, scheduler,
+telemetry, desk and trainer. They speak NATS and Redis through `runtime`, apply the pure rules of
+`domain`, exchange `contracts`, and the trainer trains with `training`. No service imports another."""

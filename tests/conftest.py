@@ -23,7 +23,7 @@ from tests.support import THREADS
 os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 from devstack import infra, redis_cluster
-from services.runtime.configuration import settings as settings_mod
+from runtime.configuration import settings as settings_mod
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
@@ -47,7 +47,7 @@ class Infra:
         return self.settings.redis_url
 
     def redis(self, identity: str = "admin"):
-        from services.runtime.messaging import connections
+        from runtime.messaging import connections
 
         return connections.make_redis(self.settings, identity)
 
@@ -114,7 +114,7 @@ class Stack:
         """A synchronous Redis client as one identity (admin: the test's eyes, not a service's)."""
         import redis
 
-        from services.runtime.security.secrets import Secrets
+        from runtime.security.secrets import Secrets
 
         return redis.Redis.from_url(
             self.env["ITO_REDIS_URL"],
@@ -352,7 +352,7 @@ class ClusterInfra:
         self.cluster = cluster
 
     def redis(self, identity: str = "admin"):
-        from services.runtime.messaging import connections
+        from runtime.messaging import connections
 
         return connections.make_redis(self.settings, identity)
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from services.runtime.configuration.settings import usable_cpus
+from runtime.configuration.settings import usable_cpus
 
 T = TypeVar("T")
 
@@ -205,7 +205,7 @@ def full_recipe(
 def replica_seal(replica_id: int, run_id: str = "run_replicas_test", epoch: int = 0):
     """A replica group's seal for tests: the heal key of one fixed test secret and `run_id` (every
     group of a test's run gets the same key, as the nodes of a real run derive the same one)."""
-    from services.trainer.engine.heal_transport import Seal, heal_key
+    from training.engine.heal_transport import Seal, heal_key
 
     return Seal(
         key=heal_key("test-rendezvous-secret", run_id), run_id=run_id, replica_id=replica_id, epoch=epoch

@@ -5,11 +5,11 @@ import asyncio
 from faststream import FastStream
 
 from contracts import endpoints
+from runtime.configuration import settings as settings_mod
+from runtime.messaging.service import Wiring, build_app, configure_logging, serve_requests
+from runtime.tenancy.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
 from services.confirmation.handlers import ConfirmationHandlers
 from services.confirmation.store import Confirmations, ConfirmationStore
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.messaging.service import Wiring, build_app, configure_logging, serve_requests
-from services.runtime.security.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
 
 
 def register(w: Wiring, store: Confirmations | None = None, quotas: Quotas | None = None) -> None:

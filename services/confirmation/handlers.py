@@ -1,17 +1,17 @@
 """Confirmation handlers: create a capability; resolve a reference against a request.
 
 The handlers take their records through the `Confirmations` port (Redis in the service, a dict in
-table tests); the binding's rules are services/domain/binding.py's."""
+table tests); the binding's rules are domain/binding.py's."""
 
 from datetime import UTC, datetime
 
 from contracts.api import ConfirmationIssued
 from contracts.internal import ConfirmationCreate, ConfirmationResolve, Outstanding, OutstandingQuery
+from domain import binding
+from domain.quotas import DEFAULTS, confirmation_breach
+from runtime.messaging.codec import Refusal
+from runtime.tenancy.quota_stores import Quotas, breach_refusal
 from services.confirmation.store import Confirmations, new_ref
-from services.domain import binding
-from services.domain.quotas import DEFAULTS, confirmation_breach
-from services.runtime.messaging.codec import Refusal
-from services.runtime.security.quota_stores import Quotas, breach_refusal
 
 
 def _issued(ref: str, s: binding.Stored) -> ConfirmationIssued:

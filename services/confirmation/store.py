@@ -1,7 +1,7 @@
 """Confirmation records: the port the handlers use, its Redis adapter and an in-memory one.
 
 This service owns the records (it alone creates them); the ledger's accept script only reads and
-consumes them (services/domain/binding.py defines their fields and checks for both). Records
+consumes them (domain/binding.py defines their fields and checks for both). Records
 outlive their TTL by a day so that an expired confirmation is told apart from an unknown one.
 """
 
@@ -12,10 +12,10 @@ from typing import Protocol
 
 from redis.asyncio.cluster import RedisCluster
 
-from services.domain.binding import FIELDS, Stored
-from services.domain.quotas import OUTSTANDING_LUA
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging.connections import RedisClient
+from domain.binding import FIELDS, Stored
+from domain.quotas import OUTSTANDING_LUA
+from runtime.configuration.keys import Keys
+from runtime.messaging.connections import RedisClient
 
 RETAIN_AFTER_EXPIRY_S = 24 * 3600
 

@@ -9,9 +9,9 @@ import asyncio
 import json
 import socket
 
-from services.runtime.configuration.settings import Settings
-from services.runtime.security.secrets import DESK_TOKEN, SecretError, Secrets
-from services.runtime.security.tls import Certs
+from runtime.configuration.settings import Settings
+from runtime.security.secrets import DESK_TOKEN, SecretError, Secrets
+from runtime.security.tls import Certs
 
 DEFAULT_HOST = "127.0.0.1"  # loopback; with TLS on (ITO_TLS=1) it serves HTTPS itself
 DEFAULT_PORT = 8765

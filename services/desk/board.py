@@ -16,7 +16,7 @@ from contracts.desk import DeskRun, InterruptionRecord, StateRecord
 from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import TERMINAL_STATES
 from contracts.telemetry import BOOKED_BADPUT, IDLE, ROLLUP_BY, Rollup, RunTelemetry
-from services.telemetry.accounting import booked_gpu_hours  # the telemetry service's rule, pure
+from domain.accounting import booked_gpu_hours
 
 MAX_LOG_LINES = 200  # a run page shows the newest lines; `ecc ito logs` has them all
 

@@ -1,6 +1,6 @@
 """Where the desk app's data comes from: the desk identity's NATS connection, and nothing else.
 
-As `desk` it may (services/runtime/security/identities.py): ask the scheduler's two desk reads (every run;
+As `desk` it may (runtime/security/identities.py): ask the scheduler's two desk reads (every run;
 one run in detail), replay the DESK stream (finished runs' accounting and the rollups) and hear
 telemetry's live snapshots of running runs. No Redis, no tenant verb, no write of any kind.
 
@@ -21,12 +21,12 @@ from contracts.desk import DeskRun, DeskRunRequest, DeskRuns, DeskRunsRequest
 from contracts.endpoints import DESK, Endpoint
 from contracts.errors import ErrorCode
 from contracts.telemetry import Rollup, RunTelemetry
+from runtime.configuration.settings import Settings, nats_servers
+from runtime.messaging import codec
+from runtime.messaging.codec import Refusal
+from runtime.messaging.connections import nats_auth
+from runtime.security.identities import DESK as DESK_IDENTITY
 from services.desk.board import RunDetail
-from services.runtime.configuration.settings import Settings, nats_servers
-from services.runtime.messaging import codec
-from services.runtime.messaging.codec import Refusal
-from services.runtime.messaging.connections import nats_auth
-from services.runtime.security.identities import DESK as DESK_IDENTITY
 
 log = logging.getLogger("ito.desk.source")
 

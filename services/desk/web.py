@@ -28,10 +28,10 @@ from starlette.responses import HTMLResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from runtime.messaging.metrics import authorized as bearer
 from services.desk import board, pages
 from services.desk.gauges import exposition
 from services.desk.source import DeskSource, NotFound, Unavailable
-from services.runtime.messaging.metrics import authorized as bearer
 
 log = logging.getLogger("ito.desk.web")
 
@@ -56,7 +56,7 @@ def session_value(token: str) -> str:
 
 
 def authorized(headers: Mapping[str, str], cookies: Mapping[str, str], token: str) -> bool:
-    """Bearer token (services/runtime/messaging/metrics.py's check) or session cookie, compared in constant
+    """Bearer token (runtime/messaging/metrics.py's check) or session cookie, compared in constant
     time; anything else is refused."""
     if bearer(headers, token):
         return True

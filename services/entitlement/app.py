@@ -7,17 +7,17 @@ from faststream import FastStream
 
 from contracts import endpoints, subjects
 from contracts.booking import BookingEvent
-from services.entitlement.handlers import EntitlementHandlers
-from services.entitlement.store import Bookings, BookingStore
-from services.runtime.configuration import faults
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.messaging.service import (
+from runtime.configuration import faults
+from runtime.configuration import settings as settings_mod
+from runtime.messaging.service import (
     Wiring,
     build_app,
     configure_logging,
     consume_in_order,
     serve_requests,
 )
+from services.entitlement.handlers import EntitlementHandlers
+from services.entitlement.store import Bookings, BookingStore
 
 log = logging.getLogger("ito.entitlement")
 BOOKING_ACK_WAIT_S = 5  # applying an event takes milliseconds; a lost service's events come back fast

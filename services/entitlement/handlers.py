@@ -11,9 +11,9 @@ from contracts.internal import (
     EligibilityQuery,
     EligibilityStatement,
 )
+from runtime.messaging.codec import Refusal
 from services.entitlement import projection, statements
 from services.entitlement.store import Bookings
-from services.runtime.messaging.codec import Refusal
 
 log = logging.getLogger("ito.entitlement")
 

@@ -11,10 +11,10 @@ from typing import Protocol
 import msgspec
 
 from contracts.booking import Booking, BookingEvent
+from runtime.configuration.keys import Keys
+from runtime.messaging.codec import redis_text
+from runtime.messaging.connections import RedisClient
 from services.entitlement.projection import Outcome, apply_outcome
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging.codec import redis_text
-from services.runtime.messaging.connections import RedisClient
 
 APPLY_LUA = """
 local current = redis.call('HGET', KEYS[1], 'version')

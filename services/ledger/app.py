@@ -5,10 +5,10 @@ import asyncio
 from faststream import FastStream
 
 from contracts import endpoints
+from runtime.configuration import settings as settings_mod
+from runtime.messaging.service import Wiring, build_app, configure_logging, serve_requests
 from services.ledger.handlers import LedgerHandlers
 from services.ledger.store import Ledger, LedgerStore
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.messaging.service import Wiring, build_app, configure_logging, serve_requests
 
 
 def register(w: Wiring, store: Ledger | None = None) -> None:

@@ -12,8 +12,8 @@ from contracts.internal import (
     LedgerPending,
     LedgerPendingAnswer,
 )
+from runtime.messaging.codec import Refusal
 from services.ledger.store import Ledger
-from services.runtime.messaging.codec import Refusal
 
 
 class LedgerHandlers:

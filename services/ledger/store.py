@@ -7,7 +7,7 @@ so it runs unchanged on Redis Cluster.
 
 The confirmation record is the confirmation service's (it alone writes it); the ledger only reads
 it and consumes it: this script is the only place that sets `consumed`. The record's fields and
-the checks of a binding are defined once, in services/domain/binding.py, for both services.
+the checks of a binding are defined once, in domain/binding.py, for both services.
 """
 
 import dataclasses
@@ -17,11 +17,11 @@ from typing import Protocol
 import msgspec
 
 from contracts.internal import LedgerAccept, LedgerEntry
-from services.domain import binding
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging.codec import Refusal
-from services.runtime.messaging.connections import RedisClient
-from services.runtime.security import accounts
+from domain import binding
+from runtime.configuration.keys import Keys
+from runtime.messaging.codec import Refusal
+from runtime.messaging.connections import RedisClient
+from runtime.tenancy import accounts
 
 BOUND_KEY = '"cost_bound_usd":'
 """The entry's last field as msgspec writes it; null until the script writes the confirmation's bound."""

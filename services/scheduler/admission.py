@@ -10,8 +10,8 @@ from typing import Any
 
 from contracts.api import Action, AuthInfo
 from contracts.errors import ErrorCode
-from services.runtime.messaging.codec import Refusal
-from services.runtime.security import accounts
+from runtime.messaging.codec import Refusal
+from runtime.tenancy import accounts
 
 MAX_IDEMPOTENCY_KEY = 255
 

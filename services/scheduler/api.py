@@ -54,17 +54,17 @@ from contracts.manifest import Manifest
 from contracts.models import BaseModel
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from contracts.states import CANCELLABLE
-from services.domain import binding, budget
-from services.domain import quotas as quota_rules
-from services.domain.curriculum import Curriculum, curriculum_digest
-from services.domain.quotas import Taken
-from services.runtime.configuration import faults
-from services.runtime.messaging.codec import Refusal
-from services.runtime.security.accounts import Credentials
-from services.runtime.security.quota_stores import InMemoryQuotas, Quotas, breach_refusal
-from services.runtime.security.quota_stores import refusal as rate_refusal
-from services.runtime.storage.checkpoint_paths import run_dir
-from services.runtime.storage.model_store import ModelStore
+from domain import binding, budget
+from domain import quotas as quota_rules
+from domain.curriculum import Curriculum, curriculum_digest
+from domain.quotas import Taken
+from runtime.configuration import faults
+from runtime.messaging.codec import Refusal
+from runtime.storage.checkpoint_paths import run_dir
+from runtime.storage.model_store import ModelStore
+from runtime.tenancy.accounts import Credentials
+from runtime.tenancy.quota_stores import InMemoryQuotas, Quotas, breach_refusal
+from runtime.tenancy.quota_stores import refusal as rate_refusal
 from services.scheduler import planning
 from services.scheduler.admission import MAX_IDEMPOTENCY_KEY as MAX_IDEMPOTENCY_KEY  # re-exported
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
@@ -138,9 +138,7 @@ class Api:
         storage_roots: tuple[pathlib.Path, ...] = (),
     ) -> None:
         self.auditor = auditor
-        self.count_accepted = (
-            count_accepted  # `ito_runs_accepted_total` (services/runtime/messaging/metrics.py)
-        )
+        self.count_accepted = count_accepted  # `ito_runs_accepted_total` (runtime/messaging/metrics.py)
         self.small_model_gangs = small_model_gangs  # settings.Settings.small_model_gangs
         self.credentials = credentials
         self.peers = peers

@@ -10,8 +10,8 @@ from faststream import FastStream
 
 from contracts import endpoints, subjects
 from contracts.runs import RunEvent
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.messaging.service import (
+from runtime.configuration import settings as settings_mod
+from runtime.messaging.service import (
     Wiring,
     build_app,
     configure_logging,
@@ -19,14 +19,14 @@ from services.runtime.messaging.service import (
     serve_requests,
     serve_tenant_requests,
 )
-from services.runtime.security.accounts import Credentials, RedisAccounts
-from services.runtime.security.identities import DESK, service_inbox
-from services.runtime.security.order_signatures import Signer
-from services.runtime.security.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
-from services.runtime.security.secrets import Secrets
-from services.runtime.storage import data_checks, tenant_files
-from services.runtime.storage.checkpoint_store import ENV_S3_ENDPOINT_URL
-from services.runtime.storage.model_store import ModelStore
+from runtime.security.identities import DESK, service_inbox
+from runtime.security.order_signatures import Signer
+from runtime.security.secrets import Secrets
+from runtime.storage import data_checks, tenant_files
+from runtime.storage.checkpoint_store import ENV_S3_ENDPOINT_URL
+from runtime.storage.model_store import ModelStore
+from runtime.tenancy.accounts import Credentials, RedisAccounts
+from runtime.tenancy.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
 from services.scheduler import leases, planning
 from services.scheduler.api import Api
 from services.scheduler.audit import Auditor

@@ -17,10 +17,10 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from contracts import subjects
 from contracts.api import Action
 from contracts.audit import AuditRecord, GateDecision
-from services.runtime.configuration.settings import Settings
-from services.runtime.messaging.bus import Bus
-from services.runtime.messaging.codec import Refusal
-from services.runtime.messaging.publishing import MSG_ID_HEADER
+from runtime.configuration.settings import Settings
+from runtime.messaging.bus import Bus
+from runtime.messaging.codec import Refusal
+from runtime.messaging.publishing import MSG_ID_HEADER
 
 T = TypeVar("T")
 log = logging.getLogger("ito.scheduler.audit")

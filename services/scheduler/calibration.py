@@ -1,7 +1,7 @@
 """The cost estimate's wall time: start-up, data prep, every stage's steps, evals and checkpoints,
 from figures this backend measured per GPU model, or documented defaults: pure functions.
 
-A run pays for the GPUs it holds from the trainer's start until release (services/domain/
+A run pays for the GPUs it holds from the trainer's start until release (domain/
 budget.py), so the estimate is wall seconds x held GPUs x price, not FLOPs at an assumed MFU alone:
 a small run is mostly fixed overheads. The figures per GPU model (`Figures`):
 - `startup_s`: the trainer's start to the first step (process, model build, data loading);
@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 
 from contracts.manifest import Manifest, RlvrStage
 from contracts.models import ModelShape
-from services.domain.curriculum import Curriculum, LmPlan, PostPlan
-from services.domain.model_shapes import count_parameters
+from domain.curriculum import Curriculum, LmPlan, PostPlan
+from domain.model_shapes import count_parameters
 
 CALIBRATION_PATH = pathlib.Path(__file__).with_name("desk_calibration.json")
 # FLOPs per token per parameter of one optimizer step, by stage kind (forward 2, backward 4; DPO runs

@@ -1,10 +1,10 @@
 """What the scheduler knows of a `file:` or `s3://` data ref at plan time: the file's digest, its
-rows, the kinds of row and every problem (services/runtime/storage/data_checks.py, in a child
+rows, the kinds of row and every problem (runtime/storage/data_checks.py, in a child
 process), remembered while the file is the same, so a person who plans, confirms and trains reads
 it once. Uploads need none of this: they were checked when committed, and their record says it.
 
 A `file:` ref is opened below `<file root>/<account>` component by component with O_NOFOLLOW
-(services/runtime/storage/confined.py), never by the path the manifest wrote; it is the same file
+(runtime/storage/confined.py), never by the path the manifest wrote; it is the same file
 while its (device, inode, size, mtime) are. An `s3://` ref is read through the account's named
 connection into a spool file of the scheduler's own; it is the same object while its ETag and size
 are. Both are bounded: at most PLAN_CHECK_MAX_BYTES (bigger data is uploaded: an upload is checked
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from contracts.files import DataReport
 from contracts.manifest import DataFormat
-from services.runtime.storage import confined, data_checks, data_connections, s3_objects
+from runtime.storage import confined, data_checks, data_connections, s3_objects
 
 PLAN_CHECK_MAX_BYTES = 1 << 30  # a file: or s3:// ref read at plan time; larger data is uploaded
 FACTS_KEPT = 1024  # files whose check is remembered

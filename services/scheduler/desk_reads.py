@@ -16,7 +16,7 @@ from contracts.audit import GateDecision
 from contracts.desk import DeskRun, DeskRunRequest, DeskRuns, DeskRunsRequest, InterruptionRecord, StateRecord
 from contracts.errors import ErrorCode
 from contracts.runs import CheckpointSaved, Metrics
-from services.runtime.messaging.codec import Refusal
+from runtime.messaging.codec import Refusal
 from services.scheduler.planning import PriceTable
 
 MAX_RUNS = 1000  # one answer's runs at most, whatever the request asks

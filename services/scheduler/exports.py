@@ -4,7 +4,7 @@ None of them spends a booking or changes a run, so none takes a confirmation or 
 key: export is idempotent by its own id (`<stage>-<format>`), download and sample only read. Each
 follows cleanup's pattern: authenticate -> the run, the caller's account's (else `run_not_found`)
 -> its stored work item (the reviewed manifest and the resolved base model) -> one signed order to
-a trainer (services/trainer/outputs/exports.py, sampling.py), whose answer is the verb's.
+a trainer (services/trainer/exports.py, sampling.py), whose answer is the verb's.
 """
 
 import msgspec
@@ -24,8 +24,8 @@ from contracts.api import (
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.runs import TrainWork
-from services.runtime.messaging.codec import Refusal
-from services.runtime.security.accounts import Credentials
+from runtime.messaging.codec import Refusal
+from runtime.tenancy.accounts import Credentials
 from services.scheduler.admission import authenticate
 from services.scheduler.peers import Peers
 from services.scheduler.store import RunRecords

@@ -19,8 +19,8 @@ import msgspec
 from contracts.errors import QuotaBreach
 from contracts.files import FilePurpose, FileView, UploadFile, UploadKind
 from contracts.manifest import DataFormat
-from services.runtime.configuration.keys import Keys, shard
-from services.runtime.messaging.connections import RedisClient
+from runtime.configuration.keys import Keys, shard
+from runtime.messaging.connections import RedisClient
 
 
 class UploadRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,7 +150,7 @@ return {'created', ARGV[1]}
 """
 """KEYS: the spec's key, the upload's record, the account's open uploads, its usage. ARGV: upload
 id, record, bytes, the count's name (files|models), the account's byte and count limits (the
-scheduler read them: services/domain/quotas.py), the spec key's lifetime (ms), the expiry (epoch s)."""
+scheduler read them: domain/quotas.py), the spec key's lifetime (ms), the expiry (epoch s)."""
 
 RELEASE_LUA = """
 local held = redis.call('HGET', KEYS[1], 'held')

@@ -28,9 +28,9 @@ from contracts.internal import LedgerEntry
 from contracts.manifest import Manifest
 from contracts.runs import RunCreated, TrainWork
 from contracts.states import RunState
-from services.domain import budget
-from services.runtime.configuration.settings import Settings
-from services.runtime.messaging.bus import Bus
+from domain import budget
+from runtime.configuration.settings import Settings
+from runtime.messaging.bus import Bus
 from services.scheduler.peers import Peers
 from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import RunRecords

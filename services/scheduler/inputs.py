@@ -1,12 +1,12 @@
 """The manifest's inputs as they are now: the base model in the model store, the tokenizer, and the
 tenant's own data (uploads, `file:` refs under the account's root, `s3://` objects through its
-connections), gathered here (I/O) and judged by the pure checks in services/domain/plan_inputs.py,
+connections), gathered here (I/O) and judged by the pure checks in domain/plan_inputs.py,
 each time a manifest is planned, confirmed or trained: unlike the manifest's bytes, the store, the
 uploads and the files can change between two requests, so a manifest whose digest passed before
 proves nothing about them.
 
 A data ref that is not the tenant's is refused from its text alone, before anything is looked up
-(services/domain/data_refs.py): a `file:` path outside the account's root gets the same answer
+(domain/data_refs.py): a `file:` path outside the account's root gets the same answer
 whether or not anything is there, an upload or a connection of another account the same answer as
 one that does not exist. What passes is resolved into `DataInput`s (locator, digest, format) that
 the work item carries and the trainer reads, never the manifest's own text.
@@ -25,13 +25,13 @@ from contracts.errors import ErrorCode
 from contracts.files import DataInput, FileView, InputKind
 from contracts.manifest import DataRef, DataRole, Manifest
 from contracts.models import BaseModel
-from services.domain import data_refs, plan_inputs
-from services.domain.curriculum import Curriculum, curriculum_of
-from services.domain.data_refs import SourceKind
-from services.domain.data_schemas import file_format
-from services.domain.model_shapes import UnsupportedConfig, shape_from_hf_config
-from services.runtime.messaging.codec import Refusal
-from services.runtime.storage.model_store import MAX_CONFIG_BYTES, ModelStore
+from domain import data_refs, plan_inputs
+from domain.curriculum import Curriculum, curriculum_of
+from domain.data_refs import SourceKind
+from domain.data_schemas import file_format
+from domain.model_shapes import UnsupportedConfig, shape_from_hf_config
+from runtime.messaging.codec import Refusal
+from runtime.storage.model_store import MAX_CONFIG_BYTES, ModelStore
 from services.scheduler.data_facts import DataFacts, Facts
 from services.scheduler.file_records import FileRecords
 

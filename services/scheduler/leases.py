@@ -10,7 +10,7 @@ holder reports its share's failure through it (`LeaseQuery.failure`): the run fa
 (`node_failure_message`), through `move` as every transition. The work item itself comes back from JetStream when its ack
 deadline passes, and the next trainer leases the run with a higher epoch: the old holder, if it was
 only cut off, is fenced (its renewals and its events are refused) and has stopped by itself before
-the new one can start. The timers and their ordering: services/runtime/configuration/timers.py.
+the new one can start. The timers and their ordering: runtime/configuration/timers.py.
 """
 
 import asyncio
@@ -25,9 +25,9 @@ from contracts.api import LeaseAnswer, LeaseQuery, RunView
 from contracts.errors import ErrorCode
 from contracts.runs import Interruption
 from contracts.states import LEASABLE, TERMINAL_STATES, RunState
-from services.domain import budget
-from services.runtime.configuration.timers import TIMERS
-from services.runtime.messaging import codec
+from domain import budget
+from runtime.configuration.timers import TIMERS
+from runtime.messaging import codec
 from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import Runs
 
@@ -122,7 +122,7 @@ class Heartbeats:
     async def _metered(self, account: str, req: LeaseQuery, view: RunView) -> RunView:
         """Node 0's meter reading, kept (it only grows), and the budget decided on it: a run whose
         spend would reach its limit before a clean stop is over moves to `cancelling` with
-        `stop_code` budget_exhausted; its trainer stops with a checkpoint (services/domain/budget.py)."""
+        `stop_code` budget_exhausted; its trainer stops with a checkpoint (domain/budget.py)."""
         if view.plan is None or view.spend is None:
             return view
         cost, limit = view.plan.cost, view.spend.limit_usd
@@ -138,7 +138,7 @@ class Heartbeats:
             account, req.run_id, None, lambda v: msgspec.structs.replace(v, spend=spend)
         )
         view = updated or view
-        v = budget.verdict(req.held_gpus, held_gpu_s, req.stop_s, cost, limit)
+        v = budget.verdict(req.held_gpus, held_gpu_s, req.stop_s, cost, limit, TIMERS.renew_every_s)
         if not v.stop or view.state is not RunState.running:
             return view
         message = budget.stopping_message(v)

@@ -15,8 +15,8 @@ import math
 
 from contracts.api import RunList, RunsRequest, RunSummary, RunView
 from contracts.errors import ErrorCode
-from services.runtime.messaging.codec import Refusal
-from services.runtime.security.accounts import Credentials
+from runtime.messaging.codec import Refusal
+from runtime.tenancy.accounts import Credentials
 from services.scheduler.admission import authenticate
 from services.scheduler.store import Position, RunRecords
 

@@ -25,8 +25,8 @@ import msgspec
 from contracts import manifest_check  # the schema check ecc runs too: one list of problems on both sides
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
-from services.domain.curriculum import curriculum_of
-from services.runtime.messaging.codec import Refusal
+from domain.curriculum import curriculum_of
+from runtime.messaging.codec import Refusal
 from services.scheduler.secret_scan import find_secret
 
 MAX_MANIFEST_BYTES = 1024 * 1024  # 1 MiB, the same cap the client enforces before sending

@@ -29,8 +29,8 @@ from contracts.internal import LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
 from contracts.runs import TrainWork
 from contracts.states import CANCEL_TO, CANCELLABLE, TERMINAL_STATES, RunState
-from services.runtime.messaging.codec import Refusal
-from services.runtime.security.accounts import Credentials
+from runtime.messaging.codec import Refusal
+from runtime.tenancy.accounts import Credentials
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
 from services.scheduler.handoff import node_shares
 from services.scheduler.peers import Peers

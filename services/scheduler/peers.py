@@ -44,11 +44,11 @@ from contracts.internal import (
     OutstandingQuery,
 )
 from contracts.manifest import Manifest
-from services.runtime.configuration.settings import Settings
-from services.runtime.messaging import bus, codec
-from services.runtime.messaging.bus import Bus
-from services.runtime.messaging.codec import Refusal
-from services.runtime.security.order_signatures import Signer
+from runtime.configuration.settings import Settings
+from runtime.messaging import bus, codec
+from runtime.messaging.bus import Bus
+from runtime.messaging.codec import Refusal
+from runtime.security.order_signatures import Signer
 
 T = TypeVar("T")
 CLEANUP_TIMEOUT_S = 30.0  # removing a large checkpoint tree takes longer than one control hop

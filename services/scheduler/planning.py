@@ -21,8 +21,8 @@ from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
 from contracts.manifest import DataRole, Lora, Manifest
 from contracts.models import BaseModel, ModelShape
-from services.domain.curriculum import Curriculum, LmPlan, curriculum_of, model_shape
-from services.domain.model_shapes import count_parameters, head_dim
+from domain.curriculum import Curriculum, LmPlan, curriculum_of, model_shape
+from domain.model_shapes import count_parameters, head_dim
 from services.scheduler import calibration, capacity
 
 PRICES_PATH = pathlib.Path(__file__).with_name("desk_prices.json")
@@ -70,7 +70,7 @@ def load_prices(
 
 
 def parameter_count(shape: ModelShape) -> int:
-    """Exact for the trainer's model of `shape` (services/domain/model_shapes.count_parameters:
+    """Exact for the trainer's model of `shape` (domain/model_shapes.count_parameters:
     GQA, head_dim, q/k/v biases, QK-norm and tied embeddings as the shape has them)."""
     return count_parameters(shape)
 
@@ -173,7 +173,7 @@ def layouts(nodes: int, gpn: int) -> list[tuple[str, dict[str, int], int, int]]:
     """(name, degrees, shard factor, tensor-parallel degree), cheapest communication first:
     replicate, shard in a node, shard everywhere, then add TP."""
     gpus = nodes * gpn
-    # Across nodes data parallelism is torchft replica groups, one per node (services/trainer/launch/
+    # Across nodes data parallelism is torchft replica groups, one per node (training/launch/
     # multinode.py); a node of several GPUs shards inside its group, so plain DDP over every GPU of
     # several nodes is not a layout (hsdp is at least as small per GPU).
     replicate = (
@@ -341,7 +341,7 @@ def data_policy(manifest: Manifest) -> tuple[ErrorCode, str] | None:
 def stage_gates(
     manifest: Manifest, base: BaseModel | None = None, run: Curriculum | None = None
 ) -> list[StageGatePlan]:
-    """Every stage's gate as the trainer will judge it (services/domain/gates.py), in run order;
+    """Every stage's gate as the trainer will judge it (domain/gates.py), in run order;
     empty for a manifest that cannot run (the manifest gate refuses it before planning)."""
     run = run or _curriculum(manifest, base)
     if run is None:

@@ -8,8 +8,8 @@ import msgspec
 
 from contracts import subjects
 from contracts.runs import RunEvent
-from services.runtime.configuration.settings import Settings
-from services.runtime.messaging.bus import Bus
+from runtime.configuration.settings import Settings
+from runtime.messaging.bus import Bus
 
 
 def seq_now() -> int:

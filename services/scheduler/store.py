@@ -5,7 +5,7 @@ fact) and `update()` (anything but its state: `lifecycle.NotAMove` otherwise), b
 compare-and-set (CAS_LUA) around a pure function, so concurrent writers (the event consumer, cancel,
 the watcher) never lose each other's changes. A lease is a compare-and-set too (LEASE_LUA). Every
 script touches the run's own key only, so it runs unchanged on Redis Cluster; the lease index is
-split by run id (services/runtime/configuration/keys.py) and written beside the grant, idempotently.
+split by run id (runtime/configuration/keys.py) and written beside the grant, idempotently.
 """
 
 import logging
@@ -20,8 +20,8 @@ from contracts.api import LogLineView, RunView
 from contracts.desk import StateRecord
 from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import TERMINAL_STATES, RunState
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging.connections import RedisClient
+from runtime.configuration.keys import Keys
+from runtime.messaging.connections import RedisClient
 from services.scheduler import lifecycle
 
 MAX_LOG_LINES = 10_000  # per run; older lines are trimmed

@@ -59,16 +59,16 @@ from contracts.files import (
 )
 from contracts.internal import LedgerAccept
 from contracts.manifest import DataFormat
-from services.domain import data_refs
-from services.domain import quotas as quota_rules
-from services.runtime.configuration.settings import Settings
-from services.runtime.messaging.codec import Refusal
-from services.runtime.security.accounts import Credentials
-from services.runtime.security.quota_stores import Quotas
-from services.runtime.security.quota_stores import refusal as rate_refusal
-from services.runtime.storage import confined, data_checks, data_connections
-from services.runtime.storage.model_store import NAME_RE, AddOutcome, ModelStore
-from services.runtime.storage.tenant_files import PRESIGN_EXPIRES_S, StoreError, TenantStore
+from domain import data_refs
+from domain import quotas as quota_rules
+from runtime.configuration.settings import Settings
+from runtime.messaging.codec import Refusal
+from runtime.storage import confined, data_checks, data_connections
+from runtime.storage.model_store import NAME_RE, AddOutcome, ModelStore
+from runtime.storage.tenant_files import PRESIGN_EXPIRES_S, StoreError, TenantStore
+from runtime.tenancy.accounts import Credentials
+from runtime.tenancy.quota_stores import Quotas
+from runtime.tenancy.quota_stores import refusal as rate_refusal
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
 from services.scheduler.api import model_view
 from services.scheduler.file_records import FileRecords, StorageLimits, UploadRecord
@@ -438,7 +438,7 @@ class Uploads:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "services.runtime.storage.model_store",
+            "runtime.storage.model_store",
             "add",
             "--root",
             str(self.model_store.root),

@@ -6,8 +6,8 @@ from faststream import FastStream
 
 from contracts import subjects
 from contracts.runs import RunEvent
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.messaging.service import Wiring, build_app, configure_logging, consume_in_order
+from runtime.configuration import settings as settings_mod
+from runtime.messaging.service import Wiring, build_app, configure_logging, consume_in_order
 from services.telemetry.handlers import TelemetryHandlers
 from services.telemetry.store import Telemetry, TelemetryStore
 

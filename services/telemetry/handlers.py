@@ -12,9 +12,9 @@ from contracts import subjects
 from contracts.runs import EvalResult, Interruption, RunCreated, RunEvent, StageStarted, StateChanged
 from contracts.states import TERMINAL_STATES
 from contracts.telemetry import ROLLUP_BY
-from services.runtime.configuration.settings import Settings
-from services.runtime.messaging.bus import Bus
-from services.telemetry import accounting
+from domain import accounting
+from runtime.configuration.settings import Settings
+from runtime.messaging.bus import Bus
 from services.telemetry.store import Telemetry
 
 log = logging.getLogger("ito.telemetry")

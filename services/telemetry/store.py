@@ -7,8 +7,8 @@ import msgspec
 
 from contracts.runs import RunEvent
 from contracts.telemetry import RunTelemetry
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging.connections import RedisClient
+from runtime.configuration.keys import Keys
+from runtime.messaging.connections import RedisClient
 
 EVENTS_TTL_S = 7 * 24 * 3600  # a run's raw events are kept a week after its last one
 

@@ -6,8 +6,8 @@ from bench.cpu_profile import breakdown, phase_of
 
 LOOP = ["run (asyncio/runners.py:190)", "BaseEventLoop._run_once (asyncio/base_events.py:1922)"]
 ANSWER = [
-    "serve.<locals>.one (services/runtime/messaging/bus.py:177)",
-    "answer_coded (services/runtime/messaging/codec.py:122)",
+    "serve.<locals>.one (runtime/messaging/bus.py:177)",
+    "answer_coded (runtime/messaging/codec.py:122)",
 ]
 
 
@@ -24,7 +24,7 @@ ANSWER = [
             + ["Retry.call_with_retry (redis/asyncio/retry.py:69)", "wait_for (asyncio/tasks.py:479)"],
             "redis client",  # the innermost frame with a phase wins, not the loop under the client
         ),
-        ([*LOOP, "Verifier.valid (services/runtime/security/order_signatures.py:55)"], "signatures"),
+        ([*LOOP, "Verifier.valid (runtime/security/order_signatures.py:55)"], "signatures"),
         (
             [
                 *LOOP,
@@ -64,7 +64,7 @@ def test_the_shares_add_up_and_come_largest_first():
     raw = [
         ";".join(LOOP) + " 30",
         ";".join(LOOP + ANSWER) + " 60",
-        ";".join([*LOOP, "Verifier.valid (services/runtime/security/order_signatures.py:55)"]) + " 10",
+        ";".join([*LOOP, "Verifier.valid (runtime/security/order_signatures.py:55)"]) + " 10",
         "not a sample line",
     ]
     samples, shares = breakdown(raw)

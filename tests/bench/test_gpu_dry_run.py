@@ -12,7 +12,7 @@ import pytest
 
 from bench.gpu import flops_per_token, peak_tflops
 from contracts.models import MODEL_SHAPES
-from services.trainer.model import count_parameters
+from training.model import count_parameters
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 RUN_FIELDS = {

@@ -1189,7 +1189,7 @@ def test_contracts_import_only_msgspec_stdlib_and_contracts(path):
     "source, bad",
     [
         ("import redis", {"redis"}),
-        ("from services.runtime import codec", {"services"}),
+        ("from runtime import codec", {"services"}),
         ("import json, msgspec", set()),
         ("from .base import Contract", set()),
         ("def f():\n    import numpy", {"numpy"}),
@@ -1225,7 +1225,7 @@ def test_contract_files_found():
 )
 async def test_a_store_that_does_not_answer_is_backend_unavailable_not_internal(fault):
     """A Redis node lost or a failover under way: the client is told to retry (same key)."""
-    from services.runtime.messaging import codec
+    from runtime.messaging import codec
 
     async def handler(request):
         raise fault

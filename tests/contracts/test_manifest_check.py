@@ -15,7 +15,7 @@ import pytest
 from contracts import manifest_check
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest, ModelSize
-from services.runtime.messaging.codec import Refusal
+from runtime.messaging.codec import Refusal
 from services.scheduler.manifests import digest_of, verify
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"

@@ -7,7 +7,7 @@ import pathlib
 import msgspec
 
 from contracts.manifest import Manifest
-from services.ops.main import manifest_schema
+from ops.main import manifest_schema
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
 

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from devstack import infra, nats_cluster
-from services.runtime.configuration.settings import load, nats_servers
-from services.runtime.security.identities import NATS_IDENTITIES
+from runtime.configuration.settings import load, nats_servers
+from runtime.security.identities import NATS_IDENTITIES
 
 PORTS = [14222, 14223, 14224, 16222, 16223, 16224]
 SECRET = "ab" * 32

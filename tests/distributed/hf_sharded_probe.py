@@ -18,13 +18,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from services.domain.model_shapes import shape_from_hf_config
-from services.trainer.engine import distributed
-from services.trainer.engine.distributed import ParallelDims
-from services.trainer.model import Transformer
-from services.trainer.recipes.pretrain import build_model
-from services.trainer.weights.hf_adapter import hf_name
-from services.trainer.weights.hf_load import checkpoint_files, load_hf_weights
+from domain.model_shapes import shape_from_hf_config
+from training.engine import distributed
+from training.engine.distributed import ParallelDims
+from training.model import Transformer
+from training.recipes.pretrain import build_model
+from training.weights.hf_adapter import hf_name
+from training.weights.hf_load import checkpoint_files, load_hf_weights
 
 
 def expected_local(full: torch.Tensor, p: DTensor) -> torch.Tensor:

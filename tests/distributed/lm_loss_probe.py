@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from contracts.models import MODEL_SHAPES
-from services.trainer.engine import distributed
-from services.trainer.engine.distributed import ParallelDims
-from services.trainer.model import Transformer
-from services.trainer.recipes.pretrain import lm_loss
+from training.engine import distributed
+from training.engine.distributed import ParallelDims
+from training.model import Transformer
+from training.recipes.pretrain import lm_loss
 
 
 class Counting(nn.Module):

@@ -16,17 +16,17 @@ from torch.distributed.tensor import DTensor
 
 from contracts.manifest import Lora
 from contracts.models import ModelShape
-from services.domain.model_shapes import hf_config_from_shape
-from services.trainer.engine import distributed
-from services.trainer.engine.checkpoint import (
+from domain.model_shapes import hf_config_from_shape
+from training.engine import distributed
+from training.engine.checkpoint import (
     Checkpointer,
     load_latest,
     load_weights,
     write_merged_checkpoint,
 )
-from services.trainer.engine.distributed import ParallelDims, batch_rows
-from services.trainer.model import Transformer
-from services.trainer.weights import lora
+from training.engine.distributed import ParallelDims, batch_rows
+from training.model import Transformer
+from training.weights import lora
 
 SHAPE = ModelShape(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, vocab_size=97, max_seq_len=32)
 CFG = Lora(
@@ -54,10 +54,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def hf_base_loads_under_the_adapters(out: Path, base: dict[str, torch.Tensor]) -> bool | None:
     """A LoRA stage starting from a base model: the adapters on and the model sharded first, then
     the Hugging Face files loaded (each rank its shards). None until the hfmodel helper's loader
-    (services.trainer.weights.hf_load) is there."""
-    if importlib.util.find_spec("services.trainer.weights.hf_load") is None:
+    (training.weights.hf_load) is there."""
+    if importlib.util.find_spec("training.weights.hf_load") is None:
         return None
-    from services.trainer.weights.hf_adapter import to_hf
+    from training.weights.hf_adapter import to_hf
 
     hf_dir = out / "hf-base"
     if distributed.is_rank0():

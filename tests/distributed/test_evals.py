@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer.engine.distributed import eval_rows
 from tests.distributed import torchrun
+from training.engine.distributed import eval_rows
 
 pytestmark = pytest.mark.distributed
 

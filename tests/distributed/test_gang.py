@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from contracts.runs import CheckpointSaved, LogLine, Metrics
-from services.trainer.engine.checkpoint import MARKER, SIDECAR, list_checkpoints
 from tests.distributed import torchrun
+from training.engine.checkpoint import MARKER, SIDECAR, list_checkpoints
 
 pytestmark = pytest.mark.distributed
 

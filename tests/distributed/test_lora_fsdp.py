@@ -9,11 +9,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from services.trainer.engine.checkpoint import list_checkpoints
-from services.trainer.model import Transformer
-from services.trainer.weights import lora
 from tests.distributed import torchrun
 from tests.distributed.lora_fsdp_probe import SHAPE
+from training.engine.checkpoint import list_checkpoints
+from training.model import Transformer
+from training.weights import lora
 
 PROBE = Path(__file__).with_name("lora_fsdp_probe.py")
 
@@ -37,7 +37,7 @@ def test_lora_under_fsdp2_trains_only_adapters_and_checkpoints_them(tmp_path: Pa
         assert facts["committed"] == [1]
         assert facts["differs_before"] and facts["resumed_step"] == 1 and facts["pushed_equal"]
         assert facts["optimizer_steps"] == [1]
-        if importlib.util.find_spec("services.trainer.weights.hf_load") is not None:
+        if importlib.util.find_spec("training.weights.hf_load") is not None:
             assert facts["hf_base"] is True, facts
     assert all(f["world"] == 2 and f["sharded"] for f in gang)
 

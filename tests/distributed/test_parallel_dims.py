@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from contracts.models import MODEL_SHAPES
-from services.trainer.data.corpora import BatchIterator, load_tokens
-from services.trainer.engine.distributed import ParallelDims, ParallelismError, batch_rows
-from services.trainer.engine.reporting import Recorder, rank0_only
+from training.data.corpora import BatchIterator, load_tokens
+from training.engine.distributed import ParallelDims, ParallelismError, batch_rows
+from training.engine.reporting import Recorder, rank0_only
 
 pytestmark = pytest.mark.distributed
 

@@ -14,13 +14,13 @@ import torch
 pytest.importorskip("torchft", reason="torchft is not installed: `pip install torchft==0.2.0`")
 
 from contracts.models import MODEL_SHAPES
-from services.trainer.data.corpora import load_text, task_problems
-from services.trainer.engine.checkpoint import load_weights
-from services.trainer.engine.fault_tolerance import start_lighthouse
-from services.trainer.launch.rank import ReplicaJob
-from services.trainer.model import Transformer
 from tests.distributed import torchrun
 from tests.support import replica_seal
+from training.data.corpora import load_text, task_problems
+from training.engine.checkpoint import load_weights
+from training.engine.fault_tolerance import start_lighthouse
+from training.launch.rank import ReplicaJob
+from training.model import Transformer
 
 pytestmark = pytest.mark.distributed
 

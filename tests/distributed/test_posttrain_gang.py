@@ -19,9 +19,9 @@ import pytest
 
 from contracts.manifest import RlvrStage
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted
-from services.trainer.data.corpora import load_text, task_problems
-from services.trainer.engine.checkpoint import list_checkpoints
 from tests.distributed import torchrun
+from training.data.corpora import load_text, task_problems
+from training.engine.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.distributed
 

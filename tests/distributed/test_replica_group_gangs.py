@@ -1,5 +1,5 @@
 """Two gangs of 2 ranks (FSDP2 over each gang's ranks) as two torchft replica groups, on CPU/gloo:
-what a multi-node run of several GPUs per node is (services/trainer/launch/multinode.py), without the services.
+what a multi-node run of several GPUs per node is (training/launch/multinode.py), without the services.
 Both start together and meet at their first quorum. Group 1's gang is then SIGKILLed; group 0 steps
 on alone; group 1 is started again (as a replacement node's agent would), resumes its own last
 checkpoint, joins a later quorum behind group 0 and heals from it, each rank from the same rank of
@@ -26,12 +26,12 @@ import torch.distributed.checkpoint as dcp
 
 from contracts.models import MODEL_SHAPES
 from contracts.runs import LogLine, RunEvent
-from services.trainer.engine.checkpoint import list_checkpoints
-from services.trainer.engine.fault_tolerance import start_lighthouse
-from services.trainer.launch.rank import ReplicaJob
-from services.trainer.model import Transformer
 from tests.distributed import torchrun
 from tests.support import eventually, replica_seal
+from training.engine.checkpoint import list_checkpoints
+from training.engine.fault_tolerance import start_lighthouse
+from training.launch.rank import ReplicaJob
+from training.model import Transformer
 
 pytestmark = pytest.mark.distributed
 

@@ -1,4 +1,4 @@
-"""What the distributed tests share: starting a script or the rank entry (services/trainer/launch/rank.py) on N ranks under torchrun
+"""What the distributed tests share: starting a script or the rank entry (training/launch/rank.py) on N ranks under torchrun
 (or in one process), and reading what rank 0 wrote (its summary, losses and events)."""
 
 import dataclasses
@@ -13,15 +13,15 @@ import msgspec
 
 from contracts.models import MODEL_SHAPES
 from contracts.runs import RunEvent
-from services.trainer.engine.distributed import ParallelDims
-from services.trainer.launch.rank import Job, PostJob, ReplicaJob, RlvrJob, StageJob
-from services.trainer.recipes.posttrain import PostConfig
-from services.trainer.recipes.pretrain import StageConfig
-from services.trainer.recipes.rlvr import RlvrConfig
+from training.engine.distributed import ParallelDims
+from training.launch.rank import Job, PostJob, ReplicaJob, RlvrJob, StageJob
+from training.recipes.posttrain import PostConfig
+from training.recipes.pretrain import StageConfig
+from training.recipes.rlvr import RlvrConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240  # one torchrun of 2-4 ranks takes 10-30 s on 2 cores, longer beside other gangs
-RANK_MAIN = ["-m", "services.trainer.launch.rank", "--config"]
+RANK_MAIN = ["-m", "training.launch.rank", "--config"]
 
 
 def rank0_files(directory: Path) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The plan-time checks of a manifest's inputs as tables (services/domain/plan_inputs.py): each
+"""The plan-time checks of a manifest's inputs as tables (domain/plan_inputs.py): each
 refusal's stable code and the field path its sentence starts with; the curriculum's data rules for
 post-training on files; the plan priced from the exact parameter count and LoRA's smaller state."""
 
@@ -8,9 +8,9 @@ import pytest
 from contracts.errors import ErrorCode
 from contracts.manifest import DataFormat, DataRef, Lora, Manifest, ModelSpec
 from contracts.models import MODEL_SHAPES, BaseModel, ModelShape
-from services.domain import plan_inputs as pi
-from services.domain.curriculum import curriculum_of
-from services.domain.model_shapes import count_parameters
+from domain import plan_inputs as pi
+from domain.curriculum import curriculum_of
+from domain.model_shapes import count_parameters
 from services.scheduler import planning
 
 SHAPE = ModelShape(

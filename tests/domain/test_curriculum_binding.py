@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from contracts.manifest import Manifest
-from services.domain.curriculum import (
+from domain.curriculum import (
     CurriculumMismatch,
     bound_curriculum,
     curriculum_digest,
@@ -22,7 +22,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 PIPELINE = REPO / "examples" / "manifests" / "full.json"
 DIGEST_IN_A_PROCESS = (
     "import msgspec, sys; from contracts.manifest import Manifest; "
-    "from services.domain.curriculum import curriculum_digest, curriculum_of; "
+    "from domain.curriculum import curriculum_digest, curriculum_of; "
     "m = msgspec.json.decode(open(sys.argv[1], 'rb').read(), type=Manifest); "
     "print(curriculum_digest(curriculum_of(m)))"
 )

@@ -1,11 +1,11 @@
-"""What a data source names, from its text alone (services/domain/data_refs.py), as tables: the
+"""What a data source names, from its text alone (domain/data_refs.py), as tables: the
 kinds, an upload's id or digest, an s3:// object, a `file:` path below the account's root (and
 the same answer for every path that is not: issue 39's existence oracle), a run's stage."""
 
 import pytest
 
-from services.domain import data_refs
-from services.domain.data_refs import SourceKind
+from domain import data_refs
+from domain.data_refs import SourceKind
 
 FILE_ID = "file-" + "0a" * 12
 DIGEST = "sha256:" + "cd" * 32

@@ -14,10 +14,10 @@ from contracts.api import Action
 from contracts.booking import Booking, BookingEvent, BookingEventKind, BookingState, Fabric, Topology
 from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody, EligibilityQuery, EligibilityStatement
-from services.domain.binding import Stored, check
+from domain.binding import Stored, check
+from runtime.messaging.codec import Refusal
 from services.entitlement.projection import STATE_AFTER, eligibility, project
 from services.entitlement.statements import sign
-from services.runtime.messaging.codec import Refusal
 from services.scheduler.api import MAX_IDEMPOTENCY_KEY, fingerprint, valid_idempotency_key
 from services.scheduler.peers import CLOCK_SKEW, verify_statement
 

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contracts.errors import ErrorCode
-from services.domain.curriculum import curriculum_of
-from services.runtime.messaging.codec import Refusal
+from domain.curriculum import curriculum_of
+from runtime.messaging.codec import Refusal
 from services.scheduler.manifests import digest_of, verify
 
 TINY = json.loads(

@@ -1,4 +1,4 @@
-"""The quota decisions as tables (services/domain/quotas.py): the token bucket's arithmetic (the
+"""The quota decisions as tables (domain/quotas.py): the token bucket's arithmetic (the
 same rows run against its Lua twin on Redis: tests/runtime/test_quotas_redis.py), the limits as
 stored, the operator's values, and the admission of a run."""
 
@@ -7,7 +7,7 @@ import pytest
 
 from contracts.api import QuotaLimits
 from contracts.states import RunState
-from services.domain import quotas
+from domain import quotas
 
 BUCKET_ROWS = [
     # (tokens, at, now, rate, burst, cost) -> (allowed, tokens after, retry after)

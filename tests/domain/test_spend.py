@@ -10,10 +10,10 @@ from contracts.api import CostEstimate, LeaseQuery, RunView
 from contracts.manifest import Manifest
 from contracts.runs import Outcome, StopReason
 from contracts.states import RunState
-from services.domain import budget
+from domain import budget
 from services.scheduler.leases import metering
-from services.trainer.agent.worker import Stop, final_state
-from services.trainer.recipes.pipeline import PipelineResult
+from services.trainer.worker import Stop, final_state
+from training.recipes.pipeline import PipelineResult
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
@@ -75,7 +75,10 @@ def test_the_confirmations_bound_caps_the_limit_and_never_raises_it(cap, bound, 
     assert budget.manifest_limit(manifest(cap), cost()) == pytest.approx(cap)
 
 
-MARGIN_S = 1.0 + budget.STOP_ALLOWANCE_S  # the next renewal and the allowance, before the trainer's stop_s
+RENEW_EVERY_S = 1.0  # the lease renewal period handed to the rule
+MARGIN_S = (
+    RENEW_EVERY_S + budget.STOP_ALLOWANCE_S
+)  # the next renewal and the allowance, before the trainer's stop_s
 
 
 @pytest.mark.parametrize(
@@ -93,7 +96,7 @@ MARGIN_S = 1.0 + budget.STOP_ALLOWANCE_S  # the next renewal and the allowance, 
 def test_the_run_stops_while_a_clean_stop_still_fits_under_the_limit(
     held_gpus, held_gpu_s, stop_s, storage, limit, stop
 ):
-    v = budget.verdict(held_gpus, held_gpu_s, stop_s, cost(storage=storage), limit)
+    v = budget.verdict(held_gpus, held_gpu_s, stop_s, cost(storage=storage), limit, RENEW_EVERY_S)
     assert v.stop is stop
     assert v.spent_usd == pytest.approx(held_gpu_s / 1000)
     assert v.projected_usd == pytest.approx((held_gpu_s + held_gpus * (MARGIN_S + stop_s)) / 1000)

@@ -11,9 +11,9 @@ import pytest
 
 from contracts.errors import ErrorCode
 from contracts.manifest import Gate, LongContextGate, Manifest
-from services.domain import gates
-from services.domain.curriculum import curriculum_of
-from services.runtime.messaging.codec import Refusal
+from domain import gates
+from domain.curriculum import curriculum_of
+from runtime.messaging.codec import Refusal
 from services.scheduler.manifests import digest_of, verify
 from services.scheduler.planning import stage_gates
 

@@ -14,7 +14,7 @@ import pytest
 
 from contracts.subjects import HEALTH, SERVICES, STREAM_AUDIT, STREAM_BOOKINGS, STREAM_RUNS, STREAM_WORK
 from devstack import nats_cluster
-from services.runtime.messaging.bus import INSTANCE_HEADER
+from runtime.messaging.bus import INSTANCE_HEADER
 from tests.conftest import BIN, Stack, new_namespace
 from tests.support import confirm_and_train, eventually, run_state, run_status
 

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.runtime.security.secrets import DESK_TOKEN, Secrets
+from runtime.security.secrets import DESK_TOKEN, Secrets
 from tests.conftest import BIN, REPO, write_manifest
 from tests.support import confirm_and_train, eventually, run_state
 

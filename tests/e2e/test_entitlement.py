@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.runtime.configuration import faults
+from runtime.configuration import faults
 from tests.hf_checkpoints import word_tokenizer
 from tests.support import eventually
 

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from contracts import subjects
-from services.runtime.configuration import faults
+from runtime.configuration import faults
 from tests.support import eventually
 
 pytestmark = pytest.mark.e2e

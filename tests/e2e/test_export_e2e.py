@@ -19,8 +19,8 @@ from tests.support import confirm_and_train, eventually, run_state
 pytestmark = pytest.mark.e2e
 
 WRITERS = (
-    "services.trainer.weights.hf_export",
-    "services.trainer.data.tokenizer",
+    "training.weights.hf_export",
+    "training.data.tokenizer",
 )  # the hfmodel and data helpers'
 
 
@@ -97,7 +97,7 @@ def _logits_match(run_dir, manifest_path, out) -> None:
     import transformers
 
     from contracts.manifest import Manifest
-    from services.trainer.outputs import restore
+    from services.trainer import restore
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     manifest = msgspec.json.decode(manifest_path.read_bytes(), type=Manifest)

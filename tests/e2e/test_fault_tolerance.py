@@ -103,7 +103,7 @@ def test_kill_9_trainer_resumes_from_checkpoint(make_stack, manifest):
 
 
 def test_a_planted_loss_spike_waits_for_approval_and_restarts_from_the_proposal(make_stack, manifest):
-    from services.runtime.configuration import faults
+    from runtime.configuration import faults
 
     stack = make_stack(env={faults.ENV_FAULT_POINT: faults.TRAINER_LOSS_SPIKE, faults.ENV_SPIKE_STEP: "60"})
     account, _, env = stack.account()

@@ -97,8 +97,8 @@ def _our_logits(stack, account: str, run_id: str, name: str, manifest_path: path
     import torch
 
     from contracts.manifest import Manifest
-    from services.runtime.storage.model_store import ModelStore
-    from services.trainer.outputs import restore
+    from runtime.storage.model_store import ModelStore
+    from services.trainer import restore
 
     manifest = msgspec.json.decode(manifest_path.read_bytes(), type=Manifest)
     base = ModelStore(stack.data_dir / "models").resolve(name, account)

@@ -113,7 +113,7 @@ def _rank_pids(job: pathlib.Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"services.trainer.launch.rank" in cmdline and str(job).encode() in cmdline:
+        if b"training.launch.rank" in cmdline and str(job).encode() in cmdline:
             if b"torch.distributed.run" not in cmdline:
                 pids.append(int(proc.name))
     return pids

@@ -23,9 +23,6 @@ import pytest
 
 from contracts.models import MODEL_SHAPES
 from devstack.infra import alive, holder_of
-from services.trainer.engine.checkpoint import load_weights
-from services.trainer.engine.fault_tolerance import weights_checksum
-from services.trainer.model import Transformer
 from tests.support import (
     FULL_RECIPE_STEPS,
     confirm_and_train,
@@ -35,6 +32,9 @@ from tests.support import (
     run_state,
     run_status,
 )
+from training.engine.checkpoint import load_weights
+from training.engine.fault_tolerance import weights_checksum
+from training.model import Transformer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 

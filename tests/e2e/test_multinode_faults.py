@@ -15,8 +15,7 @@ import pathlib
 
 import pytest
 
-from services.runtime.configuration import faults
-from services.trainer.engine.checkpoint import committed_positions
+from runtime.configuration import faults
 from tests.support import (
     approve_restart,
     confirm_and_train,
@@ -25,6 +24,7 @@ from tests.support import (
     run_state,
     run_status,
 )
+from training.engine.checkpoint import committed_positions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 

@@ -29,7 +29,7 @@ import uuid
 
 import pytest
 
-from services.runtime.storage import s3_objects
+from runtime.storage import s3_objects
 from tests.support import eventually, moto_s3
 
 pytestmark = [pytest.mark.e2e]

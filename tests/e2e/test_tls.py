@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from services.runtime.security.tls import Certs
+from runtime.security.tls import Certs
 from tests.conftest import Stack, new_namespace
 
 pytestmark = pytest.mark.e2e
@@ -191,7 +191,7 @@ def test_ecc_with_a_ca_refuses_a_server_that_speaks_no_tls(own_infra, other_ca, 
     from contracts.api import AuthRequest
     from contracts.endpoints import API
     from ecc.transport import KEY_PREFIX, Client
-    from services.runtime.security.secrets import Secrets
+    from runtime.security.secrets import Secrets
 
     monkeypatch.setenv("ITO_NATS_URL", own_infra.nats_url)
     monkeypatch.setenv("ITO_NAMESPACE", own_infra.settings.namespace)

@@ -16,7 +16,7 @@ import pytest
 from contracts.connection import Connection
 from devstack import infra
 from ecc import connection
-from services.runtime.security.secrets import new_nkey_seed
+from runtime.security.secrets import new_nkey_seed
 
 BIN = pathlib.Path(sys.executable).parent
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -206,7 +206,7 @@ def test_the_clients_connection_and_manifest_modules_import_no_service():
 
 
 def test_the_ca_that_up_tls_wrote_into_the_connection_file_is_the_one_ecc_verifies_with(home, monkeypatch):
-    """`up --tls` records its CA in the file (services/ops/main.py `_write_connection`); with no
+    """`up --tls` records its CA in the file (ops/main.py `_write_connection`); with no
     ITO_NATS_CA and no CA stored at login, the client verifies the server with that one."""
     from ecc.transport import Client
 

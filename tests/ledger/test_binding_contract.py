@@ -2,7 +2,7 @@
 (milliseconds, no Redis) and Redis (the ledger's Lua script), on one server and on a Redis
 Cluster. The same rows must give the same error code and the same typed reason on both, and the
 ledger's refusal must be the confirmation service's own, word for word: the binding is defined
-once (services/domain/binding.py)."""
+once (domain/binding.py)."""
 
 import dataclasses
 import uuid
@@ -19,15 +19,15 @@ from contracts.internal import (
     LedgerHandedOff,
     LedgerLookup,
 )
+from domain import binding
+from runtime.configuration.keys import Keys
+from runtime.messaging.codec import Refusal
 from services.confirmation.handlers import ConfirmationHandlers
 from services.confirmation.store import ConfirmationStore, InMemoryConfirmations
-from services.domain import binding
 from services.ledger.handlers import LedgerHandlers
 from services.ledger.store import InMemoryLedger, LedgerStore
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging.codec import Refusal
 from tests.conftest import new_namespace, start_infra
-from tests.trainer.test_node_shares import work as _node_work
+from tests.training.test_node_shares import work as _node_work
 
 DIGEST = "d" * 64
 

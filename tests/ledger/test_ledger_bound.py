@@ -11,7 +11,7 @@ from contracts.internal import LedgerEntry
 from contracts.runs import TrainWork
 from services.ledger.store import BOUND_KEY
 from services.scheduler.handoff import bounded
-from tests.trainer.test_node_shares import work as node_work
+from tests.training.test_node_shares import work as node_work
 
 
 def entry(estimate: float, recorded: float | None, work: bool = True) -> LedgerEntry:

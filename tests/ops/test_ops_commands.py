@@ -1,8 +1,8 @@
-"""`ito-training`'s command table (services/ops/main.py): every command the parser knows is either
+"""`ito-training`'s command table (ops/main.py): every command the parser knows is either
 handled before the settings are resolved (serve, manifest-schema) or has exactly one entry."""
 
-from services.ops import main
-from services.runtime.configuration.settings import ENV_DATA_DIR, ENV_SECRETS_DIR
+from ops import main
+from runtime.configuration.settings import ENV_DATA_DIR, ENV_SECRETS_DIR
 
 BEFORE_SETTINGS = {"serve", "manifest-schema"}
 

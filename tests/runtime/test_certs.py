@@ -1,4 +1,4 @@
-"""`ito-training certs`: the deployment's CA and certificates (services/runtime/security/tls.py), and the
+"""`ito-training certs`: the deployment's CA and certificates (runtime/security/tls.py), and the
 nats-server configs that require TLS with them (single server, cluster nodes, compose)."""
 
 import json
@@ -11,8 +11,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.security.tls import Certs, names_in, server_names
+from runtime.configuration import settings as settings_mod
+from runtime.security.tls import Certs, names_in, server_names
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FILES = (
@@ -30,7 +30,7 @@ COMPOSE_NAMES = ("nats", "nats-1", "nats-2", "nats-3", "desk", "scheduler", "sch
 
 def certs_command(data_dir: pathlib.Path, *args: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.ops.main", "certs", *args, "--json"],
+        [sys.executable, "-m", "ops.main", "certs", *args, "--json"],
         capture_output=True,
         text=True,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "ITO_DATA_DIR": str(data_dir)},
@@ -105,7 +105,7 @@ def test_certs_again_keeps_everything_and_rotate_keeps_the_ca_only(issued, tmp_p
 
 
 def test_rotate_without_a_ca_is_refused(tmp_path):
-    from services.runtime.security.tls import CertError
+    from runtime.security.tls import CertError
 
     with pytest.raises(CertError, match="run `ito-training certs` first"):
         Certs(tmp_path / "tls").rotate()
@@ -122,7 +122,7 @@ def test_server_names_start_with_loopback_and_drop_duplicates():
 
 def test_containers_get_certificates_and_configs_that_require_tls_on_clients_and_routes(tmp_path):
     from devstack import nats_cluster
-    from services.runtime.security.tls import CONTAINER_DIR
+    from runtime.security.tls import CONTAINER_DIR
 
     s = settings_mod.load({"ITO_DATA_DIR": str(tmp_path), "ITO_NAMESPACE": "tc"})
     written = {p.name for p in nats_cluster.write_for_containers(s, [])}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from devstack.infra import free_port
-from services.runtime.storage import checkpoint_store as cs
+from runtime.storage import checkpoint_store as cs
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_a_path_part_cannot_climb_or_nest(part):
 
 
 def test_the_settings_refuse_a_checkpoint_url_they_cannot_use(tmp_path):
-    from services.runtime.configuration import settings
+    from runtime.configuration import settings
 
     env = {settings.ENV_DATA_DIR: str(tmp_path)}
     assert settings.load(env).checkpoint_url == ""

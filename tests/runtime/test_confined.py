@@ -1,5 +1,5 @@
 """Files and directories below a root, component by component with O_NOFOLLOW
-(services/runtime/storage/confined.py), on real directories: a link anywhere on the way is
+(runtime/storage/confined.py), on real directories: a link anywhere on the way is
 refused, never followed; a directory someone else could write is refused; nothing is made
 through either."""
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from services.runtime.storage import confined
-from services.runtime.storage.confined import Confined
+from runtime.storage import confined
+from runtime.storage.confined import Confined
 
 
 @pytest.fixture

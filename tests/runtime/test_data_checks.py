@@ -1,4 +1,4 @@
-"""A data file checked whole before anyone pays for it (services/runtime/storage/data_checks.py),
+"""A data file checked whole before anyone pays for it (runtime/storage/data_checks.py),
 as tables on real files: every problem at once, each at its 1-based line or row (issue 39: bytes
 that were not UTF-8 planned, were confirmed and failed the paid run as `UnicodeDecodeError`; a
 role "wizard" trained without a word; line 15 was "row 14"), and the child process that checks a
@@ -15,8 +15,8 @@ import pytest
 
 from contracts.files import MAX_PROBLEMS
 from contracts.manifest import DataFormat
-from services.runtime.storage import data_checks
-from services.runtime.storage.data_checks import CheckFailed
+from runtime.storage import data_checks
+from runtime.storage.data_checks import CheckFailed
 
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
 

@@ -13,13 +13,13 @@ from contracts.api import Action
 from contracts.errors import ErrorCode
 from contracts.internal import LedgerAccept, LedgerEntry
 from devstack import authority, infra
+from domain.binding import Stored
+from runtime.configuration import settings as settings_mod
+from runtime.configuration.keys import Keys
+from runtime.messaging import connections
+from runtime.messaging.codec import Refusal
 from services.confirmation.store import ConfirmationStore, new_ref
-from services.domain.binding import Stored
 from services.ledger.store import LedgerStore
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging import connections
-from services.runtime.messaging.codec import Refusal
 
 
 def start(tmp_path, port=None):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.runtime.configuration.timers import TIMERS, LivenessTimers
+from runtime.configuration.timers import TIMERS, LivenessTimers
 
 
 def test_the_defaults_keep_the_fencing_order():
@@ -27,7 +27,7 @@ def test_a_bad_ordering_is_refused(overrides):
 
 
 def test_the_trainer_reads_the_same_timers():
-    from services.trainer.agent import worker
+    from services.trainer import worker
 
     assert (worker.SELF_FENCE_S, worker.RENEW_EVERY_S, worker.WORK_ACK_WAIT_S) == (
         TIMERS.self_fence_s,

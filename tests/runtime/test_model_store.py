@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from services.runtime.storage.model_store import ModelStore, ModelStoreError, content_digest
+from runtime.storage.model_store import ModelStore, ModelStoreError, content_digest
 from tests.hf_checkpoints import save_tiny, train_tokenizer
 
 

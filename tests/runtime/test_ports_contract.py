@@ -12,11 +12,11 @@ from contracts.api import LogLineView, RunView
 from contracts.booking import Booking, BookingState, Fabric, Topology
 from contracts.errors import ErrorCode
 from contracts.states import RunState
+from runtime.configuration.keys import Keys
+from runtime.messaging.codec import Refusal
+from runtime.tenancy import accounts
 from services.entitlement.projection import Outcome
 from services.entitlement.store import BookingStore, InMemoryBookings
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging.codec import Refusal
-from services.runtime.security import accounts
 from services.scheduler.memory import InMemoryRuns
 from services.scheduler.store import RunStore
 from tests.conftest import new_namespace, start_infra

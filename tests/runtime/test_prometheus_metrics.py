@@ -1,4 +1,4 @@
-"""Prometheus metrics (services/runtime/messaging/metrics.py): the bearer check and the label mapping as
+"""Prometheus metrics (runtime/messaging/metrics.py): the bearer check and the label mapping as
 tables; the router's counting, the consumer-lag refresh and the `/metrics` server in one process
 (no NATS, no stack); the token file, the port setting and `up`'s port choice."""
 
@@ -16,20 +16,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from contracts.endpoints import Endpoint
 from contracts.errors import ErrorCode
 from devstack import stack
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.messaging import codec
-from services.runtime.messaging.bus import Router
-from services.runtime.messaging.codec import Refusal
-from services.runtime.messaging.metrics import (
+from runtime.configuration import settings as settings_mod
+from runtime.messaging import codec
+from runtime.messaging.bus import Router
+from runtime.messaging.codec import Refusal
+from runtime.messaging.metrics import (
     MetricsServer,
     ServiceMetrics,
     authorized,
     endpoint_label,
     metrics_app,
 )
-from services.runtime.security.identities import tenant_inbox
-from services.runtime.security.order_signatures import Verifier
-from services.runtime.security.secrets import SecretError, Secrets
+from runtime.security.identities import tenant_inbox
+from runtime.security.order_signatures import Verifier
+from runtime.security.secrets import SecretError, Secrets
 
 TOKEN = "s3cret-token_value"
 

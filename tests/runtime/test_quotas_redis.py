@@ -12,11 +12,11 @@ import pytest
 
 from contracts.api import Action, RunView
 from contracts.states import RunState
+from domain import quotas
+from domain.binding import Stored
+from runtime.configuration.keys import Keys
+from runtime.tenancy.quota_stores import RedisQuotas
 from services.confirmation.store import ConfirmationStore
-from services.domain import quotas
-from services.domain.binding import Stored
-from services.runtime.configuration.keys import Keys
-from services.runtime.security.quota_stores import RedisQuotas
 from services.scheduler.store import RunStore
 from tests.conftest import new_namespace, start_infra
 from tests.domain.test_quotas import BUCKET_ROWS
@@ -164,7 +164,7 @@ async def test_the_operator_writes_the_limits_the_services_read_them(infra):
 def test_the_operator_sets_and_shows_quotas_with_ito_training(redis_infra, monkeypatch, capsys):
     """`ito-training accounts quota ACCOUNT --rate ... --runs ...`: the limits given change, the rest
     keep their value (the defaults until set); a bad value is refused and changes nothing."""
-    from services.ops import main as ops
+    from ops import main as ops
 
     s = redis_infra.settings
     for env, value in (

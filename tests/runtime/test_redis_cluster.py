@@ -25,21 +25,21 @@ from contracts.internal import ConfirmationCreate, LedgerAccept
 from contracts.runs import LogLine, Metrics
 from contracts.states import RunState
 from devstack import redis_cluster
+from runtime.configuration.keys import SHARDS, Keys
+from runtime.configuration.settings import load
+from runtime.security.identities import ADMIN, REPLICATION
+from runtime.security.secrets import Secrets
+from runtime.tenancy import accounts
 from services.confirmation.handlers import ConfirmationHandlers
 from services.confirmation.store import ConfirmationStore
 from services.entitlement.projection import Outcome
 from services.entitlement.store import BookingStore
 from services.ledger.handlers import LedgerHandlers
 from services.ledger.store import LedgerStore
-from services.runtime.configuration.keys import SHARDS, Keys
-from services.runtime.configuration.settings import load
-from services.runtime.security import accounts
-from services.runtime.security.identities import ADMIN, REPLICATION
-from services.runtime.security.secrets import Secrets
 from services.scheduler.store import RunStore
 from services.telemetry.store import TelemetryStore
 from tests.support import eventually_async
-from tests.trainer.test_node_shares import work as node_work
+from tests.training.test_node_shares import work as node_work
 
 NOW = datetime.now(UTC)
 ONCE = Retry(NoBackoff(), 0)  # a refusal is the answer here: no retries

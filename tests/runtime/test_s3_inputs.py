@@ -15,12 +15,12 @@ import pytest
 
 from contracts.files import DataInput, InputKind
 from contracts.manifest import DataFormat
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.storage import data_connections, s3_objects
-from services.runtime.storage.data_connections import BadConnection
-from services.runtime.storage.tenant_files import BucketStore, StoreError
+from runtime.configuration import settings as settings_mod
+from runtime.storage import data_connections, s3_objects
+from runtime.storage.data_connections import BadConnection
+from runtime.storage.tenant_files import BucketStore, StoreError
 from services.scheduler.data_facts import DataFacts
-from services.trainer.agent.inputs import Reader
+from services.trainer.inputs import Reader
 from tests.support import moto_s3
 
 ROWS = b"".join(json.dumps({"text": f"the river runs under bridge {i}"}).encode() + b"\n" for i in range(40))

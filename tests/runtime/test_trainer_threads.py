@@ -4,7 +4,7 @@ every core of the machine); else the cores this process may run on."""
 
 import pytest
 
-from services.runtime.configuration.settings import trainer_threads
+from runtime.configuration.settings import trainer_threads
 
 
 @pytest.mark.parametrize(

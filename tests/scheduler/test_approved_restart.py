@@ -11,7 +11,7 @@ from contracts.api import ApproveRequest, RestartProposal, RunView
 from contracts.runs import TrainWork
 from contracts.states import RunState
 from services.scheduler.mutations import Mutations
-from tests.trainer.test_node_shares import work
+from tests.training.test_node_shares import work
 
 PROPOSAL = RestartProposal(
     stage="pretrain", checkpoint_step=40, skip_from=40, skip_to=80, spike_step=60, reason="spike"

@@ -24,17 +24,17 @@ from contracts import subjects
 from contracts.api import RunView
 from contracts.internal import LedgerEntry
 from contracts.states import LEASABLE, RunState
-from services.runtime.configuration.keys import Keys
-from services.runtime.configuration.timers import TIMERS
-from services.runtime.messaging import connections
-from services.runtime.messaging.bus import NatsBus
-from services.runtime.messaging.service import Wiring, consume_in_order
+from runtime.configuration.keys import Keys
+from runtime.configuration.timers import TIMERS
+from runtime.messaging import connections
+from runtime.messaging.bus import NatsBus
+from runtime.messaging.service import Wiring, consume_in_order
 from services.scheduler import leases
 from services.scheduler.handoff import Handoff
 from services.scheduler.publish import RunEventPublisher
 from services.scheduler.store import RunStore
 from tests.support import eventually_async
-from tests.trainer.test_node_shares import work
+from tests.training.test_node_shares import work
 
 NOW = datetime.now(UTC)
 DURABLE = subjects.CONSUMER_SCHEDULER_RUNS

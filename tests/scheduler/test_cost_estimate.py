@@ -10,8 +10,8 @@ import pytest
 
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
-from services.domain.curriculum import curriculum_of
-from services.domain.model_shapes import count_parameters
+from domain.curriculum import curriculum_of
+from domain.model_shapes import count_parameters
 from services.scheduler import calibration
 from services.scheduler.planning import load_prices, plan
 from tests.scheduler.test_planning import body

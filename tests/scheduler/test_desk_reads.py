@@ -13,9 +13,9 @@ from contracts.endpoints import DESK
 from contracts.errors import ErrorCode
 from contracts.runs import Metrics, RunCreated, StateChanged
 from contracts.states import RunState
-from services.runtime.configuration.settings import load
-from services.runtime.messaging.bus import Router
-from services.runtime.messaging.codec import Refusal
+from runtime.configuration.settings import load
+from runtime.messaging.bus import Router
+from runtime.messaging.codec import Refusal
 from services.scheduler.desk_reads import DeskReads
 from services.scheduler.memory import InMemoryRuns
 from services.scheduler.planning import load_prices

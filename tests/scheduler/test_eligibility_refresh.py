@@ -9,7 +9,7 @@ import pytest
 from contracts.booking import Fabric, Topology
 from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
-from services.runtime.messaging.codec import Refusal
+from runtime.messaging.codec import Refusal
 from services.scheduler.api import Api
 from services.scheduler.peers import Peers
 

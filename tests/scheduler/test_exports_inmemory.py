@@ -24,15 +24,15 @@ from contracts.api import (
 )
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging import connections
-from services.runtime.messaging.bus import LocalBus
-from services.runtime.messaging.service import Wiring, scheduler_verifier
-from services.runtime.security.identities import NATS_IDENTITIES
-from services.runtime.security.secrets import Secrets
-from services.trainer.agent.worker import Worker
-from services.trainer.outputs import exports
+from runtime.configuration import settings as settings_mod
+from runtime.configuration.keys import Keys
+from runtime.messaging import connections
+from runtime.messaging.bus import LocalBus
+from runtime.messaging.service import Wiring, scheduler_verifier
+from runtime.security.identities import NATS_IDENTITIES
+from runtime.security.secrets import Secrets
+from services.trainer import exports
+from services.trainer.worker import Worker
 from tests.scheduler.test_handlers_inmemory import (
     REPO_MANIFEST,
     Bus,

@@ -16,7 +16,7 @@ import pytest
 from contracts.errors import ErrorCode
 from contracts.files import InputKind
 from contracts.manifest import Manifest
-from services.runtime.messaging.codec import Refusal
+from runtime.messaging.codec import Refusal
 from services.scheduler.data_facts import DataFacts
 from services.scheduler.inputs import ManifestInputs
 

@@ -10,8 +10,8 @@ import pytest
 
 from contracts.manifest import Manifest
 from contracts.models import BaseModel, ModelShape
-from services.domain import gates
-from services.domain.curriculum import curriculum_of
+from domain import gates
+from domain.curriculum import curriculum_of
 
 TEMPLATE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests" / "finetune.json"
 SHAPE = ModelShape(

@@ -47,21 +47,21 @@ from contracts.booking import BookingEvent, BookingEventKind, BookingState, Fabr
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from contracts.states import RunState
+from runtime.configuration import settings as settings_mod
+from runtime.configuration.keys import Keys
+from runtime.messaging import codec, connections
+from runtime.messaging.bus import LocalBus
+from runtime.messaging.service import Wiring
+from runtime.security.identities import NATS_IDENTITIES
+from runtime.security.secrets import Secrets
+from runtime.tenancy.accounts import InMemoryAccounts, RedisAccounts
+from runtime.tenancy.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
 from services.confirmation import app as confirmation_app
 from services.confirmation.store import ConfirmationStore, InMemoryConfirmations
 from services.entitlement import app as entitlement_app
 from services.entitlement.store import Bookings, BookingStore, InMemoryBookings
 from services.ledger import app as ledger_app
 from services.ledger.store import InMemoryLedger, LedgerStore
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging import codec, connections
-from services.runtime.messaging.bus import LocalBus
-from services.runtime.messaging.service import Wiring
-from services.runtime.security.accounts import InMemoryAccounts, RedisAccounts
-from services.runtime.security.identities import NATS_IDENTITIES
-from services.runtime.security.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
-from services.runtime.security.secrets import Secrets
 from services.scheduler import app as scheduler_app
 from services.scheduler.manifests import digest_of
 from services.scheduler.memory import InMemoryRuns
@@ -358,7 +358,7 @@ async def test_a_train_asks_the_confirmation_service_nothing_the_ledger_reads_th
 async def test_a_train_plans_the_manifests_stages_once(bus, monkeypatch):
     # issue 29/30: one train request planned the manifest's stages five times (the inputs gate, the
     # estimate, the gates, the checkpoint interval, the data-parallel alternative)
-    from services.domain import curriculum
+    from domain import curriculum
     from services.scheduler import inputs, planning
     from services.scheduler.api import Api
 

@@ -10,11 +10,11 @@ import msgspec
 from contracts.errors import ErrorCode
 from contracts.internal import LedgerEntry
 from contracts.states import RunState
-from services.runtime.configuration.settings import load
-from services.runtime.messaging.codec import Refusal
+from runtime.configuration.settings import load
+from runtime.messaging.codec import Refusal
 from services.scheduler.handoff import Handoff
 from services.scheduler.memory import InMemoryRuns
-from tests.trainer.test_node_shares import work
+from tests.training.test_node_shares import work
 
 NOW = datetime(2026, 12, 2, tzinfo=UTC)
 

@@ -9,7 +9,7 @@ import pytest
 
 from contracts.api import RunView
 from contracts.states import LEASABLE, RunState
-from services.runtime.configuration.keys import Keys
+from runtime.configuration.keys import Keys
 from services.scheduler import leases
 from services.scheduler.store import RunStore
 

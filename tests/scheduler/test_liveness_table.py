@@ -10,8 +10,8 @@ import pytest
 
 from contracts.api import LeaseQuery, RunView
 from contracts.states import CANCEL_TO, LEASABLE, RunState
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging import codec
+from runtime.configuration.keys import Keys
+from runtime.messaging import codec
 from services.scheduler import leases
 from services.scheduler.lifecycle import NotAMove
 from services.scheduler.memory import InMemoryRuns

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
-from services.runtime.messaging.codec import Refusal
+from runtime.messaging.codec import Refusal
 from services.scheduler.manifests import MAX_MANIFEST_BYTES, digest_of, verify
 from services.scheduler.secret_scan import MIN_MATCH_CHARS, PATTERNS, find_secret
 

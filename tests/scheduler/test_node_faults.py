@@ -13,13 +13,13 @@ import pytest
 from contracts.api import LeaseAnswer, LeaseQuery, RestartProposal, RunView
 from contracts.runs import StateChanged
 from contracts.states import RunState
-from services.runtime.messaging import codec
+from runtime.messaging import codec
 from services.scheduler import leases
 from services.scheduler.events import requeue_count
 from services.scheduler.memory import InMemoryRuns
-from services.trainer.agent import follower
-from services.trainer.agent.worker import lost_gang_state
-from services.trainer.engine.checkpoint import (
+from services.trainer import follower
+from services.trainer.worker import lost_gang_state
+from training.engine.checkpoint import (
     MARKER,
     SIDECAR,
     SKIP_FILE,
@@ -29,8 +29,8 @@ from services.trainer.engine.checkpoint import (
     skip_window,
     step_dir,
 )
-from services.trainer.engine.distributed import ParallelismError
-from services.trainer.launch.elastic import GangFailed, GangLost
+from training.engine.distributed import ParallelismError
+from training.launch.elastic import GangFailed, GangLost
 
 NOW = datetime.now(UTC)
 LOST = GangLost("The gang of 2 ranks exited with code 1 after up to 0 restarts.")

@@ -24,7 +24,7 @@ from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
 from contracts.manifest import Manifest
 from contracts.models import MODEL_SHAPES
-from services.domain.curriculum import model_shape
+from domain.curriculum import model_shape
 from services.scheduler import planning
 from services.scheduler.planning import (
     checkpoint_bytes,
@@ -34,7 +34,7 @@ from services.scheduler.planning import (
     parameter_count,
     plan,
 )
-from services.trainer.model import Transformer, count_parameters
+from training.model import Transformer, count_parameters
 
 PRICES = load_prices()
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

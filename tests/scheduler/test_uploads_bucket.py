@@ -23,15 +23,15 @@ from contracts.files import (
 )
 from contracts.manifest import DataFormat
 from ecc.upload import Local, put_file
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging import connections
-from services.runtime.messaging.bus import LocalBus
-from services.runtime.messaging.service import Wiring
-from services.runtime.security.identities import NATS_IDENTITIES
-from services.runtime.security.secrets import Secrets
-from services.runtime.storage import s3_objects
-from services.trainer.agent.inputs import Reader
+from runtime.configuration import settings as settings_mod
+from runtime.configuration.keys import Keys
+from runtime.messaging import connections
+from runtime.messaging.bus import LocalBus
+from runtime.messaging.service import Wiring
+from runtime.security.identities import NATS_IDENTITIES
+from runtime.security.secrets import Secrets
+from runtime.storage import s3_objects
+from services.trainer.inputs import Reader
 from tests.scheduler.test_handlers_inmemory import Bus, call, data, login, register_all
 from tests.support import moto_s3
 

@@ -60,7 +60,7 @@ async def settle(w: Watched, seconds: float = 0.5) -> None:
 def read_until_closed(sock) -> bytes:
     """Everything a sealed endpoint sends a stranger before it closes the connection (the
     handshake's bound and a little more)."""
-    from services.runtime.security.sealed import HANDSHAKE_TIMEOUT_S
+    from runtime.security.sealed import HANDSHAKE_TIMEOUT_S
 
     sock.settimeout(HANDSHAKE_TIMEOUT_S + 2)
     data = b""

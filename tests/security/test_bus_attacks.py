@@ -40,7 +40,7 @@ def test_no_credential_no_connection(stack):
 
 
 def test_an_unknown_nkey_is_refused(stack):
-    from services.runtime.security.secrets import new_nkey_seed
+    from runtime.security.secrets import new_nkey_seed
 
     async def stranger():
         await nats.connect(
@@ -411,7 +411,7 @@ def test_clients_refuse_a_server_without_authentication(tmp_path):
             "ITO_NATS_URL": f"nats://127.0.0.1:{port}",
             "ECC_CONFIG_DIR": str(tmp_path / "ecc"),
         }
-        from services.runtime.security.secrets import new_nkey_seed
+        from runtime.security.secrets import new_nkey_seed
 
         login = subprocess.run(
             [str(pathlib.Path(sys.executable).parent / "ecc"), "ito", "login", "--account", "a", "--json"],

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from services.runtime.security.identities import REDIS_SERVICES, SERVICE_IDENTITIES
+from runtime.security.identities import REDIS_SERVICES, SERVICE_IDENTITIES
 
 COMPOSE_PATH = pathlib.Path(__file__).resolve().parents[2] / "compose.yaml"
 COMPOSE = yaml.safe_load(COMPOSE_PATH.read_text())

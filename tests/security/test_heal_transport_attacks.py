@@ -15,10 +15,10 @@ import pytest
 import torch
 from torchft.checkpointing.http_transport import HTTPTransport
 
-from services.runtime.security import sealed
-from services.trainer.engine import heal_transport as ht
-from services.trainer.engine.heal_transport import Seal, SealedTransport, heal_key
+from runtime.security import sealed
 from tests.security.conftest import read_until_closed
+from training.engine import heal_transport as ht
+from training.engine.heal_transport import Seal, SealedTransport, heal_key
 
 RUN = "run_0123456789abcdef01234567"
 SECRET = "per-run-secret-minted-by-the-scheduler"
@@ -197,7 +197,7 @@ def test_the_seal_never_shows_its_key() -> None:
 
 
 def test_the_heal_key_binds_the_run_and_the_purpose() -> None:
-    from services.trainer.launch.rendezvous import store_key
+    from training.launch.rendezvous import store_key
 
     assert heal_key(SECRET, RUN) == heal_key(SECRET, RUN)
     assert heal_key(SECRET, RUN) != heal_key(SECRET, "run_other")

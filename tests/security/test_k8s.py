@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.runtime.security.identities import REDIS_SERVICES, SERVICE_IDENTITIES
+from runtime.security.identities import REDIS_SERVICES, SERVICE_IDENTITIES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy/k8s"

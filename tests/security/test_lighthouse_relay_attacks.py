@@ -1,4 +1,4 @@
-"""A stage's Lighthouse from a process that is not a node of the run (services/trainer/launch/
+"""A stage's Lighthouse from a process that is not a node of the run (training/launch/
 lighthouse_relay.py): it joins no quorum and learns nothing, and node 0's Lighthouse listens on
 its loopback only. A node of the run reaches it through its sealed entry, as torchft's own client
 (a replica group's Manager) does. `test_a_bare_lighthouse_answers_anyone` keeps the defect on record."""
@@ -10,12 +10,12 @@ from urllib.parse import urlparse
 
 import pytest
 
-from services.runtime.security import sealed
-from services.trainer.engine.fault_tolerance import start_lighthouse
-from services.trainer.launch import lighthouse_relay as lr
-from services.trainer.launch.lighthouse_relay import Entry, Relay, relay_key
-from services.trainer.launch.rendezvous import store_key
+from runtime.security import sealed
 from tests.security.conftest import read_until_closed
+from training.engine.fault_tolerance import start_lighthouse
+from training.launch import lighthouse_relay as lr
+from training.launch.lighthouse_relay import Entry, Relay, relay_key
+from training.launch.rendezvous import store_key
 
 RUN = "run_0123456789abcdef01234567"
 SECRET = "per-run-secret-minted-by-the-scheduler"

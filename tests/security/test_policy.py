@@ -1,15 +1,15 @@
 """The authorization policy as tables (pure): who may publish, subscribe and touch which keys.
 
-These pin the allow-lists that services/runtime/security/identities.py writes into the nats-server config
+These pin the allow-lists that runtime/security/identities.py writes into the nats-server config
 and the Redis ACL file; the attacks in test_attacks.py check the servers enforce them."""
 
 import json
 
 import pytest
 
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.security import identities as ids
-from services.runtime.security.order_signatures import Signer, Verifier
+from runtime.configuration import settings as settings_mod
+from runtime.security import identities as ids
+from runtime.security.order_signatures import Signer, Verifier
 
 S = settings_mod.load({"ITO_NAMESPACE": "ito", "ITO_DATA_DIR": "/tmp/x"})
 

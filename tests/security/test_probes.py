@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from devstack.infra import free_port
-from services.runtime.messaging.metrics import MetricsServer, ServiceMetrics, metrics_app
-from services.runtime.security.tls import Certs
+from runtime.messaging.metrics import MetricsServer, ServiceMetrics, metrics_app
+from runtime.security.tls import Certs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SERVICES = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]

@@ -1,5 +1,5 @@
 """A Lua script runs with its caller's Redis rights: every command a service's scripts call must be
-in that service's ACL (services/runtime/security/identities.py), or the script fails on the real,
+in that service's ACL (runtime/security/identities.py), or the script fails on the real,
 authenticated Redis while every test on an unauthenticated one passes (issue 39: the upload cap's
 ZCARD answered `internal` to every upload in the e2e stacks)."""
 
@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from services.runtime.configuration.settings import load
-from services.runtime.security.identities import redis_rules
+from runtime.configuration.settings import load
+from runtime.security.identities import redis_rules
 
 CALL = re.compile(r"redis\.call\(\s*'([A-Za-z]+)'")
 SCRIPTS = {  # identity -> the scripts it runs: (module, its *_LUA names)
@@ -20,9 +20,9 @@ SCRIPTS = {  # identity -> the scripts it runs: (module, its *_LUA names)
             ["BEGIN_LUA", "RELEASE_LUA", "FINISH_LUA", "CLAIM_LUA", "DELETE_LUA"],
         ),
         ("services.scheduler.store", ["CAS_LUA", "LEASE_LUA"]),
-        ("services.domain.quotas", ["BUCKET_LUA"]),
+        ("domain.quotas", ["BUCKET_LUA"]),
     ],
-    "confirmation": [("services.domain.quotas", ["OUTSTANDING_LUA"])],
+    "confirmation": [("domain.quotas", ["OUTSTANDING_LUA"])],
     "ledger": [("services.ledger.store", ["ACCEPT_LUA"])],
     "entitlement": [("services.entitlement.store", ["APPLY_LUA"])],
 }

@@ -1,5 +1,5 @@
 """Node 0's rendezvous store from a process that is not a node of the run: it reads nothing,
-writes nothing and stalls nothing (services/trainer/launch/rendezvous.py). On today's TCPStore each
+writes nothing and stalls nothing (training/launch/rendezvous.py). On today's TCPStore each
 of these attacks succeeds: `test_tcpstore_answers_anyone` keeps the contrast on record."""
 
 import hashlib
@@ -13,9 +13,10 @@ import msgspec
 import pytest
 from torch.distributed import TCPStore
 
-from services.runtime.security import sealed
-from services.trainer.launch import rendezvous as rs
-from services.trainer.launch.rendezvous import (
+from runtime.security import sealed
+from tests.security.conftest import read_until_closed
+from training.launch import rendezvous as rs
+from training.launch.rendezvous import (
     Hello,
     RendezvousClient,
     RendezvousRefused,
@@ -23,7 +24,6 @@ from services.trainer.launch.rendezvous import (
     admit,
     store_key,
 )
-from tests.security.conftest import read_until_closed
 
 RUN = "run_0123456789abcdef01234567"
 SECRET = "per-run-secret-minted-by-the-scheduler"

@@ -14,8 +14,8 @@ import pytest
 from contracts import subjects
 from contracts.runs import LogLine, RunCreated, StateChanged, TrainWork
 from contracts.states import RunState
-from services.runtime.security.order_signatures import Signer
-from services.runtime.security.secrets import Secrets
+from runtime.security.order_signatures import Signer
+from runtime.security.secrets import Secrets
 from tests.e2e.test_lifecycle import LONG, confirm, start_run
 from tests.security.conftest import settle
 from tests.support import eventually_async, run_status
@@ -221,7 +221,7 @@ def test_cancel_notices_work_items_and_cleanup_orders_need_the_scheduler(
 
 def test_cleanup_refuses_a_linked_run_directory(tmp_path):
     """Cleanup resolves paths: a run directory that is a link (or under one) out of the root is refused."""
-    from services.runtime.storage.checkpoint_paths import inside
+    from runtime.storage.checkpoint_paths import inside
 
     root = tmp_path / "checkpoints"
     (root / "acme").mkdir(parents=True)

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from contracts.runs import RunCreated
 from contracts.telemetry import BADPUT, BOOKED_BADPUT, IDLE, Rollup, RunTelemetry
+from domain.accounting import account, booked_gpu_hours, rollup
 from services.desk import board, gauges, pages
-from services.telemetry.accounting import account, booked_gpu_hours, rollup
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 HELD = 0.0079  # GPU-hours the demo's run held (one GPU)

@@ -18,7 +18,7 @@ from contracts.runs import (
 )
 from contracts.states import RunState
 from contracts.telemetry import BADPUT
-from services.telemetry.accounting import account, rollup
+from domain.accounting import account, rollup
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 CREATED = RunCreated(

@@ -1,12 +1,12 @@
-"""The trainer's checkpoint storage check (services/trainer/agent/storage.py), on real directories."""
+"""The trainer's checkpoint storage check (services/trainer/storage.py), on real directories."""
 
 import os
 from types import SimpleNamespace
 
 import pytest
 
-from services.trainer.agent import storage
-from services.trainer.agent.storage import StorageUnavailable, prepare
+from services.trainer import storage
+from services.trainer.storage import StorageUnavailable, prepare
 
 FREE = 10**9
 

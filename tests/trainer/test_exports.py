@@ -1,4 +1,4 @@
-"""Exports and samples on the trainer (services/trainer/outputs/exports.py, restore.py, sampling.py), on a
+"""Exports and samples on the trainer (services/trainer/exports.py, restore.py, sampling.py), on a
 real committed checkpoint of the tiny model and a small injected writer in place of the hfmodel
 helper's: which checkpoint a stage reads, one job per export, EXPORT.json last, a failure said
 once, the chunks a download may read (listed files only, no link, no `..`), and sampling
@@ -17,11 +17,11 @@ from contracts.api import DOWNLOAD_CHUNK_MAX, ExportFile, ExportFormat, SampleRe
 from contracts.errors import ErrorCode
 from contracts.export_files import export_digest
 from contracts.manifest import Manifest
-from services.domain.curriculum import curriculum_of
-from services.runtime.messaging.codec import Refusal
-from services.trainer.engine.checkpoint import Checkpointer
-from services.trainer.model import Transformer
-from services.trainer.outputs import exports, restore, sampling
+from domain.curriculum import curriculum_of
+from runtime.messaging.codec import Refusal
+from services.trainer import exports, restore, sampling
+from training.engine.checkpoint import Checkpointer
+from training.model import Transformer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -185,7 +185,7 @@ def test_a_missing_writer_module_is_a_plain_failure(run, monkeypatch):
     real = restore.importlib.import_module
 
     def without_hf(name, *a):
-        if name == "services.trainer.weights.hf_export":
+        if name == "training.weights.hf_export":
             raise ImportError(name)
         return real(name, *a)
 
@@ -323,7 +323,7 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 def lora_run(run_dir: pathlib.Path):
     """A run whose SFT stage trained LoRA adapters on the pretrain stage's weights: the adapters'
     checkpoint (adapters only, as the lora helper saves it) and the merged weights expected."""
-    lora = pytest.importorskip("services.trainer.weights.lora")
+    lora = pytest.importorskip("training.weights.lora")
     if "model_keys" not in Checkpointer.__init__.__code__.co_varnames:
         pytest.skip("the checkpointer does not save adapters only yet (the lora helper's)")
     manifest = tiny_manifest(post_training={"recipe": ["sft"], "sft": {"steps": 2, "lora": LORA}})

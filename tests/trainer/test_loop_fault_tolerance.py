@@ -1,7 +1,7 @@
 """One training loop, with or without replica groups: `run_loop` without fault tolerance is the plain
 PyTorch step (same losses, same weights); a `FaultTolerance` is called around every step in order, and
 an attempt it does not commit leaves weights, schedule and step count untouched; a torchft replica
-group's process (tests.trainer.replica_process) trains through `run_loop` itself and, alone in its quorum,
+group's process (tests.training.replica_process) trains through `run_loop` itself and, alone in its quorum,
 ends with exactly the weights of the plain loop. The kill/heal scenario is in test_torchft_replicas.py.
 """
 
@@ -16,11 +16,11 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointSaved, Metrics
-from services.trainer.data.corpora import BatchIterator, load_tokens
-from services.trainer.engine import loop as loop_module
-from services.trainer.engine.loop import LoopSettings, StepOutput, TrainingError, run_loop
-from services.trainer.engine.reporting import Recorder
-from services.trainer.model import Transformer
+from training.data.corpora import BatchIterator, load_tokens
+from training.engine import loop as loop_module
+from training.engine.loop import LoopSettings, StepOutput, TrainingError, run_loop
+from training.engine.reporting import Recorder
+from training.model import Transformer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -222,7 +222,7 @@ def test_the_replica_modules_have_no_training_step_of_their_own():
     """Backward, the optimizer step and zero_grad happen in loop.py alone; the replica group's
     modules only build, hook and launch (its process, services/trainer/replicas.py then, used to run
     its own loop with all three)."""
-    for name in ("tests/trainer/replica_process.py", "services/trainer/engine/fault_tolerance.py"):
+    for name in ("tests/training/replica_process.py", "training/engine/fault_tolerance.py"):
         found = calls_in(REPO / name) & {"backward", "step", "zero_grad"}
         assert not found, f"{name} calls {sorted(found)}: a training loop of its own"
     assert {"backward", "step", "zero_grad"} <= calls_in(REPO / "services" / "trainer" / "engine" / "loop.py")
@@ -230,8 +230,8 @@ def test_the_replica_modules_have_no_training_step_of_their_own():
 
 def test_a_replica_group_process_trains_through_run_loop_with_the_plain_loops_weights(tmp_path, monkeypatch):
     pytest.importorskip("torchft", reason="torchft is not installed: `pip install torchft==0.2.0`")
-    from services.trainer.engine.fault_tolerance import ReplicaGroup, start_lighthouse, weights_checksum
-    from tests.trainer import replica_process
+    from tests.training import replica_process
+    from training.engine.fault_tolerance import ReplicaGroup, start_lighthouse, weights_checksum
 
     seen = []
 

@@ -25,20 +25,20 @@ from contracts.runs import (
     StopReason,
 )
 from contracts.states import RunState
-from services.domain.curriculum import PostPlan, curriculum_of
-from services.trainer.agent.emitter import Emitter
-from services.trainer.agent.worker import Stop, final_state
-from services.trainer.engine.checkpoint import Checkpointer
-from services.trainer.engine.loop import LoopSettings
-from services.trainer.engine.reporting import EventFile, Recorder, Reporter
-from services.trainer.launch.elastic import EventTail
-from services.trainer.recipes import pipeline
-from services.trainer.recipes.pipeline import PipelineResult
-from services.trainer.recipes.posttrain import PostConfig
-from services.trainer.recipes.pretrain import StageConfig
-from services.trainer.recipes.rlvr import RlvrConfig, RlvrResult
+from domain.curriculum import PostPlan, curriculum_of
+from services.trainer.emitter import Emitter
+from services.trainer.worker import Stop, final_state
 from tests.support import THREADS
-from tests.trainer.replica_process import ReplicaConfig
+from tests.training.replica_process import ReplicaConfig
+from training.engine.checkpoint import Checkpointer
+from training.engine.loop import LoopSettings
+from training.engine.reporting import EventFile, Recorder, Reporter
+from training.launch.elastic import EventTail
+from training.recipes import pipeline
+from training.recipes.pipeline import PipelineResult
+from training.recipes.posttrain import PostConfig
+from training.recipes.pretrain import StageConfig
+from training.recipes.rlvr import RlvrConfig, RlvrResult
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "manifests"
 UNTYPED = {"kind": "metrics", "stage": "pretrain", "step": 1, "loss": 2.0}

@@ -18,10 +18,10 @@ import torch
 
 from contracts.manifest import Manifest
 from contracts.runs import LogLine, Metrics, RunEvent, StopReason
-from services.trainer.agent.worker import SpikeWatch, Stop
-from services.trainer.data.corpora import BatchIterator
-from services.trainer.engine import loss_spikes
-from services.trainer.engine.checkpoint import (
+from services.trainer.worker import SpikeWatch, Stop
+from training.data.corpora import BatchIterator
+from training.engine import loss_spikes
+from training.engine.checkpoint import (
     PIN,
     SKIP_FILE,
     Checkpointer,
@@ -34,9 +34,9 @@ from services.trainer.engine.checkpoint import (
     step_dir,
     unpin,
 )
-from services.trainer.engine.reporting import Reporter
-from services.trainer.recipes import pretrain
-from services.trainer.recipes.pretrain import stage_config_from_manifest, train_stage
+from training.engine.reporting import Reporter
+from training.recipes import pretrain
+from training.recipes.pretrain import stage_config_from_manifest, train_stage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 import pytest
 
 from contracts.runs import LogLine, Metrics, RunEvent, StopReason
-from services.runtime.configuration import faults
-from services.trainer.agent.worker import SpikeWatch, Stop
-from services.trainer.engine.loss_spikes import SpikeDetector, position_after, propose, restart_point
+from runtime.configuration import faults
+from services.trainer.worker import SpikeWatch, Stop
+from training.engine.loss_spikes import SpikeDetector, position_after, propose, restart_point
 
 
 def feed(losses, norms=None):

@@ -1,4 +1,4 @@
-"""A run's tenant data as the trainer reads it (services/trainer/agent/inputs.py and the pipeline's
+"""A run's tenant data as the trainer reads it (services/trainer/inputs.py and the pipeline's
 `localized`), on real files: each resolved input is copied into the run's directory from its
 locator and used only at its confirmed digest; a changed file, a link swapped in, a ref the work
 item does not resolve, all fail the run before any step; and a Parquet corpus goes through data
@@ -17,12 +17,12 @@ from contracts.api import Plan
 from contracts.files import DataInput, InputKind
 from contracts.manifest import DataFormat, Manifest
 from contracts.runs import Metrics, Outcome, StageStarted, TrainWork
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.storage.tenant_files import LocalStore
-from services.trainer.agent.inputs import InputsUnavailable, materialize
-from services.trainer.engine.reporting import Recorder
-from services.trainer.recipes.pipeline import localized, run_pipeline
+from runtime.configuration import settings as settings_mod
+from runtime.storage.tenant_files import LocalStore
+from services.trainer.inputs import InputsUnavailable, materialize
 from tests.support import THREADS
+from training.engine.reporting import Recorder
+from training.recipes.pipeline import localized, run_pipeline
 
 ROWS = b"".join(json.dumps({"text": f"{i}+1={i + 1}"}).encode() + b"\n" for i in range(50))
 FILE_ID = "file-" + "0a" * 12
@@ -182,7 +182,7 @@ def test_a_parquet_corpus_goes_through_data_prep_into_pretraining(tmp_path):
 
 
 def test_localized_points_each_tenant_ref_at_its_copy(tmp_path):
-    from services.domain.curriculum import curriculum_of
+    from domain.curriculum import curriculum_of
 
     manifest = manifest_with(f"upload:{FILE_ID}")
     copy = tmp_path / "inputs" / "001.parquet"

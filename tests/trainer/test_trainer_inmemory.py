@@ -11,15 +11,15 @@ from contracts.api import CostEstimate, LeaseAnswer, LeaseQuery, Plan
 from contracts.manifest import Manifest
 from contracts.runs import RunEvent, StateChanged, TrainWork
 from contracts.states import RunState
-from services.runtime.configuration import settings as settings_mod
-from services.runtime.configuration.keys import Keys
-from services.runtime.messaging import connections, streams
-from services.runtime.messaging.bus import LocalBus
-from services.runtime.messaging.service import Wiring
-from services.runtime.security.identities import NATS_IDENTITIES
-from services.runtime.security.order_signatures import Signer
-from services.runtime.security.secrets import Secrets
-from services.trainer.agent import app as trainer_app
+from runtime.configuration import settings as settings_mod
+from runtime.configuration.keys import Keys
+from runtime.messaging import connections, streams
+from runtime.messaging.bus import LocalBus
+from runtime.messaging.service import Wiring
+from runtime.security.identities import NATS_IDENTITIES
+from runtime.security.order_signatures import Signer
+from runtime.security.secrets import Secrets
+from services.trainer import app as trainer_app
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -83,8 +83,8 @@ async def test_trainer_handler(namespace, tmp_path, monkeypatch, body, final):
     # issue 29: the trainer planned a run's stages up to three times (a gang's or a node share's
     # refusal check and restart in the agent, the pipeline again); the agent plans once and passes
     # the plan down (here the one-process path: one plan, the agent's)
-    from services.domain import curriculum
-    from services.trainer.recipes import pipeline as pipeline_mod
+    from domain import curriculum
+    from training.recipes import pipeline as pipeline_mod
 
     planned: list[object] = []
     plan_of = curriculum.curriculum_of
@@ -177,7 +177,7 @@ async def test_a_refused_final_transition_is_never_acknowledged(namespace, tmp_p
     from faststream.nats.message import NatsMessage as Message
     from faststream.nats.testing import PatchedMessage as Msg  # what the in-memory broker delivers
 
-    from services.trainer.agent import worker as worker_mod
+    from services.trainer import worker as worker_mod
 
     monkeypatch.setenv("ITO_TRAINER_THREADS", "1")
     monkeypatch.setattr(worker_mod, "FINAL_STATE_WAIT_S", 1.0)

@@ -1,0 +1,275 @@
+"""The trainer's model: a decoder-only transformer built from a `contracts.models.ModelShape`.
+
+One readable file in the nanoGPT manner. Llama-style choices: RMSNorm (pre-norm), rotary position
+embeddings with a configurable base (and Llama 3 / linear RoPE scaling), SwiGLU MLP, grouped-query
+attention, causal `F.scaled_dot_product_attention`, and an optional z-loss on the log-partition
+function. The shape decides the rest, so the same module tree reproduces the Hugging Face families
+exactly: RMSNorm on queries and keys per head (QK-norm: the size table's models and Qwen3), biases on
+q/k/v (Qwen2; none anywhere else), an explicit head width (Qwen3), tied embeddings, the norms' eps.
+`count_parameters` gives the exact parameter count from the shape alone, so the planner never has to
+build a 70B model to count it.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from contracts.models import ModelShape, RopeScaling
+from domain import model_shapes
+
+RMS_EPS = 1e-6  # float32-safe; raise to 1e-5 if bf16 activations underflow on a new accelerator
+INIT_STD = 0.02  # GPT-2 / Llama init; residual output projections get an extra 1/sqrt(2 * n_layer)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 whatever the activation dtype."""
+
+    def __init__(self, dim: int, eps: float = RMS_EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.type_as(x)
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """The rotary inverse frequencies, (head_dim // 2,) float32, computed as transformers computes
+    them (modeling_rope_utils: the default, `_compute_linear_scaling_rope_parameters` and
+    `_compute_llama3_parameters`), so a base model's positions mean what they meant in training."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None or scaling.kind == "default":
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind != "llama3":
+        raise ValueError(f"RoPE scaling {scaling.kind!r} is not supported (default, linear, llama3).")
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (beyond the original context) are slowed by `factor`, short ones kept, and
+    # those between interpolated smoothly: Llama 3.1's recipe, step for step.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, base: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (max_seq_len, head_dim // 2) for rotary embeddings."""
+    assert head_dim % 2 == 0, f"RoPE needs an even head dimension, got {head_dim}"
+    inv_freq = rope_inv_freq(head_dim, base, scaling)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of the last dim; x is (B, H, T, head_dim)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos[None, None], sin[None, None]  # (1, 1, T, half)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads, QK-norm and q/k/v biases as the shape says."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.n_head = shape.n_head
+        self.n_kv_head = shape.n_kv_head
+        self.head_dim = model_shapes.head_dim(shape)
+        bias = shape.attention_bias  # Qwen2's: q, k and v only, never the output projection
+        self.wq = nn.Linear(shape.d_model, self.n_head * self.head_dim, bias=bias)
+        self.wk = nn.Linear(shape.d_model, self.n_kv_head * self.head_dim, bias=bias)
+        self.wv = nn.Linear(shape.d_model, self.n_kv_head * self.head_dim, bias=bias)
+        self.wo = nn.Linear(self.n_head * self.head_dim, shape.d_model, bias=False)
+        # QK-norm keeps attention logits bounded, which lets the tiny model run a high LR. Without
+        # it (Llama, Qwen2) there are no modules at all: no weights to load, train or export.
+        self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, shape.norm_eps) if shape.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, shape.norm_eps) if shape.qk_norm else None
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim): projected, normed and
+        rotated. Shared with the KV-cache decoder (training/recipes/generation.py)."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        if self.n_kv_head != self.n_head:
+            # Expand KV heads explicitly: SDPA's enable_gqa is not supported by every backend.
+            repeat = self.n_head // self.n_kv_head
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.w_gate = nn.Linear(shape.d_model, shape.d_ff, bias=False)
+        self.w_up = nn.Linear(shape.d_model, shape.d_ff, bias=False)
+        self.w_down = nn.Linear(shape.d_ff, shape.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.attn_norm = RMSNorm(shape.d_model, shape.norm_eps)
+        self.attn = Attention(shape)
+        self.mlp_norm = RMSNorm(shape.d_model, shape.norm_eps)
+        self.mlp = SwiGLU(shape)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token embedding, `n_layer` pre-norm blocks, final RMSNorm, language-model head."""
+
+    rope_cos: torch.Tensor  # buffers (register_buffer below), declared for the type checker
+    rope_sin: torch.Tensor
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        *,
+        rope_base: float | None = None,  # None: shape.rope_base; raise (e.g. 500k) for long context
+        z_loss: float = 0.0,  # 1e-4 is the PaLM value; keeps logits from drifting in long bf16 runs
+        tie_embeddings: bool | None = None,  # None: the shape's; True saves vocab*d_model params
+    ):
+        super().__init__()
+        check_shape(shape)
+        self.shape = shape
+        self.z_loss = z_loss
+        self.rope_base = rope_base or shape.rope_base
+        self.tie_embeddings = shape.tie_embeddings if tie_embeddings is None else tie_embeddings
+        self.tok_emb = nn.Embedding(shape.vocab_size, shape.d_model)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.n_layer))
+        self.norm = RMSNorm(shape.d_model, shape.norm_eps)
+        self.lm_head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        if self.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        # Non-persistent: derived from the shape, so they stay out of state dicts and checkpoints.
+        cos, sin = self._rope_tables()
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.shape
+        return rope_tables(model_shapes.head_dim(s), s.max_seq_len, self.rope_base, s.rope_scaling)
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Give a model built on the meta device (and parallelized there, each rank then holding
+        only its shards) real storage on `device`: the RoPE tables recomputed, the tied head tied
+        again. The weights are uninitialized until loaded (or `reset_parameters`)."""
+        self.to_empty(device=device)
+        if self.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
+            # to_empty gives a plain parameter new storage per module (FSDP2's DTensors keep one)
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE tables in place (after `to_empty` they hold garbage)."""
+        cos, sin = self._rope_tables()
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def reset_parameters(self) -> None:
+        residual_std = INIT_STD / math.sqrt(2 * self.shape.n_layer)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                # Norm weights start at 1 and biases at 0 (and stay so after `to_empty`).
+                with torch.no_grad():
+                    p.fill_(0.0 if name.endswith(".bias") else 1.0)
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else INIT_STD
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T) int64. Returns logits (B, T, vocab) and the mean loss or None (plus
+        the z-loss term in training mode)."""
+        _, T = idx.shape
+        assert T <= self.shape.max_seq_len, f"sequence of {T} exceeds max_seq_len {self.shape.max_seq_len}"
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits, None
+        flat = logits.float().view(-1, logits.shape[-1])
+        loss = F.cross_entropy(flat, targets.reshape(-1))
+        if self.z_loss and self.training:
+            # A training penalty only: in eval mode the loss stays the cross-entropy, so held-out
+            # loss (and the gates on it) means the same with z-loss on or off.
+            loss = loss + self.z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean()
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
+        """Sample continuations of idx (B, T); temperature 0 is greedy. For demos, not serving."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.shape.max_seq_len :]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                nxt = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+def check_shape(shape: ModelShape) -> None:
+    """Raise ValueError in a plain sentence if the shape cannot build a model."""
+    if shape.head_dim is None:
+        if shape.d_model % shape.n_head:
+            raise ValueError(f"d_model {shape.d_model} must be divisible by n_head {shape.n_head}.")
+        if (shape.d_model // shape.n_head) % 2:
+            raise ValueError("The head dimension (d_model / n_head) must be even for rotary embeddings.")
+    elif shape.head_dim < 2 or shape.head_dim % 2:
+        raise ValueError(f"The head dimension {shape.head_dim} must be even for rotary embeddings.")
+    if shape.n_kv_head < 1 or shape.n_head % shape.n_kv_head:
+        raise ValueError(f"n_head {shape.n_head} must be a multiple of n_kv_head {shape.n_kv_head}.")
+    if not shape.norm_eps > 0:
+        raise ValueError(f"The norms' epsilon must be positive, not {shape.norm_eps}.")
+    if shape.rope_scaling is not None and shape.rope_scaling.kind not in model_shapes.ROPE_KINDS:
+        raise ValueError(
+            f"RoPE scaling {shape.rope_scaling.kind!r} is not supported (default, linear, llama3)."
+        )
+
+
+def count_parameters(shape: ModelShape, *, tie_embeddings: bool | None = None) -> int:
+    """Exact parameter count of `Transformer(shape, tie_embeddings=...)` (None: the shape's),
+    without building it: domain/model_shapes.py's, which the planner uses too."""
+    return model_shapes.count_parameters(shape, tie_embeddings=tie_embeddings)
