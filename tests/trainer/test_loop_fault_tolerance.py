@@ -225,7 +225,7 @@ def test_the_replica_modules_have_no_training_step_of_their_own():
     for name in ("tests/training/replica_process.py", "training/engine/fault_tolerance.py"):
         found = calls_in(REPO / name) & {"backward", "step", "zero_grad"}
         assert not found, f"{name} calls {sorted(found)}: a training loop of its own"
-    assert {"backward", "step", "zero_grad"} <= calls_in(REPO / "services" / "trainer" / "engine" / "loop.py")
+    assert {"backward", "step", "zero_grad"} <= calls_in(REPO / "training" / "engine" / "loop.py")
 
 
 def test_a_replica_group_process_trains_through_run_loop_with_the_plain_loops_weights(tmp_path, monkeypatch):
