@@ -18,7 +18,11 @@ import pathlib
 import time
 from typing import Any
 
-from contracts.api import (
+from contracts.endpoints import API
+from contracts.envelope import Envelope
+from contracts.errors import ErrorCode
+from contracts.export_files import export_digest, parse_export_id, safe_relative
+from contracts.exports import (
     DOWNLOAD_CHUNK_MAX,
     DownloadChunk,
     DownloadRequest,
@@ -26,10 +30,6 @@ from contracts.api import (
     ExportRequest,
     ExportView,
 )
-from contracts.endpoints import API
-from contracts.envelope import Envelope
-from contracts.errors import ErrorCode
-from contracts.export_files import export_digest, parse_export_id, safe_relative
 from ecc.render import Downloaded
 from ecc.transport import Client, SentButUnanswered, local_error
 

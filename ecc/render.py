@@ -26,26 +26,22 @@ from contracts.api import (
     BookingView,
     CleanupResult,
     ConfirmationIssued,
-    DownloadChunk,
-    ExportFile,
-    ExportView,
     LogLineView,
     LogPage,
     LogsRequest,
     MetricsRequest,
     ModelList,
     MutationResult,
-    Plan,
     RunAccepted,
     RunList,
     RunSummary,
     RunView,
-    SampleResult,
     StatusRequest,
 )
 from contracts.audit import AuditTrail
 from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
+from contracts.exports import DownloadChunk, ExportFile, ExportView, SampleResult
 from contracts.files import (
     ConnectionList,
     FileDeleted,
@@ -56,6 +52,7 @@ from contracts.files import (
     UploadView,
 )
 from contracts.manifest_check import Checked
+from contracts.plans import Plan
 from contracts.runs import CheckpointList, EvalList, Metrics, MetricsPage
 from contracts.states import TERMINAL_STATES
 from ecc import charts, files_view

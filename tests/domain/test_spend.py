@@ -6,8 +6,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from contracts.api import CostEstimate, LeaseQuery, RunView
+from contracts.api import LeaseQuery, RunView
 from contracts.manifest import Manifest
+from contracts.plans import CostEstimate
 from contracts.runs import Outcome, StopReason
 from contracts.states import RunState
 from domain import budget

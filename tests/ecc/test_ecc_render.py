@@ -18,11 +18,6 @@ from contracts.api import (
     BookingView,
     CleanupResult,
     ConfirmationIssued,
-    CostEstimate,
-    DownloadChunk,
-    ExportFile,
-    ExportFormat,
-    ExportView,
     LogLineView,
     LogPage,
     LogsRequest,
@@ -30,16 +25,12 @@ from contracts.api import (
     ModelView,
     MutationResult,
     Parallelism,
-    Plan,
-    PlanCheck,
     RemovedArtifact,
     RestartProposal,
     RunAccepted,
     RunList,
     RunSummary,
     RunView,
-    SampleResult,
-    StageGatePlan,
     StatusRequest,
 )
 from contracts.audit import AuditTrail, GateDecision
@@ -48,6 +39,7 @@ from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from contracts.evals import EvalMetric, Provenance, ProvenanceStep, StageGate
+from contracts.exports import DownloadChunk, ExportFile, ExportFormat, ExportView, SampleResult
 from contracts.files import (
     ConnectionList,
     ConnectionView,
@@ -62,6 +54,7 @@ from contracts.files import (
     UploadView,
 )
 from contracts.manifest import DataFormat
+from contracts.plans import CostEstimate, Plan, PlanCheck, StageGatePlan
 from contracts.runs import CheckpointList, CheckpointSaved, EvalList, Metrics, MetricsPage
 from contracts.states import RunState
 from ecc import render, transport
