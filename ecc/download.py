@@ -30,7 +30,7 @@ from contracts.exports import (
     ExportRequest,
     ExportView,
 )
-from ecc.render import Downloaded
+from ecc.exports_view import Downloaded
 from ecc.transport import Client, SentButUnanswered, local_error
 
 CHUNK_RETRIES = 3  # a lost chunk answer is asked again this often (backoff 0.5 s, 1 s, 2 s)

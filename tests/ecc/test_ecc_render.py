@@ -57,7 +57,8 @@ from contracts.manifest import DataFormat
 from contracts.plans import CostEstimate, Plan, PlanCheck, StageGatePlan
 from contracts.runs import CheckpointList, CheckpointSaved, EvalList, Metrics, MetricsPage
 from contracts.states import RunState
-from ecc import render, transport
+from ecc import plan_view, render, transport, units
+from ecc.gates import gate_line
 
 AT = datetime(2026, 12, 2, 7, 30, 1, 250000, tzinfo=UTC)
 COST = CostEstimate(
@@ -656,7 +657,7 @@ def test_a_lost_train_answer_is_found_by_its_key_with_the_same_fields(monkeypatc
     ],
 )
 def test_a_plans_degrees_read_as_words_not_a_python_dict(degrees, words):
-    assert render._degrees(degrees) == words
+    assert plan_view._degrees(degrees) == words
 
 
 def _point(stage: str, step: int, total: int, loss: float, tok: float) -> Metrics:
@@ -719,7 +720,7 @@ def test_follow_on_a_terminal_draws_bars_in_place_of_a_line_per_step(monkeypatch
     assert env.ok and env.data == done
     out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines() if ln.strip()]
     assert not any(ln.startswith("[") for ln in out), out  # no `[running] pretrain step ...` lines
-    assert out[:3] == ["  log: step 40", "  state: running", render.gate_line(GATE)]
+    assert out[:3] == ["  log: step 40", "  state: running", gate_line(GATE)]
     (bar,) = out[3:]
     assert bar.startswith("pretrain ") and bar.endswith("100/100  loss 2.5000  4321 tok/s  done"), bar
 
@@ -784,7 +785,7 @@ def test_confirm_shows_what_it_authorises(action, target, digest, cost, lines):
     ],
 )
 def test_gpu_time_reads_in_a_unit_that_shows_the_amount(gpu_hours: float, text: str) -> None:
-    assert render.gpu_time(gpu_hours) == text
+    assert units.gpu_time(gpu_hours) == text
 
 
 def test_auth_shows_each_quota_beside_what_the_account_uses():
@@ -811,7 +812,7 @@ def test_a_gate_reads_as_sentences_with_its_findings():
         ],
         findings=["overfitting: training loss 0.1800 is far below held-out loss 1.6700 (x9.3)"],
     )
-    assert render.gate_line(gate) == (
+    assert gate_line(gate) == (
         f"gate sft: FAILED: {said}\n    finding: overfitting: training loss 0.1800 is far below held-out loss 1.6700 (x9.3)"
     )
 
