@@ -1,4 +1,8 @@
-"""Requests from `ecc` to the scheduler (the canonical API) and the data its answers carry."""
+"""Requests from `ecc` to the scheduler (the canonical API) and the data its answers carry: the
+account, bookings, confirmations, runs and their lifecycle, and the scheduler's lease with the
+trainer. The `plan` verb's answer is contracts/plans.py; exports, downloads and samples of a trained
+model are contracts/exports.py; uploads and files are contracts/files.py.
+"""
 
 import enum
 from datetime import datetime
@@ -9,7 +13,7 @@ import msgspec
 from contracts.base import Contract, Internal
 from contracts.booking import Booking
 from contracts.evals import Provenance, StageGate
-from contracts.models import BaseModel
+from contracts.plans import Plan
 from contracts.states import RunState
 
 
@@ -40,7 +44,6 @@ FILE_ACTIONS: frozenset[Action] = frozenset({Action.delete_file})
 """The actions whose confirmation targets one of the account's uploaded files."""
 
 
-DOWNLOAD_CHUNK_MAX = 512 * 1024  # bytes per download chunk: well under NATS's 1 MiB payload once base64
 RUNS_PAGE_DEFAULT = 20  # runs in one `ecc ito runs` page: a screenful
 RUNS_PAGE_MAX = 100  # a summary is ~0.5 KB: a full page stays far under NATS's 1 MiB payload
 
@@ -148,94 +151,6 @@ class BookingView(Internal, frozen=True, kw_only=True):
     booking: Booking
     allows_training: bool
     reason: str | None = None
-
-
-class PlanCheck(Internal, frozen=True, kw_only=True):
-    name: str
-    ok: bool
-    code: str | None = None
-    reason: str
-
-
-class CostEstimate(Internal, frozen=True, kw_only=True):
-    flops: float
-    tokens: int
-    parameters: int
-    assumed_mfu: float
-    peak_tflops_per_gpu: float
-    gpus: int
-    gpu_hours: float
-    price_per_gpu_hour_usd: float
-    compute_usd: float
-    checkpoint_storage_usd: float
-    total_usd: float
-    booked_gpu_hours: float
-    incremental_usd: float  # cost beyond what the booking covers
-    # The estimate's basis (services/scheduler/calibration.py): wall seconds the run holds its GPUs,
-    # by phase, from the backend's measured figures for this GPU model or its documented defaults.
-    # `gpu_hours` is then `wall_s` x `gpus`; `flops_gpu_hours` keeps the FLOPs-only figure.
-    basis: str = "flops"  # "flops", "telemetry: N runs on <gpu>" or "defaults for <gpu>"
-    wall_s: float = 0.0
-    phases_s: dict[str, float] = {}  # startup, data_prep, train, eval, checkpoint
-    flops_gpu_hours: float = 0.0
-
-
-class CapacityPlan(Internal, frozen=True, kw_only=True):
-    """The booking's GPUs: which the run holds (all GPUs its placement allocates: GPUs 0..g-1 of
-    nodes 0..n-1), which stay idle, and what the idle ones cost at the booking's price."""
-
-    booked_gpus: int
-    held_gpus: int
-    idle_gpus: int
-    held: list[str]  # e.g. ["node0:gpu0"]; ranges as "node0:gpu1-7"
-    idle: list[str]
-    idle_fraction: float  # idle_gpus / booked_gpus
-    idle_usd_per_hour: float  # idle GPUs x the price per GPU-hour
-    idle_usd_during_run: float  # ... x the run's expected wall hours
-    idle_gpu_hours_in_window: float  # the booking's GPU-hours this run leaves unused (whole window)
-    wasteful: bool  # most of the booking idle (planning.IDLE_WARN_FRACTION): the plan warns
-    sentence: str  # what a person reads: held, idle, cost, and the suggestion when wasteful
-    suggestion: str | None = None  # the data-parallel resources that would use the booking, or why none
-
-
-class WindowPlan(Internal, frozen=True, kw_only=True):
-    """Whether the run's expected wall time fits what is left of the booking's window."""
-
-    window_start: datetime
-    window_end: datetime
-    expected_wall_hours: float  # the plan's GPU-hour estimate over the GPUs the run holds
-    remaining_hours: float  # window_end - max(now, window_start) when planned
-    required_margin_hours: float  # the slack asked for beyond the expected wall time
-    margin_hours: float  # remaining - expected (negative: it does not fit at all)
-    fits: bool  # expected + required margin <= remaining
-    resumable: bool  # does not fit, but continues from its last checkpoint on a later booking
-    sentence: str
-
-
-class StageGatePlan(Internal, frozen=True, kw_only=True):
-    """What a stage's gate will judge: the backend's battery, tightened by the manifest."""
-
-    stage: str
-    rules: list[str]  # e.g. "held_out_loss <= 0.99 x the incoming model's"
-
-
-class Plan(Internal, frozen=True, kw_only=True):
-    booking_id: str
-    manifest_digest: str
-    strategy: str  # "single", "ddp", "fsdp2", "hsdp", "fsdp2+tp", ...
-    degrees: dict[str, int]
-    precision: str
-    cost: CostEstimate
-    checks: list[PlanCheck]
-    ok: bool
-    gpu_model: str = ""
-    region: str = ""
-    gates: list[StageGatePlan] = []  # every stage's gate with its thresholds, in run order
-    capacity: CapacityPlan | None = None  # the booking's held and idle GPUs (None: an older plan)
-    window: WindowPlan | None = None  # the run against the booking's remaining window
-    checkpoint_bytes: int = 0
-    """Room the trainer must find in its checkpoint storage before it trains: `keep_last` checkpoints
-    of the largest stage (0: a plan made before this field; the trainer checks writability only)."""
 
 
 class ConfirmationIssued(Internal, frozen=True, kw_only=True):
@@ -486,7 +401,8 @@ class ApproveRequest(Contract, frozen=True, kw_only=True):
     reject: bool = False
 
 
-# --- models, exports, samples (Hugging Face base models in, trained models out) ---
+# --- models (the Hugging Face base models a manifest may name; exports and samples of a trained
+# model: contracts/exports.py) ---
 
 
 class ModelsRequest(Contract, frozen=True, kw_only=True):
@@ -510,120 +426,3 @@ class ModelView(Internal, frozen=True, kw_only=True):
 
 class ModelList(Internal, frozen=True, kw_only=True):
     models: list[ModelView]
-
-
-class ExportFormat(enum.StrEnum):
-    hf = "hf"  # a Hugging Face directory: safetensors, config.json, tokenizer files, model card
-    peft = "peft"  # a LoRA stage's adapter alone: adapter_config.json + adapter_model.safetensors
-
-
-class ExportRequest(Contract, frozen=True, kw_only=True):
-    """Export a run's committed checkpoint (the last trained stage's unless `stage` names one).
-    Idempotent: asking again answers the same export (pending until it is written)."""
-
-    credential: Credential | None = None  # optional: the account comes from the authenticated subject
-    run_id: str
-    stage: str | None = None
-    format: ExportFormat = ExportFormat.hf
-
-
-class ExportFile(Internal, frozen=True, kw_only=True):
-    path: str  # relative to the export's directory
-    bytes: int
-    sha256: str
-
-
-class ExportView(Internal, frozen=True, kw_only=True):
-    run_id: str
-    stage: str
-    format: ExportFormat
-    state: str  # "pending", "ready" or "failed"
-    export_id: str = ""  # "<stage>-<format>", what download names
-    digest: str = ""  # "sha256:<hex>" over the files' sha256 lines, once ready
-    files: list[ExportFile] = []
-    bytes: int = 0
-    step: int = 0  # the checkpoint step exported
-    message: str | None = None
-
-
-class DownloadRequest(Contract, frozen=True, kw_only=True):
-    """One bounded chunk of one file of a ready export (resume by asking from an offset)."""
-
-    credential: Credential | None = None  # optional: the account comes from the authenticated subject
-    run_id: str
-    export_id: str
-    path: str
-    offset: Annotated[int, msgspec.Meta(ge=0)] = 0
-    length: Annotated[int, msgspec.Meta(ge=1, le=DOWNLOAD_CHUNK_MAX)] = DOWNLOAD_CHUNK_MAX
-
-
-class DownloadChunk(Internal, frozen=True, kw_only=True):
-    run_id: str
-    export_id: str
-    path: str
-    offset: int
-    data: bytes
-    size: int  # the whole file's size
-    sha256: str  # the whole file's digest, to check once every chunk is in
-
-
-class SampleRequest(Contract, frozen=True, kw_only=True):
-    """Generate from a run's committed checkpoint (`ecc ito sample RUN --prompt ...`)."""
-
-    credential: Credential | None = None  # optional: the account comes from the authenticated subject
-    run_id: str
-    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=8192)]
-    stage: str | None = None
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=512)] = 64
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0  # 0: greedy
-    seed: int = 0
-    chat: bool = False  # render the prompt as one user message with the tokenizer's chat template
-
-
-class SampleResult(Internal, frozen=True, kw_only=True):
-    run_id: str
-    stage: str
-    step: int
-    text: str  # the completion alone
-    tokens: int
-
-
-class ExportOrder(Internal, frozen=True, kw_only=True):
-    """scheduler -> trainer: export (or report) a run's checkpoint (-> ExportView)."""
-
-    account: str
-    run_id: str
-    stage: str | None
-    format: ExportFormat
-    manifest_digest: str
-    storage: str = "local"
-    # What the trainer needs to rebuild the stage's model and write its card (the scheduler's
-    # stored work item and run view): the reviewed manifest, the resolved base model, the gates.
-    manifest_text: str = ""
-    base: BaseModel | None = None
-    gates: list[StageGate] = []
-    checkpoint_dir: str = ""  # informational: the trainer derives the directory from its own root
-
-
-class DownloadOrder(Internal, frozen=True, kw_only=True):
-    """scheduler -> trainer: one chunk of an export's file (-> DownloadChunk)."""
-
-    account: str
-    run_id: str
-    export_id: str
-    path: str
-    offset: int
-    length: int
-    storage: str = "local"
-
-
-class SampleOrder(Internal, frozen=True, kw_only=True):
-    """scheduler -> trainer: generate from a committed checkpoint (-> SampleResult)."""
-
-    account: str
-    run_id: str
-    request: SampleRequest
-    storage: str = "local"
-    manifest_text: str = ""  # the reviewed manifest: the stage's shape and tokenizer
-    base: BaseModel | None = None  # the resolved base model (its tokenizer is in the model store)
-    checkpoint_dir: str = ""  # informational: the trainer derives the directory from its own root

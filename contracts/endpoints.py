@@ -21,12 +21,6 @@ from contracts.api import (
     CleanupResult,
     ConfirmationIssued,
     ConfirmRequest,
-    DownloadChunk,
-    DownloadOrder,
-    DownloadRequest,
-    ExportOrder,
-    ExportRequest,
-    ExportView,
     FindRequest,
     LeaseAnswer,
     LeaseQuery,
@@ -36,21 +30,28 @@ from contracts.api import (
     ModelList,
     ModelsRequest,
     MutationResult,
-    Plan,
     PlanRequest,
     RunAccepted,
     RunItemsRequest,
     RunList,
     RunsRequest,
     RunView,
-    SampleOrder,
-    SampleRequest,
-    SampleResult,
     StatusRequest,
     TrainRequest,
 )
 from contracts.audit import AuditRequest, AuditTrail
 from contracts.desk import DeskRun, DeskRunRequest, DeskRuns, DeskRunsRequest
+from contracts.exports import (
+    DownloadChunk,
+    DownloadOrder,
+    DownloadRequest,
+    ExportOrder,
+    ExportRequest,
+    ExportView,
+    SampleOrder,
+    SampleRequest,
+    SampleResult,
+)
 from contracts.files import (
     ConnectionList,
     ConnectionsRequest,
@@ -83,6 +84,7 @@ from contracts.internal import (
     Outstanding,
     OutstandingQuery,
 )
+from contracts.plans import Plan
 from contracts.runs import CheckpointList, EvalList, MetricsPage
 
 Req = TypeVar("Req")

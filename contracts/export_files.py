@@ -13,7 +13,7 @@
 import hashlib
 from collections.abc import Iterable
 
-from contracts.api import DOWNLOAD_CHUNK_MAX, ExportFile, ExportFormat
+from contracts.exports import DOWNLOAD_CHUNK_MAX, ExportFile, ExportFormat
 
 MAX_PATH_CHARS = 512  # an export's file names are a handful of short names; anything longer is not one
 

@@ -5,11 +5,12 @@ from datetime import datetime
 
 import msgspec
 
-from contracts.api import Plan, RestartProposal
+from contracts.api import RestartProposal
 from contracts.base import Internal
 from contracts.evals import EvalMetric, ProvenanceStep, StageGate
 from contracts.files import DataInput
 from contracts.models import BaseModel
+from contracts.plans import Plan
 from contracts.states import RunState
 
 

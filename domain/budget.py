@@ -12,8 +12,8 @@ under the limit: `verdict` is asked at each renewal, so the next renewal counts 
 
 from dataclasses import dataclass
 
-from contracts.api import CostEstimate
 from contracts.manifest import Manifest
+from contracts.plans import CostEstimate
 
 STOP_ALLOWANCE_S = 3.0  # on top of the trainer's own stop figure: the final report and its ack, and
 # a renewal that arrives late on a busy machine; raise it where the bus is slow

@@ -18,7 +18,11 @@ import pathlib
 import time
 from typing import Any
 
-from contracts.api import (
+from contracts.endpoints import API
+from contracts.envelope import Envelope
+from contracts.errors import ErrorCode
+from contracts.export_files import export_digest, parse_export_id, safe_relative
+from contracts.exports import (
     DOWNLOAD_CHUNK_MAX,
     DownloadChunk,
     DownloadRequest,
@@ -26,11 +30,7 @@ from contracts.api import (
     ExportRequest,
     ExportView,
 )
-from contracts.endpoints import API
-from contracts.envelope import Envelope
-from contracts.errors import ErrorCode
-from contracts.export_files import export_digest, parse_export_id, safe_relative
-from ecc.render import Downloaded
+from ecc.exports_view import Downloaded
 from ecc.transport import Client, SentButUnanswered, local_error
 
 CHUNK_RETRIES = 3  # a lost chunk answer is asked again this often (backoff 0.5 s, 1 s, 2 s)

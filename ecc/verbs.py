@@ -25,8 +25,6 @@ from contracts.api import (
     CancelRequest,
     CleanupRequest,
     ConfirmRequest,
-    ExportFormat,
-    ExportRequest,
     FindRequest,
     LogsRequest,
     MetricsRequest,
@@ -36,7 +34,6 @@ from contracts.api import (
     RunItemsRequest,
     RunsRequest,
     RunView,
-    SampleRequest,
     StatusRequest,
     TrainRequest,
     accepted,
@@ -45,6 +42,7 @@ from contracts.audit import AuditRequest
 from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
+from contracts.exports import ExportFormat, ExportRequest, SampleRequest
 from contracts.runs import Metrics, MetricsPage
 from ecc import credentials, render
 from ecc.connection import ENV_NATS_CA

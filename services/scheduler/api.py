@@ -35,7 +35,6 @@ from contracts.api import (
     ModelList,
     ModelsRequest,
     ModelView,
-    Plan,
     PlanRequest,
     QuotaStatus,
     QuotaUsage,
@@ -52,6 +51,7 @@ from contracts.errors import ErrorCode
 from contracts.internal import ConfirmationCreate, EligibilityBody, LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
 from contracts.models import BaseModel
+from contracts.plans import Plan
 from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
 from contracts.states import CANCELLABLE
 from domain import binding, budget

@@ -10,9 +10,9 @@ over the GPUs held) and the data-parallel alternative it computed; nothing here 
 from datetime import datetime
 from typing import NamedTuple
 
-from contracts.api import CapacityPlan, WindowPlan
 from contracts.booking import Topology
 from contracts.errors import ErrorCode
+from contracts.plans import CapacityPlan, WindowPlan
 
 # Warn, never refuse, when more than this share of the booking's GPUs stays idle: a small model
 # on a big booking is often deliberate (a smoke test before the real run, a booking bought for

@@ -9,19 +9,19 @@ a trainer (services/trainer/exports.py, sampling.py), whose answer is the verb's
 
 import msgspec
 
-from contracts.api import (
+from contracts.api import RunView
+from contracts.errors import ErrorCode
+from contracts.exports import (
     DownloadChunk,
     DownloadOrder,
     DownloadRequest,
     ExportOrder,
     ExportRequest,
     ExportView,
-    RunView,
     SampleOrder,
     SampleRequest,
     SampleResult,
 )
-from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from contracts.runs import TrainWork
 from runtime.messaging.codec import Refusal

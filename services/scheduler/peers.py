@@ -12,20 +12,10 @@ from typing import Any, TypeVar, cast
 import msgspec
 
 from contracts import endpoints, subjects
-from contracts.api import (
-    Action,
-    CleanupOrder,
-    CleanupResult,
-    ConfirmationIssued,
-    DownloadChunk,
-    DownloadOrder,
-    ExportOrder,
-    ExportView,
-    SampleOrder,
-    SampleResult,
-)
+from contracts.api import Action, CleanupOrder, CleanupResult, ConfirmationIssued
 from contracts.endpoints import Endpoint
 from contracts.errors import ErrorCode
+from contracts.exports import DownloadChunk, DownloadOrder, ExportOrder, ExportView, SampleOrder, SampleResult
 from contracts.internal import (
     BookingRelease,
     BookingsAnswer,

@@ -15,12 +15,12 @@ from typing import NamedTuple
 
 import msgspec
 
-from contracts.api import CapacityPlan, CostEstimate, Plan, PlanCheck, StageGatePlan, WindowPlan
 from contracts.booking import Fabric
 from contracts.errors import ErrorCode
 from contracts.internal import EligibilityBody
 from contracts.manifest import DataRole, Lora, Manifest
 from contracts.models import BaseModel, ModelShape
+from contracts.plans import CapacityPlan, CostEstimate, Plan, PlanCheck, StageGatePlan, WindowPlan
 from domain.curriculum import Curriculum, LmPlan, curriculum_of, model_shape
 from domain.model_shapes import count_parameters, head_dim
 from services.scheduler import calibration, capacity

@@ -36,7 +36,10 @@ from typing import Any
 
 import msgspec
 
-from contracts.api import (
+from contracts.errors import ErrorCode
+from contracts.evals import StageGate
+from contracts.export_files import export_digest, export_id, parse_export_id, safe_relative
+from contracts.exports import (
     DOWNLOAD_CHUNK_MAX,
     DownloadChunk,
     DownloadOrder,
@@ -45,9 +48,6 @@ from contracts.api import (
     ExportOrder,
     ExportView,
 )
-from contracts.errors import ErrorCode
-from contracts.evals import StageGate
-from contracts.export_files import export_digest, export_id, parse_export_id, safe_relative
 from contracts.manifest import Manifest
 from runtime.messaging.codec import Refusal
 from services.trainer import restore

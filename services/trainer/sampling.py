@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from contracts.api import SampleOrder, SampleRequest, SampleResult
 from contracts.errors import ErrorCode
+from contracts.exports import SampleOrder, SampleRequest, SampleResult
 from runtime.messaging.codec import Refusal
 from services.trainer import restore
 from services.trainer.restore import StageSource

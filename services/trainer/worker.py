@@ -39,18 +39,13 @@ from contracts import subjects
 from contracts.api import (
     CleanupOrder,
     CleanupResult,
-    DownloadChunk,
-    DownloadOrder,
-    ExportOrder,
-    ExportView,
     LeaseAnswer,
     LeaseQuery,
     RemovedArtifact,
     RestartProposal,
-    SampleOrder,
-    SampleResult,
 )
 from contracts.errors import ErrorCode
+from contracts.exports import DownloadChunk, DownloadOrder, ExportOrder, ExportView, SampleOrder, SampleResult
 from contracts.manifest import Manifest
 from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
 from contracts.states import LEASABLE, TERMINAL_STATES, RunState

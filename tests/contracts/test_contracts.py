@@ -24,11 +24,13 @@ from contracts import (
     envelope,
     errors,
     evals,
+    exports,
     files,
     internal,
     manifest,
     manifest_check,
     models,
+    plans,
     runs,
     states,
     telemetry,
@@ -72,7 +74,7 @@ BOOKING = booking.Booking(
     updated_at=T0,
 )
 CREDENTIAL = api.Credential(account="acct_a", api_key="ito_sk_sample_not_a_real_key")
-COST = api.CostEstimate(
+COST = plans.CostEstimate(
     flops=1.5e18,
     tokens=1_000_000,
     parameters=467_712,
@@ -87,9 +89,9 @@ COST = api.CostEstimate(
     booked_gpu_hours=96.0,
     incremental_usd=0.0,
 )
-CHECK_OK = api.PlanCheck(name="fabric", ok=True, reason="infiniband is fine")
-CHECK_FAIL = api.PlanCheck(name="budget_cap", ok=False, code="budget_exceeded", reason="over the cap")
-PLAN = api.Plan(
+CHECK_OK = plans.PlanCheck(name="fabric", ok=True, reason="infiniband is fine")
+CHECK_FAIL = plans.PlanCheck(name="budget_cap", ok=False, code="budget_exceeded", reason="over the cap")
+PLAN = plans.Plan(
     booking_id="bk_1",
     manifest_digest="ab" * 32,
     strategy="hsdp",
@@ -98,8 +100,8 @@ PLAN = api.Plan(
     cost=COST,
     checks=[CHECK_OK, CHECK_FAIL],
     ok=False,
-    gates=[api.StageGatePlan(stage="pretrain", rules=["held_out_loss <= 0.99 x the incoming model's"])],
-    capacity=api.CapacityPlan(
+    gates=[plans.StageGatePlan(stage="pretrain", rules=["held_out_loss <= 0.99 x the incoming model's"])],
+    capacity=plans.CapacityPlan(
         booked_gpus=16,
         held_gpus=8,
         idle_gpus=8,
@@ -112,7 +114,7 @@ PLAN = api.Plan(
         wasteful=False,
         sentence="holds 8 of 16 booked H200 (node0:gpu0-7); 8 stay idle (node1:gpu0-7)",
     ),
-    window=api.WindowPlan(
+    window=plans.WindowPlan(
         window_start=T0,
         window_end=T1,
         expected_wall_hours=0.015625,
@@ -253,12 +255,12 @@ SAMPLES: dict[type, msgspec.Struct] = {
     api.LogsRequest: api.LogsRequest(credential=CREDENTIAL, run_id="run_1", since=5, limit=50),
     api.AuthInfo: api.AuthInfo(account="acct_a", key_id="kid_1"),
     api.BookingView: api.BookingView(booking=BOOKING, allows_training=False, reason="window over"),
-    api.PlanCheck: CHECK_FAIL,
-    api.CostEstimate: COST,
-    api.Plan: PLAN,
-    api.StageGatePlan: PLAN.gates[0],
-    api.CapacityPlan: PLAN.capacity,
-    api.WindowPlan: PLAN.window,
+    plans.PlanCheck: CHECK_FAIL,
+    plans.CostEstimate: COST,
+    plans.Plan: PLAN,
+    plans.StageGatePlan: PLAN.gates[0],
+    plans.CapacityPlan: PLAN.capacity,
+    plans.WindowPlan: PLAN.window,
     api.ConfirmationIssued: api.ConfirmationIssued(
         confirmation_ref="cf_1",
         action=Action.cancel,
@@ -620,7 +622,7 @@ BASE_MODEL = models.BaseModel(
     accounts=["acct_a"],
     added_at="2026-12-03T00:00:00+00:00",
 )
-SAMPLE_REQUEST = api.SampleRequest(
+SAMPLE_REQUEST = exports.SampleRequest(
     credential=CREDENTIAL,
     run_id="run_1",
     prompt="2+2=",
@@ -644,7 +646,7 @@ RUN_SUMMARY = api.RunSummary(
     loss=3.25,
     estimate_usd=0.5,
 )
-EXPORT_FILE = api.ExportFile(path="model.safetensors", bytes=1024, sha256="cd" * 32)
+EXPORT_FILE = exports.ExportFile(path="model.safetensors", bytes=1024, sha256="cd" * 32)
 SAMPLES.update(
     {
         connection.Connection: connection.Connection(
@@ -676,14 +678,14 @@ SAMPLES.update(
         ),
         api.RunSummary: RUN_SUMMARY,
         api.RunList: api.RunList(runs=[RUN_SUMMARY], next="1796196601.25:run_1"),
-        api.ExportRequest: api.ExportRequest(
-            credential=CREDENTIAL, run_id="run_1", stage="dpo", format=api.ExportFormat.peft
+        exports.ExportRequest: exports.ExportRequest(
+            credential=CREDENTIAL, run_id="run_1", stage="dpo", format=exports.ExportFormat.peft
         ),
-        api.ExportFile: EXPORT_FILE,
-        api.ExportView: api.ExportView(
+        exports.ExportFile: EXPORT_FILE,
+        exports.ExportView: exports.ExportView(
             run_id="run_1",
             stage="dpo",
-            format=api.ExportFormat.hf,
+            format=exports.ExportFormat.hf,
             state="ready",
             export_id="dpo-hf",
             digest="sha256:" + "ef" * 32,
@@ -692,7 +694,7 @@ SAMPLES.update(
             step=20,
             message="exported",
         ),
-        api.DownloadRequest: api.DownloadRequest(
+        exports.DownloadRequest: exports.DownloadRequest(
             credential=CREDENTIAL,
             run_id="run_1",
             export_id="dpo-hf",
@@ -700,7 +702,7 @@ SAMPLES.update(
             offset=10,
             length=100,
         ),
-        api.DownloadChunk: api.DownloadChunk(
+        exports.DownloadChunk: exports.DownloadChunk(
             run_id="run_1",
             export_id="dpo-hf",
             path="config.json",
@@ -709,13 +711,13 @@ SAMPLES.update(
             size=12,
             sha256="01" * 32,
         ),
-        api.SampleRequest: SAMPLE_REQUEST,
-        api.SampleResult: api.SampleResult(run_id="run_1", stage="sft", step=60, text="4", tokens=1),
-        api.ExportOrder: api.ExportOrder(
+        exports.SampleRequest: SAMPLE_REQUEST,
+        exports.SampleResult: exports.SampleResult(run_id="run_1", stage="sft", step=60, text="4", tokens=1),
+        exports.ExportOrder: exports.ExportOrder(
             account="acct_a",
             run_id="run_1",
             stage="sft",
-            format=api.ExportFormat.hf,
+            format=exports.ExportFormat.hf,
             manifest_digest="ab" * 32,
             storage="/mnt/ckpt",
             manifest_text='{"schema_version": 1}',
@@ -723,7 +725,7 @@ SAMPLES.update(
             gates=[STAGE_GATE],
             checkpoint_dir="/mnt/ckpt/acct_a/run_1",
         ),
-        api.DownloadOrder: api.DownloadOrder(
+        exports.DownloadOrder: exports.DownloadOrder(
             account="acct_a",
             run_id="run_1",
             export_id="sft-hf",
@@ -732,7 +734,7 @@ SAMPLES.update(
             length=100,
             storage="/mnt/ckpt",
         ),
-        api.SampleOrder: api.SampleOrder(
+        exports.SampleOrder: exports.SampleOrder(
             account="acct_a",
             run_id="run_1",
             request=SAMPLE_REQUEST,
@@ -874,9 +876,11 @@ def test_every_listed_module_is_discovered():
         envelope,
         errors,
         evals,
+        exports,
         internal,
         manifest,
         models,
+        plans,
         runs,
         states,
         telemetry,
@@ -886,7 +890,7 @@ def test_every_listed_module_is_discovered():
 
 def test_discovery_finds_structs():
     # guards the guard: if discovery broke and found nothing, the coverage test below would pass vacuously
-    assert {api.Plan, runs.Metrics, envelope.Envelope, manifest.Manifest} <= set(STRUCTS)
+    assert {plans.Plan, runs.Metrics, envelope.Envelope, manifest.Manifest} <= set(STRUCTS)
 
 
 def test_every_struct_has_a_sample():
@@ -1025,7 +1029,7 @@ def test_a_field_of_the_wrong_type_is_rejected(cls, field):
         (manifest.Manifest, "budget_cap_usd", "10"),
         (manifest.ModelSpec, "size", "13B"),
         (manifest.DataRef, "role", "test"),
-        (api.Plan, "degrees", {"tp": "2"}),
+        (plans.Plan, "degrees", {"tp": "2"}),
         (envelope.Envelope, "ok", "yes"),
         (envelope.Envelope, "notice", 0),
         (errors.ApiError, "code", "not_a_code"),
@@ -1189,7 +1193,7 @@ def test_contracts_import_only_msgspec_stdlib_and_contracts(path):
     "source, bad",
     [
         ("import redis", {"redis"}),
-        ("from runtime import codec", {"services"}),
+        ("from runtime import codec", {"runtime"}),
         ("import json, msgspec", set()),
         ("from .base import Contract", set()),
         ("def f():\n    import numpy", {"numpy"}),
@@ -1207,9 +1211,11 @@ def test_contract_files_found():
         "booking.py",
         "envelope.py",
         "errors.py",
+        "exports.py",
         "internal.py",
         "manifest.py",
         "models.py",
+        "plans.py",
         "runs.py",
         "states.py",
     }

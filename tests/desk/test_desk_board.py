@@ -9,9 +9,10 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from contracts.api import CostEstimate, Plan, RunView, Spend
+from contracts.api import RunView, Spend
 from contracts.desk import DeskRun, InterruptionRecord, StateRecord
 from contracts.evals import EvalMetric, StageGate
+from contracts.plans import CostEstimate, Plan
 from contracts.runs import CheckpointSaved, Metrics
 from contracts.states import RunState
 from contracts.telemetry import BADPUT, BOOKED_BADPUT, IDLE, Rollup, RunTelemetry

@@ -6,8 +6,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from contracts.api import CostEstimate, LeaseQuery, RunView
+from contracts.api import LeaseQuery, RunView
 from contracts.manifest import Manifest
+from contracts.plans import CostEstimate
 from contracts.runs import Outcome, StopReason
 from contracts.states import RunState
 from domain import budget
@@ -161,12 +162,12 @@ def test_status_says_what_the_run_spent_against_its_limit():
     import msgspec
 
     from contracts.api import Spend
-    from ecc import render
+    from ecc import run_view
 
     spent = Spend(held_gpus=1, held_gpu_s=14.4, spent_usd=0.014, limit_usd=0.0146, at=T0)
     view_ = msgspec.structs.replace(
         view(RunState.budget_exhausted), spend=spent, message="budget exhausted: spent 0.0140 USD"
     )
-    text = render._run(view_)
+    text = run_view.run(view_)
     assert "budget_exhausted" in text and "budget exhausted: spent 0.0140 USD" in text
     assert "spent: 0.014000 USD of its limit 0.014600 USD (1 GPU(s) held 14.4s)" in text

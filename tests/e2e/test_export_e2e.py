@@ -12,8 +12,8 @@ import stat
 
 import pytest
 
-from contracts.api import ExportFile
 from contracts.export_files import export_digest
+from contracts.exports import ExportFile
 from tests.support import confirm_and_train, eventually, run_state
 
 pytestmark = pytest.mark.e2e

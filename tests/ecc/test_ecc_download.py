@@ -11,7 +11,9 @@ import msgspec
 import pytest
 
 from contracts import export_files as ef
-from contracts.api import (
+from contracts.envelope import Envelope
+from contracts.errors import ApiError, ErrorCode
+from contracts.exports import (
     DOWNLOAD_CHUNK_MAX,
     DownloadChunk,
     DownloadRequest,
@@ -20,8 +22,6 @@ from contracts.api import (
     ExportRequest,
     ExportView,
 )
-from contracts.envelope import Envelope
-from contracts.errors import ApiError, ErrorCode
 from ecc import credentials, download, transport
 
 KEY = "ito_sk_SUAFAKESEEDFORTESTSONLYNOTAREALKEY0000000000000000000000"

@@ -18,11 +18,6 @@ from contracts.api import (
     BookingView,
     CleanupResult,
     ConfirmationIssued,
-    CostEstimate,
-    DownloadChunk,
-    ExportFile,
-    ExportFormat,
-    ExportView,
     LogLineView,
     LogPage,
     LogsRequest,
@@ -30,16 +25,12 @@ from contracts.api import (
     ModelView,
     MutationResult,
     Parallelism,
-    Plan,
-    PlanCheck,
     RemovedArtifact,
     RestartProposal,
     RunAccepted,
     RunList,
     RunSummary,
     RunView,
-    SampleResult,
-    StageGatePlan,
     StatusRequest,
 )
 from contracts.audit import AuditTrail, GateDecision
@@ -48,6 +39,7 @@ from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from contracts.evals import EvalMetric, Provenance, ProvenanceStep, StageGate
+from contracts.exports import DownloadChunk, ExportFile, ExportFormat, ExportView, SampleResult
 from contracts.files import (
     ConnectionList,
     ConnectionView,
@@ -62,9 +54,11 @@ from contracts.files import (
     UploadView,
 )
 from contracts.manifest import DataFormat
+from contracts.plans import CostEstimate, Plan, PlanCheck, StageGatePlan
 from contracts.runs import CheckpointList, CheckpointSaved, EvalList, Metrics, MetricsPage
 from contracts.states import RunState
-from ecc import render, transport
+from ecc import plan_view, render, transport, units
+from ecc.gates import gate_line
 
 AT = datetime(2026, 12, 2, 7, 30, 1, 250000, tzinfo=UTC)
 COST = CostEstimate(
@@ -663,7 +657,7 @@ def test_a_lost_train_answer_is_found_by_its_key_with_the_same_fields(monkeypatc
     ],
 )
 def test_a_plans_degrees_read_as_words_not_a_python_dict(degrees, words):
-    assert render._degrees(degrees) == words
+    assert plan_view._degrees(degrees) == words
 
 
 def _point(stage: str, step: int, total: int, loss: float, tok: float) -> Metrics:
@@ -726,7 +720,7 @@ def test_follow_on_a_terminal_draws_bars_in_place_of_a_line_per_step(monkeypatch
     assert env.ok and env.data == done
     out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines() if ln.strip()]
     assert not any(ln.startswith("[") for ln in out), out  # no `[running] pretrain step ...` lines
-    assert out[:3] == ["  log: step 40", "  state: running", render.gate_line(GATE)]
+    assert out[:3] == ["  log: step 40", "  state: running", gate_line(GATE)]
     (bar,) = out[3:]
     assert bar.startswith("pretrain ") and bar.endswith("100/100  loss 2.5000  4321 tok/s  done"), bar
 
@@ -791,7 +785,7 @@ def test_confirm_shows_what_it_authorises(action, target, digest, cost, lines):
     ],
 )
 def test_gpu_time_reads_in_a_unit_that_shows_the_amount(gpu_hours: float, text: str) -> None:
-    assert render.gpu_time(gpu_hours) == text
+    assert units.gpu_time(gpu_hours) == text
 
 
 def test_auth_shows_each_quota_beside_what_the_account_uses():
@@ -818,7 +812,7 @@ def test_a_gate_reads_as_sentences_with_its_findings():
         ],
         findings=["overfitting: training loss 0.1800 is far below held-out loss 1.6700 (x9.3)"],
     )
-    assert render.gate_line(gate) == (
+    assert gate_line(gate) == (
         f"gate sft: FAILED: {said}\n    finding: overfitting: training loss 0.1800 is far below held-out loss 1.6700 (x9.3)"
     )
 

@@ -16,13 +16,13 @@ from contracts.api import (
     Action,
     ConfirmationIssued,
     ConfirmRequest,
-    Plan,
     PlanRequest,
     RunAccepted,
     StatusRequest,
     TrainRequest,
 )
 from contracts.errors import ErrorCode
+from contracts.plans import Plan
 from devstack.booking_sim import event
 from services.scheduler.manifests import digest_of
 from tests.scheduler.test_handlers_inmemory import REPO_MANIFEST, call, code, data, login, publish_booking

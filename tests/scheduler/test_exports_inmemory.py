@@ -13,7 +13,8 @@ import pytest
 from faststream.nats import TestNatsBroker
 
 from contracts import endpoints, subjects
-from contracts.api import (
+from contracts.errors import ErrorCode
+from contracts.exports import (
     DownloadChunk,
     DownloadRequest,
     ExportFormat,
@@ -22,7 +23,6 @@ from contracts.api import (
     SampleRequest,
     SampleResult,
 )
-from contracts.errors import ErrorCode
 from contracts.manifest import Manifest
 from runtime.configuration import settings as settings_mod
 from runtime.configuration.keys import Keys

@@ -34,7 +34,6 @@ from contracts.api import (
     Credential,
     FindRequest,
     MutationResult,
-    Plan,
     PlanRequest,
     RunAccepted,
     RunList,
@@ -46,6 +45,7 @@ from contracts.api import (
 from contracts.booking import BookingEvent, BookingEventKind, BookingState, Fabric, Topology
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
+from contracts.plans import Plan
 from contracts.states import RunState
 from runtime.configuration import settings as settings_mod
 from runtime.configuration.keys import Keys

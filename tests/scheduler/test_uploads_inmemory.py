@@ -16,15 +16,7 @@ import msgspec
 import pytest
 
 from contracts import subjects
-from contracts.api import (
-    Action,
-    ConfirmationIssued,
-    ConfirmRequest,
-    Plan,
-    PlanRequest,
-    RunAccepted,
-    TrainRequest,
-)
+from contracts.api import Action, ConfirmationIssued, ConfirmRequest, PlanRequest, RunAccepted, TrainRequest
 from contracts.envelope import Envelope
 from contracts.errors import ErrorCode
 from contracts.files import (
@@ -42,6 +34,7 @@ from contracts.files import (
     UploadSession,
     UploadView,
 )
+from contracts.plans import Plan
 from contracts.runs import TrainWork
 from services.scheduler.file_records import MAX_OPEN_UPLOADS
 from services.scheduler.manifests import digest_of

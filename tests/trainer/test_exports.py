@@ -13,9 +13,9 @@ import msgspec
 import pytest
 import torch
 
-from contracts.api import DOWNLOAD_CHUNK_MAX, ExportFile, ExportFormat, SampleRequest
 from contracts.errors import ErrorCode
 from contracts.export_files import export_digest
+from contracts.exports import DOWNLOAD_CHUNK_MAX, ExportFile, ExportFormat, SampleRequest
 from contracts.manifest import Manifest
 from domain.curriculum import curriculum_of
 from runtime.messaging.codec import Refusal

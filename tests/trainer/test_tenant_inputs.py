@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from contracts.api import Plan
 from contracts.files import DataInput, InputKind
 from contracts.manifest import DataFormat, Manifest
+from contracts.plans import Plan
 from contracts.runs import Metrics, Outcome, StageStarted, TrainWork
 from runtime.configuration import settings as settings_mod
 from runtime.storage.tenant_files import LocalStore

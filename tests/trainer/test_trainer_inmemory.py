@@ -7,8 +7,9 @@ import pytest
 from faststream.nats import NatsMessage, TestNatsBroker
 
 from contracts import endpoints, subjects
-from contracts.api import CostEstimate, LeaseAnswer, LeaseQuery, Plan
+from contracts.api import LeaseAnswer, LeaseQuery
 from contracts.manifest import Manifest
+from contracts.plans import CostEstimate, Plan
 from contracts.runs import RunEvent, StateChanged, TrainWork
 from contracts.states import RunState
 from runtime.configuration import settings as settings_mod

@@ -10,11 +10,11 @@ from datetime import UTC, datetime
 import msgspec
 import pytest
 
-from contracts.api import CostEstimate, Plan
 from contracts.booking import Fabric
 from contracts.errors import ErrorCode
 from contracts.manifest import Manifest, RlvrStage
 from contracts.models import MODEL_SHAPES
+from contracts.plans import CostEstimate, Plan
 from contracts.runs import LogLine, Metrics, ParallelismStarted, RunCreated, StateChanged
 from contracts.states import RunState
 from domain.curriculum import curriculum_of

@@ -9,8 +9,8 @@ import threading
 import msgspec
 import pytest
 
-from contracts.api import CostEstimate, Plan
 from contracts.manifest import Manifest
+from contracts.plans import CostEstimate, Plan
 from contracts.runs import TrainWork
 from domain.curriculum import curriculum_of
 from services.scheduler.handoff import node_shares

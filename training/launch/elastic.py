@@ -38,9 +38,9 @@ from typing import Any, Final
 import msgspec
 import torch
 
-from contracts.api import Plan
 from contracts.manifest import DpoStage, Lora, Manifest, SftStage
 from contracts.models import ModelShape
+from contracts.plans import Plan
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted, RunEvent, StageStarted
 from domain.curriculum import Curriculum, LmPlan
 from training.engine.checkpoint import load_weights

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from contracts.api import ExportFile
+from contracts.exports import ExportFile
 from contracts.models import ModelShape
 from domain.model_shapes import FAMILIES, count_parameters, family_of, hf_config_from_shape
 from training.weights.hf_adapter import hf_tensor_shapes, to_hf

@@ -48,7 +48,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from contracts.api import ExportFile
+from contracts.exports import ExportFile
 from contracts.manifest import Lora
 from runtime.storage.data_files import sha256_file
 from training.model import Transformer
