@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 
 import pytest
 
-ENV_DIR = "ITO_SUITE_TIMES_DIR"
+from runtime.configuration.settings import ENV_SUITE_TIMES_DIR
+
 DEFAULT_PYTEST_ARGS = ("-n", "2", "--dist", "loadgroup")
 SUITE_TIMEOUT_S = 3 * 3600  # the suite's tests have their own timeouts; this bounds the whole
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -107,7 +108,7 @@ _sink = None
 def _write(record: Record) -> None:
     global _sink
     if _sink is None:
-        directory = pathlib.Path(os.environ[ENV_DIR])
+        directory = pathlib.Path(os.environ[ENV_SUITE_TIMES_DIR])
         directory.mkdir(parents=True, exist_ok=True)
         _sink = open(directory / f"{record.worker}.jsonl", "a")  # open for the session
     _sink.write(json.dumps(asdict(record)) + "\n")
@@ -118,7 +119,7 @@ def _write(record: Record) -> None:
 def pytest_runtest_protocol(item, nextitem):
     start = time.time()
     yield
-    if os.environ.get(ENV_DIR):
+    if os.environ.get(ENV_SUITE_TIMES_DIR):
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         _write(Record(test=item.nodeid, worker=worker, start=start, end=time.time()))
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "bench.suite_times", *pytest_args],
         cwd=REPO,
-        env={**os.environ, ENV_DIR: str(out)},
+        env={**os.environ, ENV_SUITE_TIMES_DIR: str(out)},
         timeout=SUITE_TIMEOUT_S,
     )
     wall_s = time.monotonic() - began

@@ -43,6 +43,7 @@ from chaos.stack import (
 )
 from devstack.infra import alive, holder_of
 from runtime.configuration import faults
+from runtime.configuration.settings import ENV_GANG_MAX_RESTARTS, ENV_PLAN_SMALL_MODEL_GANGS
 
 
 def trainer_killed(root) -> dict:
@@ -120,7 +121,7 @@ def gang_rank_killed(root, max_restarts: int) -> dict:
     the kill until its next attempt starts. With none (max_restarts=0), the agent interrupts the
     run and requeues it: detection is the kill until `interrupted`. Resume: the kill until a step
     past the checkpoint is trained again; steps lost: work redone since that checkpoint."""
-    env = {"ITO_PLAN_SMALL_MODEL_GANGS": "1", "ITO_GANG_MAX_RESTARTS": str(max_restarts)}
+    env = {ENV_PLAN_SMALL_MODEL_GANGS: "1", ENV_GANG_MAX_RESTARTS: str(max_restarts)}
     stack = Stack(root, env=env)
     try:
         manifest = stack.manifest(120, gpus=2, interval=10)
@@ -172,7 +173,7 @@ def agent_killed(root) -> dict:
     kill until the replacement leases node 1's redelivered item (a new epoch in node 1's log);
     resume: the kill until node 1 trains a step again (after resuming its checkpoint and healing
     from node 0); steps redone: node 1's steps trained again (none once it heals to node 0's step)."""
-    stack = Stack(root, env={"ITO_PLAN_SMALL_MODEL_GANGS": "1", "OMP_NUM_THREADS": "1"})
+    stack = Stack(root, env={ENV_PLAN_SMALL_MODEL_GANGS: "1", "OMP_NUM_THREADS": "1"})
     agents = [
         subprocess.Popen(
             [str(BIN / "ito-training"), "serve", "trainer"],

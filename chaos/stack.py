@@ -19,6 +19,7 @@ from runtime.configuration.settings import (
     ENV_NATS_URL,
     ENV_REDIS_URL,
     ENV_SECRETS_DIR,
+    ENV_TRAINER_THREADS,
 )
 
 BIN = pathlib.Path(sys.executable).parent
@@ -60,7 +61,7 @@ class Stack:
             ENV_DATA_DIR: str(self.dir),
             ENV_SECRETS_DIR: str(self.dir / "secrets"),
             "ECC_CONFIG_DIR": str(self.dir / "ecc"),
-            "ITO_TRAINER_THREADS": "1",
+            ENV_TRAINER_THREADS: "1",
             **(env or {}),
         }
         for name in (ENV_NATS_URL, ENV_REDIS_URL):  # `up` starts its own servers; never the machine's

@@ -7,11 +7,12 @@ credentials.json beside it.
 """
 
 from contracts.base import Internal
+from contracts.environment import DEFAULT_NAMESPACE
 
 
 class Connection(Internal, frozen=True, kw_only=True):
     """How to reach one ito-training API."""
 
     url: str  # the NATS URL, or a cluster's comma-separated server pool
-    namespace: str = "ito"  # the subjects' prefix the stack serves under (ITO_NAMESPACE)
+    namespace: str = DEFAULT_NAMESPACE  # the subjects' prefix the stack serves under (ITO_NAMESPACE)
     ca: str | None = None  # path of the CA certificate ecc verifies the server with (TLS); None: none

@@ -19,16 +19,13 @@ from dataclasses import dataclass
 import msgspec
 
 from contracts.connection import Connection
+
+# The names and defaults the services read too (contracts/environment.py): the client imports no service.
+from contracts.environment import DEFAULT_NAMESPACE, DEFAULT_NATS_URL, ENV_NAMESPACE, ENV_NATS_URL
 from ecc import credentials
 
 ENV_CONNECTION_FILE = "ECC_CONNECTION_FILE"
 FILE_NAME = "connection.json"
-# The same names and defaults as runtime/configuration/settings.py: the client imports no service.
-ENV_NATS_URL = "ITO_NATS_URL"
-ENV_NAMESPACE = "ITO_NAMESPACE"
-ENV_NATS_CA = "ITO_NATS_CA"  # the CA file that verifies the server's TLS (docs/tls.md)
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-DEFAULT_NAMESPACE = "ito"
 
 _decoder = msgspec.json.Decoder(Connection)
 _encoder = msgspec.json.Encoder()

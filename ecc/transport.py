@@ -29,9 +29,9 @@ import msgspec
 
 from contracts.endpoints import Endpoint
 from contracts.envelope import Envelope
+from contracts.environment import ENV_NAMESPACE, ENV_NATS_CA
 from contracts.errors import ApiError, ErrorCode
 from ecc import connection
-from ecc.connection import ENV_NATS_CA
 from ecc.timeouts import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, RETRY_REFUSED_S
 
 if TYPE_CHECKING:  # nats loads on demand: `--help` must not import it
@@ -310,7 +310,7 @@ class Client:
                 ErrorCode.backend_unavailable,
                 f"the ito-training API is not running at {self.url} under namespace {self.namespace!r} "
                 f"(from {self._where()}): nothing answers there. Start it with `make up`, or set "
-                f"{connection.ENV_NAMESPACE} to the namespace the stack serves",
+                f"{ENV_NAMESPACE} to the namespace the stack serves",
             )
         except (TimeoutError, NatsTimeout):
             if any("permissions violation" in v for v in self.violations):  # dropped by the server: not sent

@@ -41,11 +41,11 @@ from contracts.api import (
 from contracts.audit import AuditRequest
 from contracts.endpoints import API, Endpoint
 from contracts.envelope import Envelope
+from contracts.environment import ENV_NATS_CA
 from contracts.errors import ErrorCode
 from contracts.exports import ExportFormat, ExportRequest, SampleRequest
 from contracts.runs import Metrics, MetricsPage
 from ecc import credentials, render
-from ecc.connection import ENV_NATS_CA
 from ecc.manifest_file import ManifestError, read_manifest
 from ecc.transport import Client, SentButUnanswered, local_error, seed_of
 

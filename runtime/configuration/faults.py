@@ -7,11 +7,14 @@ listed here so that tests and `make chaos` refer to one place.
 import logging
 import os
 
-ENV_FAULT_POINT = "ITO_FAULT_POINT"
+from runtime.configuration import settings
+
+# The variables' names live with every other setting's; tests and `make chaos` find them here too.
+ENV_FAULT_POINT = settings.ENV_FAULT_POINT
+ENV_SPIKE_STEP = settings.ENV_FAULT_SPIKE_STEP
 SCHEDULER_AFTER_ACCEPT = "scheduler.after_accept"  # the ledger reserved the key; no hand-off yet
 ENTITLEMENT_BEFORE_APPLY = "entitlement.before_apply"  # a booking event received, not yet written
 TRAINER_LOSS_SPIKE = "trainer.loss_spike"  # losses reported x10 from ITO_FAULT_SPIKE_STEP on (first attempt)
-ENV_SPIKE_STEP = "ITO_FAULT_SPIKE_STEP"
 TRAINER_SHARE_FAILS = "trainer.share_fails"  # node n > 0 of a multi-node run raises as its share starts
 # Every step takes ITO_FAULT_STEP_DELAY_S longer (default 1 s): a run that costs more than its estimate
 TRAINER_SLOW_STEPS = "trainer.slow_steps"
@@ -26,9 +29,10 @@ POINTS = frozenset(
 )
 
 
-def active(point: str) -> bool:
+def active(point: str, planted: str) -> bool:
+    """Is `point` the one `planted` names (ITO_FAULT_POINT, read once when the process started)?"""
     assert point in POINTS, f"unknown fault point {point!r}"
-    return os.environ.get(ENV_FAULT_POINT) == point
+    return planted == point
 
 
 log = logging.getLogger("ito.faults")

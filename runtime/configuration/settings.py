@@ -1,5 +1,8 @@
 """Settings from the environment: every env-var name and its default, in one place, and the few
-types a setting's value parses into (`StoreUrl`: where checkpoints and exports may live)."""
+types a setting's value parses into (`StoreUrl`: where checkpoints and exports may live).
+
+Every other module imports a name from here, never spells it (tests/house/test_settings_home.py);
+the few the client reads too are written in contracts/environment.py and taken over below."""
 
 import os
 import pathlib
@@ -7,10 +10,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-ENV_NATS_URL = "ITO_NATS_URL"
+from contracts import environment
+
+# The names the client (`ecc`) reads too live in contracts (ecc imports only contracts); they are
+# settings' own constants all the same.
+ENV_NATS_URL = environment.ENV_NATS_URL
+ENV_NAMESPACE = environment.ENV_NAMESPACE
+ENV_NATS_CA = environment.ENV_NATS_CA  # ecc: the CA file that signed the NATS server's certificate
 ENV_REDIS_URL = "ITO_REDIS_URL"
 ENV_REDIS_CLUSTER = "ITO_REDIS_CLUSTER"
-ENV_NAMESPACE = "ITO_NAMESPACE"
 ENV_DATA_DIR = "ITO_DATA_DIR"
 ENV_MODEL_STORE = "ITO_MODEL_STORE"  # base models and tokenizers (runtime/storage/model_store.py)
 ENV_SECRETS_DIR = "ITO_SECRETS_DIR"
@@ -31,19 +39,30 @@ ENV_METRICS_HOST = "ITO_METRICS_HOST"
 ENV_TLS = (
     "ITO_TLS"  # "1": NATS, the desk and /metrics speak TLS with <secrets dir>/tls (runtime/security/tls.py)
 )
-ENV_NATS_CA = "ITO_NATS_CA"  # ecc: the CA file that signed the NATS server's certificate
 ENV_FILE_STORE_URL = "ITO_FILE_STORE_URL"  # the tenant store (runtime/storage/tenant_files.py)
 ENV_FILE_ROOT = "ITO_FILE_ROOT"  # where `file:` data refs may point: <root>/<account>/...; unset: nowhere
 ENV_CHECKPOINT_ROOTS = "ITO_CHECKPOINT_ROOTS"  # absolute dirs a manifest's checkpoint.storage may name
 ENV_UPLOAD_TTL_S = "ITO_UPLOAD_TTL_S"
 ENV_CHECKPOINT_URL = "ITO_CHECKPOINT_URL"  # "", a path, file:///path or s3://bucket/prefix
 ENV_S3_ENDPOINT_URL = "ITO_S3_ENDPOINT_URL"  # an S3-compatible store that is not AWS; "" for AWS
+ENV_GANG_MAX_REQUEUES = "ITO_GANG_MAX_REQUEUES"  # how often a run's gang lost past its restarts is requeued
+ENV_GANG_MAX_RESTARTS = "ITO_GANG_MAX_RESTARTS"  # how often the elastic launcher restarts a lost gang
+ENV_NODE_HOST = "ITO_NODE_HOST"  # where this node's replica group store is reached (multinode runs)
+# The operator switch that let several GPUs per node on several nodes train while such plans were
+# refused by default (a late group's heal from its peer failed with FSDP2 state; fixed in
+# fault_tolerance: a synchronous quorum, local shards). They train by default now; the variable is
+# still accepted and changes nothing (training/launch/multinode.py).
+ENV_MULTINODE_GANGS = "ITO_MULTINODE_GANGS"
+ENV_FAULT_POINT = "ITO_FAULT_POINT"  # chaos tests only: a fault point's name (configuration/faults.py)
+ENV_FAULT_SPIKE_STEP = "ITO_FAULT_SPIKE_STEP"  # trainer.loss_spike: losses reported x10 from this step on
+ENV_FAULT_STEP_DELAY_S = "ITO_FAULT_STEP_DELAY_S"  # trainer.slow_steps: every step takes this much longer
+ENV_SUITE_TIMES_DIR = "ITO_SUITE_TIMES_DIR"  # bench/suite_times.py's plugin writes its records here when set
 EMBEDDED_FILE_ROOT = "file-root"  # `ito-training up` sets ITO_FILE_ROOT to <data dir>/file-root unless set
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # or a comma-separated list: a cluster's server pool
+DEFAULT_NATS_URL = environment.DEFAULT_NATS_URL  # or a comma-separated list: a cluster's server pool
 DEFAULT_NATS_REPLICAS = 1  # 3 on a 3-node cluster (`ito-training up --cluster`): every stream R3
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_NAMESPACE = "ito"
+DEFAULT_NAMESPACE = environment.DEFAULT_NAMESPACE
 DEFAULT_DATA_DIR = ".ito"  # relative to the working directory; state of embedded infra and runs
 DEFAULT_CONFIRMATION_TTL_S = 600.0  # short on purpose: a confirmation is a fresh human decision
 DEFAULT_ELIGIBILITY_TTL_S = 60.0  # a statement is re-fetched when older, never stretched
@@ -56,6 +75,13 @@ DEFAULT_RENDEZVOUS_HOST = (
 DEFAULT_UPLOAD_TTL_S = 24 * 3600.0  # an upload not committed by then is removed and its quota given back
 DEFAULT_METRICS_PORT = 0  # no /metrics endpoint; `ito-training up` gives each service a free port
 DEFAULT_METRICS_HOST = "127.0.0.1"  # loopback; a container's address where Prometheus runs elsewhere
+DEFAULT_GANG_MAX_REQUEUES = 2  # a gang lost past its restarts comes back twice (a bad node, a
+# preempted neighbour); a crash that repeats on every delivery then fails the run instead of looping
+DEFAULT_GANG_MAX_RESTARTS = 2  # a rank lost to a node hiccup is restarted twice; a third loss
+# interrupts the run (requeued, resumed from the last checkpoint)
+DEFAULT_NODE_HOST = "127.0.0.1"  # where this node's replica group store is reached; routable across hosts
+DEFAULT_FAULT_SPIKE_STEP = 60
+DEFAULT_FAULT_STEP_DELAY_S = 1.0  # a run that costs more than its estimate (tests/e2e/test_budget.py)
 
 MAX_REQUEST_BYTES = 2 * 1024 * 1024  # an API request; the manifest inside is capped at 1 MiB
 
@@ -161,6 +187,9 @@ class Settings:
     with O_NOFOLLOW, so a link in it is refused, never followed."""
     upload_ttl_s: float = DEFAULT_UPLOAD_TTL_S
     """How long an upload may stay uncommitted before it is removed and its quota given back."""
+    s3_endpoint_url: str = ""
+    """The endpoint of an S3-compatible store that is not AWS (MinIO, Ceph RGW, R2...:
+    `ITO_S3_ENDPOINT_URL`), for `s3://` checkpoint and tenant stores; "" for AWS."""
 
     def __post_init__(self) -> None:
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
@@ -248,6 +277,7 @@ def load(env: dict[str, str] | None = None) -> Settings:
             if part.strip()
         ),
         upload_ttl_s=_float(env, ENV_UPLOAD_TTL_S, DEFAULT_UPLOAD_TTL_S),
+        s3_endpoint_url=env.get(ENV_S3_ENDPOINT_URL, ""),
     )
 
 

@@ -28,10 +28,10 @@ from datetime import datetime
 from typing import Protocol
 from urllib.parse import urlparse
 
+from runtime.configuration.settings import ENV_FILE_STORE_URL
 from runtime.storage import confined, s3_objects
 from runtime.storage.confined import Confined
 
-ENV_FILE_STORE_URL = "ITO_FILE_STORE_URL"  # "", an absolute path, or s3://bucket/prefix
 PRESIGN_EXPIRES_S = 900  # a presigned PUT is good this long (S3 checks it when the PUT starts, so a long
 # PUT still ends); asking the upload again makes another. Whatever a PUT leaves after its upload is
 # over is swept once every URL of it has run out (services/scheduler/uploads.py, SWEEP_AFTER_S).

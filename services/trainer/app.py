@@ -15,12 +15,14 @@ from contracts import endpoints, subjects
 from runtime.configuration import settings as settings_mod
 from runtime.messaging import streams
 from runtime.messaging.service import Wiring, build_app, configure_logging, scheduler_verifier
+from services.trainer import trainer_settings
 from services.trainer.worker import WORK_ACK_WAIT_S, Worker, decode_work
 
 
 def register(w: Wiring) -> None:
     s = w.settings
-    worker = Worker(w.bus, s)
+    # The agent's own settings, read from the environment once, here: the worker reads none.
+    worker = Worker(w.bus, s, trainer_settings.load(os.environ, settings_mod.usable_cpus()))
     verifier = scheduler_verifier(s)
     log = logging.getLogger("ito.trainer")
     durable = f"{s.namespace}-{subjects.CONSUMER_TRAINER}"

@@ -274,13 +274,13 @@ class ExportJob:
 
 
 def write_export(
-    job: ExportJob, data_dir: pathlib.Path, writers: Writers, loader: restore.Loader = restore.restore_model
+    job: ExportJob, store_root: pathlib.Path, writers: Writers, loader: restore.Loader = restore.restore_model
 ) -> ExportRecord:
     """Write the export's files into its directory, then EXPORT.json (last, atomically)."""
     src = job.src
     if job.fmt is ExportFormat.peft and src.lora is None:
         raise Refusal(ErrorCode.export_not_found, f"stage {src.stage.name} trained no LoRA adapter")
-    model, info = loader(src, data_dir)
+    model, info = loader(src, store_root)
     if job.fmt is ExportFormat.peft:
         base_name = src.base.name if src.base is not None else f"{src.run_id}/{src.stage.name}"
         written = _peft_writer(writers)(model, src.lora, job.directory, base_model=base_name)
@@ -288,9 +288,9 @@ def write_export(
         write, card_type = _hf_writer(writers)
         if src.lora is not None:
             restore.optional("training.weights.lora", "cannot merge LoRA adapters").merge_lora(model)
-        tokenizer = writers.tokenizer_files(src, data_dir)
+        tokenizer = writers.tokenizer_files(src, store_root)
         try:
-            eos = restore.eos_id_of(restore.load_run_tokenizer(src, data_dir))
+            eos = restore.eos_id_of(restore.load_run_tokenizer(src, store_root))
         except Unavailable:
             eos = None
         card = card_type(
@@ -328,7 +328,7 @@ def write_export(
         digest=export_digest(files),
         manifest_digest=job.manifest_digest,
     )
-    register(job, record, restore.model_store_root(data_dir))  # before it is ready: then it is a model too
+    register(job, record, store_root)  # before it is ready: then it is a model too
     _write_atomic(job.directory / RECORD, msgspec.json.encode(record))
     return record
 
@@ -374,12 +374,12 @@ class Exports:
 
     def __init__(
         self,
-        data_dir: pathlib.Path,
+        store_root: pathlib.Path,
         owner: str,
         writers: Writers | None = None,
         loader: restore.Loader = restore.restore_model,
     ) -> None:
-        self.data_dir = data_dir
+        self.store_root = store_root  # the model store (Settings.model_store): base models, tokenizers
         self.owner = owner  # this trainer's id, written into its claims
         self.writers = writers or Writers()
         self.loader = loader
@@ -455,7 +455,7 @@ class Exports:
         renew.start()
         started = time.monotonic()
         try:
-            record = write_export(job, self.data_dir, self.writers, self.loader)
+            record = write_export(job, self.store_root, self.writers, self.loader)
             log.info(
                 "export %s of run %s: %d files, %d bytes in %.1f s",
                 job.export_id,

@@ -25,7 +25,6 @@ from contracts.runs import TrainWork
 from domain import data_refs
 from runtime.configuration.settings import Settings
 from runtime.storage import confined, data_connections, s3_objects, tenant_files
-from runtime.storage.checkpoint_store import ENV_S3_ENDPOINT_URL
 
 INPUTS_DIR = "inputs"
 COPY_BLOCK = 4 * 1024 * 1024
@@ -79,7 +78,7 @@ class Reader:
     def store(self) -> tenant_files.TenantStore:
         if self._store is None:
             self._store = tenant_files.open_store(
-                self.settings.file_store_url, self.settings.data_dir, os.environ.get(ENV_S3_ENDPOINT_URL, "")
+                self.settings.file_store_url, self.settings.data_dir, self.settings.s3_endpoint_url
             )
         return self._store
 

@@ -8,19 +8,16 @@ last checkpoint save), which the scheduler adds to its margin (domain/budget.py)
 reports it with each lease renewal; the other nodes' GPUs are in its `held_gpus`.
 """
 
-import os
 import threading
 import time
-from typing import Final
 
 from contracts.runs import CheckpointSaved, Metrics, RunEvent
-from runtime.configuration import faults
-
-ENV_STEP_DELAY_S: Final = "ITO_FAULT_STEP_DELAY_S"  # with the trainer.slow_steps fault point
 
 
 class Meter:
-    def __init__(self, held_gpus: int, earlier_gpu_s: float = 0.0) -> None:
+    def __init__(self, held_gpus: int, earlier_gpu_s: float = 0.0, delay_s: float = 0.0) -> None:
+        """`delay_s`: the trainer.slow_steps fault point's added time per step (services/trainer/
+        trainer_settings.py); 0 but in chaos tests."""
         self.held_gpus = max(held_gpus, 1)
         self.earlier_gpu_s = max(earlier_gpu_s, 0.0)
         self.started = time.monotonic()
@@ -28,11 +25,7 @@ class Meter:
         self._last_step_at: float | None = None
         self.step_s = 0.0
         self.save_s = 0.0
-        self.delay_s = (
-            float(os.environ.get(ENV_STEP_DELAY_S, "1.0"))
-            if faults.active(faults.TRAINER_SLOW_STEPS)
-            else 0.0
-        )
+        self.delay_s = delay_s
 
     def held_gpu_s(self) -> float:
         """GPU-seconds held so far, this attempt and the earlier ones."""

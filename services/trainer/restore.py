@@ -6,7 +6,8 @@ stage's shape and RoPE base come from the plan (`curriculum_of(manifest, base)`,
 its weights from the stage's last committed checkpoint (a directory without its COMMITTED marker is
 never read). A LoRA stage's checkpoint holds its adapters only: the model it adapts is the incoming
 one (the previous stage's committed weights, or the base model from the model store), the adapters
-are applied to it and then loaded.
+are applied to it and then loaded. The model store is the settings' (`Settings.model_store`),
+handed in as `store_root`.
 
 The other helpers' modules (hf_load, lora, tokenizer, model_store) are imported where they are
 used, so that a trainer without one of them still exports and samples what it can, and says
@@ -14,7 +15,6 @@ plainly what it cannot.
 """
 
 import importlib
-import os
 import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +32,6 @@ from training.engine.checkpoint import CheckpointInfo, list_checkpoints, load_we
 from training.model import Transformer
 from training.recipes.pretrain import build_model
 
-ENV_MODEL_STORE = "ITO_MODEL_STORE"  # the store helper's setting; default <ITO_DATA_DIR>/models
 BYTES = "bytes"
 CPU = torch.device("cpu")
 
@@ -129,15 +128,9 @@ def locate(
     )
 
 
-def model_store_root(data_dir: pathlib.Path) -> pathlib.Path:
-    return pathlib.Path(os.environ.get(ENV_MODEL_STORE) or data_dir / "models")
-
-
-def store_dir(data_dir: pathlib.Path, digest: str) -> pathlib.Path:
+def store_dir(store_root: pathlib.Path, digest: str) -> pathlib.Path:
     """The model store's directory of an entry (a base model or a tokenizer), by digest."""
-    store = optional("runtime.storage.model_store", "has no model store").ModelStore(
-        model_store_root(data_dir)
-    )
+    store = optional("runtime.storage.model_store", "has no model store").ModelStore(store_root)
     path = pathlib.Path(store.path(digest))
     if not path.is_dir():
         raise Unavailable(f"the model store has no entry {digest}")
@@ -151,7 +144,7 @@ def _whole_weights(stage_dir: pathlib.Path) -> pathlib.Path:
     return merged if list_checkpoints(merged) else stage_dir
 
 
-def _load_incoming(model: torch.nn.Module, src: StageSource, data_dir: pathlib.Path) -> None:
+def _load_incoming(model: torch.nn.Module, src: StageSource, store_root: pathlib.Path) -> None:
     """The weights a LoRA stage adapted: the previous stage's, or the base model's."""
     if src.incoming_dir is not None:
         load_weights(src.incoming_dir, model)
@@ -159,10 +152,10 @@ def _load_incoming(model: torch.nn.Module, src: StageSource, data_dir: pathlib.P
     if src.base is None:
         return  # a from-scratch run's first stage starts from its seeded initialisation
     hf_load = optional("training.weights.hf_load", "cannot read Hugging Face weights")
-    hf_load.load_hf_weights(model, store_dir(data_dir, src.base.digest))
+    hf_load.load_hf_weights(model, store_dir(store_root, src.base.digest))
 
 
-def restore_model(src: StageSource, data_dir: pathlib.Path) -> tuple[Transformer, CheckpointInfo]:
+def restore_model(src: StageSource, store_root: pathlib.Path) -> tuple[Transformer, CheckpointInfo]:
     """The stage's model on the CPU in eval mode, float32, with its last committed weights (LoRA
     adapters applied and loaded over the incoming model), and the checkpoint really loaded."""
     stage = src.stage
@@ -173,7 +166,7 @@ def restore_model(src: StageSource, data_dir: pathlib.Path) -> tuple[Transformer
     adapters_only: dict[str, Any] = {}
     if src.lora is not None:
         lora_mod = optional("training.weights.lora", "has no LoRA support")
-        _load_incoming(model, src, data_dir)
+        _load_incoming(model, src, store_root)
         lora_mod.apply_lora(model, src.lora)
         adapters_only["model_keys"] = lora_mod.is_adapter_key  # the stage's checkpoint holds only these
     info = load_weights(src.stage_dir, model, **adapters_only)
@@ -208,7 +201,7 @@ def tokenizer_spec(src: StageSource) -> str | None:
     return spec
 
 
-def load_run_tokenizer(src: StageSource, data_dir: pathlib.Path) -> Any:
+def load_run_tokenizer(src: StageSource, store_root: pathlib.Path) -> Any:
     """The run's tokenizer (training.data.tokenizer.load_tokenizer); bytes without the module."""
     spec = tokenizer_spec(src)
     try:
@@ -217,11 +210,11 @@ def load_run_tokenizer(src: StageSource, data_dir: pathlib.Path) -> Any:
         if spec == BYTES:
             return ByteCodec()
         raise
-    model_dir = store_dir(data_dir, src.base.digest) if src.base is not None and spec is None else None
-    return tok.load_tokenizer(spec, model_dir, model_store_root(data_dir))
+    model_dir = store_dir(store_root, src.base.digest) if src.base is not None and spec is None else None
+    return tok.load_tokenizer(spec, model_dir, store_root)
 
 
-def tokenizer_files(src: StageSource, data_dir: pathlib.Path) -> dict[str, bytes]:
+def tokenizer_files(src: StageSource, store_root: pathlib.Path) -> dict[str, bytes]:
     """The tokenizer files an export carries: the base model's, the store's tokenizer, or the
     byte tokenizer's (a tokenizer.json that transformers loads and that encodes as bytes)."""
     tok = optional("training.data.tokenizer", "cannot write tokenizer files")
@@ -231,12 +224,10 @@ def tokenizer_files(src: StageSource, data_dir: pathlib.Path) -> dict[str, bytes
     if (
         spec is not None
     ):  # a tokenizer entry of the store: `<store>/tokenizers/<hex>/` (load_tokenizer's rule)
-        return dict(
-            tok.tokenizer_files(model_store_root(data_dir) / "tokenizers" / spec.removeprefix("sha256:"))
-        )
+        return dict(tok.tokenizer_files(store_root / "tokenizers" / spec.removeprefix("sha256:")))
     if src.base is None:
         raise Unavailable("the run names no tokenizer")
-    return dict(tok.tokenizer_files(store_dir(data_dir, src.base.digest)))
+    return dict(tok.tokenizer_files(store_dir(store_root, src.base.digest)))
 
 
 def eos_id_of(tokenizer: Any) -> int | None:
@@ -248,4 +239,4 @@ def eos_id_of(tokenizer: Any) -> int | None:
 
 
 Loader = Callable[[StageSource, pathlib.Path], tuple[Transformer, CheckpointInfo]]
-"""How a stage's model is restored (`restore_model`; tests inject their own)."""
+"""How a stage's model is restored from the model store's root (`restore_model`; tests inject their own)."""

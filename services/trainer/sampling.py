@@ -91,8 +91,8 @@ def generate(
 class Sampler:
     """One sample at a time, the last loaded model kept."""
 
-    def __init__(self, data_dir: pathlib.Path, loader: restore.Loader = restore.restore_model) -> None:
-        self.data_dir = data_dir
+    def __init__(self, store_root: pathlib.Path, loader: restore.Loader = restore.restore_model) -> None:
+        self.store_root = store_root  # the model store (Settings.model_store): base models, tokenizers
         self.loader = loader
         self.lock = threading.Lock()
         self._loaded: Loaded | None = None
@@ -103,8 +103,8 @@ class Sampler:
         if self._loaded is not None and self._loaded.key == key:
             return self._loaded
         self._loaded = None  # the old one's memory goes before the new one is built
-        model, info = self.loader(src, self.data_dir)
-        tokenizer = restore.load_run_tokenizer(src, self.data_dir)
+        model, info = self.loader(src, self.store_root)
+        tokenizer = restore.load_run_tokenizer(src, self.store_root)
         self.loads += 1
         self._loaded = Loaded((src.run_id, src.stage.name, info.step), model, tokenizer)
         return self._loaded

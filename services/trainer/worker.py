@@ -26,11 +26,10 @@ import os
 import pathlib
 import shutil
 import socket
-import threading
 import time
 import uuid
 from functools import partial
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 from faststream.nats import NatsMessage
@@ -42,17 +41,15 @@ from contracts.api import (
     LeaseAnswer,
     LeaseQuery,
     RemovedArtifact,
-    RestartProposal,
 )
 from contracts.errors import ErrorCode
 from contracts.exports import DownloadChunk, DownloadOrder, ExportOrder, ExportView, SampleOrder, SampleResult
 from contracts.manifest import Manifest
-from contracts.runs import Metrics, Outcome, RunEvent, StopReason, TrainWork
+from contracts.runs import RunEvent, StopReason, TrainWork
 from contracts.states import LEASABLE, TERMINAL_STATES, RunState
-from domain import budget
 from domain.curriculum import Curriculum, CurriculumMismatch, bound_curriculum
 from runtime.configuration import faults
-from runtime.configuration.settings import Settings, trainer_threads, usable_cpus
+from runtime.configuration.settings import Settings
 from runtime.configuration.timers import TIMERS
 from runtime.messaging import codec
 from runtime.messaging.bus import Bus
@@ -61,16 +58,24 @@ from runtime.storage.checkpoint_paths import inside, run_dir, storage_root
 from runtime.storage.model_store import ModelStore
 from services.trainer import exports, follower, sampling, storage
 from services.trainer.emitter import Emitter
+from services.trainer.endings import (
+    SpikeWatch,
+    Stop,
+    final_state,
+    lost_gang_state,
+    pause_for_approval,
+    spent,
+)
 from services.trainer.inputs import InputsUnavailable, materialize
 from services.trainer.meter import Meter
 from services.trainer.storage import StorageUnavailable
-from training.engine import loss_spikes
-from training.engine.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
+from services.trainer.trainer_settings import TrainerSettings
+from training.engine.checkpoint import rewind
 from training.engine.distributed import ParallelismError
-from training.engine.reporting import EventFile, Reporter, Sink, check_event
+from training.engine.reporting import EventFile, Reporter
 from training.launch import launcher, multinode
 from training.launch.elastic import GangFailed, GangLost
-from training.recipes.pipeline import PipelineResult, run_pipeline
+from training.recipes.pipeline import run_pipeline
 
 log = logging.getLogger("ito.trainer.worker")
 
@@ -81,172 +86,12 @@ RENEW_EVERY_S = TIMERS.renew_every_s  # the lease renewal is the heartbeat the s
 SELF_FENCE_S = TIMERS.self_fence_s  # no renewal for this long: stop; the scheduler's silence_s is longer
 RETRY_LEASE_AFTER_S = 5  # the scheduler did not answer: give the item back, try again later
 FINAL_STATE_WAIT_S = 15.0  # the item is acked only once the scheduler shows the final state
-ENV_GANG_MAX_REQUEUES: Final = "ITO_GANG_MAX_REQUEUES"
-DEFAULT_GANG_MAX_REQUEUES = 2  # a gang lost past its restarts comes back twice (a bad node, a
-# preempted neighbour); a crash that repeats on every delivery then fails the run instead of looping
 REQUEUE_AFTER_S = 5  # an interrupted gang's work item is delivered again after this long
 # A follower that failed reports it only this long after, lease kept: a lost node 0 is noticed first
 NODE_FAILURE_GRACE_S = TIMERS.silence_s + 2 * TIMERS.watch_every_s
 
 work_decoder = msgspec.json.Decoder(TrainWork)
 manifest_decoder = msgspec.json.Decoder(Manifest)
-
-
-def last_committed_step(checkpoint_dir: pathlib.Path) -> int | None:
-    """The newest committed checkpoint's step across the run's stage directories, if any."""
-    steps = [
-        c.step
-        for d in [checkpoint_dir, *checkpoint_dir.glob("*/")]
-        if d.is_dir()
-        for c in list_checkpoints(d)
-    ]
-    return max(steps) if steps else None
-
-
-class Stop:
-    """Why the loop must stop: set once, read by the training thread between steps."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self.reason: StopReason | None = None
-
-    def set(self, reason: StopReason) -> None:
-        if not self._event.is_set():
-            self.reason = reason
-            self._event.set()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-
-def final_state(
-    result: PipelineResult,
-    stop: Stop,
-    checkpoint_dir: pathlib.Path,
-    spent: tuple[float, float] = (0.0, 0.0),
-) -> tuple[RunState, str]:
-    """The run's final state and message once the pipeline returned (not fenced, no spike): a stop
-    is a cancel, or the scheduler's budget stop (`spent`: what the meter says against the limit);
-    otherwise the pipeline's outcome decides."""
-    if stop.is_set():
-        step = last_committed_step(checkpoint_dir)
-        kept = f"; last checkpoint at step {step}" if step is not None else "; no checkpoint yet"
-        if stop.reason is StopReason.budget_exhausted:
-            return RunState.budget_exhausted, budget.exhausted_message(spent[0], spent[1], kept)
-        return RunState.cancelled, "cancelled" + kept
-    match result.outcome:
-        case Outcome.gate_failed:
-            return RunState.gate_failed, result.summary
-        case Outcome.succeeded:
-            return RunState.succeeded, result.summary
-        case Outcome.stopped:  # the pipeline stops only when asked to
-            raise ValueError("The pipeline stopped although no stop was requested.")
-
-
-def lost_gang_state(exc: GangLost, requeued: int, max_requeues: int) -> tuple[RunState, str, int | None]:
-    """The run's state, message and new requeue count when its gang was lost past the launcher's
-    restarts, `requeued` times before (the run's `gang_requeues`, as the lease said when this
-    delivery was leased; only lost gangs count, never a redelivery for a lost agent, a fence or a
-    lease retry): interrupted and requeued while fewer than `max_requeues`, failed after (no count)."""
-    if requeued < max_requeues:
-        n = requeued + 1
-        return (
-            RunState.interrupted,
-            f"{exc} Interrupted: requeued to resume from the last checkpoint "
-            f"(requeue {n} of at most {max_requeues}; attempt {n + 1} of at most {max_requeues + 1}).",
-            n,
-        )
-    return (
-        RunState.failed,
-        f"training failed: {exc} Not requeued again: requeued {requeued} times for a lost gang "
-        f"already (at most {max_requeues}, {ENV_GANG_MAX_REQUEUES}={max_requeues}).",
-        None,
-    )
-
-
-WATCHED_STAGES = frozenset({"pretrain", "midtrain", "long_context"})  # PaLM's remedy is for LM training;
-# post-training losses (DPO margins, policy-gradient losses) swing by design and would page people for nothing
-
-
-class SpikeWatch:
-    """Sits between the pipeline and the bus: every step's loss goes through the spike detector; a
-    spike stops the loop (its checkpoint is committed first) so the run can be paused for approval.
-
-    Given the run's `checkpoint_dir`, it pins the checkpoint a restart would go back to from the
-    first spiking step on, on the training thread and so before any later save prunes: the saves
-    around a spike (the one on stop among them) would otherwise evict it by `keep_last`."""
-
-    def __init__(
-        self, sink: Sink, stop: Stop, planted: bool = False, checkpoint_dir: pathlib.Path | None = None
-    ) -> None:
-        self._sink = sink
-        self.stop = stop
-        self.checkpoint_dir = checkpoint_dir
-        self.detector = loss_spikes.SpikeDetector()
-        self.planted_from = int(os.environ.get(faults.ENV_SPIKE_STEP, "60")) if planted else None
-        self.stage, self.spike_step, self.total_steps, self.reason = "", 0, 0, ""
-        self._stage_seen = ""
-        self._pinned_for: int | None = None  # the first spiking step the current pin is for
-
-    def send(self, event: RunEvent) -> None:
-        """The training thread's sink: metrics of a watched stage go through the detector first."""
-        event = check_event(event)
-        if isinstance(event, Metrics) and event.stage in WATCHED_STAGES:
-            event = self.watch(event)
-        self._sink(event)
-
-    def watch(self, metrics: Metrics) -> Metrics:
-        """Observe one step's metrics; a spike sets the stop. Returns the metrics to pass on (with
-        the planted fault, when one is planted, applied)."""
-        if metrics.stage != self._stage_seen:  # each stage has its own loss scale
-            self._stage_seen, self.detector = metrics.stage, loss_spikes.SpikeDetector()
-        if self.planted_from is not None and metrics.step >= self.planted_from:
-            # fault injection (tests, make chaos)
-            metrics = msgspec.structs.replace(metrics, loss=metrics.loss * 10.0)
-        if self.stop.is_set():  # once stopping, the spike (and its pin) stay as they are
-            return metrics
-        spiked = self.detector.observe(metrics.step, metrics.loss, metrics.grad_norm)
-        if self.detector.first_spike_step != self._pinned_for:  # a suspected spike began or ended
-            self._pin(metrics.stage, metrics.total_steps)
-        if spiked:
-            self.stage, self.total_steps = metrics.stage, metrics.total_steps
-            self.spike_step = self.detector.first_spike_step or metrics.step
-            self.reason = (
-                f"loss above mean + {loss_spikes.K_SIGMA:g} sigma of the last {loss_spikes.WINDOW} steps "
-                f"for {loss_spikes.CONSECUTIVE} steps"
-            )
-            self.stop.set(StopReason.loss_spike)
-        return metrics
-
-    def _pin(self, stage: str, total_steps: int) -> None:
-        self._pinned_for = self.detector.first_spike_step
-        if self.checkpoint_dir is None:
-            return
-        stage_dir = self.checkpoint_dir / stage
-        point = (
-            None
-            if self._pinned_for is None
-            else loss_spikes.restart_point(
-                self._pinned_for, total_steps, [c.step for c in list_checkpoints(stage_dir)]
-            )
-        )
-        pin(stage_dir, point)
-
-    def proposal(self, checkpoint_dir: pathlib.Path) -> RestartProposal:
-        """PaLM's remedy for the spike that stopped the loop, in data positions, from the checkpoints
-        as they are now (the one saved on stop included); its checkpoint stays pinned until the
-        restart is carried out."""
-        stage_dir = checkpoint_dir / self.stage
-        proposal = loss_spikes.propose(
-            self.stage,
-            self.spike_step,
-            self.total_steps,
-            committed_positions(stage_dir),
-            self.reason,
-            skip=skip_window(stage_dir),
-        )
-        pin(stage_dir, proposal.checkpoint_step)
-        return proposal
 
 
 def decode_work(body: bytes) -> tuple[TrainWork, Manifest]:
@@ -256,18 +101,19 @@ def decode_work(body: bytes) -> tuple[TrainWork, Manifest]:
 
 
 class Worker:
-    def __init__(self, bus: Bus, settings: Settings) -> None:
+    def __init__(self, bus: Bus, settings: Settings, trainer_settings: TrainerSettings) -> None:
         self.bus = bus  # lease queries and run events (runtime/messaging/bus.py)
         self.settings = settings
-        self.threads = trainer_threads(os.environ, usable_cpus())
+        self.trainer_settings = trainer_settings  # the agent's own, read once at start (app.register)
+        self.threads = trainer_settings.threads
         self.trainer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stops: dict[str, Stop] = {}
         self.epochs: dict[str, int] = {}
         self.node_ranks: dict[str, int] = {}  # a multi-node run's share this agent holds (0 otherwise)
         self.meters: dict[str, Meter] = {}  # node 0's meter of each run it trains
         self.checkpoint_root = settings.data_dir / "checkpoints"
-        self.exports = exports.Exports(settings.data_dir, self.trainer_id)
-        self.sampler = sampling.Sampler(settings.data_dir)
+        self.exports = exports.Exports(settings.model_store, self.trainer_id)
+        self.sampler = sampling.Sampler(settings.model_store)
 
     async def cancel(self, run_id: str) -> None:
         """A (signed) cancel notice is a hint to look now: the lease says whether the run really
@@ -387,7 +233,9 @@ class Worker:
         if work.node_rank:
             await self._train_share(msg, work, manifest, answer.epoch)
         else:
-            self.meters[work.run_id] = Meter(work.plan.cost.gpus, answer.held_gpu_s)
+            slow = self.trainer_settings.fault(faults.TRAINER_SLOW_STEPS)  # fault injection (chaos tests)
+            delay_s = self.trainer_settings.fault_step_delay_s if slow else 0.0
+            self.meters[work.run_id] = Meter(work.plan.cost.gpus, answer.held_gpu_s, delay_s)
             await self._train(msg, work, manifest, answer.epoch, answer.gang_requeues)
 
     async def _train(
@@ -404,8 +252,9 @@ class Worker:
             await self._prepare_storage(manifest, checkpoint_dir, work)
             final = await self._run(emitter, work, manifest, checkpoint_dir, stop)
         except GangLost as exc:  # past the launcher's restarts: interrupted and requeued, within a bound
-            max_requeues = int(os.environ.get(ENV_GANG_MAX_REQUEUES, DEFAULT_GANG_MAX_REQUEUES))
-            final, message, requeues = lost_gang_state(exc, gang_requeues, max_requeues)
+            final, message, requeues = lost_gang_state(
+                exc, gang_requeues, self.trainer_settings.gang_max_requeues
+            )
             log.warning("run %s: %s", work.run_id, message)
             await emitter.state(final, message=message, gang_requeues=requeues)
         except (StorageUnavailable, CurriculumMismatch, InputsUnavailable) as exc:  # before the first step
@@ -462,12 +311,9 @@ class Worker:
         self, emitter: Emitter, work: TrainWork, manifest: Manifest, checkpoint_dir: pathlib.Path, stop: Stop
     ) -> RunState | None:
         """Train (in a thread) and report the final state; None when fenced (nothing reported)."""
-        watch = SpikeWatch(
-            emitter.from_thread,
-            stop,
-            planted=faults.active(faults.TRAINER_LOSS_SPIKE) and work.restart is None,
-            checkpoint_dir=checkpoint_dir,
-        )
+        planted = self.trainer_settings.fault(faults.TRAINER_LOSS_SPIKE) and work.restart is None
+        planted_from = self.trainer_settings.fault_spike_step if planted else None  # fault injection
+        watch = SpikeWatch(emitter.from_thread, stop, planted_from, checkpoint_dir)
         if work.restart is not None:
             r = work.restart
             moved = rewind(checkpoint_dir / r.stage, r.checkpoint_step, r.skip_from, r.skip_to)
@@ -508,15 +354,10 @@ class Worker:
             return None
         await emitter.log(result.summary)
         if stop.reason is StopReason.loss_spike:
-            await self._propose(emitter, checkpoint_dir, watch)
+            await pause_for_approval(emitter, checkpoint_dir, watch)
             return RunState.awaiting_approval
         await self.lease(work.run_id, emitter.epoch)  # the meter's last reading before release
-        held = meter.held_gpu_s() if meter is not None else 0.0
-        spent = (
-            budget.spend_usd(held, work.plan.cost),
-            budget.spend_limit(manifest, work.plan.cost, work.cost_bound_usd),
-        )
-        final, message = final_state(result, stop, checkpoint_dir, spent)
+        final, message = final_state(result, stop, checkpoint_dir, spent(work, manifest, meter))
         await emitter.state(final, stage=result.last_stage, message=message)
         return final
 
@@ -557,7 +398,7 @@ class Worker:
                 report.log(follower.rewind_share(checkpoint_dir, work.restart, later))
             local = await asyncio.to_thread(materialize, work, manifest, checkpoint_dir, self.settings)
             how = launcher.launch(work, manifest, run, checkpoint_dir, self.threads, epoch)
-            if faults.active(faults.TRAINER_SHARE_FAILS):  # fault injection (tests, make chaos)
+            if self.trainer_settings.fault(faults.TRAINER_SHARE_FAILS):  # fault injection (tests, make chaos)
                 raise RuntimeError("planted fault: this node's share fails")
             result = await asyncio.to_thread(
                 partial(run_pipeline, **self._inputs(work, run), local_inputs=local),
@@ -611,20 +452,6 @@ class Worker:
                 return True
             await asyncio.sleep(0.2)
         return False
-
-    async def _propose(self, emitter: Emitter, checkpoint_dir: pathlib.Path, watch: "SpikeWatch") -> None:
-        """Pause the run with PaLM's remedy as a proposal; only a confirmed approval restarts it."""
-        proposal = watch.proposal(checkpoint_dir)
-        await emitter.proposal(proposal)
-        await emitter.state(
-            RunState.awaiting_approval,
-            stage=watch.stage,
-            message=(
-                f"loss spike at {watch.stage} step {watch.spike_step} ({watch.reason}); proposed: restart from "
-                f"checkpoint step {proposal.checkpoint_step}, skipping batches [{proposal.skip_from}, {proposal.skip_to}). "
-                "Waiting for a restart_from_checkpoint confirmation."
-            ),
-        )
 
     async def cleanup(self, order: CleanupOrder) -> CleanupResult:
         """Remove a finished run's artifacts and say what was removed. The directory is derived

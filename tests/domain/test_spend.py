@@ -13,7 +13,7 @@ from contracts.runs import Outcome, StopReason
 from contracts.states import RunState
 from domain import budget
 from services.scheduler.leases import metering
-from services.trainer.worker import Stop, final_state
+from services.trainer.endings import Stop, final_state
 from training.recipes.pipeline import PipelineResult
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -101,9 +101,10 @@ def _our_logits(stack, account: str, run_id: str, name: str, manifest_path: path
     from services.trainer import restore
 
     manifest = msgspec.json.decode(manifest_path.read_bytes(), type=Manifest)
-    base = ModelStore(stack.data_dir / "models").resolve(name, account)
+    store_root = stack.data_dir / "models"
+    base = ModelStore(store_root).resolve(name, account)
     run_dir = stack.data_dir / "checkpoints" / account / run_id
-    ours, _ = restore.restore_model(restore.locate(run_dir, run_id, manifest, base, stage), stack.data_dir)
+    ours, _ = restore.restore_model(restore.locate(run_dir, run_id, manifest, base, stage), store_root)
     with torch.no_grad():
         logits, _ = ours(ids)
     return logits.float()

@@ -32,6 +32,7 @@ from runtime.messaging.service import Wiring, scheduler_verifier
 from runtime.security.identities import NATS_IDENTITIES
 from runtime.security.secrets import Secrets
 from services.trainer import exports
+from services.trainer.trainer_settings import TrainerSettings
 from services.trainer.worker import Worker
 from tests.scheduler.test_handlers_inmemory import (
     REPO_MANIFEST,
@@ -50,14 +51,13 @@ from tests.trainer.test_exports import commit_checkpoint, fake_writer
 async def stack(namespace, tmp_path, monkeypatch):
     """Every service's handlers in memory, and a trainer's export/download/sample endpoints."""
     monkeypatch.setenv(settings_mod.ENV_ENTITLEMENT_KEY, "in-memory-test-key")
-    monkeypatch.setenv("ITO_TRAINER_THREADS", "1")
     s = settings_mod.load({"ITO_NAMESPACE": namespace, "ITO_DATA_DIR": str(tmp_path)})
     Secrets(s.secrets_dir).ensure(NATS_IDENTITIES, ())
     broker = connections.make_broker(s, "scheduler")
     w = Wiring(settings=s, broker=broker, redis=None, keys=Keys(s))
     w.bus = LocalBus(w.router, broker)
     credentials, bookings, quotas = register_all(w, None)
-    worker = Worker(w.bus, s)
+    worker = Worker(w.bus, s, TrainerSettings(threads=1))
     calls: list[str] = []
     worker.exports.writers = exports.Writers(hf=fake_writer(calls), tokenizer_files=lambda src, d: {})
     verifier = scheduler_verifier(s)

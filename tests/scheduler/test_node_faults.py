@@ -18,7 +18,7 @@ from services.scheduler import leases
 from services.scheduler.events import requeue_count
 from services.scheduler.memory import InMemoryRuns
 from services.trainer import follower
-from services.trainer.worker import lost_gang_state
+from services.trainer.endings import lost_gang_state
 from training.engine.checkpoint import (
     MARKER,
     SIDECAR,

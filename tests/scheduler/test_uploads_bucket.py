@@ -59,6 +59,7 @@ async def bucket_bus(moto_url, namespace, tmp_path, monkeypatch):
         "ITO_NAMESPACE": namespace,
         "ITO_DATA_DIR": str(tmp_path),
         "ITO_FILE_STORE_URL": "s3://tenant-store/t",
+        "ITO_S3_ENDPOINT_URL": moto_url,  # the trainer's reader takes it from its settings
     }
     s = settings_mod.load(env)
     Secrets(s.secrets_dir).ensure(NATS_IDENTITIES, ())

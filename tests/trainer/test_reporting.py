@@ -27,7 +27,7 @@ from contracts.runs import (
 from contracts.states import RunState
 from domain.curriculum import PostPlan, curriculum_of
 from services.trainer.emitter import Emitter
-from services.trainer.worker import Stop, final_state
+from services.trainer.endings import Stop, final_state
 from tests.support import THREADS
 from tests.training.replica_process import ReplicaConfig
 from training.engine.checkpoint import Checkpointer

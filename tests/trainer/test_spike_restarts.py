@@ -18,7 +18,7 @@ import torch
 
 from contracts.manifest import Manifest
 from contracts.runs import LogLine, Metrics, RunEvent, StopReason
-from services.trainer.worker import SpikeWatch, Stop
+from services.trainer.endings import SpikeWatch, Stop
 from training.data.corpora import BatchIterator
 from training.engine import loss_spikes
 from training.engine.checkpoint import (

@@ -10,8 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from contracts.runs import LogLine, Metrics, RunEvent, StopReason
-from runtime.configuration import faults
-from services.trainer.worker import SpikeWatch, Stop
+from services.trainer.endings import SpikeWatch, Stop
 from training.engine.loss_spikes import SpikeDetector, position_after, propose, restart_point
 
 
@@ -139,12 +138,12 @@ def metrics(step: int, loss: float, stage: str = "pretrain") -> Metrics:
 
 
 def watched(
-    losses, stage: str = "pretrain", planted: bool = False
+    losses, stage: str = "pretrain", planted_from: int | None = None
 ) -> tuple[Stop, SpikeWatch, list[RunEvent]]:
     """Typed metrics through a SpikeWatch, as the training thread sends them; what it passes on."""
     passed: list[RunEvent] = []
     stop = Stop()
-    watch = SpikeWatch(passed.append, stop, planted=planted)
+    watch = SpikeWatch(passed.append, stop, planted_from)
     for step, loss in enumerate(losses, start=1):
         watch.send(metrics(step, loss, stage))
     return stop, watch, passed
@@ -176,7 +175,6 @@ def test_other_events_pass_the_watch_unchanged():
     assert passed == [line]
 
 
-def test_a_planted_spike_multiplies_the_loss_passed_on(monkeypatch):
-    monkeypatch.setenv(faults.ENV_SPIKE_STEP, "3")
-    _, _, passed = watched([2.0] * 4, planted=True)
+def test_a_planted_spike_multiplies_the_loss_passed_on():
+    _, _, passed = watched([2.0] * 4, planted_from=3)  # ITO_FAULT_SPIKE_STEP=3 (trainer_settings.load)
     assert [e.loss for e in passed if isinstance(e, Metrics)] == [2.0, 2.0, 20.0, 20.0]

@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 import torch
@@ -43,6 +43,8 @@ from contracts.models import ModelShape
 from contracts.plans import Plan
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted, RunEvent, StageStarted
 from domain.curriculum import Curriculum, LmPlan
+from runtime.configuration.settings import DEFAULT_GANG_MAX_RESTARTS as DEFAULT_MAX_RESTARTS
+from runtime.configuration.settings import ENV_GANG_MAX_RESTARTS
 from training.engine.checkpoint import load_weights
 from training.engine.distributed import ParallelDims, ParallelismError
 from training.engine.loop import pick_device
@@ -54,9 +56,6 @@ from training.recipes.pretrain import StageConfig, StageResult, build_model
 from training.recipes.rlvr import RlvrConfig, RlvrResult, StepStats
 from training.weights.lora import is_adapter_key, is_base_key
 
-ENV_GANG_MAX_RESTARTS: Final = "ITO_GANG_MAX_RESTARTS"
-DEFAULT_MAX_RESTARTS = 2  # a rank lost to a node hiccup is restarted twice; a third loss
-# interrupts the run (requeued, resumed from the last checkpoint)
 POLL_S = 0.2  # how often the agent tails rank 0's events and checks for a stop
 STOP_GRACE_S = 90.0  # after a SIGTERM, the ranks save a checkpoint; past this the launcher is killed
 EVENT_LINE_CAP = 1 << 20  # one event is a few hundred bytes; a longer line is not one of ours

@@ -40,7 +40,7 @@ import os
 import pathlib
 import time
 from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import msgspec
@@ -50,6 +50,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from contracts.manifest import DpoStage, Manifest, RlvrStage, SftStage
 from contracts.runs import TrainWork
 from domain.curriculum import Curriculum, LadderPlan, LmPlan, PostPlan
+from runtime.configuration.settings import DEFAULT_NODE_HOST, ENV_NODE_HOST
+from runtime.configuration.settings import ENV_MULTINODE_GANGS as ENV_MULTINODE_GANGS  # tests flip it
 from training.engine.distributed import ParallelDims, ParallelismError
 from training.engine.fault_tolerance import ReplicaGroup, start_lighthouse
 from training.engine.heal_transport import Seal, heal_key
@@ -70,13 +72,6 @@ from training.recipes.rlvr import RlvrResult, train_post
 
 T = TypeVar("T")
 
-ENV_NODE_HOST: Final = "ITO_NODE_HOST"
-# The operator switch that let several GPUs per node on several nodes train while such plans were
-# refused by default (a late group's heal from its peer failed with FSDP2 state; fixed in
-# fault_tolerance: a synchronous quorum, local shards). They train by default now; the variable is
-# still accepted and changes nothing.
-ENV_MULTINODE_GANGS: Final = "ITO_MULTINODE_GANGS"
-DEFAULT_NODE_HOST = "127.0.0.1"  # where this node's replica group store is reached; routable across hosts
 CONNECT_TIMEOUT_S = 60.0  # a follower waits this long for node 0's store (node 0 may still be preparing data)
 MEET_TIMEOUT_S = 60.0  # past this a node trains without the missing ones (torchft takes them in later)
 DONE_GRACE_S = 30.0  # node 0 keeps a stage's Lighthouse up this long for nodes still finishing it
