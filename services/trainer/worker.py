@@ -70,7 +70,7 @@ from services.trainer.inputs import InputsUnavailable, materialize
 from services.trainer.meter import Meter
 from services.trainer.storage import StorageUnavailable
 from training.engine import loss_spikes
-from training.engine.checkpoint import committed_positions, list_checkpoints, pin, rewind, skip_window
+from training.engine.checkpoint_dir import committed_positions, list_checkpoints, pin, rewind, skip_window
 from training.engine.distributed import ParallelismError
 from training.engine.reporting import EventFile, Reporter, Sink, check_event
 from training.launch import launcher, multinode

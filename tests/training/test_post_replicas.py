@@ -126,7 +126,7 @@ def test_two_replica_groups_train_their_halves_to_one_process_weights(tmp_path, 
 
 def config_model(pretrained: str) -> torch.nn.Module:
     """The incoming weights, as the stages load them."""
-    from training.engine.checkpoint import load_weights
+    from training.engine.checkpoint_load import load_weights
     from training.model import Transformer
 
     model = Transformer(TINY)

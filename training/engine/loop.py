@@ -40,16 +40,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from contracts.runs import LogLevel
-from training.engine.checkpoint import (
-    CHECKPOINT_DEFAULTS,
-    Checkpointer,
-    CheckpointFailed,
-    CheckpointInfo,
-    ModelKeys,
-    ResumeState,
-    load_latest,
-    load_weights,
-)
+from training.engine.checkpoint import CHECKPOINT_DEFAULTS, Checkpointer, CheckpointFailed, ModelKeys
+from training.engine.checkpoint_dir import CheckpointInfo
+from training.engine.checkpoint_load import ResumeState, load_latest, load_weights
 from training.engine.distributed import any_true, clip_grad_norm, uses_tp, world_size
 from training.engine.reporting import Reporter, rank0_only, where
 

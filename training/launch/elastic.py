@@ -43,7 +43,7 @@ from contracts.manifest import DpoStage, Lora, Manifest, SftStage
 from contracts.models import ModelShape
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted, RunEvent, StageStarted
 from domain.curriculum import Curriculum, LmPlan
-from training.engine.checkpoint import load_weights
+from training.engine.checkpoint_load import load_weights
 from training.engine.distributed import ParallelDims, ParallelismError
 from training.engine.loop import pick_device
 from training.engine.reporting import Reporter

@@ -40,7 +40,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from contracts.manifest import Lora
 from contracts.models import ModelShape
 from training.data.corpora import ByteTokenizer
-from training.engine.checkpoint import CHECKPOINT_DEFAULTS, is_hf_model_dir, load_weights
+from training.engine.checkpoint import CHECKPOINT_DEFAULTS
+from training.engine.checkpoint_load import is_hf_model_dir, load_weights
 from training.engine.distributed import ParallelDims, batch_rows, rank, replica_batch_rows, world_size
 from training.engine.loop import (
     FaultTolerance,

@@ -36,7 +36,9 @@ from training.data.corpora import (
     split_held_out,
 )
 from training.data.token_files import CorpusBatchIterator, TokenCorpus
-from training.engine.checkpoint import CHECKPOINT_DEFAULTS, batches_to_skip, load_weights, skip_window
+from training.engine.checkpoint import CHECKPOINT_DEFAULTS
+from training.engine.checkpoint_dir import batches_to_skip, skip_window
+from training.engine.checkpoint_load import load_weights
 from training.engine.distributed import (
     ParallelDims,
     all_reduce_sum,
@@ -256,7 +258,7 @@ def build_model(
     dims = parallel or ParallelDims.for_world(world_size())
     dims.check_model(shape)
     if init_from_hf is None or lora is not None:
-        # (A LoRA model's base loads after its adapters are on: checkpoint.load_weights does it.)
+        # (A LoRA model's base loads after its adapters are on: checkpoint_load.load_weights does it.)
         model = Transformer(shape, rope_base=rope_base, z_loss=z_loss).to(device)
         if lora is not None:
             lora_adapters.check_parallel(dims.tp)
