@@ -20,9 +20,10 @@ from training.engine.fault_tolerance import ReplicaGroup, start_lighthouse, weig
 from training.engine.reporting import Recorder
 from training.recipes.generation import Completion
 from training.recipes.posttrain import PostConfig, PostResult, train_dpo, train_sft
-from training.recipes.pretrain import Replicas, StageConfig, train_stage
+from training.recipes.pretrain import StageConfig, train_stage
 from training.recipes.rlvr import RlvrConfig, RlvrResult, train_rlvr
 from training.recipes.rollout import RolloutBatch
+from training.recipes.stage_run import Replicas
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
