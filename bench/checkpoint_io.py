@@ -87,7 +87,7 @@ def _raw_write(path: pathlib.Path, n_bytes: int) -> float:
 def _loop_save(checkpointer, step: int, model, optimizer, tokens: torch.Tensor) -> dict[str, float]:
     """One save in the loop's pattern: save, forward and backward, wait_staged, optimizer step.
     Then the write is waited for and committed (what the loop's next steps would overlap)."""
-    from training.engine.checkpoint import CheckpointInfo
+    from training.engine.checkpoint_dir import CheckpointInfo
 
     started = time.perf_counter()
     checkpointer.save(step, model, optimizer, data_position=step)

@@ -21,7 +21,7 @@ dataset is the rows ours draws, step after step, read with the sequential sample
 size, maximum length, learning rate, AdamW betas and gradient clipping, fp32 (bf16/fp16 off), no
 gradient checkpointing, no evaluation, no saving, no reporting, no dataloader workers, and the torch
 threads of this one process. Ours starts from the base's HF directory (`PostConfig.init_from`, read
-by checkpoint.load_weights through hf_load), TRL from `from_pretrained` of it. The figures say
+by checkpoint_load.load_weights through hf_load), TRL from `from_pretrained` of it. The figures say
 whether the token ids agree (`same_tokens`) and whether the first step's losses do
 (`same_first_loss`: same weights, same batch, same loss).
 
@@ -258,7 +258,7 @@ def sft(assets: Assets, sizes: Sizes) -> dict:
 
     total = sizes.warmup + sizes.steps
     shape = _shape(assets.base)
-    init_from = str(assets.base)  # checkpoint.load_weights reads the HF directory (hf_load)
+    init_from = str(assets.base)  # checkpoint_load.load_weights reads the HF directory (hf_load)
     tok = HfTokenizer.from_dir(assets.base)
     table = _read_jsonl(assets.sft)
     examples = rows.sft_examples(tok, table)
@@ -325,7 +325,7 @@ def dpo(assets: Assets, sizes: Sizes) -> dict:
 
     total = sizes.warmup + sizes.steps
     shape = _shape(assets.base)
-    init_from = str(assets.base)  # checkpoint.load_weights reads the HF directory (hf_load)
+    init_from = str(assets.base)  # checkpoint_load.load_weights reads the HF directory (hf_load)
     tok = HfTokenizer.from_dir(assets.base)
     table = _read_jsonl(assets.dpo)
     pairs = rows.dpo_pairs(tok, table)

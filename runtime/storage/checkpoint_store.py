@@ -16,7 +16,7 @@ Credentials for S3 never go through here: s3fs reads the standard AWS variables 
 credentials file (`AWS_SHARED_CREDENTIALS_FILE`, a 0600 file). The endpoint of a store that is not
 AWS (MinIO, Ceph RGW, R2...) is `ITO_S3_ENDPOINT_URL`.
 
-The trainer's own commit protocol (markers, pins, pruning: training/engine/checkpoint.py) still
+The trainer's own commit protocol (markers, pins, pruning: training/engine/checkpoint_dir.py) still
 runs on a filesystem path; `s3://` serves as the store a run's committed checkpoints and exports are
 copied to and read back from (docs/deploy.md).
 """

@@ -18,7 +18,7 @@ from runtime.configuration.settings import ENV_GANG_MAX_REQUEUES
 from services.trainer.emitter import Emitter
 from services.trainer.meter import Meter
 from training.engine import loss_spikes
-from training.engine.checkpoint import committed_positions, list_checkpoints, pin, skip_window
+from training.engine.checkpoint_dir import committed_positions, list_checkpoints, pin, skip_window
 from training.engine.reporting import Sink, check_event
 from training.launch.elastic import GangLost
 from training.recipes.pipeline import PipelineResult

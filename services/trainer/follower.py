@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from contracts.api import LeaseAnswer, RestartProposal
 from contracts.states import LEASABLE, RunState
-from training.engine.checkpoint import (
+from training.engine.checkpoint_dir import (
     DISCARDED,
     committed_positions,
     discard_from,

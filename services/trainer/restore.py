@@ -28,7 +28,8 @@ from contracts.models import BaseModel
 from domain.curriculum import Curriculum, LmPlan, PostPlan, curriculum_of
 from runtime.messaging.codec import Refusal
 from runtime.storage.checkpoint_paths import inside, run_dir, storage_root
-from training.engine.checkpoint import CheckpointInfo, list_checkpoints, load_weights
+from training.engine.checkpoint_dir import CheckpointInfo, list_checkpoints
+from training.engine.checkpoint_load import load_weights
 from training.model import Transformer
 from training.recipes.pretrain import build_model
 

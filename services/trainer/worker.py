@@ -70,7 +70,7 @@ from services.trainer.inputs import InputsUnavailable, materialize
 from services.trainer.meter import Meter
 from services.trainer.storage import StorageUnavailable
 from services.trainer.trainer_settings import TrainerSettings
-from training.engine.checkpoint import rewind
+from training.engine.checkpoint_dir import rewind
 from training.engine.distributed import ParallelismError
 from training.engine.reporting import EventFile, Reporter
 from training.launch import launcher, multinode

@@ -18,12 +18,8 @@ from contracts.manifest import Lora
 from contracts.models import ModelShape
 from domain.model_shapes import hf_config_from_shape
 from training.engine import distributed
-from training.engine.checkpoint import (
-    Checkpointer,
-    load_latest,
-    load_weights,
-    write_merged_checkpoint,
-)
+from training.engine.checkpoint import Checkpointer, write_merged_checkpoint
+from training.engine.checkpoint_load import load_latest, load_weights
 from training.engine.distributed import ParallelDims, batch_rows
 from training.model import Transformer
 from training.weights import lora

@@ -19,7 +19,7 @@ import pytest
 
 from contracts.runs import CheckpointSaved, LogLine, Metrics
 from tests.distributed import torchrun
-from training.engine.checkpoint import MARKER, SIDECAR, list_checkpoints
+from training.engine.checkpoint_dir import MARKER, SIDECAR, list_checkpoints
 
 pytestmark = pytest.mark.distributed
 

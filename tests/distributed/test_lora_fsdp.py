@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.distributed import torchrun
 from tests.distributed.lora_fsdp_probe import SHAPE
-from training.engine.checkpoint import list_checkpoints
+from training.engine.checkpoint_dir import list_checkpoints
 from training.model import Transformer
 from training.weights import lora
 

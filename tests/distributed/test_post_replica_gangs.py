@@ -17,7 +17,7 @@ from contracts.models import MODEL_SHAPES
 from tests.distributed import torchrun
 from tests.support import replica_seal
 from training.data.corpora import load_text, task_problems
-from training.engine.checkpoint import load_weights
+from training.engine.checkpoint_load import load_weights
 from training.engine.fault_tolerance import start_lighthouse
 from training.launch.rank import ReplicaJob
 from training.model import Transformer

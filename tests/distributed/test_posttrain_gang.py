@@ -21,7 +21,7 @@ from contracts.manifest import RlvrStage
 from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted
 from tests.distributed import torchrun
 from training.data.corpora import load_text, task_problems
-from training.engine.checkpoint import list_checkpoints
+from training.engine.checkpoint_dir import list_checkpoints
 
 pytestmark = pytest.mark.distributed
 

@@ -28,7 +28,7 @@ from contracts.models import MODEL_SHAPES
 from contracts.runs import LogLine, RunEvent
 from tests.distributed import torchrun
 from tests.support import eventually, replica_seal
-from training.engine.checkpoint import list_checkpoints
+from training.engine.checkpoint_dir import list_checkpoints
 from training.engine.fault_tolerance import start_lighthouse
 from training.launch.rank import ReplicaJob
 from training.model import Transformer

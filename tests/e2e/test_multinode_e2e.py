@@ -32,7 +32,7 @@ from tests.support import (
     run_state,
     run_status,
 )
-from training.engine.checkpoint import load_weights
+from training.engine.checkpoint_load import load_weights
 from training.engine.fault_tolerance import weights_checksum
 from training.model import Transformer
 

@@ -24,7 +24,7 @@ from tests.support import (
     run_state,
     run_status,
 )
-from training.engine.checkpoint import committed_positions
+from training.engine.checkpoint_dir import committed_positions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 

@@ -19,7 +19,7 @@ from services.scheduler.events import requeue_count
 from services.scheduler.memory import InMemoryRuns
 from services.trainer import follower
 from services.trainer.endings import lost_gang_state
-from training.engine.checkpoint import (
+from training.engine.checkpoint_dir import (
     MARKER,
     SIDECAR,
     SKIP_FILE,

@@ -21,10 +21,10 @@ from contracts.runs import LogLine, Metrics, RunEvent, StopReason
 from services.trainer.endings import SpikeWatch, Stop
 from training.data.corpora import BatchIterator
 from training.engine import loss_spikes
-from training.engine.checkpoint import (
+from training.engine.checkpoint import Checkpointer
+from training.engine.checkpoint_dir import (
     PIN,
     SKIP_FILE,
-    Checkpointer,
     batches_to_skip,
     committed_positions,
     list_checkpoints,

@@ -20,13 +20,8 @@ from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointSaved
 from training.data.corpora import BatchIterator, load_tokens
 from training.engine import checkpoint as checkpoint_module
-from training.engine.checkpoint import (
-    MARKER,
-    Checkpointer,
-    CheckpointInfo,
-    list_checkpoints,
-    step_dir,
-)
+from training.engine.checkpoint import Checkpointer
+from training.engine.checkpoint_dir import MARKER, CheckpointInfo, list_checkpoints, step_dir
 from training.engine.loop import LoopSettings, StepOutput, run_loop
 from training.engine.reporting import Recorder
 from training.model import Transformer
@@ -346,7 +341,7 @@ def test_the_loop_thread_only_starts_a_save_one_writer_thread_does_the_rest(tmp_
     thread per save, and the loop itself read the state dict and fsync'd the sidecar. Now the
     loop's call starts the save; one writer thread, the same for every save, does those."""
     threads: dict[str, set[int]] = {"state_dict": set(), "sidecar": set()}
-    read, write_json = checkpoint_module.get_state_dict, checkpoint_module._write_json_atomic
+    read, write_json = checkpoint_module.get_state_dict, checkpoint_module.write_json_atomic
 
     def recording_read(*args, **kwargs):
         threads["state_dict"].add(threading.get_ident())
@@ -358,7 +353,7 @@ def test_the_loop_thread_only_starts_a_save_one_writer_thread_does_the_rest(tmp_
         return write_json(path, value)
 
     monkeypatch.setattr(checkpoint_module, "get_state_dict", recording_read)
-    monkeypatch.setattr(checkpoint_module, "_write_json_atomic", recording_write)
+    monkeypatch.setattr(checkpoint_module, "write_json_atomic", recording_write)
     model, optimizer = build()
     checkpointer = Checkpointer(tmp_path, keep_last=5, overlap_staging=True)
     expected = {}

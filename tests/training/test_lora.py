@@ -16,13 +16,9 @@ from safetensors.torch import load_file
 from contracts.manifest import Lora
 from contracts.models import MODEL_SHAPES, ModelShape
 from contracts.runs import LogLine
-from training.engine.checkpoint import (
-    Checkpointer,
-    list_checkpoints,
-    load_latest,
-    load_weights,
-    write_merged_checkpoint,
-)
+from training.engine.checkpoint import Checkpointer, write_merged_checkpoint
+from training.engine.checkpoint_dir import list_checkpoints
+from training.engine.checkpoint_load import load_latest, load_weights
 from training.engine.reporting import Recorder
 from training.model import Transformer
 from training.recipes.posttrain import PostConfig, train_dpo, train_sft

@@ -12,7 +12,7 @@ from contracts.manifest import Manifest
 from contracts.runs import DataProvenance, EvalResult, LogLine, Metrics, Outcome, StageStarted
 from domain import gates
 from tests.support import THREADS
-from training.engine.checkpoint import list_checkpoints
+from training.engine.checkpoint_dir import list_checkpoints
 from training.engine.reporting import Recorder
 from training.recipes.pipeline import run_pipeline
 

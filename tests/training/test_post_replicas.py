@@ -20,9 +20,10 @@ from training.engine.fault_tolerance import ReplicaGroup, start_lighthouse, weig
 from training.engine.reporting import Recorder
 from training.recipes.generation import Completion
 from training.recipes.posttrain import PostConfig, PostResult, train_dpo, train_sft
-from training.recipes.pretrain import Replicas, StageConfig, train_stage
+from training.recipes.pretrain import StageConfig, train_stage
 from training.recipes.rlvr import RlvrConfig, RlvrResult, train_rlvr
 from training.recipes.rollout import RolloutBatch
+from training.recipes.stage_run import Replicas
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -126,7 +127,7 @@ def test_two_replica_groups_train_their_halves_to_one_process_weights(tmp_path, 
 
 def config_model(pretrained: str) -> torch.nn.Module:
     """The incoming weights, as the stages load them."""
-    from training.engine.checkpoint import load_weights
+    from training.engine.checkpoint_load import load_weights
     from training.model import Transformer
 
     model = Transformer(TINY)

@@ -11,7 +11,9 @@ import torch
 from contracts.manifest import Manifest
 from contracts.runs import CheckpointSaved, LogLine, Metrics
 from training.data.corpora import BatchIterator, load_tokens
-from training.engine.checkpoint import MARKER, Checkpointer, list_checkpoints, load_latest, step_dir
+from training.engine.checkpoint import Checkpointer
+from training.engine.checkpoint_dir import MARKER, list_checkpoints, step_dir
+from training.engine.checkpoint_load import load_latest
 from training.engine.reporting import Recorder
 from training.model import Transformer
 from training.recipes.pretrain import build_optimizer, stage_config_from_manifest, train_stage

@@ -10,10 +10,11 @@ pytest.importorskip("torchft", reason="torchft is not installed: `pip install to
 from contracts.models import MODEL_SHAPES
 from contracts.runs import LogLine, Metrics
 from tests.support import replica_seal
-from training.engine.checkpoint import committed_positions, rewind
+from training.engine.checkpoint_dir import committed_positions, rewind
 from training.engine.fault_tolerance import ReplicaGroup, start_lighthouse
 from training.engine.reporting import Recorder
-from training.recipes.pretrain import Replicas, StageConfig, train_stage
+from training.recipes.pretrain import StageConfig, train_stage
+from training.recipes.stage_run import Replicas
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -24,7 +24,9 @@ import torch.distributed.checkpoint as dcp
 
 from contracts.models import MODEL_SHAPES
 from tests.support import eventually
-from training.engine.checkpoint import Checkpointer, list_checkpoints, load_latest, load_weights
+from training.engine.checkpoint import Checkpointer
+from training.engine.checkpoint_dir import list_checkpoints
+from training.engine.checkpoint_load import load_latest, load_weights
 from training.engine.fault_tolerance import (
     CheckpointView,
     ManagerProgress,

@@ -10,7 +10,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from contracts.models import MODEL_SHAPES
 from contracts.runs import CheckpointSaved, LogLine, Metrics, RunEvent
-from training.engine.checkpoint import list_checkpoints
+from training.engine.checkpoint_dir import list_checkpoints
 from training.engine.loop import LoopSettings, StepOutput, TrainingError, run_loop
 from training.engine.reporting import Recorder
 from training.model import Transformer

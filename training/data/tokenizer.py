@@ -181,9 +181,25 @@ def byte_tokenizer_files() -> dict[str, bytes]:
 def compile_chat_template(template: str) -> Any:
     """The template compiled in transformers' environment, with a {% generation %} tag whose blocks'
     character spans are recorded while `render_tracked` runs."""
-    import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tracker(), jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _template_namespace()
+    return env.from_string(template)
+
+
+def _generation_tracker() -> type:
+    """The extension behind {% generation %}: it records each block's character span in the
+    rendered text while `render_chat` hands it lists to fill (jinja2 imported only when needed)."""
+    import jinja2
+    import jinja2.ext
 
     class GenerationTracker(jinja2.ext.Extension):
         tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain attribute)
@@ -206,35 +222,44 @@ def compile_chat_template(template: str) -> Any:
                 self.spans.append((start, start + len(text)))
             return str(text)
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
+    return GenerationTracker
 
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: Any = None,
-        separators: Any = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
 
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
+def _raise_exception(message: str) -> None:
+    import jinja2
 
-    class TemplateDict:
-        """`dict(...)` in a template, without the type's attributes (as transformers limits it)."""
+    raise jinja2.exceptions.TemplateError(message)
 
-        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict(*args, **kwargs)
 
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict.fromkeys(*args, **kwargs)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    """`dict(...)` in a template, without the type's attributes (as transformers limits it)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _template_namespace() -> type:
+    """jinja2's namespace refusing underscore-prefixed attributes (as transformers does)."""
+    import jinja2
 
     class TemplateNamespace(jinja2.utils.Namespace):
-        """jinja2's namespace refusing underscore-prefixed attributes (as transformers does)."""
-
         def __init__(*args: Any, **kwargs: Any) -> None:
             self, rest = args[0], args[1:]
             attrs = dict(*rest, **kwargs)
@@ -251,15 +276,7 @@ def compile_chat_template(template: str) -> Any:
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"A chat template cannot set {name!r} on a namespace.")
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTracker, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env.from_string(template)
+    return TemplateNamespace
 
 
 def template_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:

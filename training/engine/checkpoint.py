@@ -1,14 +1,10 @@
-"""The trainer's checkpoints: asynchronous DCP saves, commit markers, pruning and resume.
+"""The trainer's checkpoint saves: asynchronous DCP saves, one in flight, committed when they finish;
+and the synchronous whole-model weights a LoRA stage hands on. The directory's layout, markers, pins
+and pruning are `checkpoint_dir`'s; reading a checkpoint back is `checkpoint_load`'s.
 
-Layout of one checkpoint, `<dir>/step-<8 digit step>/`:
-  __0_0.distcp, .metadata   model + optimizer tensors, written by torch.distributed.checkpoint
-  trainer_state.json        step, data position, LR scheduler state, RNG states (the sidecar)
-  COMMITTED                 JSON {step, bytes, stall_s, save_s}; written last, atomically
-  PINNED                    (optional) pruning leaves this checkpoint alone; see below
-
-A directory without COMMITTED is a save that is still running or that died: it is never listed and
-never loaded, and the next commit deletes it. At most one save is in flight: `save` first waits for
-the previous one, so a slow disk slows the loop instead of piling up staged copies in memory.
+At most one save is in flight: `save` first waits for the previous one, so a slow disk slows the
+loop instead of piling up staged copies in memory. A save's directory is committed (its marker
+written, older checkpoints pruned) only once every rank's part is durable.
 
 Staging, the copy of the state that the background write then serialises, is what a save costs the
 loop. One `DefaultStager` per Checkpointer, made at its first save, serves every save: its host
@@ -22,33 +18,20 @@ waits for the copy itself before it returns. Either way a save holds the state a
 `stall_s` counts every moment the loop was blocked by it: the call, the wait for the previous save
 inside it, and the wait for its copy.
 
-Loss-spike restarts also live here. Beside the step directories, `SKIP.json` holds an approved
-restart's window of batches to skip, in data positions (the batch count the sidecar records), never
-in steps: once one skip has happened a step's data position is no longer its step number, so only
-a position compared with a position finds the restart point again. A restart's checkpoint is pinned
-from the moment a spike is suspected until the restart is carried out (`rewind`) or training goes on
-in the directory without it (the next `Checkpointer`); pruning by `keep_last` never removes it,
-since the saves around a spike (the one on stop among them) would otherwise evict exactly the
-checkpoint the proposal needs to go back to.
-
-Why a JSON sidecar for the non-tensor state rather than the DCP state dict: DCP stores non-tensor
-values as pickles, and loading a pickle from a shared checkpoint directory runs whatever it holds;
-DCP can also only load keys that a template names in advance. JSON is safe to read, and the step
-and data position can be read by tools that do not import torch. The sidecar is written at the
-moment of the `save` call, next to the DCP snapshot taken at that same moment, and before the marker.
+The sidecar (`checkpoint_dir.SIDECAR`, JSON) is written at the moment of the `save` call, next to
+the DCP snapshot taken at that same moment, and before the marker; its RNG states are encoded here
+and restored by `checkpoint_load`.
 
 Works with no process group (single process, `no_dist=True`) and with an initialised one. With
-several ranks, every rank saves and loads its own shards (DCP reshards on load, so a stage saved on 4
-ranks resumes on 2), and DCP's asynchronous saves run on a gloo group of their own
-(`distributed.checkpoint_group`): sharing the default group, their background collectives would
-interleave with FSDP's all-gathers and deadlock. Rank 0 alone touches the directory (mkdir, rmtree,
-the sidecar, the marker, pins and pruning): every rank renaming one `.tmp` file crashes. Each decision
-that ends in a collective (is a save finished? did it succeed? which checkpoint to load?) is taken by
-all ranks together, so no rank waits in a collective that another skipped.
+several ranks, every rank saves its own shards, and DCP's asynchronous saves run on a gloo group of
+their own (`distributed.checkpoint_group`): sharing the default group, their background collectives
+would interleave with FSDP's all-gathers and deadlock. Rank 0 alone touches the directory (mkdir,
+rmtree, the sidecar, the marker, pins and pruning): every rank renaming one `.tmp` file crashes. Each
+decision that ends in a collective (is a save finished? did it succeed?) is taken by all ranks
+together, so no rank waits in a collective that another skipped.
 """
 
 import base64
-import json
 import os
 import random
 import shutil
@@ -64,23 +47,22 @@ from typing import Any, cast
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
 from contracts.manifest import CheckpointPolicy, Lora
 from training.engine import distributed
+from training.engine.checkpoint_dir import (
+    SIDECAR,
+    CheckpointInfo,
+    commit,
+    dir_bytes,
+    prune,
+    read_marker,
+    step_dir,
+    unpin,
+    write_json_atomic,
+)
 from training.weights import lora
-from training.weights.lora import plain_linears
-
-MARKER = "COMMITTED"
-SIDECAR = "trainer_state.json"
-PIN = "PINNED"
-DIR_PREFIX = "step-"
 
 # DCP warns on every single-process save/load even when no_dist=True is passed on purpose. A filter
 # (not catch_warnings) because the save runs on DCP's thread and catch_warnings is not thread-safe.
@@ -98,18 +80,6 @@ ModelKeys = Callable[[str], bool]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CheckpointInfo:
-    """A committed checkpoint, as its marker records it."""
-
-    step: int
-    path: str
-    bytes: int
-    stall_s: float  # how long the loop was blocked by this save: the call (incl. waiting on the
-    # previous save) and the wait for its staging copy (`wait_staged`, or inside the call)
-    save_s: float  # from the start of the save to the data being durable on disk
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointFailed:
     """A save that did not complete; its directory stays uncommitted and is cleaned up later."""
 
@@ -117,68 +87,8 @@ class CheckpointFailed:
     message: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ResumeState:
-    """What `load_latest` restored besides the model and optimizer."""
-
-    step: int
-    data_position: int
-    path: str
-
-
-def step_dir(directory: str | os.PathLike, step: int) -> Path:
-    return Path(directory) / f"{DIR_PREFIX}{step:08d}"
-
-
-def _read_marker(path: Path) -> CheckpointInfo | None:
-    try:
-        marker = json.loads((path / MARKER).read_text())
-        return CheckpointInfo(
-            step=int(marker["step"]),
-            path=str(path),
-            bytes=int(marker["bytes"]),
-            stall_s=float(marker["stall_s"]),
-            save_s=float(marker["save_s"]),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # no marker, or a torn/foreign one: not a committed checkpoint
-
-
-def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
-    if not directory.is_dir():
-        return []
-    found = []
-    for child in directory.iterdir():
-        suffix = child.name.removeprefix(DIR_PREFIX)
-        if child.is_dir() and child.name.startswith(DIR_PREFIX) and suffix.isdigit():
-            found.append((int(suffix), child))
-    return sorted(found)
-
-
-def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
-    """Committed checkpoints under `directory`, oldest first."""
-    infos = []
-    for step, path in _step_dirs(Path(directory)):
-        info = _read_marker(path)
-        if info is not None and info.step == step:
-            infos.append(info)
-    return infos
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's RNG states as the sidecar holds them (JSON: base64 of torch's byte tensors)."""
     version, internal, gauss = random.getstate()
     state = {
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
@@ -191,7 +101,8 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
+    """Restore the RNG states `rng_state` recorded (cuda's only on as many devices as were saved)."""
     as_tensor = lambda text: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)  # noqa: E731
     torch.set_rng_state(as_tensor(state["torch"]))
     version, internal, gauss = state["python"]
@@ -292,7 +203,7 @@ class Checkpointer:
         self._finish(block=True)
         path = step_dir(self.directory, step)
         # Rank 0 owns the directory: its answer holds for every rank.
-        if distributed.broadcast_object(_read_marker(path) is not None):
+        if distributed.broadcast_object(read_marker(path) is not None):
             return  # this exact step is already durable (a resumed run that ends where it began)
         started = time.perf_counter()
         sidecar = None
@@ -304,7 +215,7 @@ class Checkpointer:
                 "step": step,
                 "data_position": data_position,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "rng": _rng_state(),
+                "rng": rng_state(),
             }
         distributed.barrier()  # the directory exists before any rank writes into it
         # What `dcp.async_save` does with a thread, on a writer thread made once instead of once per
@@ -336,7 +247,7 @@ class Checkpointer:
 
     def _state_dict(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": _only(model_sd, self.model_keys), "optimizer": optim_sd}
+        return {"model": only_keys(model_sd, self.model_keys), "optimizer": optim_sd}
 
     def _write(
         self,
@@ -362,7 +273,7 @@ class Checkpointer:
             raise
         staged.set_result(None)
         if sidecar is not None:
-            _write_json_atomic(path / SIDECAR, sidecar)
+            write_json_atomic(path / SIDECAR, sidecar)
         dcp.save(
             copied,
             checkpoint_id=str(path),
@@ -454,117 +365,25 @@ class Checkpointer:
         info = CheckpointInfo(
             step=pending["step"],
             path=str(path),
-            bytes=_dir_bytes(path) if distributed.is_rank0() else 0,  # only rank 0 reports it
+            bytes=dir_bytes(path) if distributed.is_rank0() else 0,  # only rank 0 reports it
             stall_s=round(pending["stall_s"], 6),
             save_s=round(done_at - pending["started"], 6),
         )
         if distributed.is_rank0():
-            _write_json_atomic(
-                path / MARKER,
-                {"step": info.step, "bytes": info.bytes, "stall_s": info.stall_s, "save_s": info.save_s},
-            )
-            self._prune(info.step)
+            commit(info)
+            prune(self.directory, self.keep_last, info.step)
         self._outcomes.append(info)
 
-    def _prune(self, committed_step: int) -> None:
-        """Keep the newest `keep_last` committed checkpoints and the pinned ones; drop older ones and
-        dead saves."""
-        committed = {info.step for info in list_checkpoints(self.directory)}
-        keep = set(sorted(committed)[-self.keep_last :]) | set(pinned_steps(self.directory))
-        for step, path in _step_dirs(self.directory):
-            # Uncommitted dirs below the step just committed are dead: only one save is ever in flight.
-            if step < committed_step and step not in keep:
-                shutil.rmtree(path, ignore_errors=True)
 
-
-def load_latest(
-    directory: str | os.PathLike,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    restore_rng: bool = True,
-    model_keys: ModelKeys | None = None,
-) -> ResumeState | None:
-    """Restore model, optimizer, scheduler and RNG from the newest committed checkpoint, in place.
-    Returns None (and touches nothing) when there is none. `model_keys`: only those model keys are
-    loaded (a checkpoint saved with the same filter); the rest of the model is left as it is."""
-    latest = _latest(directory)
-    if latest is None:
-        return None
-    path = Path(latest.path)
-    sidecar = json.loads((path / SIDECAR).read_text())
-    # get_state_dict on a fresh optimizer materialises its state (a zero-LR step), giving DCP the
-    # template of shapes it loads into.
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": _only(model_sd, model_keys), "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.initialized())
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-        options=_load_options(model_keys),
-    )
-    if scheduler is not None and sidecar["scheduler"] is not None:
-        scheduler.load_state_dict(sidecar["scheduler"])
-    if restore_rng:
-        _set_rng_state(sidecar["rng"])
-    return ResumeState(step=int(sidecar["step"]), data_position=int(sidecar["data_position"]), path=str(path))
-
-
-def _latest(directory: str | os.PathLike) -> CheckpointInfo | None:
-    """The newest committed checkpoint as rank 0 sees it, on every rank: all ranks load the same one."""
-    checkpoints = list_checkpoints(directory) if distributed.is_rank0() else []
-    return distributed.broadcast_object(checkpoints[-1] if checkpoints else None)
-
-
-def is_hf_model_dir(directory: str | os.PathLike) -> bool:
-    """A Hugging Face checkpoint (a base model of the model store): config.json and safetensors."""
-    path = Path(directory)
-    return (path / "config.json").is_file() and (
-        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-    )
-
-
-def load_weights(
-    directory: str | os.PathLike, model: torch.nn.Module, *, model_keys: ModelKeys | None = None
-) -> CheckpointInfo | None:
-    """Load only the model weights of the newest committed checkpoint, in place: how a stage starts
-    from the previous stage's result with its own fresh optimizer. None (nothing touched) if none.
-    `model_keys`: only those keys (a LoRA stage's frozen base, from a checkpoint of a whole model).
-
-    A base model's Hugging Face directory is a checkpoint too (step 0): the run's first stage starts
-    from it the way later stages start from the stage before (each rank reads only its shards). It
-    holds no adapter, so a LoRA model's adapters keep their initialisation."""
-    if is_hf_model_dir(directory):
-        from training.weights.hf_load import load_hf_weights  # safetensors / DCP's HF reader
-
-        with plain_linears(model):  # a LoRA model's adapters are not in a base model's files
-            load_hf_weights(model, Path(directory))
-        return CheckpointInfo(step=0, path=str(directory), bytes=0, stall_s=0.0, save_s=0.0)
-    latest = _latest(directory)
-    if latest is None:
-        return None
-    model_sd = _only(get_model_state_dict(model), model_keys)
-    state = {"model": model_sd}
-    dcp.load(state, checkpoint_id=latest.path, no_dist=not distributed.initialized())
-    set_model_state_dict(model, state["model"], options=_load_options(model_keys))
-    return latest
-
-
-def _only(model_sd: dict[str, Any], keys: ModelKeys | None) -> dict[str, Any]:
+def only_keys(model_sd: dict[str, Any], keys: ModelKeys | None) -> dict[str, Any]:
+    """The entries of a model state dict that `keys` names (all of them for None): what a save
+    writes and a load reads."""
     if keys is None:
         return model_sd
     kept = {k: v for k, v in model_sd.items() if keys(k)}
     if not kept:
         raise ValueError("The checkpoint's key filter leaves no model weight to save or load.")
     return kept
-
-
-def _load_options(keys: ModelKeys | None) -> StateDictOptions | None:
-    # A filtered state names only part of the model: the rest stays as it is, not "missing".
-    return None if keys is None else StateDictOptions(strict=False)
 
 
 def write_weights(directory: str | os.PathLike, step: int, state: dict[str, torch.Tensor]) -> CheckpointInfo:
@@ -580,128 +399,12 @@ def write_weights(directory: str | os.PathLike, step: int, state: dict[str, torc
     info = CheckpointInfo(
         step=step,
         path=str(path),
-        bytes=_dir_bytes(path),
+        bytes=dir_bytes(path),
         stall_s=0.0,
         save_s=round(time.perf_counter() - started, 6),
     )
-    _write_json_atomic(
-        path / MARKER, {"step": step, "bytes": info.bytes, "stall_s": info.stall_s, "save_s": info.save_s}
-    )
+    commit(info)
     return info
-
-
-def committed_positions(directory: str | os.PathLike) -> dict[int, int]:
-    """Committed step -> the data position (batches served) its sidecar recorded, oldest first."""
-    positions = {}
-    for info in list_checkpoints(directory):
-        try:
-            positions[info.step] = int(json.loads((Path(info.path) / SIDECAR).read_text())["data_position"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # pruned meanwhile, or a foreign sidecar: not a checkpoint to restart from
-    return positions
-
-
-def pinned_steps(directory: str | os.PathLike) -> list[int]:
-    return [step for step, path in _step_dirs(Path(directory)) if (path / PIN).exists()]
-
-
-def pin(directory: str | os.PathLike, step: int | None) -> bool:
-    """Make the committed checkpoint `step` the directory's one pinned checkpoint (None, or a step
-    that is not committed: none). One pin, because one proposal is pending at a time. True if pinned."""
-    directory = Path(directory)
-    path = step_dir(directory, step) if step is not None else None
-    target = path if path is not None and _read_marker(path) is not None else None
-    if target is not None:
-        (target / PIN).touch()
-    for _, other in _step_dirs(directory):
-        if other != target:
-            (other / PIN).unlink(missing_ok=True)
-    return target is not None
-
-
-def unpin(directory: str | os.PathLike) -> None:
-    pin(directory, None)
-
-
-SKIP_FILE = "SKIP.json"  # an approved restart's batches to skip, in data positions: {"from": a, "to": b}
-
-
-def rewind(directory: str | os.PathLike, step: int, skip_from: int, skip_to: int) -> list[int]:
-    """Make `step` this stage's latest committed checkpoint for an approved restart: newer ones move
-    to `discarded/` (kept, never loaded), the data positions [skip_from, skip_to) are marked to skip,
-    and the pin that kept `step` through the proposal is removed (the restart is carried out).
-
-    `skip_from` has to be the data position `step` recorded (0 for a restart from the start): the
-    resume skips only when it lands exactly there, so any other value would silently skip nothing."""
-    directory = Path(directory)
-    if step > 0:
-        recorded = committed_positions(directory).get(step)
-        if recorded is None:
-            raise ValueError(
-                f"The restart's checkpoint at step {step} is not a committed checkpoint in {directory}."
-            )
-    else:
-        recorded = 0
-    if skip_from != recorded or skip_to <= skip_from:
-        raise ValueError(
-            f"The skip [{skip_from}, {skip_to}) does not start at the data position {recorded} that "
-            f"the checkpoint at step {step} recorded, so the restart would skip nothing."
-        )
-    moved = discard_from(directory, step + 1)
-    mark_skip(directory, skip_from, skip_to)
-    return moved
-
-
-DISCARDED = "discarded"  # set aside, kept for a person to look at, never loaded
-
-
-def set_aside(path: Path, target: Path) -> bool:
-    """Move `path` (a file or directory) to `target`, replacing what was there; False if there was
-    nothing to move."""
-    if not path.exists():
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_dir():
-        shutil.rmtree(target, ignore_errors=True)
-    else:
-        target.unlink(missing_ok=True)
-    path.rename(target)
-    return True
-
-
-def discard_from(directory: str | os.PathLike, first_step: int) -> list[int]:
-    """Set aside (into `discarded/`) every committed checkpoint of step `first_step` or later; the
-    steps moved."""
-    directory = Path(directory)
-    moved = []
-    for info in list_checkpoints(directory):
-        if info.step >= first_step:
-            set_aside(Path(info.path), directory / DISCARDED / Path(info.path).name)
-            moved.append(info.step)
-    return moved
-
-
-def mark_skip(directory: str | os.PathLike, skip_from: int, skip_to: int) -> None:
-    """Mark the data positions [skip_from, skip_to) to skip at the next resume, and remove the pin
-    that kept the restart's checkpoint through the proposal (the restart is carried out)."""
-    _write_json_atomic(Path(directory) / SKIP_FILE, {"from": skip_from, "to": skip_to})
-    unpin(directory)
-
-
-def skip_window(directory: str | os.PathLike) -> tuple[int, int] | None:
-    """The last approved restart's window [from, to) of data positions to skip, if any."""
-    try:
-        skip = json.loads((Path(directory) / SKIP_FILE).read_text())
-        return int(skip["from"]), int(skip["to"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def batches_to_skip(directory: str | os.PathLike, position: int) -> int | None:
-    """The data position to continue from when a resume lands at `position` (the data position its
-    checkpoint recorded) and that is where the approved skip starts; None: no skip here."""
-    skip = skip_window(directory)
-    return skip[1] if skip is not None and position == skip[0] else None
 
 
 def write_merged_checkpoint(model: torch.nn.Module, cfg: Lora, directory: Path, step: int) -> None:

@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from torchft import Manager, ProcessGroupGloo
 
-from training.engine.checkpoint import ResumeState, load_latest
+from training.engine.checkpoint_load import ResumeState, load_latest
 from training.engine.heal_transport import Seal, SealedTransport
 
 # Lighthouse defaults. torchft's own are 5 s heartbeat and 60 s join timeouts, sized for clusters;

@@ -33,23 +33,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol, TypedDict, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from contracts.runs import LogLevel
-from training.engine.checkpoint import (
-    CHECKPOINT_DEFAULTS,
-    Checkpointer,
-    CheckpointFailed,
-    CheckpointInfo,
-    ModelKeys,
-    ResumeState,
-    load_latest,
-    load_weights,
-)
+from training.engine.checkpoint import CHECKPOINT_DEFAULTS, Checkpointer, CheckpointFailed, ModelKeys
+from training.engine.checkpoint_dir import CheckpointInfo
+from training.engine.checkpoint_load import ResumeState, load_latest, load_weights
 from training.engine.distributed import any_true, clip_grad_norm, uses_tp, world_size
 from training.engine.reporting import Reporter, rank0_only, where
 
@@ -148,12 +141,29 @@ class LoopSettings:
     not a sync and a lag would only delay the divergence check and stop requests by a step."""
 
 
+class LoopOutcome(TypedDict):
+    """A `LoopResult`'s fields, which every stage's result carries on (`**result.outcome()`)."""
+
+    final_step: int
+    first_loss: float | None
+    final_loss: float | None
+    stopped: bool
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoopResult:
     final_step: int
     first_loss: float | None  # first step this call ran; None if it ran none (already complete)
     final_loss: float | None
     stopped: bool
+
+    def outcome(self) -> LoopOutcome:
+        return LoopOutcome(
+            final_step=self.final_step,
+            first_loss=self.first_loss,
+            final_loss=self.final_loss,
+            stopped=self.stopped,
+        )
 
 
 def report_checkpoints(
@@ -198,13 +208,17 @@ def resume_or_init(
         report.log(f"Resuming {settings.stage} from step {resumed.step} ({where(resumed.path)}).")
         return resumed
     if init_from is not None and keys is None:
-        source = load_weights(init_from, model)
-        if source is None:
-            raise TrainingError(
-                f"{settings.stage} starts from {init_from}, which holds no committed checkpoint."
-            )
-        report.log(f"{settings.stage} starts from {where(source.path)}.")
+        start_from(settings.stage, init_from, model, report)
     return None
+
+
+def start_from(stage: str, init_from: str, model: torch.nn.Module, report: Reporter) -> None:
+    """Load the final weights of the previous stage (`init_from`, its checkpoint directory or a base
+    model's) into `model`: how a stage without a checkpoint of its own starts."""
+    source = load_weights(init_from, model)
+    if source is None:
+        raise TrainingError(f"{stage} starts from {init_from}, which holds no committed checkpoint.")
+    report.log(f"{stage} starts from {where(source.path)}.")
 
 
 @dataclass(slots=True)
@@ -344,24 +358,7 @@ class _Loop:
             self.step = healed  # the peer's step: train its batch, not the one this group left off at
         out = step_fn(self.step)
         learning_rate = float(self.scheduler.get_last_lr()[0])  # the LR this step uses
-        values: torch.Tensor | None = None
-        ready: torch.cuda.Event | None = None
-        committed = True
-        if out.loss is not None:
-            out.loss.backward()
-            if ft is not None:
-                ft.reduce_gradients(self.params)
-            grad_norm = clip_grad_norm(self.params, self.settings.grad_clip, tp=self.tp)
-            committed = ft is None or ft.should_commit()
-            if committed:
-                self.checkpointer.wait_staged()  # the last save's copy is complete before the step changes it
-                self.optimizer.step()
-                values, ready = _send_to_host(out, grad_norm)
-        elif ft is not None:
-            # The other groups all-reduce gradients in every step: one that skips its part stalls them.
-            raise TrainingError(
-                f"A step of {self.settings.stage} without a loss cannot run in a replica group."
-            )
+        values, ready, committed = self._learn(out)
         if committed:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -393,6 +390,29 @@ class _Loop:
         if checkpoint_due:
             self.save()
             report_checkpoints(self.report, self.checkpointer.poll())
+
+    def _learn(self, out: StepOutput) -> tuple[torch.Tensor | None, "torch.cuda.Event | None", bool]:
+        """(the step's values on their way to the host, their copy's event, whether the step may
+        commit): backward, the groups' gradient average, clipping and, when the step may commit,
+        the optimizer step. A step without a loss learns nothing and commits (alone: no group)."""
+        ft = self.ft
+        if out.loss is None:
+            if ft is not None:
+                # The other groups all-reduce gradients in every step: one that skips its part stalls them.
+                raise TrainingError(
+                    f"A step of {self.settings.stage} without a loss cannot run in a replica group."
+                )
+            return None, None, True
+        out.loss.backward()
+        if ft is not None:
+            ft.reduce_gradients(self.params)
+        grad_norm = clip_grad_norm(self.params, self.settings.grad_clip, tp=self.tp)
+        if ft is not None and not ft.should_commit():
+            return None, None, False
+        self.checkpointer.wait_staged()  # the last save's copy is complete before the step changes it
+        self.optimizer.step()
+        values, ready = _send_to_host(out, grad_norm)
+        return values, ready, True
 
     def save(self) -> None:
         self.checkpointer.wait_staged()  # nothing to wait for after a step; `checkpoint_module` writes

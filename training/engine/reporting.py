@@ -12,7 +12,7 @@ import pathlib
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import msgspec
 
@@ -33,6 +33,15 @@ from training.engine import distributed
 
 Sink = Callable[[RunEvent], None]
 E = TypeVar("E", bound=RunEventBase)
+
+
+class Envelope(TypedDict):
+    """`RunEventBase`'s fields, as a reporter stamps them on each event it builds."""
+
+    run_id: str
+    seq: int
+    at: datetime
+    epoch: int
 
 
 def where(path: "str | pathlib.Path") -> str:
@@ -67,10 +76,12 @@ class Reporter:
         """The same run and epoch, reporting to another sink (a filter in front of this one)."""
         return Reporter(sink, self.run_id, self.epoch)
 
+    def _envelope(self) -> "Envelope":
+        """The fields every event of this reporter carries, stamped now."""
+        return Envelope(run_id=self.run_id, seq=0, at=_now(), epoch=self.epoch)
+
     def log(self, message: str, level: LogLevel = LogLevel.info) -> None:
-        self.send(
-            LogLine(run_id=self.run_id, seq=0, at=_now(), epoch=self.epoch, level=level, message=message)
-        )
+        self.send(LogLine(**self._envelope(), level=level, message=message))
 
     def metrics(
         self,
@@ -85,10 +96,7 @@ class Reporter:
     ) -> None:
         self.send(
             Metrics(
-                run_id=self.run_id,
-                seq=0,
-                at=_now(),
-                epoch=self.epoch,
+                **self._envelope(),
                 stage=stage,
                 step=step,
                 total_steps=total_steps,
@@ -102,10 +110,7 @@ class Reporter:
     def checkpoint(self, *, step: int, path: str, size: int, stall_s: float, save_s: float) -> None:
         self.send(
             CheckpointSaved(
-                run_id=self.run_id,
-                seq=0,
-                at=_now(),
-                epoch=self.epoch,
+                **self._envelope(),
                 step=step,
                 path=path,
                 bytes=size,
@@ -115,21 +120,14 @@ class Reporter:
         )
 
     def stage(self, stage: str, total_steps: int = 0) -> None:
-        self.send(
-            StageStarted(
-                run_id=self.run_id, seq=0, at=_now(), epoch=self.epoch, stage=stage, total_steps=total_steps
-            )
-        )
+        self.send(StageStarted(**self._envelope(), stage=stage, total_steps=total_steps))
 
     def eval(
         self, stage: str, metrics: list[EvalMetric], passed: bool, findings: list[str] | None = None
     ) -> None:
         self.send(
             EvalResult(
-                run_id=self.run_id,
-                seq=0,
-                at=_now(),
-                epoch=self.epoch,
+                **self._envelope(),
                 stage=stage,
                 metrics=metrics,
                 passed=passed,
@@ -140,10 +138,7 @@ class Reporter:
     def provenance(self, steps: list[ProvenanceStep], input_digest: str, output_digest: str) -> None:
         self.send(
             DataProvenance(
-                run_id=self.run_id,
-                seq=0,
-                at=_now(),
-                epoch=self.epoch,
+                **self._envelope(),
                 steps=steps,
                 input_digest=input_digest,
                 output_digest=output_digest,
@@ -153,10 +148,7 @@ class Reporter:
     def parallelism(self, *, stage: str, strategy: str, world_size: int, mesh: dict[str, int]) -> None:
         self.send(
             ParallelismStarted(
-                run_id=self.run_id,
-                seq=0,
-                at=_now(),
-                epoch=self.epoch,
+                **self._envelope(),
                 stage=stage,
                 strategy=strategy,
                 world_size=world_size,

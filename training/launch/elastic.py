@@ -45,7 +45,7 @@ from contracts.runs import CheckpointSaved, LogLine, Metrics, ParallelismStarted
 from domain.curriculum import Curriculum, LmPlan
 from runtime.configuration.settings import DEFAULT_GANG_MAX_RESTARTS as DEFAULT_MAX_RESTARTS
 from runtime.configuration.settings import ENV_GANG_MAX_RESTARTS
-from training.engine.checkpoint import load_weights
+from training.engine.checkpoint_load import load_weights
 from training.engine.distributed import ParallelDims, ParallelismError
 from training.engine.loop import pick_device
 from training.engine.reporting import Reporter

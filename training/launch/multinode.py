@@ -67,8 +67,9 @@ from training.recipes.data_ladder import (
     run_ladder,
 )
 from training.recipes.posttrain import PostConfig, PostResult
-from training.recipes.pretrain import Replicas, StageConfig, StageResult, train_stage
+from training.recipes.pretrain import StageConfig, StageResult, train_stage
 from training.recipes.rlvr import RlvrResult, train_post
+from training.recipes.stage_run import Replicas
 
 T = TypeVar("T")
 

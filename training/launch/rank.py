@@ -39,8 +39,9 @@ from training.engine.heal_transport import Seal
 from training.engine.loop import pick_device
 from training.engine.reporting import EventFile, Reporter, Sink, rank0_only
 from training.recipes.posttrain import PostConfig, PostResult
-from training.recipes.pretrain import Replicas, StageConfig, StageResult, train_stage
+from training.recipes.pretrain import StageConfig, StageResult, train_stage
 from training.recipes.rlvr import RlvrConfig, RlvrResult, train_post
+from training.recipes.stage_run import Replicas
 
 EXIT_REFUSED = 2
 JOB_CAP_BYTES = 256 << 20  # a post stage's job carries its tasks (~20 bytes each), examples or pairs

@@ -61,7 +61,8 @@ from training.data.corpora import (
 )
 from training.data.token_files import iter_source_documents, write_token_files
 from training.data.tokenizer import Tokenizer, load_tokenizer
-from training.engine.checkpoint import is_hf_model_dir, load_weights, write_merged_checkpoint
+from training.engine.checkpoint import write_merged_checkpoint
+from training.engine.checkpoint_load import is_hf_model_dir, load_weights
 from training.engine.loop import pick_device
 from training.engine.reporting import Reporter
 from training.model import Transformer

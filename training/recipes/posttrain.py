@@ -17,7 +17,7 @@ model on every rank, scoring that rank's slice of the pairs.
 
 On a run of several nodes (`replicas`, training/launch/multinode.py) each node is one torchft replica
 group, and SFT and DPO train through the same loop with the group as its `FaultTolerance`, as a
-next-token stage does (`pretrain._train_replica`): the group resumes its own checkpoint or starts from
+next-token stage does (`stage_run.StageRun.join`): the group resumes its own checkpoint or starts from
 the previous stage's weights, heals from a peer when it is behind, and its committed step is the
 data position (a batch is a function of the step). The groups split the global batch and each
 group's ranks split its share (`distributed.replica_batch_rows`); token means are over the global
@@ -40,24 +40,16 @@ from torch.optim.lr_scheduler import LambdaLR
 from contracts.manifest import Lora
 from contracts.models import ModelShape
 from training.data.corpora import ByteTokenizer
-from training.engine.checkpoint import CHECKPOINT_DEFAULTS, is_hf_model_dir, load_weights
+from training.engine.checkpoint import CHECKPOINT_DEFAULTS
+from training.engine.checkpoint_load import is_hf_model_dir, load_weights
 from training.engine.distributed import ParallelDims, batch_rows, rank, replica_batch_rows, world_size
-from training.engine.loop import (
-    FaultTolerance,
-    LoopResult,
-    LoopSettings,
-    StepOutput,
-    autocast,
-    pick_device,
-    resume_or_init,
-    run_loop,
-    to_device,
-)
+from training.engine.loop import LoopResult, LoopSettings, StepOutput, autocast, pick_device, to_device
 from training.engine.reporting import Reporter, rank0_only, where
 from training.model import Transformer
 from training.recipes.generation import END_TOKEN
 from training.recipes.objectives import dpo_loss, sft_loss, token_logprobs
-from training.recipes.pretrain import ReplicaJoin, Replicas, build_model, join_replica, lr_factor
+from training.recipes.pretrain import build_model, lr_factor
+from training.recipes.stage_run import Replicas, StageRun, stage_settings
 from training.weights.lora import BaseModelView, is_adapter_key, trainable_parameters
 
 Problem = tuple[str, str]
@@ -301,54 +293,11 @@ def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
 
 
 def loop_settings(cfg: PostConfig) -> LoopSettings:
-    return LoopSettings(
-        stage=cfg.stage,
-        steps=cfg.steps,
-        checkpoint_dir=cfg.checkpoint_dir,
-        checkpoint_interval=cfg.checkpoint_interval,
-        keep_last=cfg.keep_last,
-        model_keys=is_adapter_key if cfg.lora is not None else None,
-    )
+    """A post stage's loop settings: under LoRA its checkpoints hold the adapters alone."""
+    return stage_settings(cfg, is_adapter_key if cfg.lora is not None else None)
 
 
-@dataclass(slots=True)
-class _Stage:
-    """A post stage's model, optimizer, schedule and loop settings, the step it starts from, and
-    its replica group when it trains as one (closed with `close`)."""
-
-    model: Transformer
-    optimizer: torch.optim.Optimizer
-    scheduler: LambdaLR
-    settings: LoopSettings
-    start: int
-    device: torch.device
-    group: ReplicaJoin | None = None
-
-    def run(
-        self, step_fn: Callable[[int], StepOutput], report: Reporter, should_stop: Callable[[], bool]
-    ) -> LoopResult:
-        """The loop from `start`; as a replica group, with the group's hooks, whose committed step is
-        the data position (a group that heals from a peer jumps to the peer's step and batch)."""
-        ft: FaultTolerance | None = self.group
-        return run_loop(
-            self.settings,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            step_fn,
-            report,
-            should_stop,
-            start_step=self.start,
-            position=lambda: 0,
-            fault_tolerance=ft,
-        )
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-
-
-def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) -> _Stage:
+def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) -> StageRun:
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     longest = longest_sequence(cfg)
@@ -369,35 +318,21 @@ def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) 
     scheduler = LambdaLR(
         optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=MIN_LR_RATIO)
     )
-    settings = loop_settings(cfg)
+    run = StageRun(model, optimizer, scheduler, loop_settings(cfg), device)
     if replicas is None:
         init_from = None if from_hf is not None else cfg.init_from  # already loaded by build_model
-        resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=init_from)
-        if resumed is None and from_hf is not None:
+        if run.resume(report, init_from) is None and from_hf is not None:
             report.log(f"{cfg.stage} starts from {where(from_hf)}.")
-        return _Stage(model, optimizer, scheduler, settings, resumed.step if resumed else 0, device)
+        return run
     if cfg.lora is not None:
         raise ValueError(f"{cfg.stage} with LoRA does not run as torchft replica groups yet.")
-    group = replicas.join(model, optimizer, scheduler)
-    try:
-        join_replica(group, cfg.stage, cfg.checkpoint_dir, model, cfg.init_from, report)
-    except BaseException:
-        group.close()
-        raise
-    report.log(
-        f"{cfg.stage}: replica group {replicas.replica_id} of {replicas.groups} from step {group.step}"
-    )
-    return _Stage(model, optimizer, scheduler, settings, group.step, device, group)
+    run.join(replicas, report, cfg.init_from)
+    report.log(f"{cfg.stage}: replica group {replicas.replica_id} of {replicas.groups} from step {run.start}")
+    return run
 
 
 def _finish(model: Transformer, result: LoopResult) -> PostResult:
-    return PostResult(
-        final_step=result.final_step,
-        first_loss=result.first_loss,
-        final_loss=result.final_loss,
-        stopped=result.stopped,
-        model=model,
-    )
+    return PostResult(**result.outcome(), model=model)
 
 
 def train_sft(

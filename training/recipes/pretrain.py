@@ -15,10 +15,9 @@ import math
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Protocol
 
 import msgspec
 import torch
@@ -36,7 +35,8 @@ from training.data.corpora import (
     split_held_out,
 )
 from training.data.token_files import CorpusBatchIterator, TokenCorpus
-from training.engine.checkpoint import CHECKPOINT_DEFAULTS, batches_to_skip, load_weights, skip_window
+from training.engine.checkpoint import CHECKPOINT_DEFAULTS
+from training.engine.checkpoint_dir import batches_to_skip, skip_window
 from training.engine.distributed import (
     ParallelDims,
     all_reduce_sum,
@@ -50,18 +50,17 @@ from training.engine.distributed import (
     world_size,
 )
 from training.engine.loop import (
-    FaultTolerance,
+    LoopResult,
     LoopSettings,
     StepOutput,
     TrainingError,
     autocast,
     pick_device,
-    resume_or_init,
-    run_loop,
     to_device,
 )
-from training.engine.reporting import Reporter, rank0_only, where
+from training.engine.reporting import Reporter, rank0_only
 from training.model import Transformer, count_parameters
+from training.recipes.stage_run import Replicas, StageRun, stage_settings
 from training.weights import lora as lora_adapters
 from training.weights.hf_load import load_hf_weights
 
@@ -256,7 +255,7 @@ def build_model(
     dims = parallel or ParallelDims.for_world(world_size())
     dims.check_model(shape)
     if init_from_hf is None or lora is not None:
-        # (A LoRA model's base loads after its adapters are on: checkpoint.load_weights does it.)
+        # (A LoRA model's base loads after its adapters are on: checkpoint_load.load_weights does it.)
         model = Transformer(shape, rope_base=rope_base, z_loss=z_loss).to(device)
         if lora is not None:
             lora_adapters.check_parallel(dims.tp)
@@ -386,48 +385,6 @@ def lm_loss(
     return sum(per_batch) / len(per_batch)
 
 
-class ReplicaJoin(FaultTolerance, Protocol):
-    """What `Replicas.join` gives: the loop's hooks plus the group's step, resume and close
-    (fault_tolerance.ReplicaGroup)."""
-
-    @property
-    def step(self) -> int: ...
-    def resume(self, directory: str) -> object: ...
-    def total(self, value: float) -> float: ...
-    def close(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Replicas:
-    """This process is replica group `replica_id` of `groups` (torchft); `join` builds its group
-    around the stage's model, optimizer and schedule."""
-
-    replica_id: int
-    groups: int
-    join: Callable[[torch.nn.Module, torch.optim.Optimizer, LambdaLR], ReplicaJoin]
-
-
-def join_replica(
-    group: ReplicaJoin,
-    stage: str,
-    checkpoint_dir: str,
-    model: torch.nn.Module,
-    init_from: str | None,
-    report: Reporter,
-) -> bool:
-    """Whether the group resumed its own checkpoint; failing that, the model starts from the
-    previous stage's final weights (`init_from`, this node's copy), as `resume_or_init` does. Every
-    group starts from the same weights; a group that is behind heals from a peer at its first step."""
-    if group.resume(checkpoint_dir) is not None:
-        return True
-    if init_from is not None:
-        source = load_weights(init_from, model)
-        if source is None:
-            raise TrainingError(f"{stage} starts from {init_from}, which holds no committed checkpoint.")
-        report.log(f"{stage} starts from {where(source.path)}.")
-    return False
-
-
 def train_stage(
     cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool], replicas: Replicas | None = None
 ) -> StageResult:
@@ -452,11 +409,29 @@ def train_stage(
         parallel=dims,
     )
     optimizer = build_optimizer(model, cfg)
-    scheduler = _schedule(optimizer, cfg)
-    # Every rank draws the same global batch and trains on its data-parallel slice of it.
-    iterator = CorpusBatchIterator if isinstance(train_tokens, TokenCorpus) else BatchIterator
-    batches = iterator(
-        train_tokens,  # type: ignore[arg-type]  # each iterator takes its own kind of tokens
+    run = StageRun(model, optimizer, _schedule(optimizer, cfg), _loop_settings(cfg), device)
+    batches = _batches(cfg, train_tokens, dims, replicas)
+    if replicas is not None:
+        return _train_replica(cfg, run, batches, held_out, report, should_stop, replicas)
+    _resume(cfg, run, batches, report)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    result = run.run(
+        lambda _: _lm_step(model, next(batches), device, tokens_per_step),
+        report,
+        should_stop,
+        position=lambda: batches.position,
+    )
+    return _stage_result(cfg, model, held_out, device, report, result)
+
+
+def _batches(
+    cfg: StageConfig, tokens: torch.Tensor | TokenCorpus, dims: ParallelDims, replicas: Replicas | None
+) -> BatchIterator | CorpusBatchIterator:
+    """The stage's batches: every rank draws the same global batch and trains on its data-parallel
+    slice of it (as a replica group, on its slice of the group's share)."""
+    iterator = CorpusBatchIterator if isinstance(tokens, TokenCorpus) else BatchIterator
+    return iterator(
+        tokens,  # type: ignore[arg-type]  # each iterator takes its own kind of tokens
         seq_len=cfg.seq_len,
         batch_size=cfg.batch_size,
         seed=cfg.seed,
@@ -466,52 +441,25 @@ def train_stage(
             else replica_batch_rows(cfg.batch_size, replicas.replica_id, replicas.groups, dims, rank())
         ),
     )
-    settings = _loop_settings(cfg)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    if replicas is not None:
-        return _train_replica(
-            cfg, settings, model, optimizer, scheduler, batches, held_out, report, should_stop, replicas
-        )
-    step = _resume(cfg, settings, model, optimizer, scheduler, batches, report, device)
 
-    def step_fn(_: int) -> StepOutput:
-        x, y = next(batches)
-        x, y = to_device(x, device), to_device(y, device)
-        with autocast(device):
-            _, loss = model(x, y)
-        return StepOutput(loss=loss, tokens=tokens_per_step)
 
-    result = run_loop(
-        settings,
-        model,
-        optimizer,
-        scheduler,
-        step_fn,
-        report,
-        should_stop,
-        start_step=step,
-        position=lambda: batches.position,
-    )
-    held_out_value = None if result.stopped else held_out_loss(model, held_out, cfg, device)
-    if held_out_value is not None:
-        report.log(f"{cfg.stage} done at step {result.final_step}: held-out loss {held_out_value:.4f}")
-    return StageResult(
-        final_step=result.final_step,
-        first_loss=result.first_loss,
-        final_loss=result.final_loss,
-        held_out_loss=held_out_value,
-        stopped=result.stopped,
-        tokens=result.final_step * tokens_per_step,
-        model=model,
-    )
+def _lm_step(
+    model: Transformer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    tokens: int | None = None,
+) -> StepOutput:
+    """One next-token step's loss (the loop's `step_fn`) on `batch`; `tokens` counted for tokens/s
+    (None: the batch's own)."""
+    x, y = to_device(batch[0], device), to_device(batch[1], device)
+    with autocast(device):
+        _, loss = model(x, y)
+    return StepOutput(loss=loss, tokens=x.numel() if tokens is None else tokens)
 
 
 def _train_replica(
     cfg: StageConfig,
-    settings: LoopSettings,
-    model: Transformer,
-    optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR,
+    run: StageRun,
     batches: BatchIterator | CorpusBatchIterator,
     held_out: torch.Tensor,
     report: Reporter,
@@ -521,52 +469,48 @@ def _train_replica(
     """The stage as replica group `replicas.replica_id`: resume its own checkpoint, then the loop
     with the group's hooks; batch `step` of the global stream at every step, shifted past an
     approved loss-spike skip (every group has the same window, so they stay on the same batches)."""
-    device = pick_device(cfg.device)
     skip = skip_window(cfg.checkpoint_dir)  # here a position is a step until the skip: one skip a stage
 
     def position(step: int) -> int:
         return step + skip[1] - skip[0] if skip is not None and step >= skip[0] else step
 
-    group = replicas.join(model, optimizer, scheduler)
+    resumed = run.join(replicas, report, cfg.init_from)
     try:
-        if not join_replica(group, cfg.stage, cfg.checkpoint_dir, model, cfg.init_from, report):
+        if not resumed:
             report.log(
                 f"Starting {cfg.stage} as replica group {replicas.replica_id} of {replicas.groups}: "
-                f"{count_parameters(cfg.shape):,} parameters, {cfg.steps} steps on {device.type}."
+                f"{count_parameters(cfg.shape):,} parameters, {cfg.steps} steps on {run.device.type}."
             )
-        if skip is not None and group.step == skip[0]:
+        if skip is not None and run.start == skip[0]:
             report.log(f"Skipping batches [{skip[0]}, {skip[1]}) of {cfg.stage}.")
-
-        def step_fn(step: int) -> StepOutput:
-            x, y = batches.batch_at(position(step))
-            x, y = to_device(x, device), to_device(y, device)
-            with autocast(device):
-                _, loss = model(x, y)
-            return StepOutput(loss=loss, tokens=x.numel())
-
-        result = run_loop(
-            settings,
-            model,
-            optimizer,
-            scheduler,
-            step_fn,
+        group = run.group
+        assert group is not None  # joined above
+        result = run.run(
+            lambda step: _lm_step(run.model, batches.batch_at(position(step)), run.device),
             report,
             should_stop,
-            start_step=group.step,
             position=lambda: position(group.step),
-            fault_tolerance=group,
         )
     finally:
-        group.close()
+        run.close()
+    return _stage_result(cfg, run.model, held_out, run.device, report, result)
+
+
+def _stage_result(
+    cfg: StageConfig,
+    model: Transformer,
+    held_out: torch.Tensor,
+    device: torch.device,
+    report: Reporter,
+    result: LoopResult,
+) -> StageResult:
+    """The stage's result; its held-out loss unless it was stopped early."""
     held_out_value = None if result.stopped else held_out_loss(model, held_out, cfg, device)
     if held_out_value is not None:
         report.log(f"{cfg.stage} done at step {result.final_step}: held-out loss {held_out_value:.4f}")
     return StageResult(
-        final_step=result.final_step,
-        first_loss=result.first_loss,
-        final_loss=result.final_loss,
+        **result.outcome(),
         held_out_loss=held_out_value,
-        stopped=result.stopped,
         tokens=result.final_step * cfg.batch_size * cfg.seq_len,
         model=model,
     )
@@ -583,12 +527,8 @@ def _schedule(optimizer: torch.optim.Optimizer, cfg: StageConfig) -> LambdaLR:
 
 
 def _loop_settings(cfg: StageConfig) -> LoopSettings:
-    return LoopSettings(
-        stage=cfg.stage,
-        steps=cfg.steps,
-        checkpoint_dir=cfg.checkpoint_dir,
-        checkpoint_interval=cfg.checkpoint_interval,
-        keep_last=cfg.keep_last,
+    return replace(
+        stage_settings(cfg),
         grad_clip=cfg.grad_clip,
         save_on_stop=cfg.save_on_stop,
         log_interval=cfg.log_interval,
@@ -596,27 +536,19 @@ def _loop_settings(cfg: StageConfig) -> LoopSettings:
 
 
 def _resume(
-    cfg: StageConfig,
-    settings: LoopSettings,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR,
-    batches: BatchIterator | CorpusBatchIterator,
-    report: Reporter,
-    device: torch.device,
-) -> int:
-    """The step the stage continues from (0 for a fresh start); `batches` placed where it resumes,
-    past an approved loss-spike skip window."""
-    resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
+    cfg: StageConfig, run: StageRun, batches: BatchIterator | CorpusBatchIterator, report: Reporter
+) -> None:
+    """Where the stage continues (`run.start`, 0 for a fresh start); `batches` placed where it
+    resumes, past an approved loss-spike skip window."""
+    resumed = run.resume(report, cfg.init_from)
     if resumed is None:
         report.log(
             f"Starting {cfg.stage}: {count_parameters(cfg.shape):,} parameters, {cfg.steps} steps of "
-            f"{cfg.batch_size}x{cfg.seq_len} tokens on {device.type}."
+            f"{cfg.batch_size}x{cfg.seq_len} tokens on {run.device.type}."
         )
-        return 0
+        return
     batches.position = resumed.data_position
     skip_to = batches_to_skip(cfg.checkpoint_dir, batches.position)
     if skip_to is not None:  # an approved loss-spike restart: PaLM's skip of the batches around it
         report.log(f"Skipping batches [{batches.position}, {skip_to}) of {cfg.stage}.")
         batches.position = skip_to
-    return resumed.step

@@ -46,13 +46,7 @@ from contracts.manifest import RlvrStage
 from contracts.runs import LogLevel
 from training.data.corpora import ByteTokenizer
 from training.engine import distributed
-from training.engine.loop import (
-    StepOutput,
-    full_state_dict,
-    pick_device,
-    resume_or_init,
-    run_loop,
-)
+from training.engine.loop import StepOutput, full_state_dict, pick_device
 from training.engine.reporting import Reporter, rank0_only
 from training.model import Transformer
 from training.recipes.generation import END_TOKEN, Completion
@@ -77,8 +71,9 @@ from training.recipes.posttrain import (
     train_dpo,
     train_sft,
 )
-from training.recipes.pretrain import ReplicaJoin, Replicas, build_model, join_replica, lr_factor
+from training.recipes.pretrain import build_model, lr_factor
 from training.recipes.rollout import RolloutBatch, RolloutRequest, RolloutWorker
+from training.recipes.stage_run import Replicas, StageRun
 from training.weights.lora import merge_state_dict
 
 # A fresh Adam's first updates are lr * sign(grad) on every weight: on a small trained model that
@@ -357,14 +352,10 @@ def train_rlvr(
     manager); tests pass a fake one to exercise staleness without timing. `replicas`: this process
     (or gang) is one replica group of a run on several nodes (see `Across`)."""
     report = rank0_only(report)
-    device = pick_device(cfg.device)
-    model, optimizer, scheduler = _policy(cfg, device)
-    settings = loop_settings(cfg)
-    group: ReplicaJoin | None = None
+    run = _policy(cfg, pick_device(cfg.device))
     across: Across | None = None
     if replicas is None:
-        resumed = resume_or_init(settings, model, optimizer, scheduler, report, init_from=cfg.init_from)
-        start = resumed.step if resumed else 0
+        run.resume(report, cfg.init_from)
     else:
         if cfg.lora is not None:
             raise ValueError("rlvr with LoRA does not run as torchft replica groups yet.")
@@ -372,31 +363,13 @@ def train_rlvr(
             raise ValueError(
                 f"rlvr's {cfg.rlvr.prompts_per_step} prompts per step do not split over {replicas.groups} replica groups."
             )
-        group = replicas.join(model, optimizer, scheduler)
-        try:
-            join_replica(group, cfg.stage, cfg.checkpoint_dir, model, cfg.init_from, report)
-        except BaseException:
-            group.close()
-            raise
-        start = group.step
-        across = Across(replica_id=replicas.replica_id, groups=replicas.groups, total=group.total)
+        run.join(replicas, report, cfg.init_from)
+        assert run.group is not None  # joined just above
+        across = Across(replica_id=replicas.replica_id, groups=replicas.groups, total=run.group.total)
     try:
-        return _train_rlvr(
-            cfg,
-            report,
-            should_stop,
-            worker_factory,
-            model,
-            optimizer,
-            scheduler,
-            start,
-            device,
-            group,
-            across,
-        )
+        return _train_rlvr(cfg, report, should_stop, worker_factory, run, across)
     finally:
-        if group is not None:
-            group.close()
+        run.close()
 
 
 def _train_rlvr(
@@ -404,79 +377,66 @@ def _train_rlvr(
     report: Reporter,
     should_stop: Callable[[], bool],
     worker_factory: Callable[..., RolloutWorker],
-    model: Transformer,
-    optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR,
-    start: int,
-    device: torch.device,
-    group: ReplicaJoin | None,
+    run: StageRun,
     across: Across | None,
 ) -> RlvrResult:
-    settings = loop_settings(cfg)
     stats: list[StepStats] = []
-    if start < cfg.steps:
-        report.log(_plan_line(cfg, start))
+    if run.start < cfg.steps:
+        report.log(_plan_line(cfg, run.start))
     # Rank 0's worker alone: the other ranks get its rollouts from rank 0's broadcast.
     opened = (
-        worker_factory(model.shape, cfg.rope_base, threads=cfg.threads, device=device.type)
+        worker_factory(run.model.shape, cfg.rope_base, threads=cfg.threads, device=run.device.type)
         if distributed.is_rank0()
         else nullcontext(None)
     )
     with opened as worker:
-        # The workers started, summed over the ranks: the one-worker rule is counted, not assumed.
-        workers = round(distributed.all_reduce_mean(float(worker is not None)) * distributed.world_size())
-        ranks = distributed.world_size()
-        report.log(
-            f"rlvr: {workers} rollout worker{'s' if workers != 1 else ''} (rank 0's) for "
-            f"{ranks} rank{'s' if ranks != 1 else ''}"
-            + ("" if across is None else f" of replica group {across.replica_id} of {across.groups}")
-        )
+        workers = _count_workers(worker is not None, report, across)
         step_fn = partial(
             rl_step,
             cfg=cfg,
-            model=model,
+            model=run.model,
             worker=worker,
             sampler=(
                 Sampler(cfg, worker, None if across is None else across.replica_id)
                 if worker is not None
                 else None
             ),
-            device=device,
+            device=run.device,
             stats=stats,
             report=report,
             across=across,
         )
-        result = run_loop(
-            settings,
-            model,
-            optimizer,
-            scheduler,
-            step_fn,
-            report,
-            should_stop,
-            start_step=start,
-            position=lambda: 0,
-            fault_tolerance=group,
-        )
+        result = run.run(step_fn, report, should_stop)
     stale_total = sum(st.stale_dropped for st in stats)
     if stale_total:
         report.log(
             f"rlvr dropped {stale_total} stale rollouts (older than {cfg.rlvr.max_staleness} versions)"
         )
     return RlvrResult(
-        final_step=result.final_step,
-        first_loss=result.first_loss,
-        final_loss=result.final_loss,
-        stopped=result.stopped,
+        **result.outcome(),
         stats=stats,
         stale_dropped=stale_total,
         rollout_workers=workers,
-        model=model,
+        model=run.model,
     )
 
 
-def _policy(cfg: RlvrConfig, device: torch.device) -> tuple[Transformer, torch.optim.AdamW, LambdaLR]:
-    """The policy (seeded init, long enough for the longest prompt and L_max), AdamW, warmup then flat."""
+def _count_workers(mine: bool, report: Reporter, across: Across | None) -> int:
+    """The rollout workers started, summed over the ranks (`mine`: this rank started one), and a log
+    line of them: the one-worker rule is counted, not assumed. Collective: every rank calls it."""
+    workers = round(distributed.all_reduce_mean(float(mine)) * distributed.world_size())
+    ranks = distributed.world_size()
+    report.log(
+        f"rlvr: {workers} rollout worker{'s' if workers != 1 else ''} (rank 0's) for "
+        f"{ranks} rank{'s' if ranks != 1 else ''}"
+        + ("" if across is None else f" of replica group {across.replica_id} of {across.groups}")
+    )
+    return workers
+
+
+def _policy(cfg: RlvrConfig, device: torch.device) -> StageRun:
+    """The policy (seeded init, long enough for the longest prompt and L_max), AdamW, warmup then
+    flat, and the stage's loop settings."""
     torch.manual_seed(cfg.seed)
     longest_prompt = max(len(p.encode()) for p, _ in cfg.problems)
     seq_len = min(longest_prompt + cfg.rlvr.max_response_tokens, cfg.shape.max_seq_len)
@@ -484,7 +444,7 @@ def _policy(cfg: RlvrConfig, device: torch.device) -> tuple[Transformer, torch.o
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
     scheduler = LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=cfg.steps, min_ratio=1.0))
-    return model, optimizer, scheduler
+    return StageRun(model, optimizer, scheduler, loop_settings(cfg), device)
 
 
 def _plan_line(cfg: RlvrConfig, start: int) -> str:
