@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 import torch
@@ -248,7 +248,7 @@ class Gang:
         directory = self.run_dir / "gang" / cfg.stage
         directory.mkdir(parents=True, exist_ok=True)
         job = job_for(cfg, self.dims, directory, self.replica_group)
-        kind = RlvrAnswer if isinstance(cfg, RlvrConfig) else PostAnswer
+        kind: type[PostAnswer | RlvrAnswer] = RlvrAnswer if isinstance(cfg, RlvrConfig) else PostAnswer
         answer = self._run_job(job, kind, report, should_stop)
         if answer is None:
             return PostResult(final_step=0, first_loss=None, final_loss=None, stopped=True)
@@ -263,22 +263,13 @@ class Gang:
         )
         if isinstance(answer, RlvrAnswer):
             return RlvrResult(
-                final_step=answer.final_step,
-                first_loss=answer.first_loss,
-                final_loss=answer.final_loss,
-                stopped=answer.stopped,
+                **_numbers(answer),
                 stats=answer.stats,
                 stale_dropped=answer.stale_dropped,
                 rollout_workers=answer.rollout_workers,
                 model=model,
             )
-        return PostResult(
-            final_step=answer.final_step,
-            first_loss=answer.first_loss,
-            final_loss=answer.final_loss,
-            stopped=answer.stopped,
-            model=model,
-        )
+        return PostResult(**_numbers(answer), model=model)
 
     def _run_job(
         self, job: Job, kind: type[AnswerT], report: Reporter, should_stop: Callable[[], bool]
@@ -384,14 +375,22 @@ class Gang:
             cfg.stage, cfg.checkpoint_dir, cfg.shape, cfg.seq_len, cfg.rope_base, cfg.z_loss, cfg.device
         )
         return StageResult(
-            final_step=answer.final_step,
-            first_loss=answer.first_loss,
-            final_loss=answer.final_loss,
+            **_numbers(answer),
             held_out_loss=answer.held_out_loss,
-            stopped=answer.stopped,
             tokens=answer.final_step * cfg.batch_size * cfg.seq_len,
             model=model,
         )
+
+
+def _numbers(answer: StageAnswer | PostAnswer | RlvrAnswer) -> dict[str, Any]:
+    """What every recipe's result takes from rank 0's answer, whatever the stage: its last step, its
+    first and last losses, and whether it was stopped."""
+    return {
+        "final_step": answer.final_step,
+        "first_loss": answer.first_loss,
+        "final_loss": answer.final_loss,
+        "stopped": answer.stopped,
+    }
 
 
 def _read_capped(path: pathlib.Path) -> bytes | None:
