@@ -39,7 +39,7 @@ from training.engine.checkpoint_dir import (
 )
 from training.engine.distributed import ParallelismError
 from training.launch.elastic import GangFailed, GangLost
-from training.recipes.pipeline import GATE_RECORD
+from training.recipes.gate_reports import GATE_RECORD
 
 
 class ItemEnd(enum.StrEnum):

@@ -14,7 +14,7 @@ import msgspec
 from contracts.models import MODEL_SHAPES
 from contracts.runs import RunEvent
 from training.engine.distributed import ParallelDims
-from training.launch.rank import Job, PostJob, ReplicaJob, RlvrJob, StageJob
+from training.launch.rank import Answer, Job, PostJob, ReplicaJob, RlvrJob, StageJob
 from training.recipes.posttrain import PostConfig
 from training.recipes.pretrain import StageConfig
 from training.recipes.rlvr import RlvrConfig
@@ -122,10 +122,12 @@ def run_rank(job: Path, ranks: int) -> subprocess.CompletedProcess:
 
 
 def summary(result: subprocess.CompletedProcess) -> dict:
-    """Rank 0's summary line of a run that succeeded (one, whatever the world size)."""
+    """Rank 0's answer line of a run that succeeded (one, whatever the world size), as a dict of
+    its fields once it has read as one of launch.rank's typed answers."""
     assert result.returncode == 0, result.stderr[-4000:]
     summaries = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(summaries) == 1, f"one summary (rank 0), got {result.stdout}"
+    msgspec.json.decode(summaries[0], type=Answer)  # a typed answer, or msgspec.ValidationError
     return json.loads(summaries[0])
 
 

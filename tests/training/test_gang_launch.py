@@ -31,7 +31,18 @@ from training.launch.elastic import (
     refusal,
     torchrun_command,
 )
-from training.launch.rank import JOB_CAP_BYTES, PostJob, RlvrJob, StageJob, job_for, main, read_job
+from training.launch.rank import (
+    JOB_CAP_BYTES,
+    PostJob,
+    Refusal,
+    RlvrJob,
+    StageAnswer,
+    StageJob,
+    job_for,
+    main,
+    read_answer,
+    read_job,
+)
 from training.recipes.posttrain import PostConfig
 from training.recipes.pretrain import StageConfig
 from training.recipes.rlvr import RlvrConfig
@@ -242,33 +253,46 @@ def test_a_job_whose_config_fails_its_checks_is_refused_with_its_result_written(
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job))
     assert main(["--config", str(path)]) == 2
-    assert "at least 1 step" in json.loads((tmp_path / "result.json").read_text())["refused"]
+    refused = read_answer((tmp_path / "result.json").read_bytes(), StageAnswer)
+    assert isinstance(refused, Refusal) and "at least 1 step" in refused.reason
     assert JOB_CAP_BYTES >= 64 << 20  # a post stage's job carries its tasks, examples or pairs
+
+
+def _stage_answer(final_step: int, stopped: bool = False) -> StageAnswer:
+    return StageAnswer(
+        stage="pretrain", final_step=final_step, first_loss=5.0, final_loss=4.0, stopped=stopped,
+        world_size=4, strategy="ddp", degrees={"dp_replicate": 4}, held_out_loss=4.5,
+    )  # fmt: skip
+
+
+REFUSED = msgspec.json.encode(Refusal(reason="tp 3 does not divide n_head 4"))
 
 
 @pytest.mark.parametrize(
     ("rc", "result", "stopped", "want"),
     [
-        (0, {"final_step": 6}, False, {"final_step": 6}),
-        (0, {"final_step": 3, "stopped": True}, True, None),
+        (0, msgspec.json.encode(_stage_answer(6)), False, _stage_answer(6)),
+        (0, msgspec.json.encode(_stage_answer(3, stopped=True)), True, None),
         (1, None, True, None),  # torchrun exits non-zero on the SIGTERM it was sent
-        (0, {"refused": "tp 3 does not divide n_head 4"}, False, ParallelismError),
-        (1, {"refused": "tp 3 does not divide n_head 4"}, False, ParallelismError),
+        (0, REFUSED, False, ParallelismError),
+        (1, REFUSED, False, ParallelismError),
         (1, None, False, GangLost),  # past max_restarts: the run is interrupted and requeued
         (-9, None, False, GangLost),
         (0, None, False, GangFailed),  # a clean exit without rank 0's result: the run fails
+        (0, b'{"final_step": 6}', False, GangFailed),  # the old untyped summary: no tag
+        (0, b"{", False, GangFailed),
     ],
 )
 def test_exit_code_and_result_map_to_the_stage_outcome(rc, result, stopped, want):
     if isinstance(want, type):
         with pytest.raises(want) as raised:
-            read_outcome(rc, result, stopped, SPEC)
+            read_outcome(rc, result, stopped, SPEC, StageAnswer)
         if want is GangLost:
             assert f"code {rc}" in str(raised.value) and "2 restarts" in str(raised.value)
         if want is ParallelismError:
             assert "tp 3 does not divide n_head 4" in str(raised.value)
     else:
-        assert read_outcome(rc, result, stopped, SPEC) == want
+        assert read_outcome(rc, result, stopped, SPEC, StageAnswer) == want
 
 
 def test_rank0_events_are_read_whole_lines_only_and_only_training_kinds(tmp_path):

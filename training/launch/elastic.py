@@ -19,11 +19,11 @@ the gang, rank 0 alone writes events and runs RLVR's rollout worker (see rlvr.py
 cannot realise (too few GPUs, a model or batch the mesh cannot split) is refused, in a sentence,
 before anything trains.
 
-Outcomes: rank 0 writes its summary, or {"refused": reason}, to the job's `result_path`; the
-launcher's exit code says the rest (see `read_outcome`).
+Outcomes: rank 0 writes its answer (launch.rank's `StageAnswer`, `PostAnswer` or `RlvrAnswer`), or
+its `Refusal`, to the job's `result_path`; the agent reads it with launch.rank's one decoder, and
+the launcher's exit code says the rest (see `read_outcome`).
 """
 
-import json
 import os
 import pathlib
 import signal
@@ -49,11 +49,23 @@ from training.engine.checkpoint_load import load_weights
 from training.engine.distributed import ParallelDims, ParallelismError
 from training.engine.loop import pick_device
 from training.engine.reporting import Reporter
-from training.launch.rank import Job, ReplicaJob, job_for
+from training.launch.rank import (
+    ANSWER_CAP_BYTES,
+    AnswerError,
+    AnswerT,
+    Job,
+    PostAnswer,
+    Refusal,
+    ReplicaJob,
+    RlvrAnswer,
+    StageAnswer,
+    job_for,
+    read_answer,
+)
 from training.model import Transformer
 from training.recipes.posttrain import PostConfig, PostResult
 from training.recipes.pretrain import StageConfig, StageResult, build_model
-from training.recipes.rlvr import RlvrConfig, RlvrResult, StepStats
+from training.recipes.rlvr import RlvrConfig, RlvrResult
 from training.weights.lora import is_adapter_key, is_base_key
 
 POLL_S = 0.2  # how often the agent tails rank 0's events and checks for a stop
@@ -68,7 +80,8 @@ _event_decoder = msgspec.json.Decoder(RunEvent)
 
 
 class GangFailed(RuntimeError):
-    """The gang finished its stage wrongly (no result, no checkpoint): the run fails."""
+    """The gang finished its stage wrongly (no answer or one that is not its job's, no checkpoint):
+    the run fails."""
 
 
 class GangLost(RuntimeError):
@@ -145,17 +158,23 @@ def torchrun_command(spec: LaunchSpec, job: pathlib.Path) -> list[str]:
 
 
 def read_outcome(
-    rc: int, result: dict[str, Any] | None, stopped: bool, spec: LaunchSpec
-) -> dict[str, Any] | None:
-    """Rank 0's summary of a finished stage; None when the gang was stopped on request.
-    ParallelismError when rank 0 refused the job (launch.rank's exit 2); GangLost when the launcher
-    gave up after `max_restarts` (a non-zero exit); GangFailed for a clean exit without a result."""
-    if result is not None and "refused" in result:
-        raise ParallelismError(f"The gang refused the stage: {result['refused']}")
+    rc: int, result: bytes | None, stopped: bool, spec: LaunchSpec, kind: type[AnswerT]
+) -> AnswerT | None:
+    """Rank 0's answer (`result`, its bytes) for a finished stage whose job answers a `kind`; None
+    when the gang was stopped on request. ParallelismError when rank 0 refused the job (launch.rank's
+    exit 2); GangLost when the launcher gave up after `max_restarts` (a non-zero exit); GangFailed for
+    a clean exit without an answer, or an answer that is not one of `kind` (launch.rank's
+    `read_answer`)."""
+    try:
+        answer = None if result is None else read_answer(result, kind)
+    except AnswerError as e:
+        raise GangFailed(f"The gang of {spec.nproc} ranks answered wrongly: {e}") from e
+    if isinstance(answer, Refusal):
+        raise ParallelismError(f"The gang refused the stage: {answer.reason}")
     if stopped:
         return None
-    if rc == 0 and result is not None:
-        return result
+    if rc == 0 and answer is not None:
+        return answer
     if rc == 0:
         raise GangFailed(f"The gang of {spec.nproc} ranks exited without a result.")
     raise GangLost(
@@ -212,12 +231,13 @@ class Gang:
     def train_stage(self, cfg: StageConfig, report: Reporter, should_stop: Callable[[], bool]) -> StageResult:
         directory = self.run_dir / "gang" / cfg.stage
         directory.mkdir(parents=True, exist_ok=True)
-        summary = self._run_job(job_for(cfg, self.dims, directory, self.replica_group), report, should_stop)
-        if summary is None:
+        job = job_for(cfg, self.dims, directory, self.replica_group)
+        answer = self._run_job(job, StageAnswer, report, should_stop)
+        if answer is None:
             return StageResult(
                 final_step=0, first_loss=None, final_loss=None, held_out_loss=None, stopped=True, tokens=0
             )
-        return self._result(cfg, summary)
+        return self._result(cfg, answer)
 
     def train_post(
         self, cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool]
@@ -226,8 +246,10 @@ class Gang:
         the ranks inside the job."""
         directory = self.run_dir / "gang" / cfg.stage
         directory.mkdir(parents=True, exist_ok=True)
-        summary = self._run_job(job_for(cfg, self.dims, directory, self.replica_group), report, should_stop)
-        if summary is None:
+        job = job_for(cfg, self.dims, directory, self.replica_group)
+        kind: type[PostAnswer | RlvrAnswer] = RlvrAnswer if isinstance(cfg, RlvrConfig) else PostAnswer
+        answer = self._run_job(job, kind, report, should_stop)
+        if answer is None:
             return PostResult(final_step=0, first_loss=None, final_loss=None, stopped=True)
         model = self._trained_model(
             cfg.stage,
@@ -238,27 +260,21 @@ class Gang:
             lora=cfg.lora,
             init_from=cfg.init_from,
         )
-        final_step = int(summary["final_step"])
-        first_loss, final_loss = summary.get("first_loss"), summary.get("final_loss")
-        stopped = bool(summary.get("stopped"))
-        if isinstance(cfg, RlvrConfig):
+        if isinstance(answer, RlvrAnswer):
             return RlvrResult(
-                final_step=final_step,
-                first_loss=first_loss,
-                final_loss=final_loss,
-                stopped=stopped,
-                stats=msgspec.convert(summary.get("stats", []), list[StepStats]),
-                stale_dropped=int(summary.get("stale_dropped", 0)),
-                rollout_workers=int(summary.get("rollout_workers", 1)),
+                **_numbers(answer),
+                stats=answer.stats,
+                stale_dropped=answer.stale_dropped,
+                rollout_workers=answer.rollout_workers,
                 model=model,
             )
-        return PostResult(
-            final_step=final_step, first_loss=first_loss, final_loss=final_loss, stopped=stopped, model=model
-        )
+        return PostResult(**_numbers(answer), model=model)
 
-    def _run_job(self, job: Job, report: Reporter, should_stop: Callable[[], bool]) -> dict[str, Any] | None:
-        """Launch the gang on `job` (in its stage's directory) and wait for it; rank 0's summary,
-        None when stopped on request (see `read_outcome`)."""
+    def _run_job(
+        self, job: Job, kind: type[AnswerT], report: Reporter, should_stop: Callable[[], bool]
+    ) -> AnswerT | None:
+        """Launch the gang on `job` (in its stage's directory) and wait for it; rank 0's answer, a
+        `kind`, None when stopped on request (see `read_outcome`)."""
         assert job.result_path is not None and job.events_path is not None, "a gang's job names its files"
         result_path = pathlib.Path(job.result_path)
         result_path.unlink(missing_ok=True)
@@ -278,8 +294,7 @@ class Gang:
             f"{self.dims.degrees()}) with torchrun, up to {spec.max_restarts} restarts"
         )
         rc, stopped = self._launch(spec, job_path, EventTail(events_path), report, should_stop)
-        result = json.loads(result_path.read_text()) if result_path.exists() else None
-        return read_outcome(rc, result, stopped, spec)
+        return read_outcome(rc, _read_capped(result_path), stopped, spec, kind)
 
     def _launch(
         self,
@@ -353,18 +368,35 @@ class Gang:
             raise GangFailed(f"The gang finished {stage} but committed no checkpoint.")
         return model
 
-    def _result(self, cfg: StageConfig, summary: dict[str, Any]) -> StageResult:
+    def _result(self, cfg: StageConfig, answer: StageAnswer) -> StageResult:
         """The stage's result with its trained weights loaded in the agent, for the eval battery."""
         model = self._trained_model(
             cfg.stage, cfg.checkpoint_dir, cfg.shape, cfg.seq_len, cfg.rope_base, cfg.z_loss, cfg.device
         )
-        final_step = int(summary["final_step"])
         return StageResult(
-            final_step=final_step,
-            first_loss=summary.get("first_loss"),
-            final_loss=summary.get("final_loss"),
-            held_out_loss=summary.get("held_out_loss"),
-            stopped=bool(summary.get("stopped")),
-            tokens=final_step * cfg.batch_size * cfg.seq_len,
+            **_numbers(answer),
+            held_out_loss=answer.held_out_loss,
+            tokens=answer.final_step * cfg.batch_size * cfg.seq_len,
             model=model,
         )
+
+
+def _numbers(answer: StageAnswer | PostAnswer | RlvrAnswer) -> dict[str, Any]:
+    """What every recipe's result takes from rank 0's answer, whatever the stage: its last step, its
+    first and last losses, and whether it was stopped."""
+    return {
+        "final_step": answer.final_step,
+        "first_loss": answer.first_loss,
+        "final_loss": answer.final_loss,
+        "stopped": answer.stopped,
+    }
+
+
+def _read_capped(path: pathlib.Path) -> bytes | None:
+    """Rank 0's answer file, None when it wrote none; one byte past the cap at most (read_answer
+    refuses a longer one)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(ANSWER_CAP_BYTES + 1)
+    except FileNotFoundError:
+        return None

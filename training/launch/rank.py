@@ -8,8 +8,10 @@ fails loudly), and its stage's config is the very dataclass the recipe takes, wh
 (a next-token stage's `StageConfig`), a `PostJob` (SFT or DPO's `PostConfig`, its prepared data
 inside) or an `RlvrJob` (an `RlvrConfig`; the gang's one rollout worker is rank 0's). The config's
 own checks run on decode; the rank changes only its device. Rank 0 is the one writer: the run's
-events (`events_path`) and per-step losses (`losses_path`) as JSON lines, and one JSON result line
-on stdout. The other ranks report to a reporter that drops events.
+events (`events_path`) and per-step losses (`losses_path`) as JSON lines, and its answer: one of
+another tagged union, `StageAnswer`, `PostAnswer` or `RlvrAnswer` (the stage's numbers), or a
+`Refusal`, as one JSON line on stdout and in the job's `result_path`, read back with the one
+`read_answer`. The other ranks report to a reporter that drops events.
 
 Exit codes: 0 done, 2 a job or plan the ranks cannot run (the reason on stderr, from rank 0).
 SIGTERM (what torchrun sends on shutdown) asks every rank to stop at the next step, which saves a
@@ -25,7 +27,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Annotated, Any, TextIO
+from typing import Annotated, Any, TextIO, TypeVar
 
 import msgspec
 import torch
@@ -40,11 +42,12 @@ from training.engine.loop import pick_device
 from training.engine.reporting import EventFile, Reporter, Sink, rank0_only
 from training.recipes.posttrain import PostConfig, PostResult
 from training.recipes.pretrain import StageConfig, StageResult, train_stage
-from training.recipes.rlvr import RlvrConfig, RlvrResult, train_post
+from training.recipes.rlvr import RlvrConfig, RlvrResult, StepStats, train_post
 from training.recipes.stage_run import Replicas
 
 EXIT_REFUSED = 2
 JOB_CAP_BYTES = 256 << 20  # a post stage's job carries its tasks (~20 bytes each), examples or pairs
+ANSWER_CAP_BYTES = 64 << 20  # RLVR's answer carries one StepStats (~200 bytes) per step
 
 
 class ReplicaJob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -66,8 +69,8 @@ class _Files(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     events_path: str | None = None
     """Every run event, msgspec JSON, one a line, from rank 0 (engine/reporting.py's EventFile)."""
     result_path: str | None = None
-    """Rank 0's summary as one JSON object, or {"refused": reason} for a plan it cannot run: how the
-    trainer agent reads the outcome of a gang whose output went to per-rank logs."""
+    """Rank 0's answer (the job's kind of `Answer`, or a `Refusal` for a plan it cannot run), msgspec
+    JSON: how the trainer agent reads the outcome of a gang whose output went to per-rank logs."""
     replica_group: ReplicaJob | None = None
     """Set on each node's gang of a multi-node run; the node's agent reports the run's parallelism."""
 
@@ -95,6 +98,70 @@ class RlvrJob(_Files, tag="rlvr", frozen=True, kw_only=True, forbid_unknown_fiel
 
 Job = StageJob | PostJob | RlvrJob
 _job_decoder = msgspec.json.Decoder(Job)
+
+
+class _Answer(msgspec.Struct, frozen=True, kw_only=True):
+    """What rank 0 answers once its stage has run, whatever its kind (every rank computes the same
+    numbers): the stage's losses and the gang it ran on. Unknown fields are skipped (the agent
+    wrote the job; an older reader survives a newer rank)."""
+
+    stage: str
+    final_step: int
+    first_loss: float | None  # None when the stage had no step left to run (resumed complete)
+    final_loss: float | None
+    stopped: bool
+    world_size: int
+    strategy: str
+    degrees: dict[str, int]
+
+
+class StageAnswer(_Answer, tag="stage", frozen=True, kw_only=True):
+    """A `StageJob`'s answer: a next-token stage's numbers and its held-out loss."""
+
+    held_out_loss: float | None  # None when stopped early
+
+
+class PostAnswer(_Answer, tag="post", frozen=True, kw_only=True):
+    """A `PostJob`'s answer: an SFT or DPO stage's numbers."""
+
+
+class RlvrAnswer(_Answer, tag="rlvr", frozen=True, kw_only=True):
+    """An `RlvrJob`'s answer: the stage's numbers and what its rollouts saw."""
+
+    stats: list[StepStats]
+    stale_dropped: int
+    rollout_workers: int  # summed over every rank: 1 (rank 0's) however many ranks
+
+
+class Refusal(msgspec.Struct, tag="refused", frozen=True, kw_only=True):
+    """Rank 0's answer to a job or plan the ranks cannot run (exit 2): why, in a sentence."""
+
+    reason: str
+
+
+Answer = StageAnswer | PostAnswer | RlvrAnswer
+AnswerT = TypeVar("AnswerT", bound=_Answer)
+_answer_decoder = msgspec.json.Decoder(Answer | Refusal)
+
+
+class AnswerError(ValueError):
+    """Rank 0's answer is not one (malformed, a field missing, an unknown tag), or answers another
+    kind of job than the one that was asked."""
+
+
+def read_answer(data: bytes, kind: type[AnswerT]) -> AnswerT | Refusal:
+    """Rank 0's answer to a job whose answer is a `kind`, or its refusal; AnswerError, in a
+    sentence, for anything else."""
+    if len(data) > ANSWER_CAP_BYTES:
+        raise AnswerError(f"Rank 0's answer is over {ANSWER_CAP_BYTES} bytes.")
+    try:
+        answer = _answer_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise AnswerError(f"Rank 0's answer cannot be read: {e}") from e
+    if isinstance(answer, Refusal | kind):
+        return answer
+    got, want = type(answer).__struct_config__.tag, kind.__struct_config__.tag
+    raise AnswerError(f"Rank 0 answered a {got!r} job; its job was a {want!r} one.")
 
 
 class _ResultOnly(msgspec.Struct):
@@ -192,8 +259,8 @@ def replicas(group: ReplicaJob, report: Reporter, stage: str) -> Replicas:
     return Replicas(replica_id=group.replica_id, groups=group.groups, join=join)
 
 
-def run(job: Job) -> dict:
-    """Train `job` on this rank; rank 0's summary (the other ranks return the same numbers)."""
+def run(job: Job) -> Answer:
+    """Train `job` on this rank; rank 0's answer (the other ranks return the same numbers)."""
     dims = job.config.parallel or ParallelDims()
     device = distributed.init(pick_device(job.config.device).type)
     dims.check_world(distributed.world_size())
@@ -206,9 +273,8 @@ def run(job: Job) -> dict:
         if group is None:  # the node's agent reports a multi-node run's parallelism
             _report_parallelism(report, stage, dims)
         if isinstance(job, StageJob):
-            result = train_stage(config, report, stop.is_set, group)
-            return _summary(stage, dims, result) | {"held_out_loss": result.held_out_loss}
-        return _summary(stage, dims, train_post(config, report, stop.is_set, group))
+            return _answer(stage, dims, train_stage(config, report, stop.is_set, group))
+        return _answer(stage, dims, train_post(config, report, stop.is_set, group))
 
 
 @contextmanager
@@ -233,8 +299,9 @@ def _report_parallelism(report: Reporter, stage: str, dims: ParallelDims) -> Non
     )
 
 
-def _summary(stage: str, dims: ParallelDims, result: StageResult | PostResult | RlvrResult) -> dict:
-    summary = {
+def _answer(stage: str, dims: ParallelDims, result: StageResult | PostResult | RlvrResult) -> Answer:
+    """The stage's result as rank 0 answers it: the kind of answer its kind of job expects."""
+    common: dict[str, Any] = {
         "stage": stage,
         "final_step": result.final_step,
         "first_loss": result.first_loss,
@@ -244,13 +311,18 @@ def _summary(stage: str, dims: ParallelDims, result: StageResult | PostResult | 
         "strategy": dims.strategy,
         "degrees": dims.degrees(),
     }
-    if isinstance(result, RlvrResult):
-        summary |= {
-            "stats": msgspec.to_builtins(result.stats),
-            "stale_dropped": result.stale_dropped,
-            "rollout_workers": result.rollout_workers,
-        }
-    return summary
+    match result:
+        case StageResult():
+            return StageAnswer(**common, held_out_loss=result.held_out_loss)
+        case RlvrResult():
+            return RlvrAnswer(
+                **common,
+                stats=result.stats,
+                stale_dropped=result.stale_dropped,
+                rollout_workers=result.rollout_workers,
+            )
+        case PostResult():
+            return PostAnswer(**common)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,21 +333,21 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = distributed.env_rank() == 0
     try:
         job = read_job(args.config)
-        summary = run(job)
+        answer = run(job)
     except (ParallelismError, ValueError, msgspec.ValidationError, OSError) as e:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
-            _write_result(args.config, {"refused": str(e)})
+            _write_result(args.config, Refusal(reason=str(e)))
         return EXIT_REFUSED
     finally:
         distributed.close()
     if rank0:
-        print(json.dumps(summary), flush=True)
-        _write_result(args.config, summary)
+        print(msgspec.json.encode(answer).decode(), flush=True)
+        _write_result(args.config, answer)
     return 0
 
 
-def _write_result(config: str, payload: dict) -> None:
+def _write_result(config: str, answer: Answer | Refusal) -> None:
     """Rank 0's outcome into the job's `result_path`, atomically (nothing when the job has none or
     could not be read)."""
     try:
@@ -286,8 +358,8 @@ def _write_result(config: str, payload: dict) -> None:
     if path is None:
         return
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(payload))
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(answer))
     os.replace(tmp, path)
 
 
