@@ -63,6 +63,7 @@ from services.scheduler.handoff import Handoff
 from services.scheduler.inputs import ManifestInputs, Runnable
 from services.scheduler.manifests import parsed_off_loop
 from services.scheduler.peers import Peers
+from services.scheduler.prices import PriceTable
 from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.api")
@@ -98,7 +99,7 @@ class Api:
         runs: RunRecords,
         handoff: Handoff,
         auditor: Auditor,
-        prices: planning.PriceTable,
+        prices: PriceTable,
         checkpoint_root: pathlib.Path,
         *,
         small_model_gangs: bool = False,

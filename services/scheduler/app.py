@@ -29,7 +29,7 @@ from runtime.storage.checkpoint_store import ENV_S3_ENDPOINT_URL
 from runtime.storage.model_store import ModelStore
 from runtime.tenancy.accounts import Credentials, RedisAccounts
 from runtime.tenancy.quota_stores import InMemoryQuotas, Quotas, RedisQuotas
-from services.scheduler import leases, planning
+from services.scheduler import leases, prices
 from services.scheduler.account_reads import AccountReads
 from services.scheduler.api import Api
 from services.scheduler.audit import Auditor
@@ -42,6 +42,7 @@ from services.scheduler.handoff import Handoff
 from services.scheduler.listing import RunListing
 from services.scheduler.mutations import Mutations
 from services.scheduler.peers import Peers
+from services.scheduler.prices import PriceTable
 from services.scheduler.run_reads import RunReads
 from services.scheduler.store import RunRecords, RunStore
 from services.scheduler.uploads import Uploads
@@ -106,7 +107,7 @@ def gated_api(
         st.runs,
         handoff,
         auditor,
-        planning.load_prices(),
+        prices.load_prices(),
         s.data_dir / "checkpoints",
         small_model_gangs=s.small_model_gangs,
         count_accepted=w.metrics.runs_accepted(),
@@ -164,7 +165,7 @@ def register(
     w.tasks.append(lambda: leases.watch_forever(st.runs, handoff.events))
 
 
-def serve_internal(w: Wiring, runs: RunRecords, auditor: Auditor, prices: planning.PriceTable) -> None:
+def serve_internal(w: Wiring, runs: RunRecords, auditor: Auditor, prices: PriceTable) -> None:
     """The requests only a service identity may make (NATS permissions), unsigned: the trainers'
     lease queries, and the desk's two reads."""
     # Only trainers may publish lease queries; the answer is checked against the run.
