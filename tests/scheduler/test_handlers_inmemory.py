@@ -226,6 +226,19 @@ async def confirmed_run(
     return train, data(await call(bus, subjects.API_TRAIN, train, account), RunAccepted)
 
 
+async def test_every_api_verb_is_served_by_the_schedulers_table(bus):
+    # app.register serves a table of verbs -> the object that serves them: each verb once (the
+    # router refuses a subject served twice), and none left out
+    from contracts import endpoints
+    from services.scheduler import app
+
+    table = (app.API, app.ACCOUNT, app.READS, app.MUTATIONS, app.UPLOADS, app.OUTPUTS, app.LISTS)
+    verbs = [verb for verbs in table for verb in verbs]
+    assert sorted(verbs) == sorted(endpoints.API)
+    served = {subject for subject, route in bus.w.router.routes.items() if route.tenant}
+    assert served == {bus.w.settings.subject(e.subject) for e in endpoints.API.values()}
+
+
 async def test_auth(bus):
     cred = await login(bus)
     info = data(await call(bus, subjects.API_AUTH, AuthRequest(credential=cred)), AuthInfo)
