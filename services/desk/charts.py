@@ -7,6 +7,7 @@ classes (and `data-` counts) that services/desk/static/desk.css colours and the 
 """
 
 import math
+from collections.abc import Callable
 from datetime import datetime
 from html import escape
 
@@ -87,6 +88,9 @@ def loss_chart(s: StageLoss) -> str:
 TL_W, TL_H = 1200, 132  # the timeline's viewBox: as wide as a desktop card, so its text reads at 1:1
 
 
+X = Callable[[datetime | float], float]  # a moment (datetime or epoch seconds) to its x on the timeline
+
+
 def timeline(detail: RunDetail, now: datetime) -> str:
     """The run on a time axis from its acceptance: its states as spans, its steps as a progress
     line with each committed checkpoint, and each interruption and recovery as a marker."""
@@ -106,9 +110,20 @@ def timeline(detail: RunDetail, now: datetime) -> str:
         '<text class="lane" x="4" y="24">state</text>',
         '<text class="lane" x="4" y="62">steps</text>',
         '<text class="lane" x="4" y="98">faults</text>',
+        *_state_spans(detail, start, end, x),
+        *_progress(detail, x),
+        *_faults(detail, x),
+        *_time_ticks(total),
+        "</svg>",
     ]
+    return "".join(parts)
+
+
+def _state_spans(detail: RunDetail, start: datetime, end: datetime, x: X) -> list[str]:
+    """The state lane: each state from its move to the next (the last until `end`)."""
     # A run's view is created queued (its hand-off); every later move is in its history.
     spans = [(start, RunState.queued.value), *((r.at, r.state.value) for r in detail.states)]
+    parts = []
     for n, (at, state) in enumerate(spans):
         until = spans[n + 1][0] if n + 1 < len(spans) else end
         x_a, x_b = x(at), x(until)
@@ -116,6 +131,12 @@ def timeline(detail: RunDetail, now: datetime) -> str:
             f'<rect class="state s-{escape(state)}" x="{_num(x_a)}" y="12" width="{_num(max(x_b - x_a, 1.0))}" '
             f'height="18"><title>{escape(state)}</title></rect>'
         )
+    return parts
+
+
+def _progress(detail: RunDetail, x: X) -> list[str]:
+    """The steps lane: a line through every metric event, and each committed checkpoint."""
+    parts = []
     if detail.metrics:
         n = len(detail.metrics)
         coords = " ".join(
@@ -127,6 +148,13 @@ def timeline(detail: RunDetail, now: datetime) -> str:
             f'<line class="checkpoint" x1="{_num(x(c.at))}" x2="{_num(x(c.at))}" y1="40" y2="78">'
             f"<title>checkpoint step {c.step}: {c.bytes / 1e6:.1f} MB, stall {c.stall_s * 1000:.1f} ms</title></line>"
         )
+    return parts
+
+
+def _faults(detail: RunDetail, x: X) -> list[str]:
+    """The faults lane: each interruption where it was detected, each recovery where the run ran
+    again after one."""
+    parts = []
     for lost in detail.interruptions:
         cx = x(lost.detected_at)
         parts.append(
@@ -142,13 +170,17 @@ def timeline(detail: RunDetail, now: datetime) -> str:
                 "</title></circle>"
             )
         previous = r.state.value
+    return parts
+
+
+def _time_ticks(total: float) -> list[str]:
+    parts = []
     for t in _ticks(0.0, total, 4):
         xt = PAD_L + t / total * (TL_W - PAD_L - PAD_R)
         parts.append(
             f'<text class="tick" x="{_num(xt)}" y="{TL_H - 8}" text-anchor="middle">{t:.0f} s</text>'
         )
-    parts.append("</svg>")
-    return "".join(parts)
+    return parts
 
 
 BAR_W, BAR_H = 480, 20

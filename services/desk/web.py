@@ -10,6 +10,7 @@ and sends each section whose HTML changed; the page's script swaps it in (servic
 """
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -70,176 +71,213 @@ def _html(text: str, status: int = 200) -> HTMLResponse:
     return HTMLResponse(text, status_code=status, headers=HEADERS)
 
 
+def _notice(title: str, text: str, status: int) -> HTMLResponse:
+    """A page of one sentence, with no stream: a run that is not there, or cannot be read now."""
+    return _html(pages.layout(title, {"summary": f"<p>{escape(text)}</p>"}, ["summary"], "", title), status)
+
+
 def _sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def build(source: DeskSource, token: str, scrape_token: str = "") -> Starlette:
-    """The app over `source`; `token` is the operator token (from its 0600 file); `scrape_token`,
-    the stack's metrics token, is let in to /metrics too (one credential scrapes every target)."""
+Handler = Callable[[Request], Awaitable[Response]]
+Render = Callable[[], Awaitable[pages.Sections]]  # a page's sections, rendered now
 
-    def refused(request: Request) -> Response | None:
-        if authorized(request.headers, request.cookies, token):
+
+async def _changed_sections(request: Request, sections: Render) -> AsyncIterator[str]:
+    """A page's stream: every TICK_S, each section whose HTML changed since it was last sent (a
+    keepalive when nothing was for KEEPALIVE_S), until the client leaves or STREAM_MAX_S is up."""
+    sent: dict[str, str] = {}
+    began = last = time.monotonic()
+    yield "retry: 2000\n\n"
+    while time.monotonic() - began < STREAM_MAX_S and not await request.is_disconnected():
+        try:
+            current = await sections()
+        except (Unavailable, NotFound) as exc:
+            yield _sse("problem", {"message": str(exc)})
+            current = {}
+        for sid, html in current.items():
+            if sent.get(sid) != html:
+                sent[sid] = html
+                yield _sse("section", {"id": sid, "html": html})
+                last = time.monotonic()
+        if time.monotonic() - last > KEEPALIVE_S:
+            yield ": keepalive\n\n"
+            last = time.monotonic()
+        await asyncio.sleep(TICK_S)
+
+
+def _stream(request: Request, sections: Render) -> Response:
+    return StreamingResponse(
+        _changed_sections(request, sections),
+        media_type="text/event-stream",
+        headers={**HEADERS, "X-Accel-Buffering": "no"},
+    )
+
+
+async def login_form(request: Request) -> Response:
+    return _html(pages.login_page())
+
+
+async def logout(request: Request) -> Response:
+    response = RedirectResponse("/login", status_code=303, headers=HEADERS)
+    response.delete_cookie(COOKIE, path="/")
+    return response
+
+
+async def healthz(request: Request) -> Response:
+    return PlainTextResponse("ok", headers=HEADERS)
+
+
+async def _form_token(request: Request) -> str | None:
+    """The login form's token (empty when it names none); None when the body is over MAX_FORM_BYTES."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
             return None
-        if request.url.path == "/metrics" and bearer(request.headers, scrape_token):
+    return parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
+
+
+class Desk:
+    """The desk's handlers over one source: `routes` is the table of what answers where. `token` is
+    the operator token (from its 0600 file); `scrape_token`, the stack's metrics token, is let in
+    to /metrics too (one credential scrapes every target)."""
+
+    def __init__(self, source: DeskSource, token: str, scrape_token: str = "") -> None:
+        self.source = source
+        self.token = token
+        self.scrape_token = scrape_token
+
+    def routes(self) -> list[Route | Mount]:
+        guarded = self.guarded
+        return [
+            Route("/", guarded(self.runs_page)),
+            Route("/runs/{run_id}", guarded(self.run_page)),
+            Route("/desk", guarded(self.desk_page)),
+            Route("/events/runs", guarded(self.runs_events)),
+            Route("/events/run/{run_id}", guarded(self.run_events)),
+            Route("/events/desk", guarded(self.desk_events)),
+            Route("/metrics", guarded(self.metrics)),
+            Route("/login", login_form, methods=["GET"]),
+            Route("/login", self.login, methods=["POST"]),
+            Route("/logout", logout, methods=["POST"]),
+            Route("/healthz", healthz),
+            Mount("/static", StaticFiles(directory=STATIC), name="static"),
+        ]
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.source.start()
+        try:
+            yield
+        finally:
+            await self.source.close()
+
+    # --- who is let in ---
+
+    def refused(self, request: Request) -> Response | None:
+        """None for the operator (and for the scrape token at /metrics); else the 401 answer: plain
+        text for a scrape or a stream, the login page for a page."""
+        path = request.url.path
+        if authorized(request.headers, request.cookies, self.token):
             return None
-        if request.url.path in ("/metrics",) or request.url.path.startswith("/events/"):
+        if path == "/metrics" and bearer(request.headers, self.scrape_token):
+            return None
+        if path in ("/metrics",) or path.startswith("/events/"):
             return PlainTextResponse("unauthenticated", status_code=401, headers=HEADERS)
         return _html(pages.login_page("Log in with the operator token."), 401)
 
-    def now() -> datetime:
-        return datetime.now(UTC)
+    def guarded(self, handler: Handler) -> Handler:
+        """`handler`, answered only once `refused` let the request in (nothing is read before)."""
 
-    async def runs_sections() -> pages.Sections:
+        @functools.wraps(handler)
+        async def guard(request: Request) -> Response:
+            no = self.refused(request)
+            return no if no is not None else await handler(request)
+
+        return guard
+
+    async def login(self, request: Request) -> Response:
+        given = await _form_token(request)
+        if given is None:
+            return _html(pages.login_page("That is not a token."), 413)
+        if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
+            log.warning("a login with a wrong token was refused")
+            return _html(pages.login_page("Wrong token."), 401)
+        response = RedirectResponse("/", status_code=303, headers=HEADERS)
+        response.set_cookie(COOKIE, session_value(self.token), httponly=True, samesite="strict", path="/")
+        return response
+
+    # --- each page's sections, rendered now ---
+
+    async def _fresh_runs(self) -> None:
+        """The run list read now when nobody kept it fresh (a page or a scrape after a quiet spell)."""
+        if self.source.runs_stale():
+            await self.source.refresh_runs()
+
+    async def runs_sections(self) -> pages.Sections:
+        source = self.source
         source.want_runs()
         views = source.runs.runs if source.runs else []
         telemetry = {v.run_id: t for v in views if (t := source.telemetry(v.run_id)) is not None}
-        sections = pages.runs_sections(board.run_rows(views, telemetry, now()))
+        sections = pages.runs_sections(board.run_rows(views, telemetry, datetime.now(UTC)))
         if source.problem:
             sections["runs"] = f'<p class="error">{escape(source.problem)}</p>' + sections["runs"]
         return sections
 
-    def run_sections_for(run_id: str) -> Callable[[], Awaitable[pages.Sections]]:
-        async def sections() -> pages.Sections:
-            detail = await source.detail(run_id)
-            t = source.telemetry(run_id)
-            return pages.run_sections(detail, now(), None if t is None else t.goodput)
+    async def run_sections(self, run_id: str) -> pages.Sections:
+        detail = await self.source.detail(run_id)
+        t = self.source.telemetry(run_id)
+        return pages.run_sections(detail, datetime.now(UTC), None if t is None else t.goodput)
 
-        return sections
-
-    async def desk_sections() -> pages.Sections:
+    async def desk_sections(self) -> pages.Sections:
+        source = self.source
         source.want_runs()
         prices = source.runs.prices if source.runs else {}
         return pages.desk_sections(board.breakdowns(source.rollups, source.finished, prices), prices)
 
-    async def runs_page(request: Request) -> Response:
-        if (no := refused(request)) is not None:
-            return no
-        if source.runs_stale():
-            await source.refresh_runs()
-        return _html(pages.layout("Runs", await runs_sections(), pages.RUNS_ORDER, "/events/runs", "Runs"))
+    # --- the pages, their streams and the scrape (each behind `guarded`) ---
 
-    async def run_page(request: Request) -> Response:
-        if (no := refused(request)) is not None:
-            return no
+    async def runs_page(self, request: Request) -> Response:
+        await self._fresh_runs()
+        sections = await self.runs_sections()
+        return _html(pages.layout("Runs", sections, pages.RUNS_ORDER, "/events/runs", "Runs"))
+
+    async def run_page(self, request: Request) -> Response:
         run_id = request.path_params["run_id"]
         try:
-            sections = await run_sections_for(run_id)()
+            sections = await self.run_sections(run_id)
         except NotFound:
-            return _html(
-                pages.layout("Not found", {"summary": "<p>No such run.</p>"}, ["summary"], "", "Not found"),
-                404,
-            )
+            return _notice("Not found", "No such run.", 404)
         except Unavailable as exc:
-            return _html(
-                pages.layout(
-                    "Unavailable", {"summary": f"<p>{escape(str(exc))}</p>"}, ["summary"], "", "Unavailable"
-                ),
-                503,
-            )
+            return _notice("Unavailable", str(exc), 503)
         return _html(
             pages.layout(run_id, sections, pages.RUN_ORDER, f"/events/run/{run_id}", f"Run {run_id}")
         )
 
-    async def desk_page(request: Request) -> Response:
-        if (no := refused(request)) is not None:
-            return no
-        if source.runs_stale():
-            await source.refresh_runs()
-        return _html(
-            pages.layout("Desk", await desk_sections(), pages.DESK_ORDER, "/events/desk", "The desk")
-        )
+    async def desk_page(self, request: Request) -> Response:
+        await self._fresh_runs()
+        sections = await self.desk_sections()
+        return _html(pages.layout("Desk", sections, pages.DESK_ORDER, "/events/desk", "The desk"))
 
-    def stream(request: Request, sections: Callable[[], Awaitable[pages.Sections]]) -> Response:
-        async def events() -> AsyncIterator[str]:
-            sent: dict[str, str] = {}
-            began = last = time.monotonic()
-            yield "retry: 2000\n\n"
-            while time.monotonic() - began < STREAM_MAX_S and not await request.is_disconnected():
-                try:
-                    current = await sections()
-                except (Unavailable, NotFound) as exc:
-                    yield _sse("problem", {"message": str(exc)})
-                    current = {}
-                for sid, html in current.items():
-                    if sent.get(sid) != html:
-                        sent[sid] = html
-                        yield _sse("section", {"id": sid, "html": html})
-                        last = time.monotonic()
-                if time.monotonic() - last > KEEPALIVE_S:
-                    yield ": keepalive\n\n"
-                    last = time.monotonic()
-                await asyncio.sleep(TICK_S)
+    async def runs_events(self, request: Request) -> Response:
+        return _stream(request, self.runs_sections)
 
-        return StreamingResponse(
-            events(), media_type="text/event-stream", headers={**HEADERS, "X-Accel-Buffering": "no"}
-        )
+    async def run_events(self, request: Request) -> Response:
+        return _stream(request, functools.partial(self.run_sections, request.path_params["run_id"]))
 
-    async def runs_events(request: Request) -> Response:
-        return refused(request) or stream(request, runs_sections)
+    async def desk_events(self, request: Request) -> Response:
+        return _stream(request, self.desk_sections)
 
-    async def run_events(request: Request) -> Response:
-        return refused(request) or stream(request, run_sections_for(request.path_params["run_id"]))
-
-    async def desk_events(request: Request) -> Response:
-        return refused(request) or stream(request, desk_sections)
-
-    async def metrics(request: Request) -> Response:
-        if (no := refused(request)) is not None:
-            return no
-        if source.runs_stale():
-            await source.refresh_runs()  # a scrape after a quiet spell reads the list itself
-        source.want_runs()
-        body, content_type = exposition(source)
+    async def metrics(self, request: Request) -> Response:
+        await self._fresh_runs()
+        self.source.want_runs()
+        body, content_type = exposition(self.source)
         return Response(body, media_type=content_type, headers=HEADERS)
 
-    async def login_form(request: Request) -> Response:
-        return _html(pages.login_page())
 
-    async def login(request: Request) -> Response:
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FORM_BYTES:
-                return _html(pages.login_page("That is not a token."), 413)
-        given = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
-        if not given or not hmac.compare_digest(given.encode(), token.encode()):
-            log.warning("a login with a wrong token was refused")
-            return _html(pages.login_page("Wrong token."), 401)
-        response = RedirectResponse("/", status_code=303, headers=HEADERS)
-        response.set_cookie(COOKIE, session_value(token), httponly=True, samesite="strict", path="/")
-        return response
-
-    async def logout(request: Request) -> Response:
-        response = RedirectResponse("/login", status_code=303, headers=HEADERS)
-        response.delete_cookie(COOKIE, path="/")
-        return response
-
-    async def healthz(request: Request) -> Response:
-        return PlainTextResponse("ok", headers=HEADERS)
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await source.start()
-        try:
-            yield
-        finally:
-            await source.close()
-
-    return Starlette(
-        routes=[
-            Route("/", runs_page),
-            Route("/runs/{run_id}", run_page),
-            Route("/desk", desk_page),
-            Route("/events/runs", runs_events),
-            Route("/events/run/{run_id}", run_events),
-            Route("/events/desk", desk_events),
-            Route("/metrics", metrics),
-            Route("/login", login_form, methods=["GET"]),
-            Route("/login", login, methods=["POST"]),
-            Route("/logout", logout, methods=["POST"]),
-            Route("/healthz", healthz),
-            Mount("/static", StaticFiles(directory=STATIC), name="static"),
-        ],
-        lifespan=lifespan,
-    )
+def build(source: DeskSource, token: str, scrape_token: str = "") -> Starlette:
+    """The app over `source` (see `Desk` for the tokens)."""
+    desk = Desk(source, token, scrape_token)
+    return Starlette(routes=desk.routes(), lifespan=desk.lifespan)

@@ -1,14 +1,19 @@
-"""The canonical API: every `ecc ito` verb, gated in a fixed order that fails closed.
+"""The canonical API's verbs that price and create a run: `plan`, `confirm` and `train`, gated in a
+fixed order that fails closed. (The tenant's reads: of its account, services/scheduler/
+account_reads.py; of its runs, run_reads.py and listing.py; its run mutations, mutations.py.)
+
+Plan, and confirm of a train: rate -> manifest -> manifest inputs (the run's stages planned once,
+there) -> eligibility -> the plan on those stages, refused at its first failed check.
 
 Train: authenticate -> key format -> manifest (digest, parse, secrets) -> manifest inputs (the base
 model in the model store, the tokenizer, the data files' digests and columns; the run's plan) ->
-eligibility (signed,
-fresh) -> plan and gate-5 checks -> a confirmation reference given -> eligibility still fresh (of
-the same booking version) -> ledger accept (one atomic script: the key's existing run answers a
-replay; else the confirmation's binding is checked, the confirmation consumed and the key
-reserved) -> hand-off to the trainer. A request refused by a gate is answered with its key's run
-when the key already has one (a replay answers whatever changed since). Nothing is written before
-the accept; every gate's decision goes to the audit stream, as one record per request.
+eligibility (signed, fresh) -> plan and gate-5 checks -> a confirmation reference given ->
+eligibility still fresh (of the same booking version) -> ledger accept (one atomic script: the
+key's existing run answers a replay; else the confirmation's binding is checked, the confirmation
+consumed and the key reserved) -> hand-off to the trainer. A request refused by a gate is answered
+with its key's run when the key already has one (a replay answers whatever changed since). Nothing
+is written before the accept; every gate's decision goes to the audit stream, as one record per
+request.
 """
 
 import asyncio
@@ -23,40 +28,22 @@ import msgspec
 
 from contracts.api import (
     Action,
-    AuthInfo,
-    AuthRequest,
-    BookingView,
     ConfirmationIssued,
     ConfirmRequest,
-    FindRequest,
-    LogPage,
-    LogsRequest,
-    MetricsRequest,
-    ModelList,
-    ModelsRequest,
-    ModelView,
     PlanRequest,
-    QuotaStatus,
-    QuotaUsage,
     RunAccepted,
-    RunItemsRequest,
-    RunView,
-    StatusRequest,
     TrainRequest,
     accepted,
 )
-from contracts.audit import AuditRequest, AuditTrail
-from contracts.booking import BookingState
 from contracts.errors import ErrorCode
 from contracts.internal import ConfirmationCreate, EligibilityBody, LedgerAccept, LedgerEntry
 from contracts.manifest import Manifest
-from contracts.models import BaseModel
 from contracts.plans import Plan
-from contracts.runs import CheckpointList, EvalList, MetricsPage, TrainWork
+from contracts.runs import TrainWork
 from contracts.states import CANCELLABLE
 from domain import binding, budget
 from domain import quotas as quota_rules
-from domain.curriculum import Curriculum, curriculum_digest
+from domain.curriculum import curriculum_digest
 from domain.quotas import Taken
 from runtime.configuration import faults
 from runtime.messaging.codec import Refusal
@@ -76,6 +63,7 @@ from services.scheduler.handoff import Handoff
 from services.scheduler.inputs import ManifestInputs, Runnable
 from services.scheduler.manifests import parsed_off_loop
 from services.scheduler.peers import Peers
+from services.scheduler.prices import PriceTable
 from services.scheduler.store import RunRecords
 
 log = logging.getLogger("ito.scheduler.api")
@@ -88,33 +76,19 @@ def _raised(outcome: Any) -> Any:
     return outcome
 
 
-def model_view(m: BaseModel) -> ModelView:
-    return ModelView(
-        name=m.name,
-        digest=m.digest,
-        family=m.family,
-        architecture=m.architecture,
-        parameters=m.parameters,
-        vocab_size=m.shape.vocab_size,
-        max_seq_len=m.shape.max_seq_len,
-        tokenizer=m.tokenizer_vocab is not None,
-        chat_template=m.chat_template,
-        bytes=m.bytes,
-    )
-
-
-def tenant_view(view: RunView) -> RunView:
-    """A run as its tenant reads it: the scheduler's own record less the server's directories (the
-    run's checkpoint directory is where the trainer writes, not something a tenant names)."""
-    return msgspec.structs.replace(view, checkpoint_dir=None)
-
-
 CONFIRMATION_REFUSALS = frozenset(binding.CODES.values())
 """The codes of a confirmation's binding: the confirmation gate's."""
 
 
 def plan_refusal_message(p: Plan) -> str:
     return "; ".join(f"{c.name}: {c.reason}" for c in p.checks if not c.ok)
+
+
+def refuse_failed(p: Plan) -> None:
+    """The plan's first failed check as the request's refusal (every failed check in its message)."""
+    first = planning.first_refusal(p)
+    if first is not None:
+        raise Refusal(first[0], plan_refusal_message(p))
 
 
 class Api:
@@ -125,7 +99,7 @@ class Api:
         runs: RunRecords,
         handoff: Handoff,
         auditor: Auditor,
-        prices: planning.PriceTable,
+        prices: PriceTable,
         checkpoint_root: pathlib.Path,
         *,
         small_model_gangs: bool = False,
@@ -146,19 +120,16 @@ class Api:
         self.handoff = handoff
         self.prices = prices
         self.checkpoint_root = checkpoint_root
-        self.model_store = model_store  # None: no base model resolves (every one is model_not_found)
+        # model_store None: no base model resolves (every one is model_not_found)
         self.inputs = ManifestInputs(model_store, files, data_facts, file_root)
         self.storage_roots = storage_roots  # ITO_CHECKPOINT_ROOTS: what checkpoint.storage may name
         self.quotas = quotas if quotas is not None else InMemoryQuotas()  # RedisQuotas in the service
 
-    async def _account(self, caller: str, req) -> str:
-        return (await authenticate(self.credentials, caller, req)).account
-
     async def _rated(self, caller: str, req, open_runs: bool = False) -> tuple[str, Taken]:
         """The account, once its request-rate bucket admitted this request (plan, confirm, train):
         the first gate, which writes no audit record (the NATS server authenticated the caller's
-        account already: only its credential may publish on its subject). A refusal this instance remembers is answered first, with no Redis read at all (a flood's);
-        otherwise the bucket's take and the key records' read go side by side (one round trip's
+        account already: only its credential may publish on its subject). A refusal this instance
+        remembers is answered first, with no Redis read at all (a flood's); otherwise the bucket's take and the key records' read go side by side (one round trip's
         wait, not two), and the rate's refusal still comes first."""
         remembered = self.quotas.remembered(caller)
         if remembered is not None:
@@ -191,91 +162,37 @@ class Api:
         """`_run_quota` in a tuple: beside other reads, its refusal (a value) is not an error."""
         return (await self._run_quota(account, taken),)
 
-    async def auth(self, caller: str, req: AuthRequest) -> AuthInfo:
-        """Who the caller is, with its quotas: the limits and what it uses now."""
-        info = await authenticate(self.credentials, caller, req)
-        limits = await self.quotas.limits(info.account)
-        taken = await self.quotas.take(info.account, cost=0)
-        unfinished, waiting = quota_rules.run_usage(await self.runs.open_states(info.account))
-        try:
-            outstanding: int | None = (await self.peers.outstanding_confirmations(info.account)).confirmations
-        except Refusal:  # the confirmation service is away: `auth` still says who the caller is
-            outstanding = None
-        stored = await self.inputs.files.usage(info.account) if self.inputs.files is not None else {}
-        usage = QuotaUsage(
-            tokens=round(taken.tokens, 2),
-            confirmations=outstanding,
-            runs=unfinished,
-            queued=waiting,
-            file_bytes=stored.get("file_bytes", 0),
-            files=stored.get("files", 0),
-            models=stored.get("models", 0),
-        )
-        return msgspec.structs.replace(info, quotas=QuotaStatus(limits=limits, usage=usage))
-
-    async def find(self, caller: str, req: FindRequest) -> list[BookingView]:
-        account = await self._account(caller, req)
-        now = datetime.now(UTC)
-        views = []
-        for b in (await self.peers.bookings(account)).bookings:
-            allows = b.state is BookingState.completed and now < b.window_end
-            reason = (
-                None if allows else ("window over" if b.state is BookingState.completed else b.state.value)
-            )
-            views.append(BookingView(booking=b, allows_training=allows, reason=reason))
-        return views
-
-    async def _plan(
-        self, account: str, booking_id: str, manifest: Manifest, digest: str, base: BaseModel | None
-    ) -> tuple[Plan, EligibilityBody]:
-        body = await self.peers.verified_eligibility(account, booking_id, manifest)
-        return self._plan_on(account, manifest, digest, base, body), body
-
-    def _plan_on(
-        self,
-        account: str,
-        manifest: Manifest,
-        digest: str,
-        base: BaseModel | None,
-        body: EligibilityBody,
-        run: Curriculum | None = None,
-    ) -> Plan:
+    def _plan_on(self, manifest: Manifest, digest: str, body: EligibilityBody, runnable: Runnable) -> Plan:
         return planning.plan(
             manifest,
             digest,
             body,
             self.prices,
             small_model_gangs=self.small_model_gangs,
-            base=base,
+            base=runnable.base,
             now=datetime.now(UTC),  # the booking's remaining window is measured from now
-            run=run,  # the stages the manifest-inputs gate planned: planned once per request
+            run=runnable.curriculum,  # the stages the manifest-inputs gate planned: planned once per request
             storage_roots=self.storage_roots,
         )
 
-    async def _verified(
-        self, account: str, text: str, client_digest: str
-    ) -> tuple[Manifest, str, BaseModel | None]:
-        """The manifest gate: the bytes (remembered by digest), then its inputs and its plan, every
-        time (services/scheduler/inputs.py: store reads in worker threads, data checks in child
-        processes: nothing stalls every other request on the event loop)."""
+    async def _planned_request(
+        self, account: str, booking_id: str, text: str, client_digest: str
+    ) -> tuple[Manifest, str, Plan]:
+        """`plan`'s and `confirm --action train`'s gates: the manifest's bytes (remembered by digest),
+        its inputs every time (services/scheduler/inputs.py: store reads in worker threads, data checks
+        in child processes: nothing stalls every other request on the event loop), the signed
+        eligibility, and the plan on them, refused at its first failed check."""
         manifest, digest = await parsed_off_loop(text, client_digest)
         runnable = await self.inputs.runnable(manifest, account)
-        return manifest, digest, runnable.base
-
-    async def models(self, caller: str, req: ModelsRequest) -> ModelList:
-        """The base models this account may name (never another account's)."""
-        account = await self._account(caller, req)
-        listed = self.model_store.list(account) if self.model_store is not None else []
-        return ModelList(models=[model_view(m) for m in listed])
+        body = await self.peers.verified_eligibility(account, booking_id, manifest)
+        p = self._plan_on(manifest, digest, body, runnable)
+        refuse_failed(p)
+        return manifest, digest, p
 
     async def plan(self, caller: str, req: PlanRequest) -> Plan:
         """Creates nothing: no run, no confirmation, no ledger entry, nothing on the queue."""
         account, _ = await self._rated(caller, req)
-        manifest, digest, base = await self._verified(account, req.manifest_text, req.manifest_digest)
-        p, _ = await self._plan(account, req.booking_id, manifest, digest, base)
-        refusal = planning.first_refusal(p)
-        if refusal is not None:
-            raise Refusal(refusal[0], plan_refusal_message(p))
+        _, _, p = await self._planned_request(account, req.booking_id, req.manifest_text, req.manifest_digest)
         return p
 
     async def confirm(self, caller: str, req: ConfirmRequest) -> ConfirmationIssued:
@@ -323,11 +240,9 @@ class Api:
     async def _confirm_train(self, account: str, req: ConfirmRequest) -> ConfirmationIssued:
         if req.booking_id is None or req.manifest_text is None or req.manifest_digest is None:
             raise Refusal(ErrorCode.request_invalid, "confirm --action train needs --booking and --manifest")
-        manifest, digest, base = await self._verified(account, req.manifest_text, req.manifest_digest)
-        p, _ = await self._plan(account, req.booking_id, manifest, digest, base)
-        refusal = planning.first_refusal(p)
-        if refusal is not None:
-            raise Refusal(refusal[0], plan_refusal_message(p))
+        manifest, digest, p = await self._planned_request(
+            account, req.booking_id, req.manifest_text, req.manifest_digest
+        )
         # The bound the person authorises: what they said, else what the manifest and booking allow
         # (the run's spend limit); the run is stopped before its spend crosses it.
         default = budget.manifest_limit(manifest, p.cost)
@@ -418,13 +333,12 @@ class Api:
         if isinstance(inputs, Refusal):
             trail.refuse("manifest_inputs", inputs)
         runnable: Runnable = _raised(inputs)
-        run_plan, base = runnable.curriculum, runnable.base
         trail.record("manifest_inputs", True)
         if isinstance(eligibility, Refusal):
             trail.refuse("eligibility", eligibility)
         body = _raised(eligibility)
         trail.record("eligibility", True)
-        p = self._planned(account, manifest, digest, base, body, trail, run_plan)
+        p = self._planned(manifest, digest, body, runnable, trail)
         if not req.confirmation_ref:
             trail.refuse(
                 "confirmation",
@@ -437,7 +351,7 @@ class Api:
             # Re-fetched, never stretched: the gate is checked again at the moment of creation,
             # and the plan holds only for the booking version it was made on.
             await trail.gate("eligibility_refresh", self._refreshed(account, req.booking_id, manifest, body))
-        work = self._work(trail.request_id, account, req, manifest, digest, p, base, runnable)
+        work = self._work(trail.request_id, account, req, manifest, digest, p, runnable)
         entry = await self._accepted(account, req, fp, work, trail)
         if entry.run_id != work.run_id:  # the key already has a run (or a concurrent request won it)
             return await trail.gate("replay", self._replay(entry, fp))
@@ -501,21 +415,12 @@ class Api:
         return manifest, digest
 
     def _planned(
-        self,
-        account: str,
-        manifest: Manifest,
-        digest: str,
-        base: BaseModel | None,
-        body: EligibilityBody,
-        trail: Trail,
-        run: Curriculum,
+        self, manifest: Manifest, digest: str, body: EligibilityBody, runnable: Runnable, trail: Trail
     ) -> Plan:
-        p = self._plan_on(account, manifest, digest, base, body, run)
+        p = self._plan_on(manifest, digest, body, runnable)
         for check in p.checks:
             trail.record(f"plan.{check.name}", check.ok, check.code)
-        first = planning.first_refusal(p)
-        if first is not None:
-            raise Refusal(first[0], plan_refusal_message(p))
+        refuse_failed(p)
         return p
 
     def _work(
@@ -526,7 +431,6 @@ class Api:
         manifest: Manifest,
         digest: str,
         p: Plan,
-        base: BaseModel | None,
         runnable: Runnable,
     ) -> TrainWork:
         return TrainWork(
@@ -540,7 +444,7 @@ class Api:
             nodes=manifest.resources.nodes,
             rendezvous=self.handoff.rendezvous(manifest.resources.nodes),
             rendezvous_key=self.handoff.rendezvous_key(manifest.resources.nodes),
-            base=base,  # resolved once, here: the trainer reads the weights by this digest
+            base=runnable.base,  # resolved once, here: the trainer reads the weights by this digest
             # the estimate; the ledger's accept records the consumed confirmation's bound and the
             # hand-off writes that one in (services/scheduler/handoff.py `bounded`)
             cost_bound_usd=p.cost.total_usd,
@@ -564,62 +468,3 @@ class Api:
                 work=msgspec.json.encode(work),
             )
         )
-
-    async def status(self, caller: str, req: StatusRequest) -> RunView:
-        return tenant_view(await self._status(caller, req))
-
-    async def _status(self, caller: str, req: StatusRequest) -> RunView:
-        account = await self._account(caller, req)
-        if req.run_id is not None:
-            view = await self.runs.get(account, req.run_id)
-            if view is None:
-                raise Refusal(ErrorCode.run_not_found, "no such run for this account")
-            return view
-        if req.idempotency_key is None:
-            raise Refusal(ErrorCode.request_invalid, "status needs a run id or --idempotency-key")
-        entry = await self.peers.ledger_lookup(account, req.idempotency_key)
-        if entry is None:
-            raise Refusal(ErrorCode.run_not_found, "no run was created with this idempotency key")
-        view = await self.runs.get(account, entry.run_id)
-        return view if view is not None else self.handoff.view_from(entry)
-
-    async def audit(self, caller: str, req: AuditRequest) -> AuditTrail:
-        """A run's gate decisions, replayed from the audit stream (tenant-scoped)."""
-        account = await self._account(caller, req)
-        if await self.runs.get(account, req.run_id) is None:
-            raise Refusal(ErrorCode.run_not_found, "no such run for this account")
-        decisions = [d for d in await self.auditor.read(req.run_id) if d.account == account]
-        return AuditTrail(run_id=req.run_id, decisions=decisions)
-
-    async def _owned(self, caller: str, req, run_id: str) -> tuple[str, RunView]:
-        account = await self._account(caller, req)
-        view = await self.runs.get(account, run_id)
-        if view is None:
-            raise Refusal(ErrorCode.run_not_found, "no such run for this account")
-        return account, view
-
-    async def metrics(self, caller: str, req: MetricsRequest) -> MetricsPage:
-        account, _ = await self._owned(caller, req, req.run_id)
-        since, limit = max(0, req.since), max(1, min(req.limit, 5000))
-        points = await self.runs.metrics(account, req.run_id, since, limit)
-        return MetricsPage(run_id=req.run_id, points=points, next=since + len(points))
-
-    async def checkpoints(self, caller: str, req: RunItemsRequest) -> CheckpointList:
-        account, view = await self._owned(caller, req, req.run_id)
-        return CheckpointList(
-            run_id=req.run_id,
-            checkpoints=await self.runs.checkpoints(account, req.run_id),
-            cleaned_up=view.cleaned_up,
-        )
-
-    async def evals(self, caller: str, req: RunItemsRequest) -> EvalList:
-        _, view = await self._owned(caller, req, req.run_id)
-        return EvalList(run_id=req.run_id, gates=view.gates)
-
-    async def logs(self, caller: str, req: LogsRequest) -> LogPage:
-        account = await self._account(caller, req)
-        if await self.runs.get(account, req.run_id) is None:
-            raise Refusal(ErrorCode.run_not_found, "no such run for this account")
-        limit = max(1, min(req.limit, 1000))
-        lines = await self.runs.logs(account, req.run_id, max(0, req.since), limit)
-        return LogPage(run_id=req.run_id, lines=lines, next=max(0, req.since) + len(lines))

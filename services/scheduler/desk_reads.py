@@ -17,7 +17,7 @@ from contracts.desk import DeskRun, DeskRunRequest, DeskRuns, DeskRunsRequest, I
 from contracts.errors import ErrorCode
 from contracts.runs import CheckpointSaved, Metrics
 from runtime.messaging.codec import Refusal
-from services.scheduler.planning import PriceTable
+from services.scheduler.prices import PriceTable
 
 MAX_RUNS = 1000  # one answer's runs at most, whatever the request asks
 MAX_METRICS = 10_000

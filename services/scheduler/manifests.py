@@ -46,7 +46,7 @@ def digest_of(data: bytes) -> str:
 
 def verify(text: str, client_digest: str, max_bytes: int = MAX_MANIFEST_BYTES) -> tuple[Manifest, str]:
     """The parsed manifest and its digest, refused unless it can run as a from-scratch run with no
-    inputs to check (the table tests' form; the API checks the inputs too: `Api._verified`)."""
+    inputs to check (the table tests' form; the API checks the inputs too: `Api._planned_request`)."""
     manifest, digest = parsed(text, client_digest, max_bytes)
     try:
         curriculum_of(manifest)  # accepted here means runnable there: the trainer's own guard is this call

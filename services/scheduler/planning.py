@@ -1,15 +1,14 @@
 """Planning: parallelism, precision, memory, fabric, data policy and cost, as pure functions.
 
 `plan()` is called by `ecc ito plan` (which creates nothing) and again at train time; each gate is a
-named check with pass/fail and a reason. The I/O it needs (the price table) is done by the caller
-and passed in. It touches no disk: the checkpoint storage is the trainer's, and the trainer checks it
+named check with pass/fail and a reason. The I/O it needs (the price table: services/scheduler/
+prices.py) is done by the caller and passed in. It touches no disk: the checkpoint storage is the trainer's, and the trainer checks it
 (exists, writable, room for the plan's `checkpoint_bytes`) before its first step.
 """
 
-import json
 import os
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
 
@@ -24,8 +23,8 @@ from contracts.plans import CapacityPlan, CostEstimate, Plan, PlanCheck, StageGa
 from domain.curriculum import Curriculum, LmPlan, curriculum_of, model_shape
 from domain.model_shapes import count_parameters, head_dim
 from services.scheduler import calibration, capacity
+from services.scheduler.prices import GpuPrice, PriceTable
 
-PRICES_PATH = pathlib.Path(__file__).with_name("desk_prices.json")
 ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "upload:", "s3://", "file:/")  # what data_refs reads
 BYTES_PER_PARAM_TRAINING = 16  # bf16 weights + bf16 grads + fp32 master + two fp32 Adam moments
 BYTES_PER_PARAM_CHECKPOINT = 12  # fp32 weights + two fp32 Adam moments
@@ -38,35 +37,6 @@ FP8_MIN_PARAMS = 8e9  # fp8 pays off only for large matmuls
 # Post-training compute as a fraction of pretraining tokens, and FLOPs per token per parameter.
 POST_TRAINING_TOKENS_FRACTION = 0.05
 POST_TRAINING_FLOPS_PER_TOKEN = {"sft": 6.0, "dpo": 2 * 6.0 + 2 * 2.0, "rlvr": 8 * 2.0 + 6.0 + 2.0}
-
-
-@dataclass(frozen=True, slots=True)
-class GpuPrice:
-    price_per_gpu_hour_usd: float
-    peak_bf16_tflops: float
-    assumed_mfu: float
-    memory_gb: float
-    fp8: bool
-
-
-@dataclass(frozen=True, slots=True)
-class PriceTable:
-    storage_usd_per_gb_month: float
-    gpus: dict[str, GpuPrice]
-    # The backend's measured wall-time figures per GPU model (services/scheduler/calibration.py);
-    # empty: the estimate is FLOPs at the assumed MFU alone (basis "flops").
-    calibration: "dict[str, calibration.Figures]" = field(default_factory=dict)
-
-
-def load_prices(
-    path: pathlib.Path = PRICES_PATH, calibration_path: pathlib.Path = calibration.CALIBRATION_PATH
-) -> PriceTable:
-    raw = json.loads(path.read_text())
-    return PriceTable(
-        storage_usd_per_gb_month=raw["storage_usd_per_gb_month"],
-        gpus={name: GpuPrice(**v) for name, v in raw["gpus"].items()},
-        calibration=calibration.load(calibration_path),
-    )
 
 
 def parameter_count(shape: ModelShape) -> int:
@@ -432,25 +402,51 @@ def checkpoint_every_hours(
     return wall_hours * min(1.0, manifest.checkpoint.interval_steps / steps) if steps else wall_hours
 
 
-def data_parallel_alternative(
-    params: int,
-    shape: ModelShape,
-    manifest: Manifest,
-    gpu: GpuPrice,
-    statement: EligibilityBody,
-    prices: PriceTable,
-    small_model_gangs: bool,
-    run: Curriculum | None = None,
-) -> capacity.Alternative:
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What every part of one plan reads: the manifest on the booking's GPUs at the desk's price,
+    its model's shape and parameters, and its stages (None: a manifest that cannot run)."""
+
+    manifest: Manifest
+    statement: EligibilityBody
+    prices: PriceTable
+    gpu: GpuPrice
+    shape: ModelShape
+    params: int
+    base: BaseModel | None
+    run: Curriculum | None
+    small_model_gangs: bool
+
+    @property
+    def window_hours(self) -> float:
+        """The booking's whole window."""
+        return (self.statement.window_end - self.statement.window_start).total_seconds() / 3600.0
+
+
+def estimate(ask: Ask) -> CostEstimate:
+    """The run's cost on the GPUs it holds: FLOPs at the assumed MFU, then on the calibrated wall time."""
+    topo = ask.statement.topology
+    booked = topo.nodes * topo.gpus_per_node * ask.window_hours
+    flops = cost(ask.params, ask.manifest, ask.gpu, ask.prices, booked, ask.window_hours, ask.shape)
+    return calibrated(flops, ask.manifest, ask.shape, ask.gpu, ask.prices, topo.gpu_model, ask.base, ask.run)
+
+
+def data_parallel_alternative(ask: Ask) -> capacity.Alternative:
     """The plan over every GPU of the booking (the layout the planner picks), for the suggestion."""
-    topo = statement.topology
+    topo = ask.statement.topology
     resources = msgspec.structs.replace(
-        manifest.resources, nodes=topo.nodes, gpus_per_node=topo.gpus_per_node, strategy=None
+        ask.manifest.resources, nodes=topo.nodes, gpus_per_node=topo.gpus_per_node, strategy=None
     )
-    wide = msgspec.structs.replace(manifest, resources=resources)
-    s = strategy(params, shape, wide, gpu, statement.fabric, small_model_gangs)
+    wide = msgspec.structs.replace(ask.manifest, resources=resources)
+    s = strategy(ask.params, ask.shape, wide, ask.gpu, ask.statement.fabric, ask.small_model_gangs)
     est = calibrated(  # the run's stages do not depend on its resources: the same Curriculum
-        cost(params, wide, gpu, prices, 0.0, 0.0, shape), wide, shape, gpu, prices, topo.gpu_model, run=run
+        cost(ask.params, wide, ask.gpu, ask.prices, 0.0, 0.0, ask.shape),
+        wide,
+        ask.shape,
+        ask.gpu,
+        ask.prices,
+        topo.gpu_model,
+        run=ask.run,
     )
     reason = None if s.refusal is None else f"{s.refusal[0].value}: {s.refusal[1]}"
     return capacity.Alternative(
@@ -459,38 +455,29 @@ def data_parallel_alternative(
 
 
 def capacity_and_window(
-    params: int,
-    shape: ModelShape,
-    manifest: Manifest,
-    gpu: GpuPrice,
-    statement: EligibilityBody,
-    prices: PriceTable,
-    estimate: CostEstimate,
-    now: datetime,
-    *,
-    small_model_gangs: bool = False,
-    base: BaseModel | None = None,
-    run: Curriculum | None = None,
+    ask: Ask, estimate: CostEstimate, now: datetime
 ) -> tuple[CapacityPlan, WindowPlan, PlanCheck]:
     """The booking's held and idle GPUs, the run against the remaining window, and the
     `booking_window` check (services/scheduler/capacity.py)."""
-    topo, res = statement.topology, manifest.resources
+    statement, manifest, topo, res = (
+        ask.statement,
+        ask.manifest,
+        ask.statement.topology,
+        ask.manifest.resources,
+    )
     wall = expected_wall_hours(estimate)
-    window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
     alt = None
     if res.nodes * res.gpus_per_node < topo.nodes * topo.gpus_per_node:
-        alt = data_parallel_alternative(
-            params, shape, manifest, gpu, statement, prices, small_model_gangs, run=run
-        )
+        alt = data_parallel_alternative(ask)
     held = capacity.capacity_plan(
-        topo, res.nodes, res.gpus_per_node, gpu.price_per_gpu_hour_usd, wall, window_hours, alt
+        topo, res.nodes, res.gpus_per_node, ask.gpu.price_per_gpu_hour_usd, wall, ask.window_hours, alt
     )
     window = capacity.window_plan(
         statement.window_start,
         statement.window_end,
         now,
         wall,
-        checkpoint_every_hours(manifest, wall, base, run),
+        checkpoint_every_hours(manifest, wall, ask.base, ask.run),
         manifest.checkpoint.resumable_across_bookings,
     )
     return held, window, _check("booking_window", capacity.window_refusal(window), window.sentence)
@@ -515,53 +502,35 @@ def plan(
     part of the plan below that needs them)."""
     run = run or _curriculum(manifest, base)
     shape = model_shape(manifest, base)
-    params = parameter_count(shape)
-    topo = statement.topology
     gpu, price_check = desk_gpu(prices, statement)
-    checks: list[PlanCheck] = [] if price_check is None else [price_check]
-    chosen = strategy(params, shape, manifest, gpu, statement.fabric, small_model_gangs)
-    checks += layout_checks(chosen, manifest, statement.fabric)
-    window_hours = (statement.window_end - statement.window_start).total_seconds() / 3600.0
-    booked = topo.nodes * topo.gpus_per_node * window_hours
-    estimate = cost(params, manifest, gpu, prices, booked, window_hours, shape)
-    estimate = calibrated(estimate, manifest, shape, gpu, prices, topo.gpu_model, base, run)
-    checks.append(
-        _check("data_policy", data_policy(manifest), "every source allowed, decontamination declared")
-    )
+    ask = Ask(manifest, statement, prices, gpu, shape, parameter_count(shape), base, run, small_model_gangs)
+    chosen = strategy(ask.params, shape, manifest, gpu, statement.fabric, small_model_gangs)
+    est = estimate(ask)
     needed = checkpoint_bytes(manifest, shape) * manifest.checkpoint.keep_last
-    checks.append(
+    held, window, window_check = capacity_and_window(ask, est, now or statement.issued_at)
+    checks = [
+        *([] if price_check is None else [price_check]),
+        *layout_checks(chosen, manifest, statement.fabric),
+        _check("data_policy", data_policy(manifest), "every source allowed, decontamination declared"),
         _check(
             "checkpoint_storage",
             storage_policy_refusal(manifest, storage_roots),
             f"the trainer checks its storage is writable with ~{needed / 1e9:.1f} GB free before it trains",
-        )
-    )
-    checks += budget_checks(estimate, manifest)
-    held, window, window_check = capacity_and_window(
-        params,
-        shape,
-        manifest,
-        gpu,
-        statement,
-        prices,
-        estimate,
-        now or statement.issued_at,
-        small_model_gangs=small_model_gangs,
-        base=base,
-        run=run,
-    )
-    checks.append(window_check)
+        ),
+        *budget_checks(est, manifest),
+        window_check,
+    ]
     return Plan(
         booking_id=statement.booking_id,
         manifest_digest=digest,
         strategy=chosen.name,
         degrees=chosen.degrees,
         precision=chosen.precision,
-        cost=estimate,
+        cost=est,
         checks=checks,
         gates=stage_gates(manifest, base, run),
         ok=all(c.ok for c in checks),
-        gpu_model=topo.gpu_model,
+        gpu_model=statement.topology.gpu_model,
         region=statement.region,
         capacity=held,
         window=window,

@@ -69,8 +69,8 @@ from runtime.storage.tenant_files import PRESIGN_EXPIRES_S, StoreError, TenantSt
 from runtime.tenancy.accounts import Credentials
 from runtime.tenancy.quota_stores import Quotas
 from runtime.tenancy.quota_stores import refusal as rate_refusal
+from services.scheduler.account_reads import model_view
 from services.scheduler.admission import authenticate, fingerprint, key_conflict, key_refusal
-from services.scheduler.api import model_view
 from services.scheduler.file_records import FileRecords, StorageLimits, UploadRecord
 from services.scheduler.peers import Peers
 

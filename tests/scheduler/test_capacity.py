@@ -14,7 +14,8 @@ import pytest
 from contracts.booking import Topology
 from ecc import render
 from services.scheduler import capacity
-from services.scheduler.planning import load_prices, plan
+from services.scheduler.planning import plan
+from services.scheduler.prices import load_prices
 from tests.scheduler.test_planning import ETH, T0, body, code_of, manifest, run_plan
 
 H200 = 3.5

@@ -13,7 +13,8 @@ from contracts.models import MODEL_SHAPES
 from domain.curriculum import curriculum_of
 from domain.model_shapes import count_parameters
 from services.scheduler import calibration
-from services.scheduler.planning import load_prices, plan
+from services.scheduler.planning import plan
+from services.scheduler.prices import load_prices
 from tests.scheduler.test_planning import body
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

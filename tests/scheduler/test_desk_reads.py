@@ -18,7 +18,7 @@ from runtime.messaging.bus import Router
 from runtime.messaging.codec import Refusal
 from services.scheduler.desk_reads import DeskReads
 from services.scheduler.memory import InMemoryRuns
-from services.scheduler.planning import load_prices
+from services.scheduler.prices import load_prices
 from services.telemetry.handlers import LIVE_EVERY_S, TelemetryHandlers
 from services.telemetry.store import InMemoryTelemetry
 

@@ -226,6 +226,19 @@ async def confirmed_run(
     return train, data(await call(bus, subjects.API_TRAIN, train, account), RunAccepted)
 
 
+async def test_every_api_verb_is_served_by_the_schedulers_table(bus):
+    # app.register serves a table of verbs -> the object that serves them: each verb once (the
+    # router refuses a subject served twice), and none left out
+    from contracts import endpoints
+    from services.scheduler import app
+
+    table = (app.API, app.ACCOUNT, app.READS, app.MUTATIONS, app.UPLOADS, app.OUTPUTS, app.LISTS)
+    verbs = [verb for verbs in table for verb in verbs]
+    assert sorted(verbs) == sorted(endpoints.API)
+    served = {subject for subject, route in bus.w.router.routes.items() if route.tenant}
+    assert served == {bus.w.settings.subject(e.subject) for e in endpoints.API.values()}
+
+
 async def test_auth(bus):
     cred = await login(bus)
     info = data(await call(bus, subjects.API_AUTH, AuthRequest(credential=cred)), AuthInfo)
@@ -387,6 +400,39 @@ async def test_a_train_plans_the_manifests_stages_once(bus, monkeypatch):
     # trainer trains these stages or none (tests/trainer/test_trainer_inmemory.py)
     (item,) = items
     assert item.curriculum_digest == curriculum.curriculum_digest(calls[0])
+
+
+@pytest.mark.parametrize("verb", ["plan", "confirm"])
+async def test_plan_and_confirm_plan_the_manifests_stages_once(bus, monkeypatch, verb):
+    # issue 44: plan and confirm planned the stages in the manifest-inputs gate, threw them away
+    # and planned them again for the estimate; they price the stages that gate checked, as train does
+    from domain import curriculum
+    from services.scheduler import inputs, planning
+
+    calls: list[curriculum.Curriculum] = []
+
+    def counted(manifest, base=None):
+        calls.append(curriculum.curriculum_of(manifest, base))
+        return calls[-1]
+
+    await login(bus)
+    await publish_booking(bus, booking_event("acme", "bo"))
+    monkeypatch.setattr(planning, "curriculum_of", counted)
+    monkeypatch.setattr(inputs, "curriculum_of", counted)
+    asked = plan_request("bo")
+    if verb == "plan":
+        p = data(await call(bus, subjects.API_PLAN, asked), Plan)
+        assert p.ok and [g.stage for g in p.gates] == [s.name for s in calls[0].stages]
+    else:
+        confirm = ConfirmRequest(
+            action=Action.train,
+            booking_id="bo",
+            manifest_text=asked.manifest_text,
+            manifest_digest=asked.manifest_digest,
+        )
+        issued = data(await call(bus, subjects.API_CONFIRM, confirm), ConfirmationIssued)
+        assert issued.manifest_digest == asked.manifest_digest
+    assert len(calls) == 1
 
 
 async def test_the_run_is_bounded_by_what_its_confirmation_authorised(bus):

@@ -30,10 +30,10 @@ from services.scheduler.planning import (
     checkpoint_bytes,
     data_policy,
     first_refusal,
-    load_prices,
     parameter_count,
     plan,
 )
+from services.scheduler.prices import load_prices
 from training.model import Transformer, count_parameters
 
 PRICES = load_prices()
