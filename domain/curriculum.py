@@ -1,6 +1,6 @@
 """The curriculum: which stages a manifest runs, in what order, on which data, for how many steps,
 with which gate. A pure function of the manifest (`curriculum_of`): the one validation, used twice.
-(Not to be confused with `contracts.api.Plan`, the `plan` verb's answer: the resources and the
+(Not to be confused with `contracts.plans.Plan`, the `plan` verb's answer: the resources and the
 cost, which `services/scheduler/planning.plan` prices from a curriculum.) The
 scheduler's plan gate calls it before anything is reserved (`manifest_invalid` with the sentence),
 and the trainer calls it again as its own guard, so a manifest the plan accepts always runs.

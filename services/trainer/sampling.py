@@ -26,7 +26,7 @@ from services.trainer import restore
 from services.trainer.restore import StageSource
 from training.model import Transformer
 
-MAX_NEW_TOKENS = 512  # the contract's cap too (contracts/api.py SampleRequest)
+MAX_NEW_TOKENS = 512  # the contract's cap too (contracts/exports.py SampleRequest)
 SAMPLE_DEADLINE_S = 50.0  # under the scheduler's call timeout (services/scheduler/peers.py)
 
 

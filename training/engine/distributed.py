@@ -2,7 +2,7 @@
 degrees describe, and the parallelisms applied to the model in torchtitan's order (TP, then FSDP2,
 HSDP or DDP); plus the few rank helpers the loop, the checkpointer and the entry point need.
 
-A plan (contracts.api.Plan) names a strategy and its degrees; `ParallelDims.from_plan` checks that
+A plan (contracts.plans.Plan) names a strategy and its degrees; `ParallelDims.from_plan` checks that
 the two agree and `ParallelDims.check_world` that the ranks torchrun started can realise them. A
 plan that does not fit is refused with a `ParallelismError` naming the mismatch, never trained some
 other way. The mesh's dimension names are torchtitan's: "dp_replicate", "dp_shard", "tp".

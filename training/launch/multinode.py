@@ -7,7 +7,7 @@ the run's rendezvous store at the endpoint the scheduler put in the work item (`
 and, per stage, a Lighthouse on its loopback behind a sealed relay (launch/lighthouse_relay.py), whose
 address it publishes there; every node reads it, dials it through a sealed entry of its own, waits (bounded)
 for the others so that they start together, and trains the stage with the same loop as any run,
-its group passed in (`pretrain.Replicas`). A node lost mid-stage does not stop the others (they go
+its group passed in (`stage_run.Replicas`). A node lost mid-stage does not stop the others (they go
 on without it after the Lighthouse's heartbeat timeout); its replacement resumes from its own
 checkpoint and heals from a peer.
 

@@ -114,7 +114,7 @@ class _Run:
         self.splits = PostSplits(self.data)
         self.battery = Battery(self.data, self.splits)
         # The last trained stage's checkpoint dir; before the first, the base model's HF directory
-        # (checkpoint.load_weights reads either), or None for a from-scratch run.
+        # (checkpoint_load.load_weights reads either), or None for a from-scratch run.
         self.previous: str | None = str(base_dir) if base_dir is not None else None
         self.parts: list[str] = []
         self.note = ""  # what the stage that just trained did, for the summary
