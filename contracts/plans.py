@@ -78,6 +78,19 @@ class StageGatePlan(Internal, frozen=True, kw_only=True):
     rules: list[str]  # e.g. "held_out_loss <= 0.99 x the incoming model's"
 
 
+class MemoryPlan(Internal, frozen=True, kw_only=True):
+    """Bytes one GPU holds at the plan's micro-batch, by part (services/scheduler/memory.py: from
+    measured figures, bench/memory_model.py), against what the GPU offers less a stated margin."""
+
+    state_bytes: float  # weights, gradients and optimizer state: this GPU's shard
+    activation_bytes: float  # what backward keeps of one micro-batch, under the checkpointing policy
+    logits_bytes: float  # the head's output and its loss for one micro-batch
+    total_bytes: float
+    usable_bytes: float  # the GPU's memory less the margin
+    margin: float  # the fraction of the GPU's memory left free (allocator, NCCL buffers, fragmentation)
+    basis: str  # which measured figures the estimate comes from
+
+
 class Plan(Internal, frozen=True, kw_only=True):
     booking_id: str
     manifest_digest: str
@@ -95,3 +108,14 @@ class Plan(Internal, frozen=True, kw_only=True):
     checkpoint_bytes: int = 0
     """Room the trainer must find in its checkpoint storage before it trains: `keep_last` checkpoints
     of the largest stage (0: a plan made before this field; the trainer checks writability only)."""
+    micro_batch_size: int = 0
+    """Sequences each data-parallel rank runs through one forward and backward, picked by the memory
+    model to fit the GPU; 0: a plan made before this field (the whole per-rank batch at once)."""
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step: micro_batch_size x grad_accumulation x data-parallel ranks
+    is the manifest's global batch."""
+    activation_checkpointing: str = "none"
+    """What backward recomputes instead of keeping: "none", "selective" (every other block, as
+    torchtitan's selective per-layer policy) or "full" (every block)."""
+    memory: MemoryPlan | None = None
+    """The per-GPU memory estimate the micro-batch was picked with (None: a plan made before it)."""
