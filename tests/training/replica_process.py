@@ -169,6 +169,7 @@ def train_replica(config: ReplicaConfig, log: ProgressLog, stop: threading.Event
         quorum_timeout_s=config.quorum_timeout_s,
         connect_timeout_s=config.connect_timeout_s,
         progress=log.write,
+        debug_checksum=True,  # the tests compare the groups' weights and losses through these lines
     )
     groups, me = config.num_replica_groups, config.replica_id
 

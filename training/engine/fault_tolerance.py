@@ -1,18 +1,19 @@
 """Replica-group fault tolerance with torchft: the component `loop.run_loop` uses when a run's
 data-parallel replicas are torchft replica groups (`ReplicaGroup`), and the Lighthouse they meet at.
 
-This module owns one replica group's torchft `Manager` (its per-group TCPStore, `ProcessGroupGloo`,
-the Lighthouse address, the state a healing peer receives) and the hooks the one training loop calls
+This module owns one replica group's torchft `Manager` (its per-group TCPStore, its process group:
+`ProcessGroupNCCL` on cuda, `ProcessGroupGloo` on CPU (`replica_process_group`), the Lighthouse address, the state a healing peer receives) and the hooks the one training loop calls
 around its step; it has no loop of its own. Per optimizer step the loop calls:
   start_step(before_heal) before the forward pass: `Manager.start_quorum`, waited for (and, when
                           this group heals, `before_heal()` and then the peer's state loaded)
   reduce_gradients(ps)    after backward: every gradient averaged over the quorum with
-                          `Manager.allreduce` (a failed all-reduce is recorded in the Manager, never
+                          `Manager.allreduce`, one per bucket of ~BUCKET_BYTES (a failed all-reduce is recorded in the Manager, never
                           raised, so a peer dying mid-step does not kill this group)
   should_commit()         at the optimizer step: `Manager.should_commit`; the loop steps the optimizer
                           and the schedule only on True, and otherwise tries the same step again
   end_step(loss, ...)     after it: the group's committed step (it jumps when the group healed) and
-                          the progress line
+                          the progress line (its loss and weights checksum only with `debug_checksum`:
+                          each is a device sync, the checksum a host copy of every parameter)
   checkpoint_module()     what a checkpoint holds: the model plus the Manager's progress
 
 What torchft gives through these hooks:
@@ -68,7 +69,8 @@ from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
-from torchft import Manager, ProcessGroupGloo
+from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+from torchft.process_group import ProcessGroup
 
 from training.engine.checkpoint_load import ResumeState, load_latest
 from training.engine.heal_transport import Seal, SealedTransport
@@ -80,7 +82,15 @@ JOIN_TIMEOUT_MS = 1_000  # how long a quorum waits for heartbeating replicas tha
 QUORUM_TICK_MS = 100  # how often the Lighthouse re-checks a pending quorum
 
 # Manager defaults (torchft's are 60 s each): a dead peer turns into a skipped step within seconds.
-TIMEOUT_S = 5.0  # Gloo collectives and should_commit
+TIMEOUT_S = 5.0  # the least for collectives and should_commit (`collective_timeout_s` sizes it up)
+# The slowest link a replica group's gradient all-reduce is assumed to cross: ~1 GB/s, a 10 Gb/s
+# Ethernet between nodes (InfiniBand or NVLink are 10-400x faster). A ring all-reduce moves about
+# twice the gradient bytes through each rank's link.
+SLOW_BANDWIDTH_BYTES_S = 1e9
+# Gradients are averaged in flat buckets of about this size, one all-reduce each (DDP's default is
+# 25 MB): a few large messages instead of one per parameter keep a 1B model's step at a few dozen
+# collectives, and a bucket stays small beside the gradients themselves (one extra copy at a time).
+BUCKET_BYTES = 32 * 2**20
 # A healing checkpoint's HTTP transfer (and the sender's lock on its state while it is read): one
 # rank's shards of model and optimizer, ~0.5 GB for a 1B model on 8 ranks, seconds on a data-centre
 # NIC; torchft would bound it by TIMEOUT_S, which a large model's transfer outlasts.
@@ -176,6 +186,76 @@ def weights_checksum(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def replica_pg_kind(device_type: str) -> type[ProcessGroup]:
+    """The process group a replica group's Manager averages over: NCCL for gradients on cuda (Gloo
+    would copy every gradient through the host), Gloo on CPU."""
+    kinds: dict[str, type[ProcessGroup]] = {"cuda": ProcessGroupNCCL, "cpu": ProcessGroupGloo}
+    if device_type not in kinds:
+        raise ValueError(f"Replica groups run on {' or '.join(kinds)}, not {device_type}.")
+    return kinds[device_type]
+
+
+def replica_process_group(device_type: str, timeout: timedelta) -> ProcessGroup:
+    return replica_pg_kind(device_type)(timeout=timeout)  # type: ignore[call-arg]
+
+
+def collective_timeout_s(
+    gradient_bytes: int,
+    *,
+    least_s: float = TIMEOUT_S,
+    bandwidth_bytes_s: float = SLOW_BANDWIDTH_BYTES_S,
+    slack_s: float = TIMEOUT_S,
+) -> float:
+    """How long the Manager's collectives may take: a ring all-reduce of `gradient_bytes` (twice
+    the bytes through each link) at the assumed slow bandwidth plus slack, never under `least_s`.
+    A fixed 5 s would time out every step of a model whose gradients outlast it on the wire."""
+    return max(least_s, 2 * gradient_bytes / bandwidth_bytes_s + slack_s)
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """The bytes of this rank's gradients (its local shards under FSDP2): one per parameter."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def gradient_buckets(grads: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Indices of `grads` in buckets: same dtype and device within a bucket, at most `bucket_bytes`
+    per bucket (a larger gradient is a bucket of its own), in order within each dtype and device."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    for i, g in enumerate(grads):
+        key, size = (g.dtype, g.device), g.numel() * g.element_size()
+        current = open_bucket.get(key)
+        if current is None or current[1] + size > bucket_bytes:
+            buckets.append([i])
+            open_bucket[key] = (buckets[-1], size)
+        else:
+            current[0].append(i)
+            open_bucket[key] = (current[0], current[1] + size)
+    return buckets
+
+
+class Averager(Protocol):
+    """What `average_in_buckets` needs of a torchft Manager: an in-place averaging all-reduce."""
+
+    def allreduce(self, tensor: torch.Tensor) -> Any: ...
+
+
+def average_in_buckets(manager: Averager, grads: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Average `grads` in place over the quorum: each bucket flattened into one tensor, one
+    all-reduce per bucket (all queued first, then waited on), then copied back."""
+    buckets = gradient_buckets(grads, bucket_bytes)
+    flats = [torch.cat([grads[i].reshape(-1) for i in bucket]) for bucket in buckets]
+    works = [manager.allreduce(flat) for flat in flats]
+    for bucket, flat, work in zip(buckets, flats, works, strict=True):
+        work.wait()  # does not raise: a failure is recorded with Manager.report_error
+        for i, part in zip(bucket, flat.split([grads[i].numel() for i in bucket]), strict=True):
+            grads[i].copy_(part.view_as(grads[i]))
+
+
 class ReplicaGroup:
     """One replica group's torchft Manager and the hooks `loop.run_loop` calls around its step
     (`loop.FaultTolerance`). Build it after the model, optimizer and schedule, `resume`, pass it to
@@ -191,19 +271,22 @@ class ReplicaGroup:
         lighthouse: str,
         seal: Seal,
         store_host: str = "127.0.0.1",
-        timeout_s: float = TIMEOUT_S,
+        timeout_s: float | None = None,  # None: `collective_timeout_s` of this rank's gradient bytes
         quorum_timeout_s: float = QUORUM_TIMEOUT_S,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         min_replica_size: int = 1,  # 1: keep stepping alone when every other group is gone
         progress: Progress | None = None,
         gang: GangStore | None = None,
         expected_groups: int = 1,  # how many groups the first step waits for (MEET_QUORUMS at most)
+        debug_checksum: bool = False,  # each step's line with its loss and weights checksum (tests)
     ) -> None:
         if quorum_timeout_s * 1000 <= HEARTBEAT_TIMEOUT_MS:
             raise ValueError("The quorum timeout needs to be longer than the Lighthouse's heartbeat timeout.")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.replica_id = replica_id
         self.progress = progress
+        self.debug_checksum = debug_checksum
+        self.device = next(model.parameters()).device
         self.manager_progress = ManagerProgress()
         self.view = CheckpointView(model, self.manager_progress)
         # torchft's Manager connects to the group's TCPStore as a client and waits forever if none
@@ -217,9 +300,11 @@ class ReplicaGroup:
         self.expected_groups = expected_groups
         self._meet_quorums = MEET_QUORUMS  # spent at the first step
         self._before_heal: Callable[[], object] = lambda: None  # set by each `start_step`
+        if timeout_s is None:
+            timeout_s = collective_timeout_s(gradient_bytes(model))
         timeout = timedelta(seconds=timeout_s)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            pg=replica_process_group(self.device.type, timeout),
             load_state_dict=self._load_peer_state,
             state_dict=self._peer_state,
             min_replica_size=min_replica_size,
@@ -259,21 +344,15 @@ class ReplicaGroup:
         return self.step if self.step != before else None
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
-        # All queued first, then waited on: Gloo runs them back to back. A gradient of a sharded
-        # parameter (a DTensor) is reduced in place through its local shard.
-        works = [
-            self.manager.allreduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-            for p in params
-            if p.grad is not None
-        ]
-        for work in works:
-            work.wait()  # does not raise: a failure is recorded with Manager.report_error
+        # A gradient of a sharded parameter (a DTensor) is reduced in place through its local shard.
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        average_in_buckets(self.manager, grads)
 
     def total(self, value: float) -> float:
         """`value` summed over the groups of this step's quorum (after `start_step`), the same on
         every group: what RLVR's token mean divides by. A failed all-reduce is recorded, as for the
         gradients, and the step is not committed."""
-        t = torch.tensor([value], dtype=torch.float64)  # gloo: a host tensor
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)  # nccl on cuda, gloo on CPU
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
         return float(t.item())
 
@@ -286,10 +365,11 @@ class ReplicaGroup:
             record: dict[str, object] = {
                 "step": step,
                 "committed": committed,
-                "loss": round(float(loss.detach()), 5),
                 "participants": self.manager.num_participants(),
-                "checksum": weights_checksum(self.model),
             }
+            if self.debug_checksum:  # a device sync and a host copy of every parameter: tests only
+                record["loss"] = round(float(loss.detach()), 5)
+                record["checksum"] = weights_checksum(self.model)
             if (error := self.manager.errored()) is not None:
                 record["error"] = str(error.original_exception).splitlines()[0][:300]
             self.progress("step", **record)
