@@ -73,7 +73,9 @@ MB = 2**20
 )
 def test_gradients_are_bucketed_by_size_and_dtype(sizes, dtypes, bucket_bytes, buckets):
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}
-    grads = [torch.zeros(mb * MB // dtype[d].itemsize, dtype=dtype[d]) for mb, d in zip(sizes, dtypes)]
+    grads = [
+        torch.zeros(mb * MB // dtype[d].itemsize, dtype=dtype[d]) for mb, d in zip(sizes, dtypes, strict=True)
+    ]
     assert gradient_buckets(grads, bucket_bytes) == buckets
 
 
@@ -137,7 +139,9 @@ def scripted_group(debug_checksum: bool, lines: list) -> ReplicaGroup:
 
 
 @pytest.mark.parametrize(("debug_checksum", "checksums", "reads"), [(False, 0, 0), (True, 1, 1)])
-def test_a_step_line_copies_the_model_to_the_host_only_when_asked(monkeypatch, debug_checksum, checksums, reads):
+def test_a_step_line_copies_the_model_to_the_host_only_when_asked(
+    monkeypatch, debug_checksum, checksums, reads
+):
     counted = []
     real = fault_tolerance.weights_checksum
     monkeypatch.setattr(fault_tolerance, "weights_checksum", lambda m: counted.append(1) or real(m))

@@ -244,7 +244,9 @@ class Averager(Protocol):
     def allreduce(self, tensor: torch.Tensor) -> Any: ...
 
 
-def average_in_buckets(manager: Averager, grads: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
+def average_in_buckets(
+    manager: Averager, grads: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES
+) -> None:
     """Average `grads` in place over the quorum: each bucket flattened into one tensor, one
     all-reduce per bucket (all queued first, then waited on), then copied back."""
     buckets = gradient_buckets(grads, bucket_bytes)
@@ -345,7 +347,9 @@ class ReplicaGroup:
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         # A gradient of a sharded parameter (a DTensor) is reduced in place through its local shard.
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None
+        ]
         average_in_buckets(self.manager, grads)
 
     def total(self, value: float) -> float:
