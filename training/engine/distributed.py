@@ -23,6 +23,7 @@ every helper answers for a world of one.
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any, Final, TypeVar
 
 import torch
@@ -45,6 +46,19 @@ ENV_USE_AGENT_STORE: Final = "TORCHELASTIC_USE_AGENT_STORE"  # "True": the agent
 # How long a collective may wait for its peers before the group reports an error; a rank that died
 # without the launcher noticing turns into this timeout rather than a hang.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # raise for checkpoints of many GB on slow storage
+
+# NCCL's settings before the process group starts, as torchtitan's `init_distributed` sets them; an
+# operator's own value wins. Not TORCH_NCCL_AVOID_RECORD_STREAMS: FSDP2 frees its buffers by stream
+# events, not record_stream, and torchtitan no longer sets it.
+NCCL_ENV: Final = {
+    # On a failed or timed-out collective the watchdog tears the process down without NCCL's
+    # cleanup (3, not 1): the launcher restarts the gang, and the flight recorder's dump survives.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    # The flight recorder: the last 20,000 collectives per rank (torchtitan's default), dumped to
+    # /tmp/nccl_trace_rank_<r> when a collective times out: which rank hung, in which collective.
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
 
 STRATEGIES: Final = ("single", "ddp", "fsdp2", "hsdp", "fsdp2+tp")
 DEGREE_NAMES: Final = ("dp_replicate", "dp_shard", "tp")  # the mesh's dims, outermost first
@@ -214,6 +228,22 @@ def is_rank0() -> bool:
     return rank() == 0
 
 
+def nccl_env(device_type: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment to set before the process group starts: NCCL_ENV's values that `environ`
+    does not already name, on cuda; nothing elsewhere."""
+    if device_type != "cuda":
+        return {}
+    return {name: value for name, value in NCCL_ENV.items() if name not in environ}
+
+
+def group_options(device: torch.device) -> dict[str, Any]:
+    """`init_process_group`'s backend and device: on cuda the rank's own GPU is named, so NCCL
+    binds its communicator to it at once (no guess from the current device, no lazy init)."""
+    if device.type == "cuda":
+        return {"backend": "cpu:gloo,cuda:nccl", "device_id": device}
+    return {"backend": "gloo"}
+
+
 def init(device_type: str) -> torch.device:
     """Join torchrun's process group when WORLD_SIZE > 1 (a no-op otherwise); the device this rank
     trains on: its own GPU on cuda (LOCAL_RANK), the CPU otherwise."""
@@ -223,13 +253,14 @@ def init(device_type: str) -> torch.device:
     else:
         device = torch.device(device_type)
     if env_world_size() > 1 and not initialized():
-        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        os.environ.update(nccl_env(device_type, os.environ))
+        options = group_options(device)
         attempt = os.environ.get(ENV_RESTART_COUNT)
         if attempt is None or os.environ.get(ENV_USE_AGENT_STORE) != "True":
-            dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group(**options, timeout=COLLECTIVE_TIMEOUT)
         else:
             dist.init_process_group(
-                backend=backend,
+                **options,
                 store=_attempt_store(int(attempt)),
                 rank=env_rank(),
                 world_size=env_world_size(),
@@ -396,19 +427,51 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         attn.n_kv_head //= tp
 
 
-def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, device_type: str) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def mixed_precision(device_type: str) -> Any:
+    """FSDP2's precision: bf16 compute with fp32 gradient reduction on cuda; fp32 throughout on CPU,
+    where bf16 matmuls are slow and would change the numbers the tests compare with a single
+    process. Forward inputs are never cast: FSDP's default would round each block's RoPE cos/sin
+    tables to bf16, which one process (no FSDP) does not; the activations are bf16 already."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    # bf16 compute with fp32 gradient reduction on cuda; fp32 throughout on CPU, where bf16 matmuls
-    # are slow and would change the numbers the tests compare with a single process.
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if device_type == "cuda"
-        else MixedPrecisionPolicy()
-    )
-    for block in model.get_submodule("blocks").children():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    return MixedPrecisionPolicy(cast_forward_inputs=False)
+
+
+@dataclass(frozen=True, slots=True)
+class FsdpUnit:
+    """Modules sharded as one FSDP2 unit (all-gathered and reduce-scattered together); "" is the root."""
+
+    modules: tuple[str, ...]
+    reshard_after_forward: bool
+
+
+def fsdp_units(model: nn.Module) -> list[FsdpUnit]:
+    """torchtitan's cut, innermost first and the root last: the embedding, each block, then the
+    final norm with the head. The last unit stays gathered after the forward (the backward needs it
+    at once; torchtitan's default). With tied embeddings the embedding and the head hold one
+    parameter, which must live in one unit: the embedding joins the norm and head."""
+    blocks = [FsdpUnit((f"blocks.{name}",), True) for name, _ in model.get_submodule("blocks").named_children()]
+    if getattr(model, "tie_embeddings", False):
+        return [*blocks, FsdpUnit(("tok_emb", "norm", "lm_head"), False), FsdpUnit(("",), True)]
+    return [FsdpUnit(("tok_emb",), True), *blocks, FsdpUnit(("norm", "lm_head"), False), FsdpUnit(("",), True)]
+
+
+def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, device_type: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    policy = mixed_precision(device_type)
+    for unit in fsdp_units(model):
+        modules = [model.get_submodule(name) for name in unit.modules]
+        fully_shard(
+            modules if len(modules) > 1 else modules[0],
+            mesh=dp_mesh,
+            mp_policy=policy,
+            reshard_after_forward=unit.reshard_after_forward,
+        )
 
 
 def uses_tp(params: list[nn.Parameter]) -> bool:

@@ -1,0 +1,105 @@
+"""The process group's and FSDP2's choices as tables: NCCL's environment, the group's backend and
+device, the mixed-precision policy (forward inputs never cast), and the FSDP units torchtitan cuts
+(tied embeddings in one unit with the head); the units applied in a 1-rank gloo world train as the
+plain model does."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from contracts.models import MODEL_SHAPES
+from training.engine import distributed
+from training.engine.distributed import FsdpUnit, fsdp_units, group_options, mixed_precision, nccl_env
+from training.model import Transformer
+
+pytestmark = pytest.mark.distributed
+
+NCCL = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+
+
+@pytest.mark.parametrize(
+    ("device_type", "environ", "to_set"),
+    [
+        ("cuda", {}, NCCL),
+        ("cuda", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, {k: v for k, v in NCCL.items() if "TRACE" not in k}),
+        ("cpu", {}, {}),
+    ],
+)
+def test_nccl_env_sets_torchtitans_defaults_on_cuda_unless_the_operator_did(device_type, environ, to_set):
+    assert nccl_env(device_type, environ) == to_set
+
+
+@pytest.mark.parametrize(
+    ("device", "options"),
+    [
+        (torch.device("cuda", 3), {"backend": "cpu:gloo,cuda:nccl", "device_id": torch.device("cuda", 3)}),
+        (torch.device("cpu"), {"backend": "gloo"}),
+    ],
+)
+def test_the_process_group_names_the_ranks_gpu_on_cuda(device, options):
+    assert group_options(device) == options
+
+
+@pytest.mark.parametrize(
+    ("device_type", "param_dtype", "reduce_dtype"),
+    [("cuda", torch.bfloat16, torch.float32), ("cpu", None, None)],
+)
+def test_fsdp_never_casts_forward_inputs(device_type, param_dtype, reduce_dtype):
+    policy = mixed_precision(device_type)
+    assert policy.cast_forward_inputs is False  # the RoPE tables stay fp32, as in one process
+    assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
+
+
+def test_fsdp_units_are_torchtitans_embedding_blocks_head_then_root():
+    model = Transformer(MODEL_SHAPES["tiny"], tie_embeddings=False)
+    blocks = [FsdpUnit((f"blocks.{i}",), True) for i in range(MODEL_SHAPES["tiny"].n_layer)]
+    assert fsdp_units(model) == [
+        FsdpUnit(("tok_emb",), True),
+        *blocks,
+        FsdpUnit(("norm", "lm_head"), False),  # the last unit stays gathered for the backward
+        FsdpUnit(("",), True),
+    ]
+
+
+def test_tied_embeddings_share_one_unit_with_the_head():
+    model = Transformer(MODEL_SHAPES["tiny"], tie_embeddings=True)
+    units = fsdp_units(model)
+    [shared] = [u for u in units if "lm_head" in u.modules]
+    assert "tok_emb" in shared.modules
+    assert not any(u.modules == ("tok_emb",) for u in units)
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_units_shard_and_train_as_the_plain_model(one_rank_world, tied):
+    torch.manual_seed(0)
+    plain = Transformer(MODEL_SHAPES["tiny"], tie_embeddings=tied)
+    sharded = copy.deepcopy(plain)
+    distributed._apply_fsdp(sharded, one_rank_world, "cpu")
+    for unit in fsdp_units(sharded):
+        for name in unit.modules:
+            assert isinstance(sharded.get_submodule(name), FSDPModule), name
+    x = torch.randint(0, MODEL_SHAPES["tiny"].vocab_size, (2, 16))
+    _, want = plain(x, x)
+    _, got = sharded(x, x)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    for (name, p), q in zip(plain.named_parameters(), sharded.parameters(), strict=True):
+        torch.testing.assert_close(q.grad.full_tensor(), p.grad, msg=name)
