@@ -21,9 +21,9 @@ every helper answers for a world of one.
 """
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Mapping
 from typing import Any, Final, TypeVar
 
 import torch
@@ -454,10 +454,17 @@ def fsdp_units(model: nn.Module) -> list[FsdpUnit]:
     final norm with the head. The last unit stays gathered after the forward (the backward needs it
     at once; torchtitan's default). With tied embeddings the embedding and the head hold one
     parameter, which must live in one unit: the embedding joins the norm and head."""
-    blocks = [FsdpUnit((f"blocks.{name}",), True) for name, _ in model.get_submodule("blocks").named_children()]
+    blocks = [
+        FsdpUnit((f"blocks.{name}",), True) for name, _ in model.get_submodule("blocks").named_children()
+    ]
     if getattr(model, "tie_embeddings", False):
         return [*blocks, FsdpUnit(("tok_emb", "norm", "lm_head"), False), FsdpUnit(("",), True)]
-    return [FsdpUnit(("tok_emb",), True), *blocks, FsdpUnit(("norm", "lm_head"), False), FsdpUnit(("",), True)]
+    return [
+        FsdpUnit(("tok_emb",), True),
+        *blocks,
+        FsdpUnit(("norm", "lm_head"), False),
+        FsdpUnit(("",), True),
+    ]
 
 
 def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, device_type: str) -> None:
