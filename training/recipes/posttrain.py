@@ -288,7 +288,7 @@ def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
     # pretrained model the small post-training steps are meant to stay near. Over the trainable
     # parameters: every one in full fine-tuning, the adapters alone under LoRA.
     return torch.optim.AdamW(
-        trainable_parameters(model), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0
+        trainable_parameters(model), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0, fused=True
     )
 
 

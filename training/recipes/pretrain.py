@@ -277,7 +277,8 @@ def build_optimizer(model: torch.nn.Module, cfg: StageConfig) -> torch.optim.Ada
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas)
+    # fused: one kernel for the whole update (cuda and, since torch 2.4, CPU), DTensor shards too.
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas, fused=True)
 
 
 TOKENS_SOURCE = "tokens:"  # a directory of token files (training/data/token_files.py), memory-mapped
