@@ -103,3 +103,65 @@ def test_the_units_shard_and_train_as_the_plain_model(one_rank_world, tied):
     torch.testing.assert_close(got, want)
     for (name, p), q in zip(plain.named_parameters(), sharded.parameters(), strict=True):
         torch.testing.assert_close(q.grad.full_tensor(), p.grad, msg=name)
+
+
+def reference_clip(grads, max_norm):
+    """The clip as it was: each gradient's norm made whole on its own, then a host-read coefficient."""
+    squares = []
+    for g in grads:
+        norm = torch.linalg.vector_norm(g)
+        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float() ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0).item())
+    return total
+
+
+@pytest.fixture
+def tp_mesh(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_clipping_under_tp_takes_one_collective_per_mesh_and_the_old_norm(tp_mesh, monkeypatch):
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    raw = [torch.randn(8, 4) * 3, torch.randn(4) * 3, torch.randn(6, 2) * 3, torch.randn(5) * 3]
+    raw += [torch.randn(3) * 3, torch.randn(2) * 3]
+    partial = [Replicate(), Partial()]  # a TP-replicated norm weight's gradient, its sum pending
+    placements = [
+        [Shard(0), Shard(1)],
+        [Replicate(), Replicate()],
+        [Shard(0), Replicate()],
+        None,
+        partial,
+        partial,
+    ]
+
+    def grads():
+        out = []
+        for t, p in zip(raw, placements, strict=True):
+            param = torch.nn.Parameter(torch.zeros_like(t))
+            if p is partial:
+                param.grad = DTensor.from_local(t.clone(), tp_mesh, p)
+            else:
+                param.grad = t.clone() if p is None else distribute_tensor(t.clone(), tp_mesh, p)
+            out.append(param)
+        return out
+
+    old, new = grads(), grads()
+    want = reference_clip([p.grad for p in old], 1.0)
+    whole = []
+    real = DTensor.full_tensor
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **k: whole.append(1) or real(self, **k))
+    got = distributed.clip_grad_norm(new, 1.0, tp=True)
+    assert len(whole) == 2  # one mesh and one pending layout (it was one per DTensor gradient: 5)
+    torch.testing.assert_close(got, want)
+    for p, q in zip(old, new, strict=True):
+        a = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        b = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+        torch.testing.assert_close(b, a)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from contracts.models import ModelShape
 from training.model import Attention
@@ -493,18 +494,58 @@ def uses_tp(params: list[nn.Parameter]) -> bool:
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, *, tp: bool) -> torch.Tensor:
     """Clip to a global norm of `max_norm`; the norm before clipping. Under TP, parameters are a
     mix of sharded DTensors and plain tensors (every tp rank holds the same copy) that one foreach
-    norm cannot take: each gradient's norm is made whole on its own, then summed."""
+    norm cannot take: as torchtitan's `clip_grad_norm_`, each rank sums its local squares per mesh
+    and one collective per mesh makes them whole; the coefficient scales the local tensors on the
+    device (no `.item()`: no host sync)."""
     if not tp:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     grads = [p.grad for p in params if p.grad is not None]
-    squares = []
-    for g in grads:
-        norm = torch.linalg.vector_norm(g)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt()
+    total_sq = _grad_squares(grads)
+    total = total_sq.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.item())  # a float: one sync per step under TP, and valid for DTensor and tensor alike
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    torch._foreach_mul_(local, coef.to(local[0].device))  # a DTensor's local tensor is its data
     return total
+
+
+def _grad_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared global norm of `grads`, the same on every rank: plain tensors (a copy on every
+    rank) counted as they are; each mesh's sharded or replicated DTensors summed locally (a
+    replicated one's share divided by its copies), then one all-reduce (a Partial DTensor's
+    `full_tensor`) per mesh; pending sums (Partial gradients, e.g. TP's replicated norm weights)
+    made whole together first, one all-reduce per mesh and layout."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    per_mesh: dict[DeviceMesh, list[torch.Tensor]] = {}
+    pending: dict[tuple[DeviceMesh, tuple[Any, ...]], list[DTensor]] = {}
+    for g in grads:
+        if not isinstance(g, DTensor):
+            continue
+        if any(isinstance(p, Partial) for p in g.placements):
+            pending.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
+            continue
+        copies = 1
+        for size, placement in zip(g.device_mesh.shape, g.placements, strict=True):
+            copies *= size if isinstance(placement, Replicate) else 1
+        per_mesh.setdefault(g.device_mesh, []).append(_square(g.to_local()) / copies)
+    device = grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in plain:
+        total = total + _square(g)
+    for (mesh, placements), group in pending.items():
+        if all(isinstance(p, Partial | Replicate) for p in placements):  # flattened side by side
+            flat = torch.cat([g.to_local().reshape(-1) for g in group])
+            total = total + _square(DTensor.from_local(flat, mesh, placements, run_check=False).full_tensor())
+        else:  # a pending sum of a shard: each gradient whole on its own (none in our models)
+            total = total + sum((_square(g.full_tensor()) for g in group), torch.zeros((), device=device))
+    for mesh, squares in per_mesh.items():
+        partial = DTensor.from_local(
+            torch.stack(squares).sum(), mesh, [Partial()] * mesh.ndim, run_check=False
+        )
+        total = total + partial.full_tensor()
+    return total
+
+
+def _square(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float32) ** 2
