@@ -286,8 +286,7 @@ class ReplicaGroup:
             raise ValueError("The quorum timeout needs to be longer than the Lighthouse's heartbeat timeout.")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.replica_id = replica_id
-        self.progress = progress
-        self.debug_checksum = debug_checksum
+        self.progress, self.debug_checksum = progress, debug_checksum
         self.device = next(model.parameters()).device
         self.manager_progress = ManagerProgress()
         self.view = CheckpointView(model, self.manager_progress)
@@ -302,9 +301,9 @@ class ReplicaGroup:
         self.expected_groups = expected_groups
         self._meet_quorums = MEET_QUORUMS  # spent at the first step
         self._before_heal: Callable[[], object] = lambda: None  # set by each `start_step`
-        if timeout_s is None:
-            timeout_s = collective_timeout_s(gradient_bytes(model))
-        timeout = timedelta(seconds=timeout_s)
+        timeout = timedelta(
+            seconds=collective_timeout_s(gradient_bytes(model)) if timeout_s is None else timeout_s
+        )
         self.manager = Manager(
             pg=replica_process_group(self.device.type, timeout),
             load_state_dict=self._load_peer_state,
