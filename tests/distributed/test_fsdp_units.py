@@ -165,3 +165,18 @@ def test_clipping_under_tp_takes_one_collective_per_mesh_and_the_old_norm(tp_mes
         a = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         b = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
         torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize(("kinds", "fused"), [("pp", True), ("dd", True), ("dp", False), ("", True)])
+def test_adamw_runs_fused_unless_sharded_and_plain_parameters_mix(tp_mesh, kinds, fused):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    params = [
+        torch.nn.Parameter(
+            distribute_tensor(torch.ones(2), tp_mesh, [Replicate(), Replicate()])
+            if kind == "d"
+            else torch.ones(2)
+        )
+        for kind in kinds
+    ]
+    assert distributed.adamw_fused(params) is fused

@@ -482,6 +482,15 @@ def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, device_type: str) -> None
         )
 
 
+def adamw_fused(params: list[nn.Parameter]) -> bool:
+    """Whether AdamW may run fused (one kernel for the whole update, cuda and CPU): not when sharded
+    and plain parameters mix (tensor parallelism without FSDP: TP splits the projections, the norms
+    stay plain tensors), which torch's fused kernel refuses ("mixed torch.Tensor and DTensor");
+    there AdamW keeps its default, foreach. Under FSDP2 every parameter is a DTensor."""
+    sharded = {isinstance(p, DTensor) for p in params}
+    return len(sharded) <= 1
+
+
 def uses_tp(params: list[nn.Parameter]) -> bool:
     """Whether any parameter is split by tensor parallelism (a DTensor on a mesh with a "tp" dim)."""
     for p in params:

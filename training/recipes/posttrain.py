@@ -42,7 +42,14 @@ from contracts.models import ModelShape
 from training.data.corpora import ByteTokenizer
 from training.engine.checkpoint import CHECKPOINT_DEFAULTS
 from training.engine.checkpoint_load import is_hf_model_dir, load_weights
-from training.engine.distributed import ParallelDims, batch_rows, rank, replica_batch_rows, world_size
+from training.engine.distributed import (
+    ParallelDims,
+    adamw_fused,
+    batch_rows,
+    rank,
+    replica_batch_rows,
+    world_size,
+)
 from training.engine.loop import LoopResult, LoopSettings, StepOutput, autocast, pick_device, to_device
 from training.engine.reporting import Reporter, rank0_only, where
 from training.model import Transformer
@@ -287,8 +294,10 @@ def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
     # No weight decay in post-training: it would pull the weights toward zero, away from the
     # pretrained model the small post-training steps are meant to stay near. Over the trainable
     # parameters: every one in full fine-tuning, the adapters alone under LoRA.
+    params = list(trainable_parameters(model))
+    fused = adamw_fused(params)  # one kernel for the whole update where torch can
     return torch.optim.AdamW(
-        trainable_parameters(model), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0, fused=True
+        params, lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0, fused=fused or None
     )
 
 

@@ -39,6 +39,7 @@ from training.engine.checkpoint import CHECKPOINT_DEFAULTS
 from training.engine.checkpoint_dir import batches_to_skip, skip_window
 from training.engine.distributed import (
     ParallelDims,
+    adamw_fused,
     all_reduce_sum,
     batch_rows,
     build_mesh,
@@ -277,8 +278,8 @@ def build_optimizer(model: torch.nn.Module, cfg: StageConfig) -> torch.optim.Ada
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # fused: one kernel for the whole update (cuda and, since torch 2.4, CPU), DTensor shards too.
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas, fused=True)
+    fused = adamw_fused(decay + no_decay)  # one kernel for the whole update where torch can
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas, fused=fused or None)
 
 
 TOKENS_SOURCE = "tokens:"  # a directory of token files (training/data/token_files.py), memory-mapped
