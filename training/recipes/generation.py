@@ -1,8 +1,8 @@
 """Batched sampling of short completions, shared by the eval battery (greedy) and the rollout
 worker (sampled, with the behaviour policy's log-probabilities).
 
-The model has no padding mask, so prompts are batched by length: every row of a forward pass has
-the same prompt length and no pad token ever reaches attention. Completions end at END_TOKEN.
+`complete` batches prompts by length: every row of a forward pass has the same prompt length and
+no pad token ever reaches attention. Completions end at END_TOKEN.
 
 A KV cache: the prompts go through the model once (prefill), keeping each layer's keys and values;
 every new token then costs one position's forward, attending to the cache, instead of a forward over
@@ -251,28 +251,47 @@ def decode(
     was_training = model.training
     model.eval()
     sampler = _device_generator(generator, device) if temperature else None
+    completions: list[Completion] = []
+    truncated = False
+    for first in range(0, len(prompts), MAX_BATCH):
+        rows = prompts[first : first + MAX_BATCH]
+        out = _decode_rows(model, rows, device, max_new_tokens, temperature, sampler, end_token, deadline)
+        completions += out.completions
+        truncated |= out.truncated
+    model.train(was_training)
+    return Decoded(completions, truncated)
+
+
+def _decode_rows(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    device: torch.device,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    end_token: int | None,
+    deadline: float | None,
+) -> Decoded:
+    """One batch of `decode`: the plain cache (one length), the ragged one, or, past the model's
+    context, one prompt at a time over a sliding window."""
     longest = max(len(p) for p in prompts)
+    run = (max_new_tokens, temperature, generator, end_token, deadline)
     if longest + max_new_tokens - 1 <= model.shape.max_seq_len and _cacheable(model):
-        decoder: _Cached | _Ragged | _Recompute
+        decoder: _Cached | _Ragged
         if all(len(p) == longest for p in prompts):  # one length: the plain cache, no mask
             idx = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device)
             decoder = _Cached(model, idx, longest + max_new_tokens - 1)
         else:
             decoder = _Ragged(model, prompts, longest + max_new_tokens - 1)
-        out = _decode_loop(
-            decoder, len(prompts), device, max_new_tokens, temperature, sampler, end_token, deadline
-        )
-    else:
-        completions: list[Completion] = []
-        truncated = False
-        for prompt in prompts:
-            alone = _Recompute(model, torch.tensor([list(prompt)], dtype=torch.long, device=device))
-            one = _decode_loop(alone, 1, device, max_new_tokens, temperature, sampler, end_token, deadline)
-            completions += one.completions
-            truncated |= one.truncated
-        out = Decoded(completions, truncated)
-    model.train(was_training)
-    return out
+        return _decode_loop(decoder, len(prompts), device, *run)
+    completions: list[Completion] = []
+    truncated = False
+    for prompt in prompts:
+        alone = _Recompute(model, torch.tensor([list(prompt)], dtype=torch.long, device=device))
+        one = _decode_loop(alone, 1, device, *run)
+        completions += one.completions
+        truncated |= one.truncated
+    return Decoded(completions, truncated)
 
 
 def _complete_batch(
