@@ -88,6 +88,16 @@ def test_a_batch_of_prompts_of_different_lengths_gives_what_each_gives_alone(sha
     assert ended.tokens[0] == together.tokens[0][: together.tokens[0].index(eos)]
 
 
+def test_a_batch_decodes_every_row_in_one_forward_a_step():
+    model = model_of(GQA)
+    batch = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9]]
+    shapes: list[tuple[int, int]] = []
+    model.tok_emb.register_forward_hook(lambda _m, args, _out: shapes.append(tuple(args[0].shape)))
+    greedy(model, batch, 6)
+    # each prompt's prefill alone, then one forward a step for the three rows together
+    assert shapes == [(1, 3), (1, 8), (1, 1)] + [(3, 1)] * 5
+
+
 def stepping_clock(monkeypatch, passes_after: int) -> None:
     """generation's clock reads 0 for `passes_after` looks, then far past any deadline."""
     looks = iter(range(10**6))
