@@ -71,6 +71,11 @@ TARGETS = [
     Target("hf_sft", "same_first_loss", "==", True, "same weights, same first batch, same loss"),
     Target("hf_dpo", "rate", ">=", 1.0, "DPO step no slower than trl.DPOTrainer"),
     Target("hf_dpo", "same_tokens", "==", True, "both sides train on the same token ids"),
+    # Issue 40: `sample` (the KV-cache decoder) against transformers' `generate`, same weights, greedy.
+    Target("sample_tiny", "rate", ">=", 1.0, "sample no slower than transformers' generate (tiny)"),
+    Target("sample_tiny", "same_tokens", "==", True, "both sides generate the same greedy tokens"),
+    Target("sample_small", "rate", ">=", 1.0, "sample no slower than transformers' generate (d256 x 4)"),
+    Target("sample_small", "same_tokens", "==", True, "both sides generate the same greedy tokens"),
     # Issue 26: the plan's estimate against what the run spent (the trainer's meter).
     Target("cost_estimate", "worst_ratio_low", ">=", 0.7, "every estimate >= 0.7x what the run spent"),
     Target("cost_estimate", "worst_ratio_high", "<=", 1.5, "every estimate <= 1.5x what the run spent"),
@@ -185,6 +190,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, u
         ("rate", "x"),
     ],
     "hf_export": [("ours_s", "s"), ("save_pretrained_s", "s"), ("rate", "x")],
+    "sample_tiny": [("ours_ms", "ms"), ("generate_ms", "ms"), ("rate", "x")],
+    "sample_small": [("ours_ms", "ms"), ("generate_ms", "ms"), ("rate", "x")],
 }
 
 

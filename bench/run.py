@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from bench import report
 from bench.checkpoint_io import Sizes as CheckpointSizes
 from bench.hf_compare import Sizes as HfSizes
+from bench.sample_compare import Sizes as SampleSizes
 from bench.trainer_steps import Sizes as TrainerSizes
 
 GROUPS = ("control_plane", "cli", "trainer", "checkpoint", "hf", "cost")
@@ -47,6 +48,8 @@ class Config:
     """The file `ecc ito files upload` sends in the upload throughput figure."""
     hf: HfSizes
     """Ours against TRL / datasets / save_pretrained on the tiny HF-format model (bench/hf_compare.py)."""
+    sample: SampleSizes
+    """`sample` against transformers' `generate` on the same weights (bench/sample_compare.py; the hf group)."""
 
 
 def full() -> Config:
@@ -61,6 +64,7 @@ def full() -> Config:
         cli_runs=9,
         upload_megabytes=500,
         hf=HfSizes(steps=30, warmup=5, repeats=6, corpus_rows=30_000, export_repeats=5),
+        sample=SampleSizes(new_tokens=64, repeats=6),
     )
 
 
@@ -76,6 +80,7 @@ def quick() -> Config:
         cli_runs=3,
         upload_megabytes=20,
         hf=HfSizes(steps=4, warmup=2, repeats=2, corpus_rows=2000, export_repeats=2),
+        sample=SampleSizes(new_tokens=8, repeats=2),
     )
 
 
@@ -204,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         from bench import hf_compare
 
         benchmarks |= _measured(lambda: hf_compare.run_all(cfg.hf), list(hf_compare.BENCHMARKS))
+        from bench import sample_compare
+
+        benchmarks |= _measured(lambda: sample_compare.run_all(cfg.sample), list(sample_compare.BENCHMARKS))
     if "cost" in groups:  # last: its stack trains whole runs, and nothing else runs meanwhile
         from bench import cost
 

@@ -91,6 +91,7 @@ class SampleResult(Internal, frozen=True, kw_only=True):
     step: int
     text: str  # the completion alone
     tokens: int
+    truncated: bool = False  # the trainer's deadline stopped it early: `text` is the tokens so far
 
 
 class ExportOrder(Internal, frozen=True, kw_only=True):

@@ -1,5 +1,6 @@
 """How a trained model going out, and the base models coming in, read for a person (ecc/render.py
-dispatches here by type): an export and its files, an export downloaded and verified on this machine
+dispatches here by type): a sample's completion (and that the trainer's deadline cut it short),
+an export and its files, an export downloaded and verified on this machine
 (`Downloaded`, the answer ecc/download.py makes), the base models the account may name. Pure
 functions of the decoded answers.
 """
@@ -7,7 +8,7 @@ functions of the decoded answers.
 import msgspec
 
 from contracts.api import ModelList
-from contracts.exports import ExportFile, ExportView
+from contracts.exports import ExportFile, ExportView, SampleResult
 
 
 class Downloaded(msgspec.Struct, frozen=True, kw_only=True):
@@ -21,6 +22,15 @@ class Downloaded(msgspec.Struct, frozen=True, kw_only=True):
     files: list[ExportFile]
     bytes: int
     fetched_bytes: int  # sent over the wire by this call (the rest was on disk already)
+
+
+def sample(result: SampleResult) -> str:
+    if not result.truncated:
+        return result.text
+    return (
+        f"{result.text}\n(truncated: the trainer's deadline stopped the sample after "
+        f"{result.tokens} tokens; ask for fewer with --max-new-tokens)"
+    )
 
 
 def export(view: ExportView) -> str:

@@ -162,7 +162,7 @@ def text(answer: Answer | None, terminal: bool = False) -> str:
         case DownloadChunk():
             return f"{answer.path}: {len(answer.data)} bytes at {answer.offset} of {answer.size} (sha256 {answer.sha256})"
         case SampleResult():
-            return answer.text
+            return exports_view.sample(answer)
         case Downloaded():
             return exports_view.downloaded(answer)
         case ModelList():

@@ -3,11 +3,14 @@
 The trainer restores the stage's model (services/trainer/restore.py; the last one loaded is kept,
 by run, stage and step, so a second prompt to the same checkpoint loads nothing), tokenizes the
 prompt (`chat`: one user message rendered with the tokenizer's chat template and its generation
-prompt), and generates: greedy at temperature 0, else sampled with a torch.Generator seeded by the
-request, so the same request gives the same text. It stops at the tokenizer's end-of-sequence
-token, after `max_new_tokens` (the contract caps it at 512), or at the deadline, and answers the
-completion alone. Sampling uses the trainer's CPU: one sample at a time (the caller runs it in a
-worker thread under `Sampler`'s lock).
+prompt), and generates with the KV-cache decoder (training/recipes/generation.py `decode`: the
+prompt through the model once, then one position per token; several prompts in one batch, each at
+its own length, give the tokens each would alone): greedy at temperature 0, else sampled with a
+torch.Generator seeded by the request, so the same request gives the same text. It stops at the
+tokenizer's end-of-sequence token, after `max_new_tokens` (the contract caps it at 512), or at the
+deadline (SAMPLE_DEADLINE_S), and answers the completion alone; stopped by the deadline, the
+answer has the tokens so far and says `truncated`. Sampling uses the trainer's CPU: one sample at
+a time (the caller runs it in a worker thread under `Sampler`'s lock).
 """
 
 import pathlib
@@ -17,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from contracts.errors import ErrorCode
 from contracts.exports import SampleOrder, SampleRequest, SampleResult
@@ -25,6 +27,7 @@ from runtime.messaging.codec import Refusal
 from services.trainer import restore
 from services.trainer.restore import StageSource
 from training.model import Transformer
+from training.recipes.generation import decode
 
 MAX_NEW_TOKENS = 512  # the contract's cap too (contracts/exports.py SampleRequest)
 SAMPLE_DEADLINE_S = 50.0  # under the scheduler's call timeout (services/scheduler/peers.py)
@@ -54,7 +57,38 @@ def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     return list(ids)
 
 
-@torch.no_grad()
+@dataclass(frozen=True, slots=True)
+class Generated:
+    tokens: list[list[int]]  # new token ids per prompt, the end-of-sequence token left out
+    truncated: bool  # the deadline stopped decoding before every prompt was done
+
+
+def generate_batch(
+    model: Transformer,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_id: int | None,
+    deadline: float,
+) -> Generated:
+    """New token ids after each prompt, decoded together with the KV cache: greedy at temperature
+    0, else sampled with a generator seeded by `seed`; a prompt stops at `eos_id` (not included),
+    after max_new_tokens; all stop at `deadline` (monotonic), with the tokens so far."""
+    out = decode(
+        model,
+        prompts,
+        max_new_tokens=min(max_new_tokens, MAX_NEW_TOKENS),
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(seed),
+        end_token=eos_id,
+        deadline=deadline,
+    )
+    tokens = [c.tokens[:-1] if c.finished else c.tokens for c in out.completions]
+    return Generated(tokens, out.truncated)
+
+
 def generate(
     model: Transformer,
     ids: list[int],
@@ -65,27 +99,17 @@ def generate(
     eos_id: int | None,
     deadline: float,
 ) -> list[int]:
-    """New token ids after `ids`: greedy at temperature 0, else sampled with a generator seeded by
-    `seed`; stops at `eos_id` (not included), after max_new_tokens, or at `deadline` (monotonic)."""
-    generator = torch.Generator().manual_seed(seed)
-    context = torch.tensor([ids], dtype=torch.long)
-    out: list[int] = []
-    window = model.shape.max_seq_len
-    for _ in range(min(max_new_tokens, MAX_NEW_TOKENS)):
-        if time.monotonic() >= deadline:
-            break
-        logits, _ = model(context[:, -window:])
-        last = logits[0, -1].float()
-        if temperature == 0:
-            nxt = int(last.argmax())
-        else:
-            probs = F.softmax(last / temperature, dim=-1)
-            nxt = int(torch.multinomial(probs, 1, generator=generator))
-        if eos_id is not None and nxt == eos_id:
-            break
-        out.append(nxt)
-        context = torch.cat((context, torch.tensor([[nxt]])), dim=1)
-    return out
+    """New token ids after `ids` (one prompt: `generate_batch`)."""
+    one = generate_batch(
+        model,
+        [ids],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        eos_id=eos_id,
+        deadline=deadline,
+    )
+    return one.tokens[0]
 
 
 class Sampler:
@@ -121,21 +145,23 @@ class Sampler:
             ids = prompt_ids(loaded.tokenizer, req.prompt, req.chat)
             if not ids:
                 raise Refusal(ErrorCode.request_invalid, "the prompt encodes to no tokens")
-            new = generate(
+            out = generate_batch(
                 loaded.model,
-                ids,
+                [ids],
                 max_new_tokens=req.max_new_tokens,
                 temperature=req.temperature,
                 seed=req.seed,
                 eos_id=restore.eos_id_of(loaded.tokenizer),
                 deadline=deadline,
             )
+            new = out.tokens[0]
             return SampleResult(
                 run_id=src.run_id,
                 stage=src.stage.name,
                 step=loaded.key[2],
                 text=loaded.tokenizer.decode(new),
                 tokens=len(new),
+                truncated=out.truncated,
             )
         finally:
             self.lock.release()

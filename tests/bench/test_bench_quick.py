@@ -31,6 +31,8 @@ QUICK_BENCHMARKS = {
     "hf_dpo",
     "hf_tokenize",
     "hf_export",
+    "sample_tiny",
+    "sample_small",
 }
 ENVIRONMENT_FIELDS = {"mode", "cpu_count", "cpu_model", "libraries", "python", "torch", "git_commit", "infra"}
 

@@ -461,6 +461,15 @@ def test_each_answer_renders_its_lines(verb):
     assert render.text(answer).splitlines() == lines
 
 
+def test_a_sample_cut_by_the_deadline_says_so():
+    cut = SampleResult(run_id="run-1", stage="sft", step=40, text="12+35", tokens=3, truncated=True)
+    assert render.text(cut).splitlines() == [
+        "12+35",
+        "(truncated: the trainer's deadline stopped the sample after 3 tokens; ask for fewer with "
+        "--max-new-tokens)",
+    ]
+
+
 def test_empty_answers_say_so():
     assert render.text([]) == "(no bookings)"
     assert render.text(LogPage(run_id="r", lines=[], next=0)) == "(no lines)"

@@ -93,6 +93,64 @@ def test_the_trainers_reserve_nvidia_gpus_and_take_the_cuda_image():
     assert '--index-url "${TORCH_INDEX}" torch==2.13.0' in dockerfile
 
 
+def dockerfile_stages() -> dict[str, str]:
+    """The Dockerfile's instructions per named stage (`FROM ... AS name`; an unnamed stage is
+    `FROM base`), comments left out."""
+    stages: dict[str, str] = {}
+    name = ""
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("FROM "):
+            words = line.split()
+            name = words[3] if len(words) > 3 and words[2].upper() == "AS" else f"FROM {words[1]}"
+            stages[name] = ""
+        elif name and not line.lstrip().startswith("#"):
+            stages[name] += line + "\n"
+    return stages
+
+
+def stage_env(stage: str) -> dict[str, str]:
+    env = {}
+    for line in stage.splitlines():
+        if line.startswith("ENV "):
+            env |= dict(pair.split("=", 1) for pair in line.split()[1:] if "=" in pair)
+    return env
+
+
+def test_the_trainer_image_has_a_c_compiler_and_keeps_its_compile_caches_on_a_volume():
+    """torch.compile (Inductor's C++, Triton's kernels) needs a C compiler, which python:3.11-slim
+    lacks; the control plane's image stays without one. The caches go to a named volume, not /tmp."""
+    stages = dockerfile_stages()
+    assert "build-essential" in stages["trainer"] and "apt-get install" in stages["trainer"]
+    assert "build-essential" not in stages["service"] and "gcc" not in stages["service"]
+    assert list(stages)[-1] == "FROM service"  # `docker build .` is the control plane's image
+    env = stage_env(stages["trainer"])
+    caches = {env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]}
+    assert not any(c.startswith("/tmp") for c in caches), caches
+    for name in TRAINERS:
+        assert SERVICES[name]["build"]["target"] == "trainer", name
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in SERVICES[name]["volumes"]}
+        for cache in caches:
+            (volume,) = {src for dst, src in mounts.items() if cache.startswith(dst.rstrip("/") + "/")}
+            assert volume in COMPOSE["volumes"], (name, cache)  # a named volume: kept across restarts
+    for name in set(SERVICES) - TRAINERS:
+        assert SERVICES[name].get("build", {}).get("target") in (None, "service"), name
+
+
+def test_only_the_trainers_pin_memory_share_ipc_memory_and_reach_infiniband():
+    """NCCL over InfiniBand: unlimited locked memory, IPC_LOCK, /dev/infiniband, a large /dev/shm,
+    for the trainers and for nothing else (every other container keeps no capability)."""
+    for name in TRAINERS:
+        spec = SERVICES[name]
+        assert spec["ulimits"]["memlock"] == {"soft": -1, "hard": -1}, name
+        assert spec["cap_add"] == ["IPC_LOCK"] and spec["cap_drop"] == ["ALL"], name
+        assert "/dev/infiniband:/dev/infiniband" in spec["devices"], name
+        size = re.fullmatch(r"(\d+)gb", spec["shm_size"])
+        assert size and int(size.group(1)) >= 8, (name, spec["shm_size"])
+    for name in set(SERVICES) - TRAINERS:
+        spec = SERVICES[name]
+        assert not {"cap_add", "ulimits", "devices", "ipc", "privileged"} & set(spec), name
+
+
 def metrics_targets() -> set[str]:
     """host:port of every /metrics the stack serves: each service's ITO_METRICS_PORT, the desk's."""
     out = {"desk:8765"}  # the desk app serves its /metrics on its own port

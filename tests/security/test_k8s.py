@@ -6,6 +6,7 @@ every pod is non-root on a read-only root filesystem with probes; and the Networ
 here with Kubernetes' rules, keep the rendezvous ports between trainer pods."""
 
 import pathlib
+import re
 
 import kubernetes_validate
 import pytest
@@ -97,6 +98,38 @@ def test_the_trainer_is_a_daemonset_on_gpu_nodes_with_gpu_requests():
     )  # shared with the scheduler
     claim = BY_KIND["PersistentVolumeClaim", "ito-data"]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def gibibytes(quantity: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)([KMGT]i)", quantity).groups()  # type: ignore[union-attr]
+    return int(number) * 1024 ** "KMGT".index(unit[0]) / 1024**2
+
+
+def test_the_trainer_keeps_its_compile_caches_on_a_volume_sized_for_them():
+    """Inductor's and Triton's caches (a few GB) on their own volume, not in the 1 Gi /tmp; the same
+    directories as the trainer image's (the Dockerfile's `trainer` stage)."""
+    spec = pod_spec(BY_KIND["DaemonSet", "trainer"])
+    (c,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    image = (ROOT / "Dockerfile").read_text()
+    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        path = env[variable]
+        assert f"{variable}={path}" in image, variable
+        (mount,) = [m for m in mounts if path.startswith(m.rstrip("/") + "/")]
+        assert mount != "/tmp", variable
+        cache = volumes[mounts[mount]]["emptyDir"]
+        assert gibibytes(cache["sizeLimit"]) >= 8, cache
+        assert gibibytes(cache["sizeLimit"]) > gibibytes(volumes[mounts["/tmp"]]["emptyDir"]["sizeLimit"])
+
+
+def test_only_the_trainer_adds_a_capability_and_it_is_ipc_lock():
+    for (_kind, name), d in WORKLOADS.items():
+        for c in pod_spec(d).get("initContainers", []) + pod_spec(d)["containers"]:
+            added = c["securityContext"]["capabilities"].get("add", [])
+            want = ["IPC_LOCK"] if (name, c["name"]) == ("trainer", "trainer") else []
+            assert added == want, (name, c["name"], added)  # NCCL over InfiniBand pins memory
 
 
 def test_every_pod_is_non_root_read_only_and_probed():

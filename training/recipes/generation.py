@@ -1,8 +1,8 @@
 """Batched sampling of short completions, shared by the eval battery (greedy) and the rollout
 worker (sampled, with the behaviour policy's log-probabilities).
 
-The model has no padding mask, so prompts are batched by length: every row of a forward pass has
-the same prompt length and no pad token ever reaches attention. Completions end at END_TOKEN.
+`complete` batches prompts by length: every row of a forward pass has the same prompt length and
+no pad token ever reaches attention. Completions end at END_TOKEN.
 
 A KV cache: the prompts go through the model once (prefill), keeping each layer's keys and values;
 every new token then costs one position's forward, attending to the cache, instead of a forward over
@@ -12,11 +12,19 @@ decoding gives the same tokens with the cache as without (tests/training/test_wa
 Without a cache (`kv_cache=False`, a sharded model, or a prompt plus completion longer than the
 model's context, where the uncached path slides its window) every token recomputes the prefix.
 
+Prompts of different lengths in one batch (`decode`, the trainer's `sample`): each prompt is
+prefilled on its own, exactly as it would be alone, into one cache; every step then feeds one token
+per row at the row's own position, each row attending to its own cached slots through a mask, so
+the greedy tokens are those of decoding the prompts one at a time. The cache holds n_kv_head heads
+and attention reads them with SDPA's `enable_gqa` (equal to repeating them, STACK.md), never a
+copy of K/V expanded to n_head per token. A `deadline` stops decoding early and says so.
+
 Tokens, log-probabilities and lengths stay on the model's device until a batch is done and come to
 the host in one transfer. Whether every row has ended is looked at after each token on CPU, where
 looking costs nothing, and every EXIT_CHECK_EVERY tokens on an accelerator, where it is a sync.
 """
 
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -145,13 +153,145 @@ class _Cached:
         self.keys[layer][:, :, self.pos : end] = k
         self.values[layer][:, :, self.pos : end] = v
         k, v = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-        if attn.n_kv_head != attn.n_head:
-            repeat = attn.n_head // attn.n_kv_head
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
         # The prompt (from position 0) is causal; a single new token may see every cached position.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        # enable_gqa: each group of query heads reads its K/V head where it lies (no per-token copy).
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=attn.n_kv_head != attn.n_head)
         return attn.wo(y.transpose(1, 2).reshape(B, T, attn.n_head * attn.head_dim))
+
+
+class _Ragged:
+    """The KV cache for prompts of different lengths: each prompt prefilled alone (a `_Cached` of
+    one row, the very computation of decoding it alone), then one token a row per call, at the
+    row's own position, attending through a mask to the row's own slots."""
+
+    def __init__(self, model: Transformer, prompts: Sequence[Sequence[int]], length: int):
+        self.model = model
+        self.prompts: Sequence[Sequence[int]] | None = prompts
+        self.length = length  # slots per row: the longest prompt + every token fed back
+        self.device = model.rope_cos.device
+        self.pos = torch.tensor([len(p) for p in prompts], device=self.device)  # each row's next slot
+        self.end = max(len(p) for p in prompts)  # slots any row has filled
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def next_logits(self, new: torch.Tensor | None) -> torch.Tensor:
+        if new is None:
+            return self._prefill()
+        return self._step(new)
+
+    def _prefill(self) -> torch.Tensor:
+        prompts, self.prompts = self.prompts, None
+        assert prompts is not None, "the prompts are fed once, then one new token a call"
+        logits = []
+        for row, prompt in enumerate(prompts):
+            alone = _Cached(self.model, torch.tensor([list(prompt)], device=self.device), len(prompt))
+            logits.append(alone.next_logits(None))
+            if not self.keys:  # zeros, not empty: a masked slot's value is still multiplied by 0
+                self.keys = [
+                    k.new_zeros(len(prompts), k.shape[1], self.length, k.shape[3]) for k in alone.keys
+                ]
+                self.values = [torch.zeros_like(k) for k in self.keys]
+            for layer, (k, v) in enumerate(zip(alone.keys, alone.values, strict=True)):
+                self.keys[layer][row, :, : len(prompt)] = k[0]
+                self.values[layer][row, :, : len(prompt)] = v[0]
+        return torch.cat(logits)
+
+    def _step(self, new: torch.Tensor) -> torch.Tensor:
+        model, pos = self.model, self.pos
+        self.end += 1
+        slots = torch.arange(self.end, device=self.device)
+        mask = (slots[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, end): the row's own slots
+        # One position per row: the batch goes through the projections as a sequence of B tokens
+        # (1, B, C), so RoPE rotates each by its own row's position.
+        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+        x = model.tok_emb(new[:, None])
+        for layer, block in enumerate(cast("Iterable[Block]", model.blocks)):
+            x = x + self._attention(layer, block.attn, block.attn_norm(x), cos, sin, mask)
+            x = x + block.mlp(block.mlp_norm(x))
+        self.pos = pos + 1
+        return model.lm_head(model.norm(x))[:, -1, :]
+
+    def _attention(
+        self, layer: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        B = x.shape[0]
+        q, k, v = (t.transpose(0, 2) for t in attn.project(x.transpose(0, 1), cos, sin))  # (B, H, 1, D)
+        rows = torch.arange(B, device=self.device)
+        self.keys[layer][rows, :, self.pos] = k[:, :, 0]
+        self.values[layer][rows, :, self.pos] = v[:, :, 0]
+        keys, values = self.keys[layer][:, :, : self.end], self.values[layer][:, :, : self.end]
+        y = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=attn.n_kv_head != attn.n_head
+        )
+        return attn.wo(y.transpose(1, 2).reshape(B, 1, attn.n_head * attn.head_dim))
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    completions: list[Completion]  # one per prompt, in prompt order
+    truncated: bool  # the deadline passed before every row ended or reached max_new_tokens
+
+
+@torch.no_grad()
+def decode(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    end_token: int | None = END_TOKEN,
+    deadline: float | None = None,
+) -> Decoded:
+    """One completion per prompt (of any lengths, in one batch), with the KV cache where prompt and
+    completion fit the model's context (otherwise one prompt at a time, recomputing the prefix over
+    a sliding window). `end_token` None: only max_new_tokens or the deadline (time.monotonic) stop
+    a row. Greedy tokens equal those of decoding each prompt alone."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    sampler = _device_generator(generator, device) if temperature else None
+    completions: list[Completion] = []
+    truncated = False
+    for first in range(0, len(prompts), MAX_BATCH):
+        rows = prompts[first : first + MAX_BATCH]
+        out = _decode_rows(model, rows, device, max_new_tokens, temperature, sampler, end_token, deadline)
+        completions += out.completions
+        truncated |= out.truncated
+    model.train(was_training)
+    return Decoded(completions, truncated)
+
+
+def _decode_rows(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    device: torch.device,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    end_token: int | None,
+    deadline: float | None,
+) -> Decoded:
+    """One batch of `decode`: the plain cache (one length), the ragged one, or, past the model's
+    context, one prompt at a time over a sliding window."""
+    longest = max(len(p) for p in prompts)
+    run = (max_new_tokens, temperature, generator, end_token, deadline)
+    if longest + max_new_tokens - 1 <= model.shape.max_seq_len and _cacheable(model):
+        decoder: _Cached | _Ragged
+        if all(len(p) == longest for p in prompts):  # one length: the plain cache, no mask
+            idx = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device)
+            decoder = _Cached(model, idx, longest + max_new_tokens - 1)
+        else:
+            decoder = _Ragged(model, prompts, longest + max_new_tokens - 1)
+        return _decode_loop(decoder, len(prompts), device, *run)
+    completions: list[Completion] = []
+    truncated = False
+    for prompt in prompts:
+        alone = _Recompute(model, torch.tensor([list(prompt)], dtype=torch.long, device=device))
+        one = _decode_loop(alone, 1, device, *run)
+        completions += one.completions
+        truncated |= one.truncated
+    return Decoded(completions, truncated)
 
 
 def _complete_batch(
@@ -163,31 +303,50 @@ def _complete_batch(
     kv_cache: bool,
     end_token: int = END_TOKEN,
 ) -> list[Completion]:
-    device = idx.device
     rows, prompt_length = idx.shape
     fits = prompt_length + max_new_tokens - 1 <= model.shape.max_seq_len  # the last token is never fed back
     if kv_cache and fits and _cacheable(model):
         decoder: _Cached | _Recompute = _Cached(model, idx, prompt_length + max_new_tokens - 1)
     else:
         decoder = _Recompute(model, idx)
+    out = _decode_loop(decoder, rows, idx.device, max_new_tokens, temperature, generator, end_token, None)
+    return out.completions
+
+
+def _decode_loop(
+    decoder: "_Cached | _Ragged | _Recompute",
+    rows: int,
+    device: torch.device,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    end_token: int | None,
+    deadline: float | None,
+) -> Decoded:
+    """Tokens until every row ends (end_token), max_new_tokens, or the deadline (then `truncated`)."""
     check_every = 1 if device.type == "cpu" else EXIT_CHECK_EVERY
     tokens = torch.zeros((rows, max_new_tokens), dtype=torch.long, device=device)
     logprobs = torch.zeros((rows, max_new_tokens), device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
-    nxt = None
+    end = -1 if end_token is None else end_token  # -1: no token id, so no row ends early
+    nxt, truncated = None, False
     for t in range(max_new_tokens):
+        if deadline is not None and time.monotonic() >= deadline:
+            lengths.masked_fill_(~done, t)  # the rows still going keep the tokens so far
+            truncated = True
+            break
         with autocast(device):
             logits = decoder.next_logits(nxt)
         nxt, logp = _sample(logits.float(), temperature, generator)
         tokens[:, t] = nxt
         logprobs[:, t] = logp.gather(-1, nxt[:, None]).squeeze(-1)
-        ended = (nxt == end_token) & ~done
+        ended = (nxt == end) & ~done
         lengths.masked_fill_(ended, t + 1)  # not lengths[ended] = ...: a boolean index syncs
         done |= ended
         if (t + 1) % check_every == 0 and bool(done.all()):
             break
-    return _completions(tokens, logprobs, lengths, done)
+    return Decoded(_completions(tokens, logprobs, lengths, done), truncated and not bool(done.all()))
 
 
 def _sample(
