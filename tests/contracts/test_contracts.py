@@ -125,6 +125,18 @@ PLAN = plans.Plan(
         resumable=False,
         sentence="expected wall time ~56 s against 6.00 h left in the booking's window: fits",
     ),
+    micro_batch_size=2,
+    grad_accumulation=4,
+    activation_checkpointing="selective",
+    memory=plans.MemoryPlan(
+        state_bytes=2.0e9,
+        activation_bytes=30.0e9,
+        logits_bytes=2.6e9,
+        total_bytes=34.6e9,
+        usable_bytes=72.0e9,
+        margin=0.1,
+        basis="cuda-bf16 figures measured 2026-12-06",
+    ),
 )
 BODY = internal.EligibilityBody(
     account="acct_a",
@@ -261,6 +273,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
     plans.StageGatePlan: PLAN.gates[0],
     plans.CapacityPlan: PLAN.capacity,
     plans.WindowPlan: PLAN.window,
+    plans.MemoryPlan: PLAN.memory,
     api.ConfirmationIssued: api.ConfirmationIssued(
         confirmation_ref="cf_1",
         action=Action.cancel,
