@@ -195,6 +195,30 @@ def pick(
     return refusal(least, gpu_bytes)
 
 
+def layout_fit(
+    cal: Calibration,
+    shape: ModelShape,
+    stages: list[tuple[int, int]],
+    frozen_bytes: float,
+    *,
+    ranks: int,
+    batch_size: int,
+    seq_len: int,
+    gpu_bytes: float,
+    shard: int,
+    tp: int,
+) -> Fit | str:
+    """`pick` for one layout of the trainer's CUDA defaults (compiled blocks): the state of the most
+    demanding stage's (trained, frozen) parameters over shard x TP, and the global batch of
+    `batch_size` sequences over `ranks` data-parallel ranks (rounded up, as the trainer splits it)."""
+    params = max(t + f for t, f in stages)
+    st = worst_state(cal, stages, frozen_bytes, shard * tp, gathered_bytes(shape, params, shard=shard, tp=tp))
+    per_rank = -(-batch_size // ranks)
+    return pick(
+        cal, shape, st, per_rank_batch=per_rank, seq_len=seq_len, gpu_bytes=gpu_bytes, tp=tp, compiled=True
+    )
+
+
 def refusal(m: MemoryPlan, gpu_bytes: float) -> str:
     """The sentence a plan that fits nowhere prints: the smallest estimate, by part, against the GPU."""
     return (

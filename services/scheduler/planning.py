@@ -177,7 +177,6 @@ def strategy(
     gpu: GpuPrice,
     fabric: Fabric,
     small_model_gangs: bool = False,
-    memory: dict[str, gpu_memory.Calibration] | None = None,
 ) -> Strategy:
     """(strategy, degrees, precision, per-GPU bytes, refusal, memory fit) for the GPUs the manifest
     asks for: the first layout (cheapest communication first) whose micro-batch fits
@@ -185,7 +184,7 @@ def strategy(
     nodes, gpn = manifest.resources.nodes, manifest.resources.gpus_per_node
     gpus = nodes * gpn
     gpu_bytes = gpu.memory_gb * 1e9
-    cal = (memory or MEMORY)[gpu_memory.GPU_KIND]
+    cal = MEMORY[gpu_memory.GPU_KIND]
     precision = "bf16"  # fp8 is not built yet (no torchao in the trainer): the plan says what runs
     refused = topology_refusal(params, nodes, gpus, fabric, small_model_gangs)
     if refused is not None:
@@ -205,22 +204,17 @@ def strategy(
         )
     why = ""
     for name, degrees, shard, tp in candidates:
-        ranks = max(1, gpus // tp)  # data-parallel ranks: every GPU but the TP group's
-        fit = gpu_memory.pick(
+        fit = gpu_memory.layout_fit(
             cal,
             shape,
-            gpu_memory.worst_state(
-                cal,
-                stage_params(manifest, shape),
-                BYTES_PER_PARAM_FROZEN,
-                shard * tp,
-                gpu_memory.gathered_bytes(shape, params, shard=shard, tp=tp),
-            ),
-            per_rank_batch=-(-manifest.target.batch_size // ranks),
+            stage_params(manifest, shape),
+            BYTES_PER_PARAM_FROZEN,
+            ranks=max(1, gpus // tp),  # data-parallel ranks: every GPU but the TP group's
+            batch_size=manifest.target.batch_size,
             seq_len=manifest.target.seq_len,
             gpu_bytes=gpu_bytes,
+            shard=shard,
             tp=tp,
-            compiled=True,
         )
         if isinstance(fit, gpu_memory.Fit):
             return Strategy(name, degrees, precision, fit.memory.total_bytes, None, fit)

@@ -261,6 +261,15 @@ SAMPLES: dict[type, msgspec.Struct] = {
     plans.StageGatePlan: PLAN.gates[0],
     plans.CapacityPlan: PLAN.capacity,
     plans.WindowPlan: PLAN.window,
+    plans.MemoryPlan: plans.MemoryPlan(
+        state_bytes=24e9,
+        activation_bytes=25e9,
+        logits_bytes=21e9,
+        total_bytes=64e9,
+        usable_bytes=72e9,
+        margin=0.1,
+        basis="cuda-bf16: measured figures",
+    ),
     api.ConfirmationIssued: api.ConfirmationIssued(
         confirmation_ref="cf_1",
         action=Action.cancel,
