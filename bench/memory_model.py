@@ -1,5 +1,7 @@
 """`python -m bench.memory_model [--out PATH] [--quick]`: the planner's memory figures, measured.
 
+It prints the figures and, per shape and policy, the planner's estimate over the measured peak.
+
 Builds the trainer's `training.model.Transformer` at small shapes on the CPU, runs one training step
 (forward, loss, backward, AdamW step) and reads torch's CPU allocator through the profiler's memory
 events (`torch.profiler.profile(activities=[CPU], profile_memory=True)`): every allocation and free
@@ -234,6 +236,27 @@ def calibrate(quick: bool) -> dict:
     }
 
 
+def estimate_over_measured(path: pathlib.Path = OUT) -> dict[str, float]:
+    """The planner's per-GPU bytes (services/scheduler/gpu_memory.py on the "cpu-fp32" figures in
+    `path`) over a measured step's peak, for tiny and a d256 4-layer shape under each policy: the
+    `make bench` row "planner estimate / measured peak" (target 0.85-1.15x)."""
+    from services.scheduler import gpu_memory
+
+    cal = gpu_memory.load(path)["cpu-fp32"]
+    small = ModelShape(
+        n_layer=4, d_model=256, n_head=4, n_kv_head=4, d_ff=704, vocab_size=2048, max_seq_len=512
+    )
+    rows: dict[str, float] = {}
+    for name, shape, batch, seq in (("tiny", MODEL_SHAPES["tiny"], 8, 128), ("d256x4", small, 2, 256)):
+        st = gpu_memory.state(cal, int(measure(shape, "none", 1, 8)["params"]))
+        for policy in POLICIES:
+            est = gpu_memory.estimate(
+                cal, shape, st, micro_batch=batch, seq_len=seq, policy=policy, gpu_bytes=1e12
+            ).total_bytes
+            rows[f"{name}.{policy}"] = round(est / measure(shape, policy, batch, seq)["peak"], 3)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=pathlib.Path, default=OUT)
@@ -242,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     table = calibrate(args.quick)
     args.out.write_text(json.dumps(table, indent=2) + "\n")
     print(json.dumps(table["kinds"]["cpu-fp32"], indent=2))
+    print(json.dumps({"planner_estimate_over_measured_peak": estimate_over_measured(args.out)}, indent=2))
 
 
 if __name__ == "__main__":
