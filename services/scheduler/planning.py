@@ -2,8 +2,10 @@
 
 `plan()` is called by `ecc ito plan` (which creates nothing) and again at train time; each gate is a
 named check with pass/fail and a reason. The I/O it needs (the price table: services/scheduler/
-prices.py) is done by the caller and passed in. It touches no disk: the checkpoint storage is the trainer's, and the trainer checks it
-(exists, writable, room for the plan's `checkpoint_bytes`) before its first step.
+prices.py) is done by the caller and passed in; the measured memory figures (gpu_memory.py) are
+read once at import, a file that ships beside it. It touches no other disk: the checkpoint storage
+is the trainer's, and the trainer checks it (exists, writable, room for the plan's
+`checkpoint_bytes`) before its first step.
 """
 
 import os
