@@ -12,6 +12,7 @@ import time
 from datetime import datetime
 
 from bench.stack import BIN, REPO, Stack, manifest_text
+from services.scheduler import calibration
 
 ALL_SERVICES = "entitlement,confirmation,ledger,scheduler,trainer,telemetry"
 RUN_TIMEOUT_S = 900.0  # the full recipe on 2 busy cores takes minutes
@@ -143,3 +144,10 @@ def run_all(mode: str) -> dict[str, dict]:
     for name in ("demo", "short", "full_recipe"):  # quick mode runs the short one only
         figures[f"{name}_estimate_over_actual"] = runs[name]["estimate_over_actual"] if name in runs else None
     return {"cost_estimate": figures}
+
+
+def record_figures(gpu_model: str, figures: dict[str, float], measured: str) -> None:
+    """Write figures fitted from these runs as `gpu_model`'s measured entry of the desk's calibration
+    (services/scheduler/desk_calibration.json): on a GPU backend it replaces the stated one (FLOPs at
+    the assumed MFU), and the plan's basis then says "measured"."""
+    calibration.write_measured(calibration.CALIBRATION_PATH, gpu_model, figures, measured)

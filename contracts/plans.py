@@ -79,7 +79,7 @@ class StageGatePlan(Internal, frozen=True, kw_only=True):
 
 
 class MemoryPlan(Internal, frozen=True, kw_only=True):
-    """Bytes one GPU holds at the plan's micro-batch, by part (services/scheduler/memory.py: from
+    """Bytes one GPU holds at the plan's micro-batch, by part (services/scheduler/gpu_memory.py: from
     measured figures, bench/memory_model.py), against what the GPU offers less a stated margin."""
 
     state_bytes: float  # weights, gradients and optimizer state: this GPU's shard

@@ -86,10 +86,25 @@ def plan(plan: Plan) -> str:
         f"{cost.price_per_gpu_hour_usd:.2f} USD per GPU-hour)",
     ]
     rows += _capacity(plan)
+    rows += _memory(plan)
     rows += _estimate_basis(plan)
     rows += [f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.reason}" for c in plan.checks]
     rows += [f"  gate {g.stage}: " + "; ".join(g.rules) for g in plan.gates]
     return "\n".join(rows)
+
+
+def _memory(plan: Plan) -> list[str]:
+    """The micro-batch the memory model picked and its per-GPU estimate (none on an older plan)."""
+    m = plan.memory
+    if m is None or plan.micro_batch_size <= 0:
+        return []
+    return [
+        f"memory: micro-batch {plan.micro_batch_size} x {plan.grad_accumulation} accumulation, "
+        f"activation checkpointing {plan.activation_checkpointing}; ~{m.total_bytes / 1e9:.2f} GB per GPU "
+        f"of {m.usable_bytes / 1e9:.1f} GB usable (state {m.state_bytes / 1e9:.2f}, activations "
+        f"{m.activation_bytes / 1e9:.2f}, logits {m.logits_bytes / 1e9:.2f} GB; {m.margin:.0%} kept free)",
+        f"  memory figures: {m.basis}",
+    ]
 
 
 def _estimate_basis(plan: Plan) -> list[str]:

@@ -13,7 +13,9 @@ a small run is mostly fixed overheads. The figures per GPU model (`Figures`):
   (GPUs x peak x MFU);
 - `checkpoint_s`: one checkpoint save's share of wall time.
 `desk_calibration.json` holds the figures measured on this backend (bench/cost.py: real runs,
-their metered spend and their events); a GPU model with no entry uses `default`. The plan says
+their metered spend and their events); a GPU model with no entry uses `default`. A backend that
+trains on GPUs (`trainer: "cuda"`) prices each desk GPU model without a measured entry from its
+stated one: FLOPs at its assumed MFU, token_s 0, start-up and stage seconds assumed. The plan says
 which it used (`CostEstimate.basis`).
 """
 
@@ -65,14 +67,40 @@ class Phases:
         }
 
 
-def load(path: pathlib.Path = CALIBRATION_PATH) -> dict[str, Figures]:
-    """The figures per GPU model last measured on this backend (and a `default` entry)."""
+def load(
+    path: pathlib.Path = CALIBRATION_PATH, *, mfu: dict[str, float] | None = None, trainer: str | None = None
+) -> dict[str, Figures]:
+    """The figures per GPU model last measured on this backend (and a `default` entry); where the
+    backend trains on GPUs (`trainer` "cuda", the file's unless given), each desk GPU model without
+    a measured entry gets its stated one: its FLOPs at the assumed MFU (`mfu`, the desk's) and no
+    per-token time beyond them, start-up and stage seconds assumed (the basis says so)."""
     raw = json.loads(path.read_text())
     measured = raw.get("measured", "")
-    return {
+    table = {
         name: Figures(**v, basis=f"{name} figures of this backend, measured {measured}")
         for name, v in raw["gpus"].items()
     }
+    if (trainer or raw.get("trainer", "cpu")) != "cuda":
+        return table  # the CPU stand-in: its booked GPU models are names for CPU cores
+    for name, v in raw.get("stated", {}).items():
+        rate = f"{mfu[name]:.0%} MFU" if mfu and name in mfu else "the assumed MFU"
+        basis = (
+            f"{name}: FLOPs at {rate}, stated, not measured (start-up {v['startup_s']:g}s, "
+            f"{v['stage_s']:g}s a stage, {v['checkpoint_s']:g}s a checkpoint assumed)"
+        )
+        table.setdefault(name, Figures(**v, basis=basis))
+    return table
+
+
+def write_measured(path: pathlib.Path, gpu_model: str, figures: dict[str, float], measured: str) -> None:
+    """Record a GPU model's measured figures (bench/cost.py on that GPU): they replace its stated
+    ones, since measured entries come first (`load`)."""
+    raw = json.loads(path.read_text())
+    raw["gpus"][gpu_model] = {
+        k: figures[k] for k in ("startup_s", "data_prep_s", "stage_s", "token_s", "checkpoint_s")
+    }
+    raw["measured"] = measured
+    path.write_text(json.dumps(raw, indent=2) + "\n")
 
 
 def figures_for(table: dict[str, Figures], gpu_model: str) -> Figures:

@@ -2,8 +2,10 @@
 
 `plan()` is called by `ecc ito plan` (which creates nothing) and again at train time; each gate is a
 named check with pass/fail and a reason. The I/O it needs (the price table: services/scheduler/
-prices.py) is done by the caller and passed in. It touches no disk: the checkpoint storage is the trainer's, and the trainer checks it
-(exists, writable, room for the plan's `checkpoint_bytes`) before its first step.
+prices.py) is done by the caller and passed in; the measured memory figures (gpu_memory.py) are
+read once at import, a file that ships beside it. It touches no other disk: the checkpoint storage
+is the trainer's, and the trainer checks it (exists, writable, room for the plan's
+`checkpoint_bytes`) before its first step.
 """
 
 import os
@@ -22,18 +24,18 @@ from contracts.models import BaseModel, ModelShape
 from contracts.plans import CapacityPlan, CostEstimate, Plan, PlanCheck, StageGatePlan, WindowPlan
 from domain.curriculum import Curriculum, LmPlan, curriculum_of, model_shape
 from domain.model_shapes import count_parameters, head_dim
-from services.scheduler import calibration, capacity
+from services.scheduler import calibration, capacity, gpu_memory
 from services.scheduler.prices import GpuPrice, PriceTable
 
 ALLOWED_SOURCE_PREFIXES = ("builtin:", "generated:", "upload:", "s3://", "file:/")  # what data_refs reads
 BYTES_PER_PARAM_TRAINING = 16  # bf16 weights + bf16 grads + fp32 master + two fp32 Adam moments
 BYTES_PER_PARAM_CHECKPOINT = 12  # fp32 weights + two fp32 Adam moments
 BYTES_PER_PARAM_FROZEN = 2  # a LoRA stage's base: bf16 weights, no gradients, no optimizer state
-ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM = 34  # Korthikanti et al., no recompute, flash attention
-USABLE_MEMORY_FRACTION = 0.9  # leave room for the allocator, NCCL buffers and fragmentation
+# Activations, logits and the margin left free: measured figures (services/scheduler/gpu_memory.py).
+MEMORY = gpu_memory.load()
+USABLE_MEMORY_FRACTION = 1.0 - gpu_memory.MARGIN
 SMALL_MODEL_PARAMS = 50e6  # below this, more than one GPU only adds communication
 MULTI_NODE_MIN_PARAMS = 1e9  # below this, more than one node of GPUs is wasteful
-FP8_MIN_PARAMS = 8e9  # fp8 pays off only for large matmuls
 # Post-training compute as a fraction of pretraining tokens, and FLOPs per token per parameter.
 POST_TRAINING_TOKENS_FRACTION = 0.05
 POST_TRAINING_FLOPS_PER_TOKEN = {"sft": 6.0, "dpo": 2 * 6.0 + 2 * 2.0, "rlvr": 8 * 2.0 + 6.0 + 2.0}
@@ -116,6 +118,7 @@ class Strategy(NamedTuple):
     precision: str
     per_gpu_bytes: float
     refusal: Refusal | None
+    fit: gpu_memory.Fit | None = None  # the micro-batch, accumulation and checkpointing that fit
 
 
 def topology_refusal(
@@ -160,6 +163,15 @@ def layouts(nodes: int, gpn: int) -> list[tuple[str, dict[str, int], int, int]]:
     return candidates
 
 
+def stage_params(manifest: Manifest, shape: ModelShape) -> list[tuple[int, int]]:
+    """(trained, frozen) parameters of each training stage: the whole model, or a LoRA stage's
+    adapters over its frozen base."""
+    params = count_parameters(shape)
+    return [
+        (params, 0) if lo is None else (lora_parameters(shape, lo), params) for lo in stage_loras(manifest)
+    ]
+
+
 def strategy(
     params: int,
     shape: ModelShape,
@@ -168,15 +180,14 @@ def strategy(
     fabric: Fabric,
     small_model_gangs: bool = False,
 ) -> Strategy:
-    """(strategy, degrees, precision, per-GPU bytes, refusal) for the GPUs the manifest asks for."""
+    """(strategy, degrees, precision, per-GPU bytes, refusal, memory fit) for the GPUs the manifest
+    asks for: the first layout (cheapest communication first) whose micro-batch fits
+    (services/scheduler/gpu_memory.py, at the trainer's CUDA defaults: bf16, compiled blocks)."""
     nodes, gpn = manifest.resources.nodes, manifest.resources.gpus_per_node
     gpus = nodes * gpn
-    usable = gpu.memory_gb * 1e9 * USABLE_MEMORY_FRACTION
-    state = training_state_bytes(manifest, shape)
-    activations = (
-        shape.n_layer * manifest.target.seq_len * shape.d_model * ACTIVATION_BYTES_PER_TOKEN_LAYER_DIM
-    )
-    precision = "fp8" if gpu.fp8 and params >= FP8_MIN_PARAMS else "bf16"
+    gpu_bytes = gpu.memory_gb * 1e9
+    cal = MEMORY[gpu_memory.GPU_KIND]
+    precision = "bf16"  # fp8 is not built yet (no torchao in the trainer): the plan says what runs
     refused = topology_refusal(params, nodes, gpus, fabric, small_model_gangs)
     if refused is not None:
         return Strategy("none", {}, precision, 0.0, refused)
@@ -193,21 +204,30 @@ def strategy(
                 f"resources.strategy {wanted} is not a layout of {nodes} node(s) x {gpn} GPU(s)",
             ),
         )
+    why = ""
     for name, degrees, shard, tp in candidates:
-        per_gpu = state / (shard * tp) + activations / tp
-        if per_gpu <= usable:
-            return Strategy(name, degrees, precision, per_gpu, None)
-    return Strategy(
-        "none",
-        {},
-        precision,
-        state / gpus,
-        (
-            ErrorCode.capacity_insufficient,
+        fit = gpu_memory.layout_fit(
+            cal,
+            shape,
+            stage_params(manifest, shape),
+            BYTES_PER_PARAM_FROZEN,
+            ranks=max(1, gpus // tp),  # data-parallel ranks: every GPU but the TP group's
+            batch_size=manifest.target.batch_size,
+            seq_len=manifest.target.seq_len,
+            gpu_bytes=gpu_bytes,
+            shard=shard,
+            tp=tp,
+        )
+        if isinstance(fit, gpu_memory.Fit):
+            return Strategy(name, degrees, precision, fit.memory.total_bytes, None, fit)
+        why = fit
+    state = training_state_bytes(manifest, shape)
+    if state / gpus > gpu_bytes * (1.0 - gpu_memory.MARGIN):
+        why = (
             f"{params / 1e9:.1f}B parameters need ~{state / 1e9:.0f} GB of training state; "
-            f"{gpus} x {gpu.memory_gb:.0f} GB cannot hold it",
-        ),
-    )
+            f"{gpus} x {gpu.memory_gb:.0f} GB cannot hold it"
+        )
+    return Strategy("none", {}, precision, state / gpus, (ErrorCode.capacity_insufficient, why))
 
 
 def cost(
@@ -352,7 +372,8 @@ def layout_checks(s: Strategy, manifest: Manifest, fabric: Fabric) -> list[PlanC
             _check(
                 "parallelism",
                 s.refusal,
-                f"{s.name} {s.degrees}, {s.precision}, ~{s.per_gpu_bytes / 1e9:.2f} GB per GPU",
+                f"{s.name} {s.degrees}, {s.precision}, "
+                + (gpu_memory.sentence(s.fit) if s.fit else f"~{s.per_gpu_bytes / 1e9:.2f} GB per GPU"),
             )
         )
     return checks
@@ -535,6 +556,10 @@ def plan(
         capacity=held,
         window=window,
         checkpoint_bytes=needed,
+        micro_batch_size=chosen.fit.micro_batch_size if chosen.fit else 0,
+        grad_accumulation=chosen.fit.grad_accumulation if chosen.fit else 1,
+        activation_checkpointing=chosen.fit.activation_checkpointing if chosen.fit else "none",
+        memory=chosen.fit.memory if chosen.fit else None,
     )
 
 

@@ -38,8 +38,9 @@ def load_prices(
     path: pathlib.Path = PRICES_PATH, calibration_path: pathlib.Path = calibration.CALIBRATION_PATH
 ) -> PriceTable:
     raw = json.loads(path.read_text())
+    gpus = {name: GpuPrice(**v) for name, v in raw["gpus"].items()}
     return PriceTable(
         storage_usd_per_gb_month=raw["storage_usd_per_gb_month"],
-        gpus={name: GpuPrice(**v) for name, v in raw["gpus"].items()},
-        calibration=calibration.load(calibration_path),
+        gpus=gpus,
+        calibration=calibration.load(calibration_path, mfu={n: g.assumed_mfu for n, g in gpus.items()}),
     )

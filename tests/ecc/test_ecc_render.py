@@ -842,3 +842,27 @@ def test_follow_prints_a_line_per_step_not_per_new_eta(monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     steps = [ln.split(" ETA ")[0] for ln in out]
     assert len(steps) == len(set(steps)) == 3, out
+
+
+def test_a_plan_shows_its_micro_batch_and_memory_estimate():
+    from contracts.plans import MemoryPlan
+
+    memory = MemoryPlan(
+        state_bytes=24e9,
+        activation_bytes=25e9,
+        logits_bytes=21e9,
+        total_bytes=64e9,
+        usable_bytes=72e9,
+        margin=0.1,
+        basis="cuda-bf16: issue 40's 1B figures",
+    )
+    p = msgspec.structs.replace(
+        PLAN, micro_batch_size=4, grad_accumulation=4, activation_checkpointing="none", memory=memory
+    )
+    lines = plan_view.plan(p).splitlines()
+    assert (
+        "memory: micro-batch 4 x 4 accumulation, activation checkpointing none; ~64.00 GB per GPU of "
+        "72.0 GB usable (state 24.00, activations 25.00, logits 21.00 GB; 10% kept free)"
+    ) in lines
+    assert "  memory figures: cuda-bf16: issue 40's 1B figures" in lines
+    assert not any(line.startswith("memory:") for line in plan_view.plan(PLAN).splitlines())  # an older plan

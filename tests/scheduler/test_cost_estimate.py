@@ -122,3 +122,33 @@ def test_without_figures_the_estimate_is_flops_alone():
     c = plan(manifest(), "d" * 64, body(1, 8), prices).cost
     assert (c.basis, c.wall_s, c.phases_s) == ("flops", 0.0, {})
     assert c.gpu_hours == c.flops_gpu_hours == pytest.approx(c.flops / (989e12 * 0.4) / 3600)
+
+
+GPU_TABLE = calibration.load(mfu={n: g.assumed_mfu for n, g in load_prices().gpus.items()}, trainer="cuda")
+
+
+def test_a_1b_plan_on_an_h100_prices_its_tokens_at_its_flops_and_the_stated_mfu():
+    prices = dataclasses.replace(load_prices(), calibration=GPU_TABLE)
+    m = manifest(model={"size": "1B", "revision": "r"})
+    p = plan(m, "d" * 64, body(1, 1, "H100"), prices)
+    run = curriculum_of(m)
+    n = count_parameters(MODEL_SHAPES["1B"])
+    steps = [calibration.stage_steps(s, m.target.seq_len) for s in run.stages]
+    tokens = sum(k * flops_per_param / 6.0 for k, flops_per_param in steps)
+    # 6N / (peak x MFU) per token, nothing beyond: 6 x 1.498e9 / (989e12 x 0.4) = 2.27e-5 s
+    assert p.cost.phases_s["train"] / tokens == pytest.approx(6 * n / (989e12 * 0.40), rel=1e-3)
+    assert p.cost.basis.startswith("H100: FLOPs at 40% MFU, stated, not measured")
+
+
+def test_a_measured_entry_replaces_the_stated_one(tmp_path):
+    path = tmp_path / "desk_calibration.json"
+    path.write_text(calibration.CALIBRATION_PATH.read_text())
+    figures = dict(startup_s=90.0, data_prep_s=5.0, stage_s=20.0, token_s=1e-7, checkpoint_s=4.0)
+    calibration.write_measured(path, "H100", figures, "2026-12-06 on one H100")
+    table = calibration.load(path, trainer="cuda")
+    assert table["H100"].basis == "H100 figures of this backend, measured 2026-12-06 on one H100"
+    assert table["H100"].token_s == 1e-7 and table["H200"].basis.startswith("H200: FLOPs at")
+
+
+def test_the_cpu_stand_in_prices_every_gpu_model_with_its_measured_figures():
+    assert set(calibration.load()) == {"default"}  # the file's trainer is "cpu": no stated entries

@@ -1,15 +1,16 @@
 """Planning (services/scheduler/planning.py) as tables: strategy, refusals, cost, budget, data policy.
 
 The arithmetic behind each expected value uses the module's constants and desk_prices.json:
-  training state = params x 16 B (BYTES_PER_PARAM_TRAINING)
-  activations    = n_layer x seq_len x d_model x 34 B, divided by the TP degree
+  training state = params x 16 B (BYTES_PER_PARAM_TRAINING), over the shard x TP degree, plus one
+                   block FSDP gathers (8 B per parameter of a block, over TP) when sharded
+  per-GPU bytes  = weights and moments + max(gradients, activations + logits) at the micro-batch
+                   services/scheduler/gpu_memory.py picks from memory_calibration.json ("cuda-bf16")
   usable memory  = memory_gb x 0.9: H200 126.9 GB, H100/A100 72.0 GB, L40S 43.2 GB
   parameters     = tiny 0.468M, 150M 134.1M, 1B 1.498B, 8B 8.030B, 70B 70.554B
   state          = tiny 0.0075 GB, 150M 2.15 GB, 1B 23.98 GB, 8B 128.48 GB, 70B 1128.86 GB
-  activations at seq_len 64: 1B 0.07 GB, 8B 0.29 GB, 70B 1.43 GB; 70B at 2048: 45.6 GB, at 8192: 182.5 GB
   refusals, in order: multi-node ethernet -> fabric_unsupported; >1 GPU under 50M params or >1 node
-  under 1B params -> plan_wasteful; no candidate fits -> capacity_insufficient. fp8 iff the GPU has
-  fp8 (H200, H100, L40S; not A100) and params >= 8e9.
+  under 1B params -> plan_wasteful; no candidate fits -> capacity_insufficient. Precision is bf16
+  always: the trainer has no fp8 path.
 """
 
 import math
@@ -138,11 +139,7 @@ def test_prices_table_is_what_the_arithmetic_assumes():
         "L40S": (48, True),
     }
     assert (planning.USABLE_MEMORY_FRACTION, planning.BYTES_PER_PARAM_TRAINING) == (0.9, 16)
-    assert (planning.SMALL_MODEL_PARAMS, planning.MULTI_NODE_MIN_PARAMS, planning.FP8_MIN_PARAMS) == (
-        50e6,
-        1e9,
-        8e9,
-    )
+    assert (planning.SMALL_MODEL_PARAMS, planning.MULTI_NODE_MIN_PARAMS) == (50e6, 1e9)
 
 
 # --- strategy table: (size, nodes, gpus/node, fabric, gpu, seq_len) -> (strategy, degrees, precision, code) ---
@@ -230,10 +227,10 @@ STRATEGY_TABLE = [
         None,
     ),
     ("1B-2x8-eth-fabric", "1B", 2, 8, ETH, "H200", 64, *NONE, "bf16", "fabric_unsupported"),
-    # 8B: 8.03B params, 128.48 GB state + 0.29 GB activations
-    ("8B-1x1-H200-capacity 128.77>126.9", "8B", 1, 1, IB, "H200", 64, *NONE, "fp8", "capacity_insufficient"),
+    # 8B: 8.03B params, 128.48 GB state (+ FSDP's gathered block, 1.75 GB); bf16 always (fp8 is not built)
+    ("8B-1x1-H200-capacity 128.5>126.9", "8B", 1, 1, IB, "H200", 64, *NONE, "bf16", "capacity_insufficient"),
     (
-        "8B-1x2-H100-fsdp2 64.53<=72",
+        "8B-1x2-H100-fsdp2 65.99<=72",
         "8B",
         1,
         2,
@@ -242,11 +239,11 @@ STRATEGY_TABLE = [
         64,
         "fsdp2",
         {"dp_replicate": 1, "dp_shard": 2},
-        "fp8",
+        "bf16",
         None,
     ),
     (
-        "8B-1x8-A100-fsdp2 bf16 no fp8",
+        "8B-1x8-A100-fsdp2",
         "8B",
         1,
         8,
@@ -259,7 +256,7 @@ STRATEGY_TABLE = [
         None,
     ),
     (
-        "8B-1x8-L40S-fsdp2 16.35<=43.2",
+        "8B-1x8-L40S-fsdp2 17.81<=43.2",
         "8B",
         1,
         8,
@@ -268,11 +265,11 @@ STRATEGY_TABLE = [
         64,
         "fsdp2",
         {"dp_replicate": 1, "dp_shard": 8},
-        "fp8",
+        "bf16",
         None,
     ),
     (
-        "8B-2x8-ib-H200-hsdp ddp 128.77>126.9",
+        "8B-2x8-ib-H200-hsdp",
         "8B",
         2,
         8,
@@ -281,7 +278,7 @@ STRATEGY_TABLE = [
         64,
         "hsdp",
         {"dp_replicate": 2, "dp_shard": 8},
-        "fp8",
+        "bf16",
         None,
     ),
     (
@@ -294,13 +291,13 @@ STRATEGY_TABLE = [
         64,
         "hsdp",
         {"dp_replicate": 8, "dp_shard": 8},
-        "fp8",
+        "bf16",
         None,
     ),
-    ("8B-8x8-eth-fabric", "8B", 8, 8, ETH, "H100", 64, *NONE, "fp8", "fabric_unsupported"),
-    # 70B: 70.55B params, 1128.86 GB state; no candidate divides it by more than the GPU count
+    ("8B-8x8-eth-fabric", "8B", 8, 8, ETH, "H100", 64, *NONE, "bf16", "fabric_unsupported"),
+    # 70B: 70.55B params, 1128.86 GB state; a block FSDP gathers is 6.85 GB (over the TP degree)
     (
-        "70B-1x8-H200-capacity 1128.86/8=141.1>126.9",
+        "70B-1x8-H200-capacity 1128.86/8>126.9",
         "70B",
         1,
         8,
@@ -308,11 +305,11 @@ STRATEGY_TABLE = [
         "H200",
         64,
         *NONE,
-        "fp8",
+        "bf16",
         "capacity_insufficient",
     ),
     (
-        "70B-2x8-H200-fsdp2 hsdp 142.5 no, 16-way 71.98 yes",
+        "70B-2x8-H200-fsdp2 hsdp 148 no, 16-way 77.40 yes",
         "70B",
         2,
         8,
@@ -321,37 +318,27 @@ STRATEGY_TABLE = [
         64,
         "fsdp2",
         {"dp_shard": 16},
-        "fp8",
+        "bf16",
         None,
     ),
+    # 16-way: 70.55 + 6.85 gathered > 72; tp2 +3.43, tp4 +1.71 still over; tp8 71.41 just fits
     (
-        "70B-2x8-H100-fsdp2 71.98<=72.0 just fits",
+        "70B-2x8-H100-tp8 71.41<=72.0 just fits",
         "70B",
         2,
         8,
         IB,
         "H100",
         64,
-        "fsdp2",
-        {"dp_shard": 16},
-        "fp8",
+        "fsdp2+tp",
+        {"dp_shard": 2, "tp": 8},
+        "bf16",
         None,
     ),
-    ("70B-2x8-A100-fsdp2 bf16", "70B", 2, 8, ROCE, "A100", 64, "fsdp2", {"dp_shard": 16}, "bf16", None),
+    ("70B-2x8-A100-tp8", "70B", 2, 8, ROCE, "A100", 64, "fsdp2+tp", {"dp_shard": 2, "tp": 8}, "bf16", None),
+    ("70B-2x8-L40S-capacity", "70B", 2, 8, IB, "L40S", 64, *NONE, "bf16", "capacity_insufficient"),
     (
-        "70B-2x8-L40S-capacity tp8 70.73>43.2",
-        "70B",
-        2,
-        8,
-        IB,
-        "L40S",
-        64,
-        *NONE,
-        "fp8",
-        "capacity_insufficient",
-    ),
-    (
-        "70B-8x8-L40S-fsdp2 17.64+1.43<=43.2",
+        "70B-8x8-L40S-fsdp2 17.64+6.85<=43.2",
         "70B",
         8,
         8,
@@ -360,11 +347,12 @@ STRATEGY_TABLE = [
         64,
         "fsdp2",
         {"dp_shard": 64},
-        "fp8",
+        "bf16",
         None,
     ),
+    # seq 2048: micro-batch 1 keeps 57.86 GB of activations (no checkpointing): 77.40 - 17.64 grads + 60.49
     (
-        "70B-2x8-H200-seq2048-fsdp2 70.55+45.63<=126.9",
+        "70B-2x8-H200-seq2048-fsdp2 120.25<=126.9",
         "70B",
         2,
         8,
@@ -373,35 +361,37 @@ STRATEGY_TABLE = [
         2048,
         "fsdp2",
         {"dp_shard": 16},
-        "fp8",
+        "bf16",
         None,
     ),
     (
-        "70B-2x8-H100-seq2048-capacity tp8 70.55+5.70>72",
+        "70B-2x8-H100-seq2048-tp8 micro 1 x 8",
         "70B",
         2,
         8,
         IB,
         "H100",
         2048,
-        *NONE,
-        "fp8",
-        "capacity_insufficient",
+        "fsdp2+tp",
+        {"dp_shard": 2, "tp": 8},
+        "bf16",
+        None,
     ),
+    # seq 8192: the 16-way shard fits once every block is recomputed (82.29 GB), before any TP
     (
-        "70B-2x8-H200-seq8192-tp4 tp2 161.8 no, tp4 116.2 yes",
+        "70B-2x8-H200-seq8192-fsdp2 full checkpointing",
         "70B",
         2,
         8,
         IB,
         "H200",
         8192,
-        "fsdp2+tp",
-        {"dp_shard": 4, "tp": 4},
-        "fp8",
+        "fsdp2",
+        {"dp_shard": 16},
+        "bf16",
         None,
     ),
-    ("70B-2x8-eth-fabric", "70B", 2, 8, ETH, "H200", 64, *NONE, "fp8", "fabric_unsupported"),
+    ("70B-2x8-eth-fabric", "70B", 2, 8, ETH, "H200", 64, *NONE, "bf16", "fabric_unsupported"),
 ]
 
 
@@ -420,18 +410,6 @@ def test_strategy_table(size, nodes, gpn, fabric, gpu, seq_len, strategy, degree
         assert not next(c for c in p.checks if c.name == "fabric").ok
     else:
         assert names[:2] == ["fabric", "parallelism"]
-
-
-def test_tp_degree_divides_per_gpu_state_and_activations():
-    # Guards the seq8192 row's arithmetic: tp2 (8-way shard) does not fit, tp4 (4-way shard) does.
-    shape, params = MODEL_SHAPES["70B"], parameter_count(MODEL_SHAPES["70B"])
-    usable = 141 * 1e9 * 0.9
-    state, act = params * 16, shape.n_layer * 8192 * shape.d_model * 34
-
-    def per_gpu(shard, tp):
-        return state / (shard * tp) + act / tp
-
-    assert per_gpu(16, 1) > usable and per_gpu(8, 2) > usable and per_gpu(4, 4) <= usable
 
 
 def test_unknown_gpu_model_is_refused_before_anything_else():
