@@ -18,6 +18,7 @@ Times are end-of-step timestamps; a side's step durations are their differences 
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import tempfile
 import time
@@ -64,7 +65,7 @@ class Timing:
 
     def step_times(self, warmup: int) -> list[float]:
         window = self.times[max(warmup - 1, 0) :]
-        return [b - a for a, b in zip(window, window[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(window)]
 
 
 def speed_class() -> type | None:

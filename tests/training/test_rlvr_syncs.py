@@ -8,8 +8,8 @@ from torch.overrides import TorchFunctionMode
 
 from contracts.models import MODEL_SHAPES
 from training.model import Transformer
-from training.recipes.generation import Completion
 from training.recipes import rlvr
+from training.recipes.generation import Completion
 from training.recipes.rlvr import Kept, RlvrConfig, StepStats, policy_loss
 
 READS = {"item", "__float__", "__int__", "__bool__", "tolist"}
