@@ -31,6 +31,14 @@ from torch import nn
 from contracts.models import MODEL_SHAPES, ModelShape
 from domain.model_shapes import head_dim
 
+# The size table's shapes, and "small" (d256, 4 layers, GQA 8:2: the issue's small CPU shape, with
+# grouped K/V so that SDPA's enable_gqa and the trainer's K/V copies both show).
+SHAPES: dict[str, ModelShape] = {
+    **MODEL_SHAPES,
+    "small": ModelShape(
+        n_layer=4, d_model=256, n_head=8, n_kv_head=2, d_ff=704, vocab_size=256, max_seq_len=256
+    ),
+}
 BENCH_SOURCE = "builtin:pydoc_topics"  # in the repository: no network; the ids fit every vocabulary
 LEARNING_RATE = 3e-4
 
@@ -71,7 +79,7 @@ class Timing:
 def speed_class() -> type | None:
     """`training.engine.speed.Speed` when the trainer has it (helper "speed" adds it), else None."""
     try:
-        from training.engine.speed import Speed
+        from training.engine.speed import Speed  # type: ignore[import-untyped,import-not-found,unused-ignore]
     except ImportError:
         return None
     return Speed
@@ -91,7 +99,7 @@ def stage_config(run: Run, directory: str):
         extra["speed"] = speed(compile=run.compile)
     return StageConfig(
         stage="bench",
-        shape=MODEL_SHAPES[run.shape],
+        shape=SHAPES[run.shape],
         train_sources=[BENCH_SOURCE],
         seq_len=run.seq_len,
         batch_size=run.batch_size,
@@ -138,43 +146,56 @@ def trainer_side(run: Run) -> Timing:
 # --- the reference side -------------------------------------------------------------------------
 
 
+class ReferenceAttention(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        hd, bias = head_dim(shape), shape.attention_bias
+        self.n_head, self.n_kv_head, self.head_dim = shape.n_head, shape.n_kv_head, hd
+        self.wq = nn.Linear(shape.d_model, shape.n_head * hd, bias=bias)
+        self.wk = nn.Linear(shape.d_model, shape.n_kv_head * hd, bias=bias)
+        self.wv = nn.Linear(shape.d_model, shape.n_kv_head * hd, bias=bias)
+        self.wo = nn.Linear(shape.n_head * hd, shape.d_model, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=shape.norm_eps) if shape.qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=shape.norm_eps) if shape.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        # enable_gqa: SDPA reads each K/V head for its group of query heads; no repeated copies.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class ReferenceMLP(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.w_gate = nn.Linear(shape.d_model, shape.d_ff, bias=False)
+        self.w_up = nn.Linear(shape.d_model, shape.d_ff, bias=False)
+        self.w_down = nn.Linear(shape.d_ff, shape.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
 class ReferenceBlock(nn.Module):
     """A pre-norm Llama block as torchtitan writes it; parameter names as training/model.py's, so
     the trainer's weights load into it."""
 
     def __init__(self, shape: ModelShape):
         super().__init__()
-        hd, bias = head_dim(shape), shape.attention_bias
-        self.n_head, self.n_kv_head, self.head_dim = shape.n_head, shape.n_kv_head, hd
         self.attn_norm = nn.RMSNorm(shape.d_model, eps=shape.norm_eps)
+        self.attn = ReferenceAttention(shape)
         self.mlp_norm = nn.RMSNorm(shape.d_model, eps=shape.norm_eps)
-        self.attn = nn.Module()
-        self.attn.wq = nn.Linear(shape.d_model, shape.n_head * hd, bias=bias)
-        self.attn.wk = nn.Linear(shape.d_model, shape.n_kv_head * hd, bias=bias)
-        self.attn.wv = nn.Linear(shape.d_model, shape.n_kv_head * hd, bias=bias)
-        self.attn.wo = nn.Linear(shape.n_head * hd, shape.d_model, bias=False)
-        if shape.qk_norm:
-            self.attn.q_norm = nn.RMSNorm(hd, eps=shape.norm_eps)
-            self.attn.k_norm = nn.RMSNorm(hd, eps=shape.norm_eps)
-        self.mlp = nn.Module()
-        self.mlp.w_gate = nn.Linear(shape.d_model, shape.d_ff, bias=False)
-        self.mlp.w_up = nn.Linear(shape.d_model, shape.d_ff, bias=False)
-        self.mlp.w_down = nn.Linear(shape.d_ff, shape.d_model, bias=False)
+        self.mlp = ReferenceMLP(shape)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        a = self.attn
-        h = self.attn_norm(x)
-        q = a.wq(h).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = a.wk(h).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = a.wv(h).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if hasattr(a, "q_norm"):
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        x = x + a.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
-        m, h = self.mlp, self.mlp_norm(x)
-        return x + m.w_down(F.silu(m.w_gate(h)) * m.w_up(h))
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -184,6 +205,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class ReferenceModel(nn.Module):
+    rope_cos: torch.Tensor  # buffers, declared for the type checker
+    rope_sin: torch.Tensor
+
     def __init__(self, shape: ModelShape, max_seq_len: int):
         super().__init__()
         if shape.rope_scaling is not None:
@@ -215,7 +239,7 @@ def reference_model(run: Run, device: torch.device) -> ReferenceModel:
     builds it, on the host), on `device`, its blocks compiled when the run compiles."""
     from training.model import Transformer
 
-    shape = MODEL_SHAPES[run.shape]
+    shape = SHAPES[run.shape]
     torch.manual_seed(0)  # StageConfig.seed's default: the trainer's side starts from these weights
     weights = Transformer(shape).state_dict()
     model = ReferenceModel(shape, max(run.seq_len, shape.max_seq_len))
