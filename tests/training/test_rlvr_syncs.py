@@ -93,3 +93,39 @@ def test_the_probe_sees_a_read_of_a_weight_derived_value():
     with probe:
         float(model(torch.ones(1, 2)).sum().detach())
     assert probe.reads == ["__float__"]
+
+
+def per_row_batch(prompts: list[list[int]], completions: list[Completion]):
+    """policy_batch as it was written before it was built in one tensor per field: row by row."""
+    width = max(len(p) + len(c.tokens) for p, c in zip(prompts, completions, strict=True)) - 1
+    inputs = torch.zeros((len(prompts), width), dtype=torch.long)
+    targets = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask, old = torch.zeros((len(prompts), width)), torch.zeros((len(prompts), width))
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        seq = torch.tensor(p + c.tokens)
+        n = len(seq) - 1
+        inputs[i, :n], targets[i, :n] = seq[:-1], seq[1:]
+        mask[i, len(p) - 1 : n] = 1.0
+        old[i, len(p) - 1 : n] = torch.tensor(c.logprobs)
+    return inputs, targets, mask, old
+
+
+def test_the_padded_policy_batch_is_the_row_by_row_one_on_ragged_rows():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        rows = int(torch.randint(1, 7, (1,), generator=g))
+        prompts = [
+            torch.randint(1, 250, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(rows)
+        ]
+        completions = []
+        for _ in range(rows):
+            n = int(torch.randint(1, 12, (1,), generator=g))
+            tokens = torch.randint(1, 250, (n,), generator=g).tolist()
+            completions.append(
+                Completion(tokens=tokens, logprobs=(-torch.rand(n, generator=g)).tolist(), finished=True)
+            )
+        for got, want in zip(
+            rlvr.policy_batch(prompts, completions), per_row_batch(prompts, completions), strict=True
+        ):
+            assert got.dtype == want.dtype and torch.equal(got, want)
