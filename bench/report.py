@@ -60,6 +60,9 @@ TARGETS = [
     ),
     Target("trainer_pretrain", "ratio", ">=", 0.95, "trainer >= 0.95x the plain loop"),
     Target("trainer_dpo", "ratio", ">=", 0.95, "DPO step >= 0.95x the plain loop"),
+    # Issue 40: the trainer's step against the torchtitan-style reference loop (bench/reference_loop.py).
+    Target("trainer_vs_reference_tiny", "ratio", ">=", 0.95, "trainer >= 0.95x the reference loop, tiny"),
+    Target("trainer_vs_reference_small", "ratio", ">=", 0.95, "trainer >= 0.95x the reference loop, small"),
     Target("trainer_grpo", "ratio", ">=", 0.95, "GRPO step >= 0.95x the plain loop"),
     Target("checkpoint_tiny", "stall_ratio", "<=", 0.10, "async stall <= 10% of a sync torch.save"),
     Target("checkpoint_150M", "stall_ratio", "<=", 0.10, "async stall <= 10% of a sync torch.save"),
@@ -156,6 +159,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, u
     ],
     "trainer_pretrain": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
     "trainer_dpo": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
+    "trainer_vs_reference_tiny": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
+    "trainer_vs_reference_small": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
     "trainer_grpo": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
     "checkpoint_tiny": [
         ("checkpoint_bytes", "B"),

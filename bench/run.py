@@ -198,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         benchmarks |= _stack_groups(cfg, groups, env)
     # After the stack is down, so its processes do not compete with the training loops.
     if "trainer" in groups:
-        benchmarks |= _measured(
-            lambda: trainer_steps.run_all(cfg.trainer), ["trainer_pretrain", "trainer_dpo", "trainer_grpo"]
-        )
+        benchmarks |= _measured(lambda: trainer_steps.run_all(cfg.trainer), trainer_steps.RUN_ALL_NAMES)
     if "checkpoint" in groups:
         benchmarks |= _measured(
             lambda: checkpoint_io.run_all(cfg.checkpoint), [f"checkpoint_{s}" for s in cfg.checkpoint.shapes]

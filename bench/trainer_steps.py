@@ -20,11 +20,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from bench import stats
+from contracts.manifest import RlvrStage
 from contracts.models import MODEL_SHAPES
 from training.data.corpora import BatchIterator
 from training.model import Transformer
@@ -276,12 +278,10 @@ def _timed(times: list[float], losses: list[float]):
     return Reporter(sink)
 
 
-def _run_ours(
-    model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], total: int, tokens: int
-) -> tuple[list[float], float]:
+def _run_ours(model: torch.nn.Module, step_fn: Callable, total: int) -> tuple[list[float], float]:
     from torch.optim.lr_scheduler import LambdaLR
 
-    from training.engine.loop import LoopSettings, StepOutput, run_loop
+    from training.engine.loop import LoopSettings, run_loop
 
     optimizer = _plain_optimizer(model)
     scheduler = LambdaLR(optimizer, lambda _: 1.0)
@@ -299,38 +299,79 @@ def _run_ours(
             model,
             optimizer,
             scheduler,
-            lambda _: StepOutput(loss=loss_fn(), tokens=tokens),
+            step_fn,
             emit,
             lambda: False,
         )
     return times, losses[0]
 
 
+def _kept(inputs: torch.Tensor, targets: torch.Tensor, old: torch.Tensor, rewards: torch.Tensor):
+    """The fixed rollouts as the RL stage holds them after sampling (`rlvr.Kept`): prompts, sampled
+    completions with their rollout-time log-probabilities, one reward row per group."""
+    from training.recipes.generation import Completion
+    from training.recipes.rlvr import Kept
+
+    prompt = ROLLOUT_LEN // 3 + 1  # the mask starts at position len(prompt) - 1 = ROLLOUT_LEN // 3
+    rows = torch.cat([inputs, targets[:, -1:]], dim=1)
+    return Kept(
+        prompts=[rows[i, :prompt].tolist() for i in range(len(rows))],
+        completions=[
+            Completion(
+                tokens=rows[i, prompt:].tolist(), logprobs=old[i, prompt - 1 :].tolist(), finished=True
+            )
+            for i in range(len(rows))
+        ],
+        rewards=list(rewards),
+    )
+
+
 def grpo(sizes: Sizes) -> dict:
-    """One GRPO/DAPO update on fixed rollouts (rewards, rollout-time log-probabilities): group
-    advantages and the clipped surrogate from `objectives` in `run_loop`, against the same written
-    inline in a plain loop."""
-    from training.recipes import objectives
+    """One GRPO/DAPO update on fixed rollouts (rewards, rollout-time log-probabilities): the RL
+    stage's own loss path (`rlvr.policy_loss`: the padded batch from the kept groups, group
+    advantages, the clipped surrogate, the KL and clip fraction handed to the loop as scalars) in
+    `run_loop`, against the same loss written inline in a plain loop. The stage also samples its
+    rollouts inside each step; that is generation, not the loss being compared."""
+    from training.recipes import objectives, rlvr
 
     total = sizes.warmup + sizes.steps
     n = GROUPS * GROUP_SIZE
     inputs, targets, mask = _sequences(n, ROLLOUT_LEN, seed=2)
     rewards = torch.randint(0, 2, (GROUPS, GROUP_SIZE), generator=torch.Generator().manual_seed(3)).float()
     with torch.no_grad():  # rollout-time log-probabilities are an input of the step
-        old_logprobs = objectives.token_logprobs(_fresh_model()(inputs)[0], targets)
+        old_logprobs = objectives.token_logprobs(_fresh_model()(inputs)[0], targets) * mask
+    kept = _kept(inputs, targets, old_logprobs, rewards)
+    cfg = rlvr.RlvrConfig(
+        stage="rlvr",
+        shape=MODEL_SHAPES[SHAPE],
+        rope_base=None,
+        problems=[("1+1=", "2")],
+        steps=total,
+        batch_size=GROUPS,
+        learning_rate=LEARNING_RATE,
+        seed=0,
+        checkpoint_dir="/nonexistent",
+        device="cpu",
+        rlvr=RlvrStage(group_size=GROUP_SIZE, eps_low=CLIP_LOW, eps_high=CLIP_HIGH),
+    )
+    device = torch.device("cpu")
 
     def ours() -> tuple[list[float], float]:
         model = _fresh_model()
+        st = rlvr.StepStats(step=1)
 
-        def loss_fn() -> torch.Tensor:
-            advantages = objectives.group_advantages(rewards).reshape(-1)
-            logprobs = objectives.token_logprobs(model(inputs)[0], targets)
-            loss, _ = objectives.clipped_policy_loss(
-                logprobs, old_logprobs, advantages, mask, CLIP_LOW, CLIP_HIGH
+        def step(_: int):
+            from training.engine.loop import StepOutput
+
+            loss, step_mask, scalars = rlvr.policy_loss(model, kept, cfg, device, st)
+            return StepOutput(
+                loss=loss,
+                tokens=int(step_mask.sum().item()),
+                scalars=scalars,
+                on_scalars=lambda values: rlvr.record_scalars(st, values),
             )
-            return loss
 
-        return _run_ours(model, loss_fn, total, int(mask.sum()))
+        return _run_ours(model, step, total)
 
     def plain() -> tuple[list[float], float]:
         model = _fresh_model()
@@ -350,9 +391,46 @@ def grpo(sizes: Sizes) -> dict:
         return _plain_loop(model, loss_fn, total)
 
     return {
-        "what": f"run_loop + objectives.clipped_policy_loss, {GROUPS}x{GROUP_SIZE} rollouts x {ROLLOUT_LEN} tokens, "
+        "what": f"run_loop + rlvr.policy_loss, {GROUPS}x{GROUP_SIZE} rollouts x {ROLLOUT_LEN} tokens, "
         f"{SHAPE} model",
         **_compare(ours, plain, sizes),
+    }
+
+
+# --- the trainer's step against a torchtitan-style reference loop ------------------------------
+
+VERSUS_SHAPES = {"tiny": (16, 64), "small": (8, 128)}  # (batch, seq_len): CPU-sized; "small" is d256 x4
+
+
+def versus_reference(sizes: Sizes, shape: str) -> dict:
+    """`train_stage` (the trainer's step: run_loop, the real data path) against the self-contained
+    reference loop of bench/reference_loop.py (fused AdamW, SDPA enable_gqa), eager on the CPU as
+    the trainer's defaults are there, same weights and batches."""
+    from bench.reference_loop import SHAPES, Run, reference_side, trainer_side
+
+    batch, seq_len = VERSUS_SHAPES[shape]
+    run = Run(
+        shape=shape,
+        batch_size=batch,
+        seq_len=seq_len,
+        steps=sizes.steps,
+        warmup=sizes.warmup,
+        device="cpu",
+        compile=False,
+    )
+
+    def side(fn) -> Callable[[], tuple[list[float], float]]:
+        def timed() -> tuple[list[float], float]:
+            timing = fn(run)
+            return timing.times, timing.losses[0]
+
+        return timed
+
+    s = SHAPES[shape]
+    return {
+        "what": f"train_stage vs the reference loop, {shape} (d{s.d_model} x{s.n_layer}, "
+        f"{s.n_head}:{s.n_kv_head} heads), batch {batch}x{seq_len}, CPU eager",
+        **_compare(side(trainer_side), side(reference_side), sizes),
     }
 
 
@@ -362,6 +440,8 @@ def _not_available(reason: str) -> dict:
 
 def run_all(sizes: Sizes) -> dict[str, dict]:
     results = {"trainer_pretrain": pretrain(sizes)}
+    for shape in VERSUS_SHAPES:
+        results[f"trainer_vs_reference_{shape}"] = versus_reference(sizes, shape)
     for name, bench in (("trainer_dpo", dpo), ("trainer_grpo", grpo)):
         try:
             results[name] = bench(sizes)
@@ -370,7 +450,18 @@ def run_all(sizes: Sizes) -> dict[str, dict]:
     return results
 
 
-BENCHMARKS: dict[str, Callable[[Sizes], dict]] = {"pretrain": pretrain, "dpo": dpo, "grpo": grpo}
+BENCHMARKS: dict[str, Callable[[Sizes], dict]] = {
+    "pretrain": pretrain,
+    "dpo": dpo,
+    "grpo": grpo,
+    **{f"vs_reference_{shape}": partial(versus_reference, shape=shape) for shape in VERSUS_SHAPES},
+}
+RUN_ALL_NAMES = [
+    "trainer_pretrain",
+    *(f"trainer_vs_reference_{s}" for s in VERSUS_SHAPES),
+    "trainer_dpo",
+    "trainer_grpo",
+]
 
 
 def main(argv: list[str] | None = None) -> int:

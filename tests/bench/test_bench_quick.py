@@ -24,6 +24,8 @@ QUICK_BENCHMARKS = {
     "upload_throughput",
     "cli_startup",
     "trainer_pretrain",
+    "trainer_vs_reference_tiny",
+    "trainer_vs_reference_small",
     "trainer_dpo",
     "trainer_grpo",
     "checkpoint_tiny",
@@ -80,7 +82,13 @@ def test_quick_mode_creates_exactly_one_run_per_key(results):
 
 def test_quick_mode_compares_the_same_training_work(results):
     """Both sides of each trainer comparison start from the same weights and batch."""
-    for name in ("trainer_pretrain", "trainer_dpo", "trainer_grpo"):
+    for name in (
+        "trainer_pretrain",
+        "trainer_vs_reference_tiny",
+        "trainer_vs_reference_small",
+        "trainer_dpo",
+        "trainer_grpo",
+    ):
         entry = results["benchmarks"][name]
         if entry["status"] == "ok":
             assert entry["figures"]["same_first_loss"], (name, entry["figures"])

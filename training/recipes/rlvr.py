@@ -151,20 +151,22 @@ def score_group(group: list[Completion], answer: str, cfg: RlvrConfig) -> tuple[
 def policy_batch(
     prompts: list[list[int]], completions: list[Completion]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(inputs, targets, mask, old log-probs) of prompt+completion rows, right-padded."""
-    width = max(len(p) + len(c.tokens) for p, c in zip(prompts, completions, strict=True)) - 1
-    rows = len(prompts)
-    inputs = torch.full((rows, width), PAD_TOKEN, dtype=torch.long)
-    targets = torch.full((rows, width), PAD_TOKEN, dtype=torch.long)
-    mask = torch.zeros((rows, width))
-    old = torch.zeros((rows, width))
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        seq = torch.tensor(p + c.tokens)
-        n = len(seq) - 1
-        inputs[i, :n], targets[i, :n] = seq[:-1], seq[1:]
-        mask[i, len(p) - 1 : n] = 1.0
-        old[i, len(p) - 1 : n] = torch.tensor(c.logprobs)
-    return inputs, targets, mask, old
+    """(inputs, targets, mask, old log-probs) of prompt+completion rows, right-padded. Built from
+    padded Python rows with one tensor per field: per-row tensors and slice copies were a third of
+    the GRPO step's host time at the bench's tiny shape (bench/trainer_steps.py `trainer_grpo`)."""
+    pairs = list(zip(prompts, completions, strict=True))
+    width = max(len(p) + len(c.tokens) for p, c in pairs)  # tokens per row, the last one a target only
+    seq = torch.tensor([p + c.tokens + [PAD_TOKEN] * (width - len(p) - len(c.tokens)) for p, c in pairs])
+    old = torch.tensor(
+        [[0.0] * (len(p) - 1) + c.logprobs + [0.0] * (width - len(p) - len(c.tokens)) for p, c in pairs]
+    )
+    # Row i's targets seq[i, 1:n+1] are completion tokens from position len(p) - 1 up to n - 1.
+    starts = torch.tensor([len(p) - 1 for p, _ in pairs])[:, None]
+    ends = torch.tensor([len(p) + len(c.tokens) - 1 for p, c in pairs])[:, None]
+    position = torch.arange(width - 1)[None]
+    mask = ((position >= starts) & (position < ends)).float()
+    inputs = seq[:, :-1].masked_fill(position >= ends, PAD_TOKEN)  # a row's last token is a target only
+    return inputs, seq[:, 1:].contiguous(), mask, old[:, : width - 1].contiguous()
 
 
 class Sampler:
@@ -308,11 +310,15 @@ def policy_loss(
     device: torch.device,
     st: StepStats,
     across: Across | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's loss, the kept batch's response mask) over the kept groups: advantages normalised
-    within each group of shaped rewards, the clipped policy loss on this rank's rows (all of them in
-    one process); the k3 KL and the clip fraction, over every kept token, go to `st`. `across`: this
-    is one replica group's kept batch, and the token mean is over every group's kept tokens."""
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(this rank's loss, the kept batch's response mask, device scalars for the loop to read) over
+    the kept groups: advantages normalised within each group of shaped rewards, the clipped policy
+    loss on this rank's rows (all of them in one process); the k3 KL and the clip fraction, over
+    every kept token, go to `st`. In one data-parallel rank they stay on the device, as the scalars
+    the loop reads with the loss in its one transfer (`record_scalars` puts them in `st`): reading
+    them here would be two host syncs a step, draining the GPU's queue before the backward pass.
+    `across`: this is one replica group's kept batch, and the token mean is over every group's
+    kept tokens."""
     inputs, targets, mask, old = policy_batch(kept.prompts, kept.completions)
     advantages = group_advantages(torch.stack(kept.rewards)).reshape(-1)
     dims = dims_of(cfg)
@@ -331,13 +337,18 @@ def policy_loss(
     )
     loss = global_token_mean(loss, local, tokens, slices)
     if dims.dp_degree == 1:
-        st.kl = float(kl_estimate(logprobs, old_local, local))
-        st.clip_fraction = float(clip_fraction)
-    else:  # token means over the kept batch: each rank's share, weighted by its tokens
-        share = float(local.sum()) * dims.dp_degree / max(group_tokens, 1.0)
-        st.kl = distributed.all_reduce_mean(float(kl_estimate(logprobs, old_local, local)) * share)
-        st.clip_fraction = distributed.all_reduce_mean(float(clip_fraction) * share)
-    return loss, mask
+        return loss, mask, {"kl": kl_estimate(logprobs, old_local, local), "clip_fraction": clip_fraction}
+    # Token means over the kept batch: each rank's share, weighted by its tokens.
+    share = float(local.sum()) * dims.dp_degree / max(group_tokens, 1.0)
+    st.kl = distributed.all_reduce_mean(float(kl_estimate(logprobs, old_local, local)) * share)
+    st.clip_fraction = distributed.all_reduce_mean(float(clip_fraction) * share)
+    return loss, mask, {}
+
+
+def record_scalars(st: StepStats, values: dict[str, float]) -> None:
+    """The step's KL and clip fraction, once the loop has read them off the device."""
+    st.kl = values.get("kl", st.kl)
+    st.clip_fraction = values.get("clip_fraction", st.clip_fraction)
 
 
 def train_rlvr(
@@ -497,13 +508,18 @@ def rl_step(
             LogLevel.warning,
         )
         return StepOutput(loss=None, tokens=0)
-    loss, mask = policy_loss(model, kept, cfg, device, st, across)
-    report.log(
-        f"rlvr step {step + 1}: reward {st.reward:.3f}, accuracy {st.accuracy:.3f}, kl {st.kl:.4f}, "
-        f"clipped {st.clip_fraction:.3f}, groups kept {st.groups_kept} (uniform dropped {st.groups_uniform}), "
-        f"stale rollouts dropped {st.stale_dropped}, rounds {st.rounds}"
-    )
-    return StepOutput(loss=loss, tokens=0 if kept.weightless else int(mask.sum().item()))
+    loss, mask, scalars = policy_loss(model, kept, cfg, device, st, across)
+
+    def on_scalars(values: dict[str, float]) -> None:  # the KL and clip fraction are on the host now
+        record_scalars(st, values)
+        report.log(
+            f"rlvr step {step + 1}: reward {st.reward:.3f}, accuracy {st.accuracy:.3f}, kl {st.kl:.4f}, "
+            f"clipped {st.clip_fraction:.3f}, groups kept {st.groups_kept} (uniform dropped {st.groups_uniform}), "
+            f"stale rollouts dropped {st.stale_dropped}, rounds {st.rounds}"
+        )
+
+    tokens = 0 if kept.weightless else int(mask.sum().item())  # a host tensor: no sync
+    return StepOutput(loss=loss, tokens=tokens, scalars=scalars, on_scalars=on_scalars)
 
 
 def train_post(
