@@ -43,8 +43,17 @@ from training.data.corpora import ByteTokenizer
 from training.engine.checkpoint import CHECKPOINT_DEFAULTS
 from training.engine.checkpoint_load import is_hf_model_dir, load_weights
 from training.engine.distributed import ParallelDims, batch_rows, rank, replica_batch_rows, world_size
-from training.engine.loop import LoopResult, LoopSettings, StepOutput, autocast, pick_device, to_device
+from training.engine.loop import (
+    LoopResult,
+    LoopSettings,
+    StepOutput,
+    accumulate,
+    autocast,
+    pick_device,
+    to_device,
+)
 from training.engine.reporting import Reporter, rank0_only, where
+from training.engine.speed import Speed, micro_steps
 from training.model import Transformer
 from training.recipes.generation import END_TOKEN
 from training.recipes.objectives import dpo_loss, sft_loss, token_logprobs
@@ -100,6 +109,9 @@ class PostConfig:
     """DPO on the field's preference data (`prompt` / `chosen` / `rejected` rows)."""
     pad_id: int = 0
     """The tokenizer's padding id (never a target: padding is masked out of every loss)."""
+    speed: Speed = field(default_factory=Speed)
+    """Compile, activation checkpointing and the micro-batch (training/engine/speed.py): the plan's.
+    SFT and DPO accumulate micro-batches (DPO's micro-batch counts pairs); RLVR's step runs whole."""
 
     def __post_init__(self) -> None:
         if not (self.problems or self.examples or self.pairs):
@@ -312,6 +324,7 @@ def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) 
         parallel=dims_of(cfg),
         lora=cfg.lora,
         init_from_hf=Path(from_hf) if from_hf is not None and replicas is None else None,
+        speed=cfg.speed,
     )
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
@@ -345,6 +358,7 @@ def train_sft(
     stage = _setup(cfg, report, replicas)
     rows, slices = rank_rows(cfg, cfg.batch_size, replicas)
     model, device = stage.model, stage.device
+    count = micro_steps(rows.stop - rows.start, cfg.speed)
 
     def step_fn(step: int) -> StepOutput:
         rng = batch_rng(cfg.seed, cfg.stage, step)
@@ -355,15 +369,54 @@ def train_sft(
             batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
             inputs, targets, mask = response_batch([p for p, _ in batch], [a for _, a in batch])
         tokens = float(mask.sum())  # the global batch's response tokens (a host tensor: no sync)
-        logprobs = sequence_logprobs(model, inputs[rows], targets[rows], device)
-        local = to_device(mask[rows], device)
-        loss = global_token_mean(sft_loss(logprobs, local), local, tokens, slices)
-        return StepOutput(loss=loss, tokens=int(inputs.numel()))
+        if count == 1:
+            return StepOutput(
+                loss=sft_step(model, (inputs[rows], targets[rows], mask[rows]), device, tokens, slices),
+                tokens=int(inputs.numel()),
+            )
+        micro = [
+            partial(sft_micro_step, model, part, device, tokens, slices)
+            for part in zip(*(t[rows].chunk(count) for t in (inputs, targets, mask)), strict=True)
+        ]
+        out = accumulate(micro)
+        out.tokens = int(inputs.numel())
+        return out
 
     try:
         return _finish(model, stage.run(step_fn, report, should_stop))
     finally:
         stage.close()
+
+
+def sft_step(
+    model: Transformer,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    device: torch.device,
+    tokens: float,
+    slices: int,
+) -> torch.Tensor:
+    """SFT's loss on this rank's rows `batch` (inputs, targets, mask): their token mean, rescaled so
+    that the mean over the `slices` of the global batch is its mean over its `tokens` tokens."""
+    inputs, targets, mask = batch
+    logprobs = sequence_logprobs(model, inputs, targets, device)
+    local = to_device(mask, device)
+    return global_token_mean(sft_loss(logprobs, local), local, tokens, slices)
+
+
+def sft_micro_step(
+    model: Transformer,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    device: torch.device,
+    tokens: float,
+    slices: int,
+) -> StepOutput:
+    """One micro-batch of SFT: its tokens' share of the step's loss (their summed negative
+    log-likelihood over the global batch's `tokens`, times the `slices` the ranks average over), so
+    the micro-batches' shares add up to the step's token mean whatever tokens each holds."""
+    inputs, targets, mask = batch
+    logprobs = sequence_logprobs(model, inputs, targets, device)
+    local = to_device(mask, device)
+    return StepOutput(loss=-(logprobs * local).sum() * (slices / max(tokens, 1.0)), tokens=0)
 
 
 def dpo_batch(cfg: PostConfig, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -390,6 +443,14 @@ def pair_slice(
     chosen, rejected = rows, slice(pairs + rows.start, pairs + rows.stop)
     inputs, targets, mask = (torch.cat([t[chosen], t[rejected]]) for t in batch)
     return inputs, targets, mask
+
+
+def pair_rows(batch: tuple[torch.Tensor, ...], pairs: int, rows: slice) -> tuple[torch.Tensor, ...]:
+    """The pairs `rows` of each tensor of a DPO batch of `pairs` pairs (chosen rows, then rejected
+    rows): a micro-batch of the pairs, chosen then rejected again."""
+    if rows.start == 0 and rows.stop == pairs:
+        return batch
+    return tuple(torch.cat([t[rows], t[pairs + rows.start : pairs + rows.stop]]) for t in batch)
 
 
 class ReferenceLogprobs:
@@ -465,6 +526,7 @@ def train_dpo(
     model, device = stage.model, stage.device
     rows, _ = rank_rows(cfg, cfg.batch_size, replicas)
     n = rows.stop - rows.start  # this rank's pairs: the loss is their mean, averaged over the ranks
+    count = micro_steps(n, cfg.speed)  # micro-batches of pairs
 
     def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return pair_slice(dpo_batch(cfg, step), cfg.batch_size, rows)
@@ -486,10 +548,13 @@ def train_dpo(
         )
         references = ReferenceLogprobs(reference, batch_of, cfg.steps, device)
 
-        def step_fn(step: int) -> StepOutput:
-            inputs, targets, mask, ref = references.take(step)
+        def micro_step(step: int, batch: tuple[torch.Tensor, ...], pairs: int) -> StepOutput:
+            inputs, targets, mask, ref = batch
             policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
-            loss, chosen, rejected = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], cfg.beta)
+            loss, chosen, rejected = dpo_loss(
+                policy[:pairs], policy[pairs:], ref[:pairs], ref[pairs:], cfg.beta
+            )
+            loss = loss / count  # equal micro-batches of pairs: the step's mean is the sum of these
             if (step + 1) % report_every:
                 return StepOutput(loss=loss, tokens=int(inputs.numel()))
             # Read with the loss, in the loop's one transfer: no sync of their own in the step.
@@ -497,6 +562,12 @@ def train_dpo(
             return StepOutput(
                 loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(progress, step)
             )
+
+        def step_fn(step: int) -> StepOutput:
+            batch = references.take(step)
+            size = n // count
+            parts = [pair_rows(batch, n, slice(m * size, (m + 1) * size)) for m in range(count)]
+            return accumulate([partial(micro_step, step, part, size) for part in parts])
 
         result = stage.run(step_fn, report, should_stop)
     finally:
