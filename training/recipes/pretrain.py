@@ -399,6 +399,8 @@ def train_stage(
     report = rank0_only(report)
     dims = cfg.parallel or ParallelDims.for_world(world_size())
     dims.check_batch(cfg.batch_size)
+    # A micro-batch that does not divide the per-rank batch is refused before anything is built.
+    micro_steps(cfg.batch_size // dims.dp_degree, cfg.speed)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     train_tokens, held_out = load_stage_data(cfg)
