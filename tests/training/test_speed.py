@@ -14,7 +14,7 @@ from contracts.models import MODEL_SHAPES
 from training.data.corpora import load_text, task_problems
 from training.engine.checkpoint_load import load_weights
 from training.engine.reporting import Recorder
-from training.engine.speed import Speed, compiles, is_compiled, micro_steps
+from training.engine.speed import Speed, compiles, fitted, is_compiled, micro_steps
 from training.model import Transformer
 from training.recipes.posttrain import PostConfig, train_dpo, train_sft
 from training.recipes.pretrain import StageConfig, _lm_step, build_model, train_stage
@@ -46,7 +46,9 @@ def loss_and_grads(
     _, loss = model(x, y)
     assert loss is not None
     loss.backward()
-    return float(loss.detach()), {n: p.grad.clone() for n, p in plain_names(model).items() if p.grad is not None}
+    return float(loss.detach()), {
+        n: p.grad.clone() for n, p in plain_names(model).items() if p.grad is not None
+    }
 
 
 def batch(rows: int = 8, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +85,18 @@ def test_compile_is_on_for_cuda_unless_the_stage_says(compile_, device, want):
 )
 def test_micro_steps_split_the_per_rank_batch(rows, micro, want):
     assert micro_steps(rows, Speed(micro_batch=micro)) == want
+
+
+@pytest.mark.parametrize(
+    ("micro", "rows", "want"),
+    [(None, 8, None), (4, 8, 4), (4, 6, 3), (3, 8, 2), (8, 4, 4), (5, 7, 1), (1, 5, 1)],
+)
+def test_a_stage_of_its_own_batch_gets_the_largest_micro_batch_that_divides_it(micro, rows, want):
+    # A post-training stage's batch is its own: the plan's micro-batch (sized for the next-token
+    # stages) is lowered to a divisor, never raised past what the memory model fitted.
+    assert fitted(Speed(micro_batch=micro, activation_checkpointing="full"), rows) == Speed(
+        micro_batch=want, activation_checkpointing="full"
+    )
 
 
 def test_a_micro_batch_that_does_not_divide_the_per_rank_batch_is_refused(tmp_path):

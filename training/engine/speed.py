@@ -11,10 +11,12 @@ compiled block is compiled in place (`nn.Module.compile`, as torchtitan does tod
 `_orig_mod.` wrapper at all.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from contracts.plans import Plan
 
 AC_POLICIES = ("none", "selective", "full")
 SELECTIVE_EVERY = 2  # torchtitan's per-layer selective AC ("2"): every other block recomputes
@@ -41,6 +43,35 @@ class Speed:
             )
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError("A micro-batch needs to be at least 1 sequence.")
+
+
+def speed_for_plan(plan: Plan, *, compile: bool | None = None) -> Speed:
+    """A run's speed from its plan (micro-batch and activation checkpointing, which the memory model
+    picked; a micro-batch of 0 is an older plan's: the whole per-rank batch) and the operator's
+    compile switch (None: auto)."""
+    return Speed(
+        compile=compile,
+        activation_checkpointing=plan.activation_checkpointing,
+        micro_batch=plan.micro_batch_size or None,
+    )
+
+
+def data_parallel_of(plan: Plan, global_batch: int) -> int:
+    """The slices the plan cuts the manifest's global batch into: micro-batch x accumulation x
+    data-parallel ranks is that batch (the plan's own sum); 1 for a plan without a micro-batch."""
+    per_rank = plan.micro_batch_size * max(1, plan.grad_accumulation)
+    return max(1, global_batch // per_rank) if per_rank else 1
+
+
+def fitted(speed: Speed, per_rank_batch: int) -> Speed:
+    """`speed` for a stage whose rank holds `per_rank_batch` sequences: its micro-batch lowered to
+    the largest divisor of that batch it does not exceed (a post-training stage has a batch of its
+    own, which the plan's micro-batch, sized for the next-token stages, need not divide; never
+    larger, so it still fits the memory the plan measured)."""
+    if speed.micro_batch is None or per_rank_batch % speed.micro_batch == 0:
+        return speed
+    micro = max(d for d in range(1, min(speed.micro_batch, per_rank_batch) + 1) if per_rank_batch % d == 0)
+    return replace(speed, micro_batch=micro)
 
 
 def compiles(speed: Speed, device_type: str) -> bool:
