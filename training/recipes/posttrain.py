@@ -369,13 +369,8 @@ def train_sft(
             batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
             inputs, targets, mask = response_batch([p for p, _ in batch], [a for _, a in batch])
         tokens = float(mask.sum())  # the global batch's response tokens (a host tensor: no sync)
-        if count == 1:
-            return StepOutput(
-                loss=sft_step(model, (inputs[rows], targets[rows], mask[rows]), device, tokens, slices),
-                tokens=int(inputs.numel()),
-            )
         micro = [
-            partial(sft_micro_step, model, part, device, tokens, slices)
+            partial(sft_micro_step, model, part, device, tokens, slices, count)
             for part in zip(*(t[rows].chunk(count) for t in (inputs, targets, mask)), strict=True)
         ]
         out = accumulate(micro)
@@ -388,34 +383,22 @@ def train_sft(
         stage.close()
 
 
-def sft_step(
-    model: Transformer,
-    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    device: torch.device,
-    tokens: float,
-    slices: int,
-) -> torch.Tensor:
-    """SFT's loss on this rank's rows `batch` (inputs, targets, mask): their token mean, rescaled so
-    that the mean over the `slices` of the global batch is its mean over its `tokens` tokens."""
-    inputs, targets, mask = batch
-    logprobs = sequence_logprobs(model, inputs, targets, device)
-    local = to_device(mask, device)
-    return global_token_mean(sft_loss(logprobs, local), local, tokens, slices)
-
-
 def sft_micro_step(
     model: Transformer,
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     device: torch.device,
     tokens: float,
     slices: int,
+    micro_batches: int,
 ) -> StepOutput:
-    """One micro-batch of SFT: its tokens' share of the step's loss (their summed negative
-    log-likelihood over the global batch's `tokens`, times the `slices` the ranks average over), so
-    the micro-batches' shares add up to the step's token mean whatever tokens each holds."""
+    """SFT on rows `batch` (inputs, targets, mask) of this rank, one of its `micro_batches`: their
+    tokens' share of the step's loss, so that the shares add up, and the mean over the `slices` of
+    the global batch is, its mean over its `tokens` tokens whatever tokens each micro-batch holds."""
     inputs, targets, mask = batch
     logprobs = sequence_logprobs(model, inputs, targets, device)
     local = to_device(mask, device)
+    if micro_batches == 1:  # the rank's rows whole: its token mean, rescaled over the slices
+        return StepOutput(loss=global_token_mean(sft_loss(logprobs, local), local, tokens, slices), tokens=0)
     return StepOutput(loss=-(logprobs * local).sum() * (slices / max(tokens, 1.0)), tokens=0)
 
 
@@ -514,6 +497,28 @@ class ReferenceLogprobs:
         self.seconds += time.perf_counter() - started
 
 
+def dpo_micro_step(
+    model: Transformer,
+    batch: tuple[torch.Tensor, ...],
+    pairs: int,
+    device: torch.device,
+    beta: float,
+    micro_batches: int,
+    with_scalars: bool,
+) -> StepOutput:
+    """DPO on `pairs` pairs (`batch`: inputs, targets, mask, reference sums; chosen rows then
+    rejected rows): their mean loss as one of `micro_batches` equal shares of the step's, and, when
+    `with_scalars`, the reward accuracy and margin (read with the loss, in the loop's one transfer:
+    no sync of their own in the step)."""
+    inputs, targets, mask, ref = batch
+    policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
+    loss, chosen, rejected = dpo_loss(policy[:pairs], policy[pairs:], ref[:pairs], ref[pairs:], beta)
+    out = StepOutput(loss=loss / micro_batches, tokens=int(inputs.numel()))
+    if with_scalars:
+        out.scalars = {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()}
+    return out
+
+
 def train_dpo(
     cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool], replicas: Replicas | None = None
 ) -> PostResult:
@@ -548,26 +553,16 @@ def train_dpo(
         )
         references = ReferenceLogprobs(reference, batch_of, cfg.steps, device)
 
-        def micro_step(step: int, batch: tuple[torch.Tensor, ...], pairs: int) -> StepOutput:
-            inputs, targets, mask, ref = batch
-            policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
-            loss, chosen, rejected = dpo_loss(
-                policy[:pairs], policy[pairs:], ref[:pairs], ref[pairs:], cfg.beta
-            )
-            loss = loss / count  # equal micro-batches of pairs: the step's mean is the sum of these
-            if (step + 1) % report_every:
-                return StepOutput(loss=loss, tokens=int(inputs.numel()))
-            # Read with the loss, in the loop's one transfer: no sync of their own in the step.
-            scalars = {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()}
-            return StepOutput(
-                loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(progress, step)
-            )
-
         def step_fn(step: int) -> StepOutput:
-            batch = references.take(step)
-            size = n // count
+            batch, size, reporting = references.take(step), n // count, (step + 1) % report_every == 0
             parts = [pair_rows(batch, n, slice(m * size, (m + 1) * size)) for m in range(count)]
-            return accumulate([partial(micro_step, step, part, size) for part in parts])
+            micro = [
+                partial(dpo_micro_step, model, part, size, device, cfg.beta, count, reporting)
+                for part in parts
+            ]
+            out = accumulate(micro)
+            out.on_scalars = partial(progress, step) if reporting else None
+            return out
 
         result = stage.run(step_fn, report, should_stop)
     finally:
