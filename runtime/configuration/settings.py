@@ -29,6 +29,9 @@ ENV_ELIGIBILITY_TTL_S = "ITO_ELIGIBILITY_TTL_S"
 ENV_IDEMPOTENCY_RETENTION_S = "ITO_IDEMPOTENCY_RETENTION_S"
 ENV_REQUEST_TIMEOUT_S = "ITO_REQUEST_TIMEOUT_S"
 ENV_TRAINER_THREADS = "ITO_TRAINER_THREADS"
+# Per-block torch.compile of every stage's model: "auto" (on for cuda, off on CPU), "on" or "off"
+# (off when a compile misbehaves on a GPU; on to try it on CPU). training/engine/speed.py.
+ENV_TRAINER_COMPILE = "ITO_TRAINER_COMPILE"
 ENV_PLAN_SMALL_MODEL_GANGS = "ITO_PLAN_SMALL_MODEL_GANGS"
 ENV_RENDEZVOUS_HOST = "ITO_RENDEZVOUS_HOST"
 ENV_NATS_REPLICAS = "ITO_NATS_REPLICAS"
@@ -98,6 +101,18 @@ def trainer_threads(environ: Mapping[str, str], cpus: int) -> int:
             except ValueError:
                 raise ValueError(f"{name} must be a whole number of threads, not {value!r}") from None
     return max(1, cpus)
+
+
+TRAINER_COMPILE_CHOICES = {"auto": None, "on": True, "off": False}
+
+
+def trainer_compile(environ: Mapping[str, str]) -> bool | None:
+    """ITO_TRAINER_COMPILE as the stages' `Speed.compile`: None for "auto" (or unset), True for
+    "on", False for "off". ValueError names any other value."""
+    value = environ.get(ENV_TRAINER_COMPILE, "").strip().lower() or "auto"
+    if value not in TRAINER_COMPILE_CHOICES:
+        raise ValueError(f"{ENV_TRAINER_COMPILE} needs to be auto, on or off, not {value!r}.")
+    return TRAINER_COMPILE_CHOICES[value]
 
 
 def usable_cpus() -> int:

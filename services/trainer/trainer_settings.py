@@ -17,6 +17,7 @@ from runtime.configuration.settings import (
     ENV_FAULT_SPIKE_STEP,
     ENV_FAULT_STEP_DELAY_S,
     ENV_GANG_MAX_REQUEUES,
+    trainer_compile,
     trainer_threads,
 )
 
@@ -31,6 +32,9 @@ class TrainerSettings:
     gang_max_requeues: int = DEFAULT_GANG_MAX_REQUEUES
     """How often a run whose gang was lost past the launcher's restarts is requeued before it fails
     (`ITO_GANG_MAX_REQUEUES`)."""
+    compile: bool | None = None
+    """Per-block torch.compile of every stage's model (`ITO_TRAINER_COMPILE`: auto, on, off); None:
+    auto, on for cuda and off on CPU."""
     fault_point: str = ""
     """The chaos tests' fault point (`ITO_FAULT_POINT`, runtime/configuration/faults.py); "" for none,
     as in every production deployment."""
@@ -52,6 +56,7 @@ def load(env: Mapping[str, str], cpus: int) -> TrainerSettings:
     return TrainerSettings(
         threads=trainer_threads(env, cpus),
         gang_max_requeues=_number(int, env, ENV_GANG_MAX_REQUEUES, DEFAULT_GANG_MAX_REQUEUES),
+        compile=trainer_compile(env),
         fault_point=point,
         fault_spike_step=(
             _number(int, env, ENV_FAULT_SPIKE_STEP, DEFAULT_FAULT_SPIKE_STEP)

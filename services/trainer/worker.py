@@ -73,6 +73,7 @@ from services.trainer.trainer_settings import TrainerSettings
 from training.engine.checkpoint_dir import rewind
 from training.engine.distributed import ParallelismError
 from training.engine.reporting import EventFile, Reporter
+from training.engine.speed import data_parallel_of, speed_for_plan
 from training.launch import launcher, multinode
 from training.launch.elastic import GangFailed, GangLost
 from training.recipes.pipeline import run_pipeline
@@ -337,7 +338,7 @@ class Worker:
         report = emitter.reporter().with_sink(sink)
         try:
             result = await asyncio.to_thread(
-                partial(run_pipeline, **self._inputs(work, run), local_inputs=local),
+                partial(run_pipeline, **self._inputs(work, manifest, run), local_inputs=local),
                 manifest,
                 checkpoint_dir,
                 report,
@@ -361,13 +362,21 @@ class Worker:
         await emitter.state(final, stage=result.last_stage, message=message)
         return final
 
-    def _inputs(self, work: TrainWork, run: Curriculum) -> dict[str, Any]:
+    def _inputs(self, work: TrainWork, manifest: Manifest, run: Curriculum) -> dict[str, Any]:
         """What the pipeline takes beside the manifest: the run's plan (made once, in the agent), the
-        base model the scheduler resolved (its Hugging Face directory in the model store, by digest)
-        and the store's root (tokenizer entries)."""
+        base model the scheduler resolved (its Hugging Face directory in the model store, by digest),
+        the store's root (tokenizer entries), and the speed the scheduler's plan and the operator's
+        compile switch ask for (micro-batch, activation checkpointing, compile)."""
         store = ModelStore(self.settings.model_store)
         base_dir = store.path(work.base.digest) if work.base is not None else None
-        return {"plan": run, "base": work.base, "base_dir": base_dir, "store_root": store.root}
+        return {
+            "plan": run,
+            "base": work.base,
+            "base_dir": base_dir,
+            "store_root": store.root,
+            "speed": speed_for_plan(work.plan, compile=self.trainer_settings.compile),
+            "data_parallel": data_parallel_of(work.plan, manifest.target.batch_size),
+        }
 
     async def _train_share(self, msg: NatsMessage, work: TrainWork, manifest: Manifest, epoch: int) -> None:
         """Node n > 0 of a multi-node run: train this node's share under its own lease; events go to
@@ -401,7 +410,7 @@ class Worker:
             if self.trainer_settings.fault(faults.TRAINER_SHARE_FAILS):  # fault injection (tests, make chaos)
                 raise RuntimeError("planted fault: this node's share fails")
             result = await asyncio.to_thread(
-                partial(run_pipeline, **self._inputs(work, run), local_inputs=local),
+                partial(run_pipeline, **self._inputs(work, manifest, run), local_inputs=local),
                 manifest,
                 checkpoint_dir,
                 report,

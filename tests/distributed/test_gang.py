@@ -20,6 +20,7 @@ import pytest
 from contracts.runs import CheckpointSaved, LogLine, Metrics
 from tests.distributed import torchrun
 from training.engine.checkpoint_dir import MARKER, SIDECAR, list_checkpoints
+from training.engine.speed import Speed
 
 pytestmark = pytest.mark.distributed
 
@@ -76,6 +77,24 @@ def test_a_gang_trains_the_single_process_curve(gang_dir, single, strategy, degr
     # The held-out loss, each data-parallel rank evaluating its share, is the one-process figure.
     alone = json.loads((gang_dir / "single" / "summary.json").read_text())
     assert abs(summary["held_out_loss"] - alone["held_out_loss"]) <= LOSS_ATOL, (summary, alone)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "degrees", "speed"),
+    [
+        ("fsdp2", {"dp_shard": 2}, Speed(activation_checkpointing="selective", micro_batch=2)),
+        ("fsdp2+tp", {"dp_shard": 1, "tp": 2}, Speed(activation_checkpointing="full", micro_batch=4)),
+    ],
+    ids=["fsdp2-selective-micro2", "tp-full-micro4"],
+)
+def test_a_gang_with_checkpointed_blocks_and_micro_batches_trains_the_single_process_curve(
+    gang_dir, single, strategy, degrees, speed
+):
+    # issue 40: activation checkpointing goes on between TP and FSDP2, and the per-rank batch (4
+    # sequences on 2 data-parallel ranks, 8 under tp alone) runs in micro-batches: same curve.
+    name = f"speed_{strategy.replace('+', '_')}"
+    torchrun.summary_of(_job(gang_dir, name, strategy=strategy, degrees=degrees, speed=speed), 2)
+    torchrun.assert_same_curve(torchrun.losses(gang_dir / name), single, LOSS_ATOL)
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,22 @@ CPUS = 4
         ),
         # a fault's own variable counts only with its fault point planted, as when it was read there
         ({"ITO_FAULT_SPIKE_STEP": "soon", "ITO_FAULT_STEP_DELAY_S": "slow"}, TrainerSettings(threads=CPUS)),
+        # issue 40: the operator's compile switch (auto: on for cuda, off on CPU)
+        ({"ITO_TRAINER_COMPILE": "auto"}, TrainerSettings(threads=CPUS, compile=None)),
+        ({"ITO_TRAINER_COMPILE": "on"}, TrainerSettings(threads=CPUS, compile=True)),
+        ({"ITO_TRAINER_COMPILE": "Off"}, TrainerSettings(threads=CPUS, compile=False)),
     ],
-    ids=["defaults", "threads-and-requeues", "omp-threads", "loss-spike", "slow-steps", "unplanted"],
+    ids=[
+        "defaults",
+        "threads-and-requeues",
+        "omp-threads",
+        "loss-spike",
+        "slow-steps",
+        "unplanted",
+        "compile-auto",
+        "compile-on",
+        "compile-off",
+    ],
 )
 def test_the_environment_read_once(env, expected):
     assert load(env, CPUS) == expected
@@ -46,6 +60,7 @@ def test_the_environment_read_once(env, expected):
         ({"ITO_GANG_MAX_REQUEUES": "two"}, "ITO_GANG_MAX_REQUEUES"),
         ({"ITO_FAULT_POINT": "trainer.loss_spike", "ITO_FAULT_SPIKE_STEP": ""}, "ITO_FAULT_SPIKE_STEP"),
         ({"ITO_TRAINER_THREADS": "many"}, "ITO_TRAINER_THREADS"),
+        ({"ITO_TRAINER_COMPILE": "yes"}, "ITO_TRAINER_COMPILE needs to be auto, on or off"),
     ],
 )
 def test_a_value_that_is_no_number_stops_the_start_naming_it(env, name):

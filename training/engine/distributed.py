@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from contracts.models import ModelShape
+from training.engine.speed import Speed, apply_speed
 from training.model import Attention
 
 # torchrun's environment (torch.distributed.run sets these for every worker).
@@ -372,14 +373,22 @@ def barrier() -> None:
 # ---- applying the parallelisms -------------------------------------------------------------------
 
 
-def parallelize(model: M, dims: ParallelDims, mesh: DeviceMesh | None) -> M:
-    """TP, then FSDP2 / HSDP per block and the root, or DDP: torchtitan's order. The model is on
-    its device already; a no-op for a single process."""
+def parallelize(
+    model: M, dims: ParallelDims, mesh: DeviceMesh | None, speed: Speed | None = None, device_type: str = ""
+) -> M:
+    """TP, activation checkpointing and compile (`speed`), then FSDP2 / HSDP per block and the root,
+    or DDP: torchtitan's order. The model is on its device already (or on meta: `device_type` then
+    names where it will live; "" means its parameters' device). For a single process only `speed`
+    applies."""
     if mesh is None:
+        if speed is not None:
+            apply_speed(model, speed, device_type or _device_type(model))
         return model
     device_type = mesh.device_type
     if dims.tp > 1:
         _apply_tp(model, mesh["tp"])
+    if speed is not None:
+        apply_speed(model, speed, device_type)
     if dims.strategy == "ddp":
         from torch.distributed._composable.replicate import replicate
 
@@ -389,6 +398,10 @@ def parallelize(model: M, dims: ParallelDims, mesh: DeviceMesh | None) -> M:
     if dp_names:
         _apply_fsdp(model, mesh[dp_names], device_type)
     return model
+
+
+def _device_type(model: nn.Module) -> str:
+    return next(model.parameters()).device.type
 
 
 def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:

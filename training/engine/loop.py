@@ -3,6 +3,7 @@ checkpoints, stop requests; and the device, precision and sharding choices made 
 
 A stage supplies `step_fn(step) -> StepOutput` (its forward pass and loss); the loop owns the rest,
 so pretrain, midtrain, long-context, SFT, DPO and RLVR checkpoint, resume and stop the same way.
+A step of several micro-batches (gradient accumulation) is `accumulate` over their step functions.
 The loop reports through a `Reporter` (metrics, checkpoints, log lines: contract events) and asks
 `should_stop()` before every step; on a stop it commits a checkpoint of the current step first.
 
@@ -31,7 +32,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict, cast
 
@@ -124,6 +125,9 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class StepOutput:
     loss: torch.Tensor | None
     """The scalar to minimise; None when the step has nothing to learn from (the step still counts)."""
+    report_loss: torch.Tensor | None = None
+    """The step's loss to report when `loss` is only the last micro-batch's share of it (`accumulate`);
+    None: `loss` itself."""
     tokens: int
     """Tokens processed, for tokens/s."""
     scalars: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -131,6 +135,43 @@ class StepOutput:
     same transfer, without a sync of their own, and handed to `on_scalars` (a step later at most)."""
     on_scalars: Callable[[dict[str, float]], None] | None = None
     """Called with `scalars` as floats once they are on the host, before the step's metrics go out."""
+
+
+def accumulate(micro: Sequence[Callable[[], StepOutput]]) -> StepOutput:
+    """One optimizer step's output from its micro-batches, run in order: backward runs here on each
+    but the last, whose loss the loop's backward takes, so gradients add up over them. Each
+    micro-step's loss is already its share of the step's loss (a mean over equal micro-batches:
+    divided by their count; a token mean: its tokens' share), so the gradients are the whole
+    batch's and `report_loss`, the sum of the shares, is the step's loss. Scalars are averaged
+    over the micro-batches. One micro-step: its output as it is."""
+    if len(micro) == 1:
+        return micro[0]()
+    losses: list[torch.Tensor] = []
+    scalars: dict[str, list[torch.Tensor]] = {}
+    tokens = 0
+    last = None
+    for index, run in enumerate(micro):
+        last = run()
+        tokens += last.tokens
+        for name, value in last.scalars.items():
+            scalars.setdefault(name, []).append(value.detach())
+        if last.loss is None:
+            continue
+        losses.append(last.loss.detach())
+        if index < len(micro) - 1:
+            last.loss.backward()
+    assert last is not None
+    if not losses:
+        return StepOutput(loss=None, tokens=tokens)
+    # The last micro-batch learnt nothing: a zero that keeps the loop's one backward harmless.
+    loss = last.loss if last.loss is not None else losses[-1].new_zeros((), requires_grad=True)
+    return StepOutput(
+        loss=loss,
+        report_loss=torch.stack(losses).sum(),
+        tokens=tokens,
+        scalars={name: torch.stack(values).mean() for name, values in scalars.items()},
+        on_scalars=last.on_scalars,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -252,9 +293,10 @@ def _send_to_host(out: StepOutput, grad_norm: torch.Tensor) -> tuple[torch.Tenso
     """Stack the step's scalars (averaged over the ranks) and start their copy to the host; nothing
     here waits for the device."""
     assert out.loss is not None
+    reported = out.loss if out.report_loss is None else out.report_loss
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the same norm on every rank
         grad_norm = grad_norm.full_tensor()
-    loss = out.loss.detach().float()
+    loss = reported.detach().float()
     values = torch.stack(
         [
             loss,

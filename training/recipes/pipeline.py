@@ -40,6 +40,7 @@ from domain.gates import overfitting
 from training.engine.checkpoint import write_merged_checkpoint
 from training.engine.checkpoint_load import is_hf_model_dir
 from training.engine.reporting import Reporter
+from training.engine.speed import Speed, fitted
 from training.recipes.batteries import Battery, checks
 from training.recipes.data_ladder import LadderDecision, run_ladder
 from training.recipes.data_preparation import prepare_data
@@ -106,8 +107,11 @@ class _Run:
         *,
         base_dir: pathlib.Path | None = None,
         store_root: pathlib.Path | None = None,
+        speed: Speed | None = None,
+        data_parallel: int = 1,
     ):
         self.manifest, self.plan, self.root = manifest, plan, root
+        self.speed, self.data_parallel = speed or Speed(), data_parallel
         self.report, self.should_stop, self.threads = report, should_stop, threads
         self.train_lm, self.train_post, self.decide_ladder = train_lm, train_post, decide_ladder
         self.data = RunData(manifest, plan, root, base_dir=base_dir, store_root=store_root)
@@ -198,6 +202,7 @@ class _Run:
             eval_sources=eval_sources,
             init_from=self.previous,
         )
+        cfg = dataclasses.replace(cfg, speed=self.speed_for(cfg.batch_size))
         _, held = load_stage_data(cfg)
         incoming = self.battery.lm_incoming(stage, cfg, held, self.previous)
         result = self.train_lm(cfg, self.report, self.should_stop)
@@ -209,6 +214,11 @@ class _Run:
         measured = self.battery.lm_measures(stage, cfg, held, result.model, result.held_out_loss)
         self.findings = [f for f in [overfitting(result.final_loss, result.held_out_loss)] if f]
         return checks(self.plan, stage, measured, incoming), False
+
+    def speed_for(self, global_batch: int) -> Speed:
+        """The run's speed for a stage of `global_batch` sequences (DPO: pairs): its micro-batch
+        fitted to the stage's per-rank batch."""
+        return fitted(self.speed, max(1, global_batch // self.data_parallel))
 
     def post_stage(self, stage: PostPlan, directory: pathlib.Path) -> tuple[list[Check], bool]:
         """Train a post-training stage; (its battery, stopped)."""
@@ -255,10 +265,14 @@ class _Run:
         )
         match section:
             case SftStage():
-                cfg = dataclasses.replace(common, batch_size=section.batch_size)
+                speed = self.speed_for(section.batch_size)
+                cfg = dataclasses.replace(common, batch_size=section.batch_size, speed=speed)
                 return self.train_post(cfg, self.report, self.should_stop)
             case DpoStage():
-                cfg = dataclasses.replace(common, batch_size=section.batch_size, beta=section.beta)
+                speed = self.speed_for(section.batch_size)
+                cfg = dataclasses.replace(
+                    common, batch_size=section.batch_size, beta=section.beta, speed=speed
+                )
                 return self.train_post(cfg, self.report, self.should_stop)
             case RlvrStage():
                 return self._train_rlvr(common, section)
@@ -266,6 +280,8 @@ class _Run:
 
     def _train_rlvr(self, common: PostConfig, section: RlvrStage) -> RlvrResult:
         fields = {f.name: getattr(common, f.name) for f in dataclasses.fields(PostConfig)}
+        # RLVR's step runs its batch whole: compile and activation checkpointing only.
+        fields["speed"] = dataclasses.replace(self.speed, micro_batch=None)
         fields["batch_size"] = section.prompts_per_step * section.group_size
         cfg = RlvrConfig(**fields, rlvr=section, threads=max(1, self.threads // 2))
         result = self.train_post(cfg, self.report, self.should_stop)
@@ -379,6 +395,8 @@ def run_pipeline(
     base_dir: pathlib.Path | None = None,
     store_root: pathlib.Path | None = None,
     local_inputs: dict[str, tuple[pathlib.Path, DataFormat]] | None = None,
+    speed: Speed | None = None,
+    data_parallel: int = 1,
 ) -> PipelineResult:
     """`trainers` train the stages: in this process by default; a gang's or a node share's as the
     launcher chose them (training/launch/launcher.py). `base` / `base_dir`: the manifest's base model as the scheduler resolved it, and
@@ -386,7 +404,9 @@ def run_pipeline(
     run tokenizes with its tokenizer. `plan`: the run's stages as the agent planned them (once);
     planned here when not given (tests, the bench). `local_inputs`: the tenant's data refs as the
     agent copied them into the run's directory (services/trainer/inputs.py); every stage reads
-    those copies, never a path the manifest wrote."""
+    those copies, never a path the manifest wrote. `speed`: compile, activation checkpointing and
+    the micro-batch every stage trains with (the plan's; training/engine/speed.py), the micro-batch
+    fitted to each stage's batch cut into `data_parallel` slices."""
     torch.set_num_threads(max(1, threads))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     plan = plan if plan is not None else curriculum_of(manifest, base)  # ValueError, in a sentence
@@ -407,5 +427,7 @@ def run_pipeline(
         trainers.ladder,
         base_dir=base_dir if base is not None else None,
         store_root=store_root,
+        speed=speed,
+        data_parallel=data_parallel,
     )
     return run.execute()

@@ -50,8 +50,17 @@ from training.engine.distributed import (
     replica_batch_rows,
     world_size,
 )
-from training.engine.loop import LoopResult, LoopSettings, StepOutput, autocast, pick_device, to_device
+from training.engine.loop import (
+    LoopResult,
+    LoopSettings,
+    StepOutput,
+    accumulate,
+    autocast,
+    pick_device,
+    to_device,
+)
 from training.engine.reporting import Reporter, rank0_only, where
+from training.engine.speed import Speed, micro_steps
 from training.model import Transformer
 from training.recipes.generation import END_TOKEN
 from training.recipes.objectives import dpo_loss, sft_loss, token_logprobs
@@ -107,6 +116,9 @@ class PostConfig:
     """DPO on the field's preference data (`prompt` / `chosen` / `rejected` rows)."""
     pad_id: int = 0
     """The tokenizer's padding id (never a target: padding is masked out of every loss)."""
+    speed: Speed = field(default_factory=Speed)
+    """Compile, activation checkpointing and the micro-batch (training/engine/speed.py): the plan's.
+    SFT and DPO accumulate micro-batches (DPO's micro-batch counts pairs); RLVR's step runs whole."""
 
     def __post_init__(self) -> None:
         if not (self.problems or self.examples or self.pairs):
@@ -321,6 +333,7 @@ def _setup(cfg: PostConfig, report: Reporter, replicas: Replicas | None = None) 
         parallel=dims_of(cfg),
         lora=cfg.lora,
         init_from_hf=Path(from_hf) if from_hf is not None and replicas is None else None,
+        speed=cfg.speed,
     )
     optimizer = adamw(model, cfg.learning_rate)
     warmup = max(1, round(WARMUP_FRACTION * cfg.steps))
@@ -354,6 +367,7 @@ def train_sft(
     stage = _setup(cfg, report, replicas)
     rows, slices = rank_rows(cfg, cfg.batch_size, replicas)
     model, device = stage.model, stage.device
+    count = micro_steps(rows.stop - rows.start, cfg.speed)
 
     def step_fn(step: int) -> StepOutput:
         rng = batch_rng(cfg.seed, cfg.stage, step)
@@ -364,15 +378,37 @@ def train_sft(
             batch = [rng.choice(cfg.problems) for _ in range(cfg.batch_size)]
             inputs, targets, mask = response_batch([p for p, _ in batch], [a for _, a in batch])
         tokens = float(mask.sum())  # the global batch's response tokens (a host tensor: no sync)
-        logprobs = sequence_logprobs(model, inputs[rows], targets[rows], device)
-        local = to_device(mask[rows], device)
-        loss = global_token_mean(sft_loss(logprobs, local), local, tokens, slices)
-        return StepOutput(loss=loss, tokens=int(inputs.numel()))
+        micro = [
+            partial(sft_micro_step, model, part, device, tokens, slices, count)
+            for part in zip(*(t[rows].chunk(count) for t in (inputs, targets, mask)), strict=True)
+        ]
+        out = accumulate(micro)
+        out.tokens = int(inputs.numel())
+        return out
 
     try:
         return _finish(model, stage.run(step_fn, report, should_stop))
     finally:
         stage.close()
+
+
+def sft_micro_step(
+    model: Transformer,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    device: torch.device,
+    tokens: float,
+    slices: int,
+    micro_batches: int,
+) -> StepOutput:
+    """SFT on rows `batch` (inputs, targets, mask) of this rank, one of its `micro_batches`: their
+    tokens' share of the step's loss, so that the shares add up, and the mean over the `slices` of
+    the global batch is, its mean over its `tokens` tokens whatever tokens each micro-batch holds."""
+    inputs, targets, mask = batch
+    logprobs = sequence_logprobs(model, inputs, targets, device)
+    local = to_device(mask, device)
+    if micro_batches == 1:  # the rank's rows whole: its token mean, rescaled over the slices
+        return StepOutput(loss=global_token_mean(sft_loss(logprobs, local), local, tokens, slices), tokens=0)
+    return StepOutput(loss=-(logprobs * local).sum() * (slices / max(tokens, 1.0)), tokens=0)
 
 
 def dpo_batch(cfg: PostConfig, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -399,6 +435,14 @@ def pair_slice(
     chosen, rejected = rows, slice(pairs + rows.start, pairs + rows.stop)
     inputs, targets, mask = (torch.cat([t[chosen], t[rejected]]) for t in batch)
     return inputs, targets, mask
+
+
+def pair_rows(batch: tuple[torch.Tensor, ...], pairs: int, rows: slice) -> tuple[torch.Tensor, ...]:
+    """The pairs `rows` of each tensor of a DPO batch of `pairs` pairs (chosen rows, then rejected
+    rows): a micro-batch of the pairs, chosen then rejected again."""
+    if rows.start == 0 and rows.stop == pairs:
+        return batch
+    return tuple(torch.cat([t[rows], t[pairs + rows.start : pairs + rows.stop]]) for t in batch)
 
 
 class ReferenceLogprobs:
@@ -462,6 +506,28 @@ class ReferenceLogprobs:
         self.seconds += time.perf_counter() - started
 
 
+def dpo_micro_step(
+    model: Transformer,
+    batch: tuple[torch.Tensor, ...],
+    pairs: int,
+    device: torch.device,
+    beta: float,
+    micro_batches: int,
+    with_scalars: bool,
+) -> StepOutput:
+    """DPO on `pairs` pairs (`batch`: inputs, targets, mask, reference sums; chosen rows then
+    rejected rows): their mean loss as one of `micro_batches` equal shares of the step's, and, when
+    `with_scalars`, the reward accuracy and margin (read with the loss, in the loop's one transfer:
+    no sync of their own in the step)."""
+    inputs, targets, mask, ref = batch
+    policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
+    loss, chosen, rejected = dpo_loss(policy[:pairs], policy[pairs:], ref[:pairs], ref[pairs:], beta)
+    out = StepOutput(loss=loss / micro_batches, tokens=int(inputs.numel()))
+    if with_scalars:
+        out.scalars = {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()}
+    return out
+
+
 def train_dpo(
     cfg: PostConfig, report: Reporter, should_stop: Callable[[], bool], replicas: Replicas | None = None
 ) -> PostResult:
@@ -474,6 +540,7 @@ def train_dpo(
     model, device = stage.model, stage.device
     rows, _ = rank_rows(cfg, cfg.batch_size, replicas)
     n = rows.stop - rows.start  # this rank's pairs: the loss is their mean, averaged over the ranks
+    count = micro_steps(n, cfg.speed)  # micro-batches of pairs
 
     def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return pair_slice(dpo_batch(cfg, step), cfg.batch_size, rows)
@@ -496,16 +563,15 @@ def train_dpo(
         references = ReferenceLogprobs(reference, batch_of, cfg.steps, device)
 
         def step_fn(step: int) -> StepOutput:
-            inputs, targets, mask, ref = references.take(step)
-            policy = (sequence_logprobs(model, inputs, targets, device) * mask).sum(-1)
-            loss, chosen, rejected = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], cfg.beta)
-            if (step + 1) % report_every:
-                return StepOutput(loss=loss, tokens=int(inputs.numel()))
-            # Read with the loss, in the loop's one transfer: no sync of their own in the step.
-            scalars = {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()}
-            return StepOutput(
-                loss=loss, tokens=int(inputs.numel()), scalars=scalars, on_scalars=partial(progress, step)
-            )
+            batch, size, reporting = references.take(step), n // count, (step + 1) % report_every == 0
+            parts = [pair_rows(batch, n, slice(m * size, (m + 1) * size)) for m in range(count)]
+            micro = [
+                partial(dpo_micro_step, model, part, size, device, cfg.beta, count, reporting)
+                for part in parts
+            ]
+            out = accumulate(micro)
+            out.on_scalars = partial(progress, step) if reporting else None
+            return out
 
         result = stage.run(step_fn, report, should_stop)
     finally:

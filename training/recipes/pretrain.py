@@ -55,11 +55,13 @@ from training.engine.loop import (
     LoopSettings,
     StepOutput,
     TrainingError,
+    accumulate,
     autocast,
     pick_device,
     to_device,
 )
 from training.engine.reporting import Reporter, rank0_only
+from training.engine.speed import Speed, micro_steps
 from training.model import Transformer, count_parameters
 from training.recipes.stage_run import Replicas, StageRun, stage_settings
 from training.weights import lora as lora_adapters
@@ -125,6 +127,8 @@ class StageConfig:
     parallel: ParallelDims | None = None
     """The plan's strategy and degrees; None: one process alone, or FSDP2 over every started rank.
     `batch_size` is the global batch, cut into one slice per data-parallel rank."""
+    speed: Speed = field(default_factory=Speed)
+    """Compile, activation checkpointing and the micro-batch (training/engine/speed.py): the plan's."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -236,6 +240,7 @@ def build_model(
     parallel: ParallelDims | None = None,
     lora: Lora | None = None,
     init_from_hf: Path | None = None,
+    speed: Speed | None = None,
 ) -> Transformer:
     """The model for a stage: max_seq_len grown to seq_len when a stage trains longer sequences
     (RoPE tables are derived, not weights, so the same weights load), parallelized as `parallel`
@@ -249,7 +254,8 @@ def build_model(
     then built on the meta device and parallelized there, so each rank allocates only its shards
     and reads only those (hf_load.load_hf_weights); no rank ever holds a full random copy. A
     checkpoint that does not fit the shape raises ValueError naming the tensor. Collective when
-    distributed: every rank calls it."""
+    distributed: every rank calls it. `speed`: its blocks checkpointed and compiled as it says
+    (between tensor parallel and FSDP2; state-dict keys unchanged)."""
     if seq_len > shape.max_seq_len:
         shape = msgspec.structs.replace(shape, max_seq_len=seq_len)
     device = device or pick_device()
@@ -261,10 +267,10 @@ def build_model(
         if lora is not None:
             lora_adapters.check_parallel(dims.tp)
             lora_adapters.apply_lora(model, lora)
-        return parallelize(model, dims, build_mesh(dims, device.type))
+        return parallelize(model, dims, build_mesh(dims, device.type), speed, device.type)
     with torch.device("meta"):
         model = Transformer(shape, rope_base=rope_base, z_loss=z_loss)
-    model = parallelize(model, dims, build_mesh(dims, device.type))
+    model = parallelize(model, dims, build_mesh(dims, device.type), speed, device.type)
     model.materialize(device)
     load_hf_weights(model, Path(init_from_hf))
     return model
@@ -395,6 +401,8 @@ def train_stage(
     report = rank0_only(report)
     dims = cfg.parallel or ParallelDims.for_world(world_size())
     dims.check_batch(cfg.batch_size)
+    # A micro-batch that does not divide the per-rank batch is refused before anything is built.
+    micro_steps(cfg.batch_size // dims.dp_degree, cfg.speed)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     train_tokens, held_out = load_stage_data(cfg)
@@ -409,6 +417,7 @@ def train_stage(
         z_loss=cfg.z_loss,
         device=device,
         parallel=dims,
+        speed=cfg.speed,
     )
     optimizer = build_optimizer(model, cfg)
     run = StageRun(model, optimizer, _schedule(optimizer, cfg), _loop_settings(cfg), device)
@@ -418,7 +427,7 @@ def train_stage(
     _resume(cfg, run, batches, report)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     result = run.run(
-        lambda _: _lm_step(model, next(batches), device, tokens_per_step),
+        lambda _: _lm_step(model, next(batches), device, tokens_per_step, cfg.speed),
         report,
         should_stop,
         position=lambda: batches.position,
@@ -450,13 +459,25 @@ def _lm_step(
     batch: tuple[torch.Tensor, torch.Tensor],
     device: torch.device,
     tokens: int | None = None,
+    speed: Speed | None = None,
 ) -> StepOutput:
     """One next-token step's loss (the loop's `step_fn`) on `batch`; `tokens` counted for tokens/s
-    (None: the batch's own)."""
+    (None: the batch's own). With `speed.micro_batch`, the batch runs in micro-batches of that many
+    sequences (gradients accumulated; each loss a mean over the same number of tokens, so the
+    step's loss is their mean)."""
     x, y = to_device(batch[0], device), to_device(batch[1], device)
-    with autocast(device):
-        _, loss = model(x, y)
-    return StepOutput(loss=loss, tokens=x.numel() if tokens is None else tokens)
+    count = micro_steps(x.shape[0], speed or Speed())
+    scale = 1.0 / count
+
+    def micro(xs: torch.Tensor, ys: torch.Tensor) -> StepOutput:
+        with autocast(device):
+            _, loss = model(xs, ys)
+        assert loss is not None  # targets given
+        return StepOutput(loss=loss * scale if count > 1 else loss, tokens=0)
+
+    out = accumulate([partial(micro, xs, ys) for xs, ys in zip(x.chunk(count), y.chunk(count), strict=True)])
+    out.tokens = x.numel() if tokens is None else tokens
+    return out
 
 
 def _train_replica(
@@ -488,7 +509,7 @@ def _train_replica(
         group = run.group
         assert group is not None  # joined above
         result = run.run(
-            lambda step: _lm_step(run.model, batches.batch_at(position(step)), run.device),
+            lambda step: _lm_step(run.model, batches.batch_at(position(step)), run.device, speed=cfg.speed),
             report,
             should_stop,
             position=lambda: position(group.step),
