@@ -47,7 +47,7 @@ from training.engine.loop import LoopResult, LoopSettings, StepOutput, autocast,
 from training.engine.reporting import Reporter, rank0_only, where
 from training.model import Transformer
 from training.recipes.generation import END_TOKEN
-from training.recipes.objectives import dpo_loss, sft_loss, token_logprobs
+from training.recipes.objectives import dpo_loss, sft_loss
 from training.recipes.pretrain import build_model, lr_factor
 from training.recipes.stage_run import Replicas, StageRun, stage_settings
 from training.weights.lora import BaseModelView, is_adapter_key, trainable_parameters
@@ -274,13 +274,15 @@ def sequence_logprobs(
     device: torch.device,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Per-token log-probabilities (B, T) of `targets` under the model (logits / temperature)."""
+    """Per-token log-probabilities (B, T) float32 of `targets` under the model (logits /
+    temperature), computed from the final hidden states a chunk of rows at a time
+    (`Transformer.forward(..., logprobs=True)`): no (B, T, vocab) float32 tensor, in forward or
+    backward. Through the module's call, so FSDP2's hooks and a LoRA base view apply."""
     with autocast(device):
-        logits, _ = model(to_device(inputs, device))
-    logits = logits.float()
-    if temperature != 1.0:  # dividing by 1 is a pass over (B, T, vocab) that changes no bit
-        logits = logits / temperature
-    return token_logprobs(logits, to_device(targets, device))
+        _, logprobs = model(
+            to_device(inputs, device), to_device(targets, device), logprobs=True, temperature=temperature
+        )
+    return logprobs
 
 
 def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:

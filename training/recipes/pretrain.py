@@ -370,7 +370,7 @@ def lm_loss(
         if len(xs) == 0:
             xs, ys, weight = x[:1], y[:1], 0.0
         with autocast(device):
-            _, loss = model(to_device(xs, device), to_device(ys, device))
+            _, loss = model(to_device(xs, device), to_device(ys, device), return_logits=False)
         sums.append(loss.float() * (ys.numel() * weight))
         counts.append(ys.numel() * weight)
     model.train(was_training)
@@ -453,7 +453,7 @@ def _lm_step(
     (None: the batch's own)."""
     x, y = to_device(batch[0], device), to_device(batch[1], device)
     with autocast(device):
-        _, loss = model(x, y)
+        _, loss = model(x, y, return_logits=False)
     return StepOutput(loss=loss, tokens=x.numel() if tokens is None else tokens)
 
 
