@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import training.model as model_module
 from contracts.manifest import Lora
 from contracts.models import ModelShape
-from training.model import Transformer, chunk_rows
+from training.model import Transformer
 from training.recipes.objectives import clipped_policy_loss, dpo_loss, token_logprobs
 from training.recipes.posttrain import sequence_logprobs
 from training.weights.lora import BaseModelView, apply_lora
@@ -75,7 +75,7 @@ def test_a_gqa_training_step_copies_no_kv_heads_and_equals_the_expanded_path():
     ],
 )
 def test_chunk_rows_keeps_one_chunk_of_logits_within_the_budget(rows, vocab, budget, expected):
-    assert chunk_rows(rows, vocab, budget) == expected
+    assert model_module.chunk_rows(rows, vocab, budget) == expected
 
 
 def small_chunks(monkeypatch) -> None:
