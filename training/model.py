@@ -11,12 +11,14 @@ build a 70B model to count it.
 """
 
 import math
+import zlib
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from contracts.models import ModelShape, RopeScaling
@@ -218,6 +220,26 @@ class Transformer(nn.Module):
             std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else INIT_STD
             nn.init.normal_(p, mean=0.0, std=std)
 
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """The random init of `reset_parameters`, made independent of the layout: each parameter
+        drawn whole on its device from a generator seeded by (seed, its name), then, for a sharded
+        parameter (a DTensor), sliced to this rank's shard without communication. So a model built
+        on the meta device and parallelized there gets the same weights on any number of ranks,
+        and no rank holds more than one full parameter at a time. LoRA adapters are left to
+        `LoraLinear.reset_lora_parameters` (training/weights/lora.py)."""
+        residual_std = INIT_STD / math.sqrt(2 * self.shape.n_layer)
+        for name, p in self.named_parameters():
+            if ".lora_" in name:
+                continue
+            if p.dim() < 2:
+                p.fill_(0.0 if name.endswith(".bias") else 1.0)  # a DTensor fills its shard
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else INIT_STD
+            full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            full.normal_(0.0, std, generator=parameter_generator(seed, name, p.device))
+            copy_whole(p, full)
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -273,6 +295,23 @@ class Transformer(nn.Module):
                 nxt = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
             idx = torch.cat((idx, nxt), dim=1)
         return idx
+
+
+def parameter_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """A generator on `device` seeded by (seed, parameter name): the same draws on every rank."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+    return g
+
+
+def copy_whole(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full tensor `full` into `param`, which may be a DTensor: then only this rank's
+    shard is kept (`distribute_tensor(src_data_rank=None)` slices locally, no communication)."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
 
 
 def chunk_rows(rows: int, vocab: int, budget: int | None = None) -> int:

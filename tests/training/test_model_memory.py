@@ -185,3 +185,35 @@ def test_the_pretraining_loss_step_makes_no_full_float32_logits(monkeypatch):
         loss.backward()
 
     assert probe(step).full_fp32_logits(B * T * WIDE.vocab_size) == []
+
+
+def test_build_model_builds_from_scratch_on_meta_and_inits_by_seed_and_name(monkeypatch):
+    from training.recipes import pretrain
+
+    built_on: list[torch.device] = []
+    original = Transformer.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built_on.append(next(self.parameters()).device)
+
+    monkeypatch.setattr(Transformer, "__init__", recording)
+
+    def build(seed: int, lora: Lora | None = None) -> Transformer:
+        torch.manual_seed(seed)
+        return pretrain.build_model(GQA, seq_len=32, device=CPU, lora=lora)
+
+    first, again, other = build(3), build(3), build(4)
+    assert built_on == [torch.device("meta")] * 3  # no rank ever holds a full random copy on a host
+    for (name, a), b, c in zip(
+        first.state_dict().items(), again.state_dict().values(), other.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        if a.dim() >= 2:
+            assert not torch.equal(a, c), name
+    # The per-parameter init keeps the scale of reset_parameters, and LoRA's adapters start as they do.
+    assert first.tok_emb.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    adapted = build(3, Lora(rank=2, target_modules=["q_proj"]))
+    torch.testing.assert_close(adapted.blocks[0].attn.wq.weight, first.blocks[0].attn.wq.weight)
+    assert adapted.blocks[0].attn.wq.lora_A.weight.abs().sum() > 0
+    assert torch.count_nonzero(adapted.blocks[0].attn.wq.lora_B.weight) == 0
