@@ -202,6 +202,16 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.reset_buffers()
 
+    def cast_parameters(self, dtype: torch.dtype) -> None:
+        """Cast every parameter to `dtype` in place (a sharded one too: FSDP2 re-registers its
+        shards); the RoPE tables stay float32, as apply_rope computes."""
+        if all(p.dtype == dtype for p in self.parameters()):
+            return
+        self.to(dtype)
+        self.rope_cos = self.rope_cos.float()
+        self.rope_sin = self.rope_sin.float()
+        self.reset_buffers()
+
     def reset_buffers(self) -> None:
         """Recompute the RoPE tables in place (after `to_empty` they hold garbage)."""
         cos, sin = self._rope_tables()

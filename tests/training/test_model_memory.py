@@ -9,6 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import training.model as model_module
 from contracts.manifest import Lora
 from contracts.models import ModelShape
+from training.data.corpora import load_text, task_problems
+from training.engine.distributed import ParallelDims
 from training.model import Transformer
 from training.recipes.objectives import clipped_policy_loss, dpo_loss, token_logprobs
 from training.recipes.posttrain import sequence_logprobs
@@ -217,3 +219,55 @@ def test_build_model_builds_from_scratch_on_meta_and_inits_by_seed_and_name(monk
     torch.testing.assert_close(adapted.blocks[0].attn.wq.weight, first.blocks[0].attn.wq.weight)
     assert adapted.blocks[0].attn.wq.lora_A.weight.abs().sum() > 0
     assert torch.count_nonzero(adapted.blocks[0].attn.wq.lora_B.weight) == 0
+
+
+@pytest.mark.parametrize(
+    ("device_type", "dtype"), [("cuda", torch.bfloat16), ("cpu", torch.float32), ("mps", torch.float32)]
+)
+def test_the_dpo_reference_is_bf16_on_cuda_and_float32_elsewhere(device_type, dtype):
+    from training.recipes.posttrain import reference_dtype
+
+    assert reference_dtype(device_type) == dtype
+
+
+@pytest.mark.parametrize(
+    ("policy", "reference"),
+    [
+        (ParallelDims(), ParallelDims()),
+        (ParallelDims(strategy="fsdp2", dp_shard=4), ParallelDims(strategy="fsdp2", dp_shard=4)),
+        (
+            ParallelDims(strategy="hsdp", dp_replicate=2, dp_shard=4),
+            ParallelDims(strategy="hsdp", dp_replicate=2, dp_shard=4),
+        ),
+        (
+            ParallelDims(strategy="fsdp2+tp", dp_shard=2, tp=2),
+            ParallelDims(strategy="fsdp2+tp", dp_shard=2, tp=2),
+        ),
+        (ParallelDims(strategy="ddp", dp_replicate=4), ParallelDims(strategy="fsdp2", dp_shard=4)),
+    ],
+)
+def test_the_dpo_reference_is_sharded_like_the_policy(policy, reference):
+    from training.recipes.posttrain import reference_dims
+
+    assert reference_dims(policy) == reference
+
+
+def test_the_dpo_reference_on_one_cpu_rank_is_the_float32_frozen_incoming_model(tmp_path):
+    from training.recipes import posttrain, pretrain
+
+    cfg = posttrain.PostConfig(
+        stage="dpo", shape=GQA, rope_base=None, problems=task_problems(load_text("generated:small_arithmetic")), steps=1, batch_size=2,
+        learning_rate=1e-3, seed=5, checkpoint_dir=str(tmp_path), checkpoint_interval=1000,
+    )  # fmt: skip
+    reference = posttrain._frozen_reference(cfg, 32, CPU)
+    torch.manual_seed(5)
+    policy = pretrain.build_model(GQA, seq_len=32, device=CPU)  # as the stage builds its policy
+    assert {p.dtype for p in reference.parameters()} == {torch.float32}
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+    inputs, targets = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    torch.testing.assert_close(
+        sequence_logprobs(reference, inputs, targets, CPU),
+        sequence_logprobs(policy, inputs, targets, CPU).detach(),
+        rtol=0,
+        atol=0,
+    )
