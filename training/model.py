@@ -358,12 +358,18 @@ def _chunks(
     return list(zip(flat_h.split(rows), flat_t.split(rows), strict=True))
 
 
-def _run_chunk(fn: Any, *args: Any) -> torch.Tensor:
+def _run_chunk(fn: Any, *args: Any, alone: bool = False) -> torch.Tensor:
     # Under checkpoint, backward recomputes each chunk's logits instead of keeping every chunk's
-    # (chunk, vocab) float32 logits and softmax alive from forward to backward.
-    if torch.is_grad_enabled():
+    # (chunk, vocab) float32 logits and softmax alive from forward to backward. A chunk `alone`
+    # (the whole batch within LOGIT_CHUNK_ELEMENTS) is small enough to keep: no recompute.
+    if torch.is_grad_enabled() and not alone:
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
+
+
+def _map_chunks(fn: Any, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    chunks = _chunks(hidden, targets, _out_features(head))
+    return [_run_chunk(fn, h, t, alone=len(chunks) == 1) for h, t in chunks]
 
 
 def chunked_loss(
@@ -373,9 +379,7 @@ def chunked_loss(
     plus z_loss * mean(logsumexp^2) over every row: the full-logits loss (allclose in float32),
     computed chunk by chunk."""
     fn = partial(_chunk_loss_sums, head, z=bool(z_loss))
-    sums = torch.stack([_run_chunk(fn, h, t) for h, t in _chunks(hidden, targets, _out_features(head))]).sum(
-        0
-    )
+    sums = torch.stack(_map_chunks(fn, head, hidden, targets)).sum(0)
     loss = sums[0] / (targets != IGNORE_INDEX).sum().clamp(min=1)
     if z_loss:
         loss = loss + z_loss * sums[1] / targets.numel()
@@ -386,12 +390,8 @@ def chunked_logprobs(
     head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """log_softmax(head(hidden) / temperature) at targets, (B, T) float32, chunk by chunk."""
-    vocab = _out_features(head)
-    parts = [
-        _run_chunk(partial(_chunk_logprobs, head, temperature=temperature), h, t)
-        for h, t in _chunks(hidden, targets, vocab)
-    ]
-    return torch.cat(parts).view(targets.shape)
+    fn = partial(_chunk_logprobs, head, temperature=temperature)
+    return torch.cat(_map_chunks(fn, head, hidden, targets)).view(targets.shape)
 
 
 def _out_features(head: nn.Module) -> int:
