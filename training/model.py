@@ -11,15 +11,24 @@ build a 70B model to count it.
 """
 
 import math
+import zlib
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
 
 from contracts.models import ModelShape, RopeScaling
 from domain import model_shapes
 
 RMS_EPS = 1e-6  # float32-safe; raise to 1e-5 if bf16 activations underflow on a new accelerator
+# Logits per chunk of the loss and log-prob paths: 16M float32 elements (64 MiB) bound the
+# transient (chunk, vocab) logits whatever B * T is; lower it if the head's chunk still OOMs.
+LOGIT_CHUNK_ELEMENTS = 1 << 24
+IGNORE_INDEX = -100  # F.cross_entropy's default: a target that carries no loss
 INIT_STD = 0.02  # GPT-2 / Llama init; residual output projections get an extra 1/sqrt(2 * n_layer)
 
 
@@ -114,12 +123,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        if self.n_kv_head != self.n_head:
-            # Expand KV heads explicitly: SDPA's enable_gqa is not supported by every backend.
-            repeat = self.n_head // self.n_kv_head
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query heads share their K/V inside SDPA (enable_gqa): no (B, n_head, T, head_dim)
+        # copies of k and v, and the same numbers as expanding them (bit for bit on CPU).
+        gqa = self.n_kv_head != self.n_head
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -195,6 +202,16 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.reset_buffers()
 
+    def cast_parameters(self, dtype: torch.dtype) -> None:
+        """Cast every parameter to `dtype` in place (a sharded one too: FSDP2 re-registers its
+        shards); the RoPE tables stay float32, as apply_rope computes."""
+        if all(p.dtype == dtype for p in self.parameters()):
+            return
+        self.to(dtype)
+        self.rope_cos = self.rope_cos.float()
+        self.rope_sin = self.rope_sin.float()
+        self.reset_buffers()
+
     def reset_buffers(self) -> None:
         """Recompute the RoPE tables in place (after `to_empty` they hold garbage)."""
         cos, sin = self._rope_tables()
@@ -213,27 +230,67 @@ class Transformer(nn.Module):
             std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else INIT_STD
             nn.init.normal_(p, mean=0.0, std=std)
 
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """The random init of `reset_parameters`, made independent of the layout: each parameter
+        drawn whole on its device from a generator seeded by (seed, its name), then, for a sharded
+        parameter (a DTensor), sliced to this rank's shard without communication. So a model built
+        on the meta device and parallelized there gets the same weights on any number of ranks,
+        and no rank holds more than one full parameter at a time. LoRA adapters are left to
+        `LoraLinear.reset_lora_parameters` (training/weights/lora.py)."""
+        residual_std = INIT_STD / math.sqrt(2 * self.shape.n_layer)
+        for name, p in self.named_parameters():
+            if ".lora_" in name:
+                continue
+            if p.dim() < 2:
+                p.fill_(0.0 if name.endswith(".bias") else 1.0)  # a DTensor fills its shard
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else INIT_STD
+            full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            full.normal_(0.0, std, generator=parameter_generator(seed, name, p.device))
+            copy_whole(p, full)
+
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx, targets: (B, T) int64. Returns logits (B, T, vocab) and the mean loss or None (plus
-        the z-loss term in training mode)."""
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        return_logits: bool = True,
+        logprobs: bool = False,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """idx, targets: (B, T) int64. Returns logits (B, T, vocab, the model's dtype) and the mean
+        loss or None (plus the z-loss term in training mode). The loss is computed from the hidden
+        states a chunk of rows at a time (`chunked_loss`), so no (B, T, vocab) float32 tensor is
+        ever made; `return_logits=False` skips the full logits too (the loss path's callers).
+        `logprobs=True` returns (None, log p(targets | prefix) per token (B, T) float32) of the
+        logits / temperature, chunked likewise (`chunked_logprobs`). Everything goes through
+        forward, so FSDP2's hooks on the root module run whichever output is asked for."""
         _, T = idx.shape
         assert T <= self.shape.max_seq_len, f"sequence of {T} exceeds max_seq_len {self.shape.max_seq_len}"
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.tok_emb(idx)
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
+        hidden = self.norm(x)
         if targets is None:
-            return logits, None
-        flat = logits.float().view(-1, logits.shape[-1])
-        loss = F.cross_entropy(flat, targets.reshape(-1))
-        if self.z_loss and self.training:
-            # A training penalty only: in eval mode the loss stays the cross-entropy, so held-out
-            # loss (and the gates on it) means the same with z-loss on or off.
-            loss = loss + self.z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean()
-        return logits, loss
+            return self.lm_head(hidden), None
+        if logprobs:
+            return None, chunked_logprobs(self.lm_head, hidden, targets, temperature)
+        # z-loss is a training penalty only: in eval mode the loss stays the cross-entropy, so
+        # held-out loss (and the gates on it) means the same with z-loss on or off.
+        z_loss = self.z_loss if self.training else 0.0
+        loss = chunked_loss(self.lm_head, hidden, targets, z_loss)
+        return (self.lm_head(hidden) if return_logits else None), loss
+
+    def token_logprobs(
+        self, idx: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """log p(targets[b, t] | idx[b, :t + 1]) under logits / temperature: (B, T) float32,
+        computed chunk by chunk from the hidden states (no (B, T, vocab) float32 tensor)."""
+        out = self(idx, targets, logprobs=True, temperature=temperature)[1]
+        assert out is not None
+        return out
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
@@ -248,6 +305,99 @@ class Transformer(nn.Module):
                 nxt = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
             idx = torch.cat((idx, nxt), dim=1)
         return idx
+
+
+def parameter_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """A generator on `device` seeded by (seed, parameter name): the same draws on every rank."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+    return g
+
+
+def copy_whole(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full tensor `full` into `param`, which may be a DTensor: then only this rank's
+    shard is kept (`distribute_tensor(src_data_rank=None)` slices locally, no communication)."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
+
+
+def chunk_rows(rows: int, vocab: int, budget: int | None = None) -> int:
+    """Rows of logits per chunk: as many as keep one chunk's (rows, vocab) float32 logits within
+    `budget` elements (None: LOGIT_CHUNK_ELEMENTS), at least one."""
+    budget = LOGIT_CHUNK_ELEMENTS if budget is None else budget
+    return max(1, min(rows, budget // max(vocab, 1)))
+
+
+def _chunk_loss_sums(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, z: bool) -> torch.Tensor:
+    """(summed cross-entropy, summed logsumexp^2 or 0) of one chunk of rows."""
+    logits = head(hidden).float()  # (chunk, vocab) float32 inside the chunk only
+    ce = F.cross_entropy(logits, targets, reduction="sum")
+    lse2 = torch.logsumexp(logits, dim=-1).pow(2).sum() if z else torch.zeros_like(ce)
+    return torch.stack((ce, lse2))
+
+
+def _chunk_logprobs(
+    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    logits = head(hidden).float()
+    if temperature != 1.0:  # dividing by 1 is a pass over (chunk, vocab) that changes no bit
+        logits = logits / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _chunks(
+    hidden: torch.Tensor, targets: torch.Tensor, vocab: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1)
+    rows = chunk_rows(flat_t.numel(), vocab)
+    return list(zip(flat_h.split(rows), flat_t.split(rows), strict=True))
+
+
+def _run_chunk(fn: Any, *args: Any, alone: bool = False) -> torch.Tensor:
+    # Under checkpoint, backward recomputes each chunk's logits instead of keeping every chunk's
+    # (chunk, vocab) float32 logits and softmax alive from forward to backward. A chunk `alone`
+    # (the whole batch within LOGIT_CHUNK_ELEMENTS) is small enough to keep: no recompute.
+    if torch.is_grad_enabled() and not alone:
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def _map_chunks(fn: Any, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    chunks = _chunks(hidden, targets, _out_features(head))
+    return [_run_chunk(fn, h, t, alone=len(chunks) == 1) for h, t in chunks]
+
+
+def chunked_loss(
+    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
+) -> torch.Tensor:
+    """Mean cross-entropy of `head(hidden)` against targets (ignore_index -100, as F.cross_entropy),
+    plus z_loss * mean(logsumexp^2) over every row: the full-logits loss (allclose in float32),
+    computed chunk by chunk."""
+    fn = partial(_chunk_loss_sums, head, z=bool(z_loss))
+    sums = torch.stack(_map_chunks(fn, head, hidden, targets)).sum(0)
+    loss = sums[0] / (targets != IGNORE_INDEX).sum().clamp(min=1)
+    if z_loss:
+        loss = loss + z_loss * sums[1] / targets.numel()
+    return loss
+
+
+def chunked_logprobs(
+    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log_softmax(head(hidden) / temperature) at targets, (B, T) float32, chunk by chunk."""
+    fn = partial(_chunk_logprobs, head, temperature=temperature)
+    return torch.cat(_map_chunks(fn, head, hidden, targets)).view(targets.shape)
+
+
+def _out_features(head: nn.Module) -> int:
+    out = getattr(head, "out_features", None)
+    assert isinstance(out, int), "the head is a linear layer (nn.Linear or a LoRA wrapper of one)"
+    return out
 
 
 def check_shape(shape: ModelShape) -> None:

@@ -80,11 +80,17 @@ def test_every_next_token_stage_takes_z_loss_from_the_manifest(stage, tmp_path):
 def test_z_loss_from_the_manifest_changes_the_trained_loss_by_palms_term(tmp_path):
     # The first step's loss is computed on the initial weights: record that forward's logits and
     # targets, and the loss the stage reports must be their cross-entropy plus exactly Z * mean(lse^2).
+    # (The training forward returns no logits: the loss is chunked. The hook recomputes them from the
+    # same weights, before the optimizer steps.)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    busy: list[bool] = []
 
     def record(module, args, output):
-        if isinstance(module, Transformer) and module.training and not seen:
-            seen.append((output[0].detach(), args[1]))
+        if isinstance(module, Transformer) and module.training and not seen and not busy:
+            busy.append(True)
+            with torch.no_grad():
+                logits, _ = module(args[0])
+            seen.append((logits, args[1]))
 
     cfg = stage_config_from_manifest(manifest(z_loss=Z), tmp_path)
     handle = torch.nn.modules.module.register_module_forward_hook(record)

@@ -20,7 +20,9 @@ MAX_LOG_RATIO = 20.0
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets[b, t] | prefix) for every position: (B, T, V), (B, T) -> (B, T), float32."""
+    """log p(targets[b, t] | prefix) for every position: (B, T, V), (B, T) -> (B, T), float32.
+    The full-logits form, for logits already at hand (tests, benches); the trainer's steps take
+    the chunked path, `Transformer.token_logprobs` (no (B, T, V) float32 tensor)."""
     logp = F.log_softmax(logits.float(), dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 

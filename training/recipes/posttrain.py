@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -63,7 +62,7 @@ from training.engine.reporting import Reporter, rank0_only, where
 from training.engine.speed import Speed, micro_steps
 from training.model import Transformer
 from training.recipes.generation import END_TOKEN
-from training.recipes.objectives import dpo_loss, sft_loss, token_logprobs
+from training.recipes.objectives import dpo_loss, sft_loss
 from training.recipes.pretrain import build_model, lr_factor
 from training.recipes.stage_run import Replicas, StageRun, stage_settings
 from training.weights.lora import BaseModelView, is_adapter_key, trainable_parameters
@@ -293,13 +292,15 @@ def sequence_logprobs(
     device: torch.device,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Per-token log-probabilities (B, T) of `targets` under the model (logits / temperature)."""
+    """Per-token log-probabilities (B, T) float32 of `targets` under the model (logits /
+    temperature), computed from the final hidden states a chunk of rows at a time
+    (`Transformer.forward(..., logprobs=True)`): no (B, T, vocab) float32 tensor, in forward or
+    backward. Through the module's call, so FSDP2's hooks and a LoRA base view apply."""
     with autocast(device):
-        logits, _ = model(to_device(inputs, device))
-    logits = logits.float()
-    if temperature != 1.0:  # dividing by 1 is a pass over (B, T, vocab) that changes no bit
-        logits = logits / temperature
-    return token_logprobs(logits, to_device(targets, device))
+        _, logprobs = model(
+            to_device(inputs, device), to_device(targets, device), logprobs=True, temperature=temperature
+        )
+    return logprobs
 
 
 def adamw(model: torch.nn.Module, learning_rate: float) -> torch.optim.AdamW:
@@ -584,15 +585,34 @@ def train_dpo(
     return _finish(model, result)
 
 
+def reference_dtype(device_type: str) -> torch.dtype:
+    """DPO's frozen reference is only read: bf16 on cuda (half the memory, and the forward computes
+    in bf16 under autocast anyway); float32 on CPU, where the tests compare exact numbers."""
+    return torch.bfloat16 if device_type == "cuda" else torch.float32
+
+
+def reference_dims(dims: ParallelDims) -> ParallelDims:
+    """The reference's parallel dims: the policy's; under DDP (whole replicas), FSDP2 over the same
+    ranks, since a reference has no gradients to all-reduce and each rank then holds a shard."""
+    if dims.strategy == "ddp":
+        return ParallelDims(strategy="fsdp2", dp_shard=dims.world_size)
+    return dims
+
+
 def _frozen_reference(cfg: PostConfig, seq_len: int, device: torch.device) -> Transformer:
     """DPO's reference: built the same way whether the stage starts or resumes (the seed's init, then
-    the incoming weights), frozen; a whole model on every rank, never sharded (it is only read)."""
+    the incoming weights), frozen; sharded like the policy (FSDP2 per block, no optimizer) and cast
+    to `reference_dtype` (the RoPE tables stay float32)."""
     torch.manual_seed(cfg.seed)
-    shape = cfg.shape
-    if seq_len > shape.max_seq_len:
-        shape = msgspec.structs.replace(shape, max_seq_len=seq_len)
-    reference = Transformer(shape, rope_base=cfg.rope_base).to(device)
+    reference = build_model(
+        cfg.shape,
+        seq_len=seq_len,
+        rope_base=cfg.rope_base,
+        device=device,
+        parallel=reference_dims(dims_of(cfg)),
+    )
     if cfg.init_from is not None:
         load_weights(cfg.init_from, reference)
+    reference.cast_parameters(reference_dtype(device.type))
     reference.eval().requires_grad_(False)
     return reference

@@ -248,6 +248,11 @@ def build_model(
     from the same seed before they are split. With `lora`, the adapters go on before the model is
     sharded (training/weights/lora.py) and everything else is frozen.
 
+    Every model is built on the meta device and parallelized there, then given storage on `device`
+    (each rank only its shards) and initialised there, one parameter at a time, from generators
+    seeded by (a seed drawn from the global RNG, the parameter's name): the same weights whatever
+    the layout, and no rank ever holds a full random copy of the model.
+
     `init_from_hf`: a Hugging Face directory (config.json + safetensors; the model store's
     `ModelStore.path(digest)`) whose weights start the stage instead of a random init. `shape`
     must be the checkpoint's (`model_shapes.shape_from_hf_config` of its config.json). The model is
@@ -261,18 +266,22 @@ def build_model(
     device = device or pick_device()
     dims = parallel or ParallelDims.for_world(world_size())
     dims.check_model(shape)
-    if init_from_hf is None or lora is not None:
-        # (A LoRA model's base loads after its adapters are on: checkpoint_load.load_weights does it.)
-        model = Transformer(shape, rope_base=rope_base, z_loss=z_loss).to(device)
-        if lora is not None:
-            lora_adapters.check_parallel(dims.tp)
-            lora_adapters.apply_lora(model, lora)
-        return parallelize(model, dims, build_mesh(dims, device.type), speed, device.type)
+    # Drawn from the caller's seeded global RNG (alike on every rank): the per-parameter init's seed.
+    seed = int(torch.randint(0, 1 << 62, ()).item())
     with torch.device("meta"):
         model = Transformer(shape, rope_base=rope_base, z_loss=z_loss)
+    if lora is not None:
+        lora_adapters.check_parallel(dims.tp)
+        lora_adapters.apply_lora(model, lora)
     model = parallelize(model, dims, build_mesh(dims, device.type), speed, device.type)
     model.materialize(device)
-    load_hf_weights(model, Path(init_from_hf))
+    if init_from_hf is not None and lora is None:
+        load_hf_weights(model, Path(init_from_hf))
+        return model
+    # (A LoRA model's base loads after its adapters are on: checkpoint_load.load_weights does it.)
+    model.init_weights(seed)
+    if lora is not None:
+        lora_adapters.reset_adapters(model)
     return model
 
 
@@ -378,7 +387,7 @@ def lm_loss(
         if len(xs) == 0:
             xs, ys, weight = x[:1], y[:1], 0.0
         with autocast(device):
-            _, loss = model(to_device(xs, device), to_device(ys, device))
+            _, loss = model(to_device(xs, device), to_device(ys, device), return_logits=False)
         sums.append(loss.float() * (ys.numel() * weight))
         counts.append(ys.numel() * weight)
     model.train(was_training)
@@ -471,7 +480,7 @@ def _lm_step(
 
     def micro(xs: torch.Tensor, ys: torch.Tensor) -> StepOutput:
         with autocast(device):
-            _, loss = model(xs, ys)
+            _, loss = model(xs, ys, return_logits=False)
         assert loss is not None  # targets given
         return StepOutput(loss=loss * scale if count > 1 else loss, tokens=0)
 

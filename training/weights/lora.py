@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from contracts.exports import ExportFile
 from contracts.manifest import Lora
 from runtime.storage.data_files import sha256_file
-from training.model import Transformer
+from training.model import Transformer, copy_whole
 
 # Hugging Face projection names (what a manifest's target_modules and peft speak) -> ours, in the block.
 HF_TARGETS: Final[dict[str, str]] = {
@@ -161,6 +161,19 @@ def apply_lora(model: nn.Module, cfg: Lora) -> nn.Module:
                 raise ValueError(f"{path} is a {type(base).__name__}, not a linear layer LoRA can adapt.")
             setattr(parent, name, LoraLinear(base, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout))
     return model
+
+
+@torch.no_grad()
+def reset_adapters(model: nn.Module) -> None:
+    """Initialise every adapter of a materialized model as `reset_lora_parameters` does (A from the
+    global RNG as nn.Linear's default, B zero), each A drawn whole on its device and, when sharded,
+    sliced to this rank's shard: the same adapters on any number of ranks."""
+    for _, layer in lora_layers(model):
+        a = layer.lora_A.weight
+        full = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+        copy_whole(a, full)
+        layer.lora_B.weight.zero_()
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
