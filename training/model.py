@@ -309,6 +309,9 @@ class Transformer(nn.Module):
 
 def parameter_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     """A generator on `device` seeded by (seed, parameter name): the same draws on every rank."""
+    # The name as a plain model has it: activation checkpointing and compile wrap blocks
+    # (training/engine/speed.py), and the weights must not depend on whether they did.
+    name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
     g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
     return g

@@ -115,6 +115,8 @@ def test_activation_checkpointing_wraps_blocks_and_keeps_loss_grads_and_keys(pol
     blocks = list(checkpointed.blocks)
     assert [i for i, b in enumerate(blocks) if isinstance(b, CheckpointWrapper)] == wrapped
     assert list(checkpointed.state_dict()) == list(plain.state_dict())
+    for (name, a), b in zip(plain.state_dict().items(), checkpointed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), f"{name}: checkpointing the blocks changed the seed's initial weights"
     checkpointed.load_state_dict(plain.state_dict())  # a plain checkpoint loads into it, and back
     plain.load_state_dict(checkpointed.state_dict())
     x, y = batch()
