@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from contracts.runs import Metrics
 from contracts.models import MODEL_SHAPES
+from contracts.runs import Metrics
 from training.data.corpora import load_text, task_problems
 from training.engine.checkpoint_load import load_weights
 from training.engine.reporting import Recorder
