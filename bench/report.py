@@ -64,6 +64,8 @@ TARGETS = [
     Target("trainer_vs_reference_tiny", "ratio", ">=", 0.95, "trainer >= 0.95x the reference loop, tiny"),
     Target("trainer_vs_reference_small", "ratio", ">=", 0.95, "trainer >= 0.95x the reference loop, small"),
     Target("trainer_grpo", "ratio", ">=", 0.95, "GRPO step >= 0.95x the plain loop"),
+    Target("memory_estimate", "min_ratio", ">=", 0.85, "planner bytes >= 0.85x a measured step's peak"),
+    Target("memory_estimate", "max_ratio", "<=", 1.15, "planner bytes <= 1.15x a measured step's peak"),
     Target("checkpoint_tiny", "stall_ratio", "<=", 0.10, "async stall <= 10% of a sync torch.save"),
     Target("checkpoint_150M", "stall_ratio", "<=", 0.10, "async stall <= 10% of a sync torch.save"),
     Target("cli_startup", "ecc_help_s", "<=", 0.3, "`ecc --help` <= 0.3 s"),
@@ -162,6 +164,7 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {  # benchmark -> [(figure path, u
     "trainer_vs_reference_tiny": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
     "trainer_vs_reference_small": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
     "trainer_grpo": [("ours_steps_per_s", "/s"), ("plain_steps_per_s", "/s"), ("ratio", "x")],
+    "memory_estimate": [("min_ratio", "x"), ("max_ratio", "x")],
     "checkpoint_tiny": [
         ("checkpoint_bytes", "B"),
         ("async_stall_s", "s"),

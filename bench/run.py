@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     # After the stack is down, so its processes do not compete with the training loops.
     if "trainer" in groups:
         benchmarks |= _measured(lambda: trainer_steps.run_all(cfg.trainer), trainer_steps.RUN_ALL_NAMES)
+        from bench import memory_model  # issue 40: the planner's bytes against a measured step's peak
+
+        benchmarks |= _measured(
+            lambda: {"memory_estimate": memory_model.bench_row(cfg.mode == "quick")}, ["memory_estimate"]
+        )
     if "checkpoint" in groups:
         benchmarks |= _measured(
             lambda: checkpoint_io.run_all(cfg.checkpoint), [f"checkpoint_{s}" for s in cfg.checkpoint.shapes]

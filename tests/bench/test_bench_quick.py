@@ -28,6 +28,7 @@ QUICK_BENCHMARKS = {
     "trainer_vs_reference_small",
     "trainer_dpo",
     "trainer_grpo",
+    "memory_estimate",
     "checkpoint_tiny",
     "hf_sft",
     "hf_dpo",
