@@ -237,11 +237,11 @@ class ReferenceModel(nn.Module):
 def reference_model(run: Run, device: torch.device) -> ReferenceModel:
     """The reference model with the trainer's initial weights (same seed, built as the trainer
     builds it, on the host), on `device`, its blocks compiled when the run compiles."""
-    from training.model import Transformer
+    from training.recipes.pretrain import build_model
 
     shape = SHAPES[run.shape]
     torch.manual_seed(0)  # StageConfig.seed's default: the trainer's side starts from these weights
-    weights = Transformer(shape).state_dict()
+    weights = build_model(shape, seq_len=shape.max_seq_len, device=torch.device("cpu")).state_dict()
     model = ReferenceModel(shape, max(run.seq_len, shape.max_seq_len))
     model.load_state_dict(weights, strict=True)
     del weights

@@ -30,6 +30,7 @@ from contracts.manifest import RlvrStage
 from contracts.models import MODEL_SHAPES
 from training.data.corpora import BatchIterator
 from training.model import Transformer
+from training.recipes.pretrain import build_model
 
 SHAPE = "tiny"
 SEQ_LEN, BATCH_SIZE = 64, 16  # examples/manifests/tiny.json's target
@@ -126,8 +127,11 @@ def _plain_loop(
 
 
 def _fresh_model(seed: int = 0) -> Transformer:
+    """The weights the stage starts from: built as `train_stage` builds them (per-parameter init
+    from the seeded RNG: training/model.py init_weights), on the host."""
     torch.manual_seed(seed)
-    return Transformer(MODEL_SHAPES[SHAPE])
+    shape = MODEL_SHAPES[SHAPE]
+    return build_model(shape, seq_len=shape.max_seq_len, device=torch.device("cpu"))
 
 
 # --- pretraining -----------------------------------------------------------------------------

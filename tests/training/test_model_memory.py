@@ -225,7 +225,7 @@ def test_build_model_builds_from_scratch_on_meta_and_inits_by_seed_and_name(monk
     ("device_type", "dtype"), [("cuda", torch.bfloat16), ("cpu", torch.float32), ("mps", torch.float32)]
 )
 def test_the_dpo_reference_is_bf16_on_cuda_and_float32_elsewhere(device_type, dtype):
-    from training.recipes.posttrain import reference_dtype
+    from training.recipes.dpo_reference import reference_dtype
 
     assert reference_dtype(device_type) == dtype
 
@@ -247,19 +247,19 @@ def test_the_dpo_reference_is_bf16_on_cuda_and_float32_elsewhere(device_type, dt
     ],
 )
 def test_the_dpo_reference_is_sharded_like_the_policy(policy, reference):
-    from training.recipes.posttrain import reference_dims
+    from training.recipes.dpo_reference import reference_dims
 
     assert reference_dims(policy) == reference
 
 
 def test_the_dpo_reference_on_one_cpu_rank_is_the_float32_frozen_incoming_model(tmp_path):
-    from training.recipes import posttrain, pretrain
+    from training.recipes import dpo_reference, posttrain, pretrain
 
     cfg = posttrain.PostConfig(
         stage="dpo", shape=GQA, rope_base=None, problems=task_problems(load_text("generated:small_arithmetic")), steps=1, batch_size=2,
         learning_rate=1e-3, seed=5, checkpoint_dir=str(tmp_path), checkpoint_interval=1000,
     )  # fmt: skip
-    reference = posttrain._frozen_reference(cfg, 32, CPU)
+    reference = dpo_reference.frozen_reference(cfg, posttrain.dims_of(cfg), 32, CPU)
     torch.manual_seed(5)
     policy = pretrain.build_model(GQA, seq_len=32, device=CPU)  # as the stage builds its policy
     assert {p.dtype for p in reference.parameters()} == {torch.float32}

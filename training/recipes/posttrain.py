@@ -40,7 +40,7 @@ from contracts.manifest import Lora
 from contracts.models import ModelShape
 from training.data.corpora import ByteTokenizer
 from training.engine.checkpoint import CHECKPOINT_DEFAULTS
-from training.engine.checkpoint_load import is_hf_model_dir, load_weights
+from training.engine.checkpoint_load import is_hf_model_dir
 from training.engine.distributed import (
     ParallelDims,
     adamw_fused,
@@ -61,6 +61,7 @@ from training.engine.loop import (
 from training.engine.reporting import Reporter, rank0_only, where
 from training.engine.speed import Speed, micro_steps
 from training.model import Transformer
+from training.recipes.dpo_reference import frozen_reference
 from training.recipes.generation import END_TOKEN
 from training.recipes.objectives import dpo_loss, sft_loss
 from training.recipes.pretrain import build_model, lr_factor
@@ -559,7 +560,7 @@ def train_dpo(
         reference = (
             BaseModelView(model)
             if cfg.lora is not None
-            else _frozen_reference(cfg, model.shape.max_seq_len, device)
+            else frozen_reference(cfg, dims_of(cfg), model.shape.max_seq_len, device)
         )
         references = ReferenceLogprobs(reference, batch_of, cfg.steps, device)
 
@@ -583,36 +584,3 @@ def train_dpo(
             f"{references.forwards} forwards, {references.seconds:.3f} s"
         )
     return _finish(model, result)
-
-
-def reference_dtype(device_type: str) -> torch.dtype:
-    """DPO's frozen reference is only read: bf16 on cuda (half the memory, and the forward computes
-    in bf16 under autocast anyway); float32 on CPU, where the tests compare exact numbers."""
-    return torch.bfloat16 if device_type == "cuda" else torch.float32
-
-
-def reference_dims(dims: ParallelDims) -> ParallelDims:
-    """The reference's parallel dims: the policy's; under DDP (whole replicas), FSDP2 over the same
-    ranks, since a reference has no gradients to all-reduce and each rank then holds a shard."""
-    if dims.strategy == "ddp":
-        return ParallelDims(strategy="fsdp2", dp_shard=dims.world_size)
-    return dims
-
-
-def _frozen_reference(cfg: PostConfig, seq_len: int, device: torch.device) -> Transformer:
-    """DPO's reference: built the same way whether the stage starts or resumes (the seed's init, then
-    the incoming weights), frozen; sharded like the policy (FSDP2 per block, no optimizer) and cast
-    to `reference_dtype` (the RoPE tables stay float32)."""
-    torch.manual_seed(cfg.seed)
-    reference = build_model(
-        cfg.shape,
-        seq_len=seq_len,
-        rope_base=cfg.rope_base,
-        device=device,
-        parallel=reference_dims(dims_of(cfg)),
-    )
-    if cfg.init_from is not None:
-        load_weights(cfg.init_from, reference)
-    reference.cast_parameters(reference_dtype(device.type))
-    reference.eval().requires_grad_(False)
-    return reference
