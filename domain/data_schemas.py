@@ -15,9 +15,12 @@ from domain.data_refs import SourceKind, kind_of, suffix_format
 
 ROW_FORMATS = (DataFormat.jsonl, DataFormat.parquet)
 """The formats read by column (a schema per stage); text files are read as documents."""
-VERIFIERS = ("exact", "number")
-"""RLVR verifiers a data ref may name: exact (stripped string equality), number (the last number in
-the response equals the answer's)."""
+VERIFIERS = ("exact", "number", "math", "choice", "regex")
+"""RLVR verifiers a data ref may name (training/data/verifiers.py): exact (stripped string equality),
+number (the last number in the response equals the answer's), math (math-verify's LaTeX and
+expression equivalence), choice (the last letter A-J), regex (the answer is a bounded pattern)."""
+EXECUTES_CODE = ("code", "python", "unit_tests", "tests", "sandbox", "execute")
+"""Verifier names that would mean running the tenant's code inside the trainer: refused by name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,11 @@ def schema_problem(stage: str, columns: dict[str, str]) -> str | None:
 def verifier_problem(verifier: str | None) -> str | None:
     if verifier is None:
         return f"rlvr rows need a verifier on their data ref: one of {', '.join(VERIFIERS)}"
+    if verifier in EXECUTES_CODE:
+        return (
+            f"verifier {verifier!r} would run the tenant's code inside the trainer, which the backend "
+            f"never does; use one of {', '.join(VERIFIERS)}"
+        )
     if verifier not in VERIFIERS:
         return f"verifier {verifier!r} is unknown: use one of {', '.join(VERIFIERS)}"
     return None

@@ -243,6 +243,16 @@ UPLOAD = "upload:file-" + "0a" * 12
         ),
         (ref(), ["rlvr"], facts(kinds=("verifiable",)), ErrorCode.data_schema_invalid, "data[3].verifier: "),
         (ref(verifier="number"), ["rlvr"], facts(kinds=("verifiable",)), None, None),
+        (ref(verifier="math"), ["rlvr"], facts(kinds=("verifiable",)), None, None),  # issue 41
+        (ref(verifier="choice"), ["rlvr"], facts(kinds=("verifiable",)), None, None),
+        (ref(verifier="regex"), ["rlvr"], facts(kinds=("verifiable",)), None, None),
+        (  # tenant code never runs in the trainer: refused in a sentence, not as an unknown name
+            ref(verifier="unit_tests"),
+            ["rlvr"],
+            facts(kinds=("verifiable",)),
+            ErrorCode.data_schema_invalid,
+            "data[3].verifier: verifier 'unit_tests' would run the tenant's code inside the trainer",
+        ),
         (
             ref(path="file:/d/c.parquet"),
             ["sft"],

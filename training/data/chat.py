@@ -15,15 +15,12 @@ DPO: the prompt is one user message rendered with the generation prompt when the
 chat template, else the raw text; chosen and rejected are completions: their tokens and eos (as
 TRL's DPOTrainer adds eos to non-conversational completions).
 
-RLVR verifiers are pure functions of (response, answer): `exact` (stripped strings equal) and
-`number` (the last number in the response equals the answer's last number, numerically: "1,000"
-equals "1000", "3.0" equals "3").
+RLVR verifiers are pure functions of (response, answer), declared by name: training/data/
+verifiers.py (`exact`, `number`, `math`, `choice`, `regex`, and the format reward's tag).
 """
 
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +29,7 @@ import torch
 from contracts.manifest import DataFormat
 from runtime.storage.data_files import iter_batches
 from training.data.tokenizer import Message, Tokenizer
+from training.data.verifiers import VERIFIER_FUNCTIONS, last_number, verify  # noqa: F401 (re-exported)
 
 IGNORE = -100  # the label of a token without loss (PyTorch's cross_entropy ignore_index, TRL's)
 
@@ -236,39 +234,6 @@ def shifted(batch: SftBatch | PreferenceBatch) -> tuple[torch.Tensor, torch.Tens
 
 
 # --- RLVR ----------------------------------------------------------------------------------------
-
-_NUMBER = re.compile(r"[-+]?(?:\d+(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
-
-
-def last_number(text: str) -> Fraction | None:
-    """The last number written in the text ("1,234.5", "-7", ".5"), exactly, or None."""
-    found = _NUMBER.findall(text)
-    if not found:
-        return None
-    return Fraction(found[-1].replace(",", ""))
-
-
-def verify_exact(response: str, answer: str) -> bool:
-    return response.strip() == answer.strip()
-
-
-def verify_number(response: str, answer: str) -> bool:
-    want, got = last_number(answer), last_number(response)
-    return want is not None and got is not None and got == want
-
-
-VERIFIER_FUNCTIONS: dict[str, Callable[[str, str], bool]] = {"exact": verify_exact, "number": verify_number}
-
-
-def verify(verifier: str, response: str, answer: str) -> bool:
-    """Whether `response` earns the reward for `answer` under the named verifier."""
-    try:
-        check = VERIFIER_FUNCTIONS[verifier]
-    except KeyError:
-        raise ValueError(
-            f"Verifier {verifier!r} is unknown: use one of {', '.join(VERIFIER_FUNCTIONS)}."
-        ) from None
-    return check(response, answer)
 
 
 @dataclass(frozen=True, slots=True)
