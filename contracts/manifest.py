@@ -87,7 +87,8 @@ class DataRef(Contract, frozen=True, kw_only=True):
     decontamination: Decontamination | None = None
     format: DataFormat | None = None  # None: from the file's suffix (.jsonl, .parquet), else text
     digest: str | None = None  # "sha256:<hex>" of the file's bytes: required for jsonl and parquet
-    verifier: str | None = None  # RLVR rows: exact, number, math, choice or regex (training/data/verifiers.py)
+    # RLVR rows: exact, number, math, choice or regex (training/data/verifiers.py)
+    verifier: str | None = None
     # An s3:// source's named connection (`ecc ito connections`): the credential stays the backend's.
     connection: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
 
