@@ -24,17 +24,14 @@ import queue
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 import torch.multiprocessing as mp
 
 from contracts.models import ModelShape
-from training.recipes.generation import Completion, complete
-
-if TYPE_CHECKING:
-    from training.model import Transformer
+from training.recipes.generation import Completion
+from training.recipes.rollout_engine import KvCacheEngine, RolloutEngine, Sampling
 
 START_TIMEOUT_S = 120.0  # spawn + import torch takes ~2 s here; a loaded host can take far longer
 COLLECT_TIMEOUT_S = 600.0  # one request's rollouts; generous, a dead worker is noticed within POLL_S
@@ -143,14 +140,15 @@ def _signature(state_dict: dict[str, torch.Tensor]) -> list[tuple[str, torch.dty
 def worker_main(
     control: "mp.Queue", results: "mp.Queue", shape: dict, rope_base: float | None, threads: int, device: str
 ) -> None:
-    """The worker process: apply weights, serve requests, in queue order, until a None arrives."""
+    """The worker process: apply weights, serve requests, in queue order, until a None arrives. It
+    samples through the engine port (rollout_engine.py), here the trainer's KV-cache decoder."""
     from training.model import Transformer
 
     try:
         torch.set_num_threads(max(1, threads))
-        model = Transformer(msgspec.convert(shape, ModelShape), rope_base=rope_base).to(device)
-        model.eval()
-        version = -1
+        engine: RolloutEngine = KvCacheEngine(
+            Transformer(msgspec.convert(shape, ModelShape), rope_base=rope_base).to(device)
+        )
         shared: tuple[torch.Tensor, Layout, int] | None = None
         results.put(("ready", None))
         while (message := control.get()) is not None:
@@ -164,33 +162,30 @@ def worker_main(
                     )
                 case ("weights_at", int(new_version), int(slot)):
                     assert shared is not None, "weights_at before attach"
-                    model.load_state_dict(_slot_views(shared[0], shared[1], shared[2], slot))
-                    version = new_version
-                    results.put(("loaded", version))  # the slot may be written again
+                    engine.load_weights(new_version, _slot_views(shared[0], shared[1], shared[2], slot))
+                    results.put(("loaded", engine.version))  # the slot may be written again
                 case ("weights", int(new_version), bytes(raw)):
-                    model.load_state_dict(torch.load(io.BytesIO(raw), weights_only=True, map_location=device))
-                    version = new_version
-                    results.put(("loaded", version))
+                    engine.load_weights(
+                        new_version, torch.load(io.BytesIO(raw), weights_only=True, map_location=device)
+                    )
+                    results.put(("loaded", engine.version))
                 case ("request", RolloutRequest() as request):
-                    results.put(("batch", _serve(model, request, version)))
+                    results.put(("batch", serve(engine, request)))
     except Exception as e:  # reported to the trainer, which fails the stage with the message
         results.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def _serve(model: "Transformer", request: RolloutRequest, version: int) -> RolloutBatch:
-    """Sample `group_size` completions of every prompt of the request, seeded by the request."""
-    generator = torch.Generator().manual_seed(request.seed)
+def serve(engine: RolloutEngine, request: RolloutRequest) -> RolloutBatch:
+    """Sample `group_size` completions of every prompt of the request through the engine port,
+    seeded by the request, stamped with the version the engine held."""
     prompts = [p for p in request.prompts for _ in range(request.group_size)]
-    flat = complete(
-        model,
-        prompts,
-        max_new_tokens=request.max_new_tokens,
-        temperature=request.temperature,
-        generator=generator,
+    sampling = Sampling(
+        max_new_tokens=request.max_new_tokens, temperature=request.temperature, seed=request.seed
     )
+    flat = engine.generate(prompts, sampling)
     groups = [flat[i : i + request.group_size] for i in range(0, len(flat), request.group_size)]
     return RolloutBatch(
-        request_id=request.request_id, version=version, prompts=request.prompts, groups=groups
+        request_id=request.request_id, version=engine.version, prompts=request.prompts, groups=groups
     )
 
 
