@@ -219,16 +219,21 @@ class Transformer(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
+    def init_std(self, name: str) -> float:
+        """The normal init's standard deviation of matrix `name` (residual output projections get
+        the extra 1/sqrt(2 * n_layer)); vectors are filled instead: norms with 1, biases with 0."""
+        if name.endswith(("wo.weight", "w_down.weight")):
+            return INIT_STD / math.sqrt(2 * self.shape.n_layer)
+        return INIT_STD
+
     def reset_parameters(self) -> None:
-        residual_std = INIT_STD / math.sqrt(2 * self.shape.n_layer)
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 # Norm weights start at 1 and biases at 0 (and stay so after `to_empty`).
                 with torch.no_grad():
                     p.fill_(0.0 if name.endswith(".bias") else 1.0)
                 continue
-            std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else INIT_STD
-            nn.init.normal_(p, mean=0.0, std=std)
+            nn.init.normal_(p, mean=0.0, std=self.init_std(name))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -238,16 +243,14 @@ class Transformer(nn.Module):
         on the meta device and parallelized there gets the same weights on any number of ranks,
         and no rank holds more than one full parameter at a time. LoRA adapters are left to
         `LoraLinear.reset_lora_parameters` (training/weights/lora.py)."""
-        residual_std = INIT_STD / math.sqrt(2 * self.shape.n_layer)
         for name, p in self.named_parameters():
             if ".lora_" in name:
                 continue
             if p.dim() < 2:
                 p.fill_(0.0 if name.endswith(".bias") else 1.0)  # a DTensor fills its shard
                 continue
-            std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else INIT_STD
             full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            full.normal_(0.0, std, generator=parameter_generator(seed, name, p.device))
+            full.normal_(0.0, self.init_std(name), generator=parameter_generator(seed, name, p.device))
             copy_whole(p, full)
 
     def forward(
