@@ -167,9 +167,14 @@ def estimate(
     )
 
 
-def divisors(n: int) -> list[int]:
-    """n's divisors, largest first."""
-    return [d for d in range(n, 0, -1) if n % d == 0]
+# Sequences per rank in one forward: past this a GPU gains nothing, and the search for a micro-batch
+# stays bounded in work whatever batch_size a manifest asks for (it has no upper bound).
+MAX_MICRO_BATCH = 1024
+
+
+def divisors(n: int, at_most: int = MAX_MICRO_BATCH) -> list[int]:
+    """n's divisors up to `at_most`, largest first."""
+    return [d for d in range(min(n, at_most), 0, -1) if n % d == 0]
 
 
 def pick(

@@ -98,3 +98,20 @@ def test_8b_on_an_h100_plans_bf16_as_the_trainer_has_no_fp8_path():
     p = plan(manifest("8B", 1, 8), "d" * 64, body(1, 8, "H100"), PRICES)
     assert p.ok and p.precision == "bf16"
     assert ", bf16, " in next(c for c in p.checks if c.name == "parallelism").reason
+
+
+def test_a_huge_batch_is_planned_with_bounded_work(monkeypatch):
+    """A manifest's batch_size has no upper bound: the micro-batch search looks at divisors up to
+    MAX_MICRO_BATCH only (it walked every number below the per-rank batch: 10**12 for this one)."""
+    calls = []
+    real = gpu_memory.estimate
+    monkeypatch.setattr(gpu_memory, "estimate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    shape = MODEL_SHAPES["tiny"]
+    got = gpu_memory.pick(
+        GPU, shape, gpu_memory.state(GPU, parameter_count(shape)), per_rank_batch=10**12, seq_len=64,
+        gpu_bytes=80e9, compiled=True,
+    )  # fmt: skip
+    assert isinstance(got, gpu_memory.Fit)
+    assert got.micro_batch_size <= gpu_memory.MAX_MICRO_BATCH and 10**12 % got.micro_batch_size == 0
+    assert got.micro_batch_size * got.grad_accumulation == 10**12
+    assert len(calls) <= 3 * gpu_memory.MAX_MICRO_BATCH + 1
